@@ -1,0 +1,107 @@
+#include "core/atomic_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace cfmo {
+namespace {
+
+Error io_error(const std::filesystem::path& path, std::string_view what) {
+  return make_error(ErrorKind::kInput, "{} '{}': {}", what, path.string(), std::strerror(errno));
+}
+
+}  // namespace
+
+Result<AtomicFile> AtomicFile::create(const std::filesystem::path& path) {
+  std::filesystem::path temp = path;
+  temp += fmt::format(".tmp.{}", ::getpid());
+  int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return io_error(temp, "Failed to create");
+  return AtomicFile(path, std::move(temp), fd);
+}
+
+AtomicFile::AtomicFile(AtomicFile&& other) noexcept
+    : path_(std::move(other.path_)), temp_path_(std::move(other.temp_path_)), fd_(other.fd_) {
+  other.fd_ = -1;
+  other.temp_path_.clear();
+}
+
+AtomicFile& AtomicFile::operator=(AtomicFile&& other) noexcept {
+  if (this != &other) {
+    discard();
+    path_ = std::move(other.path_);
+    temp_path_ = std::move(other.temp_path_);
+    fd_ = other.fd_;
+    other.fd_ = -1;
+    other.temp_path_.clear();
+  }
+  return *this;
+}
+
+AtomicFile::~AtomicFile() { discard(); }
+
+void AtomicFile::discard() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  if (!temp_path_.empty()) ::unlink(temp_path_.c_str());
+  temp_path_.clear();
+}
+
+Status AtomicFile::write(std::span<const std::byte> data) {
+  const auto* bytes = data.data();
+  size_t left = data.size();
+  while (left > 0) {
+    ssize_t n = ::write(fd_, bytes, left);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return io_error(temp_path_, "Failed to write");
+    }
+    bytes += n;
+    left -= static_cast<size_t>(n);
+  }
+  return {};
+}
+
+Status AtomicFile::commit() {
+  if (::fsync(fd_) != 0) return io_error(temp_path_, "Failed to fsync");
+  if (::close(fd_) != 0) {
+    fd_ = -1;
+    return io_error(temp_path_, "Failed to close");
+  }
+  fd_ = -1;
+  if (::rename(temp_path_.c_str(), path_.c_str()) != 0) return io_error(path_, "Failed to rename onto");
+  temp_path_.clear();
+  auto parent = path_.parent_path();
+  return fsync_directory(parent.empty() ? std::filesystem::path(".") : parent);
+}
+
+Status write_file_atomic(const std::filesystem::path& path, std::string_view contents) {
+  CFMO_ASSIGN_OR_RETURN(auto file, AtomicFile::create(path));
+  CFMO_TRY(file.write(contents));
+  return file.commit();
+}
+
+Status fsync_directory(const std::filesystem::path& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return io_error(dir, "Failed to open directory");
+  int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) return io_error(dir, "Failed to fsync directory");
+  return {};
+}
+
+Result<std::string> read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return io_error(path, "Failed to open");
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  if (in.bad()) return io_error(path, "Failed to read");
+  return std::move(buffer).str();
+}
+
+}  // namespace cfmo

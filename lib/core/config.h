@@ -1,0 +1,65 @@
+#pragma once
+/// One table of options per tool, so that a flag and a TOML key are the same
+/// thing: `--batch-size` on the command line is `batch_size` in the file.
+/// Precedence: flag > config file > the default held in the target variable.
+/// CLI11 only writes a target when its flag is given, so the file is loaded
+/// after parsing and skips every key whose flag was seen.
+
+#include "core/error.h"
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace CLI {
+class App;
+class Option;
+}  // namespace CLI
+
+namespace cfmo {
+
+class OptionTable {
+ public:
+  using Target = std::variant<bool*, int*, int64_t*, double*, std::string*, std::vector<std::string>*>;
+
+  /// Registers `key` (snake_case); its flag is "--" + key with '-' for '_'.
+  /// `target` holds the default and receives the value; it must outlive the table.
+  void add(std::string key, Target target, std::string help, std::string group = "");
+
+  /// Adds every option to `app` under its flag; booleans get --no-FLAG too.
+  void register_cli(CLI::App& app);
+
+  /// Loads a TOML file; keys given as flags are skipped. Unknown keys and
+  /// values of the wrong type are usage errors naming the file and key.
+  Status load_toml(const std::filesystem::path& file);
+
+  /// Loads TOML text (the file name is only used in messages).
+  Status load_toml_text(std::string_view text, const std::string& source);
+
+  /// The merged configuration as TOML, each key preceded by its help line.
+  std::string to_toml() const;
+
+  /// True when the flag for `key` was given on the command line.
+  bool given_on_cli(const std::string& key) const;
+
+  static std::string flag_for(const std::string& key);
+
+ private:
+  struct Entry {
+    std::string key;
+    Target target;
+    std::string help;
+    std::string group;
+    CLI::Option* option = nullptr;
+  };
+  std::vector<Entry> entries_;
+};
+
+/// "30", "30s", "1.5m", "2h", "250ms" -> seconds.
+Result<double> parse_duration(std::string_view text);
+/// "512", "64K", "64KiB", "1.5G", "2GB" -> bytes (binary multiples).
+Result<uint64_t> parse_size(std::string_view text);
+
+}  // namespace cfmo

@@ -1,0 +1,42 @@
+#include "core/progress.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace cfmo {
+
+std::string human_count(double value) {
+  if (value < 10'000) return fmt::format("{:.0f}", value);
+  if (value < 1e6) return fmt::format("{:.1f}k", value / 1e3);
+  return fmt::format("{:.2f}M", value / 1e6);
+}
+
+std::string human_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  auto total = static_cast<long long>(seconds + 0.5);
+  if (total >= 3600) return fmt::format("{}:{:02}:{:02}", total / 3600, total / 60 % 60, total % 60);
+  return fmt::format("{}:{:02}", total / 60, total % 60);
+}
+
+std::string render_progress(const ProgressState& state, int width) {
+  std::string tail;
+  if (!state.metrics.empty()) tail += "  " + state.metrics;
+  if (state.fraction > 0 && state.fraction <= 1) {
+    double eta = state.elapsed_s * (1 - state.fraction) / state.fraction;
+    tail += fmt::format("  ETA {}", human_duration(eta));
+  }
+  std::string head = state.label.empty() ? "" : state.label + " ";
+  int bar_width = width - static_cast<int>(head.size() + tail.size()) - 7;
+  std::string bar;
+  if (state.fraction >= 0 && bar_width >= 10) {
+    double f = std::clamp(state.fraction, 0.0, 1.0);
+    int filled = static_cast<int>(f * bar_width);
+    bar = "[" + std::string(static_cast<size_t>(filled), '#') +
+          std::string(static_cast<size_t>(bar_width - filled), '.') + fmt::format("] {:3.0f}%", f * 100);
+  }
+  return head + bar + tail;
+}
+
+}  // namespace cfmo

@@ -1,0 +1,58 @@
+#pragma once
+/// Labelled examples in memory as float32 features in [0, 1] and int32
+/// labels: Fashion-MNIST from IDX files (gzip or raw) or seeded synthetic data.
+
+#include "core/error.h"
+#include "tensor/buffer.h"
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace cfmo {
+
+struct Dataset {
+  int64_t count = 0;
+  int features = 0;
+  int classes = 0;
+  FloatBuffer inputs;           ///< [count, features], row-major
+  std::vector<int32_t> labels;  ///< [count], each in [0, classes)
+
+  const float* row(int64_t i) const { return inputs.data() + static_cast<size_t>(i) * static_cast<size_t>(features); }
+};
+
+struct DataSplit {
+  Dataset train;
+  Dataset test;
+  std::string source;  ///< the directory read, or "synthetic"
+};
+
+/// Where Debian's dataset-fashion-mnist package installs the files.
+inline constexpr const char* kDefaultFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+
+/// Reads an IDX image file and its label file (each gzip-compressed or raw).
+/// Errors name the file: missing, wrong magic, truncated, trailing bytes,
+/// counts that disagree, labels out of range.
+Result<Dataset> read_idx(const std::filesystem::path& images, const std::filesystem::path& labels, int classes = 10);
+
+/// Loads {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz] from `dir`.
+Result<DataSplit> load_fashion_mnist(const std::filesystem::path& dir);
+
+/// Ten classes of 28x28 "images": each class a smooth random prototype,
+/// each example the prototype shifted, scaled and with noise. Learnable but
+/// not trivially separable; the same for the same seed everywhere.
+DataSplit make_synthetic(uint64_t seed, int64_t train_count = 12000, int64_t test_count = 2000);
+
+/// `spec` is a directory, "synthetic" or "synthetic:TRAIN[:TEST]".
+Result<DataSplit> load_data(const std::string& spec, uint64_t seed);
+
+/// The order of examples in each epoch: a permutation of [0, count) that
+/// depends only on (seed, epoch), so a resumed run sees the same batches.
+std::vector<int64_t> epoch_order(uint64_t seed, int64_t epoch, int64_t count);
+
+/// Copies rows `order[first..first+n)` of `data` into `inputs`/`labels`.
+void gather_batch(const Dataset& data, const std::vector<int64_t>& order, int64_t first, int n, float* inputs,
+                  int32_t* labels);
+
+}  // namespace cfmo

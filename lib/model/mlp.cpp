@@ -1,0 +1,172 @@
+#include "model/mlp.h"
+
+#include "core/rng.h"
+#include "tensor/ops.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+
+namespace cfmo {
+
+Result<MlpSpec> MlpSpec::parse(std::string_view text, int inputs, int classes) {
+  constexpr std::string_view kPrefix = "mlp:";
+  auto bad = [&](std::string_view why) {
+    return make_error(ErrorKind::kUsage, "--model '{}': {} (expected e.g. mlp:256,128)", text, why);
+  };
+  if (!text.starts_with(kPrefix)) return bad("unknown model");
+  MlpSpec spec;
+  spec.inputs = inputs;
+  spec.classes = classes;
+  spec.hidden.clear();
+  std::string_view rest = text.substr(kPrefix.size());
+  while (!rest.empty()) {
+    auto comma = rest.find(',');
+    std::string_view item = rest.substr(0, comma);
+    int width = 0;
+    auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), width);
+    if (ec != std::errc() || end != item.data() + item.size() || width <= 0 || width > 65536) {
+      return bad("hidden sizes must be integers in 1..65536");
+    }
+    spec.hidden.push_back(width);
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+    if (rest.empty()) return bad("trailing comma");
+  }
+  return spec;
+}
+
+std::string MlpSpec::to_string() const {
+  std::string out = "mlp:";
+  for (size_t i = 0; i < hidden.size(); ++i) out += (i ? "," : "") + std::to_string(hidden[i]);
+  return out;
+}
+
+Mlp::Mlp(MlpSpec spec) : spec_(std::move(spec)) {
+  widths_.push_back(spec_.inputs);
+  for (int h : spec_.hidden) widths_.push_back(h);
+  widths_.push_back(spec_.classes);
+  size_t offset = 0;
+  for (int l = 0; l < layers(); ++l) {
+    const auto in = static_cast<size_t>(widths_[l]);
+    const auto out = static_cast<size_t>(widths_[l + 1]);
+    // Tensors start on 16-float (64-byte) boundaries so SIMD loops and BLAS see aligned rows.
+    auto align = [](size_t n) { return (n + 15) / 16 * 16; };
+    params_.push_back({fmt::format("layers.{}.weight", l), {static_cast<int64_t>(out), static_cast<int64_t>(in)},
+                       offset, out * in});
+    offset = align(offset + out * in);
+    params_.push_back({fmt::format("layers.{}.bias", l), {static_cast<int64_t>(out)}, offset, out});
+    offset = align(offset + out);
+  }
+  parameters_.assign(offset, 0.0f);
+  gradients_.assign(offset, 0.0f);
+}
+
+void Mlp::init(uint64_t seed) {
+  Rng rng(seed, /*stream=*/0x1417);
+  std::fill(parameters_.begin(), parameters_.end(), 0.0f);
+  for (int l = 0; l < layers(); ++l) {
+    const float bound = 1.0f / std::sqrt(static_cast<float>(widths_[l]));
+    for (int which = 0; which < 2; ++which) {
+      const ParamInfo& p = params_[2 * l + which];
+      for (size_t i = 0; i < p.size; ++i) parameters_[p.offset + i] = rng.uniform(-bound, bound);
+    }
+  }
+}
+
+void Mlp::ensure_workspace(int batch) {
+  if (batch <= workspace_batch_) return;
+  workspace_batch_ = batch;
+  const auto b = static_cast<size_t>(batch);
+  activations_.assign(widths_.size(), FloatBuffer());
+  int widest = 0;
+  for (size_t l = 1; l < widths_.size(); ++l) {
+    activations_[l].resize(b * static_cast<size_t>(widths_[l]));
+    widest = std::max(widest, widths_[l]);
+  }
+  logits_.resize(b * static_cast<size_t>(spec_.classes));
+  grad_a_.resize(b * static_cast<size_t>(widest));
+  grad_z_.resize(b * static_cast<size_t>(widest));
+}
+
+void Mlp::forward(const float* inputs, int batch) {
+  ensure_workspace(batch);
+  const float* a = inputs;
+  for (int l = 0; l < layers(); ++l) {
+    const int in = widths_[l];
+    const int out = widths_[l + 1];
+    const bool last = l == layers() - 1;
+    float* z = last ? logits_.data() : activations_[l + 1].data();
+    ops::gemm(ops::Trans::kNo, ops::Trans::kYes, batch, out, in, 1.0f, a, in, weight(l), in, 0.0f, z, out);
+    ops::add_bias_rows(z, bias(l), batch, out, !last);
+    a = z;
+  }
+}
+
+float Mlp::forward_backward(const float* inputs, const int32_t* labels, int batch) {
+  forward(inputs, batch);
+  const int classes = spec_.classes;
+  const double loss = softmax_cross_entropy(logits_.data(), labels, batch, classes, grad_z_.data(),
+                                            1.0f / static_cast<float>(batch), nullptr);
+  // grad_z_ holds dL/dZ for the current layer; grad_a_ receives dL/dA below it.
+  for (int l = layers() - 1; l >= 0; --l) {
+    const int in = widths_[l];
+    const int out = widths_[l + 1];
+    const float* a = l == 0 ? inputs : activations_[l].data();
+    const ParamInfo& w = params_[2 * l];
+    const ParamInfo& bp = params_[2 * l + 1];
+    float* dw = gradients_.data() + w.offset;
+    float* db = gradients_.data() + bp.offset;
+    const float* dz = grad_z_.data();
+    ops::gemm(ops::Trans::kYes, ops::Trans::kNo, out, in, batch, 1.0f, dz, out, a, in, 0.0f, dw, in);
+    ops::column_sums(dz, batch, out, db);
+    if (l == 0) break;  // no gradient is needed for the inputs
+    ops::gemm(ops::Trans::kNo, ops::Trans::kNo, batch, in, out, 1.0f, dz, out, weight(l), in, 0.0f,
+              grad_a_.data(), in);
+    // ReLU backward: dZ = dA where the activation was positive.
+    ops::relu_backward(activations_[l].data(), grad_a_.data(), grad_z_.data(),
+                       static_cast<size_t>(batch) * static_cast<size_t>(in));
+  }
+  return static_cast<float>(loss / batch);
+}
+
+EvalResult Mlp::evaluate(const float* inputs, const int32_t* labels, int64_t count, int chunk) {
+  EvalResult result;
+  for (int64_t start = 0; start < count; start += chunk) {
+    const int n = static_cast<int>(std::min<int64_t>(chunk, count - start));
+    forward(inputs + static_cast<size_t>(start) * static_cast<size_t>(spec_.inputs), n);
+    result.loss_sum += softmax_cross_entropy(logits_.data(), labels + start, n, spec_.classes, nullptr, 0.0f,
+                                             &result.correct);
+    result.count += n;
+  }
+  return result;
+}
+
+double softmax_cross_entropy(const float* logits, const int32_t* labels, int batch, int classes,
+                             float* dlogits, float grad_scale, int64_t* correct) {
+  double total = 0;
+  for (int r = 0; r < batch; ++r) {
+    const float* row = logits + static_cast<size_t>(r) * classes;
+    int argmax = 0;
+    for (int j = 1; j < classes; ++j) {
+      if (row[j] > row[argmax]) argmax = j;
+    }
+    const float max = row[argmax];
+    double sum = 0;
+    for (int j = 0; j < classes; ++j) sum += std::exp(static_cast<double>(row[j] - max));
+    const int label = labels[r];
+    const double log_sum = std::log(sum);
+    total += log_sum - static_cast<double>(row[label] - max);
+    if (correct != nullptr && argmax == label) ++*correct;
+    if (dlogits != nullptr) {
+      float* drow = dlogits + static_cast<size_t>(r) * classes;
+      for (int j = 0; j < classes; ++j) {
+        const double p = std::exp(static_cast<double>(row[j] - max) - log_sum);
+        drow[j] = static_cast<float>(p - (j == label ? 1.0 : 0.0)) * grad_scale;
+      }
+    }
+  }
+  return total;
+}
+
+}  // namespace cfmo

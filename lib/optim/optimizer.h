@@ -1,0 +1,70 @@
+#pragma once
+/// Inner optimizers over a flat parameter vector: SGD (momentum, Nesterov),
+/// Adam, AdamW and Muon. The update rules follow PyTorch's torch.optim
+/// (SGD, Adam, AdamW) and Keller Jordan's Muon, so results can be compared
+/// value by value. State buffers share the parameters' flat layout.
+
+#include "core/error.h"
+#include "model/mlp.h"
+#include "tensor/buffer.h"
+
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cfmo {
+
+struct OptimizerConfig {
+  std::string name = "adamw";  ///< sgd | adam | adamw | muon
+  double momentum = 0.9;       ///< SGD and Muon momentum
+  bool nesterov = false;       ///< Nesterov momentum for SGD and Muon
+  double beta1 = 0.9;          ///< Adam(W) first-moment decay (also Muon's AdamW part)
+  double beta2 = 0.999;        ///< Adam(W) second-moment decay
+  double eps = 1e-8;
+  double weight_decay = 0.0;   ///< L2 for sgd/adam, decoupled for adamw/muon
+  int ns_steps = 5;            ///< Newton-Schulz iterations for Muon
+};
+
+/// A named state buffer, laid out like the parameters.
+struct OptimizerState {
+  std::string name;  ///< "exp_avg", "exp_avg_sq", "momentum_buffer"
+  FloatBuffer* buffer;
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  virtual std::string_view name() const = 0;
+
+  /// One update of `params` from `grads` at learning rate `lr`.
+  virtual void step(std::span<float> params, std::span<const float> grads, float lr) = 0;
+
+  /// Multiplies the first-moment (momentum) state by `factor`: how the cfmo
+  /// mode discounts stale momentum after a rebase.
+  virtual void scale_first_moment(float factor) = 0;
+
+  /// The state buffers, for checkpoints; each has the parameters' size.
+  virtual std::vector<OptimizerState> state() = 0;
+
+  int64_t step_count() const { return steps_; }
+  void set_step_count(int64_t steps) { steps_ = steps; }
+
+ protected:
+  int64_t steps_ = 0;
+};
+
+/// Builds the optimizer named in `config` for a model of this layout.
+Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config, const std::vector<ParamInfo>& layout,
+                                                  size_t size);
+
+/// Scales `grads` so their global L2 norm is at most `max_norm` (0: no-op).
+/// Returns the norm before clipping.
+double clip_grad_norm(std::span<float> grads, double max_norm);
+
+/// Orthogonalises the row-major matrix `g` [rows, cols] in place with
+/// `steps` quintic Newton-Schulz iterations (Muon's zeropower_via_newtonschulz5).
+void newton_schulz(std::span<float> g, int rows, int cols, int steps);
+
+}  // namespace cfmo

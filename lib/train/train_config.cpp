@@ -1,0 +1,84 @@
+#include "train/train_config.h"
+
+#include "model/mlp.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+
+#include <cmath>
+
+namespace cfmo {
+
+void add_train_options(OptionTable& t, TrainConfig& c) {
+  const std::string data = "Data and model";
+  t.add("data", &c.data, "Fashion-MNIST directory (IDX files, gzip or raw), or synthetic[:TRAIN[:TEST]]", data);
+  t.add("model", &c.model, "model: mlp:H1,H2,... (hidden layer widths; ReLU between layers)", data);
+  t.add("seed", &c.seed, "seed for initialisation, data order and synthetic data", data);
+
+  const std::string optim = "Optimizer";
+  t.add("optimizer", &c.optimizer, "inner optimizer: sgd, adam, adamw or muon", optim);
+  t.add("lr", &c.lr, "peak learning rate", optim);
+  t.add("momentum", &c.momentum, "momentum for sgd and muon", optim);
+  t.add("nesterov", &c.nesterov, "Nesterov momentum for sgd and muon", optim);
+  t.add("beta1", &c.beta1, "Adam first-moment decay (adam, adamw, and muon's non-matrix parameters)", optim);
+  t.add("beta2", &c.beta2, "Adam second-moment decay", optim);
+  t.add("eps", &c.eps, "Adam epsilon", optim);
+  t.add("weight_decay", &c.weight_decay, "weight decay: L2 for sgd and adam, decoupled for adamw and muon", optim);
+  t.add("ns_steps", &c.ns_steps, "Newton-Schulz iterations per muon step", optim);
+  t.add("clip_grad_norm", &c.clip_grad_norm, "clip the global gradient norm to this value (0: off)", optim);
+  t.add("schedule", &c.schedule, "learning-rate schedule after warmup: constant or cosine", optim);
+  t.add("warmup_steps", &c.warmup_steps, "linear warmup steps", optim);
+  t.add("min_lr", &c.min_lr, "final learning rate of the cosine schedule", optim);
+
+  const std::string length = "Length";
+  t.add("epochs", &c.epochs, "stop after this many epochs (0: no epoch limit)", length);
+  t.add("steps", &c.steps, "stop after this many steps in total (0: no step limit)", length);
+  t.add("time_limit", &c.time_limit, "stop after this long, e.g. 90s, 5m (empty: no time limit)", length);
+  t.add("batch_size", &c.batch_size, "examples per step", length);
+  t.add("threads", &c.threads, "BLAS threads", length);
+
+  const std::string output = "Output";
+  t.add("log_every", &c.log_every, "log a metrics line every N steps", output);
+  t.add("out", &c.out, "run directory for metrics.jsonl, checkpoints and the final model (empty: none)", output);
+  t.add("checkpoint_every", &c.checkpoint_every, "also checkpoint every N steps (0: at epoch ends and the end only)",
+        output);
+  t.add("keep_checkpoints", &c.keep_checkpoints, "checkpoints kept in the run directory (the newest)", output);
+  t.add("quiet", &c.quiet, "no progress bar or log lines on stderr", output);
+}
+
+Status validate(const TrainConfig& c) {
+  auto usage = [](std::string_view flag, std::string_view why) {
+    return make_error(ErrorKind::kUsage, "--{}: {}", flag, why);
+  };
+  CFMO_TRY(MlpSpec::parse(c.model, 784, 10));
+  if (c.optimizer != "sgd" && c.optimizer != "adam" && c.optimizer != "adamw" && c.optimizer != "muon") {
+    return usage("optimizer", fmt::format("'{}' is not sgd, adam, adamw or muon", c.optimizer));
+  }
+  if (!(c.lr > 0) || !std::isfinite(c.lr)) return usage("lr", "must be a positive number");
+  if (!(c.momentum >= 0 && c.momentum < 1)) return usage("momentum", "must be in [0, 1)");
+  if (!(c.beta1 >= 0 && c.beta1 < 1)) return usage("beta1", "must be in [0, 1)");
+  if (!(c.beta2 >= 0 && c.beta2 < 1)) return usage("beta2", "must be in [0, 1)");
+  if (!(c.eps > 0)) return usage("eps", "must be positive");
+  if (!(c.weight_decay >= 0) || !std::isfinite(c.weight_decay)) return usage("weight-decay", "must be >= 0");
+  if (c.ns_steps < 1 || c.ns_steps > 100) return usage("ns-steps", "must be in 1..100");
+  if (!(c.clip_grad_norm >= 0)) return usage("clip-grad-norm", "must be >= 0");
+  CFMO_ASSIGN_OR_RETURN(auto kind, Schedule::parse_kind(c.schedule));
+  if (c.warmup_steps < 0) return usage("warmup-steps", "must be >= 0");
+  if (!(c.min_lr >= 0 && c.min_lr <= c.lr)) return usage("min-lr", "must be in [0, lr]");
+  if (c.epochs < 0) return usage("epochs", "must be >= 0");
+  if (c.steps < 0) return usage("steps", "must be >= 0");
+  if (!c.time_limit.empty()) CFMO_TRY(parse_duration(c.time_limit));
+  if (c.epochs == 0 && c.steps == 0 && c.time_limit.empty()) {
+    return usage("epochs", "give --epochs, --steps or --time-limit so the run ends");
+  }
+  if (kind == Schedule::Kind::kCosine && c.epochs == 0 && c.steps == 0) {
+    return usage("schedule", "cosine needs a known length: --epochs or --steps");
+  }
+  if (c.batch_size < 1 || c.batch_size > 1 << 20) return usage("batch-size", "must be in 1..1048576");
+  if (c.threads < 1 || c.threads > 1024) return usage("threads", "must be in 1..1024");
+  if (c.log_every < 1) return usage("log-every", "must be >= 1");
+  if (c.checkpoint_every < 0) return usage("checkpoint-every", "must be >= 0");
+  if (c.keep_checkpoints < 1) return usage("keep-checkpoints", "must be >= 1");
+  return {};
+}
+
+}  // namespace cfmo

@@ -1,0 +1,53 @@
+#pragma once
+/// Everything a training run is configured by, as one struct whose fields
+/// are both flags and TOML keys (see core/config.h).
+
+#include "core/config.h"
+#include "core/error.h"
+#include "data/dataset.h"
+
+#include <cstdint>
+#include <string>
+
+namespace cfmo {
+
+struct TrainConfig {
+  // data and model
+  std::string data = kDefaultFashionMnistDir;
+  std::string model = "mlp:256,128";
+  int64_t seed = 1;
+  // inner optimizer
+  std::string optimizer = "adamw";
+  double lr = 1e-3;
+  double momentum = 0.9;
+  bool nesterov = false;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+  int ns_steps = 5;
+  double clip_grad_norm = 0.0;
+  std::string schedule = "constant";
+  int64_t warmup_steps = 0;
+  double min_lr = 0.0;
+  // length
+  int64_t epochs = 10;
+  int64_t steps = 0;
+  std::string time_limit;
+  int batch_size = 64;
+  int threads = 1;
+  // output
+  int64_t log_every = 100;
+  std::string out;
+  int64_t checkpoint_every = 0;
+  int keep_checkpoints = 3;
+  bool quiet = false;
+};
+
+/// Registers every field of `config` in `table` with its help text.
+void add_train_options(OptionTable& table, TrainConfig& config);
+
+/// Range and consistency checks; errors name the flag.
+Status validate(const TrainConfig& config);
+
+}  // namespace cfmo

@@ -1,0 +1,117 @@
+#pragma once
+/// The training loop. One worker runs it; how workers reconcile is a Mode,
+/// asked after every step (the seam the distributed modes plug into).
+
+#include "core/error.h"
+#include "model/mlp.h"
+#include "optim/optimizer.h"
+#include "train/checkpoint.h"
+#include "train/train_config.h"
+
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cfmo {
+
+/// How workers reconcile. The loop calls on_gradients() between backward and
+/// the optimizer step, and after_step() after it.
+class Mode {
+ public:
+  virtual ~Mode() = default;
+  virtual std::string_view name() const = 0;
+  virtual Status on_gradients(std::span<float> /*grads*/) { return {}; }
+  virtual Status after_step(int64_t /*step*/, std::span<float> /*params*/, Optimizer& /*optimizer*/) { return {}; }
+  /// Seconds this worker spent blocked on communication.
+  virtual double wait_s() const { return 0; }
+  virtual uint64_t bytes_sent() const { return 0; }
+  virtual uint64_t bytes_received() const { return 0; }
+};
+
+/// One worker and nothing to reconcile with.
+class SoloMode final : public Mode {
+ public:
+  std::string_view name() const override { return "sync"; }
+};
+
+struct StepEvent {
+  int64_t step = 0;
+  int64_t epoch = 0;
+  double loss = 0;           ///< mean over the steps since the last event of this kind
+  double lr = 0;
+  double samples_per_s = 0;  ///< over the same window
+  double elapsed_s = 0;
+  double fraction = -1;      ///< of the run, or negative when unknown
+  bool logged = false;       ///< true every log_every steps
+};
+
+struct EvalEvent {
+  int64_t step = 0;
+  int64_t epoch = 0;  ///< epochs completed
+  double test_loss = 0;
+  double test_accuracy = 0;
+  double elapsed_s = 0;
+  bool final = false;
+};
+
+/// Receives progress; the tool decides what to show. Called on the training thread.
+class TrainObserver {
+ public:
+  virtual ~TrainObserver() = default;
+  virtual void on_step(const StepEvent& /*event*/) {}
+  virtual void on_eval(const EvalEvent& /*event*/) {}
+  virtual void on_note(std::string_view /*text*/) {}
+};
+
+struct TrainOptions {
+  std::filesystem::path resume;         ///< a checkpoint directory (resolved), or empty
+  std::string config_toml;              ///< saved beside each checkpoint
+  const std::atomic<bool>* stop = nullptr;  ///< set by a signal handler: stop cleanly
+  TrainObserver* observer = nullptr;
+};
+
+struct WorkerReport {
+  int rank = 0;
+  int64_t steps = 0;
+  double samples_per_s = 0;
+  double wait_s = 0;
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+};
+
+struct TrainSummary {
+  std::string mode;
+  int workers = 1;
+  std::string model;
+  std::string optimizer;
+  std::string data;
+  std::string blas;           ///< library and kernel, e.g. "OpenBLAS 0.3.21 SkylakeX"
+  size_t parameters = 0;
+  int64_t steps = 0;          ///< total, including steps before a resume
+  int64_t samples = 0;        ///< total
+  int64_t epochs_completed = 0;
+  double wall_s = 0;          ///< this invocation, including evaluation and checkpoints
+  double train_s = 0;         ///< this invocation, training steps only
+  double eval_s = 0;          ///< this invocation, test-set evaluation
+  double samples_per_s = 0;   ///< this invocation's samples / train_s
+  double test_accuracy = 0;
+  double test_loss = 0;
+  double final_train_loss = 0;
+  uint64_t bytes_sent = 0;
+  std::string stopped_by;     ///< "epochs", "steps", "time-limit" or "interrupt"
+  std::string run_dir;
+  std::string resumed_from;
+  std::vector<WorkerReport> per_worker;
+
+  std::string to_json() const;
+};
+
+/// Trains as configured. Errors: kUsage for bad configuration, kInput for
+/// unreadable data or checkpoints, kCheckFailed when the loss diverges.
+Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& options);
+
+}  // namespace cfmo

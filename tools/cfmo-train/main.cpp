@@ -1,0 +1,156 @@
+// cfmo-train: parse flags and config, run the library's trainer, report.
+#include "../common/tool_main.h"
+#include "core/config.h"
+#include "core/progress.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+
+namespace {
+
+constexpr int kInterruptedStatus = 130;  // 128 + SIGINT, as shells report it
+std::atomic<bool> g_stop{false};
+
+void on_signal(int) { g_stop.store(true); }
+
+int fail(const cfmo::Error& error) { return cfmo::tool::fail("cfmo-train", error); }
+
+/// Progress on stderr: a redrawn bar on a terminal, plain lines elsewhere.
+class ConsoleObserver final : public cfmo::TrainObserver {
+ public:
+  ConsoleObserver(bool tty, bool quiet) : tty_(tty), quiet_(quiet) {}
+
+  void on_step(const cfmo::StepEvent& e) override {
+    if (quiet_) return;
+    if (tty_) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now - last_draw_ < std::chrono::milliseconds(100) && e.fraction < 1.0) return;
+      last_draw_ = now;
+      cfmo::ProgressState state{e.fraction, e.elapsed_s, fmt::format("epoch {} step {}", e.epoch + 1, e.step),
+                                fmt::format("loss {:.4f}  {} samples/s", e.loss, cfmo::human_count(e.samples_per_s))};
+      fmt::print(stderr, "\r\033[K{}", cfmo::render_progress(state, columns()));
+      drawn_ = true;
+    } else if (e.logged) {
+      fmt::print(stderr, "step {}  epoch {}  loss {:.4f}  lr {:.3g}  {} samples/s\n", e.step, e.epoch + 1, e.loss, e.lr,
+                 cfmo::human_count(e.samples_per_s));
+    }
+  }
+
+  void on_eval(const cfmo::EvalEvent& e) override {
+    if (quiet_) return;
+    clear_line();
+    fmt::print(stderr, "{} step {}: test accuracy {:.4f}  test loss {:.4f}  ({:.1f}s)\n",
+               e.final ? "final" : fmt::format("epoch {}", e.epoch), e.step, e.test_accuracy, e.test_loss, e.elapsed_s);
+  }
+
+  void on_note(std::string_view text) override {
+    if (quiet_) return;
+    clear_line();
+    fmt::print(stderr, "{}\n", text);
+  }
+
+  void clear_line() {
+    if (drawn_) fmt::print(stderr, "\r\033[K");
+    drawn_ = false;
+  }
+
+ private:
+  static int columns() {
+    const char* env = std::getenv("COLUMNS");
+    int n = env != nullptr ? std::atoi(env) : 0;
+    return n > 20 ? n : 100;
+  }
+
+  bool tty_;
+  bool quiet_;
+  bool drawn_ = false;
+  std::chrono::steady_clock::time_point last_draw_{};
+};
+
+void print_human_summary(const cfmo::TrainSummary& s) {
+  fmt::print("{} on {} worker(s): {} steps, {} samples in {:.1f}s ({} samples/s), stopped by {}\n", s.mode, s.workers,
+             s.steps, s.samples, s.wall_s, cfmo::human_count(s.samples_per_s), s.stopped_by);
+  fmt::print("model {} ({} parameters), optimizer {}, data {}\n", s.model, s.parameters, s.optimizer, s.data);
+  fmt::print("test accuracy {:.4f}, test loss {:.4f}\n", s.test_accuracy, s.test_loss);
+  if (!s.run_dir.empty()) fmt::print("run directory: {}\n", s.run_dir);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  cfmo::tool::reexec_for_blas(argv);
+  CLI::App app{
+      "Train a model on Fashion-MNIST with local-update optimizers.\n"
+      "Every option can also be set in a TOML file (--config); flags override the file."};
+  app.name("cfmo-train");
+  app.set_version_flag("--version", "cfmo-train 0.1.0");
+  app.get_formatter()->column_width(34);
+
+  cfmo::TrainConfig config;
+  cfmo::OptionTable table;
+  cfmo::add_train_options(table, config);
+
+  std::string config_file;
+  std::string resume;
+  bool print_config = false;
+  bool json = false;
+  app.add_option("--config", config_file, "TOML file with any of the options below")->group("General");
+  app.add_flag("--print-config", print_config, "print the merged configuration as TOML and exit")->group("General");
+  app.add_option("--resume", resume, "continue from a run directory's latest checkpoint, or a checkpoint directory")
+      ->group("General");
+  app.add_flag("--json", json, "print one JSON summary object on stdout at the end")->group("General");
+  table.register_cli(app);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    fmt::print(stderr, "cfmo-train: {}\nRun 'cfmo-train --help' for the options.\n", e.what());
+    return static_cast<int>(cfmo::ErrorKind::kUsage);
+  }
+
+  cfmo::TrainOptions options;
+  if (!resume.empty()) {
+    auto checkpoint = cfmo::resolve_checkpoint(resume);
+    if (!checkpoint) return fail(checkpoint.error());
+    options.resume = *checkpoint;
+    // A resumed run is the same run: its saved configuration is the base, flags still win.
+    if (config_file.empty()) config_file = (options.resume / "config.toml").string();
+  }
+  if (!config_file.empty()) {
+    if (auto loaded = table.load_toml(config_file); !loaded) return fail(loaded.error());
+  }
+  if (auto valid = cfmo::validate(config); !valid) return fail(valid.error());
+  options.config_toml = table.to_toml();
+  if (print_config) {
+    fmt::print("{}", options.config_toml);
+    return 0;
+  }
+
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  ConsoleObserver observer(::isatty(STDERR_FILENO) != 0, config.quiet);
+  options.stop = &g_stop;
+  options.observer = &observer;
+
+  auto summary = cfmo::train(config, options);
+  observer.clear_line();
+  if (!summary) return fail(summary.error());
+  if (json) {
+    fmt::print("{}\n", summary->to_json());
+  } else {
+    print_human_summary(*summary);
+  }
+  return summary->stopped_by == "interrupt" ? kInterruptedStatus : 0;
+}
