@@ -113,9 +113,15 @@ void OptionTable::register_cli(CLI::App& app) {
         [&](auto* value) -> CLI::Option* {
           using T = std::remove_pointer_t<decltype(value)>;
           if constexpr (std::is_same_v<T, bool>) {
-            return app.add_flag(flag + ",!--no-" + flag.substr(2), *value, entry.help);
-          } else {
+            return app.add_flag(flag + ",!--no-" + flag.substr(2), *value, entry.help)
+                ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+          } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
             return app.add_option(flag, *value, entry.help)->capture_default_str();
+          } else {
+            // A flag given twice takes the last value, so scripts can append overrides.
+            return app.add_option(flag, *value, entry.help)
+                ->capture_default_str()
+                ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
           }
         },
         entry.target);

@@ -111,6 +111,9 @@ Result<Dataset> read_idx(const std::filesystem::path& images, const std::filesys
     return make_error(ErrorKind::kInput, "'{}': implausible dimensions {}x{}x{}", images.string(), count, rows, cols);
   }
 
+  std::vector<unsigned char> pixels(elements);
+  CFMO_TRY(image_file.read_exact(pixels.data(), pixels.size(), "the pixels"));
+  CFMO_TRY(image_file.expect_end());
   CFMO_ASSIGN_OR_RETURN(auto label_file, IdxReader::open(labels));
   CFMO_ASSIGN_OR_RETURN(uint32_t label_magic, label_file.read_be32("the header"));
   if (label_magic != kLabelMagic) {
@@ -123,9 +126,6 @@ Result<Dataset> read_idx(const std::filesystem::path& images, const std::filesys
                       images.string());
   }
 
-  std::vector<unsigned char> pixels(elements);
-  CFMO_TRY(image_file.read_exact(pixels.data(), pixels.size(), "the pixels"));
-  CFMO_TRY(image_file.expect_end());
   std::vector<unsigned char> raw_labels(count);
   CFMO_TRY(label_file.read_exact(raw_labels.data(), raw_labels.size(), "the labels"));
   CFMO_TRY(label_file.expect_end());

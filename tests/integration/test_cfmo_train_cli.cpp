@@ -1,3 +1,300 @@
-#include <gtest/gtest.h>
+// Drives the real cfmo-train binary: flags, config files, exit statuses,
+// outputs, checkpoints, resume and interruption.
+#include "integration/harness.h"
 
-TEST(TestCfmoTrainCli, Placeholder) {}
+#include "ckpt/safetensors.h"
+#include "core/atomic_file.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+namespace cfmo {
+namespace {
+
+using testing::run;
+using testing::RunResult;
+using testing::TempDir;
+namespace fs = std::filesystem;
+
+std::string binary() { return testing::env_or("CFMO_TRAIN", "build/tools/cfmo-train"); }
+fs::path source_root() { return testing::env_or("CFMO_SOURCE_ROOT", "."); }
+
+// Small and quick: a few hundred synthetic examples, a narrow model.
+std::vector<std::string> quick_args(std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {binary(), "--data", "synthetic:512:128", "--model", "mlp:32", "--epochs", "1",
+                                   "--quiet"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+std::string slurp(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+std::set<std::string> flags_in(const std::string& text, const std::regex& pattern) {
+  std::set<std::string> flags;
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), pattern); it != std::sregex_iterator(); ++it) {
+    flags.insert((*it)[1]);
+  }
+  return flags;
+}
+
+// Every error is one line on stderr naming what was wrong.
+void expect_one_line_error(const RunResult& r, int status, const std::string& needle) {
+  EXPECT_EQ(r.status, status) << r.err;
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
+  EXPECT_EQ(lines(r.err).size(), 1u) << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+}
+
+TEST(CfmoTrainCli, HelpManPageAndConfigListTheSameOptions) {
+  const RunResult help = run({binary(), "--help"});
+  ASSERT_EQ(help.status, 0);
+  const std::regex long_flag(R"((--[a-z][a-z0-9-]*))");
+  std::set<std::string> help_flags = flags_in(help.out, long_flag);
+  const std::string man = slurp(source_root() / "man/cfmo-train.1.scd");
+  ASSERT_FALSE(man.empty()) << "man/cfmo-train.1.scd missing";
+  std::set<std::string> man_flags = flags_in(man, std::regex(R"(\*(--[a-z][a-z0-9-]*)\*)"));
+  for (const auto& f : help_flags) EXPECT_TRUE(man_flags.count(f)) << f << " is in --help but not in the man page";
+  for (const auto& f : man_flags) EXPECT_TRUE(help_flags.count(f)) << f << " is in the man page but not in --help";
+
+  // conf/train.toml sets every key --print-config knows.
+  const RunResult printed = run({binary(), "--print-config"});
+  ASSERT_EQ(printed.status, 0) << printed.err;
+  const std::set<std::string> keys = flags_in(printed.out, std::regex(R"((?:^|\n)([a-z_0-9]+) = )"));
+  const std::string conf = slurp(source_root() / "conf/train.toml");
+  const std::set<std::string> conf_keys = flags_in(conf, std::regex(R"((?:^|\n)([a-z_0-9]+) = )"));
+  EXPECT_EQ(keys, conf_keys);
+  for (const char* file : {"conf/train.toml", "conf/demo.toml"}) {
+    const RunResult loaded = run({binary(), "--config", (source_root() / file).string(), "--print-config"});
+    EXPECT_EQ(loaded.status, 0) << file << ": " << loaded.err;
+  }
+}
+
+TEST(CfmoTrainCli, GeneratedManPageIsCurrent) {
+  if (system("command -v scdoc >/dev/null 2>&1") != 0) GTEST_SKIP() << "scdoc not installed";
+  TempDir dir;
+  const std::string command = "scdoc < '" + (source_root() / "man/cfmo-train.1.scd").string() + "' > '" +
+                              (dir / "page.1").string() + "'";
+  ASSERT_EQ(system(command.c_str()), 0);
+  EXPECT_EQ(slurp(dir / "page.1"), slurp(source_root() / "man/cfmo-train.1"))
+      << "run: scdoc < man/cfmo-train.1.scd > man/cfmo-train.1";
+}
+
+TEST(CfmoTrainCli, FlagsOverrideConfigFileOverridesDefaults) {
+  TempDir dir;
+  ASSERT_TRUE(write_file_atomic(dir / "c.toml", "lr = 0.5\nbatch_size = 32\noptimizer = \"sgd\"\n"));
+  const RunResult r = run({binary(), "--config", (dir / "c.toml").string(), "--lr", "0.25", "--print-config"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("\nlr = 0.25\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\nbatch_size = 32\n"), std::string::npos);
+  EXPECT_NE(r.out.find("\noptimizer = 'sgd'\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\nepochs = 10\n"), std::string::npos);
+}
+
+TEST(CfmoTrainCli, UsageErrorsExitTwoNamingTheProblem) {
+  TempDir dir;
+  ASSERT_TRUE(write_file_atomic(dir / "unknown.toml", "lr = 0.1\nlearning_rate = 0.1\n"));
+  expect_one_line_error(run({binary(), "--config", (dir / "unknown.toml").string()}), 2, "learning_rate");
+  ASSERT_TRUE(write_file_atomic(dir / "type.toml", "batch_size = \"big\"\n"));
+  expect_one_line_error(run({binary(), "--config", (dir / "type.toml").string()}), 2, "batch_size");
+  ASSERT_TRUE(write_file_atomic(dir / "syntax.toml", "lr = = 1\n"));
+  expect_one_line_error(run({binary(), "--config", (dir / "syntax.toml").string()}), 2, "syntax.toml");
+  expect_one_line_error(run({binary(), "--config", (dir / "missing.toml").string()}), 2, "missing.toml");
+  expect_one_line_error(run(quick_args({"--lr", "-1"})), 2, "--lr");
+  expect_one_line_error(run(quick_args({"--optimizer", "lion"})), 2, "lion");
+  expect_one_line_error(run(quick_args({"--model", "mlp:12,x"})), 2, "--model");
+  expect_one_line_error(run(quick_args({"--time-limit", "soon"})), 2, "soon");
+  expect_one_line_error(run(quick_args({"--epochs", "0"})), 2, "--epochs");
+  expect_one_line_error(run(quick_args({"--data", "synthetic:0"})), 2, "synthetic:0");
+  // CLI11's own parse errors add a hint line; the status is what scripts rely on.
+  const RunResult bad_number = run(quick_args({"--batch-size", "lots"}));
+  EXPECT_EQ(bad_number.status, 2);
+  EXPECT_NE(bad_number.err.find("--batch-size"), std::string::npos) << bad_number.err;
+  EXPECT_EQ(run(quick_args({"--no-such-flag"})).status, 2);
+}
+
+TEST(CfmoTrainCli, BadDataExitsThreeNamingTheFile) {
+  TempDir dir;
+  expect_one_line_error(run({binary(), "--data", (dir / "nowhere").string(), "--quiet"}), 3, "nowhere");
+  // A directory whose training images file is truncated after its header.
+  fs::create_directories(dir / "fm");
+  const std::string header("\x00\x00\x08\x03\x00\x00\x00\x02\x00\x00\x00\x1c\x00\x00\x00\x1c", 16);
+  ASSERT_TRUE(write_file_atomic(dir / "fm" / "train-images-idx3-ubyte", header + std::string(100, '\x7f')));
+  expect_one_line_error(run({binary(), "--data", (dir / "fm").string(), "--quiet"}), 3, "train-images-idx3-ubyte");
+  ASSERT_TRUE(write_file_atomic(dir / "fm" / "train-images-idx3-ubyte", std::string("GIF89a") + std::string(40, 'x')));
+  expect_one_line_error(run({binary(), "--data", (dir / "fm").string(), "--quiet"}), 3, "magic");
+}
+
+TEST(CfmoTrainCli, JsonSummaryHasTheDocumentedKeysAndNothingElseOnStdout) {
+  const RunResult r = run(quick_args({"--json"}));
+  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_EQ(lines(r.out).size(), 1u) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  for (const char* key : {"mode", "workers", "steps", "samples", "wall_s", "samples_per_s", "test_accuracy",
+                          "test_loss", "bytes_sent", "per_worker"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  EXPECT_EQ(j["workers"], 1);
+  EXPECT_EQ(j["steps"], 8);  // 512 examples / 64 per batch
+  EXPECT_EQ(j["samples"], 512);
+  EXPECT_EQ(j["stopped_by"], "epochs");
+  ASSERT_EQ(j["per_worker"].size(), 1u);
+  for (const char* key : {"rank", "steps", "samples_per_s", "wait_s"}) EXPECT_TRUE(j["per_worker"][0].contains(key));
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.0);
+}
+
+TEST(CfmoTrainCli, HumanOutputWithoutJson) {
+  const RunResult r = run(quick_args({"--steps", "3"}));
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("test accuracy"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find('{'), std::string::npos);
+  const RunResult logged = run({binary(), "--data", "synthetic:512:128", "--model", "mlp:32", "--steps", "4",
+                                "--log-every", "2"});
+  ASSERT_EQ(logged.status, 0) << logged.err;
+  EXPECT_NE(logged.err.find("step 2 "), std::string::npos) << logged.err;  // plain lines when not a TTY
+  EXPECT_EQ(logged.err.find('\r'), std::string::npos);
+}
+
+TEST(CfmoTrainCli, RunDirectoryHoldsMetricsCheckpointsAndModel) {
+  TempDir dir;
+  const fs::path out = dir / "run";
+  const RunResult r = run(quick_args({"--epochs", "2", "--log-every", "3", "--out", out.string()}));
+  ASSERT_EQ(r.status, 0) << r.err;
+  int steps = 0;
+  int evals = 0;
+  for (const auto& line : lines(slurp(out / "metrics.jsonl"))) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["type"] == "step") {
+      ++steps;
+      for (const char* key : {"step", "epoch", "loss", "lr", "samples_per_s", "wall_s"}) EXPECT_TRUE(j.contains(key));
+    } else if (j["type"] == "eval") {
+      ++evals;
+      EXPECT_TRUE(j.contains("test_accuracy"));
+    }
+  }
+  EXPECT_EQ(steps, 5);  // 16 steps, a line every 3
+  EXPECT_EQ(evals, 2);  // one per epoch
+  EXPECT_EQ(slurp(out / "checkpoints" / "latest"), "step-00000016\n");
+  EXPECT_TRUE(fs::exists(out / "checkpoints" / "step-00000008" / "optimizer.safetensors"));
+  auto model = SafetensorsFile::read(out / "model.safetensors");
+  ASSERT_TRUE(model) << model.error().message;
+  EXPECT_EQ(model->tensors().size(), 4u);
+  EXPECT_EQ(model->metadata().at("format"), "pt");
+  for (const auto& entry : fs::recursive_directory_iterator(out)) {
+    EXPECT_EQ(entry.path().string().find(".tmp"), std::string::npos) << entry.path();
+  }
+}
+
+std::string tensor_bytes(const fs::path& file) {
+  auto st = SafetensorsFile::read(file);
+  EXPECT_TRUE(st) << (st ? "" : st.error().message);
+  if (!st) return {};
+  std::string all;
+  for (const auto& e : st->tensors()) {
+    auto b = st->bytes(e);
+    all.append(e.name);
+    all.append(reinterpret_cast<const char*>(b.data()), b.size());
+  }
+  return all;
+}
+
+TEST(CfmoTrainCli, ResumedRunEndsWithTheSameParametersAsAnUninterruptedOne) {
+  TempDir dir;
+  for (const char* optimizer : {"adamw", "muon"}) {
+    SCOPED_TRACE(optimizer);
+    const std::vector<std::string> common = {"--optimizer", optimizer, "--schedule", "cosine", "--warmup-steps", "3",
+                                             "--epochs", "3"};
+    auto with = [&](std::vector<std::string> extra) {
+      std::vector<std::string> args = common;
+      args.insert(args.end(), extra.begin(), extra.end());
+      return quick_args(args);
+    };
+    const fs::path whole = dir / (std::string(optimizer) + "-whole");
+    const fs::path parts = dir / (std::string(optimizer) + "-parts");
+    // The whole run also checkpoints mid-epoch, at step 13 of 24.
+    ASSERT_EQ(run(with({"--out", whole.string(), "--checkpoint-every", "13", "--keep-checkpoints", "10"})).status, 0);
+    const fs::path step13 = whole / "checkpoints" / "step-00000013";
+    ASSERT_TRUE(fs::exists(step13 / "state.json"));
+    const RunResult resumed = run({binary(), "--resume", step13.string(), "--out", parts.string(), "--quiet", "--json"});
+    ASSERT_EQ(resumed.status, 0) << resumed.err;
+    EXPECT_EQ(nlohmann::json::parse(resumed.out)["steps"], 24);
+    EXPECT_TRUE(tensor_bytes(whole / "model.safetensors") == tensor_bytes(parts / "model.safetensors"))
+        << "the resumed run's parameters differ from the uninterrupted run's";
+    // Resuming a run directory continues it in place, from its latest checkpoint.
+    const fs::path in_place = dir / (std::string(optimizer) + "-in-place");
+    ASSERT_EQ(run(with({"--out", in_place.string(), "--checkpoint-every", "13", "--keep-checkpoints", "10"})).status, 0);
+    fs::remove_all(in_place / "checkpoints" / "step-00000024");
+    fs::remove_all(in_place / "checkpoints" / "step-00000016");
+    ASSERT_TRUE(write_file_atomic(in_place / "checkpoints" / "latest", "step-00000013\n"));
+    ASSERT_EQ(run({binary(), "--resume", in_place.string(), "--quiet"}).status, 0);
+    EXPECT_TRUE(tensor_bytes(whole / "model.safetensors") == tensor_bytes(in_place / "model.safetensors"));
+    const fs::path& parts_dir = in_place;
+    // The resumed run's metrics continue the first part's without duplicates.
+    std::set<int64_t> seen;
+    for (const auto& line : lines(slurp(parts_dir / "metrics.jsonl"))) {
+      const auto j = nlohmann::json::parse(line);
+      if (j["type"] == "step") {
+        EXPECT_TRUE(seen.insert(j["step"].get<int64_t>()).second) << line;
+      }
+    }
+  }
+}
+
+TEST(CfmoTrainCli, BadCheckpointsExitThree) {
+  TempDir dir;
+  expect_one_line_error(run({binary(), "--resume", (dir / "none").string()}), 3, "none");
+  const fs::path out = dir / "run";
+  ASSERT_EQ(run(quick_args({"--out", out.string()})).status, 0);
+  const fs::path model = out / "checkpoints" / "step-00000008" / "model.safetensors";
+  std::string bytes = slurp(model);
+  ASSERT_TRUE(write_file_atomic(model, bytes.substr(0, bytes.size() - 10)));
+  expect_one_line_error(run({binary(), "--resume", out.string(), "--quiet"}), 3, "model.safetensors");
+  ASSERT_TRUE(write_file_atomic(out / "checkpoints" / "latest", "step-00000099\n"));
+  expect_one_line_error(run({binary(), "--resume", out.string(), "--quiet"}), 3, "step-00000099");
+}
+
+TEST(CfmoTrainCli, InterruptWritesACheckpointAndExits130) {
+  TempDir dir;
+  const fs::path out = dir / "run";
+  bool sent = false;
+  const RunResult r = run(
+      {binary(), "--data", "synthetic:4096:128", "--model", "mlp:64", "--epochs", "0", "--time-limit", "5m",
+       "--log-every", "1", "--quiet", "--json", "--out", out.string()},
+      120, {}, [&](pid_t pid, double elapsed) {
+        std::error_code ec;
+        const auto size = fs::file_size(out / "metrics.jsonl", ec);
+        if (!sent && ((!ec && size > 0) || elapsed > 60)) {
+          kill(pid, SIGINT);
+          sent = true;
+        }
+      });
+  ASSERT_TRUE(sent);
+  EXPECT_EQ(r.status, 130) << r.err;
+  ASSERT_FALSE(r.out.empty());
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["stopped_by"], "interrupt");
+  const std::string latest = slurp(out / "checkpoints" / "latest");
+  EXPECT_EQ(latest, fmt::format("step-{:08}\n", j["steps"].get<int64_t>()));
+}
+
+}  // namespace
+}  // namespace cfmo

@@ -1,0 +1,36 @@
+# The two commands of the README: `make demo` and `make test`. Both install
+# what is missing, configure and build first.
+BUILD ?= build
+MESON_FLAGS ?= -Dwerror=true
+NINJA_JOBS ?=
+
+.PHONY: all deps configure build test test-unit demo bench clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+$(BUILD)/build.ninja:
+	meson setup $(BUILD) $(MESON_FLAGS)
+
+configure: deps $(BUILD)/build.ninja
+
+build: configure
+	ninja -C $(BUILD) $(NINJA_JOBS)
+
+test: build
+	meson test -C $(BUILD) --print-errorlogs --num-processes 2
+
+test-unit: build
+	meson test -C $(BUILD) --print-errorlogs --suite unit
+
+demo: build
+	$(BUILD)/tools/cfmo-train --config conf/demo.toml
+
+bench: build
+	scripts/install-deps.sh --bench
+	bench/train_vs_pytorch.sh
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Installs the Debian packages cfmo needs to build, test and run its demo,
+# and only those that are missing. As root it runs apt-get; otherwise it
+# prints the one apt-get line to run and exits 1.
+#
+#   scripts/install-deps.sh            build, test and demo dependencies
+#   scripts/install-deps.sh --bench    also the benchmark peers (python3-torch)
+#   scripts/install-deps.sh --list     print the package list and exit
+set -euo pipefail
+
+packages=(
+  g++ meson ninja-build pkg-config   # toolchain
+  libcli11-dev libfmt-dev libtomlplusplus-dev nlohmann-json3-dev  # flags, formatting, config, JSON
+  libopenblas-dev zlib1g-dev libzstd-dev libxxhash-dev            # BLAS, gzip, compression, checksums
+  libgtest-dev googletest                                         # tests
+  scdoc                                                           # man pages from source
+  dataset-fashion-mnist                                           # the demo's data set
+)
+
+case "${1:-}" in
+  --bench) packages+=(python3-torch python3-numpy time) ;;
+  --list) printf '%s\n' "${packages[@]}"; exit 0 ;;
+  "") ;;
+  *) echo "usage: $0 [--bench|--list]" >&2; exit 2 ;;
+esac
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
+    missing+=("$p")
+  fi
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "cfmo needs these Debian packages; run:" >&2
+  echo "  sudo apt-get install -y ${missing[*]}" >&2
+  exit 1
+fi
+
+echo "install-deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+# A fresh machine may have no package lists yet; an old list may name versions gone from the mirror.
+if ! apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null 2>&1; then
+  apt-get update -qq
+  apt-get install -y --no-install-recommends "${missing[@]}"
+fi
