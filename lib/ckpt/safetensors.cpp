@@ -2,6 +2,7 @@
 
 #include "core/atomic_file.h"
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -19,9 +20,7 @@ Error corrupt(const std::string& source, std::string_view what) {
 }
 
 std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? "," : "") + std::to_string(shape[i]);
-  return out + "]";
+  return fmt::format("[{}]", fmt::join(shape, ","));
 }
 
 }  // namespace

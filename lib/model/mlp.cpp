@@ -38,7 +38,10 @@ Result<MlpSpec> MlpSpec::parse(std::string_view text, int inputs, int classes) {
 
 std::string MlpSpec::to_string() const {
   std::string out = "mlp:";
-  for (size_t i = 0; i < hidden.size(); ++i) out += (i ? "," : "") + std::to_string(hidden[i]);
+  for (size_t i = 0; i < hidden.size(); ++i) {
+    if (i > 0) out += ',';
+    out += std::to_string(hidden[i]);
+  }
   return out;
 }
 

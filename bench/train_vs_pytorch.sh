@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# cfmo-train (one worker) against PyTorch on the same MLP, data and optimizer,
+# in the same run: MLP 784-256-128-10, batch 64, AdamW lr 1e-3, one thread each.
+# Runs alternate A/B; medians are reported; peak RSS from /usr/bin/time -v.
+# Then cfmo-train's accuracy per epoch over 10 epochs.
+#
+#   bench/train_vs_pytorch.sh [--record]      (REPS=5 STEPS=3000 EPOCHS=10 to change)
+#
+# Both peers get the same OpenBLAS kernel: the one cfmo-train selects (see
+# OPENBLAS_CORETYPE in cfmo-train(1)); PyTorch (Debian python3-torch) uses
+# the same libopenblas for its GEMMs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPS=${REPS:-5}
+STEPS=${STEPS:-3000}
+EPOCHS=${EPOCHS:-10}
+DATA=${DATA:-/usr/share/datasets/fashion-mnist}
+TRAIN=${TRAIN:-build/tools/cfmo-train}
+PY=/usr/bin/python3
+record=false
+[ "${1:-}" = "--record" ] && record=true
+
+[ -x "$TRAIN" ] || { echo "build first: make build" >&2; exit 2; }
+[ -d "$DATA" ] || { echo "no data set at $DATA: scripts/install-deps.sh installs dataset-fashion-mnist" >&2; exit 2; }
+have_torch=true
+if ! "$PY" -c 'import torch, numpy' 2>/dev/null; then
+  have_torch=false
+  echo "PyTorch is not installed (Debian python3-torch: scripts/install-deps.sh --bench); measuring cfmo-train alone" >&2
+fi
+[ -x /usr/bin/time ] || { echo "/usr/bin/time missing (Debian package time)" >&2; exit 2; }
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+json_field() { "$PY" -c "import json,sys; print(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])[sys.argv[2]])" "$1" "$2"; }
+peak_mb() { awk '/Maximum resident set size/ {printf "%.0f", $NF/1024}' "$1"; }
+
+blas=$("$TRAIN" --data synthetic:64:64 --steps 1 --quiet --json > "$tmp/probe.json" && json_field "$tmp/probe.json" blas)
+core=${blas##* }
+export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-$core}
+echo "BLAS: $blas; both peers run with OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE" >&2
+
+cfmo_cmd=("$TRAIN" --data "$DATA" --model mlp:256,128 --optimizer adamw --lr 1e-3 --weight-decay 0.01
+          --batch-size 64 --threads 1 --steps "$STEPS" --epochs 0 --quiet --json)
+torch_cmd=("$PY" bench/pytorch_mlp.py --data "$DATA" --hidden 256,128 --lr 1e-3 --weight-decay 0.01
+           --batch-size 64 --threads 1 --steps "$STEPS" --epochs 100)
+
+cfmo_rates=(); torch_rates=(); cfmo_rss=(); torch_rss=()
+for i in $(seq 1 "$REPS"); do
+  /usr/bin/time -v "${cfmo_cmd[@]}" > "$tmp/cfmo.json" 2> "$tmp/cfmo.time"
+  cfmo_rates+=("$(json_field "$tmp/cfmo.json" samples_per_s)"); cfmo_rss+=("$(peak_mb "$tmp/cfmo.time")")
+  if $have_torch; then
+    OMP_NUM_THREADS=1 /usr/bin/time -v "${torch_cmd[@]}" > "$tmp/torch.json" 2> "$tmp/torch.time"
+    torch_rates+=("$(json_field "$tmp/torch.json" samples_per_s)"); torch_rss+=("$(peak_mb "$tmp/torch.time")")
+  fi
+  echo "rep $i: cfmo ${cfmo_rates[-1]} samples/s${torch_rates:+, pytorch ${torch_rates[-1]} samples/s}" >&2
+done
+median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+cfmo_med=$(median "${cfmo_rates[@]}")
+table="| peer | samples/s (median of $REPS, $STEPS steps) | peak RSS MB |
+| --- | --- | --- |
+| cfmo-train | $(printf '%.0f' "$cfmo_med") | $(median "${cfmo_rss[@]}") |"
+if $have_torch; then
+  torch_med=$(median "${torch_rates[@]}")
+  ratio=$(awk -v a="$cfmo_med" -v b="$torch_med" 'BEGIN {printf "%.2f", a / b}')
+  table+="
+| PyTorch $("$PY" -c 'import torch; print(torch.__version__)') | $(printf '%.0f' "$torch_med") | $(median "${torch_rss[@]}") |
+| **ratio cfmo / PyTorch** | **${ratio}x** (target 1.8x) | |"
+fi
+
+echo "accuracy: cfmo-train, $EPOCHS epochs of AdamW..." >&2
+"$TRAIN" --data "$DATA" --model mlp:256,128 --optimizer adamw --lr 1e-3 --weight-decay 0.01 --batch-size 64 \
+  --threads 1 --epochs "$EPOCHS" --quiet --json --out "$tmp/run" > "$tmp/acc.json"
+accuracy=$("$PY" - "$tmp/run/metrics.jsonl" <<'PYEOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"eval"' in l]
+print(" ".join(f"{r['test_accuracy']:.4f}" for r in rows))
+PYEOF
+)
+final=$(json_field "$tmp/acc.json" test_accuracy)
+
+report="$table
+
+Test accuracy per epoch (cfmo-train, AdamW): $accuracy; final $final (target 0.88 within 10 epochs)."
+echo "$report"
+
+if $record; then
+  {
+    echo
+    echo "### cfmo-train vs PyTorch, one worker ($(date -u +%Y-%m-%d))"
+    echo
+    echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $blas; OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE for both."
+    echo "Command: \`REPS=$REPS STEPS=$STEPS EPOCHS=$EPOCHS bench/train_vs_pytorch.sh --record\`"
+    echo
+    echo "$report"
+  } >> bench/RESULTS.md
+  echo "appended to bench/RESULTS.md" >&2
+fi
