@@ -26,10 +26,7 @@ std::string human_duration(double seconds) {
 std::string render_progress(const ProgressState& state, int width) {
   std::string tail;
   if (!state.metrics.empty()) tail = fmt::format("  {}", state.metrics);
-  if (state.fraction > 0 && state.fraction <= 1) {
-    double eta = state.elapsed_s * (1 - state.fraction) / state.fraction;
-    tail += fmt::format("  ETA {}", human_duration(eta));
-  }
+  if (state.eta_s >= 0) tail += fmt::format("  ETA {}", human_duration(state.eta_s));
   const std::string head = state.label.empty() ? std::string() : fmt::format("{} ", state.label);
   int bar_width = width - static_cast<int>(head.size() + tail.size()) - 7;
   std::string bar;

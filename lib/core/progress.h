@@ -8,7 +8,7 @@ namespace cfmo {
 
 struct ProgressState {
   double fraction = 0;   ///< 0..1 of the run; negative when unknown
-  double elapsed_s = 0;
+  double eta_s = -1;      ///< seconds left, or negative when unknown
   std::string label;     ///< e.g. "epoch 2/10"
   std::string metrics;   ///< e.g. "loss 0.4123  41.2k samples/s"
 };

@@ -285,6 +285,11 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     if (step_limit != INT64_MAX) fraction = static_cast<double>(pos.step) / static_cast<double>(step_limit);
     if (time_limit_s > 0) fraction = std::max(fraction, event.elapsed_s / time_limit_s);
     event.fraction = std::min(fraction, 1.0);
+    if (step_limit != INT64_MAX) event.eta_s = static_cast<double>(step_limit - pos.step) * train_s / steps_this_run;
+    if (time_limit_s > 0) {
+      const double left = std::max(0.0, time_limit_s - event.elapsed_s);
+      event.eta_s = event.eta_s < 0 ? left : std::min(event.eta_s, left);
+    }
     event.loss = progress_loss / static_cast<double>(progress_steps);
     event.samples_per_s = static_cast<double>(samples_this_run) / std::max(train_s, 1e-9);
     event.logged = pos.step % config.log_every == 0;

@@ -46,6 +46,7 @@ struct StepEvent {
   double samples_per_s = 0;  ///< over the same window
   double elapsed_s = 0;
   double fraction = -1;      ///< of the run, or negative when unknown
+  double eta_s = -1;         ///< seconds of training left, or negative when unknown
   bool logged = false;       ///< true every log_every steps
 };
 

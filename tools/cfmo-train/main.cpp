@@ -34,7 +34,7 @@ class ConsoleObserver final : public cfmo::TrainObserver {
       const auto now = std::chrono::steady_clock::now();
       if (now - last_draw_ < std::chrono::milliseconds(100) && e.fraction < 1.0) return;
       last_draw_ = now;
-      cfmo::ProgressState state{e.fraction, e.elapsed_s, fmt::format("epoch {} step {}", e.epoch + 1, e.step),
+      cfmo::ProgressState state{e.fraction, e.eta_s, fmt::format("epoch {} step {}", e.epoch + 1, e.step),
                                 fmt::format("loss {:.4f}  {} samples/s", e.loss, cfmo::human_count(e.samples_per_s))};
       fmt::print(stderr, "\r\033[K{}", cfmo::render_progress(state, columns()));
       drawn_ = true;
