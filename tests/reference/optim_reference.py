@@ -8,7 +8,8 @@ Muon is not in torch 1.13: it is written out here in float64 after Keller
 Jordan's reference (zeropower_via_newtonschulz5), with the update scaled by
 0.2 * sqrt(max(rows, cols)) (Moonshot AI) and AdamW for 1-D parameters.
 
-Prints C++ initialisers; paste them into the test when the cases change.
+Prints C++ initialisers; paste them into the test (then clang-format it)
+when the cases change.
     /usr/bin/python3 tests/reference/optim_reference.py
 """
 
