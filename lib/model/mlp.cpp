@@ -65,6 +65,12 @@ Mlp::Mlp(MlpSpec spec) : spec_(std::move(spec)) {
   gradients_.assign(offset, 0.0f);
 }
 
+size_t Mlp::num_trainable() const {
+  size_t n = 0;
+  for (const auto& p : params_) n += p.size;
+  return n;
+}
+
 void Mlp::init(uint64_t seed) {
   Rng rng(seed, /*stream=*/0x1417);
   std::fill(parameters_.begin(), parameters_.end(), 0.0f);

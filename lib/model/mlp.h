@@ -48,7 +48,10 @@ class Mlp {
 
   const MlpSpec& spec() const { return spec_; }
   const std::vector<ParamInfo>& params() const { return params_; }
+  /// Length of the flat buffers (tensors start 64-byte aligned, so a few floats of padding).
   size_t num_params() const { return parameters_.size(); }
+  /// Trainable parameters: the sum of the tensors' sizes, without padding.
+  size_t num_trainable() const;
   std::span<float> parameters() { return parameters_; }
   std::span<const float> parameters() const { return parameters_; }
   std::span<float> gradients() { return gradients_; }

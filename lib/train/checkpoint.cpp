@@ -22,6 +22,43 @@ Error fs_error(const fs::path& path, std::string_view what, const std::error_cod
   return make_error(ErrorKind::kInput, "{} '{}': {}", what, path.string(), ec.message());
 }
 
+/// "step-00001234" -> 1234, or -1 for anything else.
+int64_t step_of(const std::string& name) {
+  constexpr std::string_view kPrefix = "step-";
+  if (!name.starts_with(kPrefix) || name.size() == kPrefix.size()) return -1;
+  int64_t step = 0;
+  for (char c : std::string_view(name).substr(kPrefix.size())) {
+    if (c < '0' || c > '9') return -1;
+    step = step * 10 + (c - '0');
+  }
+  return step;
+}
+
+/// Keeps the newest `keep` checkpoints up to `current`. Checkpoints past
+/// `current` belong to a run that was abandoned when this one resumed from an
+/// earlier step, and temporary directories to writers that crashed: both go.
+/// Best effort: a checkpoint that cannot be removed costs disk, not correctness.
+void prune_checkpoints(const fs::path& root, int64_t current, int keep) {
+  std::error_code ec;
+  std::vector<std::pair<int64_t, fs::path>> kept;
+  std::vector<fs::path> doomed;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!it->is_directory(ec)) continue;
+    const int64_t step = step_of(name);
+    if (name.starts_with(".step-") && name.find(".tmp-") != std::string::npos) {
+      doomed.push_back(it->path());
+    } else if (step > current) {
+      doomed.push_back(it->path());
+    } else if (step >= 0) {
+      kept.emplace_back(step, it->path());
+    }
+  }
+  std::sort(kept.begin(), kept.end());
+  for (size_t i = 0; i + static_cast<size_t>(keep) < kept.size(); ++i) doomed.push_back(kept[i].second);
+  for (const auto& path : doomed) fs::remove_all(path, ec);
+}
+
 }  // namespace
 
 Status save_model(const fs::path& path, const Mlp& model, const std::map<std::string, std::string>& metadata) {
@@ -81,15 +118,7 @@ Result<fs::path> save_checkpoint(const fs::path& run_dir, const Mlp& model, Opti
   CFMO_TRY(fsync_directory(root));
   CFMO_TRY(write_file_atomic(root / "latest", name + "\n"));
 
-  std::vector<fs::path> existing;
-  for (const auto& entry : fs::directory_iterator(root, ec)) {
-    const auto file = entry.path().filename().string();
-    if (entry.is_directory() && file.starts_with("step-")) existing.push_back(entry.path());
-  }
-  std::sort(existing.begin(), existing.end());
-  for (size_t i = 0; i + static_cast<size_t>(keep) < existing.size(); ++i) {
-    if (existing[i] != final_dir) fs::remove_all(existing[i], ec);
-  }
+  prune_checkpoints(root, position.step, keep);
   return final_dir;
 }
 

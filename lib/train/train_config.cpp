@@ -66,7 +66,11 @@ Status validate(const TrainConfig& c) {
   if (!(c.min_lr >= 0 && c.min_lr <= c.lr)) return usage("min-lr", "must be in [0, lr]");
   if (c.epochs < 0) return usage("epochs", "must be >= 0");
   if (c.steps < 0) return usage("steps", "must be >= 0");
-  if (!c.time_limit.empty()) CFMO_TRY(parse_duration(c.time_limit));
+  if (!c.time_limit.empty()) {
+    auto seconds = parse_duration(c.time_limit);
+    if (!seconds) return usage("time-limit", seconds.error().message);
+    if (!(*seconds > 0)) return usage("time-limit", "must be positive (leave it empty for no limit)");
+  }
   if (c.epochs == 0 && c.steps == 0 && c.time_limit.empty()) {
     return usage("epochs", "give --epochs, --steps or --time-limit so the run ends");
   }

@@ -181,14 +181,19 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   summary.optimizer = config.optimizer;
   summary.data = data.source;
   summary.blas = ops::blas_info();
-  summary.parameters = model.num_params();
+  summary.parameters = model.num_trainable();
   summary.run_dir = run_dir.string();
   summary.resumed_from = options.resume.string();
 
+  // metrics.jsonl's "epoch": epochs completed, fractional within an epoch (as step/steps-per-epoch).
+  auto epochs_done = [&] {
+    return static_cast<double>(pos.epoch) +
+           static_cast<double>(pos.batch_in_epoch) / static_cast<double>(batches_per_epoch);
+  };
   auto evaluate = [&](bool final) -> Status {
     const auto t0 = Clock::now();
     const EvalResult r = model.evaluate(data.test.inputs.data(), data.test.labels.data(), data.test.count);
-    EvalEvent event{pos.step, pos.epoch, r.loss(), r.accuracy(), seconds_since(run_start), final};
+    EvalEvent event{pos.step, epochs_done(), r.loss(), r.accuracy(), seconds_since(run_start), final};
     summary.test_loss = event.test_loss;
     summary.test_accuracy = event.test_accuracy;
     summary.eval_s += seconds_since(t0);
@@ -196,7 +201,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     return metrics.write({{"type", "eval"},
                           {"rank", 0},
                           {"step", pos.step},
-                          {"epoch", pos.epoch},
+                          {"epoch", event.epochs},
                           {"test_loss", event.test_loss},
                           {"test_accuracy", event.test_accuracy},
                           {"wall_s", event.elapsed_s}});
@@ -219,7 +224,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   double window_loss = 0;
   int64_t window_steps = 0;
   int64_t window_samples = 0;
-  auto window_start = Clock::now();
+  double window_s = 0;
   double progress_loss = 0;
   int64_t progress_steps = 0;
   double train_s = 0;
@@ -274,6 +279,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     ++window_steps;
     ++progress_steps;
     window_samples += n;
+    window_s += step_s;
     summary.final_train_loss = loss;
 
     StepEvent event;
@@ -294,13 +300,12 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     event.samples_per_s = static_cast<double>(samples_this_run) / std::max(train_s, 1e-9);
     event.logged = pos.step % config.log_every == 0;
     if (event.logged) {
-      const double window_s = seconds_since(window_start);
       event.loss = window_loss / static_cast<double>(window_steps);
       event.samples_per_s = static_cast<double>(window_samples) / std::max(window_s, 1e-9);
       CFMO_TRY(metrics.write({{"type", "step"},
                               {"rank", 0},
                               {"step", pos.step},
-                              {"epoch", pos.epoch},
+                              {"epoch", epochs_done()},
                               {"loss", event.loss},
                               {"lr", lr},
                               {"samples", pos.samples},
@@ -309,7 +314,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
       window_loss = 0;
       window_steps = 0;
       window_samples = 0;
-      window_start = Clock::now();
+      window_s = 0;
       progress_loss = 0;
       progress_steps = 0;
     }
@@ -326,11 +331,8 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     }
   }
 
-  if (last_eval_step != pos.step) {
-    CFMO_TRY(evaluate(true));
-  } else {
-    observer.on_eval({pos.step, pos.epoch, summary.test_loss, summary.test_accuracy, seconds_since(run_start), true});
-  }
+  // The final parameters are those of the last evaluation when the run ended on an epoch boundary.
+  if (last_eval_step != pos.step) CFMO_TRY(evaluate(true));
   if (last_checkpoint_step != pos.step) CFMO_TRY(checkpoint());
   if (!run_dir.empty()) {
     CFMO_TRY(save_model(run_dir / "model.safetensors", model,

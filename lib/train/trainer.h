@@ -40,10 +40,10 @@ class SoloMode final : public Mode {
 
 struct StepEvent {
   int64_t step = 0;
-  int64_t epoch = 0;
+  int64_t epoch = 0;         ///< the epoch in progress, 0-based
   double loss = 0;           ///< mean over the steps since the last event of this kind
   double lr = 0;
-  double samples_per_s = 0;  ///< over the same window
+  double samples_per_s = 0;  ///< over the same window, training steps only
   double elapsed_s = 0;
   double fraction = -1;      ///< of the run, or negative when unknown
   double eta_s = -1;         ///< seconds of training left, or negative when unknown
@@ -52,7 +52,7 @@ struct StepEvent {
 
 struct EvalEvent {
   int64_t step = 0;
-  int64_t epoch = 0;  ///< epochs completed
+  double epochs = 0;  ///< epochs completed, fractional after a mid-epoch stop
   double test_loss = 0;
   double test_accuracy = 0;
   double elapsed_s = 0;

@@ -83,6 +83,20 @@ TEST(Checkpoint, KeepsOnlyTheNewestAndLeavesNoTemporaries) {
   EXPECT_EQ(resolve_checkpoint(*resolved).value(), *resolved);  // a checkpoint directory resolves to itself
 }
 
+TEST(Checkpoint, ResumingFromAnEarlierStepDropsTheAbandonedFuture) {
+  TempDir dir;
+  Fixture f("adamw");
+  for (int64_t step : {1, 2, 3, 4, 5}) {
+    ASSERT_TRUE(save_checkpoint(dir.path(), f.model, *f.optimizer, {step, 0, step, step, 0}, "", 10));
+  }
+  fs::create_directories(dir / "checkpoints/.step-00000009.tmp-12345");  // left by a crashed writer
+  ASSERT_TRUE(save_checkpoint(dir.path(), f.model, *f.optimizer, {3, 0, 3, 3, 0}, "", 10));
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir / "checkpoints")) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"latest", "step-00000001", "step-00000002", "step-00000003"}));
+}
+
 TEST(Checkpoint, ResolveErrorsNameThePath) {
   TempDir dir;
   auto missing = resolve_checkpoint(dir / "nothing");

@@ -69,9 +69,19 @@ TEST(Trainer, ReportsStepsAndEvaluationsToTheObserver) {
   EXPECT_EQ(std::count_if(recorder.steps.begin(), recorder.steps.end(), [](const StepEvent& e) { return e.logged; }),
             6);
   EXPECT_DOUBLE_EQ(recorder.steps.back().fraction, 1.0);
-  ASSERT_EQ(recorder.evals.size(), 3u);  // two epoch ends and the final report
-  EXPECT_TRUE(recorder.evals.back().final);
+  // One per epoch end; the run ended on an epoch boundary, so no extra final evaluation.
+  ASSERT_EQ(recorder.evals.size(), 2u);
+  EXPECT_DOUBLE_EQ(recorder.evals[0].epochs, 1.0);
+  EXPECT_DOUBLE_EQ(recorder.evals[1].epochs, 2.0);
   EXPECT_EQ(recorder.evals[1].test_accuracy, summary->test_accuracy);
+  // A run that stops mid-epoch evaluates once more, marked final.
+  Recorder mid;
+  c.steps = 20;
+  options.observer = &mid;
+  ASSERT_TRUE(train(c, options));
+  ASSERT_EQ(mid.evals.size(), 2u);
+  EXPECT_TRUE(mid.evals.back().final);
+  EXPECT_DOUBLE_EQ(mid.evals.back().epochs, 1.25);
 }
 
 TEST(Trainer, StopsOnStepsTimeLimitAndRequest) {
@@ -133,6 +143,7 @@ TEST(Trainer, SummaryJsonHasTheDocumentedKeys) {
   }
   EXPECT_EQ(j["per_worker"][0]["rank"], 0);
   EXPECT_TRUE(j["run_dir"].is_null());
+  EXPECT_EQ(j["parameters"], 784 * 32 + 32 + 32 * 10 + 10);  // trainable parameters, no padding
 }
 
 TEST(Trainer, RunDirectoryGetsMetricsAndModel) {

@@ -19,7 +19,12 @@ namespace {
 constexpr int kInterruptedStatus = 130;  // 128 + SIGINT, as shells report it
 std::atomic<bool> g_stop{false};
 
-void on_signal(int) { g_stop.store(true); }
+// The first SIGINT/SIGTERM asks the trainer to stop cleanly (checkpoint, summary);
+// a second one gets the default action and ends the process at once.
+void on_signal(int signal_number) {
+  g_stop.store(true);
+  std::signal(signal_number, SIG_DFL);
+}
 
 int fail(const cfmo::Error& error) { return cfmo::tool::fail("cfmo-train", error); }
 
@@ -48,7 +53,7 @@ class ConsoleObserver final : public cfmo::TrainObserver {
     if (quiet_) return;
     clear_line();
     fmt::print(stderr, "{} step {}: test accuracy {:.4f}  test loss {:.4f}  ({:.1f}s)\n",
-               e.final ? "final" : fmt::format("epoch {}", e.epoch), e.step, e.test_accuracy, e.test_loss, e.elapsed_s);
+               e.final ? "final" : fmt::format("epoch {:.0f}", e.epochs), e.step, e.test_accuracy, e.test_loss, e.elapsed_s);
   }
 
   void on_note(std::string_view text) override {
@@ -85,8 +90,7 @@ void print_human_summary(const cfmo::TrainSummary& s) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  cfmo::tool::reexec_for_blas(argv);
+static int run(int argc, char** argv) {
   CLI::App app{
       "Train a model on Fashion-MNIST with local-update optimizers.\n"
       "Every option can also be set in a TOML file (--config); flags override the file."};
@@ -131,6 +135,10 @@ int main(int argc, char** argv) {
   if (!config_file.empty()) {
     if (auto loaded = table.load_toml(config_file); !loaded) return fail(loaded.error());
   }
+  if (!options.resume.empty() && !table.given_on_cli("out")) {
+    // It continues in the run directory the checkpoint lives in, wherever it was started from.
+    config.out = options.resume.parent_path().parent_path().string();
+  }
   if (auto valid = cfmo::validate(config); !valid) return fail(valid.error());
   options.config_toml = table.to_toml();
   if (print_config) {
@@ -153,4 +161,9 @@ int main(int argc, char** argv) {
     print_human_summary(*summary);
   }
   return summary->stopped_by == "interrupt" ? kInterruptedStatus : 0;
+}
+
+int main(int argc, char** argv) {
+  cfmo::tool::reexec_for_blas(argv);
+  return cfmo::tool::guarded("cfmo-train", [&] { return run(argc, argv); });
 }

@@ -10,6 +10,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <new>
 
 namespace cfmo::tool {
 
@@ -23,6 +25,20 @@ inline void reexec_for_blas(char** argv) {
   ::setenv("CFMO_BLAS_REEXEC", "1", 1);
   ::execv("/proc/self/exe", argv);
   // If exec fails the run goes on with the slow kernels: correct, only slower.
+}
+
+/// Runs a tool's body; an exception that escapes it (out of memory, a
+/// library's own throw) becomes one line and exit status 5, not an abort.
+template <typename Body>
+int guarded(const char* tool, Body&& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "{}: out of memory\n", tool);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "{}: internal error: {}\n", tool, e.what());
+  }
+  return static_cast<int>(ErrorKind::kInternal);
 }
 
 inline int fail(const char* tool, const Error& error) {
