@@ -52,10 +52,20 @@ Status write_safetensors(const std::filesystem::path& path, std::span<const Tens
       return make_error(ErrorKind::kInternal, "'{}': tensor '{}' has {} bytes for {} {}", path.string(), t.name,
                         t.bytes.size(), t.dtype, shape_string(t.shape));
     }
+    // A repeated name would replace the header entry but still write the bytes, leaving a hole
+    // that no reader accepts; "__metadata__" is the format's own key.
+    if (t.name == "__metadata__" || header.contains(t.name)) {
+      return make_error(ErrorKind::kInternal, "'{}': tensor name '{}' is reserved or repeated", path.string(), t.name);
+    }
     header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes.size()}}};
     offset += t.bytes.size();
   }
-  std::string text = header.dump();
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const nlohmann::json::type_error& e) {  // a name or metadata value that is not UTF-8
+    return make_error(ErrorKind::kInternal, "'{}': cannot write the header: {}", path.string(), e.what());
+  }
   // Pad with spaces so the data section starts 8-byte aligned, as the reference writer does.
   text.append((8 - text.size() % 8) % 8, ' ');
   const uint64_t length = text.size();
@@ -124,6 +134,8 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::string bytes, const std::str
     for (const auto& d : *shape) {
       if (!d.is_number_unsigned()) return bad("shape has a non-integer or negative dimension");
       const auto dim = d.get<uint64_t>();
+      // Checked apart from the product: next to a zero dimension the product stays 0.
+      if (dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return bad("shape overflows");
       if (dim != 0 && elements > std::numeric_limits<uint64_t>::max() / dim / width) return bad("shape overflows");
       elements *= dim;
       entry.shape.push_back(static_cast<int64_t>(dim));
@@ -177,7 +189,8 @@ Status SafetensorsFile::read_f32(std::string_view name, const std::vector<int64_
   }
   auto data = bytes(*e);
   if (data.size() != out.size_bytes()) return corrupt(source_, fmt::format("tensor '{}' has the wrong size", name));
-  std::memcpy(out.data(), data.data(), data.size());
+  // memcpy with a null pointer is undefined even for 0 bytes, and an empty span's data() may be null.
+  if (!data.empty()) std::memcpy(out.data(), data.data(), data.size());
   return {};
 }
 

@@ -98,6 +98,11 @@ Status fsync_directory(const std::filesystem::path& dir) {
 Result<std::string> read_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return io_error(path, "Failed to open");
+  // A directory opens and then reads as empty, without any stream error.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return make_error(ErrorKind::kInput, "Failed to read '{}': is a directory", path.string());
+  }
   std::ostringstream buffer;
   buffer << in.rdbuf();
   if (in.bad()) return io_error(path, "Failed to read");

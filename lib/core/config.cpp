@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <fstream>
 #include <sstream>
 
 namespace cfmo {
@@ -44,13 +45,9 @@ Status assign(const toml::node& node, OptionTable::Target target, const std::str
             *out = *s;
           } else if (node.is_integer() || node.is_floating_point()) {
             // Numbers are accepted where a string is parsed later ("data", durations).
-            std::ostringstream text;
-            if (node.is_integer()) {
-              text << *node.value<int64_t>();
-            } else {
-              text << *node.value<double>();
-            }
-            *out = text.str();
+            // fmt's shortest round-trip form: a stream's default 6 digits would turn 0.123456789 into 0.123457.
+            *out = node.is_integer() ? fmt::format("{}", *node.value<int64_t>())
+                                     : fmt::format("{}", *node.value<double>());
           } else {
             return bad_value(source, key, "a string");
           }
@@ -176,7 +173,12 @@ std::string OptionTable::to_toml() const {
       group = entry.group;
       out += fmt::format("\n# --- {} ---\n", group);
     }
-    out += fmt::format("# {}\n{} = {}\n", entry.help, entry.key, format_value(entry.target));
+    // Every line of the help is a comment, or a multi-line help would make the output unloadable.
+    std::string help = entry.help;
+    for (size_t pos = help.find('\n'); pos != std::string::npos; pos = help.find('\n', pos + 3)) {
+      help.replace(pos, 1, "\n# ");
+    }
+    out += fmt::format("# {}\n{} = {}\n", help, entry.key, format_value(entry.target));
   }
   return out;
 }
@@ -227,6 +229,8 @@ Result<uint64_t> parse_size(std::string_view text) {
     }
     scale = std::pow(1024.0, static_cast<double>(pos + 1));
   }
+  // Converting a double at or above 2^64 to uint64_t is undefined behaviour.
+  if (number * scale >= 0x1p64) return make_error(ErrorKind::kUsage, "'{}' is too large a size", text);
   return static_cast<uint64_t>(number * scale);
 }
 

@@ -71,6 +71,11 @@ class IdxReader {
                         gzerror(file_.get(), &errnum));
     }
     if (n > 0) return make_error(ErrorKind::kInput, "'{}': unexpected bytes after the data", path_.string());
+    // A gzip stream cut short after its last data byte (in the CRC/length trailer, so unchecked) is only
+    // reported through gzerror: gzread then returns 0, as at a clean end.
+    int errnum = Z_OK;
+    gzerror(file_.get(), &errnum);
+    if (errnum == Z_BUF_ERROR) return make_error(ErrorKind::kInput, "'{}': truncated compressed data", path_.string());
     return {};
   }
 
