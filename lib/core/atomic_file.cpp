@@ -11,8 +11,10 @@
 namespace cfmo {
 namespace {
 
-Error io_error(const std::filesystem::path& path, std::string_view what) {
-  return make_error(ErrorKind::kInput, "{} '{}': {}", what, path.string(), std::strerror(errno));
+// Reading fails on bad input (exit 3); writing fails on the system (a full
+// disk, a read-only mount: exit 5), whatever the caller asked for.
+Error io_error(const std::filesystem::path& path, std::string_view what, ErrorKind kind = ErrorKind::kInternal) {
+  return make_error(kind, "{} '{}': {}", what, path.string(), std::strerror(errno));
 }
 
 }  // namespace
@@ -97,7 +99,7 @@ Status fsync_directory(const std::filesystem::path& dir) {
 
 Result<std::string> read_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return io_error(path, "Failed to open");
+  if (!in) return io_error(path, "Failed to open", ErrorKind::kInput);
   // A directory opens and then reads as empty, without any stream error.
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
@@ -105,7 +107,7 @@ Result<std::string> read_file(const std::filesystem::path& path) {
   }
   std::ostringstream buffer;
   buffer << in.rdbuf();
-  if (in.bad()) return io_error(path, "Failed to read");
+  if (in.bad()) return io_error(path, "Failed to read", ErrorKind::kInput);
   return std::move(buffer).str();
 }
 

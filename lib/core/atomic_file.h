@@ -1,5 +1,6 @@
 #pragma once
-/// Files are written whole or not at all: data goes to a temporary file in
+/// Files are written whole or not at all (write errors are ErrorKind::kInternal,
+/// exit 5; read errors kInput, exit 3): data goes to a temporary file in
 /// the same directory, is fsync'ed, then renamed over the target, and the
 /// directory is fsync'ed so the rename survives a crash.
 

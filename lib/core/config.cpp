@@ -83,6 +83,12 @@ std::string format_value(const OptionTable::Target& target) {
           out << array;
         } else if constexpr (std::is_same_v<T, int>) {
           out << toml::value<int64_t>(*value);
+        } else if constexpr (std::is_same_v<T, double>) {
+          // The shortest text that reads back as the same double (0.9, not 0.90000000000000002).
+          std::string text = fmt::format("{}", *value);
+          if (std::isfinite(*value) && text.find_first_of(".e") == std::string::npos) text += ".0";
+          if (!std::isfinite(*value)) text = std::isnan(*value) ? "nan" : (*value > 0 ? "inf" : "-inf");
+          out << text;
         } else {
           out << toml::value<T>(*value);
         }

@@ -18,8 +18,9 @@ std::span<const std::byte> as_bytes(const float* data, size_t count) {
   return std::as_bytes(std::span<const float>(data, count));
 }
 
+// Failing to create or rename in the run directory is a system failure (exit 5).
 Error fs_error(const fs::path& path, std::string_view what, const std::error_code& ec) {
-  return make_error(ErrorKind::kInput, "{} '{}': {}", what, path.string(), ec.message());
+  return make_error(ErrorKind::kInternal, "{} '{}': {}", what, path.string(), ec.message());
 }
 
 /// "step-00001234" -> 1234, or -1 for anything else.

@@ -36,7 +36,7 @@ class MetricsLog {
     if (resume_step >= 0 && fs::exists(path, ec)) CFMO_TRY(truncate_after(path, resume_step));
     MetricsLog log;
     log.out_ = std::make_unique<std::ofstream>(path, resume_step >= 0 ? std::ios::app : std::ios::trunc);
-    if (!*log.out_) return make_error(ErrorKind::kInput, "Failed to open '{}' for writing", path.string());
+    if (!*log.out_) return make_error(ErrorKind::kInternal, "Failed to open '{}' for writing", path.string());
     log.path_ = path;
     return log;
   }
@@ -45,7 +45,7 @@ class MetricsLog {
     if (!out_) return {};
     *out_ << line.dump() << '\n';
     out_->flush();
-    if (!*out_) return make_error(ErrorKind::kInput, "Failed to write '{}'", path_.string());
+    if (!*out_) return make_error(ErrorKind::kInternal, "Failed to write '{}'", path_.string());
     return {};
   }
 

@@ -259,7 +259,7 @@ TEST_F(SafetensorsTest, WriterRejectsTextThatIsNotUtf8) {
 
 TEST_F(SafetensorsTest, WriteIntoAMissingDirectoryFails) {
   const auto path = dir_ / "missing" / "model.safetensors";
-  EXPECT_TRUE(fails_with(write_safetensors(path, {}), ErrorKind::kInput, {path.string()}));
+  EXPECT_TRUE(fails_with(write_safetensors(path, {}), ErrorKind::kInternal, {path.string()}));
 }
 
 TEST_F(SafetensorsTest, ReadMissingFileNamesIt) {

@@ -154,8 +154,8 @@ TEST_F(AtomicFileTest, MoveAssignmentDiscardsTheOverwrittenFile) {
 
 TEST_F(AtomicFileTest, MissingDirectoryIsAnInputErrorNamingThePath) {
   const auto path = dir_ / "no" / "such" / "dir" / "out.txt";
-  EXPECT_TRUE(fails_with(write_file_atomic(path, "x"), ErrorKind::kInput, {path.string()}));
-  EXPECT_TRUE(fails_with(AtomicFile::create(path), ErrorKind::kInput, {path.string()}));
+  EXPECT_TRUE(fails_with(write_file_atomic(path, "x"), ErrorKind::kInternal, {path.string()}));
+  EXPECT_TRUE(fails_with(AtomicFile::create(path), ErrorKind::kInternal, {path.string()}));
   EXPECT_TRUE(entries().empty());
 }
 
@@ -163,7 +163,7 @@ TEST_F(AtomicFileTest, DirectoryInTheWayIsAnErrorAndLeavesNoTempFile) {
   const auto path = dir_ / "occupied";
   fs::create_directory(path);
   fs::create_directory(path / "inside");
-  EXPECT_TRUE(fails_with(write_file_atomic(path, "x"), ErrorKind::kInput, {path.string()}));
+  EXPECT_TRUE(fails_with(write_file_atomic(path, "x"), ErrorKind::kInternal, {path.string()}));
   EXPECT_TRUE(fs::is_directory(path / "inside"));
   EXPECT_EQ(entries(), std::vector<std::string>{"occupied"});
 }
@@ -180,7 +180,7 @@ TEST_F(AtomicFileTest, ReadDirectoryIsAnError) {
 TEST_F(AtomicFileTest, FsyncDirectory) {
   EXPECT_TRUE(fsync_directory(dir_));
   const auto missing = dir_ / "gone";
-  EXPECT_TRUE(fails_with(fsync_directory(missing), ErrorKind::kInput, {missing.string()}));
+  EXPECT_TRUE(fails_with(fsync_directory(missing), ErrorKind::kInternal, {missing.string()}));
 }
 
 }  // namespace
