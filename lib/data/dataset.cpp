@@ -1,6 +1,7 @@
 #include "data/dataset.h"
 
 #include "core/rng.h"
+#include "tensor/simd.h"
 
 #include <zlib.h>
 
@@ -137,9 +138,7 @@ Result<Dataset> read_idx(const std::filesystem::path& images, const std::filesys
 
   data.count = count;
   data.features = static_cast<int>(rows * cols);
-  data.inputs.resize(elements);
-  constexpr float kScale = 1.0f / 255.0f;
-  for (size_t i = 0; i < elements; ++i) data.inputs[i] = static_cast<float>(pixels[i]) * kScale;
+  data.pixels = std::move(pixels);
   data.labels.resize(count);
   for (size_t i = 0; i < count; ++i) {
     if (raw_labels[i] >= classes) {
@@ -198,7 +197,7 @@ DataSplit make_synthetic(uint64_t seed, int64_t train_count, int64_t test_count)
     data.count = count;
     data.features = kFeatures;
     data.classes = kClasses;
-    data.inputs.resize(static_cast<size_t>(count) * kFeatures);
+    data.pixels.resize(static_cast<size_t>(count) * kFeatures);
     data.labels.resize(static_cast<size_t>(count));
     for (int64_t i = 0; i < count; ++i) {
       const auto label = static_cast<int32_t>(local.below(kClasses));
@@ -206,12 +205,12 @@ DataSplit make_synthetic(uint64_t seed, int64_t train_count, int64_t test_count)
       const float mix = local.uniform(0.0f, 0.45f);  // blend with another class: overlap
       const float gain = local.uniform(0.7f, 1.2f);
       data.labels[static_cast<size_t>(i)] = label;
-      float* row = data.inputs.data() + static_cast<size_t>(i) * kFeatures;
+      uint8_t* row = data.pixels.data() + static_cast<size_t>(i) * kFeatures;
       const float* p = prototypes.data() + static_cast<size_t>(label) * kFeatures;
       const float* q = prototypes.data() + static_cast<size_t>(other) * kFeatures;
       for (int k = 0; k < kFeatures; ++k) {
         const float v = gain * ((1 - mix) * p[k] + mix * q[k]) + 0.15f * local.normal();
-        row[k] = std::clamp(v, 0.0f, 1.0f);
+        row[k] = static_cast<uint8_t>(std::lround(std::clamp(v, 0.0f, 1.0f) * 255.0f));
       }
     }
   };
@@ -252,12 +251,27 @@ std::vector<int64_t> epoch_order(uint64_t seed, int64_t epoch, int64_t count) {
   return order;
 }
 
+namespace {
+
+CFMO_SIMD_CLONES
+void bytes_to_unit_floats(const uint8_t* __restrict in, size_t n, float* __restrict out) {
+  constexpr float kScale = 1.0f / 255.0f;
+  for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]) * kScale;
+}
+
+}  // namespace
+
+void Dataset::rows_to_float(int64_t first, int64_t n, float* out) const {
+  const size_t width = static_cast<size_t>(features);
+  bytes_to_unit_floats(row(first), static_cast<size_t>(n) * width, out);
+}
+
 void gather_batch(const Dataset& data, const std::vector<int64_t>& order, int64_t first, int n, float* inputs,
                   int32_t* labels) {
   const auto features = static_cast<size_t>(data.features);
   for (int i = 0; i < n; ++i) {
     const int64_t index = order[static_cast<size_t>(first + i)];
-    std::memcpy(inputs + static_cast<size_t>(i) * features, data.row(index), features * sizeof(float));
+    bytes_to_unit_floats(data.row(index), features, inputs + static_cast<size_t>(i) * features);
     labels[i] = data.labels[static_cast<size_t>(index)];
   }
 }

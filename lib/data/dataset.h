@@ -1,9 +1,11 @@
 #pragma once
-/// Labelled examples in memory as float32 features in [0, 1] and int32
-/// labels: Fashion-MNIST from IDX files (gzip or raw) or seeded synthetic data.
+/// Labelled examples in memory: 8-bit features (as IDX files store them),
+/// converted to float32 in [0, 1] a batch at a time, and int32 labels.
+/// Fashion-MNIST from IDX files (gzip or raw) or seeded synthetic data.
+/// Keeping bytes, not floats, makes the training set 47 MB instead of 188 MB
+/// per worker process.
 
 #include "core/error.h"
-#include "tensor/buffer.h"
 
 #include <cstdint>
 #include <filesystem>
@@ -16,10 +18,12 @@ struct Dataset {
   int64_t count = 0;
   int features = 0;
   int classes = 0;
-  FloatBuffer inputs;           ///< [count, features], row-major
+  std::vector<uint8_t> pixels;  ///< [count, features], row-major; feature value = pixel / 255
   std::vector<int32_t> labels;  ///< [count], each in [0, classes)
 
-  const float* row(int64_t i) const { return inputs.data() + static_cast<size_t>(i) * static_cast<size_t>(features); }
+  const uint8_t* row(int64_t i) const { return pixels.data() + static_cast<size_t>(i) * static_cast<size_t>(features); }
+  /// Writes rows [first, first + n) as floats in [0, 1] to `out` [n, features].
+  void rows_to_float(int64_t first, int64_t n, float* out) const;
 };
 
 struct DataSplit {

@@ -74,6 +74,23 @@ class MetricsLog {
   fs::path path_;
 };
 
+/// The model's loss and accuracy over a whole data set, converted to floats
+/// a chunk at a time so the set itself stays in bytes.
+EvalResult evaluate_dataset(Mlp& model, const Dataset& data) {
+  constexpr int64_t kChunk = 1000;
+  FloatBuffer chunk(static_cast<size_t>(std::min(kChunk, data.count)) * static_cast<size_t>(data.features));
+  EvalResult total;
+  for (int64_t first = 0; first < data.count; first += kChunk) {
+    const int64_t n = std::min(kChunk, data.count - first);
+    data.rows_to_float(first, n, chunk.data());
+    const EvalResult r = model.evaluate(chunk.data(), data.labels.data() + first, n, static_cast<int>(kChunk));
+    total.loss_sum += r.loss_sum;
+    total.correct += r.correct;
+    total.count += r.count;
+  }
+  return total;
+}
+
 }  // namespace
 
 std::string TrainSummary::to_json() const {
@@ -192,7 +209,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   };
   auto evaluate = [&](bool final) -> Status {
     const auto t0 = Clock::now();
-    const EvalResult r = model.evaluate(data.test.inputs.data(), data.test.labels.data(), data.test.count);
+    const EvalResult r = evaluate_dataset(model, data.test);
     EvalEvent event{pos.step, epochs_done(), r.loss(), r.accuracy(), seconds_since(run_start), final};
     summary.test_loss = event.test_loss;
     summary.test_accuracy = event.test_accuracy;

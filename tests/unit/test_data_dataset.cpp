@@ -113,12 +113,14 @@ class DatasetTest : public ::testing::Test {
     EXPECT_EQ(data.count, 3);
     EXPECT_EQ(data.features, 6);
     EXPECT_EQ(data.classes, 10);
-    ASSERT_EQ(data.inputs.size(), kPixels.size());
-    for (size_t i = 0; i < kPixels.size(); ++i) EXPECT_FLOAT_EQ(data.inputs[i], kPixels[i] / 255.0f) << i;
-    EXPECT_EQ(data.inputs[0], 0.0f);
-    EXPECT_EQ(data.inputs[6], 1.0f);
+    ASSERT_EQ(data.pixels.size(), kPixels.size());
+    std::vector<float> floats(kPixels.size());
+    data.rows_to_float(0, data.count, floats.data());
+    for (size_t i = 0; i < kPixels.size(); ++i) EXPECT_FLOAT_EQ(floats[i], kPixels[i] / 255.0f) << i;
+    EXPECT_EQ(floats[0], 0.0f);
+    EXPECT_EQ(floats[6], 1.0f);
     EXPECT_EQ(data.labels, (std::vector<int32_t>{3, 0, 9}));
-    EXPECT_EQ(data.row(1), data.inputs.data() + 6);
+    EXPECT_EQ(data.row(1), data.pixels.data() + 6);
   }
 
   fs::path dir_;
@@ -367,8 +369,8 @@ TEST_F(DatasetTest, LoadFashionMnistFromGzipFiles) {
   EXPECT_EQ(split->train.features, 4);
   EXPECT_EQ(split->test.features, 4);
   EXPECT_EQ(split->train.labels[11], 1);
-  EXPECT_FLOAT_EQ(split->train.inputs[5], 5 / 255.0f);
-  EXPECT_FLOAT_EQ(split->test.inputs[0], 100 / 255.0f);
+  EXPECT_EQ(split->train.pixels[5], 5);
+  EXPECT_EQ(split->test.pixels[0], 100);
 }
 
 TEST_F(DatasetTest, LoadFashionMnistFromRawFiles) {
@@ -413,10 +415,10 @@ TEST(FashionMnistTest, ReadsTheInstalledDataSet) {
   for (const Dataset* data : {&split->train, &split->test}) {
     EXPECT_EQ(data->features, 784);
     EXPECT_EQ(data->classes, 10);
-    ASSERT_EQ(data->inputs.size(), static_cast<size_t>(data->count) * 784);
-    const auto [lo, hi] = std::minmax_element(data->inputs.begin(), data->inputs.end());
-    EXPECT_EQ(*lo, 0.0f);
-    EXPECT_EQ(*hi, 1.0f);
+    ASSERT_EQ(data->pixels.size(), static_cast<size_t>(data->count) * 784);
+    const auto [lo, hi] = std::minmax_element(data->pixels.begin(), data->pixels.end());
+    EXPECT_EQ(*lo, 0);
+    EXPECT_EQ(*hi, 255);
   }
   EXPECT_EQ(split->train.count, 60000);
   EXPECT_EQ(split->test.count, 10000);
@@ -444,12 +446,12 @@ TEST(SyntheticTest, ShapesAndRanges) {
   for (const Dataset* data : {&split.train, &split.test}) {
     EXPECT_EQ(data->features, 784);
     EXPECT_EQ(data->classes, 10);
-    ASSERT_EQ(data->inputs.size(), static_cast<size_t>(data->count) * 784);
+    ASSERT_EQ(data->pixels.size(), static_cast<size_t>(data->count) * 784);
     ASSERT_EQ(data->labels.size(), static_cast<size_t>(data->count));
-    for (float v : data->inputs) {
-      ASSERT_GE(v, 0.0f);
-      ASSERT_LE(v, 1.0f);
-    }
+    // Both ends of the byte range are used: the data is not a constant image.
+    const auto [lo, hi] = std::minmax_element(data->pixels.begin(), data->pixels.end());
+    EXPECT_EQ(*lo, 0);
+    EXPECT_GT(*hi, 200);
     for (int32_t label : data->labels) {
       ASSERT_GE(label, 0);
       ASSERT_LT(label, 10);
@@ -464,19 +466,19 @@ TEST(SyntheticTest, ShapesAndRanges) {
 TEST(SyntheticTest, DeterministicPerSeed) {
   const DataSplit a = make_synthetic(42, 100, 20);
   const DataSplit b = make_synthetic(42, 100, 20);
-  EXPECT_EQ(a.train.inputs, b.train.inputs);
+  EXPECT_EQ(a.train.pixels, b.train.pixels);
   EXPECT_EQ(a.train.labels, b.train.labels);
-  EXPECT_EQ(a.test.inputs, b.test.inputs);
+  EXPECT_EQ(a.test.pixels, b.test.pixels);
   EXPECT_EQ(a.test.labels, b.test.labels);
 }
 
 TEST(SyntheticTest, DiffersAcrossSeedsAndSplits) {
   const DataSplit a = make_synthetic(1, 100, 100);
   const DataSplit b = make_synthetic(2, 100, 100);
-  EXPECT_NE(a.train.inputs, b.train.inputs);
+  EXPECT_NE(a.train.pixels, b.train.pixels);
   EXPECT_NE(a.train.labels, b.train.labels);
-  EXPECT_NE(a.test.inputs, b.test.inputs);
-  EXPECT_NE(a.train.inputs, a.test.inputs);  // train and test are different draws
+  EXPECT_NE(a.test.pixels, b.test.pixels);
+  EXPECT_NE(a.train.pixels, a.test.pixels);  // train and test are different draws
 }
 
 TEST(LoadDataTest, SyntheticSpecs) {
@@ -486,7 +488,7 @@ TEST(LoadDataTest, SyntheticSpecs) {
   EXPECT_EQ(both->test.count, 20);
   EXPECT_EQ(both->source, "synthetic");
   const DataSplit direct = make_synthetic(5, 100, 20);
-  EXPECT_EQ(both->train.inputs, direct.train.inputs);
+  EXPECT_EQ(both->train.pixels, direct.train.pixels);
   EXPECT_EQ(both->test.labels, direct.test.labels);
 
   auto train_only = load_data("synthetic:50", 5);
@@ -537,8 +539,8 @@ TEST(GatherBatchTest, CopiesTheRowsInOrder) {
   data.count = 5;
   data.features = 3;
   data.classes = 10;
-  data.inputs.resize(15);
-  for (size_t i = 0; i < data.inputs.size(); ++i) data.inputs[i] = static_cast<float>(i);
+  data.pixels.resize(15);
+  for (size_t i = 0; i < data.pixels.size(); ++i) data.pixels[i] = static_cast<uint8_t>(i * 17);
   data.labels = {10, 11, 12, 13, 14};
   const std::vector<int64_t> order = {4, 2, 0, 3, 1};
 
@@ -546,11 +548,15 @@ TEST(GatherBatchTest, CopiesTheRowsInOrder) {
   std::vector<float> inputs(3 * 3, -1.0f);
   std::vector<int32_t> labels(3, -1);
   gather_batch(data, order, 1, 2, inputs.data(), labels.data());
-  EXPECT_EQ(inputs, (std::vector<float>{6, 7, 8, 0, 1, 2, -1, -1, -1}));
+  auto unit = [](std::vector<float> v) {
+    for (float& x : v) x = x < 0 ? x : (x * 17) * (1.0f / 255.0f);  // the reader's own scaling
+    return v;
+  };
+  EXPECT_EQ(inputs, unit({6, 7, 8, 0, 1, 2, -1, -1, -1}));
   EXPECT_EQ(labels, (std::vector<int32_t>{12, 10, -1}));
 
   gather_batch(data, order, 0, 3, inputs.data(), labels.data());
-  EXPECT_EQ(inputs, (std::vector<float>{12, 13, 14, 6, 7, 8, 0, 1, 2}));
+  EXPECT_EQ(inputs, unit({12, 13, 14, 6, 7, 8, 0, 1, 2}));
   EXPECT_EQ(labels, (std::vector<int32_t>{14, 12, 10}));
 }
 
