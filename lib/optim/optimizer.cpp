@@ -139,7 +139,7 @@ class Muon final : public Optimizer {
       }
       const auto rows = static_cast<int>(info.shape[0]);
       const auto cols = static_cast<int>(info.shape[1]);
-      newton_schulz(std::span<float>(u, info.size), rows, cols, config_.ns_steps);
+      newton_schulz(std::span<float>(u, info.size), rows, cols, config_.ns_steps, workspace_);
       const float scale = lr * 0.2f * std::sqrt(static_cast<float>(std::max(rows, cols)));
       const float decay = 1.0f - lr * wd;
       for (size_t i = 0; i < info.size; ++i) p[i] = p[i] * decay - scale * u[i];
@@ -160,11 +160,17 @@ class Muon final : public Optimizer {
   FloatBuffer exp_avg_;
   FloatBuffer exp_avg_sq_;
   FloatBuffer update_;
+  NewtonSchulzWorkspace workspace_;
 };
 
 }  // namespace
 
 void newton_schulz(std::span<float> g, int rows, int cols, int steps) {
+  NewtonSchulzWorkspace workspace;
+  newton_schulz(g, rows, cols, steps, workspace);
+}
+
+void newton_schulz(std::span<float> g, int rows, int cols, int steps, NewtonSchulzWorkspace& workspace) {
   constexpr float a = 3.4445f;
   constexpr float b = -4.7750f;
   constexpr float c = 2.0315f;
@@ -173,10 +179,14 @@ void newton_schulz(std::span<float> g, int rows, int cols, int steps) {
   const int r = transpose ? cols : rows;
   const int k = transpose ? rows : cols;
   const size_t n = static_cast<size_t>(r) * static_cast<size_t>(k);
-  FloatBuffer x(n);
-  FloatBuffer x_next(n);
-  FloatBuffer gram(static_cast<size_t>(r) * r);
-  FloatBuffer poly(static_cast<size_t>(r) * r);
+  FloatBuffer& x = workspace.x;
+  FloatBuffer& x_next = workspace.x_next;
+  FloatBuffer& gram = workspace.gram;
+  FloatBuffer& poly = workspace.poly;
+  x.resize(n);
+  x_next.resize(n);
+  gram.resize(static_cast<size_t>(r) * r);
+  poly.resize(static_cast<size_t>(r) * r);
   const float inv_norm = 1.0f / (static_cast<float>(ops::norm2(g)) + 1e-7f);
   if (transpose) {
     for (int i = 0; i < rows; ++i) {

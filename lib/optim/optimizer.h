@@ -63,8 +63,15 @@ Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config,
 /// Returns the norm before clipping.
 double clip_grad_norm(std::span<float> grads, double max_norm);
 
+/// Scratch space for newton_schulz, kept across steps: the buffers are
+/// large enough that allocating them per call means mmap and page faults.
+struct NewtonSchulzWorkspace {
+  FloatBuffer x, x_next, gram, poly;
+};
+
 /// Orthogonalises the row-major matrix `g` [rows, cols] in place with
 /// `steps` quintic Newton-Schulz iterations (Muon's zeropower_via_newtonschulz5).
+void newton_schulz(std::span<float> g, int rows, int cols, int steps, NewtonSchulzWorkspace& workspace);
 void newton_schulz(std::span<float> g, int rows, int cols, int steps);
 
 }  // namespace cfmo
