@@ -123,8 +123,11 @@ Result<fs::path> save_checkpoint(const fs::path& run_dir, const Mlp& model, Opti
   return final_dir;
 }
 
-Result<fs::path> resolve_checkpoint(const fs::path& path) {
+Result<fs::path> resolve_checkpoint(const fs::path& given) {
   std::error_code ec;
+  // Absolute and without a trailing slash, so parent_path() means the parent directory.
+  fs::path path = fs::absolute(given, ec).lexically_normal();
+  if (path.has_parent_path() && path.filename().empty()) path = path.parent_path();
   if (fs::is_regular_file(path / "state.json", ec)) return path;
   const fs::path latest = path / "checkpoints" / "latest";
   if (!fs::is_regular_file(latest, ec)) {
@@ -141,6 +144,12 @@ Result<fs::path> resolve_checkpoint(const fs::path& path) {
     return make_error(ErrorKind::kInput, "'{}': names '{}', which is missing", latest.string(), name);
   }
   return dir;
+}
+
+std::filesystem::path run_dir_of(const std::filesystem::path& checkpoint_dir) {
+  const fs::path parent = checkpoint_dir.parent_path();
+  if (parent.filename() == "checkpoints" && parent.has_parent_path()) return parent.parent_path();
+  return {};
 }
 
 Result<TrainPosition> load_checkpoint(const fs::path& dir, Mlp& model, Optimizer& optimizer) {

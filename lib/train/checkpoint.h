@@ -38,8 +38,12 @@ Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_d
 /// Writes the parameters alone as a safetensors file (the run's final model).
 Status save_model(const std::filesystem::path& path, const Mlp& model, const std::map<std::string, std::string>& metadata);
 
-/// `path` is a checkpoint directory or a run directory (its latest checkpoint).
+/// `path` is a checkpoint directory or a run directory (its latest checkpoint);
+/// returns the checkpoint directory as an absolute, normalised path.
 Result<std::filesystem::path> resolve_checkpoint(const std::filesystem::path& path);
+
+/// RUN for RUN/checkpoints/step-N; empty for a checkpoint kept anywhere else.
+std::filesystem::path run_dir_of(const std::filesystem::path& checkpoint_dir);
 
 /// Restores parameters, optimizer state and position. Shapes and the
 /// optimizer's name must match; errors name the file and tensor.

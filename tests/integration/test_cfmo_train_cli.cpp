@@ -243,8 +243,12 @@ TEST(CfmoTrainCli, ResumedRunEndsWithTheSameParametersAsAnUninterruptedOne) {
     EXPECT_EQ(nlohmann::json::parse(resumed.out)["steps"], 24);
     EXPECT_TRUE(tensor_bytes(whole / "model.safetensors") == tensor_bytes(parts / "model.safetensors"))
         << "the resumed run's parameters differ from the uninterrupted run's";
-    // Resuming from a checkpoint continues in the run directory it belongs to.
+    // Resuming from a checkpoint continues in the run directory it belongs to, however it is spelt.
     EXPECT_TRUE(fs::exists(parts / "model.safetensors"));
+    const std::string before = tensor_bytes(whole / "model.safetensors");
+    ASSERT_EQ(run({binary(), "--resume", step13.string() + "/", "--quiet"}).status, 0);
+    EXPECT_FALSE(fs::exists(whole / "checkpoints" / "metrics.jsonl"));
+    EXPECT_TRUE(tensor_bytes(whole / "model.safetensors") == before);
     // Resuming a run directory continues it in place, from its latest checkpoint.
     const fs::path in_place = dir / (std::string(optimizer) + "-in-place");
     ASSERT_EQ(run(with({"--out", in_place.string(), "--checkpoint-every", "13", "--keep-checkpoints", "10"})).status, 0);

@@ -81,6 +81,11 @@ TEST(Checkpoint, KeepsOnlyTheNewestAndLeavesNoTemporaries) {
   ASSERT_TRUE(resolved);
   EXPECT_EQ(resolved->filename(), "step-00000005");
   EXPECT_EQ(resolve_checkpoint(*resolved).value(), *resolved);  // a checkpoint directory resolves to itself
+  // A trailing slash or a relative path changes nothing: the result is absolute and normal.
+  EXPECT_EQ(resolve_checkpoint(resolved->string() + "/").value(), *resolved);
+  EXPECT_TRUE(resolved->is_absolute());
+  EXPECT_EQ(run_dir_of(*resolved), fs::absolute(dir.path()).lexically_normal());
+  EXPECT_EQ(run_dir_of(dir / "elsewhere" / "step-00000005"), fs::path());
 }
 
 TEST(Checkpoint, ResumingFromAnEarlierStepDropsTheAbandonedFuture) {

@@ -136,8 +136,9 @@ static int run(int argc, char** argv) {
     if (auto loaded = table.load_toml(config_file); !loaded) return fail(loaded.error());
   }
   if (!options.resume.empty() && !table.given_on_cli("out")) {
-    // It continues in the run directory the checkpoint lives in, wherever it was started from.
-    config.out = options.resume.parent_path().parent_path().string();
+    // It continues in the run directory the checkpoint lives in, wherever it was started
+    // from; a checkpoint copied elsewhere keeps the saved configuration's out.
+    if (auto run_dir = cfmo::run_dir_of(options.resume); !run_dir.empty()) config.out = run_dir.string();
   }
   if (auto valid = cfmo::validate(config); !valid) return fail(valid.error());
   options.config_toml = table.to_toml();
