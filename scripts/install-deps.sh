@@ -12,6 +12,7 @@ packages=(
   g++ meson ninja-build pkg-config   # toolchain
   libcli11-dev libfmt-dev libtomlplusplus-dev nlohmann-json3-dev  # flags, formatting, config, JSON
   libopenblas-dev zlib1g-dev libzstd-dev libxxhash-dev            # BLAS, gzip, compression, checksums
+  libucx-dev                                                      # transport between workers
   libgtest-dev googletest                                         # tests
   scdoc                                                           # man pages from source
   dataset-fashion-mnist                                           # the demo's data set

@@ -1,0 +1,77 @@
+#pragma once
+/// The transport seam: what the training modes and cfmo-moe need from the
+/// network, whatever carries the bytes (UCX here; NCCL later on GPUs).
+///
+/// Threads: every method may be called from the training thread. Message
+/// handlers registered with on_message() run on the communicator's own
+/// progress thread, one at a time, and may call post().
+
+#include "core/error.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace cfmo {
+
+/// Independent message streams between ranks; a message is handled by the
+/// handler registered for its channel.
+enum class Channel : uint8_t {
+  kDeltaShard = 1,   ///< cfmo: a delta shard for its owner
+  kFreshShard = 2,   ///< cfmo/asgd: an owner's current shard, back to a worker
+  kGradShard = 3,    ///< asgd: a gradient shard for its owner
+  kProgress = 4,     ///< samples done, to the budget keeper (rank 0)
+  kStop = 5,         ///< the budget keeper's stop signal
+  kDone = 6,         ///< a rank sent its last contribution
+  kGather = 7,       ///< a final shard for rank 0
+  kUser = 8,         ///< free for tools (cfmo-moe)
+};
+
+struct CommStats {
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  uint64_t messages_sent = 0;
+  uint64_t messages_received = 0;
+  double collective_wait_s = 0;  ///< time the caller spent blocked in collectives
+};
+
+class Communicator {
+ public:
+  using Handler = std::function<void(int from, std::span<const std::byte> payload)>;
+
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  /// Blocking: afterwards every rank's `data` holds the element-wise sum over
+  /// ranks. Fails (kPeer) naming a rank that is lost or too slow to answer.
+  virtual Status all_reduce_sum(std::span<float> data) = 0;
+
+  /// Blocking all-to-all-v: `send[p]` goes to rank p, `recv[p]` is filled
+  /// from rank p (sized by the caller: counts are known beforehand).
+  virtual Status all_to_all_v(const std::vector<std::span<const std::byte>>& send,
+                              const std::vector<std::span<std::byte>>& recv) = 0;
+
+  /// Blocking: returns once every rank has entered the barrier.
+  virtual Status barrier() = 0;
+
+  /// Non-blocking send; the payload is owned by the communicator until sent.
+  /// A message to a lost rank is dropped (and counted by the caller's logic).
+  virtual void post(int peer, Channel channel, std::vector<std::byte> payload) = 0;
+
+  /// Registers the handler for a channel; call before messages can arrive
+  /// (right after construction, before the first post by any rank).
+  virtual void on_message(Channel channel, Handler handler) = 0;
+
+  /// Ranks found lost so far (connection error or silence past the peer timeout).
+  virtual std::vector<int> lost_ranks() const = 0;
+  /// kPeer error naming the first lost rank, if any.
+  virtual Status health() const = 0;
+
+  virtual CommStats stats() const = 0;
+};
+
+}  // namespace cfmo

@@ -1,0 +1,671 @@
+#include "comm/ucx_communicator.h"
+
+#include <sys/eventfd.h>
+#include <poll.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <thread>
+
+namespace cfmo {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Tag layout: channel (8 bits) | source rank (24 bits) | sequence (32 bits).
+// Channel 0 carries collectives, 0xFF heartbeats.
+constexpr uint8_t kCollective = 0;
+constexpr uint8_t kHeartbeat = 0xFF;
+constexpr uint8_t kGoodbye = 0xFE;  // a rank is leaving on purpose: its disconnect is not a failure
+constexpr ucp_tag_t kChannelMask = ucp_tag_t{0xFF} << 56;
+constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
+
+ucp_tag_t make_tag(uint8_t channel, int source, uint32_t sequence) {
+  return (ucp_tag_t{channel} << 56) | (ucp_tag_t{static_cast<uint32_t>(source) & 0xFFFFFF} << 32) | sequence;
+}
+int tag_source(ucp_tag_t tag) { return static_cast<int>((tag >> 32) & 0xFFFFFF); }
+
+Error ucx_error(std::string_view what, ucs_status_t status) {
+  return make_error(ErrorKind::kPeer, "UCX: {}: {}", what, ucs_status_string(status));
+}
+
+/// An operation in flight and what it keeps alive until it completes.
+struct Pending {
+  void* request = nullptr;
+  int peer = -1;
+  std::vector<std::byte> payload;  ///< a send's bytes, or a probed receive's buffer
+  uint8_t channel = 0;             ///< for probed receives: whose handler gets it
+  bool is_receive = false;
+};
+
+class UcxCommunicator final : public Communicator {
+ public:
+  UcxCommunicator(int rank, int size, UcxOptions options) : rank_(rank), size_(size), options_(options) {
+    lost_.resize(static_cast<size_t>(size));
+    departed_.assign(static_cast<size_t>(size), false);
+    last_heard_.assign(static_cast<size_t>(size), Clock::now());
+  }
+
+  ~UcxCommunicator() override { shutdown(); }
+
+  Status init(const RendezvousConfig& rendezvous) {
+    ucp_config_t* config = nullptr;
+    ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
+    if (status != UCS_OK) return ucx_error("reading the UCX configuration", status);
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 0;
+    status = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    if (status != UCS_OK) return ucx_error("ucp_init", status);
+
+    ucp_worker_params_t worker_params{};
+    worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    // Created here, then used only by the progress thread: serialized, never concurrent.
+    worker_params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+    status = ucp_worker_create(context_, &worker_params, &worker_);
+    if (status != UCS_OK) return ucx_error("ucp_worker_create", status);
+    if (ucp_worker_get_efd(worker_, &worker_fd_) != UCS_OK) worker_fd_ = -1;  // then the thread polls
+
+    ucp_address_t* address = nullptr;
+    size_t address_length = 0;
+    status = ucp_worker_get_address(worker_, &address, &address_length);
+    if (status != UCS_OK) return ucx_error("ucp_worker_get_address", status);
+    std::vector<std::byte> own(reinterpret_cast<std::byte*>(address),
+                               reinterpret_cast<std::byte*>(address) + address_length);
+    ucp_worker_release_address(worker_, address);
+
+    CFMO_ASSIGN_OR_RETURN(auto table, exchange_addresses(rendezvous, rank_, size_, own));
+    endpoints_.assign(static_cast<size_t>(size_), nullptr);
+    error_contexts_.resize(static_cast<size_t>(size_));
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      error_contexts_[static_cast<size_t>(peer)] = {this, peer};
+      ucp_ep_params_t ep_params{};
+      ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                             UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep_params.address = reinterpret_cast<const ucp_address_t*>(table[static_cast<size_t>(peer)].data());
+      ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      ep_params.err_handler.cb = &UcxCommunicator::on_endpoint_error;
+      ep_params.err_handler.arg = &error_contexts_[static_cast<size_t>(peer)];
+      status = ucp_ep_create(worker_, &ep_params, &endpoints_[static_cast<size_t>(peer)]);
+      if (status != UCS_OK) return ucx_error(fmt::format("connecting to rank {}", peer), status);
+    }
+    wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    const auto now = Clock::now();
+    std::fill(last_heard_.begin(), last_heard_.end(), now);
+    progress_thread_ = std::thread([this] { progress_loop(); });
+    return {};
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  Status all_reduce_sum(std::span<float> data) override {
+    if (size_ == 1) return {};
+    return run_collective([this, data] { return ring_all_reduce(data); });
+  }
+
+  Status all_to_all_v(const std::vector<std::span<const std::byte>>& send,
+                      const std::vector<std::span<std::byte>>& recv) override {
+    if (static_cast<int>(send.size()) != size_ || static_cast<int>(recv.size()) != size_) {
+      return make_error(ErrorKind::kInternal, "all_to_all_v: {} send and {} receive buffers for {} ranks", send.size(),
+                        recv.size(), size_);
+    }
+    return run_collective([this, &send, &recv] { return exchange_all(send, recv); });
+  }
+
+  Status barrier() override {
+    float one = 1.0f;
+    return all_reduce_sum(std::span<float>(&one, 1));
+  }
+
+  void post(int peer, Channel channel, std::vector<std::byte> payload) override {
+    stats_bytes_sent_ += payload.size();
+    ++stats_messages_sent_;
+    if (peer == rank_) {
+      // To itself: straight to the handler, on the progress thread like any message.
+      enqueue([this, channel, payload = std::move(payload)]() mutable {
+        deliver(rank_, static_cast<uint8_t>(channel), payload);
+      });
+      return;
+    }
+    if (std::this_thread::get_id() == progress_thread_.get_id()) {
+      send_now(peer, static_cast<uint8_t>(channel), 0, std::move(payload));
+      return;
+    }
+    enqueue([this, peer, channel, payload = std::move(payload)]() mutable {
+      send_now(peer, static_cast<uint8_t>(channel), 0, std::move(payload));
+    });
+  }
+
+  void on_message(Channel channel, Handler handler) override {
+    std::lock_guard lock(handlers_mutex_);
+    handlers_[static_cast<uint8_t>(channel)] = std::move(handler);
+  }
+
+  std::vector<int> lost_ranks() const override {
+    std::lock_guard lock(lost_mutex_);
+    std::vector<int> out;
+    for (int r = 0; r < size_; ++r) {
+      if (!lost_[static_cast<size_t>(r)].empty()) out.push_back(r);
+    }
+    return out;
+  }
+
+  Status health() const override {
+    std::lock_guard lock(lost_mutex_);
+    if (!first_failure_.empty()) return make_error(ErrorKind::kPeer, "{}", first_failure_);
+    for (int r = 0; r < size_; ++r) {
+      if (!lost_[static_cast<size_t>(r)].empty()) {
+        return make_error(ErrorKind::kPeer, "rank {} lost: {}", r, lost_[static_cast<size_t>(r)]);
+      }
+    }
+    return {};
+  }
+
+  CommStats stats() const override {
+    CommStats s;
+    s.bytes_sent = stats_bytes_sent_.load();
+    s.bytes_received = stats_bytes_received_.load();
+    s.messages_sent = stats_messages_sent_.load();
+    s.messages_received = stats_messages_received_.load();
+    s.collective_wait_s = collective_wait_s_;
+    return s;
+  }
+
+ private:
+  struct ErrorContext {
+    UcxCommunicator* self = nullptr;
+    int peer = -1;
+  };
+
+  static void on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
+    auto* context = static_cast<ErrorContext*>(arg);
+    context->self->mark_lost(context->peer, fmt::format("connection error: {}", ucs_status_string(status)));
+  }
+
+  void mark_lost(int peer, std::string why) {
+    if (stopping_) return;  // peers leave at shutdown; that is not a failure
+    std::lock_guard lock(lost_mutex_);
+    if (departed_[static_cast<size_t>(peer)]) return;
+    auto& reason = lost_[static_cast<size_t>(peer)];
+    if (reason.empty()) reason = std::move(why);
+  }
+
+  /// Why waiting on `peer` cannot succeed, naming the root cause when another rank reported it.
+  std::string failure_of(int peer) const {
+    std::lock_guard lock(lost_mutex_);
+    if (!first_failure_.empty()) return first_failure_;
+    const auto& reason = lost_[static_cast<size_t>(peer)];
+    if (!reason.empty()) return fmt::format("rank {} lost: {}", peer, reason);
+    return fmt::format("rank {} left the run", peer);
+  }
+
+  /// The failure this rank saw first, to pass on in its goodbye.
+  std::string own_failure() const {
+    std::lock_guard lock(lost_mutex_);
+    if (!first_failure_.empty()) return first_failure_;
+    for (int r = 0; r < size_; ++r) {
+      if (!lost_[static_cast<size_t>(r)].empty()) return fmt::format("rank {} lost: {}", r, lost_[static_cast<size_t>(r)]);
+    }
+    return {};
+  }
+
+  bool departed(int peer) const {
+    std::lock_guard lock(lost_mutex_);
+    return departed_[static_cast<size_t>(peer)];
+  }
+
+  bool is_lost(int peer) const {
+    std::lock_guard lock(lost_mutex_);
+    return !lost_[static_cast<size_t>(peer)].empty();
+  }
+
+  void enqueue(std::function<void()> command) {
+    {
+      std::lock_guard lock(queue_mutex_);
+      commands_.push_back(std::move(command));
+    }
+    wake();
+  }
+
+  void wake() {
+    const uint64_t one = 1;
+    if (wake_fd_ >= 0) [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof one);
+  }
+
+  /// Runs `body` on the progress thread and blocks the caller until it is done.
+  template <typename Body>
+  Status run_collective(Body body) {
+    CFMO_TRY(health());
+    const auto start = Clock::now();
+    std::promise<Status> done;
+    auto future = done.get_future();
+    {
+      std::lock_guard lock(queue_mutex_);
+      collective_ = [&] { done.set_value(body()); };
+    }
+    wake();
+    Status result = future.get();
+    collective_wait_s_ += std::chrono::duration<double>(Clock::now() - start).count();
+    return result;
+  }
+
+  // ---- everything below runs on the progress thread ----
+
+  void send_now(int peer, uint8_t channel, uint32_t sequence, std::vector<std::byte> payload) {
+    if (is_lost(peer)) return;
+    ucp_request_param_t param{};
+    void* request = ucp_tag_send_nbx(endpoints_[static_cast<size_t>(peer)], payload.data(), payload.size(),
+                                     make_tag(channel, rank_, sequence), &param);
+    if (request == nullptr) return;  // done already, the bytes were copied out
+    if (UCS_PTR_IS_ERR(request)) {
+      mark_lost(peer, fmt::format("send failed: {}", ucs_status_string(UCS_PTR_STATUS(request))));
+      return;
+    }
+    pending_.push_back(Pending{request, peer, std::move(payload), channel, false});
+  }
+
+  void deliver(int from, uint8_t channel, std::span<const std::byte> payload) {
+    Handler handler;
+    {
+      std::lock_guard lock(handlers_mutex_);
+      handler = handlers_[channel];
+    }
+    if (handler) handler(from, payload);
+  }
+
+  /// Probes for messages on channels that have a handler, starting their receives.
+  bool probe_channels() {
+    bool any = false;
+    for (int channel = 1; channel <= 0xFF; ++channel) {
+      if (channel != kHeartbeat && channel != kGoodbye) {
+        std::lock_guard lock(handlers_mutex_);
+        if (!handlers_[static_cast<size_t>(channel)]) continue;
+      }
+      for (;;) {
+        ucp_tag_recv_info_t info{};
+        ucp_tag_message_h message =
+            ucp_tag_probe_nb(worker_, ucp_tag_t{static_cast<uint8_t>(channel)} << 56, kChannelMask, 1, &info);
+        if (message == nullptr) break;
+        any = true;
+        const int from = tag_source(info.sender_tag);
+        if (from >= 0 && from < size_) last_heard_[static_cast<size_t>(from)] = Clock::now();
+        Pending p;
+        p.peer = from;
+        p.channel = static_cast<uint8_t>(channel);
+        p.is_receive = true;
+        p.payload.resize(info.length);
+        ucp_request_param_t param{};
+        ucp_tag_recv_info_t done_info{};
+        param.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
+        param.recv_info.tag_info = &done_info;
+        void* request = ucp_tag_msg_recv_nbx(worker_, p.payload.data(), p.payload.size(), message, &param);
+        if (UCS_PTR_IS_ERR(request)) continue;
+        if (request == nullptr) {
+          complete_receive(p);
+        } else {
+          p.request = request;
+          pending_.push_back(std::move(p));
+        }
+      }
+    }
+    return any;
+  }
+
+  void complete_receive(Pending& p) {
+    stats_bytes_received_ += p.payload.size();
+    ++stats_messages_received_;
+    if (p.channel == kGoodbye) {
+      // A goodbye may carry why the rank is leaving: the failure it saw first.
+      std::lock_guard lock(lost_mutex_);
+      departed_[static_cast<size_t>(p.peer)] = true;
+      if (!p.payload.empty() && first_failure_.empty()) {
+        first_failure_.assign(reinterpret_cast<const char*>(p.payload.data()), p.payload.size());
+      }
+    } else if (p.channel != kHeartbeat) {
+      deliver(p.peer, p.channel, p.payload);
+    }
+  }
+
+  /// Retires finished sends and receives; returns true if any finished.
+  bool retire_pending() {
+    bool any = false;
+    for (size_t i = 0; i < pending_.size();) {
+      Pending& p = pending_[i];
+      const ucs_status_t status = ucp_request_check_status(p.request);
+      if (status == UCS_INPROGRESS) {
+        ++i;
+        continue;
+      }
+      any = true;
+      ucp_request_free(p.request);
+      if (status == UCS_OK && p.is_receive) complete_receive(p);
+      if (status != UCS_OK && status != UCS_ERR_CANCELED && p.peer >= 0) {
+        mark_lost(p.peer, fmt::format("transfer failed: {}", ucs_status_string(status)));
+      }
+      p = std::move(pending_.back());
+      pending_.pop_back();
+    }
+    return any;
+  }
+
+  void heartbeat() {
+    const auto now = Clock::now();
+    if (now - last_heartbeat_ >= std::chrono::duration<double>(options_.heartbeat_s)) {
+      last_heartbeat_ = now;
+      for (int peer = 0; peer < size_; ++peer) {
+        if (peer != rank_) send_now(peer, kHeartbeat, 0, std::vector<std::byte>(1));
+      }
+    }
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_ || departed(peer)) continue;
+      const double silent = std::chrono::duration<double>(now - last_heard_[static_cast<size_t>(peer)]).count();
+      if (silent > options_.peer_timeout_s && !is_lost(peer)) {
+        mark_lost(peer, fmt::format("no message for {:.1f}s", silent));
+      }
+    }
+  }
+
+  /// One round of everything except starting a collective; true if work was done.
+  bool service() {
+    bool any = false;
+    std::deque<std::function<void()>> commands;
+    {
+      std::lock_guard lock(queue_mutex_);
+      commands.swap(commands_);
+    }
+    for (auto& c : commands) c();
+    any |= !commands.empty();
+    while (ucp_worker_progress(worker_) != 0) any = true;
+    any |= probe_channels();
+    any |= retire_pending();
+    heartbeat();
+    return any;
+  }
+
+  void progress_loop() {
+    while (!stop_thread_.load()) {
+      std::function<void()> collective;
+      {
+        std::lock_guard lock(queue_mutex_);
+        collective.swap(collective_);
+      }
+      if (collective) {
+        collective();
+        continue;
+      }
+      if (service()) continue;
+      idle_wait();
+    }
+  }
+
+  /// Sleeps until UCX or the training thread has something, at most 1 ms.
+  void idle_wait() {
+    uint64_t drained = 0;
+    if (wake_fd_ >= 0) [[maybe_unused]] auto n = ::read(wake_fd_, &drained, sizeof drained);
+    if (worker_fd_ >= 0 && ucp_worker_arm(worker_) != UCS_OK) return;  // events pending: go round again
+    pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {worker_fd_, POLLIN, 0}};
+    ::poll(fds, worker_fd_ >= 0 ? 2 : 1, 1);
+  }
+
+  /// Waits for `requests` (each with the peer it involves) while serving
+  /// everything else; fails when a peer with a request still in flight is lost.
+  Status wait_all(std::vector<std::pair<void*, int>>& requests, std::string_view what) {
+    auto in_flight = [](void* r) { return r != nullptr && ucp_request_check_status(r) == UCS_INPROGRESS; };
+    for (;;) {
+      bool done = true;
+      int lost_peer = -1;
+      for (auto& [r, peer] : requests) {
+        if (!in_flight(r)) continue;
+        done = false;
+        if (is_lost(peer) || departed(peer)) lost_peer = peer;
+      }
+      if (done) break;
+      if (lost_peer >= 0) {
+        for (auto& [r, peer] : requests) {
+          if (in_flight(r)) ucp_request_cancel(worker_, r);
+        }
+        while (std::any_of(requests.begin(), requests.end(), [&](const auto& rp) { return in_flight(rp.first); })) {
+          ucp_worker_progress(worker_);
+        }
+        for (auto& [r, peer] : requests) {
+          if (r != nullptr) ucp_request_free(r);
+          r = nullptr;
+        }
+        return make_error(ErrorKind::kPeer, "{}: {}", what, failure_of(lost_peer));
+      }
+      if (!service()) std::this_thread::yield();
+    }
+    Status result;
+    for (auto& [r, peer] : requests) {
+      if (r == nullptr) continue;
+      const ucs_status_t status = ucp_request_check_status(r);
+      ucp_request_free(r);
+      r = nullptr;
+      if (status != UCS_OK && result) {
+        result = make_error(ErrorKind::kPeer, "{} with rank {}: {}", what, peer, ucs_status_string(status));
+      }
+    }
+    return result;
+  }
+
+  void* post_recv(int peer, void* buffer, size_t bytes, uint32_t sequence) {
+    ucp_request_param_t param{};
+    ucp_tag_recv_info_t info{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
+    param.recv_info.tag_info = &info;
+    void* request = ucp_tag_recv_nbx(worker_, buffer, bytes, make_tag(kCollective, peer, sequence), kFullMask, &param);
+    if (UCS_PTR_IS_ERR(request)) {
+      mark_lost(peer, fmt::format("receive failed: {}", ucs_status_string(UCS_PTR_STATUS(request))));
+      return nullptr;
+    }
+    last_heard_[static_cast<size_t>(peer)] = Clock::now();
+    return request;
+  }
+
+  void* post_send(int peer, const void* buffer, size_t bytes, uint32_t sequence) {
+    ucp_request_param_t param{};
+    void* request = ucp_tag_send_nbx(endpoints_[static_cast<size_t>(peer)], buffer, bytes,
+                                     make_tag(kCollective, rank_, sequence), &param);
+    if (UCS_PTR_IS_ERR(request)) {
+      mark_lost(peer, fmt::format("send failed: {}", ucs_status_string(UCS_PTR_STATUS(request))));
+      return nullptr;
+    }
+    stats_bytes_sent_ += bytes;
+    return request;
+  }
+
+  /// Ring all-reduce: reduce-scatter then all-gather, 2(W-1) steps, each rank
+  /// sending and receiving 1/W of the data per step.
+  Status ring_all_reduce(std::span<float> data) {
+    const int w = size_;
+    const int right = (rank_ + 1) % w;
+    const int left = (rank_ + w - 1) % w;
+    const uint32_t sequence = (++collective_sequence_ & 0xFFFFFF) << 8;
+    auto begin = [&](int chunk) { return data.size() * static_cast<size_t>(chunk) / static_cast<size_t>(w); };
+    size_t largest = 0;
+    for (int c = 0; c < w; ++c) largest = std::max(largest, begin(c + 1) - begin(c));
+    scratch_.resize(largest);
+    for (int step = 0; step < 2 * (w - 1); ++step) {
+      const bool reducing = step < w - 1;
+      const int s = reducing ? step : step - (w - 1);
+      const int send_chunk = reducing ? (rank_ - s + w) % w : (rank_ - s + 1 + w) % w;
+      const int recv_chunk = reducing ? (rank_ - s - 1 + 2 * w) % w : (rank_ - s + w) % w;
+      float* recv_into = reducing ? scratch_.data() : data.data() + begin(recv_chunk);
+      const size_t recv_count = begin(recv_chunk + 1) - begin(recv_chunk);
+      const size_t send_count = begin(send_chunk + 1) - begin(send_chunk);
+      std::vector<std::pair<void*, int>> requests = {
+          {post_recv(left, recv_into, recv_count * sizeof(float), sequence | static_cast<uint32_t>(step)), left},
+          {post_send(right, data.data() + begin(send_chunk), send_count * sizeof(float),
+                     sequence | static_cast<uint32_t>(step)),
+           right}};
+      stats_bytes_received_ += recv_count * sizeof(float);
+      CFMO_TRY(wait_all(requests, "all-reduce"));
+      if (reducing) {
+        float* target = data.data() + begin(recv_chunk);
+        for (size_t i = 0; i < recv_count; ++i) target[i] += scratch_[i];
+      }
+    }
+    return {};
+  }
+
+  Status exchange_all(const std::vector<std::span<const std::byte>>& send,
+                      const std::vector<std::span<std::byte>>& recv) {
+    const uint32_t sequence = (++collective_sequence_ & 0xFFFFFF) << 8;
+    std::vector<std::pair<void*, int>> requests;
+    for (int peer = 0; peer < size_; ++peer) {
+      const auto p = static_cast<size_t>(peer);
+      if (peer == rank_) {
+        if (recv[p].size() != send[p].size()) {
+          return make_error(ErrorKind::kInternal, "all_to_all_v: {} bytes to self, {} expected", send[p].size(),
+                            recv[p].size());
+        }
+        std::memcpy(recv[p].data(), send[p].data(), send[p].size());
+        continue;
+      }
+      requests.emplace_back(post_recv(peer, recv[p].data(), recv[p].size(), sequence), peer);
+      requests.emplace_back(post_send(peer, send[p].data(), send[p].size(), sequence), peer);
+      stats_bytes_received_ += recv[p].size();
+    }
+    return wait_all(requests, "all-to-all");
+  }
+
+  void shutdown() {
+    if (!progress_thread_.joinable()) {
+      release();
+      return;
+    }
+    // Goodbye first, on the same endpoints as everything this rank sent, so
+    // peers see it after the last real message and before the disconnect.
+    enqueue([this] {
+      const std::string reason = own_failure();
+      for (int peer = 0; peer < size_; ++peer) {
+        if (peer == rank_) continue;
+        send_now(peer, kGoodbye, 0,
+                 std::vector<std::byte>(reinterpret_cast<const std::byte*>(reason.data()),
+                                        reinterpret_cast<const std::byte*>(reason.data()) + reason.size()));
+      }
+    });
+    const auto goodbye_deadline = Clock::now() + std::chrono::milliseconds(200);
+    while (Clock::now() < goodbye_deadline) {
+      {
+        std::lock_guard lock(queue_mutex_);
+        if (commands_.empty()) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    stopping_ = true;
+    stop_thread_ = true;
+    wake();
+    progress_thread_.join();
+    // Let queued sends leave, briefly: peers are shutting down too.
+    const auto deadline = Clock::now() + std::chrono::milliseconds(500);
+    while (!pending_.empty() && Clock::now() < deadline) {
+      ucp_worker_progress(worker_);
+      retire_pending();
+    }
+    for (Pending& p : pending_) {
+      ucp_request_cancel(worker_, p.request);
+      ucp_request_free(p.request);
+    }
+    pending_.clear();
+    release();
+  }
+
+  void release() {
+    // Flush-close live endpoints so the last messages reach their peers (a
+    // forced close may drop bytes a peer is still waiting for); force-close
+    // the lost ones. Bounded: a peer may be gone already.
+    std::vector<void*> closing;
+    for (size_t peer = 0; peer < endpoints_.size(); ++peer) {
+      ucp_ep_h& ep = endpoints_[peer];
+      if (ep == nullptr) continue;
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = is_lost(static_cast<int>(peer)) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+      void* request = ucp_ep_close_nbx(ep, &param);
+      if (request != nullptr && !UCS_PTR_IS_ERR(request)) closing.push_back(request);
+      ep = nullptr;
+    }
+    const auto deadline = Clock::now() + std::chrono::seconds(2);
+    while (worker_ != nullptr && Clock::now() < deadline &&
+           std::any_of(closing.begin(), closing.end(),
+                       [](void* r) { return ucp_request_check_status(r) == UCS_INPROGRESS; })) {
+      ucp_worker_progress(worker_);
+    }
+    for (void* r : closing) {
+      if (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_request_cancel(worker_, r);
+      ucp_request_free(r);
+    }
+    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    if (context_ != nullptr) ucp_cleanup(context_);
+    worker_ = nullptr;
+    context_ = nullptr;
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+    wake_fd_ = -1;
+  }
+
+  const int rank_;
+  const int size_;
+  const UcxOptions options_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::vector<ucp_ep_h> endpoints_;
+  std::vector<ErrorContext> error_contexts_;
+  int worker_fd_ = -1;
+  int wake_fd_ = -1;
+
+  std::thread progress_thread_;
+  std::atomic<bool> stop_thread_{false};
+  std::atomic<bool> stopping_{false};
+
+  std::mutex queue_mutex_;  ///< guards commands_ and collective_
+  std::deque<std::function<void()>> commands_;
+  std::function<void()> collective_;
+
+  std::mutex handlers_mutex_;  ///< guards handlers_
+  std::array<Handler, 256> handlers_;
+
+  mutable std::mutex lost_mutex_;  ///< guards lost_
+  std::vector<std::string> lost_;  ///< per rank: why it is lost, empty while alive
+  std::vector<bool> departed_;     ///< per rank: said goodbye, so its disconnect is expected
+  std::string first_failure_;      ///< the first failure any rank reported, e.g. "rank 2 lost: .."
+
+  // Progress-thread state.
+  std::vector<Pending> pending_;
+  std::vector<Clock::time_point> last_heard_;
+  Clock::time_point last_heartbeat_{};
+  uint32_t collective_sequence_ = 0;
+  std::vector<float> scratch_;
+
+  std::atomic<uint64_t> stats_bytes_sent_{0};
+  std::atomic<uint64_t> stats_bytes_received_{0};
+  std::atomic<uint64_t> stats_messages_sent_{0};
+  std::atomic<uint64_t> stats_messages_received_{0};
+  double collective_wait_s_ = 0;  ///< training thread only
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> connect_ucx(int rank, int size, const RendezvousConfig& rendezvous,
+                                                  const UcxOptions& options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return make_error(ErrorKind::kUsage, "rank {} is not in a world of {} ranks", rank, size);
+  }
+  auto comm = std::make_unique<UcxCommunicator>(rank, size, options);
+  CFMO_TRY(comm->init(rendezvous));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+}  // namespace cfmo

@@ -1,0 +1,25 @@
+#pragma once
+/// The UCX implementation of the transport seam: one UCP context and worker
+/// per process, endpoints to every peer with peer error handling, and one
+/// progress thread that owns the worker. The training thread never calls
+/// UCX: it hands work to the progress thread through a queue.
+
+#include "comm/communicator.h"
+#include "comm/rendezvous.h"
+
+#include <memory>
+
+namespace cfmo {
+
+struct UcxOptions {
+  double peer_timeout_s = 10;  ///< a peer silent this long is lost
+  double heartbeat_s = 0.5;    ///< how often each rank says it is alive
+};
+
+/// Creates the UCP context and worker, exchanges addresses through the
+/// rendezvous and connects to every peer. UCX_TLS, UCX_NET_DEVICES and the
+/// other UCX_* variables are honoured (read by ucp_config_read).
+Result<std::unique_ptr<Communicator>> connect_ucx(int rank, int size, const RendezvousConfig& rendezvous,
+                                                  const UcxOptions& options = {});
+
+}  // namespace cfmo

@@ -1,0 +1,226 @@
+// The UCX transport for real: several processes on this machine, over shared
+// memory and over TCP on loopback, exchanging through the rendezvous.
+#include "comm/rendezvous.h"
+#include "comm/ucx_communicator.h"
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace cfmo {
+namespace {
+
+// Runs `body(comm)` in `size` forked processes and returns their exit codes.
+// A child exits 0 when body returns true; failures print their reason.
+std::vector<int> run_ranks(int size, const std::string& tls, const std::function<bool(Communicator&)>& body,
+                           UcxOptions options = {}, const std::function<void(int)>& before = nullptr) {
+  auto listener = listen_tcp("127.0.0.1", 0);
+  EXPECT_TRUE(listener) << listener.error().message;
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < size; ++rank) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      if (!tls.empty()) setenv("UCX_TLS", tls.c_str(), 1);
+      if (rank != 0) close(listener->first);
+      if (before) before(rank);
+      RendezvousConfig config;
+      config.port = listener->second;
+      config.listen_fd = rank == 0 ? listener->first : -1;
+      config.timeout_s = 30;
+      auto comm = connect_ucx(rank, size, config, options);
+      if (!comm) {
+        fprintf(stderr, "rank %d: %s\n", rank, comm.error().message.c_str());
+        _exit(10);
+      }
+      const bool ok = body(**comm);
+      comm->reset();  // leave properly: goodbye, flush, close
+      fflush(stderr);
+      _exit(ok ? 0 : 11);
+    }
+    children.push_back(pid);
+  }
+  close(listener->first);
+  std::vector<int> codes;
+  for (pid_t pid : children) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+  }
+  return codes;
+}
+
+class UcxTransports : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(UcxTransports, RingAllReduceSumsForOddSizesAndRankCounts) {
+  for (int size : {2, 3, 4}) {
+    SCOPED_TRACE(size);
+    auto codes = run_ranks(size, GetParam(), [size](Communicator& comm) {
+      for (size_t n : {size_t{1}, size_t{2}, size_t{7}, size_t{1001}, size_t{100003}}) {
+        std::vector<float> data(n);
+        for (size_t i = 0; i < n; ++i) data[i] = static_cast<float>(comm.rank() + 1) * static_cast<float>(i % 97);
+        if (auto status = comm.all_reduce_sum(data); !status) {
+          fprintf(stderr, "rank %d: %s\n", comm.rank(), status.error().message.c_str());
+          return false;
+        }
+        const float factor = static_cast<float>(size * (size + 1) / 2);
+        for (size_t i = 0; i < n; ++i) {
+          if (data[i] != factor * static_cast<float>(i % 97)) {
+            fprintf(stderr, "rank %d: n=%zu element %zu = %g\n", comm.rank(), n, i, data[i]);
+            return false;
+          }
+        }
+      }
+      auto status = comm.barrier();
+      if (!status) fprintf(stderr, "rank %d: barrier: %s\n", comm.rank(), status.error().message.c_str());
+      return static_cast<bool>(status);
+    });
+    for (int code : codes) EXPECT_EQ(code, 0);
+  }
+}
+
+TEST_P(UcxTransports, AllToAllVWithUnevenAndZeroCounts) {
+  const int size = 3;
+  auto codes = run_ranks(size, GetParam(), [](Communicator& comm) {
+    const int w = comm.size();
+    // Rank r sends (r + 2 * p) % 4 bytes to rank p, each byte r * 16 + p.
+    auto count = [](int from, int to) { return static_cast<size_t>((from + 2 * to) % 4); };
+    std::vector<std::vector<std::byte>> out(static_cast<size_t>(w));
+    std::vector<std::vector<std::byte>> in(static_cast<size_t>(w));
+    std::vector<std::span<const std::byte>> send;
+    std::vector<std::span<std::byte>> recv;
+    for (int p = 0; p < w; ++p) {
+      out[static_cast<size_t>(p)].assign(count(comm.rank(), p), static_cast<std::byte>(comm.rank() * 16 + p));
+      in[static_cast<size_t>(p)].assign(count(p, comm.rank()), std::byte{0xEE});
+    }
+    for (int p = 0; p < w; ++p) {
+      send.emplace_back(out[static_cast<size_t>(p)]);
+      recv.emplace_back(in[static_cast<size_t>(p)]);
+    }
+    if (!comm.all_to_all_v(send, recv)) return false;
+    for (int p = 0; p < w; ++p) {
+      for (std::byte b : in[static_cast<size_t>(p)]) {
+        if (b != static_cast<std::byte>(p * 16 + comm.rank())) return false;
+      }
+    }
+    return static_cast<bool>(comm.barrier());
+  });
+  for (int code : codes) EXPECT_EQ(code, 0);
+}
+
+TEST_P(UcxTransports, AsyncMessagesArriveExactlyOnce) {
+  constexpr int kMessages = 200;
+  auto codes = run_ranks(3, GetParam(), [](Communicator& comm) {
+    std::mutex mutex;
+    std::vector<std::vector<int>> seen(static_cast<size_t>(comm.size()));
+    comm.on_message(Channel::kUser, [&](int from, std::span<const std::byte> payload) {
+      int value = 0;
+      std::memcpy(&value, payload.data(), sizeof value);
+      std::lock_guard lock(mutex);
+      seen[static_cast<size_t>(from)].push_back(value);
+    });
+    if (!comm.barrier()) return false;  // every handler is registered before anyone posts
+    for (int i = 0; i < kMessages; ++i) {
+      for (int p = 0; p < comm.size(); ++p) {
+        // Sizes up to 64 KiB so both eager and rendezvous protocols are used.
+        std::vector<std::byte> payload(sizeof(int) + static_cast<size_t>(i % 5) * 16000);
+        std::memcpy(payload.data(), &i, sizeof i);
+        comm.post(p, Channel::kUser, std::move(payload));
+      }
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    for (;;) {
+      {
+        std::lock_guard lock(mutex);
+        bool all = true;
+        for (const auto& s : seen) all &= s.size() >= kMessages;
+        if (all) break;
+      }
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (!comm.barrier()) return false;
+    std::lock_guard lock(mutex);
+    for (auto& s : seen) {
+      if (s.size() != kMessages) return false;
+      std::sort(s.begin(), s.end());
+      for (int i = 0; i < kMessages; ++i) {
+        if (s[static_cast<size_t>(i)] != i) return false;
+      }
+    }
+    return comm.stats().bytes_sent > 0;
+  });
+  for (int code : codes) EXPECT_EQ(code, 0);
+}
+
+TEST_P(UcxTransports, ALostRankFailsTheCollectiveNamingIt) {
+  UcxOptions options;
+  options.peer_timeout_s = 2;
+  auto codes = run_ranks(
+      3, GetParam(),
+      [](Communicator& comm) {
+        if (!comm.barrier()) return false;
+        if (comm.rank() == 2) _exit(0);  // gone without a word, like kill -9
+        std::vector<float> data(1000, 1.0f);
+        const auto start = std::chrono::steady_clock::now();
+        Status status;
+        for (int i = 0; i < 1000 && status; ++i) status = comm.all_reduce_sum(data);
+        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (status) return false;
+        fprintf(stderr, "rank %d after %.1fs: %s\n", comm.rank(), waited, status.error().message.c_str());
+        return status.error().kind == ErrorKind::kPeer &&
+               status.error().message.find("rank 2") != std::string::npos;
+      },
+      options);
+  for (int code : codes) EXPECT_EQ(code, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, UcxTransports, ::testing::Values("", "tcp", "posix,cma,self,tcp"),
+                         [](const auto& info) {
+                           return info.param.empty() ? std::string("Default")
+                                                     : info.param == "tcp" ? std::string("Tcp")
+                                                                           : std::string("SharedMemory");
+                         });
+
+TEST(Rendezvous, ParsesHostPort) {
+  EXPECT_EQ(parse_rendezvous("127.0.0.1:29500")->port, 29500);
+  EXPECT_EQ(parse_rendezvous("node7:1")->host, "node7");
+  EXPECT_EQ(parse_rendezvous("[::1]:80")->host, "::1");
+  for (const char* bad : {"", "host", "host:", ":80", "host:0", "host:70000", "host:x", "[::1]80"}) {
+    auto r = parse_rendezvous(bad);
+    ASSERT_FALSE(r) << bad;
+    EXPECT_EQ(r.error().kind, ErrorKind::kUsage);
+  }
+}
+
+TEST(Rendezvous, MissingRankZeroTimesOutNamingTheAddress) {
+  auto listener = listen_tcp("127.0.0.1", 0);
+  ASSERT_TRUE(listener);
+  const uint16_t port = listener->second;
+  close(listener->first);  // nobody listens there now
+  RendezvousConfig config;
+  config.port = port;
+  config.timeout_s = 0.5;
+  auto table = exchange_addresses(config, 1, 2, std::vector<std::byte>(4));
+  ASSERT_FALSE(table);
+  EXPECT_EQ(table.error().kind, ErrorKind::kPeer);
+  EXPECT_NE(table.error().message.find(std::to_string(port)), std::string::npos) << table.error().message;
+}
+
+TEST(Rendezvous, RankZeroNamesTheRanksThatNeverCame) {
+  RendezvousConfig config;
+  config.timeout_s = 0.5;
+  auto table = exchange_addresses(config, 0, 3, std::vector<std::byte>(4));
+  ASSERT_FALSE(table);
+  EXPECT_NE(table.error().message.find("1, 2"), std::string::npos) << table.error().message;
+}
+
+}  // namespace
+}  // namespace cfmo
