@@ -28,6 +28,7 @@ enum class Channel : uint8_t {
   kDone = 6,         ///< a rank sent its last contribution
   kGather = 7,       ///< a final shard for rank 0
   kUser = 8,         ///< free for tools (cfmo-moe)
+  kReport = 9,       ///< a worker's end-of-run report, for rank 0
 };
 
 struct CommStats {

@@ -342,20 +342,21 @@ class UcxCommunicator final : public Communicator {
   bool retire_pending() {
     bool any = false;
     for (size_t i = 0; i < pending_.size();) {
-      Pending& p = pending_[i];
-      const ucs_status_t status = ucp_request_check_status(p.request);
+      const ucs_status_t status = ucp_request_check_status(pending_[i].request);
       if (status == UCS_INPROGRESS) {
         ++i;
         continue;
       }
       any = true;
+      // Out of the vector first: a handler run below may post, and so grow pending_.
+      Pending p = std::move(pending_[i]);
+      pending_[i] = std::move(pending_.back());
+      pending_.pop_back();
       ucp_request_free(p.request);
       if (status == UCS_OK && p.is_receive) complete_receive(p);
       if (status != UCS_OK && status != UCS_ERR_CANCELED && p.peer >= 0) {
         mark_lost(p.peer, fmt::format("transfer failed: {}", ucs_status_string(status)));
       }
-      p = std::move(pending_.back());
-      pending_.pop_back();
     }
     return any;
   }
@@ -410,13 +411,15 @@ class UcxCommunicator final : public Communicator {
     }
   }
 
-  /// Sleeps until UCX or the training thread has something, at most 1 ms.
+  /// Sleeps until UCX or the training thread has something, at most 200 us
+  /// (shared-memory transports may not signal the worker's event fd).
   void idle_wait() {
     uint64_t drained = 0;
     if (wake_fd_ >= 0) [[maybe_unused]] auto n = ::read(wake_fd_, &drained, sizeof drained);
     if (worker_fd_ >= 0 && ucp_worker_arm(worker_) != UCS_OK) return;  // events pending: go round again
     pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {worker_fd_, POLLIN, 0}};
-    ::poll(fds, worker_fd_ >= 0 ? 2 : 1, 1);
+    const timespec timeout{0, 200'000};
+    ::ppoll(fds, worker_fd_ >= 0 ? 2 : 1, &timeout, nullptr);
   }
 
   /// Waits for `requests` (each with the peer it involves) while serving

@@ -4,6 +4,7 @@
 #include "tensor/simd.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 
 
@@ -47,6 +48,11 @@ void scale_kernel(float* __restrict x, size_t n, float factor) {
   for (size_t i = 0; i < n; ++i) x[i] *= factor;
 }
 
+void scale_range(FloatBuffer& buffer, float factor, size_t offset, size_t count) {
+  if (offset >= buffer.size()) return;
+  scale_kernel(buffer.data() + offset, std::min(count, buffer.size() - offset), factor);
+}
+
 struct AdamCoefficients {
   float step_size;
   float inv_sqrt_bc2;
@@ -68,7 +74,9 @@ class Sgd final : public Optimizer {
                static_cast<float>(config_.weight_decay), config_.nesterov, steps_ == 0);
     ++steps_;
   }
-  void scale_first_moment(float factor) override { scale_kernel(buffer_.data(), buffer_.size(), factor); }
+  void scale_first_moment(float factor, size_t offset, size_t count) override {
+    scale_range(buffer_, factor, offset, count);
+  }
   std::vector<OptimizerState> state() override { return {{"momentum_buffer", &buffer_}}; }
 
  private:
@@ -90,7 +98,9 @@ class Adam final : public Optimizer {
                 static_cast<float>(config_.beta1), static_cast<float>(config_.beta2), k.step_size, k.inv_sqrt_bc2,
                 static_cast<float>(config_.eps), decoupled_ ? 0.0f : wd, decoupled_ ? 1.0f - lr * wd : 1.0f);
   }
-  void scale_first_moment(float factor) override { scale_kernel(exp_avg_.data(), exp_avg_.size(), factor); }
+  void scale_first_moment(float factor, size_t offset, size_t count) override {
+    scale_range(exp_avg_, factor, offset, count);
+  }
   std::vector<OptimizerState> state() override { return {{"exp_avg", &exp_avg_}, {"exp_avg_sq", &exp_avg_sq_}}; }
 
  private:
@@ -145,9 +155,9 @@ class Muon final : public Optimizer {
       for (size_t i = 0; i < info.size; ++i) p[i] = p[i] * decay - scale * u[i];
     }
   }
-  void scale_first_moment(float factor) override {
-    scale_kernel(momentum_.data(), momentum_.size(), factor);
-    scale_kernel(exp_avg_.data(), exp_avg_.size(), factor);
+  void scale_first_moment(float factor, size_t offset, size_t count) override {
+    scale_range(momentum_, factor, offset, count);
+    scale_range(exp_avg_, factor, offset, count);
   }
   std::vector<OptimizerState> state() override {
     return {{"momentum_buffer", &momentum_}, {"exp_avg", &exp_avg_}, {"exp_avg_sq", &exp_avg_sq_}};

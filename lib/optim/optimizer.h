@@ -41,9 +41,10 @@ class Optimizer {
   /// One update of `params` from `grads` at learning rate `lr`.
   virtual void step(std::span<float> params, std::span<const float> grads, float lr) = 0;
 
-  /// Multiplies the first-moment (momentum) state by `factor`: how the cfmo
-  /// mode discounts stale momentum after a rebase.
-  virtual void scale_first_moment(float factor) = 0;
+  /// Multiplies the first-moment (momentum) state of [offset, offset + count)
+  /// by `factor`: how the cfmo mode discounts stale momentum after a rebase.
+  virtual void scale_first_moment(float factor, size_t offset, size_t count) = 0;
+  void scale_first_moment(float factor) { scale_first_moment(factor, 0, SIZE_MAX); }
 
   /// The state buffers, for checkpoints; each has the parameters' size.
   virtual std::vector<OptimizerState> state() = 0;

@@ -4,6 +4,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 
+#include <charconv>
 #include <cmath>
 
 namespace cfmo {
@@ -35,6 +36,26 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
   t.add("time_limit", &c.time_limit, "stop after this long, e.g. 90s, 5m (empty: no time limit)", length);
   t.add("batch_size", &c.batch_size, "examples per step", length);
   t.add("threads", &c.threads, "BLAS threads", length);
+
+  const std::string dist = "Workers and modes";
+  t.add("workers", &c.workers, "worker processes to start on this host (1: train in this process)", dist);
+  t.add("mode", &c.mode, "how workers reconcile: sync, localsgd, cfmo or asgd", dist);
+  t.add("sync_interval", &c.sync_interval, "H: local steps between reconciliations (localsgd, cfmo)", dist);
+  t.add("staleness_discount", &c.staleness_discount,
+        "beta: a contribution s rounds stale is weighted beta^s; momentum after a rebase likewise (cfmo)", dist);
+  t.add("max_staleness", &c.max_staleness,
+        "rounds after which a contribution is dropped (cfmo, asgd); asgd also waits past it", dist);
+  t.add("outer_optimizer", &c.outer_optimizer, "outer step on the averaged deltas: avg or nesterov (localsgd, cfmo)",
+        dist);
+  t.add("outer_lr", &c.outer_lr, "outer learning rate (1 with avg; DiLoCo uses 0.7 with nesterov)", dist);
+  t.add("outer_momentum", &c.outer_momentum, "outer Nesterov momentum (DiLoCo: 0.9)", dist);
+  t.add("delta_dtype", &c.delta_dtype, "deltas and gradients on the wire: fp32, bf16 or int8 (with error feedback)",
+        dist);
+  t.add("slowdown", &c.slowdown, "simulate a slower worker: RANK=FACTOR, repeatable (a sleep after each step)", dist);
+  t.add("straggler", &c.straggler, "simulate stragglers: P:FACTOR, any step takes FACTOR times as long with probability P",
+        dist);
+  t.add("rendezvous", &c.rendezvous, "host:port where rank 0 listens (default: $CFMO_RENDEZVOUS)", dist);
+  t.add("peer_timeout", &c.peer_timeout, "seconds of silence after which a peer is lost", dist);
 
   const std::string output = "Output";
   t.add("log_every", &c.log_every, "log a metrics line every N steps", output);
@@ -79,10 +100,61 @@ Status validate(const TrainConfig& c) {
   }
   if (c.batch_size < 1 || c.batch_size > 1 << 20) return usage("batch-size", "must be in 1..1048576");
   if (c.threads < 1 || c.threads > 1024) return usage("threads", "must be in 1..1024");
+  if (c.workers < 1 || c.workers > 1024) return usage("workers", "must be in 1..1024");
+  if (c.mode != "sync" && c.mode != "localsgd" && c.mode != "cfmo" && c.mode != "asgd") {
+    return usage("mode", fmt::format("'{}' is not sync, localsgd, cfmo or asgd", c.mode));
+  }
+  if (c.mode == "asgd" && c.optimizer == "muon") {
+    return usage("optimizer", "muon needs whole matrices; asgd's owners update shards: use sgd, adam or adamw");
+  }
+  if (c.sync_interval < 1) return usage("sync-interval", "must be >= 1");
+  if (!(c.staleness_discount > 0 && c.staleness_discount <= 1)) return usage("staleness-discount", "must be in (0, 1]");
+  if (c.max_staleness < 0) return usage("max-staleness", "must be >= 0");
+  if (c.outer_optimizer != "avg" && c.outer_optimizer != "nesterov") {
+    return usage("outer-optimizer", fmt::format("'{}' is not avg or nesterov", c.outer_optimizer));
+  }
+  if (!(c.outer_lr > 0)) return usage("outer-lr", "must be positive");
+  if (!(c.outer_momentum >= 0 && c.outer_momentum < 1)) return usage("outer-momentum", "must be in [0, 1)");
+  if (c.delta_dtype != "fp32" && c.delta_dtype != "bf16" && c.delta_dtype != "int8") {
+    return usage("delta-dtype", fmt::format("'{}' is not fp32, bf16 or int8", c.delta_dtype));
+  }
+  if (!(c.peer_timeout > 0)) return usage("peer-timeout", "must be positive");
+  CFMO_TRY(heterogeneity_for(c, 0));
   if (c.log_every < 1) return usage("log-every", "must be >= 1");
   if (c.checkpoint_every < 0) return usage("checkpoint-every", "must be >= 0");
   if (c.keep_checkpoints < 1) return usage("keep-checkpoints", "must be >= 1");
   return {};
+}
+
+Result<Heterogeneity> heterogeneity_for(const TrainConfig& c, int rank) {
+  Heterogeneity h;
+  auto number = [](std::string_view text, double& out) {
+    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out);
+    return ec == std::errc() && end == text.data() + text.size() && std::isfinite(out);
+  };
+  for (const auto& item : c.slowdown) {
+    const auto eq = item.find('=');
+    double r = 0;
+    double factor = 0;
+    if (eq == std::string::npos || !number(std::string_view(item).substr(0, eq), r) ||
+        !number(std::string_view(item).substr(eq + 1), factor) || r < 0 || r != std::floor(r) || factor < 1) {
+      return make_error(ErrorKind::kUsage, "--slowdown '{}': expected RANK=FACTOR with FACTOR >= 1", item);
+    }
+    if (static_cast<int>(r) >= c.workers && c.workers > 1) {
+      return make_error(ErrorKind::kUsage, "--slowdown '{}': there are only {} workers", item, c.workers);
+    }
+    if (static_cast<int>(r) == rank) h.slowdown = factor;
+  }
+  if (!c.straggler.empty()) {
+    const auto colon = c.straggler.find(':');
+    if (colon == std::string::npos || !number(std::string_view(c.straggler).substr(0, colon), h.straggler_p) ||
+        !number(std::string_view(c.straggler).substr(colon + 1), h.straggler_factor) || h.straggler_p < 0 ||
+        h.straggler_p > 1 || h.straggler_factor < 1) {
+      return make_error(ErrorKind::kUsage, "--straggler '{}': expected P:FACTOR with P in [0, 1] and FACTOR >= 1",
+                        c.straggler);
+    }
+  }
+  return h;
 }
 
 }  // namespace cfmo

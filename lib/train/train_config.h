@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace cfmo {
 
@@ -36,6 +37,20 @@ struct TrainConfig {
   std::string time_limit;
   int batch_size = 64;
   int threads = 1;
+  // workers and modes
+  int workers = 1;
+  std::string mode = "sync";
+  int sync_interval = 10;
+  double staleness_discount = 0.9;
+  int max_staleness = 4;
+  std::string outer_optimizer = "avg";
+  double outer_lr = 1.0;
+  double outer_momentum = 0.9;
+  std::string delta_dtype = "fp32";
+  std::vector<std::string> slowdown;
+  std::string straggler;
+  std::string rendezvous;
+  double peer_timeout = 10;
   // output
   int64_t log_every = 100;
   std::string out;
@@ -49,5 +64,16 @@ void add_train_options(OptionTable& table, TrainConfig& config);
 
 /// Range and consistency checks; errors name the flag.
 Status validate(const TrainConfig& config);
+
+/// The simulated heterogeneity of one rank: its step takes `slowdown` times
+/// its natural time, and with probability `straggler_p` `straggler_factor` times.
+struct Heterogeneity {
+  double slowdown = 1.0;
+  double straggler_p = 0.0;
+  double straggler_factor = 1.0;
+};
+
+/// Parses --slowdown RANK=FACTOR (repeatable) and --straggler P:FACTOR for `rank`.
+Result<Heterogeneity> heterogeneity_for(const TrainConfig& config, int rank);
 
 }  // namespace cfmo

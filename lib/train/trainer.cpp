@@ -3,6 +3,7 @@
 #include "core/atomic_file.h"
 #include "data/dataset.h"
 #include "optim/schedule.h"
+#include "core/rng.h"
 #include "tensor/ops.h"
 
 #include <nlohmann/json.hpp>
@@ -15,6 +16,8 @@
 #include <cmath>
 #include <fstream>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 namespace cfmo {
 namespace fs = std::filesystem;
@@ -30,8 +33,7 @@ double seconds_since(Clock::time_point start) {
 /// (cfmo-diverge watch, tail -f) sees each line whole.
 class MetricsLog {
  public:
-  static Result<MetricsLog> open(const fs::path& run_dir, int64_t resume_step) {
-    const fs::path path = run_dir / "metrics.jsonl";
+  static Result<MetricsLog> open(const fs::path& path, int64_t resume_step) {
     std::error_code ec;
     if (resume_step >= 0 && fs::exists(path, ec)) CFMO_TRY(truncate_after(path, resume_step));
     MetricsLog log;
@@ -93,15 +95,65 @@ EvalResult evaluate_dataset(Mlp& model, const Dataset& data) {
 
 }  // namespace
 
+namespace {
+
+nlohmann::ordered_json worker_json(const WorkerReport& w) {
+  return {{"rank", w.rank},
+          {"steps", w.steps},
+          {"samples", w.samples},
+          {"samples_per_s", w.samples_per_s},
+          {"solo_samples_per_s", w.solo_samples_per_s},
+          {"wait_s", w.wait_s},
+          {"finish_wait_s", w.finish_wait_s},
+          {"loop_s", w.loop_s},
+          {"bytes_sent", w.bytes_sent},
+          {"bytes_received", w.bytes_received},
+          {"contributions_dropped", w.contributions_dropped},
+          {"rounds", w.rounds},
+          {"deferred", w.deferred},
+          {"staleness_histogram", w.staleness_histogram},
+          {"slowdown", w.slowdown},
+          {"stopped_by", w.stopped_by}};
+}
+
+}  // namespace
+
+std::string WorkerReport::to_json() const { return worker_json(*this).dump(); }
+
+Result<WorkerReport> WorkerReport::from_json(std::string_view text) {
+  WorkerReport w;
+  try {
+    const auto j = nlohmann::json::parse(text);
+    w.rank = j.at("rank");
+    w.steps = j.at("steps");
+    w.samples = j.at("samples");
+    w.samples_per_s = j.at("samples_per_s");
+    w.solo_samples_per_s = j.at("solo_samples_per_s");
+    w.wait_s = j.at("wait_s");
+    w.finish_wait_s = j.at("finish_wait_s");
+    w.loop_s = j.at("loop_s");
+    w.bytes_sent = j.at("bytes_sent");
+    w.bytes_received = j.at("bytes_received");
+    w.contributions_dropped = j.at("contributions_dropped");
+    w.rounds = j.at("rounds");
+    w.deferred = j.at("deferred");
+    w.staleness_histogram = j.at("staleness_histogram").get<std::vector<uint64_t>>();
+    w.slowdown = j.at("slowdown");
+    w.stopped_by = j.at("stopped_by");
+  } catch (const nlohmann::json::exception& e) {
+    return make_error(ErrorKind::kPeer, "a worker report is malformed: {}", e.what());
+  }
+  return w;
+}
+
 std::string TrainSummary::to_json() const {
   nlohmann::ordered_json workers_json = nlohmann::ordered_json::array();
-  for (const auto& w : per_worker) {
-    workers_json.push_back({{"rank", w.rank},
-                            {"steps", w.steps},
-                            {"samples_per_s", w.samples_per_s},
-                            {"wait_s", w.wait_s},
-                            {"bytes_sent", w.bytes_sent},
-                            {"bytes_received", w.bytes_received}});
+  for (const auto& w : per_worker) workers_json.push_back(worker_json(w));
+  auto null_or = [](const std::string& v) { return v.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v); };
+  nlohmann::ordered_json slowdowns = nlohmann::ordered_json::object();
+  for (const auto& item : slowdown) {
+    const auto eq = item.find('=');
+    if (eq != std::string::npos) slowdowns[item.substr(0, eq)] = std::stod(item.substr(eq + 1));
   }
   nlohmann::ordered_json j = {{"mode", mode},
                               {"workers", workers},
@@ -117,14 +169,30 @@ std::string TrainSummary::to_json() const {
                               {"train_s", train_s},
                               {"eval_s", eval_s},
                               {"samples_per_s", samples_per_s},
+                              {"efficiency", efficiency},
+                              {"efficiency_basis",
+                               "total samples/s over the sum of each worker's solo samples/s, measured during this run "
+                               "as its samples over its own compute time (simulated slowness included, waits excluded)"},
                               {"test_accuracy", test_accuracy},
                               {"test_loss", test_loss},
                               {"final_train_loss", final_train_loss},
                               {"bytes_sent", bytes_sent},
                               {"stopped_by", stopped_by},
-                              {"run_dir", run_dir.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(run_dir)},
-                              {"resumed_from",
-                               resumed_from.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(resumed_from)},
+                              {"lost_ranks", lost_ranks},
+                              {"settings",
+                               {{"sync_interval", mode_settings.sync_interval},
+                                {"staleness_discount", mode_settings.staleness_discount},
+                                {"max_staleness", mode_settings.max_staleness},
+                                {"outer_optimizer", mode_settings.outer_optimizer},
+                                {"outer_lr", mode_settings.outer_lr},
+                                {"outer_momentum", mode_settings.outer_momentum},
+                                {"delta_dtype", std::string(to_string(mode_settings.delta_dtype))}}},
+                              {"simulation",
+                               {{"simulated", !slowdown.empty() || !straggler.empty()},
+                                {"slowdown", slowdowns},
+                                {"straggler", null_or(straggler)}}},
+                              {"run_dir", null_or(run_dir)},
+                              {"resumed_from", null_or(resumed_from)},
                               {"per_worker", workers_json}};
   return j.dump();
 }
@@ -134,6 +202,10 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   CFMO_TRY(validate(config));
   TrainObserver null_observer;
   TrainObserver& observer = options.observer != nullptr ? *options.observer : null_observer;
+  Communicator* comm = options.comm;
+  const int rank = comm != nullptr ? comm->rank() : 0;
+  const int world = comm != nullptr ? comm->size() : 1;
+  const bool async = world > 1 && (config.mode == "cfmo" || config.mode == "asgd");
   ops::set_num_threads(config.threads);
 #if defined(__x86_64__)
   // Flush denormals to zero on this thread: Adam's first moment of a weight
@@ -142,12 +214,15 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   // torch.set_flush_denormal(True) does the same.
   _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ | DAZ
 #endif
+  if (world > 1 && !options.resume.empty() && config.mode != "sync") {
+    return make_error(ErrorKind::kUsage, "--resume: only a single worker or --mode sync can resume for now");
+  }
 
   CFMO_ASSIGN_OR_RETURN(DataSplit data, load_data(config.data, static_cast<uint64_t>(config.seed)));
   const Dataset& train_set = data.train;
   CFMO_ASSIGN_OR_RETURN(MlpSpec spec, MlpSpec::parse(config.model, train_set.features, train_set.classes));
   Mlp model(spec);
-  model.init(static_cast<uint64_t>(config.seed));
+  model.init(static_cast<uint64_t>(config.seed));  // the same on every rank
 
   OptimizerConfig optim_config;
   optim_config.name = config.optimizer;
@@ -163,13 +238,39 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   TrainPosition pos;
   if (!options.resume.empty()) {
     CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model, *optimizer));
-    observer.on_note(fmt::format("resumed from {} at step {}", options.resume.string(), pos.step));
+    if (rank == 0) observer.on_note(fmt::format("resumed from {} at step {}", options.resume.string(), pos.step));
   }
 
+  // Sharding: the epoch's shuffled order is cut into global batches of
+  // world x batch examples; rank k takes the k-th slice of each. With sync,
+  // a step of W workers therefore sees exactly one worker's batch of W x B.
   const int batch = config.batch_size;
-  const int64_t batches_per_epoch = (train_set.count + batch - 1) / batch;
+  const int64_t global_batch = static_cast<int64_t>(batch) * world;
+  const int64_t batches_per_epoch = (train_set.count + global_batch - 1) / global_batch;
   int64_t step_limit = config.steps > 0 ? config.steps : INT64_MAX;
   if (config.epochs > 0) step_limit = std::min(step_limit, config.epochs * batches_per_epoch);
+  ModeSettings settings;
+  settings.name = config.mode;
+  settings.sync_interval = config.sync_interval;
+  settings.staleness_discount = config.staleness_discount;
+  settings.max_staleness = config.max_staleness;
+  settings.outer_optimizer = config.outer_optimizer;
+  settings.outer_lr = config.outer_lr;
+  settings.outer_momentum = config.outer_momentum;
+  CFMO_ASSIGN_OR_RETURN(settings.delta_dtype, parse_wire_dtype(config.delta_dtype));
+  settings.peer_timeout_s = config.peer_timeout;
+  int64_t schedule_steps = step_limit == INT64_MAX ? 0 : step_limit;
+  if (async) {
+    // Asynchronous workers share a budget of samples, kept by rank 0: a fast
+    // worker takes more steps than a slow one. The same budget as sync's.
+    int64_t budget = INT64_MAX;
+    if (config.steps > 0) budget = config.steps * global_batch;
+    if (config.epochs > 0) budget = std::min(budget, config.epochs * train_set.count);
+    settings.sample_budget = budget == INT64_MAX ? 0 : budget;
+    schedule_steps = settings.sample_budget > 0 ? settings.sample_budget / global_batch : 0;
+    step_limit = INT64_MAX;
+  }
+  CFMO_ASSIGN_OR_RETURN(const Heterogeneity simulated, heterogeneity_for(config, rank));
   double time_limit_s = 0;
   if (!config.time_limit.empty()) {
     CFMO_ASSIGN_OR_RETURN(time_limit_s, parse_duration(config.time_limit));
@@ -180,7 +281,9 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   schedule.base_lr = config.lr;
   schedule.min_lr = config.min_lr;
   schedule.warmup_steps = config.warmup_steps;
-  schedule.total_steps = step_limit == INT64_MAX ? 0 : step_limit;
+  schedule.total_steps = schedule_steps;
+
+  CFMO_ASSIGN_OR_RETURN(auto mode, make_mode(settings, comm, model.params(), model.parameters(), optim_config));
 
   const fs::path run_dir = config.out;
   MetricsLog metrics;
@@ -188,12 +291,14 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     std::error_code ec;
     fs::create_directories(run_dir, ec);
     if (ec) return make_error(ErrorKind::kUsage, "--out '{}': {}", run_dir.string(), ec.message());
-    CFMO_ASSIGN_OR_RETURN(metrics, MetricsLog::open(run_dir, options.resume.empty() ? -1 : pos.step));
+    const std::string name = rank == 0 ? "metrics.jsonl" : fmt::format("metrics-rank-{}.jsonl", rank);
+    CFMO_ASSIGN_OR_RETURN(metrics, MetricsLog::open(run_dir / name, options.resume.empty() ? -1 : pos.step));
   }
 
-  SoloMode mode;
   TrainSummary summary;
-  summary.mode = std::string(mode.name());
+  summary.mode = config.mode;
+  summary.workers = world;
+  summary.rank = rank;
   summary.model = spec.to_string();
   summary.optimizer = config.optimizer;
   summary.data = data.source;
@@ -201,6 +306,9 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   summary.parameters = model.num_trainable();
   summary.run_dir = run_dir.string();
   summary.resumed_from = options.resume.string();
+  summary.mode_settings = settings;
+  summary.slowdown = config.slowdown;
+  summary.straggler = config.straggler;
 
   // metrics.jsonl's "epoch": epochs completed, fractional within an epoch (as step/steps-per-epoch).
   auto epochs_done = [&] {
@@ -216,16 +324,18 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     summary.eval_s += seconds_since(t0);
     observer.on_eval(event);
     return metrics.write({{"type", "eval"},
-                          {"rank", 0},
+                          {"rank", rank},
                           {"step", pos.step},
                           {"epoch", event.epochs},
                           {"test_loss", event.test_loss},
                           {"test_accuracy", event.test_accuracy},
                           {"wall_s", event.elapsed_s}});
   };
+  // Only rank 0 checkpoints, and mid-run only where its parameters are the global ones.
+  const bool checkpoints_mid_run = rank == 0 && (world == 1 || config.mode == "sync");
   int64_t last_checkpoint_step = options.resume.empty() ? -1 : pos.step;
   auto checkpoint = [&]() -> Status {
-    if (run_dir.empty()) return {};
+    if (run_dir.empty() || rank != 0) return {};
     CFMO_ASSIGN_OR_RETURN(auto dir, save_checkpoint(run_dir, model, *optimizer, pos, options.config_toml,
                                                     config.keep_checkpoints));
     (void)dir;
@@ -237,6 +347,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   std::vector<int32_t> batch_labels(static_cast<size_t>(batch));
   std::vector<int64_t> order;
   int64_t order_epoch = -1;
+  Rng straggler_rng(static_cast<uint64_t>(config.seed), 0x57A6000ULL + static_cast<uint64_t>(rank));
 
   double window_loss = 0;
   int64_t window_steps = 0;
@@ -245,9 +356,11 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   double progress_loss = 0;
   int64_t progress_steps = 0;
   double train_s = 0;
+  double compute_s = 0;  // computing and simulated slowness, not waiting
   int64_t samples_this_run = 0;
   int64_t steps_this_run = 0;
   int64_t last_eval_step = -1;
+  const auto loop_start = Clock::now();
 
   std::string stopped_by;
   for (;;) {
@@ -263,30 +376,59 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
       stopped_by = "interrupt";
       break;
     }
+    if (mode->stop_requested()) {
+      stopped_by = config.epochs > 0 && (config.steps == 0 || config.epochs * train_set.count <= config.steps * global_batch)
+                       ? "epochs"
+                       : "steps";
+      break;
+    }
+    if (async && rank != 0 && comm->health().has_value() == false) {
+      const auto lost = comm->lost_ranks();
+      if (std::find(lost.begin(), lost.end(), 0) != lost.end()) {
+        return make_error(ErrorKind::kPeer, "rank 0, which keeps the run's budget, is lost: {}", comm->health().error().message);
+      }
+    }
     if (order_epoch != pos.epoch) {
       order = epoch_order(static_cast<uint64_t>(config.seed), pos.epoch, train_set.count);
       order_epoch = pos.epoch;
     }
 
     const auto step_start = Clock::now();
-    const int64_t first = pos.batch_in_epoch * batch;
-    const int n = static_cast<int>(std::min<int64_t>(batch, train_set.count - first));
-    gather_batch(train_set, order, first, n, batch_inputs.data(), batch_labels.data());
-    const float loss = model.forward_backward(batch_inputs.data(), batch_labels.data(), n);
-    if (!std::isfinite(loss)) {
-      return make_error(ErrorKind::kCheckFailed, "training diverged: loss is {} at step {} (lower --lr or set --clip-grad-norm)",
-                        loss, pos.step + 1);
+    const int64_t first = pos.batch_in_epoch * global_batch + static_cast<int64_t>(rank) * batch;
+    const int n = static_cast<int>(std::clamp<int64_t>(train_set.count - first, 0, batch));
+    float loss = 0;
+    if (n > 0) {
+      gather_batch(train_set, order, first, n, batch_inputs.data(), batch_labels.data());
+      loss = model.forward_backward(batch_inputs.data(), batch_labels.data(), n);
+      if (!std::isfinite(loss)) {
+        return make_error(ErrorKind::kCheckFailed,
+                          "training diverged: loss is {} at step {} (lower --lr or set --clip-grad-norm)", loss,
+                          pos.step + 1);
+      }
+    } else {
+      std::fill(model.gradients().begin(), model.gradients().end(), 0.0f);
     }
-    CFMO_TRY(mode.on_gradients(model.gradients()));
-    if (config.clip_grad_norm > 0) clip_grad_norm(model.gradients(), config.clip_grad_norm);
     const double lr = schedule.at(pos.step);
-    optimizer->step(model.parameters(), model.gradients(), static_cast<float>(lr));
+    const auto wait_before = mode->stats().wait_s;
+    if (n > 0 || !async) CFMO_TRY(mode->on_gradients(model.gradients(), n, static_cast<float>(lr)));
+    if (config.clip_grad_norm > 0) clip_grad_norm(model.gradients(), config.clip_grad_norm);
+    if (!mode->owns_update() && (n > 0 || config.mode == "sync")) {
+      optimizer->step(model.parameters(), model.gradients(), static_cast<float>(lr));
+    }
     ++pos.step;
     ++steps_this_run;
     pos.samples += n;
     samples_this_run += n;
     ++pos.batch_in_epoch;
-    CFMO_TRY(mode.after_step(pos.step, model.parameters(), *optimizer));
+    CFMO_TRY(mode->after_step(pos.step, pos.samples, model.parameters(), *optimizer));
+    // Simulated heterogeneity: sleep so the step takes FACTOR times its natural time.
+    const double natural_s = seconds_since(step_start) - (mode->stats().wait_s - wait_before);
+    double factor = simulated.slowdown;
+    if (simulated.straggler_p > 0 && straggler_rng.uniform() < simulated.straggler_p) {
+      factor *= simulated.straggler_factor;
+    }
+    if (factor > 1) std::this_thread::sleep_for(std::chrono::duration<double>((factor - 1) * natural_s));
+    compute_s += natural_s * factor;
     const double step_s = seconds_since(step_start);
     train_s += step_s;
     pos.train_s += step_s;
@@ -306,9 +448,12 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     event.elapsed_s = seconds_since(run_start);
     double fraction = -1;
     if (step_limit != INT64_MAX) fraction = static_cast<double>(pos.step) / static_cast<double>(step_limit);
+    if (async && settings.sample_budget > 0) {
+      fraction = static_cast<double>(pos.samples * world) / static_cast<double>(settings.sample_budget);
+    }
     if (time_limit_s > 0) fraction = std::max(fraction, event.elapsed_s / time_limit_s);
     event.fraction = std::min(fraction, 1.0);
-    if (step_limit != INT64_MAX) event.eta_s = static_cast<double>(step_limit - pos.step) * train_s / steps_this_run;
+    if (fraction > 0 && fraction < 1) event.eta_s = train_s * (1 - fraction) / fraction;
     if (time_limit_s > 0) {
       const double left = std::max(0.0, time_limit_s - event.elapsed_s);
       event.eta_s = event.eta_s < 0 ? left : std::min(event.eta_s, left);
@@ -320,7 +465,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
       event.loss = window_loss / static_cast<double>(window_steps);
       event.samples_per_s = static_cast<double>(window_samples) / std::max(window_s, 1e-9);
       CFMO_TRY(metrics.write({{"type", "step"},
-                              {"rank", 0},
+                              {"rank", rank},
                               {"step", pos.step},
                               {"epoch", epochs_done()},
                               {"loss", event.loss},
@@ -340,32 +485,111 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     if (pos.batch_in_epoch == batches_per_epoch) {
       ++pos.epoch;
       pos.batch_in_epoch = 0;
-      CFMO_TRY(evaluate(false));
-      last_eval_step = pos.step;
-      CFMO_TRY(checkpoint());
-    } else if (config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
+      if (rank == 0 && (world == 1 || config.mode == "sync")) {
+        CFMO_TRY(evaluate(false));
+        last_eval_step = pos.step;
+      }
+      if (checkpoints_mid_run) CFMO_TRY(checkpoint());
+    } else if (checkpoints_mid_run && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
       CFMO_TRY(checkpoint());
     }
   }
+  const double loop_s = seconds_since(loop_start);
 
-  // The final parameters are those of the last evaluation when the run ended on an epoch boundary.
-  if (last_eval_step != pos.step) CFMO_TRY(evaluate(true));
-  if (last_checkpoint_step != pos.step) CFMO_TRY(checkpoint());
-  if (!run_dir.empty()) {
-    CFMO_TRY(save_model(run_dir / "model.safetensors", model,
-                        {{"format", "pt"}, {"cfmo.model", spec.to_string()}, {"cfmo.step", std::to_string(pos.step)}}));
+  // The last reconciliation; afterwards rank 0 holds the global parameters.
+  CFMO_TRY(mode->finish(model.parameters(), *optimizer));
+  const ModeStats mode_stats = mode->stats();
+
+  WorkerReport own;
+  own.rank = rank;
+  own.steps = steps_this_run;
+  own.samples = samples_this_run;
+  own.samples_per_s = loop_s > 0 ? static_cast<double>(samples_this_run) / loop_s : 0;
+  own.solo_samples_per_s = compute_s > 0 ? static_cast<double>(samples_this_run) / compute_s : 0;
+  own.wait_s = mode_stats.wait_s;
+  own.finish_wait_s = mode_stats.finish_wait_s;
+  own.loop_s = loop_s;
+  own.contributions_dropped = mode_stats.contributions_dropped;
+  own.rounds = mode_stats.rounds;
+  own.deferred = mode_stats.deferred;
+  own.staleness_histogram = mode_stats.staleness_histogram;
+  own.slowdown = simulated.slowdown;
+  own.stopped_by = stopped_by;
+  if (comm != nullptr) {
+    const CommStats cs = comm->stats();
+    own.bytes_sent = cs.bytes_sent;
+    own.bytes_received = cs.bytes_received;
+  }
+  summary.per_worker.push_back(own);
+
+  if (comm != nullptr && world > 1) {
+    // Every worker's report goes to rank 0, which waits for the live ones.
+    std::mutex reports_mutex;
+    std::vector<WorkerReport> reports;
+    if (rank == 0) {
+      comm->on_message(Channel::kReport, [&](int, std::span<const std::byte> payload) {
+        auto report = WorkerReport::from_json(
+            std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
+        if (!report) return;
+        std::lock_guard lock(reports_mutex);
+        reports.push_back(std::move(*report));
+      });
+      const auto deadline = Clock::now() + std::chrono::duration<double>(config.peer_timeout * 2);
+      for (;;) {
+        const auto lost = comm->lost_ranks();
+        {
+          std::lock_guard lock(reports_mutex);
+          if (static_cast<int>(reports.size() + lost.size()) >= world - 1 || Clock::now() > deadline) break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      comm->on_message(Channel::kReport, nullptr);
+      std::lock_guard lock(reports_mutex);
+      for (auto& r : reports) summary.per_worker.push_back(std::move(r));
+      std::sort(summary.per_worker.begin(), summary.per_worker.end(),
+                [](const WorkerReport& a, const WorkerReport& b) { return a.rank < b.rank; });
+    } else {
+      const std::string text = own.to_json();
+      comm->post(0, Channel::kReport,
+                 std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
+                                        reinterpret_cast<const std::byte*>(text.data()) + text.size()));
+    }
+    summary.lost_ranks = comm->lost_ranks();
+    if (!async) CFMO_TRY(comm->health());
   }
 
-  summary.steps = pos.step;
-  summary.samples = pos.samples;
-  summary.epochs_completed = pos.epoch;
+  if (rank == 0) {
+    // The final parameters are those of the last evaluation when the run ended on an epoch boundary.
+    if (last_eval_step != pos.step || world > 1) CFMO_TRY(evaluate(true));
+    if (last_checkpoint_step != pos.step) CFMO_TRY(checkpoint());
+    if (!run_dir.empty()) {
+      CFMO_TRY(save_model(run_dir / "model.safetensors", model,
+                          {{"format", "pt"}, {"cfmo.model", spec.to_string()}, {"cfmo.step", std::to_string(pos.step)}}));
+    }
+  }
+
+  int64_t total_samples = 0;
+  int64_t total_steps = 0;
+  double solo_sum = 0;
+  double longest_loop = 0;
+  uint64_t bytes = 0;
+  for (const auto& w : summary.per_worker) {
+    total_samples += w.samples;
+    total_steps += w.steps;
+    solo_sum += w.solo_samples_per_s;
+    longest_loop = std::max(longest_loop, w.loop_s);
+    bytes += w.bytes_sent;
+  }
+  summary.steps = world == 1 ? pos.step : total_steps;
+  summary.samples = world == 1 ? pos.samples : total_samples;
+  summary.epochs_completed = world == 1 || !async ? pos.epoch : total_samples / train_set.count;
   summary.wall_s = seconds_since(run_start);
-  summary.train_s = train_s;
-  summary.samples_per_s = train_s > 0 ? static_cast<double>(samples_this_run) / train_s : 0;
+  summary.train_s = world == 1 ? train_s : longest_loop;
+  summary.samples_per_s = world == 1 ? (train_s > 0 ? static_cast<double>(samples_this_run) / train_s : 0)
+                                     : (longest_loop > 0 ? static_cast<double>(total_samples) / longest_loop : 0);
+  summary.efficiency = solo_sum > 0 ? summary.samples_per_s / solo_sum : 0;
   summary.stopped_by = stopped_by;
-  summary.bytes_sent = mode.bytes_sent();
-  summary.per_worker.push_back(
-      {0, steps_this_run, summary.samples_per_s, mode.wait_s(), mode.bytes_sent(), mode.bytes_received()});
+  summary.bytes_sent = bytes;
   return summary;
 }
 

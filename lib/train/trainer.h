@@ -6,6 +6,8 @@
 #include "model/mlp.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
+#include "comm/communicator.h"
+#include "train/modes.h"
 #include "train/train_config.h"
 
 #include <atomic>
@@ -17,26 +19,6 @@
 #include <vector>
 
 namespace cfmo {
-
-/// How workers reconcile. The loop calls on_gradients() between backward and
-/// the optimizer step, and after_step() after it.
-class Mode {
- public:
-  virtual ~Mode() = default;
-  virtual std::string_view name() const = 0;
-  virtual Status on_gradients(std::span<float> /*grads*/) { return {}; }
-  virtual Status after_step(int64_t /*step*/, std::span<float> /*params*/, Optimizer& /*optimizer*/) { return {}; }
-  /// Seconds this worker spent blocked on communication.
-  virtual double wait_s() const { return 0; }
-  virtual uint64_t bytes_sent() const { return 0; }
-  virtual uint64_t bytes_received() const { return 0; }
-};
-
-/// One worker and nothing to reconcile with.
-class SoloMode final : public Mode {
- public:
-  std::string_view name() const override { return "sync"; }
-};
 
 struct StepEvent {
   int64_t step = 0;
@@ -73,15 +55,29 @@ struct TrainOptions {
   std::string config_toml;              ///< saved beside each checkpoint
   const std::atomic<bool>* stop = nullptr;  ///< set by a signal handler: stop cleanly
   TrainObserver* observer = nullptr;
+  Communicator* comm = nullptr;  ///< the other workers; null for a single worker
 };
 
 struct WorkerReport {
   int rank = 0;
   int64_t steps = 0;
-  double samples_per_s = 0;
-  double wait_s = 0;
+  int64_t samples = 0;
+  double samples_per_s = 0;       ///< samples / this worker's time in the training loop
+  double solo_samples_per_s = 0;  ///< samples / time computing (and simulated slowness), without waits
+  double wait_s = 0;              ///< blocked on communication in the training loop
+  double finish_wait_s = 0;       ///< after the loop: the last replies and the other ranks
+  double loop_s = 0;              ///< time in the training loop
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
+  uint64_t contributions_dropped = 0;
+  int64_t rounds = 0;
+  int64_t deferred = 0;
+  std::vector<uint64_t> staleness_histogram;
+  double slowdown = 1.0;
+  std::string stopped_by;
+
+  std::string to_json() const;
+  static Result<WorkerReport> from_json(std::string_view text);
 };
 
 struct TrainSummary {
@@ -107,6 +103,12 @@ struct TrainSummary {
   std::string run_dir;
   std::string resumed_from;
   std::vector<WorkerReport> per_worker;
+  int rank = 0;              ///< the rank that made this summary (only rank 0's is complete)
+  double efficiency = 0;     ///< total samples/s over the sum of the workers' solo samples/s
+  std::vector<int> lost_ranks;
+  ModeSettings mode_settings;
+  std::vector<std::string> slowdown;
+  std::string straggler;
 
   std::string to_json() const;
 };

@@ -2,7 +2,10 @@
 #include "../common/tool_main.h"
 #include "core/config.h"
 #include "core/progress.h"
+#include "comm/rendezvous.h"
+#include "comm/ucx_communicator.h"
 #include "train/checkpoint.h"
+#include "train/launcher.h"
 #include "train/trainer.h"
 
 #include <CLI/CLI.hpp>
@@ -13,6 +16,8 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 
 namespace {
 
@@ -83,6 +88,21 @@ class ConsoleObserver final : public cfmo::TrainObserver {
 void print_human_summary(const cfmo::TrainSummary& s) {
   fmt::print("{} on {} worker(s): {} steps, {} samples in {:.1f}s ({} samples/s), stopped by {}\n", s.mode, s.workers,
              s.steps, s.samples, s.wall_s, cfmo::human_count(s.samples_per_s), s.stopped_by);
+  if (s.workers > 1) {
+    fmt::print("efficiency {:.2f} (total samples/s over the sum of the workers' solo samples/s)\n", s.efficiency);
+    for (const auto& w : s.per_worker) {
+      fmt::print("  rank {}: {} steps, {} samples/s (solo {}), waited {:.2f}s, sent {} bytes, dropped {}{}\n", w.rank,
+                 w.steps, cfmo::human_count(w.samples_per_s), cfmo::human_count(w.solo_samples_per_s), w.wait_s,
+                 w.bytes_sent, w.contributions_dropped,
+                 w.slowdown > 1 ? fmt::format(", simulated {}x slower", w.slowdown) : "");
+    }
+    for (int r : s.lost_ranks) fmt::print("  rank {}: lost during the run\n", r);
+  }
+  if (!s.slowdown.empty() || !s.straggler.empty()) {
+    fmt::print("heterogeneity was simulated (sleeps after steps):{}{}\n",
+               s.slowdown.empty() ? "" : fmt::format(" slowdown {}", fmt::join(s.slowdown, ",")),
+               s.straggler.empty() ? "" : fmt::format(" straggler {}", s.straggler));
+  }
   fmt::print("model {} ({} parameters), optimizer {}, data {}\n", s.model, s.parameters, s.optimizer, s.data);
   fmt::print("test accuracy {:.4f}, test loss {:.4f}\n", s.test_accuracy, s.test_loss);
   if (!s.run_dir.empty()) fmt::print("run directory: {}\n", s.run_dir);
@@ -149,13 +169,45 @@ static int run(int argc, char** argv) {
 
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
+  auto world = cfmo::world_from_environment();
+  if (!world) return fail(world.error());
+  if (!world->has_value() && config.workers > 1) {
+    // One host, no launcher: start the workers here and relay their output.
+    auto status = cfmo::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO);
+    if (!status) return fail(status.error());
+    return *status;
+  }
+  std::unique_ptr<cfmo::Communicator> comm;
+  if (world->has_value() && (*world)->size > 1) {
+    std::string address = config.rendezvous;
+    if (address.empty() && std::getenv("CFMO_RENDEZVOUS") != nullptr) address = std::getenv("CFMO_RENDEZVOUS");
+    if (address.empty()) {
+      return fail(cfmo::make_error(cfmo::ErrorKind::kUsage, "{} says {} ranks: set --rendezvous or CFMO_RENDEZVOUS",
+                                   (*world)->source, (*world)->size));
+    }
+    auto rendezvous = cfmo::parse_rendezvous(address);
+    if (!rendezvous) return fail(rendezvous.error());
+    if (const char* fd = std::getenv("CFMO_RENDEZVOUS_FD"); fd != nullptr && (*world)->rank == 0) {
+      rendezvous->listen_fd = std::atoi(fd);
+    }
+    rendezvous->timeout_s = std::max(60.0, config.peer_timeout);
+    cfmo::UcxOptions ucx;
+    ucx.peer_timeout_s = config.peer_timeout;
+    auto connected = cfmo::connect_ucx((*world)->rank, (*world)->size, *rendezvous, ucx);
+    if (!connected) return fail(connected.error());
+    comm = std::move(*connected);
+    options.comm = comm.get();
+  }
+
   ConsoleObserver observer(::isatty(STDERR_FILENO) != 0, config.quiet);
   options.stop = &g_stop;
   options.observer = &observer;
 
   auto summary = cfmo::train(config, options);
   observer.clear_line();
+  comm.reset();  // say goodbye to the other ranks before reporting
   if (!summary) return fail(summary.error());
+  if (summary->rank != 0) return summary->stopped_by == "interrupt" ? kInterruptedStatus : 0;
   if (json) {
     fmt::print("{}\n", summary->to_json());
   } else {

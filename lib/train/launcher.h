@@ -1,0 +1,35 @@
+#pragma once
+/// Where a worker is in the world, and the embedded launcher for one host.
+///
+/// Under an existing launcher each process is one rank: RANK/WORLD_SIZE,
+/// Slurm's SLURM_PROCID/SLURM_NTASKS or Open MPI's OMPI_COMM_WORLD_RANK/SIZE,
+/// with the rendezvous in CFMO_RENDEZVOUS. On one host without a launcher,
+/// launch_local() starts the ranks itself.
+
+#include "core/error.h"
+
+#include <atomic>
+#include <optional>
+#include <string>
+
+namespace cfmo {
+
+struct WorldInfo {
+  int rank = 0;
+  int size = 1;
+  std::string source;  ///< which variables said so, for messages
+};
+
+/// The rank and world size the environment gives, if any; an error when the
+/// variables are present but make no sense (naming them).
+Result<std::optional<WorldInfo>> world_from_environment();
+
+/// Starts `workers` copies of this program (argv as given) with RANK,
+/// WORLD_SIZE and a rendezvous on 127.0.0.1 whose listening socket rank 0
+/// inherits. Their stderr (and the stdout of ranks above 0) goes to `err_fd`
+/// line by line, prefixed "[rank K] "; rank 0's stdout goes to `out_fd`.
+/// When `interrupt` becomes true each worker gets one SIGINT. Returns the
+/// run's exit status: 0 when every worker succeeded, else the first failure.
+Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* interrupt, int out_fd, int err_fd);
+
+}  // namespace cfmo

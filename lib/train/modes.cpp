@@ -1,0 +1,612 @@
+#include "train/modes.h"
+
+#include "tensor/ops.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+namespace cfmo {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+Clock::duration seconds(double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); }
+
+// resize + memcpy rather than insert: GCC 12 warns falsely (-Wstringop-overflow)
+// about inserting into an empty vector.
+void put_bytes(std::vector<std::byte>& out, const void* data, size_t size) {
+  const size_t at = out.size();
+  out.resize(at + size);
+  if (size > 0) std::memcpy(out.data() + at, data, size);
+}
+
+template <typename T>
+void put(std::vector<std::byte>& out, const T& value) {
+  put_bytes(out, &value, sizeof(T));
+}
+
+template <typename T>
+bool take(std::span<const std::byte>& in, T& value) {
+  if (in.size() < sizeof(T)) return false;
+  std::memcpy(&value, in.data(), sizeof(T));
+  in = in.subspan(sizeof(T));
+  return true;
+}
+
+void put_floats(std::vector<std::byte>& out, std::span<const float> values) {
+  put_bytes(out, values.data(), values.size_bytes());
+}
+
+/// θ̄ += outer step from the mean delta `delta` (scaled by `weight`), in place.
+/// avg: θ̄ += lr * weight * delta. nesterov: the pseudo-gradient g = -weight * delta
+/// through SGD with Nesterov momentum (DiLoCo's outer optimizer).
+void outer_step(const ModeSettings& s, float momentum, std::span<float> global, std::span<const float> delta,
+                std::span<float> buffer, float weight) {
+  const auto lr = static_cast<float>(s.outer_lr);
+  if (s.outer_optimizer == "nesterov") {
+    for (size_t i = 0; i < global.size(); ++i) {
+      const float g = -weight * delta[i];
+      buffer[i] = momentum * buffer[i] + g;
+      global[i] -= lr * (g + momentum * buffer[i]);
+    }
+  } else {
+    for (size_t i = 0; i < global.size(); ++i) global[i] += lr * weight * delta[i];
+  }
+}
+
+class SoloMode final : public Mode {
+ public:
+  explicit SoloMode(std::string name) : name_(std::move(name)) {}
+  std::string_view name() const override { return name_; }
+
+ private:
+  std::string name_;
+};
+
+/// Every step: gradients weighted by their example counts, summed by a ring
+/// all-reduce, divided by the total: the same update as one worker with the
+/// union of the batches.
+class SyncMode final : public Mode {
+ public:
+  explicit SyncMode(Communicator& comm) : comm_(comm) {}
+  std::string_view name() const override { return "sync"; }
+
+  Status on_gradients(std::span<float> grads, int count, float) override {
+    buffer_.resize(grads.size() + 1);
+    const auto n = static_cast<float>(count);
+    for (size_t i = 0; i < grads.size(); ++i) buffer_[i] = grads[i] * n;
+    buffer_.back() = n;
+    const auto start = Clock::now();
+    Status status = comm_.all_reduce_sum(buffer_);
+    stats_.wait_s += seconds_since(start);
+    CFMO_TRY(status);
+    const float total = buffer_.back();
+    const float inverse = total > 0 ? 1.0f / total : 0.0f;
+    for (size_t i = 0; i < grads.size(); ++i) grads[i] = buffer_[i] * inverse;
+    ++stats_.rounds;
+    return {};
+  }
+  ModeStats stats() const override { return stats_; }
+
+ private:
+  Communicator& comm_;
+  FloatBuffer buffer_;
+  ModeStats stats_;
+};
+
+/// Local SGD / DiLoCo: H local steps, then a blocking all-reduce of the deltas
+/// against the shared global parameters and an outer step.
+class LocalSgdMode final : public Mode {
+ public:
+  LocalSgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial)
+      : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), momentum_(initial.size(), 0.0f) {}
+  std::string_view name() const override { return "localsgd"; }
+
+  Status after_step(int64_t step, int64_t, std::span<float> params, Optimizer&) override {
+    since_sync_ = step % settings_.sync_interval;
+    if (since_sync_ != 0) return {};
+    return reconcile(params);
+  }
+  Status finish(std::span<float> params, Optimizer&) override {
+    // Every rank took the same number of steps, so all agree whether one more round is due.
+    return since_sync_ != 0 ? reconcile(params) : Status{};
+  }
+  ModeStats stats() const override { return stats_; }
+
+ private:
+  Status reconcile(std::span<float> params) {
+    delta_.resize(params.size());
+    for (size_t i = 0; i < params.size(); ++i) delta_[i] = params[i] - global_[i];
+    const auto start = Clock::now();
+    Status status = comm_.all_reduce_sum(delta_);
+    stats_.wait_s += seconds_since(start);
+    CFMO_TRY(status);
+    outer_step(settings_, static_cast<float>(settings_.outer_momentum), global_, delta_, momentum_,
+               1.0f / static_cast<float>(comm_.size()));
+    std::copy(global_.begin(), global_.end(), params.begin());
+    ++stats_.rounds;
+    since_sync_ = 0;
+    return {};
+  }
+
+  ModeSettings settings_;
+  Communicator& comm_;
+  FloatBuffer global_;
+  FloatBuffer momentum_;
+  FloatBuffer delta_;
+  int64_t since_sync_ = 0;
+  ModeStats stats_;
+};
+
+/// What cfmo and asgd share: shard ownership, the budget keeper, the inbox of
+/// fresh shards and the end-of-run handshake.
+class AsyncMode : public Mode {
+ public:
+  AsyncMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial)
+      : settings_(settings),
+        comm_(comm),
+        bounds_(shard_bounds(initial.size(), comm.size())),
+        base_(initial.begin(), initial.end()),
+        base_version_(static_cast<size_t>(comm.size()), 0),
+        residual_(settings.delta_dtype == WireDtype::kFp32 ? 0 : initial.size(), 0.0f),
+        done_from_(static_cast<size_t>(comm.size()), false),
+        progress_(static_cast<size_t>(comm.size()), 0) {
+    const int me = comm.rank();
+    owned_.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
+                  initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
+    outer_momentum_.assign(owned_.size(), 0.0f);
+    stats_.staleness_histogram.assign(static_cast<size_t>(settings.max_staleness) + 2, 0);
+    comm.on_message(Channel::kFreshShard, [this](int from, std::span<const std::byte> m) { on_fresh(from, m); });
+    comm.on_message(Channel::kProgress, [this](int from, std::span<const std::byte> m) { on_progress(from, m); });
+    comm.on_message(Channel::kStop, [this](int, std::span<const std::byte>) { stop_ = true; });
+    comm.on_message(Channel::kDone, [this](int from, std::span<const std::byte>) {
+      std::lock_guard lock(mutex_);
+      done_from_[static_cast<size_t>(from)] = true;
+    });
+    comm.on_message(Channel::kGather, [this](int from, std::span<const std::byte> m) { on_gather(from, m); });
+  }
+
+  bool stop_requested() const override { return stop_.load(); }
+  bool local_is_global() const override { return false; }
+  ModeStats stats() const override {
+    std::lock_guard lock(mutex_);
+    return stats_;
+  }
+
+ protected:
+  struct Fresh {
+    int shard = 0;
+    int64_t version = 0;
+    int64_t staleness = 0;
+    bool dropped = false;
+    std::vector<float> values;
+  };
+
+  std::span<float> shard_of(std::span<float> v, int j) const {
+    return v.subspan(bounds_[static_cast<size_t>(j)], bounds_[static_cast<size_t>(j) + 1] - bounds_[static_cast<size_t>(j)]);
+  }
+
+  /// Owner side: the reply carrying this shard as it is now.
+  void reply_fresh(int to, int64_t staleness, bool dropped) {
+    std::vector<std::byte> out;
+    put(out, static_cast<uint32_t>(comm_.rank()));
+    put(out, static_cast<uint32_t>(dropped ? 1 : 0));
+    put(out, version_);
+    put(out, staleness);
+    put_floats(out, owned_);
+    comm_.post(to, Channel::kFreshShard, std::move(out));
+  }
+
+  /// The owner's staleness of a contribution based on `base_version`, in rounds of W.
+  int64_t staleness_of(int64_t base_version) const {
+    return std::max<int64_t>(0, version_ - base_version) / comm_.size();
+  }
+
+  void record_staleness(int64_t s, bool dropped) {
+    std::lock_guard lock(mutex_);
+    const size_t bucket = std::min(static_cast<size_t>(std::max<int64_t>(0, s)), stats_.staleness_histogram.size() - 1);
+    ++stats_.staleness_histogram[bucket];
+    if (dropped) ++stats_.contributions_dropped;
+  }
+
+  /// Takes the fresh shards that arrived; the caller applies them.
+  std::deque<Fresh> take_inbox() {
+    std::lock_guard lock(mutex_);
+    std::deque<Fresh> out;
+    out.swap(inbox_);
+    return out;
+  }
+
+  /// Replies still owed by owners that are alive.
+  int outstanding() const {
+    const auto lost = comm_.lost_ranks();
+    int n = 0;
+    for (int j = 0; j < comm_.size(); ++j) {
+      if (std::find(lost.begin(), lost.end(), j) == lost.end()) n += awaiting_[static_cast<size_t>(j)];
+    }
+    return n;
+  }
+
+  void report_progress(int64_t samples) {
+    std::vector<std::byte> out;
+    put(out, samples);
+    comm_.post(0, Channel::kProgress, std::move(out));
+  }
+
+  /// Waits (draining the inbox through `apply`) until no reply is owed or the deadline passes.
+  template <typename Apply>
+  void drain_replies(Clock::time_point deadline, Apply&& apply) {
+    while (outstanding() > 0 && Clock::now() < deadline) {
+      auto fresh = take_inbox();
+      if (fresh.empty()) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        continue;
+      }
+      for (auto& f : fresh) apply(f);
+    }
+  }
+
+  /// The end: tell everyone this rank is done, serve owners' work until every
+  /// live rank is done too, then gather the owned shards on rank 0.
+  Status end_handshake(std::span<float> params) {
+    const auto start = Clock::now();
+    const auto deadline = start + seconds(settings_.peer_timeout_s * 3);
+    for (int r = 0; r < comm_.size(); ++r) comm_.post(r, Channel::kDone, {});
+    auto everyone_done = [&] {
+      const auto lost = comm_.lost_ranks();
+      std::lock_guard lock(mutex_);
+      for (int r = 0; r < comm_.size(); ++r) {
+        if (!done_from_[static_cast<size_t>(r)] && std::find(lost.begin(), lost.end(), r) == lost.end()) return false;
+      }
+      return true;
+    };
+    while (!everyone_done() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    // Owners' shards now include every contribution: send mine to rank 0.
+    std::vector<std::byte> out;
+    put(out, static_cast<uint32_t>(comm_.rank()));
+    post_owned_snapshot(out);
+    comm_.post(0, Channel::kGather, std::move(out));
+    if (comm_.rank() == 0) {
+      auto gathered_all = [&] {
+        const auto lost = comm_.lost_ranks();
+        std::lock_guard lock(mutex_);
+        for (int r = 0; r < comm_.size(); ++r) {
+          if (gathered_[static_cast<size_t>(r)].empty() && std::find(lost.begin(), lost.end(), r) == lost.end()) {
+            return false;
+          }
+        }
+        return true;
+      };
+      while (!gathered_all() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      std::lock_guard lock(mutex_);
+      for (int j = 0; j < comm_.size(); ++j) {
+        const auto& shard = gathered_[static_cast<size_t>(j)];
+        // A lost owner's shard keeps rank 0's own values: the best there is.
+        if (shard.size() == bounds_[static_cast<size_t>(j) + 1] - bounds_[static_cast<size_t>(j)]) {
+          std::copy(shard.begin(), shard.end(), shard_of(params, j).begin());
+        }
+      }
+    }
+    std::lock_guard lock(mutex_);
+    stats_.finish_wait_s += seconds_since(start);
+    return {};
+  }
+
+  const ModeSettings settings_;
+  Communicator& comm_;
+  const std::vector<size_t> bounds_;
+
+  // Worker side (training thread).
+  FloatBuffer base_;                   ///< the global parameters as last received, per shard
+  std::vector<int64_t> base_version_;  ///< their versions
+  FloatBuffer residual_;               ///< error feedback for lossy wire dtypes
+  std::vector<int> awaiting_ = std::vector<int>(static_cast<size_t>(comm_.size()), 0);
+
+  // Owner side (progress thread, except where mutex_ says otherwise).
+  FloatBuffer owned_;           ///< my shard of the global parameters
+  FloatBuffer outer_momentum_;  ///< outer optimizer state for it
+  int64_t version_ = 0;         ///< contributions applied to it
+
+  mutable std::mutex mutex_;  ///< guards inbox_, stats_, done_from_, gathered_, owned_ snapshots
+  std::deque<Fresh> inbox_;
+  ModeStats stats_;
+
+ private:
+  void post_owned_snapshot(std::vector<std::byte>& out) {
+    std::lock_guard lock(mutex_);
+    put_floats(out, owned_);
+  }
+
+  void on_fresh(int, std::span<const std::byte> m) {
+    Fresh f;
+    uint32_t shard = 0;
+    uint32_t flags = 0;
+    if (!take(m, shard) || !take(m, flags) || !take(m, f.version) || !take(m, f.staleness)) return;
+    if (shard >= static_cast<uint32_t>(comm_.size())) return;
+    f.shard = static_cast<int>(shard);
+    f.dropped = (flags & 1) != 0;
+    f.values.resize(m.size() / sizeof(float));
+    std::memcpy(f.values.data(), m.data(), f.values.size() * sizeof(float));
+    std::lock_guard lock(mutex_);
+    inbox_.push_back(std::move(f));
+  }
+
+  void on_progress(int from, std::span<const std::byte> m) {
+    int64_t samples = 0;
+    if (!take(m, samples)) return;
+    progress_[static_cast<size_t>(from)] = samples;
+    int64_t total = 0;
+    for (int64_t p : progress_) total += p;
+    if (settings_.sample_budget > 0 && total >= settings_.sample_budget && !stop_sent_) {
+      stop_sent_ = true;
+      for (int r = 0; r < comm_.size(); ++r) comm_.post(r, Channel::kStop, {});
+    }
+  }
+
+  void on_gather(int from, std::span<const std::byte> m) {
+    uint32_t shard = 0;
+    if (!take(m, shard) || shard != static_cast<uint32_t>(from)) return;
+    std::lock_guard lock(mutex_);
+    auto& out = gathered_[static_cast<size_t>(from)];
+    out.resize(m.size() / sizeof(float));
+    std::memcpy(out.data(), m.data(), out.size() * sizeof(float));
+  }
+
+  std::atomic<bool> stop_{false};
+  std::vector<bool> done_from_;
+  std::vector<int64_t> progress_;  ///< rank 0, progress thread: samples per rank
+  bool stop_sent_ = false;         ///< rank 0, progress thread
+  std::vector<std::vector<float>> gathered_ = std::vector<std::vector<float>>(static_cast<size_t>(comm_.size()));
+};
+
+/// Communication-free: see ALGORITHM.md, mode 3.
+class CfmoMode final : public AsyncMode {
+ public:
+  CfmoMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial)
+      : AsyncMode(settings, comm, initial), snapshot_(initial.size(), 0.0f) {
+    comm.on_message(Channel::kDeltaShard, [this](int from, std::span<const std::byte> m) { on_delta(from, m); });
+  }
+  std::string_view name() const override { return "cfmo"; }
+
+  Status after_step(int64_t step, int64_t samples, std::span<float> params, Optimizer& optimizer) override {
+    for (auto& f : take_inbox()) rebase(f, params, optimizer);
+    if (step % settings_.sync_interval != 0) return {};
+    report_progress(samples);
+    if (outstanding() > 0) {
+      // The last round is still in flight: never wait, reconcile next time.
+      std::lock_guard lock(mutex_);
+      ++stats_.deferred;
+      return {};
+    }
+    send_round(params);
+    return {};
+  }
+
+  Status finish(std::span<float> params, Optimizer& optimizer) override {
+    const auto start = Clock::now();
+    const auto deadline = start + seconds(settings_.peer_timeout_s);
+    auto apply = [&](Fresh& f) { rebase(f, params, optimizer); };
+    drain_replies(deadline, apply);
+    send_round(params);  // the last local progress counts too
+    drain_replies(deadline + seconds(settings_.peer_timeout_s), apply);
+    {
+      std::lock_guard lock(mutex_);
+      stats_.finish_wait_s += seconds_since(start);
+    }
+    return end_handshake(params);
+  }
+
+ private:
+  void send_round(std::span<const float> params) {
+    std::copy(params.begin(), params.end(), snapshot_.begin());
+    const auto lost = comm_.lost_ranks();
+    for (int j = 0; j < comm_.size(); ++j) {
+      if (std::find(lost.begin(), lost.end(), j) != lost.end()) continue;
+      const size_t first = bounds_[static_cast<size_t>(j)];
+      const size_t count = bounds_[static_cast<size_t>(j) + 1] - first;
+      delta_.resize(count);
+      for (size_t i = 0; i < count; ++i) delta_[i] = params[first + i] - base_[first + i];
+      std::vector<std::byte> out;
+      put(out, static_cast<uint32_t>(j));
+      put(out, static_cast<uint32_t>(settings_.delta_dtype));
+      put(out, base_version_[static_cast<size_t>(j)]);
+      encode_floats(settings_.delta_dtype, delta_,
+                    residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count), out);
+      comm_.post(j, Channel::kDeltaShard, std::move(out));
+      ++awaiting_[static_cast<size_t>(j)];
+    }
+    std::lock_guard lock(mutex_);
+    ++stats_.rounds;
+  }
+
+  /// θ_k ← θ̄_new + (θ_k − θ_snapshot) on the shard; stale momentum discounted.
+  void rebase(Fresh& f, std::span<float> params, Optimizer& optimizer) {
+    auto& waiting = awaiting_[static_cast<size_t>(f.shard)];
+    waiting = std::max(0, waiting - 1);
+    record_staleness(f.staleness, f.dropped);
+    const size_t first = bounds_[static_cast<size_t>(f.shard)];
+    if (f.values.size() != bounds_[static_cast<size_t>(f.shard) + 1] - first) return;
+    const int64_t behind = std::max<int64_t>(0, f.version - base_version_[static_cast<size_t>(f.shard)] - 1) /
+                           comm_.size();
+    for (size_t i = 0; i < f.values.size(); ++i) {
+      params[first + i] = f.values[i] + (params[first + i] - snapshot_[first + i]);
+      base_[first + i] = f.values[i];
+    }
+    base_version_[static_cast<size_t>(f.shard)] = f.version;
+    if (behind > 0) {
+      optimizer.scale_first_moment(static_cast<float>(std::pow(settings_.staleness_discount, behind)), first,
+                                   f.values.size());
+    }
+  }
+
+  /// Owner: apply a delta shard weighted by beta^staleness, reply with the fresh shard.
+  void on_delta(int from, std::span<const std::byte> m) {
+    uint32_t shard = 0;
+    uint32_t dtype = 0;
+    int64_t base_version = 0;
+    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || shard != static_cast<uint32_t>(comm_.rank()) ||
+        dtype > 2) {
+      return;
+    }
+    incoming_.resize(owned_.size());
+    if (!decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
+    const int64_t s = staleness_of(base_version);
+    const bool dropped = s > settings_.max_staleness;
+    if (!dropped) {
+      const float weight = static_cast<float>(std::pow(settings_.staleness_discount, s)) / static_cast<float>(comm_.size());
+      // Momentum per contribution is mu^(1/W), so a round of W contributions decays it by mu.
+      const auto momentum = static_cast<float>(std::pow(settings_.outer_momentum, 1.0 / comm_.size()));
+      std::lock_guard lock(mutex_);
+      outer_step(settings_, momentum, owned_, incoming_, outer_momentum_, weight);
+      ++version_;
+    }
+    reply_fresh(from, s, dropped);
+  }
+
+  FloatBuffer snapshot_;
+  FloatBuffer delta_;
+  FloatBuffer incoming_;  ///< progress thread
+};
+
+/// Classic asynchronous SGD over the same shards: owners run the inner optimizer.
+class AsgdMode final : public AsyncMode {
+ public:
+  AsgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
+           std::unique_ptr<Optimizer> shard_optimizer)
+      : AsyncMode(settings, comm, initial), optimizer_(std::move(shard_optimizer)) {
+    comm.on_message(Channel::kGradShard, [this](int from, std::span<const std::byte> m) { on_grad(from, m); });
+  }
+  std::string_view name() const override { return "asgd"; }
+  bool owns_update() const override { return true; }
+
+  Status on_gradients(std::span<float> grads, int count, float lr) override {
+    if (count == 0) return {};
+    // Bounded staleness: past max_staleness rounds of unanswered pushes, wait.
+    const int limit = std::max(1, settings_.max_staleness) * comm_.size();
+    if (outstanding() >= limit) {
+      const auto start = Clock::now();
+      while (outstanding() >= limit && !stop_requested()) {
+        for (auto& f : take_inbox()) apply(f, params_view_);
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+      std::lock_guard lock(mutex_);
+      stats_.wait_s += seconds_since(start);
+    }
+    const auto lost = comm_.lost_ranks();
+    for (int j = 0; j < comm_.size(); ++j) {
+      if (std::find(lost.begin(), lost.end(), j) != lost.end()) continue;
+      const size_t first = bounds_[static_cast<size_t>(j)];
+      const size_t n = bounds_[static_cast<size_t>(j) + 1] - first;
+      std::vector<std::byte> out;
+      put(out, static_cast<uint32_t>(j));
+      put(out, static_cast<uint32_t>(settings_.delta_dtype));
+      put(out, base_version_[static_cast<size_t>(j)]);
+      put(out, lr);
+      encode_floats(settings_.delta_dtype, grads.subspan(first, n),
+                    residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, n), out);
+      comm_.post(j, Channel::kGradShard, std::move(out));
+      ++awaiting_[static_cast<size_t>(j)];
+    }
+    std::lock_guard lock(mutex_);
+    ++stats_.rounds;
+    return {};
+  }
+
+  Status after_step(int64_t step, int64_t samples, std::span<float> params, Optimizer&) override {
+    params_view_ = params;
+    for (auto& f : take_inbox()) apply(f, params);
+    if (step % settings_.sync_interval == 0) report_progress(samples);
+    return {};
+  }
+
+  Status finish(std::span<float> params, Optimizer&) override {
+    const auto start = Clock::now();
+    drain_replies(start + seconds(settings_.peer_timeout_s),
+                  [&](Fresh& f) { apply(f, params); });
+    {
+      std::lock_guard lock(mutex_);
+      stats_.finish_wait_s += seconds_since(start);
+    }
+    return end_handshake(params);
+  }
+
+ private:
+  void apply(Fresh& f, std::span<float> params) {
+    auto& waiting = awaiting_[static_cast<size_t>(f.shard)];
+    waiting = std::max(0, waiting - 1);
+    record_staleness(f.staleness, f.dropped);
+    const size_t first = bounds_[static_cast<size_t>(f.shard)];
+    if (params.empty() || f.values.size() != bounds_[static_cast<size_t>(f.shard) + 1] - first) return;
+    // Replies can overtake each other only across owners; a newer version wins.
+    if (f.version < base_version_[static_cast<size_t>(f.shard)]) return;
+    std::copy(f.values.begin(), f.values.end(), params.begin() + static_cast<std::ptrdiff_t>(first));
+    base_version_[static_cast<size_t>(f.shard)] = f.version;
+  }
+
+  void on_grad(int from, std::span<const std::byte> m) {
+    uint32_t shard = 0;
+    uint32_t dtype = 0;
+    int64_t base_version = 0;
+    float lr = 0;
+    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || !take(m, lr) ||
+        shard != static_cast<uint32_t>(comm_.rank()) || dtype > 2) {
+      return;
+    }
+    incoming_.resize(owned_.size());
+    if (!decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
+    const int64_t s = staleness_of(base_version);
+    const bool dropped = s > settings_.max_staleness;
+    if (!dropped) {
+      std::lock_guard lock(mutex_);
+      optimizer_->step(owned_, incoming_, lr);
+      ++version_;
+    }
+    reply_fresh(from, s, dropped);
+  }
+
+  std::unique_ptr<Optimizer> optimizer_;  ///< progress thread: the inner optimizer for my shard
+  FloatBuffer incoming_;                  ///< progress thread
+  std::span<float> params_view_;          ///< training thread: the parameters, for waits inside on_gradients
+};
+
+}  // namespace
+
+std::vector<size_t> shard_bounds(size_t size, int shards) {
+  std::vector<size_t> bounds(static_cast<size_t>(shards) + 1, size);
+  bounds[0] = 0;
+  for (int j = 1; j < shards; ++j) {
+    const size_t even = size * static_cast<size_t>(j) / static_cast<size_t>(shards);
+    bounds[static_cast<size_t>(j)] = std::min(size, (even + 15) / 16 * 16);
+  }
+  return bounds;
+}
+
+Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, Communicator* comm,
+                                        const std::vector<ParamInfo>& layout, std::span<const float> initial,
+                                        const OptimizerConfig& optimizer_config) {
+  if (comm == nullptr || comm->size() == 1) return std::unique_ptr<Mode>(std::make_unique<SoloMode>(settings.name));
+  if (settings.name == "sync") return std::unique_ptr<Mode>(std::make_unique<SyncMode>(*comm));
+  if (settings.name == "localsgd") {
+    return std::unique_ptr<Mode>(std::make_unique<LocalSgdMode>(settings, *comm, initial));
+  }
+  if (settings.name == "cfmo") return std::unique_ptr<Mode>(std::make_unique<CfmoMode>(settings, *comm, initial));
+  if (settings.name == "asgd") {
+    const auto bounds = shard_bounds(initial.size(), comm->size());
+    const size_t own = bounds[static_cast<size_t>(comm->rank()) + 1] - bounds[static_cast<size_t>(comm->rank())];
+    // The owner's optimizer sees its shard as one flat tensor: element-wise optimizers only.
+    std::vector<ParamInfo> shard_layout = {{"shard", {static_cast<int64_t>(own)}, 0, own}};
+    CFMO_ASSIGN_OR_RETURN(auto optimizer, make_optimizer(optimizer_config, shard_layout, own));
+    return std::unique_ptr<Mode>(std::make_unique<AsgdMode>(settings, *comm, initial, std::move(optimizer)));
+  }
+  (void)layout;
+  return make_error(ErrorKind::kUsage, "--mode '{}': expected sync, localsgd, cfmo or asgd", settings.name);
+}
+
+}  // namespace cfmo

@@ -1,0 +1,84 @@
+#pragma once
+/// How workers reconcile: the four modes of ALGORITHM.md behind the seam the
+/// training loop calls after every step.
+///
+///   sync      gradients averaged by a blocking ring all-reduce every step
+///   localsgd  H local steps, then a blocking all-reduce of the deltas and an
+///             outer step (plain averaging, or Nesterov as DiLoCo)
+///   cfmo      H local steps, then each delta shard goes to its owner without
+///             waiting; the owner applies it weighted by beta^staleness and
+///             sends the fresh shard back; the worker rebases when it arrives
+///   asgd      every step's gradient shards go to their owners, which apply
+///             them at once (parameter server, no staleness correction)
+
+#include "comm/codec.h"
+#include "comm/communicator.h"
+#include "core/error.h"
+#include "model/mlp.h"
+#include "optim/optimizer.h"
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cfmo {
+
+struct ModeSettings {
+  std::string name = "sync";
+  int sync_interval = 10;           ///< H: local steps between reconciliations
+  double staleness_discount = 0.9;  ///< beta
+  int max_staleness = 4;            ///< rounds; older contributions are dropped
+  std::string outer_optimizer = "avg";
+  double outer_lr = 1.0;
+  double outer_momentum = 0.9;
+  WireDtype delta_dtype = WireDtype::kFp32;
+  int64_t sample_budget = 0;  ///< async modes: stop when all workers together saw this many (0: no budget)
+  double peer_timeout_s = 10;
+};
+
+struct ModeStats {
+  double wait_s = 0;         ///< blocked on communication inside the training loop
+  double finish_wait_s = 0;  ///< at the end, waiting for the last replies and for the other ranks
+  uint64_t contributions_dropped = 0;
+  int64_t rounds = 0;        ///< reconciliations (or gradient pushes for asgd) started
+  int64_t deferred = 0;      ///< cfmo: reconciliations skipped because the last was still in flight
+  std::vector<uint64_t> staleness_histogram;  ///< [s] = contributions applied s rounds stale
+};
+
+class Mode {
+ public:
+  virtual ~Mode() = default;
+  virtual std::string_view name() const = 0;
+  /// Between backward and the update; `count` examples made `grads` (0: none).
+  virtual Status on_gradients(std::span<float> /*grads*/, int /*count*/, float /*lr*/) { return {}; }
+  /// True when the mode applies updates itself (asgd's owners), not the local optimizer.
+  virtual bool owns_update() const { return false; }
+  /// After the update: reconcile, rebase, report progress.
+  virtual Status after_step(int64_t /*step*/, int64_t /*samples*/, std::span<float> /*params*/,
+                            Optimizer& /*optimizer*/) {
+    return {};
+  }
+  /// An asynchronous mode's budget keeper (rank 0) said the run is done.
+  virtual bool stop_requested() const { return false; }
+  /// After the loop: the last reconciliation and the end handshake. Leaves the
+  /// global parameters in `params` on rank 0 (on every rank for sync and localsgd).
+  virtual Status finish(std::span<float> /*params*/, Optimizer& /*optimizer*/) { return {}; }
+  /// True when a rank's local parameters at an epoch end are the global ones.
+  virtual bool local_is_global() const { return true; }
+  virtual ModeStats stats() const { return {}; }
+};
+
+/// The mode for `settings.name`; `comm` is null for a single worker.
+/// `initial` is the parameters every rank starts from (the same everywhere).
+Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, Communicator* comm,
+                                        const std::vector<ParamInfo>& layout, std::span<const float> initial,
+                                        const OptimizerConfig& optimizer_config);
+
+/// The W contiguous shards of a flat vector of `size` floats, on 16-float
+/// boundaries: shard j is [bounds[j], bounds[j + 1]).
+std::vector<size_t> shard_bounds(size_t size, int shards);
+
+}  // namespace cfmo
