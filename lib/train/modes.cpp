@@ -466,6 +466,11 @@ class CfmoMode final : public AsyncMode {
       std::lock_guard lock(mutex_);
       outer_step(settings_, momentum, owned_, incoming_, outer_momentum_, weight);
       ++version_;
+      ++stats_.contributions_applied;
+    }
+    {
+      std::lock_guard lock(mutex_);
+      ++stats_.contributions_received;
     }
     reply_fresh(from, s, dropped);
   }
@@ -488,17 +493,6 @@ class AsgdMode final : public AsyncMode {
 
   Status on_gradients(std::span<float> grads, int count, float lr) override {
     if (count == 0) return {};
-    // Bounded staleness: past max_staleness rounds of unanswered pushes, wait.
-    const int limit = std::max(1, settings_.max_staleness) * comm_.size();
-    if (outstanding() >= limit) {
-      const auto start = Clock::now();
-      while (outstanding() >= limit && !stop_requested()) {
-        for (auto& f : take_inbox()) apply(f, params_view_);
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-      }
-      std::lock_guard lock(mutex_);
-      stats_.wait_s += seconds_since(start);
-    }
     const auto lost = comm_.lost_ranks();
     for (int j = 0; j < comm_.size(); ++j) {
       if (std::find(lost.begin(), lost.end(), j) != lost.end()) continue;
@@ -520,8 +514,19 @@ class AsgdMode final : public AsyncMode {
   }
 
   Status after_step(int64_t step, int64_t samples, std::span<float> params, Optimizer&) override {
-    params_view_ = params;
     for (auto& f : take_inbox()) apply(f, params);
+    // Bounded staleness (SSP): with more than max_staleness rounds of pushes
+    // unanswered, wait before computing the next gradient; 0 waits for each reply.
+    const int limit = settings_.max_staleness * comm_.size();
+    if (outstanding() > limit) {
+      const auto start = Clock::now();
+      while (outstanding() > limit && !stop_requested()) {
+        for (auto& f : take_inbox()) apply(f, params);
+        std::this_thread::yield();
+      }
+      std::lock_guard lock(mutex_);
+      stats_.wait_s += seconds_since(start);
+    }
     if (step % settings_.sync_interval == 0) report_progress(samples);
     return {};
   }
@@ -561,19 +566,21 @@ class AsgdMode final : public AsyncMode {
     }
     incoming_.resize(owned_.size());
     if (!decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
+    // Classic asynchronous SGD applies every gradient, however stale (its
+    // workers wait instead once they are max_staleness rounds ahead).
     const int64_t s = staleness_of(base_version);
-    const bool dropped = s > settings_.max_staleness;
-    if (!dropped) {
+    {
       std::lock_guard lock(mutex_);
       optimizer_->step(owned_, incoming_, lr);
       ++version_;
+      ++stats_.contributions_applied;
+      ++stats_.contributions_received;
     }
-    reply_fresh(from, s, dropped);
+    reply_fresh(from, s, false);
   }
 
   std::unique_ptr<Optimizer> optimizer_;  ///< progress thread: the inner optimizer for my shard
   FloatBuffer incoming_;                  ///< progress thread
-  std::span<float> params_view_;          ///< training thread: the parameters, for waits inside on_gradients
 };
 
 }  // namespace

@@ -2,7 +2,10 @@
 // Runs a real binary with arguments and captures its exit status, stdout and
 // stderr; kills it after a timeout so a hang fails the test instead of CI.
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
@@ -95,6 +98,68 @@ inline RunResult run(const std::vector<std::string>& args, double timeout_s = 12
   waitpid(pid, &wstatus, 0);
   result.status = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
   return result;
+}
+
+/// A process started in the background, its output going to files.
+struct Background {
+  pid_t pid = -1;
+  int status = -1;  ///< once reaped: exit status, or 128 + signal
+
+  /// Waits up to `timeout_s`; true when it ended (then `status` is set).
+  bool wait(double timeout_s) {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      int wstatus = 0;
+      const pid_t done = waitpid(pid, &wstatus, WNOHANG);
+      if (done == pid) {
+        status = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
+        return true;
+      }
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout_s) return false;
+      usleep(20000);
+    }
+  }
+  /// Kills it if it is still running (tests never leave processes behind).
+  void reap() {
+    if (status >= 0 || pid < 0) return;
+    kill(pid, SIGKILL);
+    wait(10);
+  }
+};
+
+inline Background spawn(const std::vector<std::string>& args, const std::vector<std::string>& extra_env,
+                        const std::string& stdout_path, const std::string& stderr_path) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 1, stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, 2, stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  for (const auto& e : extra_env) env_strings.push_back(e);
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  Background b;
+  if (posix_spawn(&b.pid, argv[0], &actions, nullptr, argv.data(), envp.data()) != 0) b.pid = -1;
+  posix_spawn_file_actions_destroy(&actions);
+  return b;
+}
+
+/// A free TCP port on 127.0.0.1 (bound, read, released: good enough for tests).
+inline int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t length = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
+  close(fd);
+  return ntohs(addr.sin_port);
 }
 
 /// A fresh directory removed at the end of the test.

@@ -1,0 +1,235 @@
+// Several cfmo-train workers for real: the local launcher, the four modes,
+// sync's equivalence with one worker on the doubled batch, a slow worker in
+// cfmo, and a worker killed with SIGKILL in the middle of a run.
+#include "integration/harness.h"
+
+#include "ckpt/safetensors.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+namespace cfmo {
+namespace {
+
+using testing::Background;
+using testing::run;
+using testing::RunResult;
+using testing::TempDir;
+namespace fs = std::filesystem;
+
+std::string binary() { return testing::env_or("CFMO_TRAIN", "build/tools/cfmo-train"); }
+
+std::vector<std::string> args(std::vector<std::string> extra) {
+  std::vector<std::string> out = {binary(), "--data", "synthetic:2048:256", "--model", "mlp:32", "--quiet",
+                                  "--peer-timeout", "5"};
+  out.insert(out.end(), extra.begin(), extra.end());
+  return out;
+}
+
+nlohmann::json last_json(const std::string& out) {
+  std::istringstream in(out);
+  nlohmann::json j;
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line.front() == '{') j = nlohmann::json::parse(line);
+  }
+  return j;
+}
+
+std::string slurp(const fs::path& path) {
+  std::ifstream in(path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::vector<float> parameters(const fs::path& file) {
+  auto st = SafetensorsFile::read(file);
+  EXPECT_TRUE(st) << (st ? "" : st.error().message);
+  std::vector<float> all;
+  if (!st) return all;
+  for (const auto& e : st->tensors()) {
+    auto bytes = st->bytes(e);
+    const auto* f = reinterpret_cast<const float*>(bytes.data());
+    all.insert(all.end(), f, f + bytes.size() / sizeof(float));
+  }
+  return all;
+}
+
+TEST(CfmoTrainWorkers, EveryModeTrainsWithTwoWorkersAndReports) {
+  for (const char* mode : {"sync", "localsgd", "cfmo", "asgd"}) {
+    SCOPED_TRACE(mode);
+    // asgd with a tight staleness bound: unbounded, it is the unstable baseline the article describes.
+    const std::string bound = std::string(mode) == "asgd" ? "1" : "4";
+    const RunResult r = run(args({"--workers", "2", "--mode", mode, "--epochs", "3", "--max-staleness", bound, "--json"}), 300);
+    ASSERT_EQ(r.status, 0) << r.err;
+    const auto j = last_json(r.out);
+    ASSERT_FALSE(j.is_null()) << r.out;
+    EXPECT_EQ(j["mode"], mode);
+    EXPECT_EQ(j["workers"], 2);
+    EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << r.out;  // chance is 0.1
+    EXPECT_GT(j["efficiency"].get<double>(), 0.0);
+    EXPECT_GE(j["samples"].get<int64_t>(), 3 * 2048 - 2 * 64 * 10);
+    ASSERT_EQ(j["per_worker"].size(), 2u);
+    for (const auto& w : j["per_worker"]) {
+      for (const char* key : {"rank", "steps", "samples_per_s", "wait_s", "bytes_sent", "bytes_received",
+                              "contributions_dropped", "staleness_histogram"}) {
+        EXPECT_TRUE(w.contains(key)) << key;
+      }
+      EXPECT_GT(w["bytes_sent"].get<uint64_t>(), 0u);
+    }
+    EXPECT_TRUE(j["lost_ranks"].empty());
+  }
+}
+
+TEST(CfmoTrainWorkers, CfmoAppliesEveryContributionExactlyOnce) {
+  // Three workers, lossy wire format, one slowed: every shard sent reaches its
+  // owner once (applied or, past max_staleness, dropped and counted).
+  const RunResult r = run(args({"--workers", "3", "--mode", "cfmo", "--epochs", "2", "--sync-interval", "3",
+                                "--delta-dtype", "int8", "--slowdown", "2=3", "--json"}),
+                          300);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = last_json(r.out);
+  int64_t sent = 0;
+  uint64_t received = 0;
+  uint64_t applied = 0;
+  uint64_t dropped = 0;
+  for (const auto& w : j["per_worker"]) {
+    sent += w["rounds"].get<int64_t>() * 3;
+    received += w["contributions_received"].get<uint64_t>();
+    applied += w["contributions_applied"].get<uint64_t>();
+    dropped += w["contributions_dropped"].get<uint64_t>();
+  }
+  EXPECT_GT(sent, 0);
+  EXPECT_EQ(static_cast<uint64_t>(sent), received);
+  EXPECT_EQ(received, applied + dropped);
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.4);
+}
+
+TEST(CfmoTrainWorkers, SyncWithTwoWorkersMatchesOneWorkerOnTheDoubledBatch) {
+  TempDir dir;
+  ASSERT_EQ(run(args({"--workers", "2", "--mode", "sync", "--batch-size", "32", "--steps", "40", "--out",
+                      (dir / "two").string()}),
+                300)
+                .status,
+            0);
+  ASSERT_EQ(run(args({"--batch-size", "64", "--steps", "40", "--out", (dir / "one").string()}), 300).status, 0);
+  const auto two = parameters(dir / "two" / "model.safetensors");
+  const auto one = parameters(dir / "one" / "model.safetensors");
+  ASSERT_EQ(two.size(), one.size());
+  ASSERT_FALSE(one.empty());
+  double worst = 0;
+  for (size_t i = 0; i < one.size(); ++i) worst = std::max(worst, static_cast<double>(std::fabs(two[i] - one[i])));
+  // Only the order of float additions differs (the ring sums per-worker gradients).
+  EXPECT_LT(worst, 1e-4);
+  // Rank 1 keeps its own metrics beside rank 0's.
+  EXPECT_TRUE(fs::exists(dir / "two" / "metrics.jsonl"));
+  EXPECT_TRUE(fs::exists(dir / "two" / "metrics-rank-1.jsonl"));
+}
+
+TEST(CfmoTrainWorkers, CfmoWithAVerySlowWorkerFinishesAndTheFastOneNeverWaits) {
+  const RunResult r = run(
+      args({"--workers", "2", "--mode", "cfmo", "--epochs", "2", "--slowdown", "1=5", "--json"}), 300);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = last_json(r.out);
+  ASSERT_EQ(j["per_worker"].size(), 2u);
+  const auto& fast = j["per_worker"][0];
+  const auto& slow = j["per_worker"][1];
+  EXPECT_EQ(fast["wait_s"].get<double>(), 0.0);  // cfmo has no blocking call in the loop
+  EXPECT_GT(fast["steps"].get<int64_t>(), slow["steps"].get<int64_t>());
+  EXPECT_EQ(slow["slowdown"].get<double>(), 5.0);
+  EXPECT_TRUE(j["simulation"]["simulated"].get<bool>());
+}
+
+struct Ranks {
+  std::vector<Background> processes;
+  ~Ranks() {
+    for (auto& p : processes) p.reap();
+  }
+};
+
+// Starts `world` ranks by hand, as an external launcher would.
+Ranks start_ranks(const TempDir& dir, int world, const std::vector<std::string>& extra) {
+  const std::string rendezvous = "CFMO_RENDEZVOUS=127.0.0.1:" + std::to_string(testing::free_port());
+  Ranks ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.processes.push_back(testing::spawn(
+        args(extra), {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world), rendezvous},
+        (dir / ("out-" + std::to_string(r))).string(), (dir / ("err-" + std::to_string(r))).string()));
+  }
+  return ranks;
+}
+
+// Waits until rank `r` has logged a step, so the kill lands mid-run.
+bool wait_for_progress(const fs::path& metrics, double timeout_s) {
+  const auto start = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < timeout_s) {
+    std::error_code ec;
+    if (fs::file_size(metrics, ec) > 0 && !ec) return true;
+    usleep(20000);
+  }
+  return false;
+}
+
+TEST(CfmoTrainWorkers, SyncWorkersExitFourNamingARankKilledMidRun) {
+  TempDir dir;
+  auto ranks = start_ranks(dir, 3,
+                           {"--mode", "sync", "--epochs", "0", "--time-limit", "5m", "--log-every", "1", "--out",
+                            (dir / "run").string()});
+  ASSERT_TRUE(wait_for_progress(dir / "run" / "metrics-rank-1.jsonl", 120));
+  kill(ranks.processes[1].pid, SIGKILL);
+  for (int r : {0, 2}) {
+    // Generous: the point is that it ends, with the right status and message.
+    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(60)) << "rank " << r << " hangs";
+    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 4) << slurp(dir / ("err-" + std::to_string(r)));
+    EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("rank 1"), std::string::npos)
+        << slurp(dir / ("err-" + std::to_string(r)));
+  }
+  // The checkpoint directory holds only whole checkpoints.
+  for (const auto& e : fs::directory_iterator(dir / "run" / "checkpoints", *new std::error_code)) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+  }
+}
+
+TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutARankKilledMidRun) {
+  TempDir dir;
+  auto ranks = start_ranks(dir, 3,
+                           {"--mode", "cfmo", "--epochs", "20", "--log-every", "1", "--json", "--out",
+                            (dir / "run").string()});
+  ASSERT_TRUE(wait_for_progress(dir / "run" / "metrics-rank-2.jsonl", 120));
+  kill(ranks.processes[2].pid, SIGKILL);
+  for (int r : {0, 1}) {
+    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(240)) << "rank " << r << " hangs";
+    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 0) << slurp(dir / ("err-" + std::to_string(r)));
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null());
+  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({2}));
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+}
+
+TEST(CfmoTrainWorkers, LauncherPrefixesRanksAndReportsAKilledRank) {
+  const RunResult r = run(args({"--workers", "2", "--mode", "sync", "--steps", "3", "--log-every", "1", "--no-quiet"}), 300);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("[rank 0] step 1"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("[rank 1] step 1"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("sync on 2 worker(s)"), std::string::npos) << r.out;
+}
+
+TEST(CfmoTrainWorkers, BadWorldsAreUsageErrors) {
+  const RunResult no_rendezvous = run(args({"--epochs", "1"}), 60, {"RANK=0", "WORLD_SIZE=2"});
+  EXPECT_EQ(no_rendezvous.status, 2) << no_rendezvous.err;
+  EXPECT_NE(no_rendezvous.err.find("CFMO_RENDEZVOUS"), std::string::npos);
+  const RunResult bad_rank = run(args({"--epochs", "1"}), 60, {"RANK=5", "WORLD_SIZE=2"});
+  EXPECT_EQ(bad_rank.status, 2) << bad_rank.err;
+  EXPECT_EQ(run(args({"--workers", "2", "--mode", "gossip"}), 60).status, 2);
+  EXPECT_EQ(run(args({"--workers", "2", "--slowdown", "7=2"}), 60).status, 2);
+  EXPECT_EQ(run(args({"--workers", "2", "--straggler", "2:5"}), 60).status, 2);
+  EXPECT_EQ(run(args({"--workers", "2", "--mode", "asgd", "--optimizer", "muon"}), 60).status, 2);
+}
+
+}  // namespace
+}  // namespace cfmo
