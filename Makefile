@@ -26,7 +26,7 @@ test-unit: build
 	meson test -C $(BUILD) --print-errorlogs --suite unit
 
 demo: build
-	$(BUILD)/tools/cfmo-train --config conf/demo.toml
+	$(BUILD)/tools/cfmo-train --config conf/demo.toml $(if $(COMPARE),--compare)
 
 bench: build
 	scripts/install-deps.sh --bench

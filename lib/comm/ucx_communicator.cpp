@@ -3,12 +3,14 @@
 #include <sys/eventfd.h>
 #include <poll.h>
 #include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
 #include <unistd.h>
 
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <future>
@@ -57,6 +59,9 @@ class UcxCommunicator final : public Communicator {
   ~UcxCommunicator() override { shutdown(); }
 
   Status init(const RendezvousConfig& rendezvous) {
+    // UCX logs to stdout, where --json goes; unless the user asked for UCX's
+    // own logging, keep only its errors (they still name the transport).
+    if (std::getenv("UCX_LOG_LEVEL") == nullptr) ucs_global_opts.log_component.log_level = UCS_LOG_LEVEL_ERROR;
     ucp_config_t* config = nullptr;
     ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
     if (status != UCS_OK) return ucx_error("reading the UCX configuration", status);
@@ -130,8 +135,6 @@ class UcxCommunicator final : public Communicator {
   }
 
   void post(int peer, Channel channel, std::vector<std::byte> payload) override {
-    stats_bytes_sent_ += payload.size();
-    ++stats_messages_sent_;
     if (peer == rank_) {
       // To itself: straight to the handler, on the progress thread like any message.
       enqueue([this, channel, payload = std::move(payload)]() mutable {
@@ -265,6 +268,10 @@ class UcxCommunicator final : public Communicator {
 
   void send_now(int peer, uint8_t channel, uint32_t sequence, std::vector<std::byte> payload) {
     if (is_lost(peer)) return;
+    if (channel != kHeartbeat && channel != kGoodbye) {
+      stats_bytes_sent_ += payload.size();
+      ++stats_messages_sent_;
+    }
     ucp_request_param_t param{};
     void* request = ucp_tag_send_nbx(endpoints_[static_cast<size_t>(peer)], payload.data(), payload.size(),
                                      make_tag(channel, rank_, sequence), &param);
@@ -324,8 +331,10 @@ class UcxCommunicator final : public Communicator {
   }
 
   void complete_receive(Pending& p) {
-    stats_bytes_received_ += p.payload.size();
-    ++stats_messages_received_;
+    if (p.channel != kHeartbeat && p.channel != kGoodbye) {
+      stats_bytes_received_ += p.payload.size();
+      ++stats_messages_received_;
+    }
     if (p.channel == kGoodbye) {
       // A goodbye may carry why the rank is leaving: the failure it saw first.
       std::lock_guard lock(lost_mutex_);
@@ -504,7 +513,7 @@ class UcxCommunicator final : public Communicator {
     const int w = size_;
     const int right = (rank_ + 1) % w;
     const int left = (rank_ + w - 1) % w;
-    const uint32_t sequence = (++collective_sequence_ & 0xFFFFFF) << 8;
+    const uint32_t sequence = (++collective_sequence_ & 0x1FFFFF) << 11;
     auto begin = [&](int chunk) { return data.size() * static_cast<size_t>(chunk) / static_cast<size_t>(w); };
     size_t largest = 0;
     for (int c = 0; c < w; ++c) largest = std::max(largest, begin(c + 1) - begin(c));
@@ -534,7 +543,7 @@ class UcxCommunicator final : public Communicator {
 
   Status exchange_all(const std::vector<std::span<const std::byte>>& send,
                       const std::vector<std::span<std::byte>>& recv) {
-    const uint32_t sequence = (++collective_sequence_ & 0xFFFFFF) << 8;
+    const uint32_t sequence = (++collective_sequence_ & 0x1FFFFF) << 11;
     std::vector<std::pair<void*, int>> requests;
     for (int peer = 0; peer < size_; ++peer) {
       const auto p = static_cast<size_t>(peer);
@@ -641,7 +650,10 @@ class UcxCommunicator final : public Communicator {
       if (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_request_cancel(worker_, r);
       ucp_request_free(r);
     }
-    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    if (worker_ != nullptr) {
+      discard_unexpected();  // what arrived while the endpoints closed
+      ucp_worker_destroy(worker_);
+    }
     if (context_ != nullptr) ucp_cleanup(context_);
     worker_ = nullptr;
     context_ = nullptr;

@@ -47,6 +47,7 @@ struct Child {
   std::string out_partial;
   std::string err_partial;
   int status = -1;
+  bool killed = false;  ///< ended by a signal rather than an exit
 };
 
 }  // namespace
@@ -96,6 +97,7 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
       ::setenv("WORLD_SIZE", size_text.c_str(), 1);
       ::setenv("CFMO_RENDEZVOUS", rendezvous.c_str(), 1);
       ::setenv("CFMO_LAUNCHED", "1", 1);
+      ::setenv("UCX_LOG_LEVEL", "error", 0);  // UCX logs to stdout, which carries --json
       if (rank == 0) {
         const int fd = ::dup(listener.first);  // without O_CLOEXEC: it survives exec
         ::setenv("CFMO_RENDEZVOUS_FD", std::to_string(fd).c_str(), 1);
@@ -174,6 +176,7 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
       c.status = WEXITSTATUS(wstatus);
     } else {
       c.status = 128 + WTERMSIG(wstatus);
+      c.killed = true;
       write_all(err_fd, fmt::format("[launcher] rank {} was killed by signal {} ({})\n", c.rank, WTERMSIG(wstatus),
                                     ::strsignal(WTERMSIG(wstatus))));
     }
@@ -186,10 +189,45 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
   }
   for (const auto& c : children) {
     if (c.status == 0) continue;
-    result = c.status > 128 ? static_cast<int>(ErrorKind::kPeer) : c.status;
+    result = c.killed ? static_cast<int>(ErrorKind::kPeer) : c.status;
     break;
   }
   return result;
+}
+
+Result<std::pair<int, std::string>> run_self(const std::vector<std::string>& args) {
+  int out_pipe[2];
+  if (::pipe2(out_pipe, O_CLOEXEC) != 0) {
+    return make_error(ErrorKind::kInternal, "cannot create a pipe: {}", std::strerror(errno));
+  }
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid < 0) return make_error(ErrorKind::kInternal, "cannot start a run: {}", std::strerror(errno));
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    ::dup2(out_pipe[1], STDOUT_FILENO);
+    ::execv("/proc/self/exe", argv.data());
+    _exit(127);
+  }
+  ::close(out_pipe[1]);
+  std::string out;
+  char buffer[65536];
+  for (;;) {
+    const ssize_t n = ::read(out_pipe[0], buffer, sizeof buffer);
+    if (n > 0) {
+      out.append(buffer, static_cast<size_t>(n));
+    } else if (n == 0 || errno != EINTR) {
+      break;
+    }
+  }
+  ::close(out_pipe[0]);
+  int wstatus = 0;
+  while (::waitpid(pid, &wstatus, 0) < 0 && errno == EINTR) {
+  }
+  const int status = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
+  return std::pair<int, std::string>{status, std::move(out)};
 }
 
 }  // namespace cfmo

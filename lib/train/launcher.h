@@ -11,6 +11,8 @@
 #include <atomic>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace cfmo {
 
@@ -31,5 +33,9 @@ Result<std::optional<WorldInfo>> world_from_environment();
 /// When `interrupt` becomes true each worker gets one SIGINT. Returns the
 /// run's exit status: 0 when every worker succeeded, else the first failure.
 Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* interrupt, int out_fd, int err_fd);
+
+/// Runs this program again with `args` (args[0] is ignored), its stderr passed
+/// through; returns its exit status and what it wrote on stdout.
+Result<std::pair<int, std::string>> run_self(const std::vector<std::string>& args);
 
 }  // namespace cfmo

@@ -78,16 +78,23 @@ class SyncMode final : public Mode {
   explicit SyncMode(Communicator& comm) : comm_(comm) {}
   std::string_view name() const override { return "sync"; }
 
+  bool lockstep() const override { return true; }
+  void want_stop() override { want_stop_ = true; }
+  bool stop_requested() const override { return agreed_stop_; }
+
   Status on_gradients(std::span<float> grads, int count, float) override {
-    buffer_.resize(grads.size() + 1);
+    // [weighted gradients..., example count, stop votes]
+    buffer_.resize(grads.size() + 2);
     const auto n = static_cast<float>(count);
     for (size_t i = 0; i < grads.size(); ++i) buffer_[i] = grads[i] * n;
-    buffer_.back() = n;
+    buffer_[grads.size()] = n;
+    buffer_[grads.size() + 1] = want_stop_ ? 1.0f : 0.0f;
     const auto start = Clock::now();
     Status status = comm_.all_reduce_sum(buffer_);
     stats_.wait_s += seconds_since(start);
     CFMO_TRY(status);
-    const float total = buffer_.back();
+    agreed_stop_ = buffer_[grads.size() + 1] > 0;
+    const float total = buffer_[grads.size()];
     const float inverse = total > 0 ? 1.0f / total : 0.0f;
     for (size_t i = 0; i < grads.size(); ++i) grads[i] = buffer_[i] * inverse;
     ++stats_.rounds;
@@ -99,6 +106,8 @@ class SyncMode final : public Mode {
   Communicator& comm_;
   FloatBuffer buffer_;
   ModeStats stats_;
+  bool want_stop_ = false;
+  bool agreed_stop_ = false;
 };
 
 /// Local SGD / DiLoCo: H local steps, then a blocking all-reduce of the deltas
@@ -108,6 +117,9 @@ class LocalSgdMode final : public Mode {
   LocalSgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial)
       : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), momentum_(initial.size(), 0.0f) {}
   std::string_view name() const override { return "localsgd"; }
+  bool lockstep() const override { return true; }
+  void want_stop() override { want_stop_ = true; }
+  bool stop_requested() const override { return agreed_stop_; }
 
   Status after_step(int64_t step, int64_t, std::span<float> params, Optimizer&) override {
     since_sync_ = step % settings_.sync_interval;
@@ -122,14 +134,17 @@ class LocalSgdMode final : public Mode {
 
  private:
   Status reconcile(std::span<float> params) {
-    delta_.resize(params.size());
+    // [deltas..., stop votes]: a worker that wants to stop says so at the next round.
+    delta_.resize(params.size() + 1);
     for (size_t i = 0; i < params.size(); ++i) delta_[i] = params[i] - global_[i];
+    delta_.back() = want_stop_ ? 1.0f : 0.0f;
     const auto start = Clock::now();
     Status status = comm_.all_reduce_sum(delta_);
     stats_.wait_s += seconds_since(start);
     CFMO_TRY(status);
-    outer_step(settings_, static_cast<float>(settings_.outer_momentum), global_, delta_, momentum_,
-               1.0f / static_cast<float>(comm_.size()));
+    agreed_stop_ = delta_.back() > 0;
+    outer_step(settings_, static_cast<float>(settings_.outer_momentum), global_,
+               std::span<const float>(delta_).first(params.size()), momentum_, 1.0f / static_cast<float>(comm_.size()));
     std::copy(global_.begin(), global_.end(), params.begin());
     ++stats_.rounds;
     since_sync_ = 0;
@@ -143,6 +158,8 @@ class LocalSgdMode final : public Mode {
   FloatBuffer delta_;
   int64_t since_sync_ = 0;
   ModeStats stats_;
+  bool want_stop_ = false;
+  bool agreed_stop_ = false;
 };
 
 /// What cfmo and asgd share: shard ownership, the budget keeper, the inbox of
@@ -294,8 +311,14 @@ class AsyncMode : public Mode {
         }
       }
     }
-    std::lock_guard lock(mutex_);
-    stats_.finish_wait_s += seconds_since(start);
+    {
+      std::lock_guard lock(mutex_);
+      stats_.finish_wait_s += seconds_since(start);
+    }
+    const auto lost = comm_.lost_ranks();
+    if (comm_.rank() != 0 && std::find(lost.begin(), lost.end(), 0) != lost.end()) {
+      return make_error(ErrorKind::kPeer, "rank 0 was lost before it gathered the global parameters");
+    }
     return {};
   }
 

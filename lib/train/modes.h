@@ -63,7 +63,13 @@ class Mode {
                             Optimizer& /*optimizer*/) {
     return {};
   }
-  /// An asynchronous mode's budget keeper (rank 0) said the run is done.
+  /// True when the stop is decided together: this worker's wish to stop
+  /// (time limit, Ctrl-C) travels with the next collective, and every worker
+  /// stops at the same step. Asynchronous modes stop each worker on its own.
+  virtual bool lockstep() const { return false; }
+  /// This worker wants to stop (lockstep modes: it keeps stepping until all agree).
+  virtual void want_stop() {}
+  /// The workers agreed to stop (lockstep), or the budget keeper said so (async).
   virtual bool stop_requested() const { return false; }
   /// After the loop: the last reconciliation and the end handshake. Leaves the
   /// global parameters in `params` on rank 0 (on every rank for sync and localsgd).

@@ -44,7 +44,7 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
   t.add("staleness_discount", &c.staleness_discount,
         "beta: a contribution s rounds stale is weighted beta^s; momentum after a rebase likewise (cfmo)", dist);
   t.add("max_staleness", &c.max_staleness,
-        "rounds after which a contribution is dropped (cfmo, asgd); asgd also waits past it", dist);
+        "cfmo: rounds after which a contribution is dropped; asgd: rounds of unanswered pushes before a worker waits", dist);
   t.add("outer_optimizer", &c.outer_optimizer, "outer step on the averaged deltas: avg or nesterov (localsgd, cfmo)",
         dist);
   t.add("outer_lr", &c.outer_lr, "outer learning rate (1 with avg; DiLoCo uses 0.7 with nesterov)", dist);

@@ -372,18 +372,22 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
       stopped_by = config.steps > 0 && pos.step >= config.steps ? "steps" : "epochs";
       break;
     }
-    if (time_limit_s > 0 && seconds_since(run_start) >= time_limit_s) {
-      stopped_by = "time-limit";
-      break;
-    }
-    if (options.stop != nullptr && options.stop->load(std::memory_order_relaxed)) {
-      stopped_by = "interrupt";
-      break;
+    std::string wish;
+    if (time_limit_s > 0 && seconds_since(run_start) >= time_limit_s) wish = "time-limit";
+    if (options.stop != nullptr && options.stop->load(std::memory_order_relaxed)) wish = "interrupt";
+    if (!wish.empty()) {
+      if (stopped_by.empty()) stopped_by = wish;
+      // Lockstep workers stop together: the wish travels with the next collective.
+      if (!mode->lockstep()) break;
+      mode->want_stop();
     }
     if (mode->stop_requested()) {
-      stopped_by = config.epochs > 0 && (config.steps == 0 || config.epochs * train_set.count <= config.steps * global_batch)
-                       ? "epochs"
-                       : "steps";
+      if (stopped_by.empty()) {
+        stopped_by = !async ? "peer"
+                     : config.epochs > 0 && (config.steps == 0 || config.epochs * train_set.count <= config.steps * global_batch)
+                         ? "epochs"
+                         : "steps";
+      }
       break;
     }
     if (async && rank != 0 && comm->health().has_value() == false) {
@@ -414,8 +418,10 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     }
     const double lr = schedule.at(pos.step);
     const auto wait_before = mode->stats().wait_s;
+    // Clip the gradient that is applied: the all-reduced one in sync, the pushed one in asgd.
+    if (mode->owns_update() && config.clip_grad_norm > 0) clip_grad_norm(model.gradients(), config.clip_grad_norm);
     if (n > 0 || !async) CFMO_TRY(mode->on_gradients(model.gradients(), n, static_cast<float>(lr)));
-    if (config.clip_grad_norm > 0) clip_grad_norm(model.gradients(), config.clip_grad_norm);
+    if (!mode->owns_update() && config.clip_grad_norm > 0) clip_grad_norm(model.gradients(), config.clip_grad_norm);
     if (!mode->owns_update() && (n > 0 || config.mode == "sync")) {
       optimizer->step(model.parameters(), model.gradients(), static_cast<float>(lr));
     }
@@ -432,8 +438,9 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
       factor *= simulated.straggler_factor;
     }
     if (factor > 1) std::this_thread::sleep_for(std::chrono::duration<double>((factor - 1) * natural_s));
-    compute_s += natural_s * factor;
     const double step_s = seconds_since(step_start);
+    // The solo rate: everything this step took except waiting on other workers.
+    compute_s += step_s - (mode->stats().wait_s - wait_before);
     train_s += step_s;
     pos.train_s += step_s;
 
@@ -566,7 +573,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
 
   if (rank == 0) {
     // The final parameters are those of the last evaluation when the run ended on an epoch boundary.
-    if (last_eval_step != pos.step || world > 1) CFMO_TRY(evaluate(true));
+    if (last_eval_step != pos.step || (world > 1 && config.mode != "sync")) CFMO_TRY(evaluate(true));
     if (last_checkpoint_step != pos.step) CFMO_TRY(checkpoint());
     if (!run_dir.empty()) {
       CFMO_TRY(save_model(run_dir / "model.safetensors", model,

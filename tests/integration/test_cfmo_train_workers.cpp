@@ -219,6 +219,48 @@ TEST(CfmoTrainWorkers, LauncherPrefixesRanksAndReportsAKilledRank) {
   EXPECT_NE(r.out.find("sync on 2 worker(s)"), std::string::npos) << r.out;
 }
 
+TEST(CfmoTrainWorkers, TimeLimitAndCtrlCStopLockstepWorkersTogether) {
+  for (const char* mode : {"sync", "localsgd"}) {
+    SCOPED_TRACE(mode);
+    const RunResult timed = run(args({"--workers", "3", "--mode", mode, "--epochs", "0", "--time-limit", "1s",
+                                      "--json"}),
+                                300);
+    EXPECT_EQ(timed.status, 0) << timed.err;
+    EXPECT_EQ(last_json(timed.out)["stopped_by"], "time-limit");
+    TempDir dir;
+    bool sent = false;
+    const RunResult interrupted = run(
+        args({"--workers", "3", "--mode", mode, "--epochs", "0", "--time-limit", "5m", "--log-every", "1", "--out",
+              (dir / "run").string(), "--json"}),
+        300, {}, [&](pid_t pid, double elapsed) {
+          std::error_code ec;
+          const auto size = fs::file_size(dir / "run" / "metrics-rank-2.jsonl", ec);
+          if (!sent && ((!ec && size > 0) || elapsed > 120)) {
+            kill(pid, SIGINT);  // what a terminal's Ctrl-C does to the launcher
+            sent = true;
+          }
+        });
+    EXPECT_TRUE(sent);
+    EXPECT_FALSE(interrupted.timed_out);
+    EXPECT_EQ(interrupted.status, 130) << interrupted.err;
+    EXPECT_EQ(last_json(interrupted.out)["stopped_by"], "interrupt") << interrupted.out;
+  }
+}
+
+TEST(CfmoTrainWorkers, CompareRunsEveryMode) {
+  const RunResult r = run(args({"--workers", "2", "--epochs", "1", "--compare", "--json"}), 600);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = last_json(r.out);
+  ASSERT_EQ(j["compare"].size(), 4u);
+  std::vector<std::string> modes;
+  for (const auto& run : j["compare"]) modes.push_back(run["mode"]);
+  EXPECT_EQ(modes, (std::vector<std::string>{"sync", "localsgd", "asgd", "cfmo"}));
+  const RunResult table = run(args({"--workers", "2", "--epochs", "1", "--compare"}), 600);
+  ASSERT_EQ(table.status, 0) << table.err;
+  EXPECT_NE(table.out.find("efficiency"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("cfmo"), std::string::npos);
+}
+
 TEST(CfmoTrainWorkers, BadWorldsAreUsageErrors) {
   const RunResult no_rendezvous = run(args({"--epochs", "1"}), 60, {"RANK=0", "WORLD_SIZE=2"});
   EXPECT_EQ(no_rendezvous.status, 2) << no_rendezvous.err;

@@ -9,6 +9,7 @@
 #include "train/trainer.h"
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 
 namespace {
@@ -108,6 +110,51 @@ void print_human_summary(const cfmo::TrainSummary& s) {
   if (!s.run_dir.empty()) fmt::print("run directory: {}\n", s.run_dir);
 }
 
+/// --compare: the same job once per mode, each a run of its own, then a table.
+int compare_modes(int argc, char** argv, const cfmo::TrainConfig& config, bool json) {
+  std::vector<std::string> base;
+  for (int i = 0; i < argc; ++i) {
+    if (std::string_view(argv[i]) != "--compare") base.emplace_back(argv[i]);
+  }
+  nlohmann::ordered_json results = nlohmann::ordered_json::array();
+  std::vector<std::string> rows;
+  for (const char* mode : {"sync", "localsgd", "asgd", "cfmo"}) {
+    if (g_stop.load()) return kInterruptedStatus;
+    std::vector<std::string> args = base;
+    for (const char* extra : {"--mode", mode, "--json", "--quiet"}) args.emplace_back(extra);
+    if (!config.out.empty()) {
+      args.emplace_back("--out");
+      args.emplace_back((std::filesystem::path(config.out) / mode).string());
+    }
+    fmt::print(stderr, "compare: running {}...\n", mode);
+    auto ran = cfmo::run_self(args);
+    if (!ran) return fail(ran.error());
+    const auto& [status, out] = *ran;
+    // The summary is the run's last line on stdout.
+    const auto last = out.rfind('\n', out.size() > 1 ? out.size() - 2 : 0);
+    const auto summary = nlohmann::ordered_json::parse(out.substr(last == std::string::npos ? 0 : last + 1), nullptr,
+                                                       false);
+    if (status != 0 || !summary.is_object()) {
+      fmt::print(stderr, "cfmo-train: --compare: the {} run failed with status {}\n", mode, status);
+      return status != 0 ? status : static_cast<int>(cfmo::ErrorKind::kInternal);
+    }
+    double wait = 0;
+    for (const auto& w : summary["per_worker"]) wait = std::max(wait, w["wait_s"].get<double>());
+    rows.push_back(fmt::format("{:<9} {:>12.0f} {:>10.2f} {:>9.2f} {:>12} {:>9.4f}", mode,
+                               summary["samples_per_s"].get<double>(), summary["efficiency"].get<double>(), wait,
+                               summary["bytes_sent"].get<uint64_t>(), summary["test_accuracy"].get<double>()));
+    results.push_back(summary);
+  }
+  if (json) {
+    fmt::print("{}\n", nlohmann::ordered_json{{"compare", results}}.dump());
+  } else {
+    fmt::print("{:<9} {:>12} {:>10} {:>9} {:>12} {:>9}\n", "mode", "samples/s", "efficiency", "max wait", "bytes sent",
+               "test acc");
+    for (const auto& row : rows) fmt::print("{}\n", row);
+  }
+  return 0;
+}
+
 }  // namespace
 
 static int run(int argc, char** argv) {
@@ -126,11 +173,14 @@ static int run(int argc, char** argv) {
   std::string resume;
   bool print_config = false;
   bool json = false;
+  bool compare = false;
   app.add_option("--config", config_file, "TOML file with any of the options below")->group("General");
   app.add_flag("--print-config", print_config, "print the merged configuration as TOML and exit")->group("General");
   app.add_option("--resume", resume, "continue from a run directory's latest checkpoint, or a checkpoint directory")
       ->group("General");
   app.add_flag("--json", json, "print one JSON summary object on stdout at the end")->group("General");
+  app.add_flag("--compare", compare, "run the same job in every mode (sync, localsgd, asgd, cfmo) and compare them")
+      ->group("General");
   table.register_cli(app);
 
   try {
@@ -169,9 +219,12 @@ static int run(int argc, char** argv) {
 
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
+  if (compare) return compare_modes(argc, argv, config, json);
+
   auto world = cfmo::world_from_environment();
   if (!world) return fail(world.error());
-  if (!world->has_value() && config.workers > 1) {
+  const bool launched = std::getenv("CFMO_LAUNCHED") != nullptr;  // a worker of our own launcher
+  if (config.workers > 1 && !launched && (!world->has_value() || (*world)->size == 1)) {
     // One host, no launcher: start the workers here and relay their output.
     auto status = cfmo::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO);
     if (!status) return fail(status.error());
@@ -179,7 +232,8 @@ static int run(int argc, char** argv) {
   }
   std::unique_ptr<cfmo::Communicator> comm;
   if (world->has_value() && (*world)->size > 1) {
-    std::string address = config.rendezvous;
+    // Our own launcher's address wins: its rank 0 listens on the socket it inherited.
+    std::string address = launched ? "" : config.rendezvous;
     if (address.empty() && std::getenv("CFMO_RENDEZVOUS") != nullptr) address = std::getenv("CFMO_RENDEZVOUS");
     if (address.empty()) {
       return fail(cfmo::make_error(cfmo::ErrorKind::kUsage, "{} says {} ranks: set --rendezvous or CFMO_RENDEZVOUS",
