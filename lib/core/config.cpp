@@ -1,7 +1,7 @@
 #include "core/config.h"
 
-#include <CLI/CLI.hpp>
 #include <toml++/toml.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <charconv>
@@ -16,8 +16,7 @@ Error bad_value(const std::string& source, const std::string& key, std::string_v
   return make_error(ErrorKind::kUsage, "config '{}': key '{}': expected {}", source, key, expected);
 }
 
-Status assign(const toml::node& node, OptionTable::Target target, const std::string& source,
-              const std::string& key) {
+Status assign(const toml::node& node, OptionTable::Target target, const std::string& source, const std::string& key) {
   return std::visit(
       [&](auto* out) -> Status {
         using T = std::remove_pointer_t<decltype(out)>;
@@ -99,8 +98,8 @@ std::string format_value(const OptionTable::Target& target) {
 
 }  // namespace
 
-void OptionTable::add(std::string key, Target target, std::string help, std::string group) {
-  entries_.push_back(Entry{std::move(key), target, std::move(help), std::move(group), nullptr});
+void OptionTable::add(std::string key, Target target, std::string help, std::string group, std::string short_flag) {
+  entries_.push_back(Entry{std::move(key), target, std::move(help), std::move(group), std::move(short_flag), nullptr});
 }
 
 std::string OptionTable::flag_for(const std::string& key) {
@@ -111,15 +110,17 @@ std::string OptionTable::flag_for(const std::string& key) {
 
 void OptionTable::register_cli(CLI::App& app) {
   for (auto& entry : entries_) {
-    const std::string flag = flag_for(entry.key);
+    const std::string flag = (entry.short_flag.empty() ? "" : entry.short_flag + ",") + flag_for(entry.key);
     entry.option = std::visit(
         [&](auto* value) -> CLI::Option* {
           using T = std::remove_pointer_t<decltype(value)>;
           if constexpr (std::is_same_v<T, bool>) {
-            return app.add_flag(flag + ",!--no-" + flag.substr(2), *value, entry.help)
+            return app.add_flag(flag + ",!--no-" + flag_for(entry.key).substr(2), *value, entry.help)
                 ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
           } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
-            return app.add_option(flag, *value, entry.help)->capture_default_str();
+            // One value per occurrence (--tensor a --tensor b), so a list flag never
+            // swallows the positional arguments after it.
+            return app.add_option(flag, *value, entry.help)->capture_default_str()->allow_extra_args(false);
           } else {
             // A flag given twice takes the last value, so scripts can append overrides.
             return app.add_option(flag, *value, entry.help)
@@ -156,8 +157,7 @@ Status OptionTable::load_toml_text(std::string_view text, const std::string& sou
   try {
     table = toml::parse(text, source);
   } catch (const toml::parse_error& e) {
-    return make_error(ErrorKind::kUsage, "config '{}': line {}: {}", source, e.source().begin.line,
-                      e.description());
+    return make_error(ErrorKind::kUsage, "config '{}': line {}: {}", source, e.source().begin.line, e.description());
   }
   for (const auto& [key, node] : table) {
     const std::string name(key.str());
