@@ -119,9 +119,7 @@ void OptionTable::register_cli(CLI::App& app) {
             return app.add_flag(flag + ",!--no-" + flag_for(entry.key).substr(2), *value, entry.help)
                 ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
           } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
-            // One value per occurrence (--tensor a --tensor b), so a list flag never
-            // swallows the positional arguments after it.
-            return app.add_option(flag, *value, entry.help)->capture_default_str()->allow_extra_args(false);
+            return app.add_option(flag, *value, entry.help)->capture_default_str();
           } else {
             // A flag given twice takes the last value, so scripts can append overrides.
             return app.add_option(flag, *value, entry.help)

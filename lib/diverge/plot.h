@@ -26,7 +26,7 @@ struct SvgOptions {
   int width = 800;
   int height = 450;
   std::string title = "Relative L2 divergence per rank";
-  std::string subtitle;  ///< e.g. the run directory
+  std::string subtitle{};  ///< e.g. the run directory
 };
 
 std::string render_svg(std::span<const PlotSeries> series, const SvgOptions& options);

@@ -60,7 +60,7 @@ struct Report {
 };
 
 struct ReportOptions {
-  Selection selection;
+  Selection selection{};
   int threads = 0;           ///< 0: all cores
   bool header_only = false;  ///< trust .cfd headers: no decompression, no checksums
   /// Files read at once; keeps the number of open descriptors bounded.

@@ -32,7 +32,8 @@ class RunWatcher {
 
   std::filesystem::path run_dir_;
   std::set<std::pair<int64_t, int>> seen_;  // (round, rank)
-  std::filesystem::file_time_type newest_{};
+  // min(), not {}: libstdc++'s file clock counts from 2174, so {} lies in the future.
+  std::filesystem::file_time_type newest_ = std::filesystem::file_time_type::min();
 };
 
 }  // namespace cfmo

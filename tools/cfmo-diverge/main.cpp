@@ -357,6 +357,9 @@ int run(int argc, char** argv) {
     }
     cfmo::add_diverge_options(inv.table, inv.config, entry.id);
     inv.table.register_cli(*inv.app);
+    // One value per occurrence (--tensor a --tensor b), so that a list flag
+    // does not swallow the PATHs after it.
+    for (const char* list : {"--tensor", "--rank", "--round"}) inv.app->get_option(list)->allow_extra_args(false);
   }
 
   try {
