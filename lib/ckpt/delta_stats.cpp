@@ -8,9 +8,7 @@
 
 // The vector helpers below are internal and inlined into each SIMD clone; no
 // vector crosses an ABI boundary, so GCC's note about the vector ABI does not apply.
-#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wpsabi"
-#endif
 
 namespace cfmo {
 namespace {
