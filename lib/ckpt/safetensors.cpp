@@ -118,7 +118,9 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::string bytes, const std::str
       }
       continue;
     }
-    auto bad = [&](std::string_view why) { return corrupt(source, fmt::format("tensor '{}': {}", name, why)); };
+    // A named copy: Clang before 16 cannot capture a structured binding (the fuzz targets build with Clang).
+    const std::string& tensor_name = name;
+    auto bad = [&](std::string_view why) { return corrupt(source, fmt::format("tensor '{}': {}", tensor_name, why)); };
     if (!value.is_object()) return bad("entry is not an object");
     Entry entry;
     entry.name = name;

@@ -99,8 +99,8 @@ std::string format_value(const OptionTable::Target& target) {
 
 }  // namespace
 
-void OptionTable::add(std::string key, Target target, std::string help, std::string group) {
-  entries_.push_back(Entry{std::move(key), target, std::move(help), std::move(group), nullptr});
+void OptionTable::add(std::string key, Target target, std::string help, std::string group, std::string short_flag) {
+  entries_.push_back(Entry{std::move(key), target, std::move(help), std::move(group), std::move(short_flag), nullptr});
 }
 
 std::string OptionTable::flag_for(const std::string& key) {
@@ -111,12 +111,12 @@ std::string OptionTable::flag_for(const std::string& key) {
 
 void OptionTable::register_cli(CLI::App& app) {
   for (auto& entry : entries_) {
-    const std::string flag = flag_for(entry.key);
+    const std::string flag = (entry.short_flag.empty() ? "" : entry.short_flag + ",") + flag_for(entry.key);
     entry.option = std::visit(
         [&](auto* value) -> CLI::Option* {
           using T = std::remove_pointer_t<decltype(value)>;
           if constexpr (std::is_same_v<T, bool>) {
-            return app.add_flag(flag + ",!--no-" + flag.substr(2), *value, entry.help)
+            return app.add_flag(flag + ",!--no-" + flag_for(entry.key).substr(2), *value, entry.help)
                 ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
           } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
             return app.add_option(flag, *value, entry.help)->capture_default_str();

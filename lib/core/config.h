@@ -24,9 +24,10 @@ class OptionTable {
  public:
   using Target = std::variant<bool*, int*, int64_t*, double*, std::string*, std::vector<std::string>*>;
 
-  /// Registers `key` (snake_case); its flag is "--" + key with '-' for '_'.
-  /// `target` holds the default and receives the value; it must outlive the table.
-  void add(std::string key, Target target, std::string help, std::string group = "");
+  /// Registers `key` (snake_case); its flag is "--" + key with '-' for '_',
+  /// plus `short_flag` ("-o") when given. `target` holds the default and
+  /// receives the value; it must outlive the table.
+  void add(std::string key, Target target, std::string help, std::string group = "", std::string short_flag = "");
 
   /// Adds every option to `app` under its flag; booleans get --no-FLAG too.
   void register_cli(CLI::App& app);
@@ -52,6 +53,7 @@ class OptionTable {
     Target target;
     std::string help;
     std::string group;
+    std::string short_flag;
     CLI::Option* option = nullptr;
   };
   std::vector<Entry> entries_;

@@ -163,12 +163,16 @@ Ranks start_ranks(const TempDir& dir, int world, const std::vector<std::string>&
   return ranks;
 }
 
-// Waits until rank `r` has logged a step, so the kill lands mid-run.
-bool wait_for_progress(const fs::path& metrics, double timeout_s) {
+// Waits until a rank has logged a step, so the kill lands mid-run; false
+// (at once) when any rank has already ended.
+bool wait_for_progress(Ranks& ranks, const fs::path& metrics, double timeout_s) {
   const auto start = std::chrono::steady_clock::now();
   while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < timeout_s) {
     std::error_code ec;
     if (fs::file_size(metrics, ec) > 0 && !ec) return true;
+    for (auto& p : ranks.processes) {
+      if (p.status < 0 && p.wait(0)) return false;
+    }
     usleep(20000);
   }
   return false;
@@ -179,7 +183,8 @@ TEST(CfmoTrainWorkers, SyncWorkersExitFourNamingARankKilledMidRun) {
   auto ranks = start_ranks(dir, 3,
                            {"--mode", "sync", "--epochs", "0", "--time-limit", "5m", "--log-every", "1", "--out",
                             (dir / "run").string()});
-  ASSERT_TRUE(wait_for_progress(dir / "run" / "metrics-rank-1.jsonl", 120));
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
   kill(ranks.processes[1].pid, SIGKILL);
   for (int r : {0, 2}) {
     // Generous: the point is that it ends, with the right status and message.
@@ -199,7 +204,8 @@ TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutARankKilledMidRun) {
   auto ranks = start_ranks(dir, 3,
                            {"--mode", "cfmo", "--epochs", "20", "--log-every", "1", "--json", "--out",
                             (dir / "run").string()});
-  ASSERT_TRUE(wait_for_progress(dir / "run" / "metrics-rank-2.jsonl", 120));
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
   kill(ranks.processes[2].pid, SIGKILL);
   for (int r : {0, 1}) {
     ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(240)) << "rank " << r << " hangs";

@@ -110,6 +110,21 @@ TEST(OptionTableTest, FlagsSetEveryType) {
   EXPECT_FALSE(o.table.given_on_cli("no_such_key"));
 }
 
+TEST(OptionTableTest, AShortAliasSetsTheSameOption) {
+  std::string output = "-";
+  bool quiet = false;
+  OptionTable table;
+  table.add("output", &output, "where", "", "-o");
+  table.add("quiet", &quiet, "hush", "", "-q");
+  CLI::App app;
+  table.register_cli(app);
+  parse_args(app, {"-o", "plot.svg", "-q"});
+  EXPECT_EQ(output, "plot.svg");
+  EXPECT_TRUE(quiet);
+  EXPECT_TRUE(table.given_on_cli("output"));
+  EXPECT_NE(app.get_option("--no-quiet"), nullptr);
+}
+
 TEST(OptionTableTest, NoFlagClearsABoolean) {
   Options o;
   CLI::App app;
