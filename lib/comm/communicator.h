@@ -64,7 +64,9 @@ class Communicator {
   virtual void post(int peer, Channel channel, std::vector<std::byte> payload) = 0;
 
   /// Registers the handler for a channel; call before messages can arrive
-  /// (right after construction, before the first post by any rank).
+  /// (right after construction, before the first post by any rank). A null
+  /// handler unregisters; it returns once no handler is running, so the
+  /// handler's owner may then be destroyed. Never call it from a handler.
   virtual void on_message(Channel channel, Handler handler) = 0;
 
   /// Ranks found lost so far (connection error or silence past the peer timeout).

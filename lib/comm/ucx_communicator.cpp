@@ -152,6 +152,9 @@ class UcxCommunicator final : public Communicator {
   }
 
   void on_message(Channel channel, Handler handler) override {
+    // Waits for a running handler to return, so an owner that unregisters
+    // (with nullptr) before it is destroyed is never called afterwards.
+    std::lock_guard dispatch(dispatch_mutex_);
     std::lock_guard lock(handlers_mutex_);
     handlers_[static_cast<uint8_t>(channel)] = std::move(handler);
   }
@@ -284,6 +287,7 @@ class UcxCommunicator final : public Communicator {
   }
 
   void deliver(int from, uint8_t channel, std::span<const std::byte> payload) {
+    std::lock_guard dispatch(dispatch_mutex_);
     Handler handler;
     {
       std::lock_guard lock(handlers_mutex_);
@@ -679,6 +683,7 @@ class UcxCommunicator final : public Communicator {
   std::deque<std::function<void()>> commands_;
   std::function<void()> collective_;
 
+  std::mutex dispatch_mutex_;  ///< held while a handler runs (progress thread) or is replaced
   std::mutex handlers_mutex_;  ///< guards handlers_
   std::array<Handler, 256> handlers_;
 

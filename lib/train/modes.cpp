@@ -122,6 +122,7 @@ class LocalSgdMode final : public Mode {
   bool stop_requested() const override { return agreed_stop_; }
 
   Status after_step(int64_t step, int64_t, std::span<float> params, Optimizer&) override {
+    last_step_ = step;
     since_sync_ = step % settings_.sync_interval;
     if (since_sync_ != 0) return {};
     return reconcile(params);
@@ -137,6 +138,10 @@ class LocalSgdMode final : public Mode {
     // [deltas..., stop votes]: a worker that wants to stop says so at the next round.
     delta_.resize(params.size() + 1);
     for (size_t i = 0; i < params.size(); ++i) delta_[i] = params[i] - global_[i];
+    if (settings_.delta_sink) {
+      settings_.delta_sink(stats_.rounds + 1, last_step_, stats_.rounds, global_,
+                           std::span<const float>(delta_).first(params.size()));
+    }
     delta_.back() = want_stop_ ? 1.0f : 0.0f;
     const auto start = Clock::now();
     Status status = comm_.all_reduce_sum(delta_);
@@ -157,6 +162,7 @@ class LocalSgdMode final : public Mode {
   FloatBuffer momentum_;
   FloatBuffer delta_;
   int64_t since_sync_ = 0;
+  int64_t last_step_ = 0;
   ModeStats stats_;
   bool want_stop_ = false;
   bool agreed_stop_ = false;
@@ -188,6 +194,12 @@ class AsyncMode : public Mode {
       done_from_[static_cast<size_t>(from)] = true;
     });
     comm.on_message(Channel::kGather, [this](int from, std::span<const std::byte> m) { on_gather(from, m); });
+  }
+
+  ~AsyncMode() override {
+    for (Channel c : {Channel::kFreshShard, Channel::kProgress, Channel::kStop, Channel::kDone, Channel::kGather}) {
+      comm_.on_message(c, nullptr);
+    }
   }
 
   bool stop_requested() const override { return stop_.load(); }
@@ -396,9 +408,12 @@ class CfmoMode final : public AsyncMode {
       : AsyncMode(settings, comm, initial), snapshot_(initial.size(), 0.0f) {
     comm.on_message(Channel::kDeltaShard, [this](int from, std::span<const std::byte> m) { on_delta(from, m); });
   }
+  // Unregistered here, before this class's members go: the base's destructor would be too late.
+  ~CfmoMode() override { comm_.on_message(Channel::kDeltaShard, nullptr); }
   std::string_view name() const override { return "cfmo"; }
 
   Status after_step(int64_t step, int64_t samples, std::span<float> params, Optimizer& optimizer) override {
+    last_step_ = step;
     for (auto& f : take_inbox()) rebase(f, params, optimizer);
     if (step % settings_.sync_interval != 0) return {};
     report_progress(samples);
@@ -429,6 +444,17 @@ class CfmoMode final : public AsyncMode {
  private:
   void send_round(std::span<const float> params) {
     std::copy(params.begin(), params.end(), snapshot_.begin());
+    if (settings_.delta_sink) {
+      full_delta_.resize(params.size());
+      for (size_t i = 0; i < params.size(); ++i) full_delta_[i] = params[i] - base_[i];
+      const int64_t oldest = *std::min_element(base_version_.begin(), base_version_.end());
+      int64_t round = 0;
+      {
+        std::lock_guard lock(mutex_);
+        round = stats_.rounds + 1;
+      }
+      settings_.delta_sink(round, last_step_, oldest, base_, full_delta_);
+    }
     const auto lost = comm_.lost_ranks();
     for (int j = 0; j < comm_.size(); ++j) {
       if (std::find(lost.begin(), lost.end(), j) != lost.end()) continue;
@@ -500,6 +526,8 @@ class CfmoMode final : public AsyncMode {
 
   FloatBuffer snapshot_;
   FloatBuffer delta_;
+  FloatBuffer full_delta_;  ///< for the delta sink
+  int64_t last_step_ = 0;
   FloatBuffer incoming_;  ///< progress thread
 };
 
@@ -511,6 +539,7 @@ class AsgdMode final : public AsyncMode {
       : AsyncMode(settings, comm, initial), optimizer_(std::move(shard_optimizer)) {
     comm.on_message(Channel::kGradShard, [this](int from, std::span<const std::byte> m) { on_grad(from, m); });
   }
+  ~AsgdMode() override { comm_.on_message(Channel::kGradShard, nullptr); }
   std::string_view name() const override { return "asgd"; }
   bool owns_update() const override { return true; }
 

@@ -18,6 +18,7 @@
 #include "optim/optimizer.h"
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -37,6 +38,11 @@ struct ModeSettings {
   WireDtype delta_dtype = WireDtype::kFp32;
   int64_t sample_budget = 0;  ///< async modes: stop when all workers together saw this many (0: no budget)
   double peer_timeout_s = 10;
+  /// Called at each reconciliation (localsgd, cfmo) with this rank's delta
+  /// against its global base, on the training thread; empty: not called.
+  std::function<void(int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
+                     std::span<const float> delta)>
+      delta_sink;
 };
 
 struct ModeStats {

@@ -1,5 +1,7 @@
 #include "train/trainer.h"
 
+#include "train/delta_writer.h"
+
 #include "core/atomic_file.h"
 #include "data/dataset.h"
 #include "optim/schedule.h"
@@ -115,6 +117,8 @@ nlohmann::ordered_json worker_json(const WorkerReport& w) {
           {"deferred", w.deferred},
           {"staleness_histogram", w.staleness_histogram},
           {"slowdown", w.slowdown},
+          {"deltas_written", w.deltas_written},
+          {"deltas_skipped", w.deltas_skipped},
           {"stopped_by", w.stopped_by}};
 }
 
@@ -144,6 +148,8 @@ Result<WorkerReport> WorkerReport::from_json(std::string_view text) {
     w.staleness_histogram = j.at("staleness_histogram").get<std::vector<uint64_t>>();
     w.slowdown = j.at("slowdown");
     w.stopped_by = j.at("stopped_by");
+    w.deltas_written = j.at("deltas_written");
+    w.deltas_skipped = j.at("deltas_skipped");
   } catch (const nlohmann::json::exception& e) {
     return make_error(ErrorKind::kPeer, "a worker report is malformed: {}", e.what());
   }
@@ -287,9 +293,18 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   schedule.warmup_steps = config.warmup_steps;
   schedule.total_steps = schedule_steps;
 
+  const fs::path run_dir = config.out;
+  // Each reconciliation's delta goes to RUN/deltas/rank-K/, for cfmo-diverge.
+  std::unique_ptr<DeltaWriter> delta_writer;
+  if (!run_dir.empty() && world > 1 && (config.mode == "localsgd" || config.mode == "cfmo")) {
+    delta_writer = std::make_unique<DeltaWriter>(run_dir, rank, model.params());
+    settings.delta_sink = [&delta_writer](int64_t round, int64_t step, int64_t base_version,
+                                          std::span<const float> base, std::span<const float> delta) {
+      delta_writer->submit(round, step, base_version, base, delta);
+    };
+  }
   CFMO_ASSIGN_OR_RETURN(auto mode, make_mode(settings, comm, model.params(), model.parameters(), optim_config));
 
-  const fs::path run_dir = config.out;
   MetricsLog metrics;
   if (!run_dir.empty()) {
     std::error_code ec;
@@ -510,6 +525,15 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   // The last reconciliation; afterwards rank 0 holds the global parameters.
   CFMO_TRY(mode->finish(model.parameters(), *optimizer));
   const ModeStats mode_stats = mode->stats();
+  int64_t deltas_written = 0;
+  int64_t deltas_skipped = 0;
+  if (delta_writer) {
+    // finish() sent the last round: the sink is not called again.
+    delta_writer->close();  // writes what is queued
+    deltas_written = delta_writer->written();
+    deltas_skipped = delta_writer->skipped();
+    CFMO_TRY(delta_writer->status());
+  }
 
   WorkerReport own;
   own.rank = rank;
@@ -528,6 +552,8 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   own.staleness_histogram = mode_stats.staleness_histogram;
   own.slowdown = simulated.slowdown;
   own.stopped_by = stopped_by;
+  own.deltas_written = deltas_written;
+  own.deltas_skipped = deltas_skipped;
   if (comm != nullptr) {
     const CommStats cs = comm->stats();
     own.bytes_sent = cs.bytes_sent;

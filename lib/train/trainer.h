@@ -77,6 +77,8 @@ struct WorkerReport {
   std::vector<uint64_t> staleness_histogram;
   double slowdown = 1.0;
   std::string stopped_by;
+  int64_t deltas_written = 0;  ///< .cfd files written to RUN/deltas/rank-K/
+  int64_t deltas_skipped = 0;  ///< rounds not written because the disk fell behind
 
   std::string to_json() const;
   static Result<WorkerReport> from_json(std::string_view text);

@@ -3,6 +3,7 @@
 // cfmo, and a worker killed with SIGKILL in the middle of a run.
 #include "integration/harness.h"
 
+#include "ckpt/cfd.h"
 #include "ckpt/safetensors.h"
 
 #include <gtest/gtest.h>
@@ -107,6 +108,33 @@ TEST(CfmoTrainWorkers, CfmoAppliesEveryContributionExactlyOnce) {
   EXPECT_EQ(static_cast<uint64_t>(sent), received);
   EXPECT_EQ(received, applied + dropped);
   EXPECT_GT(j["test_accuracy"].get<double>(), 0.4);
+}
+
+TEST(CfmoTrainWorkers, ReconcilingModesWriteEachRanksDeltasForCfmoDiverge) {
+  for (const char* mode : {"localsgd", "cfmo"}) {
+    SCOPED_TRACE(mode);
+    TempDir dir;
+    const RunResult r = run(args({"--workers", "2", "--mode", mode, "--epochs", "2", "--json", "--out",
+                                  (dir / "run").string()}),
+                            300);
+    ASSERT_EQ(r.status, 0) << r.err;
+    const auto j = last_json(r.out);
+    for (int rank : {0, 1}) {
+      const fs::path deltas = dir / "run" / "deltas" / ("rank-" + std::to_string(rank));
+      ASSERT_TRUE(fs::is_directory(deltas));
+      int files = 0;
+      for (const auto& e : fs::directory_iterator(deltas)) {
+        ++files;
+        auto cfd = CfdFile::open(e.path());
+        ASSERT_TRUE(cfd) << cfd.error().message;
+        EXPECT_EQ(cfd->info().rank, rank);
+        EXPECT_GT(cfd->info().round, 0);
+        EXPECT_EQ(cfd->tensors().size(), 4u);
+      }
+      EXPECT_GT(files, 0);
+      EXPECT_EQ(files, j["per_worker"][static_cast<size_t>(rank)]["deltas_written"].get<int>());
+    }
+  }
 }
 
 TEST(CfmoTrainWorkers, SyncWithTwoWorkersMatchesOneWorkerOnTheDoubledBatch) {

@@ -1,0 +1,91 @@
+#include "train/delta_writer.h"
+
+#include "ckpt/cfd.h"
+
+#include <fmt/format.h>
+
+namespace cfmo {
+namespace {
+constexpr size_t kQueueLimit = 2;
+}  // namespace
+
+DeltaWriter::DeltaWriter(std::filesystem::path run_dir, int rank, std::vector<ParamInfo> layout)
+    : dir_(std::move(run_dir) / "deltas" / fmt::format("rank-{}", rank)),
+      rank_(rank),
+      layout_(std::move(layout)),
+      thread_([this] { run(); }) {}
+
+DeltaWriter::~DeltaWriter() { close(); }
+
+void DeltaWriter::close() {
+  {
+    std::lock_guard lock(mutex_);
+    if (closed_) return;
+    stopping_ = true;
+    closed_ = true;
+  }
+  ready_.notify_all();
+  thread_.join();
+}
+
+void DeltaWriter::submit(int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
+                         std::span<const float> delta) {
+  std::lock_guard lock(mutex_);
+  if (queue_.size() >= kQueueLimit || !status_ || stopping_) {
+    ++skipped_;
+    return;
+  }
+  queue_.push_back(Job{round, step, base_version, FloatBuffer(base.begin(), base.end()),
+                       FloatBuffer(delta.begin(), delta.end())});
+  ready_.notify_one();
+}
+
+Status DeltaWriter::status() const {
+  std::lock_guard lock(mutex_);
+  return status_;
+}
+
+int64_t DeltaWriter::written() const {
+  std::lock_guard lock(mutex_);
+  return written_;
+}
+
+int64_t DeltaWriter::skipped() const {
+  std::lock_guard lock(mutex_);
+  return skipped_;
+}
+
+void DeltaWriter::run() {
+  std::error_code ec;
+  std::filesystem::create_directories(dir_, ec);
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock lock(mutex_);
+      ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::vector<CfdTensorInput> tensors;
+    for (const auto& p : layout_) {
+      tensors.push_back({p.name, p.shape, std::span<const float>(job.base).subspan(p.offset, p.size),
+                         std::span<const float>(job.delta).subspan(p.offset, p.size)});
+    }
+    CfdFileInfo info;
+    info.rank = rank_;
+    info.round = job.round;
+    info.step = job.step;
+    info.base_version = job.base_version;
+    Status written = ec ? make_error(ErrorKind::kInternal, "Failed to create '{}': {}", dir_.string(), ec.message())
+                        : write_cfd(dir_ / fmt::format("round-{:06}.cfd", job.round), info, tensors);
+    std::lock_guard lock(mutex_);
+    if (written) {
+      ++written_;
+    } else if (status_) {
+      status_ = std::move(written);
+    }
+  }
+}
+
+}  // namespace cfmo

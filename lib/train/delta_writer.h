@@ -1,0 +1,66 @@
+#pragma once
+/// Writes each reconciliation's delta of this rank against its global base to
+/// RUN/deltas/rank-K/round-RRRRRR.cfd on a thread of its own, so compression
+/// never stalls the training loop. The queue is short: when the disk falls
+/// behind, a round is skipped and counted rather than waited for.
+
+#include "core/error.h"
+#include "model/mlp.h"
+#include "tensor/buffer.h"
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <filesystem>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+namespace cfmo {
+
+class DeltaWriter {
+ public:
+  DeltaWriter(std::filesystem::path run_dir, int rank, std::vector<ParamInfo> layout);
+  DeltaWriter(const DeltaWriter&) = delete;
+  DeltaWriter& operator=(const DeltaWriter&) = delete;
+  /// Writes what is queued, then stops the thread.
+  ~DeltaWriter();
+  /// The same, now; afterwards submit() only counts skips.
+  void close();
+
+  /// Copies `base` and `delta` (flat, the model's layout) and queues them.
+  void submit(int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
+              std::span<const float> delta);
+
+  /// The first write error, if any (the tool reports it at the end).
+  Status status() const;
+  int64_t written() const;
+  int64_t skipped() const;
+
+ private:
+  struct Job {
+    int64_t round = 0;
+    int64_t step = 0;
+    int64_t base_version = 0;
+    FloatBuffer base;
+    FloatBuffer delta;
+  };
+  void run();
+
+  const std::filesystem::path dir_;
+  const int rank_;
+  const std::vector<ParamInfo> layout_;
+
+  mutable std::mutex mutex_;  ///< guards everything below
+  std::condition_variable ready_;
+  std::deque<Job> queue_;
+  bool stopping_ = false;
+  bool closed_ = false;  ///< the thread was joined
+  Status status_;
+  int64_t written_ = 0;
+  int64_t skipped_ = 0;
+  std::thread thread_;  ///< last: starts after the members it uses
+};
+
+}  // namespace cfmo
