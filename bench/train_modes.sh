@@ -33,7 +33,7 @@ import json, sys, statistics
 runs = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 def med(k): return statistics.median(r[k] for r in runs)
 wait = statistics.median(max(w["wait_s"] for w in r["per_worker"]) for r in runs)
-print(f"{med(\"samples_per_s\"):.0f}|{med(\"efficiency\"):.2f}|{wait:.2f}|{med(\"bytes_sent\"):.0f}|{med(\"test_accuracy\"):.4f}")
+print("%.0f|%.2f|%.2f|%.0f|%.4f" % (med("samples_per_s"), med("efficiency"), wait, med("bytes_sent"), med("test_accuracy")))
 '
 declare -A result
 for w in $WORKERS; do
@@ -59,7 +59,7 @@ for w in $WORKERS; do
       ddp=$(OMP_NUM_THREADS=1 timeout 900 "$PY" bench/pytorch_ddp.py --data "$DATA" --workers "$w" --steps "$steps" \
               $flags 2>/dev/null | tail -1) || ddp=""
       if [ -n "$ddp" ]; then
-        row=$(echo "$ddp" | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print(f"{d[\"samples_per_s\"]:.0f}|-|-|-|{d[\"test_accuracy\"]:.4f}")')
+        row=$(echo "$ddp" | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print("%.0f|-|-|-|%.4f" % (d["samples_per_s"], d["test_accuracy"]))')
         result["$w|$name|ddp"]=$row
         IFS='|' read -r sps eff wait bytes acc <<< "$row"
         table+="
