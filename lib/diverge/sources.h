@@ -54,6 +54,9 @@ struct Selection {
   bool wants(int rank, int64_t round) const;
 };
 
+/// True when `name` matches the shell pattern `glob` (fnmatch(3), no flags).
+bool glob_matches(const std::string& glob, const std::string& name);
+
 /// Parses --rank values ("0", "0,2,3") and --round values ("7", "5..9",
 /// "5..", "..9", comma lists); errors are usage errors naming the flag.
 Result<std::vector<int>> parse_ranks(const std::vector<std::string>& values);
