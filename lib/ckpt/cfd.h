@@ -80,7 +80,8 @@ Status write_cfd(const std::filesystem::path& path, const CfdFileInfo& info, std
 /// Bounds a reader enforces before it allocates.
 struct CfdLimits {
   uint64_t max_header_bytes = uint64_t{100} << 20;
-  int64_t max_chunk_elements = int64_t{1} << 26;  ///< 256 MiB of float32 per frame
+  /// 64 MiB of float32 per frame: a reader thread holds a frame twice (stored and decoded).
+  int64_t max_chunk_elements = int64_t{1} << 24;
 };
 
 /// One frame: the stored bytes and the XXH3-64 checksum of its content (the
