@@ -364,6 +364,10 @@ Result<DeltaStats> cfd_reduce_chunk(std::span<const std::byte> stored, CfdCodec 
 
 // ---------------------------------------------------------------- writing
 
+std::filesystem::path delta_path(const std::filesystem::path& run_dir, int rank, int64_t round) {
+  return run_dir / "deltas" / fmt::format("rank-{}", rank) / fmt::format("round-{:06}.cfd", round);
+}
+
 Status write_cfd(const std::filesystem::path& path, const CfdFileInfo& info, std::span<const CfdTensorInput> tensors,
                  const CfdWriteOptions& options) {
   const std::string file = path.string();

@@ -54,10 +54,6 @@ Status list_deltas_dir(const fs::path& deltas, std::vector<DeltaFileRef>& out) {
 
 }  // namespace
 
-fs::path delta_path(const fs::path& run_dir, int rank, int64_t round) {
-  return run_dir / "deltas" / fmt::format("rank-{}", rank) / fmt::format("round-{:06}.cfd", round);
-}
-
 std::optional<DeltaFileRef> parse_delta_path(const fs::path& path) {
   const auto round = numbered(path.filename().string(), "round-", ".cfd");
   const auto rank = rank_of(path.parent_path().filename().string());
