@@ -4,7 +4,7 @@
 # prints the one apt-get line to run and exits 1.
 #
 #   scripts/install-deps.sh            build, test and demo dependencies
-#   scripts/install-deps.sh --bench    also the benchmark peers (python3-torch)
+#   scripts/install-deps.sh --bench    also the benchmark peers (python3-torch, the zstd command)
 #   scripts/install-deps.sh --list     print the package list and exit
 set -euo pipefail
 
@@ -19,7 +19,7 @@ packages=(
 )
 
 case "${1:-}" in
-  --bench) packages+=(python3-torch python3-numpy time) ;;
+  --bench) packages+=(python3-torch python3-numpy time zstd) ;;
   --list) printf '%s\n' "${packages[@]}"; exit 0 ;;
   "") ;;
   *) echo "usage: $0 [--bench|--list]" >&2; exit 2 ;;

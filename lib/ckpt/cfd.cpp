@@ -187,13 +187,13 @@ Result<std::string> zstd_compress_blocks(const Transformed& input, int level) {
   CFMO_TRY(check(ZSTD_CCtx_setPledgedSrcSize(ctx, input.bytes.size())));
   std::string out(ZSTD_compressBound(input.bytes.size()) + 64, '\0');
   ZSTD_outBuffer output{out.data(), out.size(), 0};
+  std::vector<size_t> ends = input.block_ends;
+  if (ends.empty() || ends.back() != input.bytes.size()) ends.push_back(input.bytes.size());
   size_t begin = 0;
-  const size_t blocks = input.block_ends.size();
-  for (size_t b = 0; b < blocks || begin == 0; ++b) {
-    const size_t end = b < blocks ? input.block_ends[b] : input.bytes.size();
-    const bool last = b + 1 >= blocks;
-    const ZSTD_EndDirective directive = last ? ZSTD_e_end : ZSTD_e_flush;
-    ZSTD_inBuffer in{input.bytes.data() + begin, end - begin, 0};
+  for (size_t b = 0; b < ends.size(); ++b) {
+    // Flushing ends a zstd block; the last piece ends the frame.
+    const ZSTD_EndDirective directive = b + 1 == ends.size() ? ZSTD_e_end : ZSTD_e_flush;
+    ZSTD_inBuffer in{input.bytes.data() + begin, ends[b] - begin, 0};
     for (;;) {
       if (output.pos == output.size) {  // each ended block adds a header; grow if the bound was short
         out.resize(out.size() * 2);
@@ -204,8 +204,7 @@ Result<std::string> zstd_compress_blocks(const Transformed& input, int level) {
       CFMO_TRY(check(remaining));
       if (remaining == 0 && in.pos == in.size) break;
     }
-    begin = end;
-    if (last) break;
+    begin = ends[b];
   }
   out.resize(output.pos);
   return out;
@@ -364,6 +363,10 @@ Result<DeltaStats> cfd_reduce_chunk(std::span<const std::byte> stored, CfdCodec 
 }
 
 // ---------------------------------------------------------------- writing
+
+std::filesystem::path delta_path(const std::filesystem::path& run_dir, int rank, int64_t round) {
+  return run_dir / "deltas" / fmt::format("rank-{}", rank) / fmt::format("round-{:06}.cfd", round);
+}
 
 Status write_cfd(const std::filesystem::path& path, const CfdFileInfo& info, std::span<const CfdTensorInput> tensors,
                  const CfdWriteOptions& options) {

@@ -70,7 +70,12 @@ struct CfdWriteOptions {
   int64_t chunk_elements = int64_t{1} << 20;  ///< values per zstd frame (4 MiB of float32)
 };
 
-/// Writes atomically (temp file, fsync, rename). Computes every tensor's
+/// Where a run directory keeps rank `rank`'s delta of round `round`:
+/// RUN/deltas/rank-K/round-RRRRRR.cfd, the round zero-padded to six digits.
+/// The trainer writes there and cfmo-diverge reads there.
+std::filesystem::path delta_path(const std::filesystem::path& run_dir, int rank, int64_t round);
+
+/// Writes atomically (temp file, fsync, rename) into an existing directory. Computes every tensor's
 /// statistics and each frame's checksum. Inputs that do not fit together
 /// (sizes against shapes, repeated names) are internal errors, as are
 /// failures to write.
@@ -80,7 +85,8 @@ Status write_cfd(const std::filesystem::path& path, const CfdFileInfo& info, std
 /// Bounds a reader enforces before it allocates.
 struct CfdLimits {
   uint64_t max_header_bytes = uint64_t{100} << 20;
-  int64_t max_chunk_elements = int64_t{1} << 26;  ///< 256 MiB of float32 per frame
+  /// 64 MiB of float32 per frame: a reader thread holds a frame twice (stored and decoded).
+  int64_t max_chunk_elements = int64_t{1} << 24;
 };
 
 /// One frame: the stored bytes and the XXH3-64 checksum of its content (the

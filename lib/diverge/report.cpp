@@ -44,9 +44,7 @@ struct GlobUse {
     if (selection.tensor_globs.empty()) return true;
     bool any = false;
     for (size_t g = 0; g < selection.tensor_globs.size(); ++g) {
-      Selection one;
-      one.tensor_globs = {selection.tensor_globs[g]};
-      if (one.wants_tensor(name)) {
+      if (glob_matches(selection.tensor_globs[g], name)) {
         used[g] = true;
         any = true;
       }

@@ -54,10 +54,6 @@ Status list_deltas_dir(const fs::path& deltas, std::vector<DeltaFileRef>& out) {
 
 }  // namespace
 
-fs::path delta_path(const fs::path& run_dir, int rank, int64_t round) {
-  return run_dir / "deltas" / fmt::format("rank-{}", rank) / fmt::format("round-{:06}.cfd", round);
-}
-
 std::optional<DeltaFileRef> parse_delta_path(const fs::path& path) {
   const auto round = numbered(path.filename().string(), "round-", ".cfd");
   const auto rank = rank_of(path.parent_path().filename().string());
@@ -87,11 +83,15 @@ Result<std::vector<DeltaFileRef>> list_deltas(const fs::path& path, bool allow_m
   return out;
 }
 
+bool glob_matches(const std::string& glob, const std::string& name) {
+  return ::fnmatch(glob.c_str(), name.c_str(), 0) == 0;
+}
+
 bool Selection::wants_tensor(std::string_view name) const {
   if (tensor_globs.empty()) return true;
   const std::string text(name);
   return std::any_of(tensor_globs.begin(), tensor_globs.end(),
-                     [&](const std::string& glob) { return ::fnmatch(glob.c_str(), text.c_str(), 0) == 0; });
+                     [&](const std::string& glob) { return glob_matches(glob, text); });
 }
 
 bool Selection::wants(int rank, int64_t round) const {

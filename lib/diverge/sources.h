@@ -6,6 +6,7 @@
 ///
 /// and finishes with RUN/model.safetensors, written after the last round.
 
+#include "ckpt/cfd.h"
 #include "core/error.h"
 
 #include <cstdint>
@@ -25,14 +26,11 @@ struct DeltaFileRef {
   bool operator==(const DeltaFileRef&) const = default;
 };
 
-/// The deltas of a run directory, ordered by round, then rank. `dir` may be
+/// The deltas of a run directory (delta_path, in ckpt/cfd.h, names each), ordered by round, then rank. `dir` may be
 /// RUN, RUN/deltas or RUN/deltas/rank-K. Files whose names do not match
 /// (temporary files of a writer, anything else) are ignored. A missing
 /// deltas directory is an empty list when `allow_missing`, else an input error.
 Result<std::vector<DeltaFileRef>> list_deltas(const std::filesystem::path& dir, bool allow_missing = false);
-
-/// "RUN/deltas/rank-K/round-RRRRRR.cfd" for a run directory.
-std::filesystem::path delta_path(const std::filesystem::path& run_dir, int rank, int64_t round);
 
 /// The rank and round a delta's path names, when it follows the layout.
 std::optional<DeltaFileRef> parse_delta_path(const std::filesystem::path& path);
@@ -53,6 +51,9 @@ struct Selection {
   bool wants_tensor(std::string_view name) const;
   bool wants(int rank, int64_t round) const;
 };
+
+/// True when `name` matches the shell pattern `glob` (fnmatch(3), no flags).
+bool glob_matches(const std::string& glob, const std::string& name);
 
 /// Parses --rank values ("0", "0,2,3") and --round values ("7", "5..9",
 /// "5..", "..9", comma lists); errors are usage errors naming the flag.

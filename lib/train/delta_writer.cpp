@@ -10,7 +10,8 @@ constexpr size_t kQueueLimit = 2;
 }  // namespace
 
 DeltaWriter::DeltaWriter(std::filesystem::path run_dir, int rank, std::vector<ParamInfo> layout)
-    : dir_(std::move(run_dir) / "deltas" / fmt::format("rank-{}", rank)),
+    : run_dir_(run_dir),
+      dir_(delta_path(run_dir, rank, 0).parent_path()),
       rank_(rank),
       layout_(std::move(layout)),
       thread_([this] { run(); }) {}
@@ -78,7 +79,7 @@ void DeltaWriter::run() {
     info.step = job.step;
     info.base_version = job.base_version;
     Status written = ec ? make_error(ErrorKind::kInternal, "Failed to create '{}': {}", dir_.string(), ec.message())
-                        : write_cfd(dir_ / fmt::format("round-{:06}.cfd", job.round), info, tensors);
+                        : write_cfd(delta_path(run_dir_, rank_, job.round), info, tensors);
     std::lock_guard lock(mutex_);
     if (written) {
       ++written_;

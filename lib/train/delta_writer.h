@@ -48,7 +48,8 @@ class DeltaWriter {
   };
   void run();
 
-  const std::filesystem::path dir_;
+  const std::filesystem::path run_dir_;
+  const std::filesystem::path dir_;  ///< RUN/deltas/rank-K, as ckpt/cfd.h's delta_path names it
   const int rank_;
   const std::vector<ParamInfo> layout_;
 

@@ -264,6 +264,7 @@ TEST(CfmoDivergeCli, UsageErrorsExitTwo) {
   expect_one_line_error(diverge({"check", run_dir.string(), "--max-rel-l2", "5"}), 2, {"--max-rel-l2", "5%"});
   expect_one_line_error(diverge({"check"}), 2, {"nothing to read"});
   expect_one_line_error(diverge({"report", "--base", "a.safetensors"}), 2, {"--against"});
+  expect_one_line_error(diverge({"report", "a.safetensors", "b.safetensors"}), 2, {"a.safetensors", "--base"});
   expect_one_line_error(diverge({"report", run_dir.string(), "--format", "xml"}), 2, {"--format"});
   expect_one_line_error(diverge({"report", run_dir.string(), "--rank", "x"}), 2, {"--rank"});
   expect_one_line_error(diverge({"report", run_dir.string(), "--round", "9"}), 2, {"no delta matches"});

@@ -134,6 +134,13 @@ TEST(CfmoTrainWorkers, ReconcilingModesWriteEachRanksDeltasForCfmoDiverge) {
       EXPECT_GT(files, 0);
       EXPECT_EQ(files, j["per_worker"][static_cast<size_t>(rank)]["deltas_written"].get<int>());
     }
+    // cfmo-diverge reads the run directory the trainer wrote.
+    const std::string diverge = testing::env_or("CFMO_DIVERGE", "build/tools/cfmo-diverge");
+    const RunResult report = run({diverge, "report", (dir / "run").string(), "--format", "json"}, 120);
+    ASSERT_EQ(report.status, 0) << report.err;
+    EXPECT_NE(report.out.find("\"rank\""), std::string::npos) << report.out.substr(0, 400);
+    const RunResult check = run({diverge, "check", (dir / "run").string(), "--max-rel-l2", "1000%"}, 120);
+    EXPECT_EQ(check.status, 0) << check.out << check.err;
   }
 }
 

@@ -79,7 +79,14 @@ cfmo::ReportOptions report_options(const Invocation& inv, const cfmo::DivergePla
 /// The PATHs and --base/--against of report and check.
 cfmo::Result<std::vector<cfmo::ReportInput>> inputs_of(const Invocation& inv) {
   std::vector<cfmo::ReportInput> inputs;
-  for (const auto& path : inv.paths) inputs.push_back(cfmo::classify_path(path));
+  for (const auto& path : inv.paths) {
+    // Two checkpoints given as PATHs would each be read as a .cfd file and fail as "bad magic".
+    if (path.ends_with(".safetensors")) {
+      return cfmo::make_error(cfmo::ErrorKind::kUsage,
+                              "'{}' is a checkpoint: compare two with --base GLOBAL --against LOCAL", path);
+    }
+    inputs.push_back(cfmo::classify_path(path));
+  }
   if (inv.base.empty() != inv.against.empty()) {
     return cfmo::make_error(cfmo::ErrorKind::kUsage, "--base and --against go together: give both checkpoints");
   }
