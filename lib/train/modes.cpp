@@ -61,6 +61,27 @@ void outer_step(const ModeSettings& s, float momentum, std::span<float> global, 
   }
 }
 
+/// A lockstep stop vote, carried by a collective as two counts:
+/// workers that want to stop for a time limit, and for an interrupt.
+struct StopVote {
+  bool time_limit = false;
+  bool interrupt = false;
+  bool agreed = false;
+  std::string reason;
+
+  void want(std::string_view why) { (why == "interrupt" ? interrupt : time_limit) = true; }
+  void write(float* slots) const {
+    slots[0] = time_limit ? 1.0f : 0.0f;
+    slots[1] = interrupt ? 1.0f : 0.0f;
+  }
+  void read(const float* summed) {
+    if (summed[0] > 0 || summed[1] > 0) {
+      agreed = true;
+      reason = summed[1] > 0 ? "interrupt" : "time-limit";
+    }
+  }
+};
+
 class SoloMode final : public Mode {
  public:
   explicit SoloMode(std::string name) : name_(std::move(name)) {}
@@ -79,21 +100,22 @@ class SyncMode final : public Mode {
   std::string_view name() const override { return "sync"; }
 
   bool lockstep() const override { return true; }
-  void want_stop() override { want_stop_ = true; }
-  bool stop_requested() const override { return agreed_stop_; }
+  void want_stop(std::string_view reason) override { vote_.want(reason); }
+  bool stop_requested() const override { return vote_.agreed; }
+  std::string agreed_reason() const override { return vote_.reason; }
 
   Status on_gradients(std::span<float> grads, int count, float) override {
-    // [weighted gradients..., example count, stop votes]
-    buffer_.resize(grads.size() + 2);
+    // [weighted gradients..., example count, stop votes (time limit, interrupt)]
+    buffer_.resize(grads.size() + 3);
     const auto n = static_cast<float>(count);
     for (size_t i = 0; i < grads.size(); ++i) buffer_[i] = grads[i] * n;
     buffer_[grads.size()] = n;
-    buffer_[grads.size() + 1] = want_stop_ ? 1.0f : 0.0f;
+    vote_.write(buffer_.data() + grads.size() + 1);
     const auto start = Clock::now();
     Status status = comm_.all_reduce_sum(buffer_);
     stats_.wait_s += seconds_since(start);
     CFMO_TRY(status);
-    agreed_stop_ = buffer_[grads.size() + 1] > 0;
+    vote_.read(buffer_.data() + grads.size() + 1);
     const float total = buffer_[grads.size()];
     const float inverse = total > 0 ? 1.0f / total : 0.0f;
     for (size_t i = 0; i < grads.size(); ++i) grads[i] = buffer_[i] * inverse;
@@ -106,8 +128,7 @@ class SyncMode final : public Mode {
   Communicator& comm_;
   FloatBuffer buffer_;
   ModeStats stats_;
-  bool want_stop_ = false;
-  bool agreed_stop_ = false;
+  StopVote vote_;
 };
 
 /// Local SGD / DiLoCo: H local steps, then a blocking all-reduce of the deltas
@@ -118,8 +139,9 @@ class LocalSgdMode final : public Mode {
       : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), momentum_(initial.size(), 0.0f) {}
   std::string_view name() const override { return "localsgd"; }
   bool lockstep() const override { return true; }
-  void want_stop() override { want_stop_ = true; }
-  bool stop_requested() const override { return agreed_stop_; }
+  void want_stop(std::string_view reason) override { vote_.want(reason); }
+  bool stop_requested() const override { return vote_.agreed; }
+  std::string agreed_reason() const override { return vote_.reason; }
 
   Status after_step(int64_t step, int64_t, std::span<float> params, Optimizer&) override {
     last_step_ = step;
@@ -136,18 +158,18 @@ class LocalSgdMode final : public Mode {
  private:
   Status reconcile(std::span<float> params) {
     // [deltas..., stop votes]: a worker that wants to stop says so at the next round.
-    delta_.resize(params.size() + 1);
+    delta_.resize(params.size() + 2);
     for (size_t i = 0; i < params.size(); ++i) delta_[i] = params[i] - global_[i];
     if (settings_.delta_sink) {
       settings_.delta_sink(stats_.rounds + 1, last_step_, stats_.rounds, global_,
                            std::span<const float>(delta_).first(params.size()));
     }
-    delta_.back() = want_stop_ ? 1.0f : 0.0f;
+    vote_.write(delta_.data() + params.size());
     const auto start = Clock::now();
     Status status = comm_.all_reduce_sum(delta_);
     stats_.wait_s += seconds_since(start);
     CFMO_TRY(status);
-    agreed_stop_ = delta_.back() > 0;
+    vote_.read(delta_.data() + params.size());
     outer_step(settings_, static_cast<float>(settings_.outer_momentum), global_,
                std::span<const float>(delta_).first(params.size()), momentum_, 1.0f / static_cast<float>(comm_.size()));
     std::copy(global_.begin(), global_.end(), params.begin());
@@ -164,8 +186,7 @@ class LocalSgdMode final : public Mode {
   int64_t since_sync_ = 0;
   int64_t last_step_ = 0;
   ModeStats stats_;
-  bool want_stop_ = false;
-  bool agreed_stop_ = false;
+  StopVote vote_;
 };
 
 /// What cfmo and asgd share: shard ownership, the budget keeper, the inbox of

@@ -73,10 +73,14 @@ class Mode {
   /// (time limit, Ctrl-C) travels with the next collective, and every worker
   /// stops at the same step. Asynchronous modes stop each worker on its own.
   virtual bool lockstep() const { return false; }
-  /// This worker wants to stop (lockstep modes: it keeps stepping until all agree).
-  virtual void want_stop() {}
+  /// This worker wants to stop, for "time-limit" or "interrupt" (lockstep
+  /// modes: it keeps stepping until all agree).
+  virtual void want_stop(std::string_view /*reason*/) {}
   /// The workers agreed to stop (lockstep), or the budget keeper said so (async).
   virtual bool stop_requested() const { return false; }
+  /// Lockstep modes: why the workers stopped ("interrupt" if any worker was
+  /// interrupted, else "time-limit"), the same on every rank; empty otherwise.
+  virtual std::string agreed_reason() const { return {}; }
   /// After the loop: the last reconciliation and the end handshake. Leaves the
   /// global parameters in `params` on rank 0 (on every rank for sync and localsgd).
   virtual Status finish(std::span<float> /*params*/, Optimizer& /*optimizer*/) { return {}; }

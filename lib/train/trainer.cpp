@@ -394,9 +394,10 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
       if (stopped_by.empty()) stopped_by = wish;
       // Lockstep workers stop together: the wish travels with the next collective.
       if (!mode->lockstep()) break;
-      mode->want_stop();
+      mode->want_stop(wish);
     }
     if (mode->stop_requested()) {
+      if (mode->lockstep()) stopped_by = mode->agreed_reason();  // the same on every rank
       if (stopped_by.empty()) {
         stopped_by = !async ? "peer"
                      : config.epochs > 0 && (config.steps == 0 || config.epochs * train_set.count <= config.steps * global_batch)
