@@ -174,7 +174,8 @@ TEST(CfmoTrainWorkers, CfmoWithAVerySlowWorkerFinishesAndTheFastOneNeverWaits) {
   const auto& fast = j["per_worker"][0];
   const auto& slow = j["per_worker"][1];
   EXPECT_EQ(fast["wait_s"].get<double>(), 0.0);  // cfmo has no blocking call in the loop
-  EXPECT_GT(fast["steps"].get<int64_t>(), slow["steps"].get<int64_t>());
+  EXPECT_EQ(slow["wait_s"].get<double>(), 0.0);
+  // (Which worker took more steps depends on timing, including who started first: not asserted.)
   EXPECT_EQ(slow["slowdown"].get<double>(), 5.0);
   EXPECT_TRUE(j["simulation"]["simulated"].get<bool>());
 }
