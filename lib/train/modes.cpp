@@ -438,13 +438,9 @@ class CfmoMode final : public AsyncMode {
     for (auto& f : take_inbox()) rebase(f, params, optimizer);
     if (step % settings_.sync_interval != 0) return {};
     report_progress(samples);
-    if (outstanding() > 0) {
-      // The last round is still in flight: never wait, reconcile next time.
-      std::lock_guard lock(mutex_);
-      ++stats_.deferred;
-      return {};
-    }
-    send_round(params);
+    // Shards whose last delta is still in flight wait for the next round; the
+    // others go now: a slow owner never holds back the rest, nobody waits.
+    send_round(params, /*only_idle=*/true);
     return {};
   }
 
@@ -453,7 +449,7 @@ class CfmoMode final : public AsyncMode {
     const auto deadline = start + seconds(settings_.peer_timeout_s);
     auto apply = [&](Fresh& f) { rebase(f, params, optimizer); };
     drain_replies(deadline, apply);
-    send_round(params);  // the last local progress counts too
+    send_round(params, /*only_idle=*/false);  // the last local progress counts too
     drain_replies(deadline + seconds(settings_.peer_timeout_s), apply);
     {
       std::lock_guard lock(mutex_);
@@ -463,8 +459,7 @@ class CfmoMode final : public AsyncMode {
   }
 
  private:
-  void send_round(std::span<const float> params) {
-    std::copy(params.begin(), params.end(), snapshot_.begin());
+  void send_round(std::span<const float> params, bool only_idle) {
     if (settings_.delta_sink) {
       full_delta_.resize(params.size());
       for (size_t i = 0; i < params.size(); ++i) full_delta_[i] = params[i] - base_[i];
@@ -477,10 +472,20 @@ class CfmoMode final : public AsyncMode {
       settings_.delta_sink(round, last_step_, oldest, base_, full_delta_);
     }
     const auto lost = comm_.lost_ranks();
+    uint64_t sent = 0;
+    bool skipped = false;
     for (int j = 0; j < comm_.size(); ++j) {
       if (std::find(lost.begin(), lost.end(), j) != lost.end()) continue;
+      if (only_idle && awaiting_[static_cast<size_t>(j)] > 0) {
+        skipped = true;
+        continue;
+      }
       const size_t first = bounds_[static_cast<size_t>(j)];
       const size_t count = bounds_[static_cast<size_t>(j) + 1] - first;
+      // The rebase of this shard keeps the progress made after this moment.
+      std::copy(params.begin() + static_cast<std::ptrdiff_t>(first),
+                params.begin() + static_cast<std::ptrdiff_t>(first + count),
+                snapshot_.begin() + static_cast<std::ptrdiff_t>(first));
       delta_.resize(count);
       for (size_t i = 0; i < count; ++i) delta_[i] = params[first + i] - base_[first + i];
       std::vector<std::byte> out;
@@ -491,9 +496,12 @@ class CfmoMode final : public AsyncMode {
                     residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count), out);
       comm_.post(j, Channel::kDeltaShard, std::move(out));
       ++awaiting_[static_cast<size_t>(j)];
+      ++sent;
     }
     std::lock_guard lock(mutex_);
-    ++stats_.rounds;
+    stats_.contributions_sent += sent;
+    if (sent > 0) ++stats_.rounds;
+    if (skipped) ++stats_.deferred;
   }
 
   /// θ_k ← θ̄_new + (θ_k − θ_snapshot) on the shard; stale momentum discounted.
@@ -580,6 +588,8 @@ class AsgdMode final : public AsyncMode {
                     residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, n), out);
       comm_.post(j, Channel::kGradShard, std::move(out));
       ++awaiting_[static_cast<size_t>(j)];
+      std::lock_guard lock(mutex_);
+      ++stats_.contributions_sent;
     }
     std::lock_guard lock(mutex_);
     ++stats_.rounds;

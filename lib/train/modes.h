@@ -49,10 +49,11 @@ struct ModeStats {
   double wait_s = 0;         ///< blocked on communication inside the training loop
   double finish_wait_s = 0;  ///< at the end, waiting for the last replies and for the other ranks
   uint64_t contributions_dropped = 0;
+  uint64_t contributions_sent = 0;      ///< shards of deltas (cfmo) or gradients (asgd) this rank sent
   uint64_t contributions_applied = 0;   ///< as an owner: contributions from any rank applied to my shard
   uint64_t contributions_received = 0;  ///< as an owner: contributions that arrived (applied or dropped)
   int64_t rounds = 0;        ///< reconciliations (or gradient pushes for asgd) started
-  int64_t deferred = 0;      ///< cfmo: reconciliations skipped because the last was still in flight
+  int64_t deferred = 0;      ///< cfmo: rounds in which a shard waited, its last delta still in flight
   std::vector<uint64_t> staleness_histogram;  ///< [s] = contributions applied s rounds stale
 };
 

@@ -111,6 +111,7 @@ nlohmann::ordered_json worker_json(const WorkerReport& w) {
           {"bytes_sent", w.bytes_sent},
           {"bytes_received", w.bytes_received},
           {"contributions_dropped", w.contributions_dropped},
+          {"contributions_sent", w.contributions_sent},
           {"contributions_applied", w.contributions_applied},
           {"contributions_received", w.contributions_received},
           {"rounds", w.rounds},
@@ -141,6 +142,7 @@ Result<WorkerReport> WorkerReport::from_json(std::string_view text) {
     w.bytes_sent = j.at("bytes_sent");
     w.bytes_received = j.at("bytes_received");
     w.contributions_dropped = j.at("contributions_dropped");
+    w.contributions_sent = j.at("contributions_sent");
     w.contributions_applied = j.at("contributions_applied");
     w.contributions_received = j.at("contributions_received");
     w.rounds = j.at("rounds");
@@ -546,6 +548,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   own.finish_wait_s = mode_stats.finish_wait_s;
   own.loop_s = loop_s;
   own.contributions_dropped = mode_stats.contributions_dropped;
+  own.contributions_sent = mode_stats.contributions_sent;
   own.contributions_applied = mode_stats.contributions_applied;
   own.contributions_received = mode_stats.contributions_received;
   own.rounds = mode_stats.rounds;

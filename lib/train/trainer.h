@@ -70,6 +70,7 @@ struct WorkerReport {
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
   uint64_t contributions_dropped = 0;
+  uint64_t contributions_sent = 0;
   uint64_t contributions_applied = 0;   ///< as an owner
   uint64_t contributions_received = 0;  ///< as an owner
   int64_t rounds = 0;

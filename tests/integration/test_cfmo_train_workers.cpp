@@ -99,7 +99,7 @@ TEST(CfmoTrainWorkers, CfmoAppliesEveryContributionExactlyOnce) {
   uint64_t applied = 0;
   uint64_t dropped = 0;
   for (const auto& w : j["per_worker"]) {
-    sent += w["rounds"].get<int64_t>() * 3;
+    sent += w["contributions_sent"].get<int64_t>();
     received += w["contributions_received"].get<uint64_t>();
     applied += w["contributions_applied"].get<uint64_t>();
     dropped += w["contributions_dropped"].get<uint64_t>();
