@@ -460,17 +460,6 @@ class CfmoMode final : public AsyncMode {
 
  private:
   void send_round(std::span<const float> params, bool only_idle) {
-    if (settings_.delta_sink) {
-      full_delta_.resize(params.size());
-      for (size_t i = 0; i < params.size(); ++i) full_delta_[i] = params[i] - base_[i];
-      const int64_t oldest = *std::min_element(base_version_.begin(), base_version_.end());
-      int64_t round = 0;
-      {
-        std::lock_guard lock(mutex_);
-        round = stats_.rounds + 1;
-      }
-      settings_.delta_sink(round, last_step_, oldest, base_, full_delta_);
-    }
     const auto lost = comm_.lost_ranks();
     uint64_t sent = 0;
     bool skipped = false;
@@ -498,10 +487,21 @@ class CfmoMode final : public AsyncMode {
       ++awaiting_[static_cast<size_t>(j)];
       ++sent;
     }
-    std::lock_guard lock(mutex_);
-    stats_.contributions_sent += sent;
-    if (sent > 0) ++stats_.rounds;
-    if (skipped) ++stats_.deferred;
+    int64_t round = 0;
+    {
+      std::lock_guard lock(mutex_);
+      stats_.contributions_sent += sent;
+      if (sent > 0) ++stats_.rounds;
+      if (skipped) ++stats_.deferred;
+      round = stats_.rounds;
+    }
+    if (settings_.delta_sink && sent > 0) {
+      // This rank's whole delta against its base, as cfmo-diverge reads it.
+      full_delta_.resize(params.size());
+      for (size_t i = 0; i < params.size(); ++i) full_delta_[i] = params[i] - base_[i];
+      const int64_t oldest = *std::min_element(base_version_.begin(), base_version_.end());
+      settings_.delta_sink(round, last_step_, oldest, base_, full_delta_);
+    }
   }
 
   /// θ_k ← θ̄_new + (θ_k − θ_snapshot) on the shard; stale momentum discounted.
