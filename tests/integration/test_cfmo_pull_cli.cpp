@@ -14,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -252,7 +253,7 @@ class PullFixture : public ::testing::Test {
 void expect_blob(const fs::path& layout, const std::string& body) {
   const auto path = layout / "blobs" / "sha256" / oci::sha256_digest(body).substr(7);
   EXPECT_TRUE(fs::exists(path)) << path;
-  EXPECT_EQ(slurp(path), body) << path;
+  EXPECT_TRUE(slurp(path) == body) << path << ": other bytes than pushed";
 }
 
 TEST(CfmoPullCli, HelpAndManPageListTheSameOptions) {
@@ -431,6 +432,12 @@ class TinyServer {
   }
   std::string host() const { return "127.0.0.1:" + std::to_string(port_); }
 
+  /// The response announcing the whole body but ending after `sent` bytes of it (a dropped connection).
+  static std::string truncated(const std::string& body, size_t sent) {
+    const std::string full = response(200, body);
+    return full.substr(0, full.size() - body.size() + sent);
+  }
+
   static std::string response(int status, const std::string& body, const std::string& extra_headers = "") {
     return "HTTP/1.1 " + std::to_string(status) + " X\r\nContent-Length: " + std::to_string(body.size()) +
            "\r\nConnection: close\r\n" + extra_headers + "\r\n" + body;
@@ -548,6 +555,132 @@ TEST(CfmoPullCli, BearerTokenFlowAndRangeIgnored) {
   EXPECT_EQ(r.err.find("secret-token"), std::string::npos);
   expect_blob(layout, image.layers[0]);
   EXPECT_GE(token_requests.load(), 1);
+}
+
+/// Serves `image` under /v2/<repository>/ with a per-blob handler override.
+std::map<std::string, TinyServer::Handler> image_routes(const std::string& repository, const FixtureImage& image,
+                                                        const std::string& manifest_type) {
+  std::map<std::string, TinyServer::Handler> routes;
+  routes["/v2/" + repository + "/manifests/latest"] = [&image, manifest_type](const std::string&) {
+    return TinyServer::response(200, image.manifest, "Content-Type: " + manifest_type + "\r\n");
+  };
+  routes["/v2/" + repository + "/blobs/" + oci::sha256_digest(image.config)] = [&image](const std::string&) {
+    return TinyServer::response(200, image.config);
+  };
+  return routes;
+}
+
+/// The N of a "Range: bytes=N-" header, or -1.
+long range_start(const std::string& request) {
+  const auto at = request.find("Range: bytes=");
+  return at == std::string::npos ? -1 : std::stol(request.substr(at + 13));
+}
+
+TEST(CfmoPullCli, DroppedConnectionsAndRateLimitsAreRetriedAndResumed) {
+  const auto image = make_image(9, "amd64", {200000});
+  const std::string& layer = image.layers[0];
+  std::vector<long> ranges;  // the Range start of each request for the layer
+  std::mutex mutex;
+  auto routes = image_routes("flaky/image", image, "application/vnd.oci.image.manifest.v1+json");
+  routes["/v2/flaky/image/blobs/" + oci::sha256_digest(layer)] = [&](const std::string& request) {
+    std::lock_guard lock(mutex);
+    const long start = range_start(request);
+    ranges.push_back(start);
+    switch (ranges.size()) {
+      case 1:  // the whole blob announced, a third of it sent, then the connection drops
+        return TinyServer::truncated(layer, layer.size() / 3);
+      case 2:
+        return TinyServer::response(429, "slow down", "Retry-After: 0\r\n");
+      default:
+        return TinyServer::response(
+            206, layer.substr(static_cast<size_t>(start)),
+            fmt::format("Content-Range: bytes {}-{}/{}\r\n", start, layer.size() - 1, layer.size()));
+    }
+  };
+  TinyServer server(routes);
+  TempDir out;
+  const auto layout = out / "image";
+  const RunResult r = pull({"pull", server.host() + "/flaky/image", "--output", "oci:" + layout.string(),
+                            "--plain-http", "--retry-delay", "0.01", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  expect_blob(layout, layer);
+  ASSERT_EQ(ranges.size(), 3u);
+  EXPECT_EQ(ranges[0], -1);
+  EXPECT_EQ(ranges[1], static_cast<long>(layer.size() / 3));
+  EXPECT_EQ(ranges[2], static_cast<long>(layer.size() / 3));
+  // Fetched once in all: the first third, then the rest.
+  const auto report = Json::parse(r.out);
+  EXPECT_EQ(report["bytes_fetched"], image.config.size() + layer.size());
+}
+
+TEST(CfmoPullCli, RetriesGiveUpWithExitFourAndKeepThePartialBlob) {
+  const auto image = make_image(10, "amd64", {10000});
+  const std::string& layer = image.layers[0];
+  std::atomic<int> requests{0};
+  auto routes = image_routes("down/image", image, "application/vnd.docker.distribution.manifest.v2+json");
+  routes["/v2/down/image/blobs/" + oci::sha256_digest(layer)] = [&](const std::string& request) {
+    if (requests++ == 0 && range_start(request) < 0) {
+      return TinyServer::truncated(layer, 4000);
+    }
+    return TinyServer::response(503, "down");
+  };
+  TinyServer server(routes);
+  TempDir out;
+  const auto layout = out / "image";
+  const RunResult r = pull({"pull", server.host() + "/down/image", "--output", "oci:" + layout.string(), "--plain-http",
+                            "--retries", "2", "--retry-delay", "0.01"});
+  EXPECT_EQ(r.status, 4) << r.err;
+  EXPECT_NE(r.err.find("HTTP 503 (after 3 attempts)"), std::string::npos) << r.err;
+  EXPECT_EQ(requests.load(), 3);
+  const auto partial = layout / "blobs" / "sha256" / (oci::sha256_digest(layer).substr(7) + ".partial");
+  EXPECT_TRUE(slurp(partial) == layer.substr(0, 4000)) << "the partial file does not hold the bytes received";
+  EXPECT_FALSE(fs::exists(layout / "index.json"));
+}
+
+TEST(CfmoPullCli, AuthorizationIsNotSentToAnotherHostOnRedirect) {
+  // The registry (Basic auth from a docker config) redirects the layer to an
+  // object store on another port, which must see no Authorization header.
+  const auto image = make_image(11, "amd64", {3000});
+  const std::string& layer = image.layers[0];
+  std::string store_request;
+  std::mutex mutex;
+  TinyServer store({{"/object", [&](const std::string& request) {
+                       std::lock_guard lock(mutex);
+                       store_request = request;
+                       return TinyServer::response(200, layer);
+                     }}});
+  std::atomic<int> unauthorized{0};
+  auto routes = image_routes("auth/redirect", image, "application/vnd.oci.image.manifest.v1+json");
+  auto plain = routes;
+  for (auto& [path, handler] : routes) {
+    handler = [&unauthorized, inner = plain[path]](const std::string& request) {
+      if (request.find("Authorization: Basic dTpw") == std::string::npos) {
+        ++unauthorized;
+        return TinyServer::response(401, "{}", "WWW-Authenticate: Basic realm=\"tiny\"\r\n");
+      }
+      return inner(request);
+    };
+  }
+  routes["/v2/auth/redirect/blobs/" + oci::sha256_digest(layer)] = [&](const std::string& request) {
+    if (request.find("Authorization: Basic dTpw") == std::string::npos) {
+      ++unauthorized;
+      return TinyServer::response(401, "{}", "WWW-Authenticate: Basic realm=\"tiny\"\r\n");
+    }
+    return TinyServer::response(307, "", "Location: http://" + store.host() + "/object\r\n");
+  };
+  TinyServer server(routes);
+  TempDir out;
+  ASSERT_TRUE(write_file_atomic(out / "config.json", R"({"auths":{")" + server.host() + R"(":{"auth":"dTpw"}}})"));
+  const auto layout = out / "image";
+  const RunResult r = pull({"pull", server.host() + "/auth/redirect", "--output", "oci:" + layout.string(),
+                            "--plain-http", "--authfile", (out / "config.json").string()});
+  ASSERT_EQ(r.status, 0) << r.err;
+  expect_blob(layout, layer);
+  EXPECT_GE(unauthorized.load(), 1);
+  std::lock_guard lock(mutex);
+  ASSERT_FALSE(store_request.empty());
+  EXPECT_EQ(store_request.find("Authorization"), std::string::npos) << store_request;
+  EXPECT_EQ(r.err.find("dTpw"), std::string::npos);
 }
 
 }  // namespace
