@@ -15,7 +15,7 @@ packages=(
   libucx-dev                                                      # transport between workers
   libcurl4-openssl-dev libssl-dev                                 # cfmo-pull: registry client, SHA-256
   libarchive-dev                                                  # cfmo-pull: unpacking layers
-  docker-registry                                                 # cfmo-pull tests: a real local registry
+  docker-registry umoci                                           # cfmo-pull tests: a real local registry, a layout reader
   libgtest-dev googletest                                         # tests
   scdoc                                                           # man pages from source
   dataset-fashion-mnist                                           # the demo's data set

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -47,6 +48,26 @@ Result<std::string> updated_index(const fs::path& dir, const Descriptor& manifes
 }
 
 }  // namespace
+
+Result<std::string> docker_to_oci_manifest(std::string_view docker_manifest, const std::string& what) {
+  Json j = Json::parse(docker_manifest, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("config") || !j.contains("layers") || !j["layers"].is_array()) {
+    return make_error(ErrorKind::kInput, "{}: not a Docker schema 2 manifest", what);
+  }
+  static const std::map<std::string, std::string> kLayerTypes = {
+      {"application/vnd.docker.image.rootfs.diff.tar.gzip", "application/vnd.oci.image.layer.v1.tar+gzip"},
+      {"application/vnd.docker.image.rootfs.diff.tar", "application/vnd.oci.image.layer.v1.tar"},
+      {"application/vnd.docker.image.rootfs.foreign.diff.tar.gzip",
+       "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip"},
+  };
+  j["mediaType"] = kOciManifest;
+  j["config"]["mediaType"] = "application/vnd.oci.image.config.v1+json";
+  for (auto& layer : j["layers"]) {
+    const std::string type = layer.value("mediaType", "");
+    if (const auto it = kLayerTypes.find(type); it != kLayerTypes.end()) layer["mediaType"] = it->second;
+  }
+  return j.dump();
+}
 
 Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform) {
   ResolvedImage image;
@@ -154,10 +175,16 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   if (first_error) return *first_error;
 
   // The manifest goes in last, so a layout never names blobs it lacks.
-  const auto manifest_path = blob_path(dir, report.image.manifest.digest);
-  CFMO_TRY(write_file_atomic(manifest_path, report.image.manifest_body));
+  std::string layout_body = report.image.manifest_body;
+  report.layout_manifest = report.image.manifest;
+  if (report.image.manifest.media_type == kDockerManifest) {
+    CFMO_ASSIGN_OR_RETURN(layout_body, docker_to_oci_manifest(layout_body, "manifest " + report.image.manifest.digest));
+    report.layout_manifest = {
+        std::string(kOciManifest), sha256_digest(layout_body), static_cast<int64_t>(layout_body.size()), {}};
+  }
+  CFMO_TRY(write_file_atomic(blob_path(dir, report.layout_manifest.digest), layout_body));
   CFMO_TRY(write_file_atomic(dir / "oci-layout", "{\"imageLayoutVersion\":\"1.0.0\"}\n"));
-  CFMO_ASSIGN_OR_RETURN(const auto index, updated_index(dir, report.image.manifest, tag));
+  CFMO_ASSIGN_OR_RETURN(const auto index, updated_index(dir, report.layout_manifest, tag));
   CFMO_TRY(write_file_atomic(dir / "index.json", index));
   report.wall_s = seconds_since(start);
   return report;

@@ -40,10 +40,18 @@ struct LayerReport {
 
 struct PullReport {
   ResolvedImage image;
+  /// The manifest the layout's index.json names: the registry's own, or its
+  /// OCI conversion when the registry served Docker schema 2 (umoci reads
+  /// only OCI manifests; skopeo converts the same way).
+  Descriptor layout_manifest;
   std::vector<LayerReport> layers;
   int64_t bytes_fetched = 0;
   double wall_s = 0;
 };
+
+/// A Docker schema 2 manifest rewritten with OCI media types (config and
+/// layer bytes, digests and sizes unchanged).
+Result<std::string> docker_to_oci_manifest(std::string_view docker_manifest, const std::string& what);
 
 /// Fetches and verifies the manifest (through an index when there is one).
 Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform);

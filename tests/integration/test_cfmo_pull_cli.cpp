@@ -6,6 +6,8 @@
 #include "integration/harness.h"
 #include "oci/registry.h"
 
+#include <archive.h>
+#include <archive_entry.h>
 #include <curl/curl.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -681,6 +683,69 @@ TEST(CfmoPullCli, AuthorizationIsNotSentToAnotherHostOnRedirect) {
   ASSERT_FALSE(store_request.empty());
   EXPECT_EQ(store_request.find("Authorization"), std::string::npos) << store_request;
   EXPECT_EQ(r.err.find("dTpw"), std::string::npos);
+}
+
+/// A gzip-compressed tar holding `files` (path → contents), written with
+/// libarchive, and the digest of the uncompressed tar (the diff ID).
+std::pair<std::string, std::string> tar_gz(const std::map<std::string, std::string>& files) {
+  std::string out[2];
+  for (int compressed = 0; compressed < 2; ++compressed) {
+    std::vector<char> buffer(1 << 20);
+    size_t used = 0;
+    archive* a = archive_write_new();
+    archive_write_set_format_pax_restricted(a);
+    if (compressed == 1) archive_write_add_filter_gzip(a);
+    archive_write_open_memory(a, buffer.data(), buffer.size(), &used);
+    for (const auto& [path, contents] : files) {
+      archive_entry* e = archive_entry_new();
+      archive_entry_set_pathname(e, path.c_str());
+      archive_entry_set_size(e, static_cast<la_int64_t>(contents.size()));
+      archive_entry_set_filetype(e, AE_IFREG);
+      archive_entry_set_perm(e, 0644);
+      archive_entry_set_mtime(e, 1700000000, 0);
+      archive_write_header(a, e);
+      archive_write_data(a, contents.data(), contents.size());
+      archive_entry_free(e);
+    }
+    archive_write_close(a);
+    archive_write_free(a);
+    out[compressed].assign(buffer.data(), used);
+  }
+  return {out[1], oci::sha256_digest(out[0])};
+}
+
+TEST_F(PullFixture, UmociUnpacksThePulledLayout) {
+  if (system("command -v umoci >/dev/null 2>&1") != 0) GTEST_SKIP() << "umoci not installed";
+  const auto [layer, diff_id] = tar_gz({{"etc/greeting", "hello from cfmo-pull\n"}, {"bin/tool", "#!/bin/sh\n"}});
+  const std::string config = Json{{"architecture", "amd64"},
+                                  {"os", "linux"},
+                                  {"config", {{"Env", {"PATH=/bin"}}}},
+                                  {"rootfs", {{"type", "layers"}, {"diff_ids", {diff_id}}}}}
+                                 .dump();
+  const std::string manifest =
+      Json{{"schemaVersion", 2},
+           {"mediaType", "application/vnd.docker.distribution.manifest.v2+json"},
+           {"config", descriptor("application/vnd.docker.container.image.v1+json", config)},
+           {"layers", {descriptor("application/vnd.docker.image.rootfs.diff.tar.gzip", layer)}}}
+          .dump();
+  ASSERT_TRUE(registry_->push_blob("fixtures/real", config));
+  ASSERT_TRUE(registry_->push_blob("fixtures/real", layer));
+  ASSERT_TRUE(registry_->push_manifest("fixtures/real", "v1", manifest,
+                                       "application/vnd.docker.distribution.manifest.v2+json"));
+  TempDir out;
+  const auto layout = out / "layout";
+  const RunResult r =
+      pull({"pull", registry_->host() + "/fixtures/real:v1", "--output", "oci:" + layout.string(), "--plain-http"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  // The registry served Docker schema 2; the layout names its OCI conversion.
+  const auto index = Json::parse(slurp(layout / "index.json"));
+  EXPECT_EQ(index["manifests"][0]["mediaType"], "application/vnd.oci.image.manifest.v1+json");
+  EXPECT_NE(index["manifests"][0]["digest"], oci::sha256_digest(manifest));
+  const RunResult unpack =
+      run({"/bin/sh", "-c",
+           "umoci unpack --rootless --image '" + layout.string() + ":v1' '" + (out / "bundle").string() + "' 2>&1"});
+  ASSERT_EQ(unpack.status, 0) << unpack.out;
+  EXPECT_EQ(slurp(out / "bundle" / "rootfs" / "etc" / "greeting"), "hello from cfmo-pull\n");
 }
 
 }  // namespace

@@ -135,6 +135,7 @@ int run_pull(const Invocation& inv) {
     j["image"] = ref->to_string();
     j["output"] = inv.output;
     j["manifest_digest"] = report->image.manifest.digest;
+    j["layout_manifest_digest"] = report->layout_manifest.digest;
     j["layers"] = Json::array();
     for (const auto& l : report->layers) {
       j["layers"].push_back({{"digest", l.digest}, {"size", l.size}, {"state", l.state}, {"seconds", l.seconds}});
