@@ -242,6 +242,14 @@ RegistryClient::Attempt RegistryClient::perform(const std::string& url, const st
   curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1024L);
   curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, options_.stall_timeout_s);
   curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
+  double limit_s = options_.request_timeout_s;
+  if (options_.deadline) {
+    const double left = std::chrono::duration<double>(*options_.deadline - std::chrono::steady_clock::now()).count();
+    limit_s = limit_s > 0 ? std::min(limit_s, left) : left;
+  }
+  if (limit_s > 0 || options_.deadline) {
+    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, std::max(1L, static_cast<long>(limit_s * 1000)));
+  }
   curl_easy_setopt(curl, CURLOPT_USERAGENT, "cfmo-pull/0.1");
   curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, error_buffer);
   curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, on_header);
@@ -374,6 +382,10 @@ Result<ResponseInfo> RegistryClient::get(const std::string& api_path, const std:
       const ErrorKind kind = attempt.info.status == 404 ? ErrorKind::kInput : ErrorKind::kPeer;
       return make_error(kind, "{}: registry {} answered HTTP {}{}", what, ref_.api_host(), attempt.info.status, detail);
     }
+    if (options_.deadline && std::chrono::steady_clock::now() >= *options_.deadline) {
+      return make_error(ErrorKind::kPeer, "{}: registry {}: the pull's timeout of {} s ran out ({})", what,
+                        ref_.api_host(), options_.timeout_s, last_reason);
+    }
     if (attempt_index >= options_.retries) {
       return make_error(ErrorKind::kPeer, "{}: registry {}: {} (after {} attempt{})", what, ref_.api_host(),
                         last_reason, attempt_index + 1, attempt_index == 0 ? "" : "s");
@@ -382,6 +394,11 @@ Result<ResponseInfo> RegistryClient::get(const std::string& api_path, const std:
     delay *= std::uniform_real_distribution<double>(0.5, 1.0)(rng);  // jitter: parallel pulls do not retry in step
     if (retry_after >= 0) delay = std::max(delay, retry_after);
     delay = std::min(delay, options_.retry_max_delay_s);
+    if (options_.deadline) {
+      // Sleeping past the deadline would only delay the same error.
+      const double left = std::chrono::duration<double>(*options_.deadline - std::chrono::steady_clock::now()).count();
+      delay = std::max(0.0, std::min(delay, left));
+    }
     std::this_thread::sleep_for(std::chrono::duration<double>(delay));
   }
 }

@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "oci/reference.h"
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -27,8 +28,12 @@ struct RegistryOptions {
   double retry_base_s = 0.5;      ///< first backoff; doubles per attempt, with jitter
   double retry_max_delay_s = 30;  ///< cap on one backoff, Retry-After included
   long connect_timeout_s = 15;
-  long stall_timeout_s = 30;  ///< abort a transfer below 1 KiB/s for this long
-  std::string auth_file;      ///< docker config.json; empty: $DOCKER_CONFIG, ~/.docker
+  long stall_timeout_s = 30;     ///< abort a transfer below 1 KiB/s for this long
+  std::string auth_file;         ///< docker config.json; empty: $DOCKER_CONFIG, ~/.docker
+  double request_timeout_s = 0;  ///< one request, body included; 0: none (large blobs)
+  /// The whole pull's deadline, shared by every request and retry; none when unset.
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  double timeout_s = 0;  ///< what `deadline` was made from, for messages
 };
 
 /// Receives a response body. begin() is called once per attempt with a 2xx

@@ -748,5 +748,19 @@ TEST_F(PullFixture, UmociUnpacksThePulledLayout) {
   EXPECT_EQ(slurp(out / "bundle" / "rootfs" / "etc" / "greeting"), "hello from cfmo-pull\n");
 }
 
+TEST(CfmoPullCli, TheWholePullTimeoutStopsEndlessRetries) {
+  TinyServer server({{"/v2/busy/image/manifests/latest",
+                      [](const std::string&) { return TinyServer::response(503, "busy", "Retry-After: 30\r\n"); }}});
+  TempDir out;
+  const auto start = std::chrono::steady_clock::now();
+  const RunResult r = pull({"pull", server.host() + "/busy/image", "--output", "oci:" + (out / "x").string(),
+                            "--plain-http", "--retries", "100", "--timeout", "1"},
+                           60);
+  EXPECT_EQ(r.status, 4) << r.err;
+  EXPECT_NE(r.err.find("timeout of 1 s ran out (HTTP 503)"), std::string::npos) << r.err;
+  // Not a timing assertion on speed: only that Retry-After: 30 did not outlast the deadline.
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30);
+}
+
 }  // namespace
 }  // namespace cfmo

@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cstdio>
 #include <string>
 
@@ -33,6 +34,8 @@ struct Invocation {
   double retry_delay = 0.5;
   double retry_max_delay = 30;
   long stall_timeout = 30;
+  double request_timeout = 0;
+  double timeout = 0;
 };
 
 void add_registry_flags(CLI::App& app, Invocation& inv) {
@@ -49,6 +52,10 @@ void add_registry_flags(CLI::App& app, Invocation& inv) {
       ->check(CLI::Range(0.0, 3600.0));
   app.add_option("--stall-timeout", inv.stall_timeout, "abort and retry a transfer slower than 1 KiB/s for this long")
       ->check(CLI::Range(1, 3600));
+  app.add_option("--request-timeout", inv.request_timeout, "seconds one request may take, body included; 0: no limit")
+      ->check(CLI::Range(0.0, 1e6));
+  app.add_option("--timeout", inv.timeout, "seconds the whole command may take, retries included; 0: no limit")
+      ->check(CLI::Range(0.0, 1e6));
   app.add_flag("--json", inv.json, "print a JSON report on stdout");
 }
 
@@ -60,6 +67,13 @@ cfmo::Result<cfmo::oci::PullOptions> pull_options(const Invocation& inv) {
   options.registry.retry_max_delay_s = inv.retry_max_delay;
   options.registry.stall_timeout_s = inv.stall_timeout;
   options.registry.auth_file = inv.authfile;
+  options.registry.request_timeout_s = inv.request_timeout;
+  if (inv.timeout > 0) {
+    options.registry.timeout_s = inv.timeout;
+    options.registry.deadline =
+        std::chrono::steady_clock::now() +
+        std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(inv.timeout));
+  }
   options.jobs = inv.jobs;
   if (inv.platform.empty()) {
     options.platform = cfmo::oci::host_platform();
