@@ -1,5 +1,7 @@
 #include "oci/manifest.h"
 
+#include "oci/pull.h"
+
 #include <gtest/gtest.h>
 
 namespace cfmo::oci {
@@ -86,6 +88,37 @@ TEST(OciManifest, Platforms) {
   const auto host = host_platform();
   EXPECT_EQ(host.os, "linux");
   EXPECT_FALSE(host.architecture.empty());
+}
+
+}  // namespace
+}  // namespace cfmo::oci
+
+namespace cfmo::oci {
+namespace {
+
+TEST(OciManifest, DockerSchema2BecomesOciWithTheSameBlobs) {
+  const std::string docker = R"({"schemaVersion":2,"mediaType":"application/vnd.docker.distribution.manifest.v2+json",
+    "config":{"mediaType":"application/vnd.docker.container.image.v1+json","digest":")" +
+                             kA + R"(","size":10},
+    "layers":[{"mediaType":"application/vnd.docker.image.rootfs.diff.tar.gzip","digest":")" +
+                             kB + R"(","size":20},
+              {"mediaType":"application/vnd.docker.image.rootfs.foreign.diff.tar.gzip","digest":")" +
+                             kC + R"(","size":30,"urls":["https://example.com/l"]}]})";
+  auto converted = docker_to_oci_manifest(docker, "manifest m");
+  ASSERT_TRUE(converted) << converted.error().message;
+  auto m = parse_manifest(*converted, "", "converted");
+  ASSERT_TRUE(m) << m.error().message;
+  EXPECT_EQ(m->media_type, kOciManifest);
+  EXPECT_EQ(m->config.media_type, "application/vnd.oci.image.config.v1+json");
+  EXPECT_EQ(m->config.digest, kA);
+  ASSERT_EQ(m->layers.size(), 2u);
+  EXPECT_EQ(m->layers[0].media_type, "application/vnd.oci.image.layer.v1.tar+gzip");
+  EXPECT_EQ(m->layers[0].digest, kB);
+  EXPECT_EQ(m->layers[1].media_type, "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip");
+  EXPECT_NE(converted->find("https://example.com/l"), std::string::npos);  // urls kept
+  auto bad = docker_to_oci_manifest("{}", "manifest m");
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.error().kind, ErrorKind::kInput);
 }
 
 }  // namespace
