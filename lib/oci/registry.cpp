@@ -338,6 +338,14 @@ Status RegistryClient::authenticate(const std::string& challenge, const std::str
   }
   authorization_ = "Authorization: Bearer " + token;
   tokens_[scope] = authorization_;
+  // The spec's default lifetime is 60 s; renewing at 90% of it avoids a 401 per expiry.
+  double lifetime_s = 60;
+  if (json.contains("expires_in") && json["expires_in"].is_number() && json["expires_in"].get<double>() > 0) {
+    lifetime_s = json["expires_in"].get<double>();
+  }
+  token_expiry_ = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                         std::chrono::duration<double>(0.9 * lifetime_s));
+  bearer_challenge_ = challenge;
   return {};
 }
 
@@ -348,6 +356,11 @@ Result<ResponseInfo> RegistryClient::get(const std::string& api_path, const std:
   bool authenticated_after_401 = false;
   std::string last_reason;
   for (int attempt_index = 0;; ++attempt_index) {
+    if (!bearer_challenge_.empty() && std::chrono::steady_clock::now() >= token_expiry_) {
+      tokens_.clear();
+      authorization_.clear();
+      CFMO_TRY(authenticate(bearer_challenge_, what));
+    }
     Attempt attempt = perform(url, headers, sink, head, true);
     if (attempt.sink_error) return *attempt.sink_error;
     double retry_after = -1;

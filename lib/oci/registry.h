@@ -113,7 +113,9 @@ class RegistryClient {
   std::optional<Credentials> credentials_;
   std::string authorization_;                  ///< current "Authorization:" header, or empty
   std::map<std::string, std::string> tokens_;  ///< Bearer token per scope
-  void* curl_ = nullptr;                       ///< CURL*, owned; reused for keep-alive
+  std::string bearer_challenge_;               ///< the last Bearer challenge, to renew its token before it expires
+  std::chrono::steady_clock::time_point token_expiry_{};
+  void* curl_ = nullptr;  ///< CURL*, owned; reused for keep-alive
 };
 
 /// The lowercase hex SHA-256 of a buffer, as "sha256:<hex>".

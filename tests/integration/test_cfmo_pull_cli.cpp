@@ -762,5 +762,51 @@ TEST(CfmoPullCli, TheWholePullTimeoutStopsEndlessRetries) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30);
 }
 
+TEST(CfmoPullCli, AnExpiringTokenIsRenewedBeforeItIsRefused) {
+  // Tokens live one second; the config takes longer than that to serve, so
+  // the layer's request must carry a new token without a 401 first.
+  const auto image = make_image(12, "amd64", {1000});
+  std::mutex mutex;
+  int tokens_issued = 0;
+  std::vector<std::string> seen;  // "path token" per request
+  std::string realm;
+  auto guarded = [&](const std::string& name, std::string body, std::string extra, double delay_s) {
+    return [&, name, body, extra, delay_s](const std::string& request) {
+      const auto at = request.find("Authorization: Bearer ");
+      const std::string token = at == std::string::npos ? "-" : request.substr(at + 22, 2);
+      {
+        std::lock_guard lock(mutex);
+        seen.push_back(name + " " + token);
+      }
+      if (token == "-") {
+        return TinyServer::response(401, "{}", "WWW-Authenticate: Bearer realm=\"" + realm + "\",service=\"s\"\r\n");
+      }
+      std::this_thread::sleep_for(std::chrono::duration<double>(delay_s));
+      return TinyServer::response(200, body, extra);
+    };
+  };
+  TinyServer server({
+      {"/v2/exp/image/manifests/latest",
+       guarded("manifest", image.manifest, "Content-Type: application/vnd.oci.image.manifest.v1+json\r\n", 0)},
+      {"/v2/exp/image/blobs/" + oci::sha256_digest(image.config), guarded("config", image.config, "", 1.2)},
+      {"/v2/exp/image/blobs/" + oci::sha256_digest(image.layers[0]), guarded("layer", image.layers[0], "", 0)},
+      {"/token?service=s&scope=repository%3Aexp%2Fimage%3Apull",
+       [&](const std::string&) {
+         std::lock_guard lock(mutex);
+         return TinyServer::response(200, fmt::format(R"({{"token":"t{}","expires_in":1}})", ++tokens_issued));
+       }},
+  });
+  realm = "http://" + server.host() + "/token";
+  TempDir out;
+  const RunResult r = pull(
+      {"pull", server.host() + "/exp/image", "--output", "oci:" + (out / "x").string(), "--plain-http", "--jobs", "1"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::lock_guard lock(mutex);
+  ASSERT_FALSE(seen.empty());
+  EXPECT_EQ(seen.back().substr(0, 7), "layer t") << seen.back();
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), "layer -"), 0) << "the layer was first refused";
+  EXPECT_NE(seen.back(), "layer t2") << "the worker's first token (t2) was not renewed";
+}
+
 }  // namespace
 }  // namespace cfmo
