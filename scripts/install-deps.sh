@@ -13,6 +13,9 @@ packages=(
   libcli11-dev libfmt-dev libtomlplusplus-dev nlohmann-json3-dev  # flags, formatting, config, JSON
   libopenblas-dev zlib1g-dev libzstd-dev libxxhash-dev            # BLAS, gzip, compression, checksums
   libucx-dev                                                      # transport between workers
+  libcurl4-openssl-dev libssl-dev                                 # cfmo-pull: registry client, SHA-256
+  libarchive-dev                                                  # cfmo-pull: unpacking layers
+  docker-registry umoci                                           # cfmo-pull tests: a real local registry, a layout reader
   libgtest-dev googletest                                         # tests
   scdoc                                                           # man pages from source
   dataset-fashion-mnist                                           # the demo's data set

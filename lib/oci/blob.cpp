@@ -1,0 +1,207 @@
+#include "oci/blob.h"
+
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace cfmo::oci {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct MdCtxFree {
+  void operator()(EVP_MD_CTX* ctx) const { EVP_MD_CTX_free(ctx); }
+};
+using MdCtx = std::unique_ptr<EVP_MD_CTX, MdCtxFree>;
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+std::string hex_digest(EVP_MD_CTX* ctx) {
+  // Finalising a copy leaves the running context usable.
+  MdCtx copy(EVP_MD_CTX_new());
+  EVP_MD_CTX_copy_ex(copy.get(), ctx);
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  EVP_DigestFinal_ex(copy.get(), md, &length);
+  std::string out = "sha256:";
+  for (unsigned int i = 0; i < length; ++i) out += fmt::format("{:02x}", md[i]);
+  return out;
+}
+
+Status pwrite_all(int fd, std::string_view data, int64_t offset, const fs::path& path) {
+  while (!data.empty()) {
+    const ssize_t n = ::pwrite(fd, data.data(), data.size(), offset);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return make_error(ErrorKind::kInternal, "'{}': write failed: {}", path.string(), std::strerror(errno));
+    }
+    data.remove_prefix(static_cast<size_t>(n));
+    offset += n;
+  }
+  return {};
+}
+
+/// Hashes the first `length` bytes of an open file (a partial download being resumed).
+Status hash_prefix(int fd, int64_t length, EVP_MD_CTX* ctx, const fs::path& path) {
+  std::vector<char> buffer(1 << 20);
+  int64_t done = 0;
+  while (done < length) {
+    const ssize_t n = ::pread(fd, buffer.data(), std::min<int64_t>(length - done, buffer.size()), done);
+    if (n <= 0) return make_error(ErrorKind::kInternal, "'{}': read failed while resuming", path.string());
+    EVP_DigestUpdate(ctx, buffer.data(), static_cast<size_t>(n));
+    done += n;
+  }
+  return {};
+}
+
+/// Streams a blob body into the partial file, hashing as it goes. It lives
+/// across retries: each attempt asks for the bytes after those already written.
+class PartialFileSink : public BodySink {
+ public:
+  PartialFileSink(int fd, fs::path path, int64_t expected, std::string what)
+      : fd_(fd), path_(std::move(path)), expected_(expected), what_(std::move(what)), ctx_(EVP_MD_CTX_new()) {
+    EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr);
+  }
+
+  Status resume_from(int64_t length) {
+    CFMO_TRY(hash_prefix(fd_, length, ctx_.get(), path_));
+    written_ = length;
+    return {};
+  }
+
+  std::vector<std::string> extra_headers() override {
+    if (written_ == 0) return {};
+    return {fmt::format("Range: bytes={}-", written_)};
+  }
+
+  Status begin(long status) override {
+    if (status == 206 || written_ == 0) return {};
+    // The server ignored Range and sends the whole blob: start over.
+    if (::ftruncate(fd_, 0) != 0) {
+      return make_error(ErrorKind::kInternal, "'{}': truncate failed: {}", path_.string(), std::strerror(errno));
+    }
+    EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr);
+    written_ = 0;
+    return {};
+  }
+
+  Status write(std::string_view chunk) override {
+    if (written_ + static_cast<int64_t>(chunk.size()) > expected_) {
+      return make_error(ErrorKind::kInput, "{}: size mismatch: the registry sends more than the {} bytes declared",
+                        what_, expected_);
+    }
+    CFMO_TRY(pwrite_all(fd_, chunk, written_, path_));
+    EVP_DigestUpdate(ctx_.get(), chunk.data(), chunk.size());
+    written_ += static_cast<int64_t>(chunk.size());
+    fetched_ += static_cast<int64_t>(chunk.size());
+    return {};
+  }
+
+  int64_t written() const { return written_; }
+  int64_t fetched() const { return fetched_; }
+  std::string digest() const { return hex_digest(ctx_.get()); }
+
+ private:
+  int fd_;
+  fs::path path_;
+  int64_t expected_;
+  std::string what_;
+  MdCtx ctx_;
+  int64_t written_ = 0;
+  int64_t fetched_ = 0;
+};
+
+}  // namespace
+
+fs::path blob_path(const fs::path& layout, const std::string& digest) {
+  return layout / "blobs" / "sha256" / digest.substr(7);
+}
+
+Result<bool> file_matches(const fs::path& path, const std::string& digest, int64_t size) {
+  std::error_code ec;
+  const auto actual = fs::file_size(path, ec);
+  if (ec || static_cast<int64_t>(actual) != size) return false;
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return false;
+  MdCtx ctx(EVP_MD_CTX_new());
+  EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr);
+  CFMO_TRY(hash_prefix(fd.get(), size, ctx.get(), path));
+  return hex_digest(ctx.get()) == digest;
+}
+
+Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, const fs::path& layout,
+                              const std::string& what) {
+  BlobResult result;
+  const fs::path final_path = blob_path(layout, blob.digest);
+  CFMO_ASSIGN_OR_RETURN(const bool present, file_matches(final_path, blob.digest, blob.size));
+  if (present) {
+    result.already_present = true;
+    return result;
+  }
+  std::error_code ec;
+  fs::create_directories(final_path.parent_path(), ec);
+  if (ec) {
+    return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", final_path.parent_path().string(), ec.message());
+  }
+  const fs::path partial = final_path.string() + ".partial";
+  Fd fd(::open(partial.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (fd.get() < 0) {
+    return make_error(ErrorKind::kInternal, "'{}': cannot open: {}", partial.string(), std::strerror(errno));
+  }
+  PartialFileSink sink(fd.get(), partial, blob.size, what);
+  int64_t existing = static_cast<int64_t>(fs::file_size(partial, ec));
+  if (ec || existing > blob.size) {
+    existing = 0;
+    if (::ftruncate(fd.get(), 0) != 0)
+      return make_error(ErrorKind::kInternal, "'{}': truncate failed", partial.string());
+  }
+  if (existing > 0) {
+    CFMO_TRY(sink.resume_from(existing));
+    result.resumed = true;
+  }
+  if (sink.written() < blob.size || blob.size == 0) {
+    auto got = client.get("/v2/" + client.reference().repository + "/blobs/" + blob.digest, {}, sink, what);
+    result.bytes_fetched = sink.fetched();
+    if (!got) {
+      if (got.error().kind == ErrorKind::kInput && got.error().message.find("mismatch") != std::string::npos) {
+        fs::remove(partial, ec);
+      }
+      return std::move(got).error();
+    }
+  }
+  if (sink.written() != blob.size) {
+    fs::remove(partial, ec);
+    return make_error(ErrorKind::kInput, "{}: size mismatch: {} bytes received, {} declared", what, sink.written(),
+                      blob.size);
+  }
+  if (const auto actual = sink.digest(); actual != blob.digest) {
+    // Nothing is kept: a corrupt partial file would only be resumed into another mismatch.
+    fs::remove(partial, ec);
+    return make_error(ErrorKind::kInput, "{}: digest mismatch: got {}", what, actual);
+  }
+  if (::fsync(fd.get()) != 0) {
+    return make_error(ErrorKind::kInternal, "'{}': fsync failed: {}", partial.string(), std::strerror(errno));
+  }
+  fs::rename(partial, final_path, ec);
+  if (ec) return make_error(ErrorKind::kInternal, "'{}': rename failed: {}", final_path.string(), ec.message());
+  return result;
+}
+
+}  // namespace cfmo::oci

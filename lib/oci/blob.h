@@ -1,0 +1,34 @@
+#pragma once
+/// Downloads one blob into an OCI layout's `blobs/sha256/<hex>`, streaming
+/// through a `.partial` file: SHA-256 while the bytes arrive, the size
+/// checked, a Range request resumes from what is already on disk, and the
+/// blob is renamed into place only when its digest matches.
+
+#include "core/error.h"
+#include "oci/manifest.h"
+#include "oci/registry.h"
+
+#include <cstdint>
+#include <filesystem>
+
+namespace cfmo::oci {
+
+struct BlobResult {
+  int64_t bytes_fetched = 0;  ///< over the network, this run
+  bool already_present = false;
+  bool resumed = false;  ///< a partial file from an earlier run was continued
+};
+
+/// The path of a blob in a layout: DIR/blobs/sha256/<hex>.
+std::filesystem::path blob_path(const std::filesystem::path& layout, const std::string& digest);
+
+/// Fetches `blob` (from /v2/<repo>/blobs/<digest>) into `layout`. A digest
+/// or size mismatch is kInput, and the partial file is removed so the next
+/// run starts clean; a network failure keeps it for resuming.
+Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, const std::filesystem::path& layout,
+                              const std::string& what);
+
+/// Checks that a file holds `digest` and `size` (for blobs already present).
+Result<bool> file_matches(const std::filesystem::path& path, const std::string& digest, int64_t size);
+
+}  // namespace cfmo::oci

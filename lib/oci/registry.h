@@ -1,0 +1,124 @@
+#pragma once
+/// A client for the OCI Distribution API over libcurl: content negotiation,
+/// anonymous, Bearer-token and Basic auth, and retries with exponential
+/// backoff and jitter on connection errors, 408, 429 and 5xx. Bodies stream
+/// into a caller's sink, so memory stays bounded whatever the blob's size.
+
+#include "core/error.h"
+#include "oci/reference.h"
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cfmo::oci {
+
+/// The Accept list for manifests: OCI index and manifest, Docker manifest
+/// list and schema 2.
+extern const char* const kManifestAccept;
+
+struct RegistryOptions {
+  bool plain_http = false;
+  int retries = 5;                ///< attempts after the first, per request
+  double retry_base_s = 0.5;      ///< first backoff; doubles per attempt, with jitter
+  double retry_max_delay_s = 30;  ///< cap on one backoff, Retry-After included
+  long connect_timeout_s = 15;
+  long stall_timeout_s = 30;     ///< abort a transfer below 1 KiB/s for this long
+  std::string auth_file;         ///< docker config.json; empty: $DOCKER_CONFIG, ~/.docker
+  double request_timeout_s = 0;  ///< one request, body included; 0: none (large blobs)
+  /// The whole pull's deadline, shared by every request and retry; none when unset.
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  double timeout_s = 0;  ///< what `deadline` was made from, for messages
+};
+
+/// Receives a response body. begin() is called once per attempt with a 2xx
+/// status before the first byte; a sink that resumes (Range) adds headers
+/// through extra_headers() and restarts when it gets 200 in place of 206.
+class BodySink {
+ public:
+  virtual ~BodySink() = default;
+  virtual std::vector<std::string> extra_headers() { return {}; }
+  virtual Status begin(long status) = 0;
+  /// Writes a chunk; an error aborts the transfer and is returned as is.
+  virtual Status write(std::string_view chunk) = 0;
+};
+
+/// A sink that keeps the body in memory, refusing more than `limit` bytes
+/// (manifests and configs are small; a huge one is a malformed input).
+class StringSink : public BodySink {
+ public:
+  explicit StringSink(std::string what, size_t limit = 4u << 20) : what_(std::move(what)), limit_(limit) {}
+  Status begin(long) override {
+    body.clear();
+    return {};
+  }
+  Status write(std::string_view chunk) override;
+  std::string body;
+
+ private:
+  std::string what_;
+  size_t limit_;
+};
+
+struct ResponseInfo {
+  long status = 0;
+  std::map<std::string, std::string> headers;  ///< lowercase names, last response after redirects
+  std::string header(const std::string& lowercase_name) const;
+};
+
+struct Credentials {
+  std::string username;
+  std::string password;
+};
+
+/// Looks up `host` in a docker config.json (`auths`, base64 "user:pass").
+/// An absent file is no credentials, not an error.
+Result<std::optional<Credentials>> load_credentials(const std::string& host, const std::string& auth_file);
+
+/// One registry and one repository. Not thread-safe: a parallel pull uses one
+/// client per thread (the token cache is shared through `share_tokens`).
+class RegistryClient {
+ public:
+  RegistryClient(Reference ref, RegistryOptions options, std::optional<Credentials> credentials);
+  ~RegistryClient();
+  RegistryClient(const RegistryClient&) = delete;
+  RegistryClient& operator=(const RegistryClient&) = delete;
+
+  /// GET (or HEAD) /v2/<repo>/<kind>/<reference>; non-2xx answers after auth
+  /// and retries are errors naming the object: 404 is kInput, others kPeer.
+  Result<ResponseInfo> get(const std::string& api_path, const std::vector<std::string>& headers, BodySink& sink,
+                           const std::string& what, bool head = false);
+
+  /// Fetches a manifest by tag or digest with full content negotiation.
+  Result<std::pair<ResponseInfo, std::string>> get_manifest(const std::string& reference);
+
+  const Reference& reference() const { return ref_; }
+  const RegistryOptions& options() const { return options_; }
+  std::string base_url() const;
+
+  struct Attempt;  ///< one request's outcome; defined in registry.cpp
+
+ private:
+  Attempt perform(const std::string& url, const std::vector<std::string>& headers, BodySink& sink, bool head,
+                  bool with_auth);
+  Status authenticate(const std::string& challenge, const std::string& what);
+
+  Reference ref_;
+  RegistryOptions options_;
+  std::optional<Credentials> credentials_;
+  std::string authorization_;                  ///< current "Authorization:" header, or empty
+  std::map<std::string, std::string> tokens_;  ///< Bearer token per scope
+  std::string bearer_challenge_;               ///< the last Bearer challenge, to renew its token before it expires
+  std::chrono::steady_clock::time_point token_expiry_{};
+  void* curl_ = nullptr;  ///< CURL*, owned; reused for keep-alive
+};
+
+/// The lowercase hex SHA-256 of a buffer, as "sha256:<hex>".
+std::string sha256_digest(std::string_view data);
+
+}  // namespace cfmo::oci

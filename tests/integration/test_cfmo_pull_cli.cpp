@@ -1,0 +1,812 @@
+// Drives the real cfmo-pull binary against a real registry (Debian's
+// docker-registry, plain HTTP on a free port, its own storage) holding
+// fixture images pushed through the upload API, and against a tiny HTTP
+// server for what a well-behaved registry never does (wrong bytes, 503s).
+#include "core/atomic_file.h"
+#include "integration/harness.h"
+#include "oci/registry.h"
+
+#include <archive.h>
+#include <archive_entry.h>
+#include <curl/curl.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+namespace cfmo {
+namespace {
+
+using testing::run;
+using testing::RunResult;
+using testing::TempDir;
+namespace fs = std::filesystem;
+using Json = nlohmann::ordered_json;
+
+constexpr const char* kRegistryBinary = "/usr/bin/docker-registry";
+
+std::string binary() { return testing::env_or("CFMO_PULL", "build/tools/cfmo-pull"); }
+fs::path source_root() { return testing::env_or("CFMO_SOURCE_ROOT", "."); }
+
+RunResult pull(std::vector<std::string> args, double timeout_s = 120) {
+  args.insert(args.begin(), binary());
+  return run(args, timeout_s);
+}
+
+std::string slurp(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::set<std::string> matches(const std::string& text, const std::regex& pattern) {
+  std::set<std::string> out;
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), pattern); it != std::sregex_iterator(); ++it) {
+    out.insert((*it)[1].str());
+  }
+  return out;
+}
+
+struct HttpResponse {
+  long status = 0;
+  std::string body;
+  std::string location;
+};
+
+/// A plain libcurl request, for pushing fixtures (the code under test is not used to set up its own test).
+HttpResponse http(const std::string& method, const std::string& url, const std::string& body = "",
+                  const std::string& content_type = "") {
+  HttpResponse response;
+  CURL* curl = curl_easy_init();
+  curl_slist* headers = nullptr;
+  if (!content_type.empty()) headers = curl_slist_append(headers, ("Content-Type: " + content_type).c_str());
+  curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, method.c_str());
+  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
+  if (method == "PUT" || method == "POST") {
+    curl_easy_setopt(curl, CURLOPT_POSTFIELDS, body.data());
+    curl_easy_setopt(curl, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(body.size()));
+  }
+  curl_easy_setopt(curl, CURLOPT_WRITEDATA, &response.body);
+  curl_easy_setopt(
+      curl, CURLOPT_WRITEFUNCTION, +[](char* d, size_t s, size_t n, void* u) -> size_t {
+        static_cast<std::string*>(u)->append(d, s * n);
+        return s * n;
+      });
+  curl_easy_setopt(curl, CURLOPT_HEADERDATA, &response.location);
+  curl_easy_setopt(
+      curl, CURLOPT_HEADERFUNCTION, +[](char* d, size_t s, size_t n, void* u) -> size_t {
+        std::string line(d, s * n);
+        if (line.size() > 9 && (line.rfind("Location:", 0) == 0 || line.rfind("location:", 0) == 0)) {
+          line = line.substr(9);
+          while (!line.empty() && (line.front() == ' ')) line.erase(0, 1);
+          while (!line.empty() && (line.back() == '\r' || line.back() == '\n')) line.pop_back();
+          *static_cast<std::string*>(u) = line;
+        }
+        return s * n;
+      });
+  curl_easy_setopt(curl, CURLOPT_TIMEOUT, 30L);
+  if (curl_easy_perform(curl) == CURLE_OK) curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &response.status);
+  curl_slist_free_all(headers);
+  curl_easy_cleanup(curl);
+  return response;
+}
+
+/// Deterministic bytes: a layer for a pull-only test need not be a real tar.
+std::string fixture_bytes(size_t size, unsigned seed) {
+  std::string out(size, '\0');
+  uint32_t x = seed * 2654435761u + 1;
+  for (auto& c : out) {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    c = static_cast<char>(x);
+  }
+  return out;
+}
+
+Json descriptor(const std::string& media_type, const std::string& body) {
+  return {{"mediaType", media_type}, {"digest", oci::sha256_digest(body)}, {"size", body.size()}};
+}
+
+/// A docker-registry serving from a temporary directory on a free port.
+class Registry {
+ public:
+  bool start() {
+    port_ = testing::free_port();
+    const std::string config =
+        "version: 0.1\n"
+        "log:\n  level: error\n"
+        "storage:\n  filesystem:\n    rootdirectory: " +
+        (dir_ / "storage").string() +
+        "\n"
+        "http:\n  addr: 127.0.0.1:" +
+        std::to_string(port_) + "\n";
+    if (!write_file_atomic(dir_ / "config.yml", config)) return false;
+    process_ = testing::spawn({kRegistryBinary, "serve", (dir_ / "config.yml").string()}, {},
+                              (dir_ / "stdout").string(), (dir_ / "stderr").string());
+    for (int i = 0; i < 200; ++i) {
+      if (http("GET", url() + "/v2/").status == 200) return true;
+      if (process_.wait(0.05)) return false;
+    }
+    return false;
+  }
+  ~Registry() { process_.reap(); }
+
+  std::string host() const { return "127.0.0.1:" + std::to_string(port_); }
+  std::string url() const { return "http://" + host(); }
+  std::string log() const { return slurp(dir_ / "stderr"); }
+
+  /// POST an upload, PUT its bytes with the digest; true on 201.
+  bool push_blob(const std::string& repository, const std::string& body) {
+    const auto started = http("POST", url() + "/v2/" + repository + "/blobs/uploads/");
+    if (started.status != 202 || started.location.empty()) return false;
+    std::string location = started.location.rfind("http", 0) == 0 ? started.location : url() + started.location;
+    location +=
+        (location.find('?') == std::string::npos ? "?" : "&") + std::string("digest=") + oci::sha256_digest(body);
+    return http("PUT", location, body, "application/octet-stream").status == 201;
+  }
+
+  bool push_manifest(const std::string& repository, const std::string& reference, const std::string& body,
+                     const std::string& media_type) {
+    return http("PUT", url() + "/v2/" + repository + "/manifests/" + reference, body, media_type).status == 201;
+  }
+
+ private:
+  TempDir dir_;
+  int port_ = 0;
+  testing::Background process_;
+};
+
+struct FixtureImage {
+  std::string config;
+  std::vector<std::string> layers;
+  std::string manifest;
+  std::string manifest_digest;
+};
+
+FixtureImage make_image(unsigned seed, const std::string& architecture, std::vector<size_t> layer_sizes) {
+  FixtureImage image;
+  image.config = Json{{"architecture", architecture},
+                      {"os", "linux"},
+                      {"config", {{"Env", {"SEED=" + std::to_string(seed)}}}},
+                      {"rootfs", {{"type", "layers"}, {"diff_ids", Json::array()}}}}
+                     .dump();
+  Json layers = Json::array();
+  for (size_t i = 0; i < layer_sizes.size(); ++i) {
+    image.layers.push_back(fixture_bytes(layer_sizes[i], seed * 100 + static_cast<unsigned>(i)));
+    layers.push_back(descriptor("application/vnd.oci.image.layer.v1.tar+gzip", image.layers.back()));
+  }
+  image.manifest = Json{
+      {"schemaVersion", 2},
+      {"mediaType", "application/vnd.oci.image.manifest.v1+json"},
+      {"config", descriptor("application/vnd.oci.image.config.v1+json", image.config)},
+      {"layers",
+       layers}}.dump();
+  image.manifest_digest = oci::sha256_digest(image.manifest);
+  return image;
+}
+
+bool push_image(Registry& registry, const std::string& repository, const std::string& tag, const FixtureImage& image) {
+  if (!registry.push_blob(repository, image.config)) return false;
+  for (const auto& layer : image.layers) {
+    if (!registry.push_blob(repository, layer)) return false;
+  }
+  return registry.push_manifest(repository, tag, image.manifest, "application/vnd.oci.image.manifest.v1+json");
+}
+
+/// One registry for the whole suite, with "fixtures/small:v1" (three layers,
+/// one of 3 MiB) and "fixtures/multi:latest", an index of amd64 and arm64.
+class PullFixture : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!fs::exists(kRegistryBinary)) return;
+    registry_ = new Registry();
+    if (!registry_->start()) {
+      setup_error_ = "docker-registry did not start: " + registry_->log();
+      return;
+    }
+    small_ = new FixtureImage(make_image(1, "amd64", {1000, 3u << 20, 0}));
+    amd64_ = new FixtureImage(make_image(2, "amd64", {2000}));
+    arm64_ = new FixtureImage(make_image(3, "arm64", {3000}));
+    if (!push_image(*registry_, "fixtures/small", "v1", *small_) ||
+        !push_image(*registry_, "fixtures/multi", "amd64", *amd64_) ||
+        !push_image(*registry_, "fixtures/multi", "arm64", *arm64_)) {
+      setup_error_ = "pushing the fixtures failed: " + registry_->log();
+      return;
+    }
+    Json index = {
+        {"schemaVersion", 2}, {"mediaType", "application/vnd.oci.image.index.v1+json"}, {"manifests", Json::array()}};
+    for (const auto* image : {amd64_, arm64_}) {
+      auto d = descriptor("application/vnd.oci.image.manifest.v1+json", image->manifest);
+      d["platform"] = {{"os", "linux"}, {"architecture", image == amd64_ ? "amd64" : "arm64"}};
+      index["manifests"].push_back(d);
+    }
+    if (!registry_->push_manifest("fixtures/multi", "latest", index.dump(),
+                                  "application/vnd.oci.image.index.v1+json")) {
+      setup_error_ = "pushing the index failed: " + registry_->log();
+    }
+  }
+  static void TearDownTestSuite() {
+    delete registry_;
+    registry_ = nullptr;
+  }
+  void SetUp() override {
+    if (!fs::exists(kRegistryBinary)) GTEST_SKIP() << kRegistryBinary << " not installed (Debian docker-registry)";
+    ASSERT_TRUE(setup_error_.empty()) << setup_error_;
+  }
+
+  static inline Registry* registry_ = nullptr;
+  static inline FixtureImage* small_ = nullptr;
+  static inline FixtureImage* amd64_ = nullptr;
+  static inline FixtureImage* arm64_ = nullptr;
+  static inline std::string setup_error_;
+};
+
+void expect_blob(const fs::path& layout, const std::string& body) {
+  const auto path = layout / "blobs" / "sha256" / oci::sha256_digest(body).substr(7);
+  EXPECT_TRUE(fs::exists(path)) << path;
+  EXPECT_TRUE(slurp(path) == body) << path << ": other bytes than pushed";
+}
+
+TEST(CfmoPullCli, HelpAndManPageListTheSameOptions) {
+  const std::regex long_flag(R"((--[a-z][a-z0-9-]*))");
+  const RunResult top = pull({"--help"});
+  ASSERT_EQ(top.status, 0);
+  std::set<std::string> help_flags = matches(top.out, long_flag);
+  for (const char* sub : {"pull", "inspect"}) {
+    const RunResult help = pull({sub, "--help"});
+    ASSERT_EQ(help.status, 0) << sub;
+    for (const auto& f : matches(help.out, long_flag)) help_flags.insert(f);
+  }
+  const std::string man = slurp(source_root() / "man/cfmo-pull.1.scd");
+  ASSERT_FALSE(man.empty()) << "man/cfmo-pull.1.scd missing";
+  const std::set<std::string> man_flags = matches(man, std::regex(R"(\*(--[a-z][a-z0-9-]*)\*)"));
+  for (const auto& f : help_flags) EXPECT_TRUE(man_flags.count(f)) << f << " is in --help but not in the man page";
+  for (const auto& f : man_flags) EXPECT_TRUE(help_flags.count(f)) << f << " is in the man page but not in --help";
+  for (const char* section : {"# EXIT STATUS", "# FILES", "# ENVIRONMENT", "# EXAMPLES"}) {
+    EXPECT_NE(man.find(section), std::string::npos) << section;
+  }
+}
+
+TEST(CfmoPullCli, GeneratedManPageIsCurrent) {
+  if (system("command -v scdoc >/dev/null 2>&1") != 0) GTEST_SKIP() << "scdoc not installed";
+  TempDir dir;
+  const std::string command =
+      "scdoc < '" + (source_root() / "man/cfmo-pull.1.scd").string() + "' > '" + (dir / "page.1").string() + "'";
+  ASSERT_EQ(system(command.c_str()), 0);
+  auto without_date = [](const std::string& page) {
+    return std::regex_replace(page, std::regex(R"(\n\.TH [^\n]*)"), "\n.TH");
+  };
+  EXPECT_EQ(without_date(slurp(dir / "page.1")), without_date(slurp(source_root() / "man/cfmo-pull.1")))
+      << "run: scdoc < man/cfmo-pull.1.scd > man/cfmo-pull.1";
+}
+
+TEST(CfmoPullCli, UsageErrorsAreExitTwo) {
+  EXPECT_EQ(pull({}).status, 2);
+  EXPECT_EQ(pull({"pull", "alpine"}).status, 2);  // no --output
+  const RunResult bad_output = pull({"pull", "alpine", "--output", "dir:/tmp/x"});
+  EXPECT_EQ(bad_output.status, 2);
+  EXPECT_NE(bad_output.err.find("oci:DIR"), std::string::npos) << bad_output.err;
+  const RunResult bad_ref = pull({"inspect", "Not/A/Valid/Ref"});
+  EXPECT_EQ(bad_ref.status, 2);
+  EXPECT_NE(bad_ref.err.find("reference"), std::string::npos) << bad_ref.err;
+  EXPECT_EQ(pull({"inspect", "alpine", "--platform", "linux"}).status, 2);
+}
+
+TEST_F(PullFixture, PullsAnImageIntoAnOciLayout) {
+  TempDir out;
+  const auto layout = out / "image";
+  const RunResult r = pull({"pull", registry_->host() + "/fixtures/small:v1", "--output", "oci:" + layout.string(),
+                            "--plain-http", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto report = Json::parse(r.out);
+  EXPECT_EQ(report["manifest_digest"], small_->manifest_digest);
+  ASSERT_EQ(report["layers"].size(), 3u);
+  EXPECT_EQ(report["layers"][1]["size"], 3u << 20);
+  EXPECT_EQ(report["layers"][1]["state"], "fetched");
+  EXPECT_GE(report["bytes_fetched"].get<int64_t>(), int64_t{3u << 20});
+
+  EXPECT_EQ(Json::parse(slurp(layout / "oci-layout"))["imageLayoutVersion"], "1.0.0");
+  const auto index = Json::parse(slurp(layout / "index.json"));
+  ASSERT_EQ(index["manifests"].size(), 1u);
+  EXPECT_EQ(index["manifests"][0]["digest"], small_->manifest_digest);
+  EXPECT_EQ(index["manifests"][0]["mediaType"], "application/vnd.oci.image.manifest.v1+json");
+  EXPECT_EQ(index["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"], "v1");
+  expect_blob(layout, small_->manifest);
+  expect_blob(layout, small_->config);
+  for (const auto& layer : small_->layers) expect_blob(layout, layer);
+  for (const auto& entry : fs::directory_iterator(layout / "blobs" / "sha256")) {
+    EXPECT_EQ(entry.path().extension(), "") << "left behind: " << entry.path();
+  }
+
+  // A second pull finds every blob in place and fetches none of them.
+  const RunResult again = pull({"pull", registry_->host() + "/fixtures/small:v1", "--output",
+                                "oci:" + layout.string() + ":again", "--plain-http", "--json"});
+  ASSERT_EQ(again.status, 0) << again.err;
+  const auto second = Json::parse(again.out);
+  EXPECT_EQ(second["bytes_fetched"], 0);
+  for (const auto& layer : second["layers"]) EXPECT_EQ(layer["state"], "present");
+  EXPECT_EQ(Json::parse(slurp(layout / "index.json"))["manifests"].size(), 2u);
+}
+
+TEST_F(PullFixture, ResumesAPartialBlobLeftByAnEarlierRun) {
+  TempDir out;
+  const auto layout = out / "image";
+  const std::string& big = small_->layers[1];
+  const auto partial = layout / "blobs" / "sha256" / (oci::sha256_digest(big).substr(7) + ".partial");
+  fs::create_directories(partial.parent_path());
+  ASSERT_TRUE(write_file_atomic(partial, big.substr(0, big.size() / 2)));
+  const RunResult r = pull({"pull", registry_->host() + "/fixtures/small:v1", "--output", "oci:" + layout.string(),
+                            "--plain-http", "--json", "--jobs", "1"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto report = Json::parse(r.out);
+  EXPECT_EQ(report["layers"][1]["state"], "resumed");
+  EXPECT_LT(report["bytes_fetched"].get<int64_t>(), static_cast<int64_t>(big.size()));
+  expect_blob(layout, big);
+  EXPECT_FALSE(fs::exists(partial));
+}
+
+TEST_F(PullFixture, ChoosesThePlatformFromAnIndex) {
+  TempDir out;
+  const RunResult arm = pull({"pull", registry_->host() + "/fixtures/multi", "--output",
+                              "oci:" + (out / "arm").string(), "--plain-http", "--json", "--platform", "linux/arm64"});
+  ASSERT_EQ(arm.status, 0) << arm.err;
+  EXPECT_EQ(Json::parse(arm.out)["manifest_digest"], arm64_->manifest_digest);
+  expect_blob(out / "arm", arm64_->layers[0]);
+  const RunResult amd = pull({"pull", registry_->host() + "/fixtures/multi", "--output",
+                              "oci:" + (out / "amd").string(), "--plain-http", "--json", "--platform", "linux/amd64"});
+  ASSERT_EQ(amd.status, 0) << amd.err;
+  EXPECT_EQ(Json::parse(amd.out)["manifest_digest"], amd64_->manifest_digest);
+  const RunResult none = pull({"pull", registry_->host() + "/fixtures/multi", "--output",
+                               "oci:" + (out / "none").string(), "--plain-http", "--platform", "linux/s390x"});
+  EXPECT_EQ(none.status, 3);
+  EXPECT_NE(none.err.find("no image for platform linux/s390x"), std::string::npos) << none.err;
+  EXPECT_NE(none.err.find("linux/arm64"), std::string::npos) << none.err;
+}
+
+TEST_F(PullFixture, InspectFetchesNoLayer) {
+  const RunResult r = pull({"inspect", registry_->host() + "/fixtures/small:v1", "--plain-http", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = Json::parse(r.out);
+  EXPECT_EQ(j["manifest"]["digest"], small_->manifest_digest);
+  EXPECT_EQ(j["config"]["config"]["Env"][0], "SEED=1");
+  ASSERT_EQ(j["layers"].size(), 3u);
+  EXPECT_EQ(j["total_size"], 1000 + (3u << 20));
+  const RunResult text = pull({"inspect", registry_->host() + "/fixtures/small:v1", "--plain-http"});
+  ASSERT_EQ(text.status, 0) << text.err;
+  EXPECT_NE(text.out.find(small_->manifest_digest), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("layers    3"), std::string::npos) << text.out;
+}
+
+TEST_F(PullFixture, UnknownRepositoryIsOneClearLine) {
+  TempDir out;
+  const RunResult r = pull(
+      {"pull", registry_->host() + "/fixtures/absent:v1", "--output", "oci:" + (out / "x").string(), "--plain-http"});
+  EXPECT_EQ(r.status, 3) << r.err;
+  EXPECT_NE(r.err.find("fixtures/absent"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("HTTP 404"), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+TEST(CfmoPullCli, RegistryDownIsExitFourAfterRetries) {
+  TempDir out;
+  const int port = testing::free_port();  // nothing listens there
+  const RunResult r = pull({"pull", "127.0.0.1:" + std::to_string(port) + "/x/y:1", "--output",
+                            "oci:" + (out / "x").string(), "--plain-http", "--retries", "2", "--retry-delay", "0.01"});
+  EXPECT_EQ(r.status, 4) << r.err;
+  EXPECT_NE(r.err.find("after 3 attempts"), std::string::npos) << r.err;
+}
+
+/// A one-thread HTTP/1.1 server answering from a table of path → handler,
+/// for responses a real registry never gives.
+class TinyServer {
+ public:
+  using Handler = std::function<std::string(const std::string& request)>;
+  explicit TinyServer(std::map<std::string, Handler> routes) : routes_(std::move(routes)) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    int one = 1;
+    setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    socklen_t length = sizeof addr;
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &length);
+    port_ = ntohs(addr.sin_port);
+    listen(fd_, 16);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~TinyServer() {
+    stop_ = true;
+    shutdown(fd_, SHUT_RDWR);
+    close(fd_);
+    thread_.join();
+  }
+  std::string host() const { return "127.0.0.1:" + std::to_string(port_); }
+
+  /// The response announcing the whole body but ending after `sent` bytes of it (a dropped connection).
+  static std::string truncated(const std::string& body, size_t sent) {
+    const std::string full = response(200, body);
+    return full.substr(0, full.size() - body.size() + sent);
+  }
+
+  static std::string response(int status, const std::string& body, const std::string& extra_headers = "") {
+    return "HTTP/1.1 " + std::to_string(status) + " X\r\nContent-Length: " + std::to_string(body.size()) +
+           "\r\nConnection: close\r\n" + extra_headers + "\r\n" + body;
+  }
+
+ private:
+  void serve() {
+    while (!stop_) {
+      const int client = accept(fd_, nullptr, nullptr);
+      if (client < 0) return;
+      std::string request;
+      char buffer[4096];
+      while (request.find("\r\n\r\n") == std::string::npos) {
+        const ssize_t n = read(client, buffer, sizeof buffer);
+        if (n <= 0) break;
+        request.append(buffer, static_cast<size_t>(n));
+      }
+      const auto first_space = request.find(' ');
+      const auto second_space = request.find(' ', first_space + 1);
+      const std::string path = request.substr(first_space + 1, second_space - first_space - 1);
+      const auto it = routes_.find(path);
+      const std::string reply = it == routes_.end() ? response(404, "{}") : it->second(request);
+      size_t sent = 0;
+      while (sent < reply.size()) {
+        const ssize_t n = write(client, reply.data() + sent, reply.size() - sent);
+        if (n <= 0) break;
+        sent += static_cast<size_t>(n);
+      }
+      close(client);
+    }
+  }
+
+  std::map<std::string, Handler> routes_;
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+TEST(CfmoPullCli, DigestMismatchIsExitThreeAndKeepsNothing) {
+  const auto image = make_image(7, "amd64", {5000});
+  std::string wrong = image.layers[0];
+  wrong[100] ^= 1;
+  std::atomic<int> unavailable{0};
+  TinyServer server({
+      {"/v2/bad/image/manifests/latest",
+       [&](const std::string&) {
+         return TinyServer::response(200, image.manifest,
+                                     "Content-Type: application/vnd.oci.image.manifest.v1+json\r\n");
+       }},
+      {"/v2/bad/image/blobs/" + oci::sha256_digest(image.config),
+       [&](const std::string&) {
+         // One 503 first: a retry must follow, not a failure.
+         if (unavailable++ == 0) return TinyServer::response(503, "busy", "Retry-After: 0\r\n");
+         return TinyServer::response(200, image.config);
+       }},
+      {"/v2/bad/image/blobs/" + oci::sha256_digest(image.layers[0]),
+       [&](const std::string&) { return TinyServer::response(200, wrong); }},
+  });
+  TempDir out;
+  const auto layout = out / "image";
+  const RunResult r = pull({"pull", server.host() + "/bad/image", "--output", "oci:" + layout.string(), "--plain-http",
+                            "--retry-delay", "0.01", "--jobs", "1"});
+  EXPECT_EQ(r.status, 3) << r.err;
+  EXPECT_NE(r.err.find("digest mismatch"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("layer sha256:"), std::string::npos) << r.err;
+  EXPECT_EQ(unavailable.load(), 2);
+  const auto blobs = layout / "blobs" / "sha256";
+  EXPECT_FALSE(fs::exists(blobs / oci::sha256_digest(image.layers[0]).substr(7)));
+  EXPECT_FALSE(fs::exists(blobs / (oci::sha256_digest(image.layers[0]).substr(7) + ".partial")));
+  EXPECT_TRUE(fs::exists(blobs / oci::sha256_digest(image.config).substr(7)));
+  EXPECT_FALSE(fs::exists(layout / "index.json"));
+}
+
+TEST(CfmoPullCli, BearerTokenFlowAndRangeIgnored) {
+  // The registry demands a token from a realm it names; the blob server
+  // ignores Range and answers 200 with the whole blob.
+  const auto image = make_image(8, "amd64", {4000});
+  std::atomic<int> token_requests{0};
+  std::atomic<int> unauthorized{0};
+  std::string realm;
+  auto guarded = [&](std::string body, std::string content_type) {
+    return [&, body, content_type](const std::string& request) {
+      if (request.find("Authorization: Bearer secret-token") == std::string::npos) {
+        ++unauthorized;
+        return TinyServer::response(401, "{}",
+                                    "WWW-Authenticate: Bearer realm=\"" + realm +
+                                        "\",service=\"tiny\",scope=\"repository:auth/image:pull\"\r\n");
+      }
+      return TinyServer::response(200, body, content_type);
+    };
+  };
+  std::map<std::string, TinyServer::Handler> routes{
+      {"/v2/auth/image/manifests/latest",
+       guarded(image.manifest, "Content-Type: application/vnd.oci.image.manifest.v1+json\r\n")},
+      {"/v2/auth/image/blobs/" + oci::sha256_digest(image.config), guarded(image.config, "")},
+      {"/v2/auth/image/blobs/" + oci::sha256_digest(image.layers[0]), guarded(image.layers[0], "")},
+      {"/token?service=tiny&scope=repository%3Aauth%2Fimage%3Apull",
+       [&](const std::string&) {
+         ++token_requests;
+         return TinyServer::response(200, R"({"token":"secret-token"})");
+       }},
+  };
+  TinyServer server(routes);
+  realm = "http://" + server.host() + "/token";
+  TempDir out;
+  const auto layout = out / "image";
+  const auto partial = layout / "blobs" / "sha256" / (oci::sha256_digest(image.layers[0]).substr(7) + ".partial");
+  fs::create_directories(partial.parent_path());
+  ASSERT_TRUE(write_file_atomic(partial, image.layers[0].substr(0, 1000)));
+  const RunResult r = pull(
+      {"pull", server.host() + "/auth/image", "--output", "oci:" + layout.string(), "--plain-http", "--jobs", "1"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out.find("secret-token"), std::string::npos);
+  EXPECT_EQ(r.err.find("secret-token"), std::string::npos);
+  expect_blob(layout, image.layers[0]);
+  EXPECT_GE(token_requests.load(), 1);
+}
+
+/// Serves `image` under /v2/<repository>/ with a per-blob handler override.
+std::map<std::string, TinyServer::Handler> image_routes(const std::string& repository, const FixtureImage& image,
+                                                        const std::string& manifest_type) {
+  std::map<std::string, TinyServer::Handler> routes;
+  routes["/v2/" + repository + "/manifests/latest"] = [&image, manifest_type](const std::string&) {
+    return TinyServer::response(200, image.manifest, "Content-Type: " + manifest_type + "\r\n");
+  };
+  routes["/v2/" + repository + "/blobs/" + oci::sha256_digest(image.config)] = [&image](const std::string&) {
+    return TinyServer::response(200, image.config);
+  };
+  return routes;
+}
+
+/// The N of a "Range: bytes=N-" header, or -1.
+long range_start(const std::string& request) {
+  const auto at = request.find("Range: bytes=");
+  return at == std::string::npos ? -1 : std::stol(request.substr(at + 13));
+}
+
+TEST(CfmoPullCli, DroppedConnectionsAndRateLimitsAreRetriedAndResumed) {
+  const auto image = make_image(9, "amd64", {200000});
+  const std::string& layer = image.layers[0];
+  std::vector<long> ranges;  // the Range start of each request for the layer
+  std::mutex mutex;
+  auto routes = image_routes("flaky/image", image, "application/vnd.oci.image.manifest.v1+json");
+  routes["/v2/flaky/image/blobs/" + oci::sha256_digest(layer)] = [&](const std::string& request) {
+    std::lock_guard lock(mutex);
+    const long start = range_start(request);
+    ranges.push_back(start);
+    switch (ranges.size()) {
+      case 1:  // the whole blob announced, a third of it sent, then the connection drops
+        return TinyServer::truncated(layer, layer.size() / 3);
+      case 2:
+        return TinyServer::response(429, "slow down", "Retry-After: 0\r\n");
+      default:
+        return TinyServer::response(
+            206, layer.substr(static_cast<size_t>(start)),
+            fmt::format("Content-Range: bytes {}-{}/{}\r\n", start, layer.size() - 1, layer.size()));
+    }
+  };
+  TinyServer server(routes);
+  TempDir out;
+  const auto layout = out / "image";
+  const RunResult r = pull({"pull", server.host() + "/flaky/image", "--output", "oci:" + layout.string(),
+                            "--plain-http", "--retry-delay", "0.01", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  expect_blob(layout, layer);
+  ASSERT_EQ(ranges.size(), 3u);
+  EXPECT_EQ(ranges[0], -1);
+  EXPECT_EQ(ranges[1], static_cast<long>(layer.size() / 3));
+  EXPECT_EQ(ranges[2], static_cast<long>(layer.size() / 3));
+  // Fetched once in all: the first third, then the rest.
+  const auto report = Json::parse(r.out);
+  EXPECT_EQ(report["bytes_fetched"], image.config.size() + layer.size());
+}
+
+TEST(CfmoPullCli, RetriesGiveUpWithExitFourAndKeepThePartialBlob) {
+  const auto image = make_image(10, "amd64", {10000});
+  const std::string& layer = image.layers[0];
+  std::atomic<int> requests{0};
+  auto routes = image_routes("down/image", image, "application/vnd.docker.distribution.manifest.v2+json");
+  routes["/v2/down/image/blobs/" + oci::sha256_digest(layer)] = [&](const std::string& request) {
+    if (requests++ == 0 && range_start(request) < 0) {
+      return TinyServer::truncated(layer, 4000);
+    }
+    return TinyServer::response(503, "down");
+  };
+  TinyServer server(routes);
+  TempDir out;
+  const auto layout = out / "image";
+  const RunResult r = pull({"pull", server.host() + "/down/image", "--output", "oci:" + layout.string(), "--plain-http",
+                            "--retries", "2", "--retry-delay", "0.01"});
+  EXPECT_EQ(r.status, 4) << r.err;
+  EXPECT_NE(r.err.find("HTTP 503 (after 3 attempts)"), std::string::npos) << r.err;
+  EXPECT_EQ(requests.load(), 3);
+  const auto partial = layout / "blobs" / "sha256" / (oci::sha256_digest(layer).substr(7) + ".partial");
+  EXPECT_TRUE(slurp(partial) == layer.substr(0, 4000)) << "the partial file does not hold the bytes received";
+  EXPECT_FALSE(fs::exists(layout / "index.json"));
+}
+
+TEST(CfmoPullCli, AuthorizationIsNotSentToAnotherHostOnRedirect) {
+  // The registry (Basic auth from a docker config) redirects the layer to an
+  // object store on another port, which must see no Authorization header.
+  const auto image = make_image(11, "amd64", {3000});
+  const std::string& layer = image.layers[0];
+  std::string store_request;
+  std::mutex mutex;
+  TinyServer store({{"/object", [&](const std::string& request) {
+                       std::lock_guard lock(mutex);
+                       store_request = request;
+                       return TinyServer::response(200, layer);
+                     }}});
+  std::atomic<int> unauthorized{0};
+  auto routes = image_routes("auth/redirect", image, "application/vnd.oci.image.manifest.v1+json");
+  auto plain = routes;
+  for (auto& [path, handler] : routes) {
+    handler = [&unauthorized, inner = plain[path]](const std::string& request) {
+      if (request.find("Authorization: Basic dTpw") == std::string::npos) {
+        ++unauthorized;
+        return TinyServer::response(401, "{}", "WWW-Authenticate: Basic realm=\"tiny\"\r\n");
+      }
+      return inner(request);
+    };
+  }
+  routes["/v2/auth/redirect/blobs/" + oci::sha256_digest(layer)] = [&](const std::string& request) {
+    if (request.find("Authorization: Basic dTpw") == std::string::npos) {
+      ++unauthorized;
+      return TinyServer::response(401, "{}", "WWW-Authenticate: Basic realm=\"tiny\"\r\n");
+    }
+    return TinyServer::response(307, "", "Location: http://" + store.host() + "/object\r\n");
+  };
+  TinyServer server(routes);
+  TempDir out;
+  ASSERT_TRUE(write_file_atomic(out / "config.json", R"({"auths":{")" + server.host() + R"(":{"auth":"dTpw"}}})"));
+  const auto layout = out / "image";
+  const RunResult r = pull({"pull", server.host() + "/auth/redirect", "--output", "oci:" + layout.string(),
+                            "--plain-http", "--authfile", (out / "config.json").string()});
+  ASSERT_EQ(r.status, 0) << r.err;
+  expect_blob(layout, layer);
+  EXPECT_GE(unauthorized.load(), 1);
+  std::lock_guard lock(mutex);
+  ASSERT_FALSE(store_request.empty());
+  EXPECT_EQ(store_request.find("Authorization"), std::string::npos) << store_request;
+  EXPECT_EQ(r.err.find("dTpw"), std::string::npos);
+}
+
+/// A gzip-compressed tar holding `files` (path → contents), written with
+/// libarchive, and the digest of the uncompressed tar (the diff ID).
+std::pair<std::string, std::string> tar_gz(const std::map<std::string, std::string>& files) {
+  std::string out[2];
+  for (int compressed = 0; compressed < 2; ++compressed) {
+    std::vector<char> buffer(1 << 20);
+    size_t used = 0;
+    archive* a = archive_write_new();
+    archive_write_set_format_pax_restricted(a);
+    if (compressed == 1) archive_write_add_filter_gzip(a);
+    archive_write_open_memory(a, buffer.data(), buffer.size(), &used);
+    for (const auto& [path, contents] : files) {
+      archive_entry* e = archive_entry_new();
+      archive_entry_set_pathname(e, path.c_str());
+      archive_entry_set_size(e, static_cast<la_int64_t>(contents.size()));
+      archive_entry_set_filetype(e, AE_IFREG);
+      archive_entry_set_perm(e, 0644);
+      archive_entry_set_mtime(e, 1700000000, 0);
+      archive_write_header(a, e);
+      archive_write_data(a, contents.data(), contents.size());
+      archive_entry_free(e);
+    }
+    archive_write_close(a);
+    archive_write_free(a);
+    out[compressed].assign(buffer.data(), used);
+  }
+  return {out[1], oci::sha256_digest(out[0])};
+}
+
+TEST_F(PullFixture, UmociUnpacksThePulledLayout) {
+  if (system("command -v umoci >/dev/null 2>&1") != 0) GTEST_SKIP() << "umoci not installed";
+  const auto [layer, diff_id] = tar_gz({{"etc/greeting", "hello from cfmo-pull\n"}, {"bin/tool", "#!/bin/sh\n"}});
+  const std::string config = Json{{"architecture", "amd64"},
+                                  {"os", "linux"},
+                                  {"config", {{"Env", {"PATH=/bin"}}}},
+                                  {"rootfs", {{"type", "layers"}, {"diff_ids", {diff_id}}}}}
+                                 .dump();
+  const std::string manifest =
+      Json{{"schemaVersion", 2},
+           {"mediaType", "application/vnd.docker.distribution.manifest.v2+json"},
+           {"config", descriptor("application/vnd.docker.container.image.v1+json", config)},
+           {"layers", {descriptor("application/vnd.docker.image.rootfs.diff.tar.gzip", layer)}}}
+          .dump();
+  ASSERT_TRUE(registry_->push_blob("fixtures/real", config));
+  ASSERT_TRUE(registry_->push_blob("fixtures/real", layer));
+  ASSERT_TRUE(registry_->push_manifest("fixtures/real", "v1", manifest,
+                                       "application/vnd.docker.distribution.manifest.v2+json"));
+  TempDir out;
+  const auto layout = out / "layout";
+  const RunResult r =
+      pull({"pull", registry_->host() + "/fixtures/real:v1", "--output", "oci:" + layout.string(), "--plain-http"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  // The registry served Docker schema 2; the layout names its OCI conversion.
+  const auto index = Json::parse(slurp(layout / "index.json"));
+  EXPECT_EQ(index["manifests"][0]["mediaType"], "application/vnd.oci.image.manifest.v1+json");
+  EXPECT_NE(index["manifests"][0]["digest"], oci::sha256_digest(manifest));
+  const RunResult unpack =
+      run({"/bin/sh", "-c",
+           "umoci unpack --rootless --image '" + layout.string() + ":v1' '" + (out / "bundle").string() + "' 2>&1"});
+  ASSERT_EQ(unpack.status, 0) << unpack.out;
+  EXPECT_EQ(slurp(out / "bundle" / "rootfs" / "etc" / "greeting"), "hello from cfmo-pull\n");
+}
+
+TEST(CfmoPullCli, TheWholePullTimeoutStopsEndlessRetries) {
+  TinyServer server({{"/v2/busy/image/manifests/latest",
+                      [](const std::string&) { return TinyServer::response(503, "busy", "Retry-After: 30\r\n"); }}});
+  TempDir out;
+  const auto start = std::chrono::steady_clock::now();
+  const RunResult r = pull({"pull", server.host() + "/busy/image", "--output", "oci:" + (out / "x").string(),
+                            "--plain-http", "--retries", "100", "--timeout", "1"},
+                           60);
+  EXPECT_EQ(r.status, 4) << r.err;
+  EXPECT_NE(r.err.find("timeout of 1 s ran out (HTTP 503)"), std::string::npos) << r.err;
+  // Not a timing assertion on speed: only that Retry-After: 30 did not outlast the deadline.
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30);
+}
+
+TEST(CfmoPullCli, AnExpiringTokenIsRenewedBeforeItIsRefused) {
+  // Tokens live one second; the config takes longer than that to serve, so
+  // the layer's request must carry a new token without a 401 first.
+  const auto image = make_image(12, "amd64", {1000});
+  std::mutex mutex;
+  int tokens_issued = 0;
+  std::vector<std::string> seen;  // "path token" per request
+  std::string realm;
+  auto guarded = [&](const std::string& name, std::string body, std::string extra, double delay_s) {
+    return [&, name, body, extra, delay_s](const std::string& request) {
+      const auto at = request.find("Authorization: Bearer ");
+      const std::string token = at == std::string::npos ? "-" : request.substr(at + 22, 2);
+      {
+        std::lock_guard lock(mutex);
+        seen.push_back(name + " " + token);
+      }
+      if (token == "-") {
+        return TinyServer::response(401, "{}", "WWW-Authenticate: Bearer realm=\"" + realm + "\",service=\"s\"\r\n");
+      }
+      std::this_thread::sleep_for(std::chrono::duration<double>(delay_s));
+      return TinyServer::response(200, body, extra);
+    };
+  };
+  TinyServer server({
+      {"/v2/exp/image/manifests/latest",
+       guarded("manifest", image.manifest, "Content-Type: application/vnd.oci.image.manifest.v1+json\r\n", 0)},
+      {"/v2/exp/image/blobs/" + oci::sha256_digest(image.config), guarded("config", image.config, "", 1.2)},
+      {"/v2/exp/image/blobs/" + oci::sha256_digest(image.layers[0]), guarded("layer", image.layers[0], "", 0)},
+      {"/token?service=s&scope=repository%3Aexp%2Fimage%3Apull",
+       [&](const std::string&) {
+         std::lock_guard lock(mutex);
+         return TinyServer::response(200, fmt::format(R"({{"token":"t{}","expires_in":1}})", ++tokens_issued));
+       }},
+  });
+  realm = "http://" + server.host() + "/token";
+  TempDir out;
+  const RunResult r = pull(
+      {"pull", server.host() + "/exp/image", "--output", "oci:" + (out / "x").string(), "--plain-http", "--jobs", "1"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::lock_guard lock(mutex);
+  ASSERT_FALSE(seen.empty());
+  EXPECT_EQ(seen.back().substr(0, 7), "layer t") << seen.back();
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), "layer -"), 0) << "the layer was first refused";
+  EXPECT_NE(seen.back(), "layer t2") << "the worker's first token (t2) was not renewed";
+}
+
+}  // namespace
+}  // namespace cfmo
