@@ -757,7 +757,9 @@ TEST(CfmoPullCli, TheWholePullTimeoutStopsEndlessRetries) {
                             "--plain-http", "--retries", "100", "--timeout", "1"},
                            60);
   EXPECT_EQ(r.status, 4) << r.err;
-  EXPECT_NE(r.err.find("timeout of 1 s ran out (HTTP 503)"), std::string::npos) << r.err;
+  // Which attempt the deadline cuts short (a wait after a 503, or a request
+  // in flight on a loaded machine) depends on timing; the message names it.
+  EXPECT_NE(r.err.find("timeout of 1 s ran out"), std::string::npos) << r.err;
   // Not a timing assertion on speed: only that Retry-After: 30 did not outlast the deadline.
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30);
 }
