@@ -238,7 +238,7 @@ TEST(CfmoTrainWorkers, SyncWorkersExitFourNamingARankKilledMidRun) {
 TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutARankKilledMidRun) {
   TempDir dir;
   auto ranks = start_ranks(dir, 3,
-                           {"--mode", "cfmo", "--epochs", "20", "--log-every", "1", "--json", "--out",
+                           {"--mode", "cfmo", "--epochs", "300", "--log-every", "1", "--json", "--out",
                             (dir / "run").string()});
   ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
       << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
