@@ -1,4 +1,5 @@
 #include "ckpt/safetensors.h"
+#include "support/expect_error.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -19,24 +20,6 @@ namespace cfmo {
 namespace {
 
 namespace fs = std::filesystem;
-
-// Checks the kind and that the message names each part, printing the message on failure.
-template <typename T>
-::testing::AssertionResult fails_with(const Result<T>& result, ErrorKind kind,
-                                      std::initializer_list<std::string> parts = {}) {
-  if (result.has_value()) return ::testing::AssertionFailure() << "succeeded, expected an error";
-  const Error& error = result.error();
-  if (error.kind != kind) {
-    return ::testing::AssertionFailure() << "kind " << error.exit_status() << ", expected " << static_cast<int>(kind)
-                                         << ": " << error.message;
-  }
-  for (const auto& part : parts) {
-    if (error.message.find(part) == std::string::npos) {
-      return ::testing::AssertionFailure() << "message \"" << error.message << "\" does not name \"" << part << "\"";
-    }
-  }
-  return ::testing::AssertionSuccess() << error.message;
-}
 
 template <typename T>
 std::span<const std::byte> as_bytes_of(const std::vector<T>& values) {

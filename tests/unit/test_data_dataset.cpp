@@ -1,4 +1,5 @@
 #include "data/dataset.h"
+#include "support/expect_error.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -21,24 +22,6 @@ namespace fs = std::filesystem;
 
 constexpr uint32_t kImageMagic = 0x00000803;
 constexpr uint32_t kLabelMagic = 0x00000801;
-
-// Checks the kind and that the message names each part, printing the message on failure.
-template <typename T>
-::testing::AssertionResult fails_with(const Result<T>& result, ErrorKind kind,
-                                      std::initializer_list<std::string> parts = {}) {
-  if (result.has_value()) return ::testing::AssertionFailure() << "succeeded, expected an error";
-  const Error& error = result.error();
-  if (error.kind != kind) {
-    return ::testing::AssertionFailure() << "kind " << error.exit_status() << ", expected " << static_cast<int>(kind)
-                                         << ": " << error.message;
-  }
-  for (const auto& part : parts) {
-    if (error.message.find(part) == std::string::npos) {
-      return ::testing::AssertionFailure() << "message \"" << error.message << "\" does not name \"" << part << "\"";
-    }
-  }
-  return ::testing::AssertionSuccess() << error.message;
-}
 
 void put_be32(std::string& out, uint32_t value) {
   for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<char>((value >> shift) & 0xFF));
