@@ -30,6 +30,7 @@ done
 ucx_modules=$(dirname "$(ldconfig -p | awk '/libucp.so.0 / {print $NF; exit}')")/ucx
 [ -d "$ucx_modules" ] && cp -L "$ucx_modules"/*.so.0 "$stage/lib/ucx/" 2>/dev/null || true
 mkdir -p .gpu
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> "$(git rev-parse --git-common-dir)/info/exclude"
+exclude="$(git rev-parse --git-common-dir)/info/exclude"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 tar -C "$stage" -czf .gpu/bundle.tar.gz .
 echo "gpu-bundle: .gpu/bundle.tar.gz ($(du -h .gpu/bundle.tar.gz | cut -f1)): ${binaries[*]}" >&2
