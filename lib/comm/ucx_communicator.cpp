@@ -1,7 +1,7 @@
 #include "comm/ucx_communicator.h"
 
-#include <sys/eventfd.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
 #include <ucs/config/global_opts.h>
 #include <unistd.h>
@@ -96,8 +96,8 @@ class UcxCommunicator final : public Communicator {
       if (peer == rank_) continue;
       error_contexts_[static_cast<size_t>(peer)] = {this, peer};
       ucp_ep_params_t ep_params{};
-      ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                             UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep_params.field_mask =
+          UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
       ep_params.address = reinterpret_cast<const ucp_address_t*>(table[static_cast<size_t>(peer)].data());
       ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
       ep_params.err_handler.cb = &UcxCommunicator::on_endpoint_error;
@@ -156,7 +156,13 @@ class UcxCommunicator final : public Communicator {
     // (with nullptr) before it is destroyed is never called afterwards.
     std::lock_guard dispatch(dispatch_mutex_);
     std::lock_guard lock(handlers_mutex_);
-    handlers_[static_cast<uint8_t>(channel)] = std::move(handler);
+    handlers_[static_cast<uint8_t>(channel)] = ChannelHandler{std::move(handler), nullptr};
+  }
+
+  void on_message_owned(Channel channel, OwnedHandler handler) override {
+    std::lock_guard dispatch(dispatch_mutex_);
+    std::lock_guard lock(handlers_mutex_);
+    handlers_[static_cast<uint8_t>(channel)] = ChannelHandler{nullptr, std::move(handler)};
   }
 
   std::vector<int> lost_ranks() const override {
@@ -195,6 +201,13 @@ class UcxCommunicator final : public Communicator {
     int peer = -1;
   };
 
+  /// A channel's handler: one of the two kinds, or none.
+  struct ChannelHandler {
+    Handler view;
+    OwnedHandler owned;
+    explicit operator bool() const { return view || owned; }
+  };
+
   static void on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto* context = static_cast<ErrorContext*>(arg);
     context->self->mark_lost(context->peer, fmt::format("connection error: {}", ucs_status_string(status)));
@@ -222,7 +235,8 @@ class UcxCommunicator final : public Communicator {
     std::lock_guard lock(lost_mutex_);
     if (!first_failure_.empty()) return first_failure_;
     for (int r = 0; r < size_; ++r) {
-      if (!lost_[static_cast<size_t>(r)].empty()) return fmt::format("rank {} lost: {}", r, lost_[static_cast<size_t>(r)]);
+      if (!lost_[static_cast<size_t>(r)].empty())
+        return fmt::format("rank {} lost: {}", r, lost_[static_cast<size_t>(r)]);
     }
     return {};
   }
@@ -247,7 +261,8 @@ class UcxCommunicator final : public Communicator {
 
   void wake() {
     const uint64_t one = 1;
-    if (wake_fd_ >= 0) [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof one);
+    if (wake_fd_ >= 0) [[maybe_unused]]
+      auto n = ::write(wake_fd_, &one, sizeof one);
   }
 
   /// Runs `body` on the progress thread and blocks the caller until it is done.
@@ -286,14 +301,19 @@ class UcxCommunicator final : public Communicator {
     pending_.push_back(Pending{request, peer, std::move(payload), channel, false});
   }
 
-  void deliver(int from, uint8_t channel, std::span<const std::byte> payload) {
+  /// Hands a received payload to its channel's handler; an owned handler takes the buffer.
+  void deliver(int from, uint8_t channel, std::vector<std::byte>& payload) {
     std::lock_guard dispatch(dispatch_mutex_);
-    Handler handler;
+    ChannelHandler handler;
     {
       std::lock_guard lock(handlers_mutex_);
       handler = handlers_[channel];
     }
-    if (handler) handler(from, payload);
+    if (handler.owned) {
+      handler.owned(from, std::move(payload));
+    } else if (handler.view) {
+      handler.view(from, payload);
+    }
   }
 
   /// Probes for messages on channels that have a handler, starting their receives.
@@ -302,7 +322,7 @@ class UcxCommunicator final : public Communicator {
     for (int channel = 1; channel <= 0xFF; ++channel) {
       if (channel != kHeartbeat && channel != kGoodbye) {
         std::lock_guard lock(handlers_mutex_);
-        if (!handlers_[static_cast<size_t>(channel)]) continue;
+        if (!handlers_[static_cast<size_t>(channel)]) continue;  // no handler of either kind
       }
       for (;;) {
         ucp_tag_recv_info_t info{};
@@ -437,7 +457,8 @@ class UcxCommunicator final : public Communicator {
   /// (shared-memory transports may not signal the worker's event fd).
   void idle_wait() {
     uint64_t drained = 0;
-    if (wake_fd_ >= 0) [[maybe_unused]] auto n = ::read(wake_fd_, &drained, sizeof drained);
+    if (wake_fd_ >= 0) [[maybe_unused]]
+      auto n = ::read(wake_fd_, &drained, sizeof drained);
     if (worker_fd_ >= 0 && ucp_worker_arm(worker_) != UCS_OK) return;  // events pending: go round again
     pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {worker_fd_, POLLIN, 0}};
     const timespec timeout{0, 200'000};
@@ -645,9 +666,9 @@ class UcxCommunicator final : public Communicator {
       ep = nullptr;
     }
     const auto deadline = Clock::now() + std::chrono::seconds(2);
-    while (worker_ != nullptr && Clock::now() < deadline &&
-           std::any_of(closing.begin(), closing.end(),
-                       [](void* r) { return ucp_request_check_status(r) == UCS_INPROGRESS; })) {
+    while (worker_ != nullptr && Clock::now() < deadline && std::any_of(closing.begin(), closing.end(), [](void* r) {
+             return ucp_request_check_status(r) == UCS_INPROGRESS;
+           })) {
       ucp_worker_progress(worker_);
     }
     for (void* r : closing) {
@@ -685,7 +706,7 @@ class UcxCommunicator final : public Communicator {
 
   std::mutex dispatch_mutex_;  ///< held while a handler runs (progress thread) or is replaced
   std::mutex handlers_mutex_;  ///< guards handlers_
-  std::array<Handler, 256> handlers_;
+  std::array<ChannelHandler, 256> handlers_;
 
   mutable std::mutex lost_mutex_;  ///< guards lost_
   std::vector<std::string> lost_;  ///< per rank: why it is lost, empty while alive
