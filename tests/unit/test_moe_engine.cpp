@@ -55,6 +55,14 @@ struct Rank {
   EngineSetup setup;
 };
 
+RunSettings settings_for(const std::string& mode, const Layer& layer) {
+  RunSettings s;
+  s.mode = mode;
+  s.experts = layer.experts;
+  s.dtype = layer.dtype == WireDtype::kBf16 ? "bf16" : "fp32";
+  return s;
+}
+
 /// Runs sync, then async with no deadline, on one rank; true when both
 /// match the reference exactly and each other bit for bit.
 bool sync_and_async_agree(Communicator& comm, const Layer& layer, std::string& why) {
@@ -70,7 +78,7 @@ bool sync_and_async_agree(Communicator& comm, const Layer& layer, std::string& w
   if (async->last_output != sync->last_output) return why = "async differs from sync", false;
   if (async->late != 0) return why = "late results with no deadline", false;
   if (sync->tokens != 4 * layer.tokens || sync->iterations != 4) return why = "wrong counts", false;
-  auto summary = summarize(comm, RunSettings{.mode = "sync", .experts = layer.experts, .dtype = "fp32"}, *sync, check);
+  auto summary = summarize(comm, settings_for("sync", layer), *sync, check);
   if (!summary || summary->check != "pass") return why = "summary check", false;
   return true;
 }
@@ -159,8 +167,7 @@ TEST(MoeEngine, AsyncWithATinyDeadlineCountsLateTokensAndStaysCorrectForTheRest)
     if (!record) return why = record.error().message, false;
     const CheckValues check = reference_check(rank.setup, 3, layer.ffn, 4, *record);
     if (check.ontime_max_abs_err != 0) return why = "on-time tokens differ from the reference", false;
-    auto summary =
-        summarize(comm, RunSettings{.mode = "async", .experts = layer.experts, .dtype = "fp32"}, *record, check);
+    auto summary = summarize(comm, settings_for("async", layer), *record, check);
     if (!summary) return why = summary.error().message, false;
     if (summary->late_frac <= 0) return why = "nothing late", false;
     if (summary->check != "pass") return why = "check", false;
