@@ -319,11 +319,17 @@ class UcxCommunicator final : public Communicator {
   /// Probes for messages on channels that have a handler, starting their receives.
   bool probe_channels() {
     bool any = false;
+    // Which channels to probe, under one lock: this runs on every turn of the
+    // progress loop, also while a collective waits.
+    std::array<bool, 256> wanted{};
+    {
+      std::lock_guard lock(handlers_mutex_);
+      for (size_t c = 1; c < wanted.size(); ++c) wanted[c] = static_cast<bool>(handlers_[c]);
+    }
+    wanted[kHeartbeat] = true;
+    wanted[kGoodbye] = true;
     for (int channel = 1; channel <= 0xFF; ++channel) {
-      if (channel != kHeartbeat && channel != kGoodbye) {
-        std::lock_guard lock(handlers_mutex_);
-        if (!handlers_[static_cast<size_t>(channel)]) continue;  // no handler of either kind
-      }
+      if (!wanted[static_cast<size_t>(channel)]) continue;
       for (;;) {
         ucp_tag_recv_info_t info{};
         ucp_tag_message_h message =
