@@ -576,7 +576,10 @@ class UcxCommunicator final : public Communicator {
                       const std::vector<std::span<std::byte>>& recv) {
     const uint32_t sequence = (++collective_sequence_ & 0x1FFFFF) << 11;
     std::vector<std::pair<void*, int>> requests;
-    for (int peer = 0; peer < size_; ++peer) {
+    // Peers in pairwise order (rank + 1, rank + 2, ...), so the ranks do not
+    // all start with rank 0's link.
+    for (int step = 0; step < size_; ++step) {
+      const int peer = (rank_ + step) % size_;
       const auto p = static_cast<size_t>(peer);
       if (peer == rank_) {
         if (recv[p].size() != send[p].size()) {
