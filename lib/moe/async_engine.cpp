@@ -97,6 +97,9 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
   // Plans of recently combined iterations, so a late result can still refresh the stale slots.
   std::deque<std::pair<int64_t, std::vector<std::vector<int32_t>>>> recent;
   std::vector<bool> done(r_count, false);
+  // Per peer, the newest iteration it has dispatched: a peer opens iteration
+  // j only after combining j - in_flight, so a chunk that old can only be late.
+  std::vector<int64_t> newest(r_count, -1);
   done[static_cast<size_t>(me)] = true;
   std::vector<float> scratch;
   std::vector<float> decoded;
@@ -240,6 +243,10 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
     }
     if (hd.kind == static_cast<uint32_t>(Kind::kDispatch)) {
       if (done[from]) return {};  // it combined without us already
+      if (static_cast<int64_t>(hd.iteration) + s.in_flight <= newest[from]) {
+        ++record.skipped_chunks;  // its requester has combined that iteration: too late to matter
+        return {};
+      }
       if (counts.size() != mine) {
         return make_error(ErrorKind::kPeer, "rank {} sent rows for {} experts, this rank has {}", m.from, counts.size(),
                           mine);
@@ -287,6 +294,14 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
     {
       std::lock_guard lock(mutex_);
       batch.swap(inbox_);
+    }
+    for (const Message& m : batch) {
+      WireHeader hd;
+      std::memcpy(&hd, m.bytes.data(), sizeof hd);
+      if (hd.kind == static_cast<uint32_t>(Kind::kDispatch) && m.from >= 0 && m.from < ranks) {
+        auto& n = newest[static_cast<size_t>(m.from)];
+        n = std::max(n, static_cast<int64_t>(hd.iteration));
+      }
     }
     for (Message& m : batch) CFMO_TRY(handle(m));
     return !batch.empty();

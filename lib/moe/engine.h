@@ -74,12 +74,13 @@ struct RankRecord {
   int64_t stale = 0;         ///< late ones that used their slot's last result
   double staleness_sum = 0;  ///< iterations of age, over the stale ones
   int64_t staleness_max = 0;
-  int64_t late_arrivals = 0;  ///< results that came after their iteration was combined
-  double compute_s = 0;       ///< routing and expert compute, simulated slowness included
-  double overlapped_s = 0;    ///< compute while results of this rank were in flight
-  double dispatch_bytes = 0;  ///< payload dispatched, this rank's own share included
-  double peer_bytes = 0;      ///< the part sent to other ranks
-  std::vector<int64_t> load;  ///< per expert, this rank's assignments before capacity
+  int64_t late_arrivals = 0;   ///< results that came after their iteration was combined
+  int64_t skipped_chunks = 0;  ///< peers' chunks not computed: their iteration was combined already
+  double compute_s = 0;        ///< routing and expert compute, simulated slowness included
+  double overlapped_s = 0;     ///< compute while results of this rank were in flight
+  double dispatch_bytes = 0;   ///< payload dispatched, this rank's own share included
+  double peer_bytes = 0;       ///< the part sent to other ranks
+  std::vector<int64_t> load;   ///< per expert, this rank's assignments before capacity
   int64_t last_iteration = -1;
   std::vector<float> last_output;  ///< [tokens, hidden] of the last iteration
   std::vector<uint8_t> last_late;  ///< [assignment] of the last iteration

@@ -18,6 +18,7 @@ enum Scalar : size_t {
   kStalenessSum,
   kStalenessMax,
   kLateArrivals,
+  kSkippedChunks,
   kCompute,
   kOverlapped,
   kDispatchBytes,
@@ -85,6 +86,7 @@ Result<ModeSummary> summarize(Communicator& comm, const RunSettings& settings, c
                                     record.staleness_sum,
                                     static_cast<double>(record.staleness_max),
                                     static_cast<double>(record.late_arrivals),
+                                    static_cast<double>(record.skipped_chunks),
                                     record.compute_s,
                                     record.overlapped_s,
                                     record.dispatch_bytes,
@@ -154,6 +156,7 @@ Result<ModeSummary> summarize(Communicator& comm, const RunSettings& settings, c
   s.staleness_mean = sum(kStale) > 0 ? sum(kStalenessSum) / sum(kStale) : 0;
   s.staleness_max = static_cast<int64_t>(max_of(kStalenessMax));
   s.late_arrivals = static_cast<int64_t>(sum(kLateArrivals));
+  s.skipped_chunks = static_cast<int64_t>(sum(kSkippedChunks));
   s.overlap_share = sum(kCompute) > 0 ? sum(kOverlapped) / sum(kCompute) : 0;
   std::vector<int64_t> load(experts, 0);
   for (size_t e = 0; e < experts; ++e) load[e] = static_cast<int64_t>(std::llround(sum(kScalars + e)));
@@ -226,6 +229,7 @@ nlohmann::ordered_json ModeSummary::to_json() const {
   j["staleness_mean"] = staleness_mean;
   j["staleness_max"] = staleness_max;
   j["late_arrivals"] = late_arrivals;
+  j["skipped_chunks"] = skipped_chunks;
   j["overlap_share"] = overlap_share;
   j["imbalance"] = imbalance;
   j["check"] = check;
@@ -269,11 +273,11 @@ std::string render_table(const std::vector<ModeSummary>& rows) {
     if (r.settings.mode != "async") continue;
     out += fmt::format(
         "# tokens {}: async deadline {}, late policy {}, {} in flight; late {}% ({}% stale, mean age {:.2f}), "
-        "{} late arrivals{}\n",
+        "{} late arrivals, {} chunks skipped{}\n",
         r.settings.tokens_per_rank,
         r.settings.deadline_s > 0 ? fmt::format("{:.0f} us", r.settings.deadline_s * 1e6) : "none",
         r.settings.late_policy, r.settings.in_flight, percent(r.late_frac), percent(r.stale_frac), r.staleness_mean,
-        r.late_arrivals,
+        r.late_arrivals, r.skipped_chunks,
         r.rel_err_vs_sync ? fmt::format(", relative error against sync {:.3g}", *r.rel_err_vs_sync) : "");
   }
   return out;

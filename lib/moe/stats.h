@@ -51,7 +51,7 @@ struct ModeSummary {
   TimeStats dispatch, combine, a2a, iteration;
   double algbw_gbps = 0, busbw_gbps = 0, bytes_per_peer = 0;
   double dropped_frac = 0, late_frac = 0, stale_frac = 0, staleness_mean = 0;
-  int64_t staleness_max = 0, late_arrivals = 0;
+  int64_t staleness_max = 0, late_arrivals = 0, skipped_chunks = 0;
   double overlap_share = 0, imbalance = 1;
   std::string check = "skipped";
   double max_abs_err = 0, rel_err = 0;
