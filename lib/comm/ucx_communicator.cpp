@@ -270,14 +270,31 @@ class UcxCommunicator final : public Communicator {
   Status run_collective(Body body) {
     CFMO_TRY(health());
     const auto start = Clock::now();
-    std::promise<Status> done;
-    auto future = done.get_future();
+    Status result;
+    std::atomic<bool> finished{false};
+    std::mutex done_mutex;
+    std::condition_variable done;
     {
       std::lock_guard lock(queue_mutex_);
-      collective_ = [&] { done.set_value(body()); };
+      collective_ = [&] {
+        result = body();
+        // Notified under the lock: the caller takes it before returning, so
+        // these locals outlive the notification.
+        std::lock_guard done_lock(done_mutex);
+        finished.store(true, std::memory_order_release);
+        done.notify_one();
+      };
     }
     wake();
-    Status result = future.get();
+    // A short collective (an MoE layout, a small all-to-all) ends within
+    // microseconds: spin, yielding, before sleeping, so the wake-up does not
+    // add a scheduler round trip to each.
+    const auto spin_until = Clock::now() + std::chrono::microseconds(100);
+    while (!finished.load(std::memory_order_acquire) && Clock::now() < spin_until) std::this_thread::yield();
+    {
+      std::unique_lock done_lock(done_mutex);
+      done.wait(done_lock, [&] { return finished.load(std::memory_order_acquire); });
+    }
     collective_wait_s_ += std::chrono::duration<double>(Clock::now() - start).count();
     return result;
   }

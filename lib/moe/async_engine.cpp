@@ -78,7 +78,8 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
   const auto mine = static_cast<size_t>(s.placement.count(me));
   const size_t assignments = static_cast<size_t>(s.inputs->tokens) * static_cast<size_t>(s.top_k);
   const bool stale_policy = s.late_policy == LatePolicy::kStale;
-  if (stale_policy && stale_rows_.size() != assignments * h) {
+  // A run from iteration 0 starts a new measurement: no slot has a result yet.
+  if (stale_policy && (stale_rows_.size() != assignments * h || first_iteration == 0)) {
     stale_rows_.assign(assignments * h, 0.0f);
     stale_iteration_.assign(assignments, -1);
   }
