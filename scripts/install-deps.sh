@@ -4,7 +4,7 @@
 # prints the one apt-get line to run and exits 1.
 #
 #   scripts/install-deps.sh            build, test and demo dependencies
-#   scripts/install-deps.sh --bench    also the benchmark peers (python3-torch, the zstd command)
+#   scripts/install-deps.sh --bench    also the benchmark peers (python3-torch, the zstd command, Open MPI, ucx_perftest)
 #   scripts/install-deps.sh --list     print the package list and exit
 set -euo pipefail
 
@@ -22,7 +22,7 @@ packages=(
 )
 
 case "${1:-}" in
-  --bench) packages+=(python3-torch python3-numpy time zstd) ;;
+  --bench) packages+=(python3-torch python3-numpy time zstd openmpi-bin libopenmpi-dev ucx-utils) ;;
   --list) printf '%s\n' "${packages[@]}"; exit 0 ;;
   "") ;;
   *) echo "usage: $0 [--bench|--list]" >&2; exit 2 ;;

@@ -20,15 +20,15 @@ namespace cfmo {
 /// Independent message streams between ranks; a message is handled by the
 /// handler registered for its channel.
 enum class Channel : uint8_t {
-  kDeltaShard = 1,   ///< cfmo: a delta shard for its owner
-  kFreshShard = 2,   ///< cfmo/asgd: an owner's current shard, back to a worker
-  kGradShard = 3,    ///< asgd: a gradient shard for its owner
-  kProgress = 4,     ///< samples done, to the budget keeper (rank 0)
-  kStop = 5,         ///< the budget keeper's stop signal
-  kDone = 6,         ///< a rank sent its last contribution
-  kGather = 7,       ///< a final shard for rank 0
-  kUser = 8,         ///< free for tools (cfmo-moe)
-  kReport = 9,       ///< a worker's end-of-run report, for rank 0
+  kDeltaShard = 1,  ///< cfmo: a delta shard for its owner
+  kFreshShard = 2,  ///< cfmo/asgd: an owner's current shard, back to a worker
+  kGradShard = 3,   ///< asgd: a gradient shard for its owner
+  kProgress = 4,    ///< samples done, to the budget keeper (rank 0)
+  kStop = 5,        ///< the budget keeper's stop signal
+  kDone = 6,        ///< a rank sent its last contribution
+  kGather = 7,      ///< a final shard for rank 0
+  kUser = 8,        ///< free for tools (cfmo-moe)
+  kReport = 9,      ///< a worker's end-of-run report, for rank 0
 };
 
 struct CommStats {
@@ -42,6 +42,8 @@ struct CommStats {
 class Communicator {
  public:
   using Handler = std::function<void(int from, std::span<const std::byte> payload)>;
+  /// A handler that takes the payload's buffer itself (no copy).
+  using OwnedHandler = std::function<void(int from, std::vector<std::byte> payload)>;
 
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
@@ -68,6 +70,19 @@ class Communicator {
   /// handler unregisters; it returns once no handler is running, so the
   /// handler's owner may then be destroyed. Never call it from a handler.
   virtual void on_message(Channel channel, Handler handler) = 0;
+
+  /// As on_message, but the handler receives the message's own buffer, so a
+  /// large payload can be kept (queued, computed on) without a copy. The
+  /// default copies; a transport that receives into owned buffers moves.
+  virtual void on_message_owned(Channel channel, OwnedHandler handler) {
+    if (!handler) {
+      on_message(channel, nullptr);
+      return;
+    }
+    on_message(channel, [owned = std::move(handler)](int from, std::span<const std::byte> payload) {
+      owned(from, std::vector<std::byte>(payload.begin(), payload.end()));
+    });
+  }
 
   /// Ranks found lost so far (connection error or silence past the peer timeout).
   virtual std::vector<int> lost_ranks() const = 0;

@@ -1,7 +1,7 @@
 #include "comm/ucx_communicator.h"
 
-#include <sys/eventfd.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
 #include <ucs/config/global_opts.h>
 #include <unistd.h>
@@ -96,8 +96,8 @@ class UcxCommunicator final : public Communicator {
       if (peer == rank_) continue;
       error_contexts_[static_cast<size_t>(peer)] = {this, peer};
       ucp_ep_params_t ep_params{};
-      ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                             UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep_params.field_mask =
+          UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
       ep_params.address = reinterpret_cast<const ucp_address_t*>(table[static_cast<size_t>(peer)].data());
       ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
       ep_params.err_handler.cb = &UcxCommunicator::on_endpoint_error;
@@ -156,7 +156,13 @@ class UcxCommunicator final : public Communicator {
     // (with nullptr) before it is destroyed is never called afterwards.
     std::lock_guard dispatch(dispatch_mutex_);
     std::lock_guard lock(handlers_mutex_);
-    handlers_[static_cast<uint8_t>(channel)] = std::move(handler);
+    handlers_[static_cast<uint8_t>(channel)] = ChannelHandler{std::move(handler), nullptr};
+  }
+
+  void on_message_owned(Channel channel, OwnedHandler handler) override {
+    std::lock_guard dispatch(dispatch_mutex_);
+    std::lock_guard lock(handlers_mutex_);
+    handlers_[static_cast<uint8_t>(channel)] = ChannelHandler{nullptr, std::move(handler)};
   }
 
   std::vector<int> lost_ranks() const override {
@@ -195,6 +201,13 @@ class UcxCommunicator final : public Communicator {
     int peer = -1;
   };
 
+  /// A channel's handler: one of the two kinds, or none.
+  struct ChannelHandler {
+    Handler view;
+    OwnedHandler owned;
+    explicit operator bool() const { return view || owned; }
+  };
+
   static void on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto* context = static_cast<ErrorContext*>(arg);
     context->self->mark_lost(context->peer, fmt::format("connection error: {}", ucs_status_string(status)));
@@ -222,7 +235,8 @@ class UcxCommunicator final : public Communicator {
     std::lock_guard lock(lost_mutex_);
     if (!first_failure_.empty()) return first_failure_;
     for (int r = 0; r < size_; ++r) {
-      if (!lost_[static_cast<size_t>(r)].empty()) return fmt::format("rank {} lost: {}", r, lost_[static_cast<size_t>(r)]);
+      if (!lost_[static_cast<size_t>(r)].empty())
+        return fmt::format("rank {} lost: {}", r, lost_[static_cast<size_t>(r)]);
     }
     return {};
   }
@@ -247,7 +261,8 @@ class UcxCommunicator final : public Communicator {
 
   void wake() {
     const uint64_t one = 1;
-    if (wake_fd_ >= 0) [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof one);
+    if (wake_fd_ >= 0) [[maybe_unused]]
+      auto n = ::write(wake_fd_, &one, sizeof one);
   }
 
   /// Runs `body` on the progress thread and blocks the caller until it is done.
@@ -255,14 +270,31 @@ class UcxCommunicator final : public Communicator {
   Status run_collective(Body body) {
     CFMO_TRY(health());
     const auto start = Clock::now();
-    std::promise<Status> done;
-    auto future = done.get_future();
+    Status result;
+    std::atomic<bool> finished{false};
+    std::mutex done_mutex;
+    std::condition_variable done;
     {
       std::lock_guard lock(queue_mutex_);
-      collective_ = [&] { done.set_value(body()); };
+      collective_ = [&] {
+        result = body();
+        // Notified under the lock: the caller takes it before returning, so
+        // these locals outlive the notification.
+        std::lock_guard done_lock(done_mutex);
+        finished.store(true, std::memory_order_release);
+        done.notify_one();
+      };
     }
     wake();
-    Status result = future.get();
+    // A short collective (an MoE layout, a small all-to-all) ends within
+    // microseconds: spin, yielding, before sleeping, so the wake-up does not
+    // add a scheduler round trip to each.
+    const auto spin_until = Clock::now() + std::chrono::microseconds(100);
+    while (!finished.load(std::memory_order_acquire) && Clock::now() < spin_until) std::this_thread::yield();
+    {
+      std::unique_lock done_lock(done_mutex);
+      done.wait(done_lock, [&] { return finished.load(std::memory_order_acquire); });
+    }
     collective_wait_s_ += std::chrono::duration<double>(Clock::now() - start).count();
     return result;
   }
@@ -286,24 +318,35 @@ class UcxCommunicator final : public Communicator {
     pending_.push_back(Pending{request, peer, std::move(payload), channel, false});
   }
 
-  void deliver(int from, uint8_t channel, std::span<const std::byte> payload) {
+  /// Hands a received payload to its channel's handler; an owned handler takes the buffer.
+  void deliver(int from, uint8_t channel, std::vector<std::byte>& payload) {
     std::lock_guard dispatch(dispatch_mutex_);
-    Handler handler;
+    ChannelHandler handler;
     {
       std::lock_guard lock(handlers_mutex_);
       handler = handlers_[channel];
     }
-    if (handler) handler(from, payload);
+    if (handler.owned) {
+      handler.owned(from, std::move(payload));
+    } else if (handler.view) {
+      handler.view(from, payload);
+    }
   }
 
   /// Probes for messages on channels that have a handler, starting their receives.
   bool probe_channels() {
     bool any = false;
+    // Which channels to probe, under one lock: this runs on every turn of the
+    // progress loop, also while a collective waits.
+    std::array<bool, 256> wanted{};
+    {
+      std::lock_guard lock(handlers_mutex_);
+      for (size_t c = 1; c < wanted.size(); ++c) wanted[c] = static_cast<bool>(handlers_[c]);
+    }
+    wanted[kHeartbeat] = true;
+    wanted[kGoodbye] = true;
     for (int channel = 1; channel <= 0xFF; ++channel) {
-      if (channel != kHeartbeat && channel != kGoodbye) {
-        std::lock_guard lock(handlers_mutex_);
-        if (!handlers_[static_cast<size_t>(channel)]) continue;
-      }
+      if (!wanted[static_cast<size_t>(channel)]) continue;
       for (;;) {
         ucp_tag_recv_info_t info{};
         ucp_tag_message_h message =
@@ -437,7 +480,8 @@ class UcxCommunicator final : public Communicator {
   /// (shared-memory transports may not signal the worker's event fd).
   void idle_wait() {
     uint64_t drained = 0;
-    if (wake_fd_ >= 0) [[maybe_unused]] auto n = ::read(wake_fd_, &drained, sizeof drained);
+    if (wake_fd_ >= 0) [[maybe_unused]]
+      auto n = ::read(wake_fd_, &drained, sizeof drained);
     if (worker_fd_ >= 0 && ucp_worker_arm(worker_) != UCS_OK) return;  // events pending: go round again
     pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {worker_fd_, POLLIN, 0}};
     const timespec timeout{0, 200'000};
@@ -549,7 +593,10 @@ class UcxCommunicator final : public Communicator {
                       const std::vector<std::span<std::byte>>& recv) {
     const uint32_t sequence = (++collective_sequence_ & 0x1FFFFF) << 11;
     std::vector<std::pair<void*, int>> requests;
-    for (int peer = 0; peer < size_; ++peer) {
+    // Peers in pairwise order (rank + 1, rank + 2, ...), so the ranks do not
+    // all start with rank 0's link.
+    for (int step = 0; step < size_; ++step) {
+      const int peer = (rank_ + step) % size_;
       const auto p = static_cast<size_t>(peer);
       if (peer == rank_) {
         if (recv[p].size() != send[p].size()) {
@@ -645,9 +692,9 @@ class UcxCommunicator final : public Communicator {
       ep = nullptr;
     }
     const auto deadline = Clock::now() + std::chrono::seconds(2);
-    while (worker_ != nullptr && Clock::now() < deadline &&
-           std::any_of(closing.begin(), closing.end(),
-                       [](void* r) { return ucp_request_check_status(r) == UCS_INPROGRESS; })) {
+    while (worker_ != nullptr && Clock::now() < deadline && std::any_of(closing.begin(), closing.end(), [](void* r) {
+             return ucp_request_check_status(r) == UCS_INPROGRESS;
+           })) {
       ucp_worker_progress(worker_);
     }
     for (void* r : closing) {
@@ -685,7 +732,7 @@ class UcxCommunicator final : public Communicator {
 
   std::mutex dispatch_mutex_;  ///< held while a handler runs (progress thread) or is replaced
   std::mutex handlers_mutex_;  ///< guards handlers_
-  std::array<Handler, 256> handlers_;
+  std::array<ChannelHandler, 256> handlers_;
 
   mutable std::mutex lost_mutex_;  ///< guards lost_
   std::vector<std::string> lost_;  ///< per rank: why it is lost, empty while alive

@@ -1,6 +1,7 @@
 // The UCX transport for real: several processes on this machine, over shared
 // memory and over TCP on loopback, exchanging through the rendezvous.
 #include "comm/rendezvous.h"
+#include "comm/solo_communicator.h"
 #include "comm/ucx_communicator.h"
 
 #include <gtest/gtest.h>
@@ -115,6 +116,95 @@ TEST_P(UcxTransports, AllToAllVWithUnevenAndZeroCounts) {
   for (int code : codes) EXPECT_EQ(code, 0);
 }
 
+TEST_P(UcxTransports, AllToAllVWithLargeUnevenZeroCountsOnOddRankCounts) {
+  for (int size : {3, 5}) {
+    SCOPED_TRACE(size);
+    auto codes = run_ranks(size, GetParam(), [](Communicator& comm) {
+      const int w = comm.size();
+      // Rank 1 sends nothing at all; the others send from 0 bytes up to
+      // about 300 KB (eager and rendezvous protocols), a different size to each peer.
+      auto count = [](int from, int to) -> size_t {
+        if (from == 1 || (from + to) % 3 == 0) return 0;
+        return static_cast<size_t>(1 + (from * 7919 + to * 104729) % 300000);
+      };
+      auto byte_at = [](int from, int to, size_t i) { return static_cast<std::byte>((from * 31 + to * 7 + i) & 0xFF); };
+      for (int round = 0; round < 3; ++round) {
+        std::vector<std::vector<std::byte>> out(static_cast<size_t>(w));
+        std::vector<std::vector<std::byte>> in(static_cast<size_t>(w));
+        std::vector<std::span<const std::byte>> send;
+        std::vector<std::span<std::byte>> recv;
+        for (int p = 0; p < w; ++p) {
+          auto& o = out[static_cast<size_t>(p)];
+          o.resize(count(comm.rank(), p));
+          for (size_t i = 0; i < o.size(); ++i) o[i] = byte_at(comm.rank(), p, i);
+          in[static_cast<size_t>(p)].assign(count(p, comm.rank()), std::byte{0xEE});
+        }
+        for (int p = 0; p < w; ++p) {
+          send.emplace_back(out[static_cast<size_t>(p)]);
+          recv.emplace_back(in[static_cast<size_t>(p)]);
+        }
+        if (auto status = comm.all_to_all_v(send, recv); !status) {
+          fprintf(stderr, "rank %d: %s\n", comm.rank(), status.error().message.c_str());
+          return false;
+        }
+        for (int p = 0; p < w; ++p) {
+          const auto& got = in[static_cast<size_t>(p)];
+          for (size_t i = 0; i < got.size(); ++i) {
+            if (got[i] != byte_at(p, comm.rank(), i)) {
+              fprintf(stderr, "rank %d: from %d byte %zu wrong\n", comm.rank(), p, i);
+              return false;
+            }
+          }
+        }
+      }
+      return static_cast<bool>(comm.barrier());
+    });
+    for (int code : codes) EXPECT_EQ(code, 0);
+  }
+}
+
+TEST_P(UcxTransports, OwnedHandlersTakeTheReceivedBuffers) {
+  auto codes = run_ranks(3, GetParam(), [](Communicator& comm) {
+    std::mutex mutex;
+    std::vector<std::vector<std::byte>> got;
+    comm.on_message_owned(Channel::kUser, [&](int from, std::vector<std::byte> payload) {
+      if (payload.empty() || payload[0] != static_cast<std::byte>(from)) return;
+      std::lock_guard lock(mutex);
+      got.push_back(std::move(payload));
+    });
+    if (!comm.barrier()) return false;
+    const std::vector<size_t> sizes = {1, 100, 70000, 1 << 20};
+    for (size_t n : sizes) {
+      for (int p = 0; p < comm.size(); ++p) {
+        std::vector<std::byte> payload(n, static_cast<std::byte>(comm.rank()));
+        comm.post(p, Channel::kUser, std::move(payload));
+      }
+    }
+    const size_t expected = sizes.size() * static_cast<size_t>(comm.size());
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    for (;;) {
+      {
+        std::lock_guard lock(mutex);
+        if (got.size() >= expected) break;
+      }
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (!comm.barrier()) return false;
+    comm.on_message_owned(Channel::kUser, nullptr);
+    std::lock_guard lock(mutex);
+    size_t bytes = 0;
+    for (const auto& g : got) {
+      bytes += g.size();
+      for (std::byte b : g) {
+        if (b != g[0]) return false;
+      }
+    }
+    return got.size() == expected && bytes == (1 + 100 + 70000 + (1 << 20)) * static_cast<size_t>(comm.size());
+  });
+  for (int code : codes) EXPECT_EQ(code, 0);
+}
+
 TEST_P(UcxTransports, AsyncMessagesArriveExactlyOnce) {
   constexpr int kMessages = 200;
   auto codes = run_ranks(3, GetParam(), [](Communicator& comm) {
@@ -175,8 +265,7 @@ TEST_P(UcxTransports, ALostRankFailsTheCollectiveNamingIt) {
         const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         if (status) return false;
         fprintf(stderr, "rank %d after %.1fs: %s\n", comm.rank(), waited, status.error().message.c_str());
-        return status.error().kind == ErrorKind::kPeer &&
-               status.error().message.find("rank 2") != std::string::npos;
+        return status.error().kind == ErrorKind::kPeer && status.error().message.find("rank 2") != std::string::npos;
       },
       options);
   for (int code : codes) EXPECT_EQ(code, 0);
@@ -184,10 +273,34 @@ TEST_P(UcxTransports, ALostRankFailsTheCollectiveNamingIt) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxTransports, ::testing::Values("", "tcp", "posix,cma,self,tcp"),
                          [](const auto& info) {
-                           return info.param.empty() ? std::string("Default")
-                                                     : info.param == "tcp" ? std::string("Tcp")
-                                                                           : std::string("SharedMemory");
+                           return info.param.empty()    ? std::string("Default")
+                                  : info.param == "tcp" ? std::string("Tcp")
+                                                        : std::string("SharedMemory");
                          });
+
+TEST(SoloCommunicator, CollectivesAreCopiesAndMessagesReachTheHandler) {
+  auto comm = make_solo_communicator();
+  EXPECT_EQ(comm->rank(), 0);
+  EXPECT_EQ(comm->size(), 1);
+  std::vector<float> data = {1, 2, 3};
+  EXPECT_TRUE(comm->all_reduce_sum(data));
+  EXPECT_EQ(data, (std::vector<float>{1, 2, 3}));
+  std::vector<std::byte> out(5, std::byte{7});
+  std::vector<std::byte> in(5);
+  EXPECT_TRUE(comm->all_to_all_v({std::span<const std::byte>(out)}, {std::span<std::byte>(in)}));
+  EXPECT_EQ(in, out);
+  std::vector<std::byte> wrong(4);
+  EXPECT_FALSE(comm->all_to_all_v({std::span<const std::byte>(out)}, {std::span<std::byte>(wrong)}));
+  size_t seen = 0;
+  comm->on_message(Channel::kUser, [&](int from, std::span<const std::byte> payload) {
+    EXPECT_EQ(from, 0);
+    seen += payload.size();
+  });
+  comm->post(0, Channel::kUser, std::vector<std::byte>(3));
+  EXPECT_EQ(seen, 3u);
+  EXPECT_TRUE(comm->health());
+  EXPECT_TRUE(comm->lost_ranks().empty());
+}
 
 TEST(Rendezvous, ParsesHostPort) {
   EXPECT_EQ(parse_rendezvous("127.0.0.1:29500")->port, 29500);

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# cfmo-moe against its peers, all in one run on this machine:
+#  1. ucx_perftest tag bandwidth between two processes (the transport's ceiling);
+#  2. Open MPI's MPI_Alltoallv (bench/mpi-alltoallv) against cfmo-moe's sync
+#     all-to-all-v (--ffn 0, balanced routing, top-1, one expert per rank, so
+#     every rank sends exactly SIZE bytes to every rank) at the same rank count
+#     and sizes, alternated, medians of busbw (nccl-tests' definition);
+#  3. cfmo-moe sync against async tokens/s, 4 ranks and 12 experts, without and
+#     with --slowdown 1=1.25 (--mode both: the same inputs back to back), medians.
+# Prints a Markdown table and the targets' ratios; --record appends them to
+# bench/RESULTS.md.
+#
+#   bench/moe_vs_mpi.sh [--record]
+#   (RANKS=4 PEER_SIZES="16384 65536 262144 1048576" REPS=3 ITERS=30
+#    TOKENS=512 HIDDEN=512 FFN=1024 EXPERTS=12 to change)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RANKS=${RANKS:-4}
+PEER_SIZES=${PEER_SIZES:-"16384 65536 262144 1048576"}
+REPS=${REPS:-3}
+ITERS=${ITERS:-30}
+TOKENS=${TOKENS:-512}
+HIDDEN=${HIDDEN:-512}
+FFN=${FFN:-1024}
+EXPERTS=${EXPERTS:-12}
+MOE=${MOE:-build/tools/cfmo-moe}
+MPI_BENCH=${MPI_BENCH:-build/bench/mpi-alltoallv}
+PY=/usr/bin/python3
+record=false
+[ "${1:-}" = "--record" ] && record=true
+[ -x "$MOE" ] || { echo "build first: make build" >&2; exit 2; }
+have_mpi=true
+{ command -v mpirun >/dev/null && [ -x "$MPI_BENCH" ]; } || {
+  have_mpi=false; echo "no Open MPI (scripts/install-deps.sh --bench, then rebuild): MPI rows skipped" >&2; }
+have_perftest=true
+command -v ucx_perftest >/dev/null || { have_perftest=false; echo "no ucx_perftest (ucx-utils): ceiling skipped" >&2; }
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+median() { "$PY" -c 'import statistics,sys; v=[float(x) for x in sys.argv[1:]]; print("%.4f" % statistics.median(v) if v else "")' "$@"; }
+
+# 1. The ceiling: one process sends to another, tag-matched, as cfmo's transport does.
+declare -A ceiling
+if $have_perftest; then
+  for size in $PEER_SIZES; do
+    port=$(free_port)
+    ucx_perftest -p "$port" > "$tmp/server" 2>&1 &
+    server=$!
+    sleep 0.5
+    mbs=$(timeout 120 ucx_perftest 127.0.0.1 -p "$port" -t tag_bw -s "$size" -n 1000 2>/dev/null |
+          awk '/Final:/ {print $6}') || mbs=""
+    wait "$server" 2>/dev/null || true
+    [ -n "$mbs" ] && ceiling[$size]=$(awk -v m="$mbs" 'BEGIN{printf "%.3f", m*1048576/1e9}')
+    echo "ucx_perftest tag_bw $size B: ${ceiling[$size]:-?} GB/s" >&2
+  done
+fi
+
+# 2. The all-to-all-v, alternated: MPI, then cfmo-moe, REPS times.
+sweep=""
+for size in $PEER_SIZES; do
+  rows=$(( size / 4096 * RANKS ))  # tokens per rank: hidden 1024 floats = 4096 bytes a row, RANKS peers
+  sweep+="${sweep:+,}$rows"
+done
+declare -A mpi_runs cfmo_runs
+for rep in $(seq 1 "$REPS"); do
+  if $have_mpi; then
+    # shellcheck disable=SC2086
+    timeout 600 mpirun -np "$RANKS" --oversubscribe "$MPI_BENCH" --iters "$ITERS" $PEER_SIZES > "$tmp/mpi" 2>/dev/null ||
+      echo "mpirun failed" >&2
+    while read -r size bw; do mpi_runs[$size]+=" $bw"; done < <("$PY" -c '
+import json, sys
+for l in open(sys.argv[1]):
+    if l.startswith("{"): r = json.loads(l); print(r["bytes_per_peer"], r["busbw_gbps"])' "$tmp/mpi")
+  fi
+  timeout 600 "$MOE" --ranks "$RANKS" --experts "$RANKS" --top-k 1 --ffn 0 --routing balanced --drop-policy dropless \
+    --hidden 1024 --sweep "$sweep" --warmup 5 --iters "$ITERS" --mode sync --quiet --format json > "$tmp/cfmo" ||
+    echo "cfmo-moe failed" >&2
+  while read -r size bw; do cfmo_runs[$size]+=" $bw"; done < <("$PY" -c '
+import json, sys
+for r in json.load(open(sys.argv[1])): print(int(round(r["bytes_per_peer"])), r["busbw_gbps"])' "$tmp/cfmo")
+  echo "all-to-all-v rep $rep done" >&2
+done
+
+a2a_table="| bytes per peer | ucx_perftest tag_bw GB/s (ceiling, 1 pair) | Open MPI MPI_Alltoallv busbw GB/s | cfmo-moe sync all-to-all-v busbw GB/s | cfmo / MPI |
+| --- | --- | --- | --- | --- |"
+a2a_notes=""
+for size in $PEER_SIZES; do
+  # shellcheck disable=SC2086
+  m=$(median ${mpi_runs[$size]:-}); c=$(median ${cfmo_runs[$size]:-})
+  ratio=$( [ -n "$m" ] && [ -n "$c" ] && awk -v a="$c" -v b="$m" 'BEGIN{printf "%.2fx", a/b}' || echo "-")
+  a2a_table+="
+| $size | ${ceiling[$size]:--} | ${m:--} | ${c:--} | $ratio |"
+  [ "$size" -ge 65536 ] && a2a_notes+="- $size bytes per peer: cfmo / Open MPI busbw = $ratio (target >= 0.9x from 64 KiB)
+"
+done
+
+# 3. Tokens per second, sync against async on the same inputs.
+tok_table="| scenario | sync tokens/s | async tokens/s | async / sync | async late % | async deadline us | sync check | async check |
+| --- | --- | --- | --- | --- | --- | --- | --- |"
+tok_notes=""
+for sc in "homogeneous|" "slowdown 1=1.25|--slowdown 1=1.25"; do
+  name=${sc%%|*}; flags=${sc#*|}
+  : > "$tmp/both"
+  for rep in $(seq 1 "$REPS"); do
+    # shellcheck disable=SC2086
+    timeout 900 "$MOE" --ranks 4 --experts "$EXPERTS" --tokens "$TOKENS" --hidden "$HIDDEN" --ffn "$FFN" \
+      --warmup 5 --iters "$ITERS" --mode both --quiet --format json $flags >> "$tmp/both" || echo "cfmo-moe failed" >&2
+    echo "$name rep $rep done" >&2
+  done
+  row=$("$PY" -c '
+import json, sys, statistics as st
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("[")]
+sync = [r[0] for r in runs]; asyn = [r[1] for r in runs]
+med = lambda rows, k: st.median(r[k] for r in rows)
+deadline = st.median((r["deadline_us"] or 0) for r in asyn)
+print("%.0f|%.0f|%.2f|%.2f|%.0f|%s|%s" % (med(sync, "tokens_per_s"), med(asyn, "tokens_per_s"),
+      med(asyn, "speedup_vs_sync"), 100 * med(asyn, "late_frac"), deadline,
+      ",".join(sorted(set(r["check"] for r in sync))), ",".join(sorted(set(r["check"] for r in asyn)))))' "$tmp/both")
+  IFS='|' read -r s a ratio late deadline cs ca <<< "$row"
+  tok_table+="
+| $name | $s | $a | ${ratio}x | $late | $deadline | $cs | $ca |"
+  target=$([ "$name" = homogeneous ] && echo "1.2x (overlap)" || echo "2x")
+  tok_notes+="- $name: async / sync tokens/s = ${ratio}x with $late % late tokens (target >= $target)
+"
+done
+
+report="All-to-all-v, $RANKS ranks on this host (median of $REPS runs, $ITERS iterations each):
+
+$a2a_table
+
+$a2a_notes
+MoE layer, 4 ranks, $EXPERTS experts, top-2, $TOKENS tokens per rank, hidden $HIDDEN, ffn $FFN, fp32, capacity factor 1.25 (median of $REPS runs of --mode both, $ITERS iterations each):
+
+$tok_table
+
+$tok_notes"
+echo "$report"
+if $record; then
+  {
+    echo
+    echo "### cfmo-moe against ucx_perftest and Open MPI ($(date -u +%Y-%m-%d))"
+    echo
+    echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores shared by every rank, load average $(cut -d' ' -f1-3 /proc/loadavg) when it ended${NOTE:+; $NOTE}."
+    echo "Command: \`RANKS=$RANKS PEER_SIZES=\"$PEER_SIZES\" REPS=$REPS ITERS=$ITERS TOKENS=$TOKENS HIDDEN=$HIDDEN FFN=$FFN EXPERTS=$EXPERTS bench/moe_vs_mpi.sh --record\`"
+    echo
+    echo "$report"
+  } >> bench/RESULTS.md
+fi
