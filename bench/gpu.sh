@@ -18,7 +18,7 @@ log() { echo "gpu.sh: $*" | tee -a "$out/summary.txt" >&2; }
 if [ -z "$build" ] && [ -f .gpu/bundle.tar.gz ]; then
   root=/tmp/cfmo-gpu
   rm -rf "$root" && mkdir -p "$root" && tar -C "$root" -xzf .gpu/bundle.tar.gz
-  bin_train=$root/bin/cfmo-train bin_test=$root/bin/test_cuda bin_bench=$root/bin/cuda-bench
+  bin_train=$root/bin/cfmo-train bin_test=$root/bin/test_cuda bin_bench=$root/bin/cuda-bench bin_moe=$root/bin/cfmo-moe
   # cuBLAS and NCCL from the machine: the CUDA toolkit, or the nvidia-* Python wheels beside PyTorch.
   extra=$(python3 - <<'PY' 2>/dev/null
 import importlib, os
@@ -40,6 +40,7 @@ PY
 else
   build=${build:-build}
   bin_train=$build/tools/cfmo-train bin_test=$build/tests/test_cuda bin_bench=$build/bench/cuda-bench
+  bin_moe=$build/tools/cfmo-moe
 fi
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true; } > "$out/gpu.txt" 2>&1
@@ -68,4 +69,12 @@ for device in cpu cuda; do
     log "train $device $model batch $batch: exit $? $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(round(d["samples_per_s"]), "samples/s, acc", round(d["test_accuracy"],4))' "$out/train-$device-${model//[:,]/_}.json" 2>/dev/null)"
   done
 done
+log "cfmo-moe on the GPU: 4 ranks sharing it, 12 experts, sync and async (tokens over UCX, host-staged)"
+if [ -x "$bin_moe" ]; then
+  for slow in "" "--slowdown 1=1.25"; do
+    timeout 150 "$bin_moe" --ranks 4 --experts 12 --tokens 4096 --hidden 1024 --ffn 4096 --mode both --device cuda:0 \
+      --warmup 5 --iters 30 $slow --format json > "$out/moe-gpu${slow:+-slow}.json" 2> "$out/moe-gpu.err"
+    log "moe gpu ${slow:-homogeneous}: exit $? $(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(" | ".join(f"{x[\"mode\"]} {x[\"tokens_per_s\"]:.0f} tok/s check {x[\"check\"]}" for x in r))' "$out/moe-gpu${slow:+-slow}.json" 2>/dev/null)"
+  done
+fi
 log "done"

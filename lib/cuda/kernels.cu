@@ -45,6 +45,10 @@ __global__ void add_bias_rows_kernel(float* z, const float* bias, size_t n, int 
   }
 }
 
+__global__ void relu_kernel(float* x, size_t n) {
+  for (size_t i = thread_index(); i < n; i += thread_stride()) x[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+
 __global__ void relu_backward_kernel(const float* activation, const float* grad_a, float* grad_z, size_t n) {
   for (size_t i = thread_index(); i < n; i += thread_stride()) grad_z[i] = activation[i] > 0.0f ? grad_a[i] : 0.0f;
 }
@@ -235,6 +239,11 @@ cudaError_t gather_rows(const uint8_t* pixels, const int32_t* labels, const int6
 cudaError_t add_bias_rows(float* z, const float* bias, int rows, int cols, bool relu, cudaStream_t stream) {
   const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(cols);
   add_bias_rows_kernel<<<blocks_for(n), kThreads, 0, stream>>>(z, bias, n, cols, relu);
+  return launched();
+}
+
+cudaError_t relu(float* x, size_t n, cudaStream_t stream) {
+  relu_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, n);
   return launched();
 }
 

@@ -19,6 +19,9 @@ cudaError_t gather_rows(const uint8_t* pixels, const int32_t* labels, const int6
 /// Each row of z [rows, cols] += bias, then max(0, .) when `relu`.
 cudaError_t add_bias_rows(float* z, const float* bias, int rows, int cols, bool relu, cudaStream_t stream);
 
+/// x = max(0, x).
+cudaError_t relu(float* x, size_t n, cudaStream_t stream);
+
 /// grad_z = grad_a where activation > 0, else 0.
 cudaError_t relu_backward(const float* activation, const float* grad_a, float* grad_z, size_t n, cudaStream_t stream);
 

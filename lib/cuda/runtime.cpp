@@ -10,19 +10,28 @@ Error cublas_error(cublasStatus_t code, std::string_view what) {
   return make_error(ErrorKind::kInternal, "cuBLAS: {}: {}", what, cublasGetStatusString(code));
 }
 
-Status check_device(int ordinal, std::string_view flag) {
+Status check_device(int ordinal, std::string_view flag, std::string_view shown) {
   int count = 0;
   // No driver, a driver older than the runtime, or no GPU: all the same to a user.
   if (const cudaError_t code = cudaGetDeviceCount(&count); code != cudaSuccess) {
     cudaGetLastError();  // clear the sticky error so later calls are not confused
-    return make_error(ErrorKind::kUsage, "{} cuda:{}: no CUDA device ({})", flag, ordinal, cudaGetErrorString(code));
+    return make_error(ErrorKind::kUsage, "{} {}: no CUDA device ({})", flag, shown, cudaGetErrorString(code));
   }
-  if (count == 0) return make_error(ErrorKind::kUsage, "{} cuda:{}: no CUDA device", flag, ordinal);
+  if (count == 0) return make_error(ErrorKind::kUsage, "{} {}: no CUDA device", flag, shown);
   if (ordinal >= count) {
-    return make_error(ErrorKind::kUsage, "{} cuda:{}: no CUDA device of that number ({} present: cuda:0..cuda:{})",
-                      flag, ordinal, count, count - 1);
+    return make_error(ErrorKind::kUsage, "{} {}: no CUDA device of that number ({} present: cuda:0..cuda:{})", flag,
+                      shown, count, count - 1);
   }
   return {};
+}
+
+int device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
 }
 
 std::string describe_device(int ordinal) {
@@ -33,7 +42,7 @@ std::string describe_device(int ordinal) {
 }
 
 Result<std::unique_ptr<Context>> Context::create(int ordinal) {
-  CFMO_TRY(check_device(ordinal, "--device"));
+  CFMO_TRY(check_device(ordinal, "--device", fmt::format("cuda:{}", ordinal)));
   std::unique_ptr<Context> ctx(new Context());
   ctx->ordinal_ = ordinal;
   CFMO_CUDA_TRY(cudaSetDevice(ordinal), fmt::format("selecting cuda:{}", ordinal));

@@ -19,8 +19,11 @@
 namespace cfmo::cuda {
 
 /// kUsage "no CUDA device" unless `ordinal` names a device this process can use.
-Status check_device(int ordinal, std::string_view flag);
+/// `shown` is how the user named it ("cuda", "cuda:1"), for the message.
+Status check_device(int ordinal, std::string_view flag, std::string_view shown);
 std::string describe_device(int ordinal);
+/// Devices this process can use (0 without a driver).
+int device_count();
 
 /// A failed CUDA call as an error naming what was being done.
 Error cuda_error(cudaError_t code, std::string_view what);

@@ -15,14 +15,20 @@ enum class DeviceKind { kCpu, kCuda };
 
 struct Device {
   DeviceKind kind = DeviceKind::kCpu;
-  int index = 0;  ///< the CUDA device ordinal
+  int index = 0;  ///< the CUDA device ordinal; -1: each rank its own (see for_rank)
 
   bool is_cuda() const { return kind == DeviceKind::kCuda; }
-  std::string to_string() const;  ///< "cpu", "cuda:0"
+  std::string to_string() const;  ///< "cpu", "cuda", "cuda:0"
 };
 
-/// "cpu", "cuda" (device 0) or "cuda:N"; anything else is kUsage naming `flag`.
+/// "cpu", "cuda" (each rank its local GPU) or "cuda:N"; else kUsage naming `flag`.
 Result<Device> parse_device(std::string_view text, std::string_view flag = "--device");
+
+/// The device of one rank: "cuda" becomes cuda:(local rank mod the number of
+/// GPUs), the local rank taken from LOCAL_RANK, SLURM_LOCALID or
+/// OMPI_COMM_WORLD_LOCAL_RANK, else `rank` (the local launcher's ranks are
+/// all on this host). A CPU or a fixed ordinal is returned as it is.
+Device device_for_rank(const Device& device, int rank);
 
 /// True when this build has the CUDA backend.
 bool cuda_built();

@@ -110,7 +110,8 @@ class CudaEngine final : public Engine {
   static Result<std::unique_ptr<Engine>> create(const EngineOptions& options, Mlp& model, Optimizer& optimizer,
                                                 const OptimizerConfig& optimizer_config, const DataSplit& data) {
     std::unique_ptr<CudaEngine> e(new CudaEngine(model, optimizer));
-    CFMO_ASSIGN_OR_RETURN(e->ctx_, cuda::Context::create(options.device.index));
+    const Device device = device_for_rank(options.device, options.comm != nullptr ? options.comm->rank() : 0);
+    CFMO_ASSIGN_OR_RETURN(e->ctx_, cuda::Context::create(device.index));
     CFMO_ASSIGN_OR_RETURN(e->model_, cuda::CudaMlp::create(*e->ctx_, model));
     CFMO_ASSIGN_OR_RETURN(e->optimizer_,
                           cuda::CudaOptimizer::create(*e->ctx_, optimizer_config, model.params(), model.num_params()));
@@ -119,7 +120,7 @@ class CudaEngine final : public Engine {
     e->train_ = std::make_unique<cuda::DeviceDataset>(std::move(train));
     e->test_ = std::make_unique<cuda::DeviceDataset>(std::move(test));
     e->view_ = std::make_unique<DeviceOptimizerView>(optimizer, *e->optimizer_);
-    e->description_ = device_description(options.device);
+    e->description_ = device_description(device);
     if (options.device_collectives && options.comm != nullptr && options.comm->size() > 1) {
       CFMO_ASSIGN_OR_RETURN(e->nccl_, cuda::NcclComm::create(*e->ctx_, *options.comm, options.peer_timeout_s));
       e->description_ += ", " + cuda::NcclComm::version();
