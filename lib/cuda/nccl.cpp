@@ -3,6 +3,8 @@
 #include <chrono>
 #include <cstring>
 #include <thread>
+
+#include <unistd.h>
 #include <vector>
 
 namespace cfmo::cuda {
@@ -21,6 +23,30 @@ std::string NcclComm::version() {
   int v = 0;
   if (ncclGetVersion(&v) != ncclSuccess) return "NCCL";
   return fmt::format("NCCL {}.{}.{}", v / 10000, (v / 100) % 100, v % 100);
+}
+
+Result<bool> NcclComm::one_gpu_per_rank(const Context& ctx, Communicator& host) {
+  // Every rank's "host/PCI bus id" to every rank, then the same comparison everywhere.
+  constexpr size_t kHostBytes = 256;
+  constexpr size_t kIdBytes = kHostBytes + 32;
+  char id[kIdBytes] = {};
+  if (gethostname(id, kHostBytes - 1) != 0) std::strcpy(id, "?");
+  CFMO_CUDA_TRY(cudaDeviceGetPCIBusId(id + kHostBytes, 31, ctx.ordinal()), "reading the GPU's bus id");
+  const auto world = static_cast<size_t>(host.size());
+  std::vector<char> all(world * kIdBytes, 0);
+  std::vector<std::span<const std::byte>> send(world);
+  std::vector<std::span<std::byte>> recv(world);
+  for (size_t p = 0; p < world; ++p) {
+    send[p] = {reinterpret_cast<const std::byte*>(id), kIdBytes};
+    recv[p] = {reinterpret_cast<std::byte*>(all.data() + p * kIdBytes), kIdBytes};
+  }
+  CFMO_TRY(host.all_to_all_v(send, recv));
+  for (size_t a = 0; a < world; ++a) {
+    for (size_t b = a + 1; b < world; ++b) {
+      if (std::memcmp(all.data() + a * kIdBytes, all.data() + b * kIdBytes, kIdBytes) == 0) return false;
+    }
+  }
+  return true;
 }
 
 Result<std::unique_ptr<NcclComm>> NcclComm::create(Context& ctx, Communicator& host, double timeout_s) {

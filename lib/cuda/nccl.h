@@ -30,6 +30,10 @@ class NcclComm {
   /// Blocking: `data` (device memory, `n` floats) becomes the sum over ranks.
   Status all_reduce_sum(float* data, size_t n);
 
+  /// True when every rank of `host` has a GPU of its own (NCCL refuses two
+  /// ranks on one device). Collective: every rank calls it, all get the same answer.
+  static Result<bool> one_gpu_per_rank(const Context& ctx, Communicator& host);
+
   /// "NCCL 2.28.9", for reports.
   static std::string version();
 

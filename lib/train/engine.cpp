@@ -122,8 +122,14 @@ class CudaEngine final : public Engine {
     e->view_ = std::make_unique<DeviceOptimizerView>(optimizer, *e->optimizer_);
     e->description_ = device_description(device);
     if (options.device_collectives && options.comm != nullptr && options.comm->size() > 1) {
-      CFMO_ASSIGN_OR_RETURN(e->nccl_, cuda::NcclComm::create(*e->ctx_, *options.comm, options.peer_timeout_s));
-      e->description_ += ", " + cuda::NcclComm::version();
+      // NCCL refuses two ranks on one GPU: such ranks reduce over UCX, through host memory.
+      CFMO_ASSIGN_OR_RETURN(const bool distinct, cuda::NcclComm::one_gpu_per_rank(*e->ctx_, *options.comm));
+      if (distinct) {
+        CFMO_ASSIGN_OR_RETURN(e->nccl_, cuda::NcclComm::create(*e->ctx_, *options.comm, options.peer_timeout_s));
+        e->description_ += ", " + cuda::NcclComm::version();
+      } else {
+        e->description_ += ", ranks share a GPU: collectives over UCX";
+      }
     }
     return std::unique_ptr<Engine>(std::move(e));
   }
