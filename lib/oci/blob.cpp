@@ -75,8 +75,13 @@ Status hash_prefix(int fd, int64_t length, EVP_MD_CTX* ctx, const fs::path& path
 /// across retries: each attempt asks for the bytes after those already written.
 class PartialFileSink : public BodySink {
  public:
-  PartialFileSink(int fd, fs::path path, int64_t expected, std::string what)
-      : fd_(fd), path_(std::move(path)), expected_(expected), what_(std::move(what)), ctx_(EVP_MD_CTX_new()) {
+  PartialFileSink(int fd, fs::path path, int64_t expected, std::string what, BlobObserver* observer)
+      : fd_(fd),
+        path_(std::move(path)),
+        expected_(expected),
+        what_(std::move(what)),
+        observer_(observer),
+        ctx_(EVP_MD_CTX_new()) {
     EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr);
   }
 
@@ -99,6 +104,7 @@ class PartialFileSink : public BodySink {
     }
     EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr);
     written_ = 0;
+    if (observer_ != nullptr) observer_->on_restart();
     return {};
   }
 
@@ -111,6 +117,7 @@ class PartialFileSink : public BodySink {
     EVP_DigestUpdate(ctx_.get(), chunk.data(), chunk.size());
     written_ += static_cast<int64_t>(chunk.size());
     fetched_ += static_cast<int64_t>(chunk.size());
+    if (observer_ != nullptr) return observer_->on_write(chunk);
     return {};
   }
 
@@ -123,6 +130,7 @@ class PartialFileSink : public BodySink {
   fs::path path_;
   int64_t expected_;
   std::string what_;
+  BlobObserver* observer_;
   MdCtx ctx_;
   int64_t written_ = 0;
   int64_t fetched_ = 0;
@@ -147,7 +155,7 @@ Result<bool> file_matches(const fs::path& path, const std::string& digest, int64
 }
 
 Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, const fs::path& layout,
-                              const std::string& what) {
+                              const std::string& what, BlobObserver* observer) {
   BlobResult result;
   const fs::path final_path = blob_path(layout, blob.digest);
   CFMO_ASSIGN_OR_RETURN(const bool present, file_matches(final_path, blob.digest, blob.size));
@@ -165,7 +173,7 @@ Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, co
   if (fd.get() < 0) {
     return make_error(ErrorKind::kInternal, "'{}': cannot open: {}", partial.string(), std::strerror(errno));
   }
-  PartialFileSink sink(fd.get(), partial, blob.size, what);
+  PartialFileSink sink(fd.get(), partial, blob.size, what, observer);
   int64_t existing = static_cast<int64_t>(fs::file_size(partial, ec));
   if (ec || existing > blob.size) {
     existing = 0;
@@ -176,6 +184,7 @@ Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, co
     CFMO_TRY(sink.resume_from(existing));
     result.resumed = true;
   }
+  if (observer != nullptr) observer->on_start(sink.written());
   if (sink.written() < blob.size || blob.size == 0) {
     auto got = client.get("/v2/" + client.reference().repository + "/blobs/" + blob.digest, {}, sink, what);
     result.bytes_fetched = sink.fetched();

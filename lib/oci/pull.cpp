@@ -117,7 +117,7 @@ Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& opt
 
 Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& options,
                                   const std::optional<Credentials>& credentials, const fs::path& dir,
-                                  const std::string& tag) {
+                                  const std::string& tag, const LayerHooks* hooks) {
   const auto start = std::chrono::steady_clock::now();
   PullReport report;
   std::error_code ec;
@@ -134,6 +134,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   RegistryClient client(ref, options.registry, credentials);
   CFMO_ASSIGN_OR_RETURN(report.image, resolve(client, options.platform));
   const auto& manifest = report.image.parsed;
+  if (hooks != nullptr && hooks->resolved) CFMO_TRY(hooks->resolved(report.image));
 
   // Config and layers share one queue; the blobs are fetched by `jobs` threads,
   // each with its own client (a curl handle is not shared between threads).
@@ -152,7 +153,9 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
       const std::string what = i == 0 ? "config " + short_digest(blob.digest)
                                       : fmt::format("layer {} ({})", short_digest(blob.digest), i - 1);
       const auto blob_start = std::chrono::steady_clock::now();
-      auto got = fetch_blob(own, blob, dir, what);
+      BlobObserver* observer = i > 0 && hooks != nullptr && hooks->observer ? hooks->observer(i - 1) : nullptr;
+      auto got = fetch_blob(own, blob, dir, what, observer);
+      if (i > 0 && hooks != nullptr && hooks->done) hooks->done(i - 1, got);
       std::lock_guard lock(mutex);
       if (!got) {
         if (!first_error) first_error = std::move(got).error();
