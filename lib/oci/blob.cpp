@@ -88,6 +88,7 @@ class PartialFileSink : public BodySink {
   Status resume_from(int64_t length) {
     CFMO_TRY(hash_prefix(fd_, length, ctx_.get(), path_));
     written_ = length;
+    flushed_ = length;
     return {};
   }
 
@@ -104,6 +105,7 @@ class PartialFileSink : public BodySink {
     }
     EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr);
     written_ = 0;
+    flushed_ = 0;
     if (observer_ != nullptr) observer_->on_restart();
     return {};
   }
@@ -117,6 +119,12 @@ class PartialFileSink : public BodySink {
     EVP_DigestUpdate(ctx_.get(), chunk.data(), chunk.size());
     written_ += static_cast<int64_t>(chunk.size());
     fetched_ += static_cast<int64_t>(chunk.size());
+    // Start writing back what is written so far, so the fsync at the end
+    // waits for the last few MiB rather than the whole blob.
+    if (written_ - flushed_ >= kWritebackStep) {
+      ::sync_file_range(fd_, flushed_, written_ - flushed_, SYNC_FILE_RANGE_WRITE);
+      flushed_ = written_;
+    }
     if (observer_ != nullptr) return observer_->on_write(chunk);
     return {};
   }
@@ -134,6 +142,8 @@ class PartialFileSink : public BodySink {
   MdCtx ctx_;
   int64_t written_ = 0;
   int64_t fetched_ = 0;
+  int64_t flushed_ = 0;  ///< bytes handed to writeback
+  static constexpr int64_t kWritebackStep = 8 << 20;
 };
 
 }  // namespace

@@ -349,6 +349,18 @@ Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& opt
     report.total.skipped_xattrs += s.skipped_xattrs;
   }
 
+  // The tree reaches the disk before its name does: after a crash DIR is
+  // either absent (or the old tree) or complete, never files without data.
+  const auto sync_start = std::chrono::steady_clock::now();
+  if (const int fd = ::open(staging.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); fd >= 0) {
+    const int rc = ::syncfs(fd);
+    const int err = errno;
+    ::close(fd);
+    if (rc != 0)
+      return make_error(ErrorKind::kInternal, "'{}': syncfs failed: {}", staging.string(), std::strerror(err));
+  }
+  report.sync_s = seconds_since(sync_start);
+
   // Into place: an empty DIR is replaced by the staging tree; a full one only with `replace`.
   CFMO_TRY(check_rootfs_target(target, rootfs.replace));
   fs::path old;
@@ -370,7 +382,7 @@ Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& opt
     ::fsync(parent);
     ::close(parent);
   }
-  report.pull.wall_s += report.unpack_wait_s;
+  report.pull.wall_s += seconds_since(downloads_done);
   return report;
 }
 

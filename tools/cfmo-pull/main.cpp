@@ -227,7 +227,8 @@ int run_pull(const Invocation& inv) {
                      {"uncompressed_bytes", rootfs->total.uncompressed_bytes},
                      {"skipped_devices", rootfs->total.skipped_devices},
                      {"skipped_xattrs", rootfs->total.skipped_xattrs},
-                     {"unpack_wait_s", rootfs->unpack_wait_s}};
+                     {"unpack_wait_s", rootfs->unpack_wait_s},
+                     {"sync_s", rootfs->sync_s}};
     }
     j["wall_s"] = report->wall_s;
     fmt::print("{}\n", j.dump(2));
