@@ -292,7 +292,6 @@ Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& opt
   std::vector<Descriptor> layers;
   std::optional<Error> apply_error;
   std::thread applier;
-  std::atomic<bool> apply_failed{false};
   bool apply_cancelled = false;  ///< the applier stopped because the pull did
   std::chrono::steady_clock::time_point downloads_done;
 
@@ -306,7 +305,6 @@ Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& opt
       if (!stats) {
         apply_error = std::move(stats).error();
         apply_cancelled = pipes[i]->cut_short();
-        apply_failed.store(true);
         cancel_all();
         return;
       }

@@ -139,9 +139,9 @@ TEST_F(RootfsFixture, ARootfsEqualsUmociUnpack) {
   if (!have_umoci()) GTEST_SKIP() << "umoci not installed: nothing to compare with";
   TempDir out;
   // The gzip + gzip + tar image into a layout and a rootfs at once, for umoci to unpack the layout.
-  const RunResult r = pull({"pull", ref("rootfs/mixed-gzip:v1"), "--plain-http", "--output",
-                            "oci:" + (out / "layout").string(), "--output", "rootfs:" + (out / "rootfs").string(),
-                            "--json"});
+  const RunResult r =
+      pull({"pull", ref("rootfs/mixed-gzip:v1"), "--plain-http", "--output", "oci:" + (out / "layout").string(),
+            "--output", "rootfs:" + (out / "rootfs").string(), "--json"});
   ASSERT_EQ(r.status, 0) << r.err;
   const auto report = Json::parse(r.out);
   EXPECT_EQ(report["rootfs"]["dir"], (out / "rootfs").string());
@@ -153,10 +153,9 @@ TEST_F(RootfsFixture, ARootfsEqualsUmociUnpack) {
   ASSERT_EQ(z.status, 0) << z.err;
 
   const bool root = geteuid() == 0;
-  const RunResult unpack =
-      run({"/bin/sh", "-c",
-           std::string("umoci unpack ") + (root ? "" : "--rootless ") + "--image '" + (out / "layout").string() +
-               ":v1' '" + (out / "bundle").string() + "' 2>&1"});
+  const RunResult unpack = run({"/bin/sh", "-c",
+                                std::string("umoci unpack ") + (root ? "" : "--rootless ") + "--image '" +
+                                    (out / "layout").string() + ":v1' '" + (out / "bundle").string() + "' 2>&1"});
   ASSERT_EQ(unpack.status, 0) << unpack.out;
   testing::ListingOptions options;
   options.owners = root;
@@ -202,6 +201,25 @@ TEST_F(RootfsFixture, ARootfsOnlyPullKeepsItsBlobsInTheCache) {
                                 "rootfs:" + (out / "empty").string(), "--cache", cache.string()});
   ASSERT_EQ(empty.status, 0) << empty.err;
   EXPECT_EQ(testing::list_tree(out / "empty"), tree);
+}
+
+TEST_F(RootfsFixture, ALayerNamedTwiceIsFetchedOnceAndAppliedTwice) {
+  // Layer 0 and 2 are one blob: a file layer 1 removes comes back.
+  const std::string a = make_tar({dir("etc"), file("etc/motd", "hello\n")});
+  const std::string b = make_tar({dir("etc"), whiteout("etc", "motd"), file("etc/other", "o")});
+  const FixtureImage image = make_real_image({{a, "tar+gzip"}, {b, "tar+gzip"}, {a, "tar+gzip"}});
+  ASSERT_TRUE(push_image(*registry_, "rootfs/twice", "v1", image));
+  TempDir out;
+  const RunResult r = pull({"pull", ref("rootfs/twice:v1"), "--plain-http", "--output",
+                            "rootfs:" + (out / "rootfs").string(), "--cache", (out / "cache").string(), "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto report = Json::parse(r.out);
+  ASSERT_EQ(report["layers"].size(), 3u);
+  EXPECT_EQ(report["layers"][2]["digest"], report["layers"][0]["digest"]);
+  EXPECT_EQ(report["bytes_fetched"].get<size_t>(),
+            image.config.size() + image.layers[0].size() + image.layers[1].size());
+  EXPECT_EQ(slurp(out / "rootfs/etc/motd"), "hello\n");
+  EXPECT_EQ(slurp(out / "rootfs/etc/other"), "o");
 }
 
 TEST(CfmoPullRootfs, OutputFlagsAreChecked) {
