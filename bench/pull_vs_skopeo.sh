@@ -14,7 +14,10 @@
 #
 # The registry is Debian's docker-registry on a free 127.0.0.1 port with its
 # own temporary storage; the fixtures are pushed with `skopeo copy`. Each rep
-# runs, in this order, every pair of peers on a fresh output directory:
+# runs every pair of peers (cfmo-pull first in odd reps, the peer first in
+# even ones), each on a fresh output directory that is removed only at the
+# end (so $TMPDIR needs room for every run's output: about 7 times the image
+# per rep, unpacked trees included):
 #   cfmo-pull pull REF --output oci:DIR          vs  skopeo copy docker://REF oci:DIR
 #   cfmo-pull pull REF --output rootfs:DIR       vs  skopeo copy ... && umoci unpack
 #     (with --cache on a fresh directory, so it downloads everything)
@@ -126,24 +129,39 @@ measure() {
 
 declare -A wall rss cpu
 add() { wall[$1]="${wall[$1]:-} $2"; rss[$1]="${rss[$1]:-} $3"; cpu[$1]="${cpu[$1]:-} $4"; }
+# Outputs are moved aside, not deleted, until the end: ext4 skips inodes
+# freed in the last minute or more when it allocates, and tens of thousands
+# of them (a removed rootfs) make the next run's file creation crawl.
+trash=0
+fresh() { [ -e "$tmp/out" ] && mv "$tmp/out" "$tmp/trash-$((trash += 1))"; mkdir -p "$tmp/out"; }
+run_one() {  # KEY LABEL COMMAND...
+  local key=$1 label=$2 w r c; shift 2
+  fresh
+  read -r w r c < <(measure "$@")
+  add "$key" "$w" "$r" "$c"
+  echo "rep $rep $label $w s $r KB ${c} s CPU" >&2
+}
 for rep in $(seq 1 "$REPS"); do
   for name in big small; do
     ref=$host/bench/$name:latest
-    out=$tmp/out; rm -rf "$out"; mkdir -p "$out"
-    read -r w r c < <(measure "$PULL" pull "$ref" --plain-http --jobs "$JOBS" --output "oci:$out/layout:latest")
-    add "$name-oci-cfmo" "$w" "$r" "$c"; echo "rep $rep $name oci:    cfmo-pull $w s $r KB ${c} s CPU" >&2
-    rm -rf "$out"; mkdir -p "$out"
-    read -r w r c < <(measure skopeo copy -q --src-tls-verify=false "docker://$ref" "oci:$out/layout:latest")
-    add "$name-oci-skopeo" "$w" "$r" "$c"; echo "rep $rep $name oci:    skopeo    $w s $r KB ${c} s CPU" >&2
-    rm -rf "$out"; mkdir -p "$out"
-    read -r w r c < <(measure "$PULL" pull "$ref" --plain-http --jobs "$JOBS" --output "rootfs:$out/rootfs" \
-      --cache "$out/cache")
-    add "$name-rootfs-cfmo" "$w" "$r" "$c"; echo "rep $rep $name rootfs: cfmo-pull $w s $r KB ${c} s CPU" >&2
-    chmod -R u+rwx "$out" 2>/dev/null || true; rm -rf "$out"; mkdir -p "$out"
-    read -r w r c < <(measure /bin/sh -c "skopeo copy -q --src-tls-verify=false 'docker://$ref' 'oci:$out/layout:latest' \
+    out=$tmp/out
+    cfmo_oci=("$PULL" pull "$ref" --plain-http --jobs "$JOBS" --output "oci:$out/layout:latest")
+    skopeo_oci=(skopeo copy -q --src-tls-verify=false "docker://$ref" "oci:$out/layout:latest")
+    cfmo_rootfs=("$PULL" pull "$ref" --plain-http --jobs "$JOBS" --output "rootfs:$out/rootfs" --cache "$out/cache")
+    skopeo_rootfs=(/bin/sh -c "skopeo copy -q --src-tls-verify=false 'docker://$ref' 'oci:$out/layout:latest' \
       && umoci unpack ${rootless[*]} --image '$out/layout:latest' '$out/bundle' > /dev/null")
-    add "$name-rootfs-skopeo" "$w" "$r" "$c"; echo "rep $rep $name rootfs: skopeo+umoci $w s $r KB ${c} s CPU" >&2
-    chmod -R u+rwx "$out" 2>/dev/null || true; rm -rf "$out"
+    # Odd reps run cfmo-pull first, even reps the peer.
+    if [ $((rep % 2)) -eq 1 ]; then
+      run_one "$name-oci-cfmo" "$name oci:    cfmo-pull   " "${cfmo_oci[@]}"
+      run_one "$name-oci-skopeo" "$name oci:    skopeo      " "${skopeo_oci[@]}"
+      run_one "$name-rootfs-cfmo" "$name rootfs: cfmo-pull   " "${cfmo_rootfs[@]}"
+      run_one "$name-rootfs-skopeo" "$name rootfs: skopeo+umoci" "${skopeo_rootfs[@]}"
+    else
+      run_one "$name-oci-skopeo" "$name oci:    skopeo      " "${skopeo_oci[@]}"
+      run_one "$name-oci-cfmo" "$name oci:    cfmo-pull   " "${cfmo_oci[@]}"
+      run_one "$name-rootfs-skopeo" "$name rootfs: skopeo+umoci" "${skopeo_rootfs[@]}"
+      run_one "$name-rootfs-cfmo" "$name rootfs: cfmo-pull   " "${cfmo_rootfs[@]}"
+    fi
   done
 done
 

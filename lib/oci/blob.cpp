@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -183,9 +185,22 @@ Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, co
   if (fd.get() < 0) {
     return make_error(ErrorKind::kInternal, "'{}': cannot open: {}", partial.string(), std::strerror(errno));
   }
+  // Another process fetching the same blob into the same directory (a shared
+  // cache) holds the lock until its blob is in place: wait, then look again.
+  while (::flock(fd.get(), LOCK_EX) != 0) {
+    if (errno != EINTR) {
+      return make_error(ErrorKind::kInternal, "'{}': cannot lock: {}", partial.string(), std::strerror(errno));
+    }
+  }
+  CFMO_ASSIGN_OR_RETURN(const bool arrived, file_matches(final_path, blob.digest, blob.size));
+  if (arrived) {
+    result.already_present = true;
+    return result;
+  }
   PartialFileSink sink(fd.get(), partial, blob.size, what, observer);
-  int64_t existing = static_cast<int64_t>(fs::file_size(partial, ec));
-  if (ec || existing > blob.size) {
+  struct stat st {};
+  int64_t existing = ::fstat(fd.get(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+  if (existing < 0 || existing > blob.size) {
     existing = 0;
     if (::ftruncate(fd.get(), 0) != 0)
       return make_error(ErrorKind::kInternal, "'{}': truncate failed", partial.string());

@@ -148,11 +148,12 @@ class LayerPipe : public BlobObserver {
       if (cancelled_) return make_error(ErrorKind::kInternal, "{}: cancelled", what);
       if (finished_ && error_) return *error_;
       const uint64_t generation = generation_;
+      const bool complete = finished_;
       lock.unlock();
 
       CFMO_ASSIGN_OR_RETURN(auto unpacker, LayerUnpacker::start(root, compression, options, what));
-      // The partial file, or the complete blob it was renamed to.
-      int fd = ::open(partial_path.c_str(), O_RDONLY | O_CLOEXEC);
+      // The partial file being written, or the complete blob (it was renamed to).
+      int fd = complete ? -1 : ::open(partial_path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd < 0) fd = ::open(final_path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd < 0) {
         return make_error(ErrorKind::kInternal, "{}: cannot open '{}': {}", what, final_path.string(),

@@ -222,6 +222,22 @@ TEST_F(RootfsFixture, ALayerNamedTwiceIsFetchedOnceAndAppliedTwice) {
   EXPECT_EQ(slurp(out / "rootfs/etc/other"), "o");
 }
 
+TEST_F(RootfsFixture, TwoPullsShareOneCache) {
+  // The second waits on the first's lock for each blob it is fetching, then finds it in place.
+  TempDir out;
+  const auto cache = out / "cache";
+  auto background = testing::spawn({binary(), "pull", ref("rootfs/mixed:v1"), "--plain-http", "--output",
+                                    "rootfs:" + (out / "one").string(), "--cache", cache.string()},
+                                   {}, (out / "one.out").string(), (out / "one.err").string());
+  const RunResult two = pull({"pull", ref("rootfs/mixed:v1"), "--plain-http", "--output",
+                              "rootfs:" + (out / "two").string(), "--cache", cache.string()});
+  ASSERT_TRUE(background.wait(120));
+  ASSERT_EQ(background.status, 0) << slurp(out / "one.err");
+  ASSERT_EQ(two.status, 0) << two.err;
+  EXPECT_EQ(testing::list_tree(out / "one"), testing::list_tree(out / "two"));
+  for (const auto& layer : mixed_->layers) expect_blob(cache, layer);
+}
+
 TEST(CfmoPullRootfs, OutputFlagsAreChecked) {
   TempDir out;
   for (const auto& args : std::vector<std::vector<std::string>>{
