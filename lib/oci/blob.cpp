@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -75,14 +77,20 @@ Status hash_prefix(int fd, int64_t length, EVP_MD_CTX* ctx, const fs::path& path
 /// across retries: each attempt asks for the bytes after those already written.
 class PartialFileSink : public BodySink {
  public:
-  PartialFileSink(int fd, fs::path path, int64_t expected, std::string what)
-      : fd_(fd), path_(std::move(path)), expected_(expected), what_(std::move(what)), ctx_(EVP_MD_CTX_new()) {
+  PartialFileSink(int fd, fs::path path, int64_t expected, std::string what, BlobObserver* observer)
+      : fd_(fd),
+        path_(std::move(path)),
+        expected_(expected),
+        what_(std::move(what)),
+        observer_(observer),
+        ctx_(EVP_MD_CTX_new()) {
     EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr);
   }
 
   Status resume_from(int64_t length) {
     CFMO_TRY(hash_prefix(fd_, length, ctx_.get(), path_));
     written_ = length;
+    flushed_ = length;
     return {};
   }
 
@@ -99,6 +107,8 @@ class PartialFileSink : public BodySink {
     }
     EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr);
     written_ = 0;
+    flushed_ = 0;
+    if (observer_ != nullptr) observer_->on_restart();
     return {};
   }
 
@@ -111,6 +121,13 @@ class PartialFileSink : public BodySink {
     EVP_DigestUpdate(ctx_.get(), chunk.data(), chunk.size());
     written_ += static_cast<int64_t>(chunk.size());
     fetched_ += static_cast<int64_t>(chunk.size());
+    // Start writing back what is written so far, so the fsync at the end
+    // waits for the last few MiB rather than the whole blob.
+    if (written_ - flushed_ >= kWritebackStep) {
+      ::sync_file_range(fd_, flushed_, written_ - flushed_, SYNC_FILE_RANGE_WRITE);
+      flushed_ = written_;
+    }
+    if (observer_ != nullptr) return observer_->on_write(chunk);
     return {};
   }
 
@@ -123,9 +140,12 @@ class PartialFileSink : public BodySink {
   fs::path path_;
   int64_t expected_;
   std::string what_;
+  BlobObserver* observer_;
   MdCtx ctx_;
   int64_t written_ = 0;
   int64_t fetched_ = 0;
+  int64_t flushed_ = 0;  ///< bytes handed to writeback
+  static constexpr int64_t kWritebackStep = 8 << 20;
 };
 
 }  // namespace
@@ -147,7 +167,7 @@ Result<bool> file_matches(const fs::path& path, const std::string& digest, int64
 }
 
 Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, const fs::path& layout,
-                              const std::string& what) {
+                              const std::string& what, BlobObserver* observer) {
   BlobResult result;
   const fs::path final_path = blob_path(layout, blob.digest);
   CFMO_ASSIGN_OR_RETURN(const bool present, file_matches(final_path, blob.digest, blob.size));
@@ -165,9 +185,22 @@ Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, co
   if (fd.get() < 0) {
     return make_error(ErrorKind::kInternal, "'{}': cannot open: {}", partial.string(), std::strerror(errno));
   }
-  PartialFileSink sink(fd.get(), partial, blob.size, what);
-  int64_t existing = static_cast<int64_t>(fs::file_size(partial, ec));
-  if (ec || existing > blob.size) {
+  // Another process fetching the same blob into the same directory (a shared
+  // cache) holds the lock until its blob is in place: wait, then look again.
+  while (::flock(fd.get(), LOCK_EX) != 0) {
+    if (errno != EINTR) {
+      return make_error(ErrorKind::kInternal, "'{}': cannot lock: {}", partial.string(), std::strerror(errno));
+    }
+  }
+  CFMO_ASSIGN_OR_RETURN(const bool arrived, file_matches(final_path, blob.digest, blob.size));
+  if (arrived) {
+    result.already_present = true;
+    return result;
+  }
+  PartialFileSink sink(fd.get(), partial, blob.size, what, observer);
+  struct stat st {};
+  int64_t existing = ::fstat(fd.get(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+  if (existing < 0 || existing > blob.size) {
     existing = 0;
     if (::ftruncate(fd.get(), 0) != 0)
       return make_error(ErrorKind::kInternal, "'{}': truncate failed", partial.string());
@@ -176,6 +209,7 @@ Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, co
     CFMO_TRY(sink.resume_from(existing));
     result.resumed = true;
   }
+  if (observer != nullptr) observer->on_start(sink.written());
   if (sink.written() < blob.size || blob.size == 0) {
     auto got = client.get("/v2/" + client.reference().repository + "/blobs/" + blob.digest, {}, sink, what);
     result.bytes_fetched = sink.fetched();

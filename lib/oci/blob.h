@@ -19,14 +19,29 @@ struct BlobResult {
   bool resumed = false;  ///< a partial file from an earlier run was continued
 };
 
+/// Sees a blob's bytes as fetch_blob writes them to the partial file (a tee,
+/// e.g. to an unpacker). Calls come from the downloading thread, in order.
+class BlobObserver {
+ public:
+  virtual ~BlobObserver() = default;
+  /// Before the first request: the partial file already holds this many bytes
+  /// (a download resumed from an earlier run), which on_write will not repeat.
+  virtual void on_start(int64_t bytes_on_disk) = 0;
+  /// The registry answered 200 to a Range request: the file starts over, empty.
+  virtual void on_restart() = 0;
+  /// Bytes just appended to the partial file; an error aborts the download.
+  virtual Status on_write(std::string_view chunk) = 0;
+};
+
 /// The path of a blob in a layout: DIR/blobs/sha256/<hex>.
 std::filesystem::path blob_path(const std::filesystem::path& layout, const std::string& digest);
 
 /// Fetches `blob` (from /v2/<repo>/blobs/<digest>) into `layout`. A digest
 /// or size mismatch is kInput, and the partial file is removed so the next
-/// run starts clean; a network failure keeps it for resuming.
+/// run starts clean; a network failure keeps it for resuming. `observer`,
+/// when given, sees the bytes (not those of a blob already present).
 Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, const std::filesystem::path& layout,
-                              const std::string& what);
+                              const std::string& what, BlobObserver* observer = nullptr);
 
 /// Checks that a file holds `digest` and `size` (for blobs already present).
 Result<bool> file_matches(const std::filesystem::path& path, const std::string& digest, int64_t size);

@@ -117,7 +117,7 @@ Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& opt
 
 Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& options,
                                   const std::optional<Credentials>& credentials, const fs::path& dir,
-                                  const std::string& tag) {
+                                  const std::string& tag, const LayerHooks* hooks) {
   const auto start = std::chrono::steady_clock::now();
   PullReport report;
   std::error_code ec;
@@ -134,12 +134,26 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   RegistryClient client(ref, options.registry, credentials);
   CFMO_ASSIGN_OR_RETURN(report.image, resolve(client, options.platform));
   const auto& manifest = report.image.parsed;
+  if (hooks != nullptr && hooks->resolved) CFMO_TRY(hooks->resolved(report.image));
 
   // Config and layers share one queue; the blobs are fetched by `jobs` threads,
   // each with its own client (a curl handle is not shared between threads).
+  // A blob named twice (the empty layer of many images) is fetched once: two
+  // downloads into one partial file would race.
   std::vector<Descriptor> blobs;
+  std::vector<std::vector<size_t>> layers_of;  // blob index -> the layer indices it is
+  std::map<std::string, size_t> blob_index;
   blobs.push_back(manifest.config);
-  for (const auto& layer : manifest.layers) blobs.push_back(layer);
+  layers_of.emplace_back();
+  blob_index.emplace(manifest.config.digest, 0);
+  for (size_t k = 0; k < manifest.layers.size(); ++k) {
+    const auto [it, fresh] = blob_index.emplace(manifest.layers[k].digest, blobs.size());
+    if (fresh) {
+      blobs.push_back(manifest.layers[k]);
+      layers_of.emplace_back();
+    }
+    layers_of[it->second].push_back(k);
+  }
   report.layers.resize(manifest.layers.size());
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
@@ -149,10 +163,16 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
     RegistryClient own(ref, options.registry, credentials);
     for (size_t i = next++; i < blobs.size() && !failed.load(); i = next++) {
       const auto& blob = blobs[i];
+      const auto& layers = layers_of[i];
       const std::string what = i == 0 ? "config " + short_digest(blob.digest)
-                                      : fmt::format("layer {} ({})", short_digest(blob.digest), i - 1);
+                                      : fmt::format("layer {} ({})", short_digest(blob.digest), layers.front());
       const auto blob_start = std::chrono::steady_clock::now();
-      auto got = fetch_blob(own, blob, dir, what);
+      BlobObserver* observer =
+          !layers.empty() && hooks != nullptr && hooks->observer ? hooks->observer(layers.front()) : nullptr;
+      auto got = fetch_blob(own, blob, dir, what, observer);
+      if (hooks != nullptr && hooks->done) {
+        for (const size_t k : layers) hooks->done(k, got);
+      }
       std::lock_guard lock(mutex);
       if (!got) {
         if (!first_error) first_error = std::move(got).error();
@@ -160,10 +180,10 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
         return;
       }
       report.bytes_fetched += got->bytes_fetched;
-      if (i > 0) {
-        report.layers[i - 1] = {blob.digest, blob.size,
-                                got->already_present ? "present" : (got->resumed ? "resumed" : "fetched"),
-                                seconds_since(blob_start)};
+      for (const size_t k : layers) {
+        report.layers[k] = {blob.digest, blob.size,
+                            got->already_present ? "present" : (got->resumed ? "resumed" : "fetched"),
+                            seconds_since(blob_start)};
       }
     }
   };

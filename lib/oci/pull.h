@@ -4,12 +4,14 @@
 /// skopeo and umoci read. Also `inspect`, which fetches no layer.
 
 #include "core/error.h"
+#include "oci/blob.h"
 #include "oci/manifest.h"
 #include "oci/reference.h"
 #include "oci/registry.h"
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -60,10 +62,21 @@ Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform);
 Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& options,
                                     const std::optional<Credentials>& credentials);
 
+/// What a caller may attach to a pull to see its layers while they download
+/// (the rootfs unpacker does). Both are called on download threads.
+struct LayerHooks {
+  /// Called once the manifest is known, before any blob is fetched; an error stops the pull.
+  std::function<Status(const ResolvedImage&)> resolved;
+  /// Before layer `index` is fetched: an observer of its bytes, or null.
+  std::function<BlobObserver*(size_t index)> observer;
+  /// After layer `index` is fetched, present, or failed.
+  std::function<void(size_t index, const Result<BlobResult>&)> done;
+};
+
 /// Pulls `ref` into the OCI layout at `dir` (created if absent); blobs
 /// already there are not fetched again; `tag` names it in index.json.
 Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& options,
                                   const std::optional<Credentials>& credentials, const std::filesystem::path& dir,
-                                  const std::string& tag);
+                                  const std::string& tag, const LayerHooks* hooks = nullptr);
 
 }  // namespace cfmo::oci

@@ -1,10 +1,12 @@
 // cfmo-pull: pulls a container image from an OCI Distribution registry into
-// an OCI image layout, streaming and verifying every blob. Parses flags,
+// an OCI image layout and/or a root filesystem, streaming and verifying every
+// blob and unpacking layers while they download. Parses flags,
 // calls lib/oci, prints, and maps the result to the shared exit status.
 #include "../common/tool_main.h"
 #include "oci/manifest.h"
 #include "oci/pull.h"
 #include "oci/reference.h"
+#include "oci/rootfs.h"
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
@@ -12,7 +14,9 @@
 
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -24,7 +28,9 @@ int fail(const cfmo::Error& error) { return cfmo::tool::fail(kTool, error); }
 /// What the flags of one subcommand set.
 struct Invocation {
   std::string reference;
-  std::string output;
+  std::vector<std::string> outputs;
+  std::string cache;
+  bool replace = false;
   std::string platform;
   std::string authfile;
   bool plain_http = false;
@@ -126,40 +132,113 @@ int run_inspect(const Invocation& inv) {
   return 0;
 }
 
+/// What --output asked for: an OCI layout, a rootfs, or both.
+struct Outputs {
+  std::string layout;  ///< oci:DIR
+  std::string tag;
+  std::string rootfs;  ///< rootfs:DIR
+};
+
+cfmo::Result<Outputs> parse_outputs(const Invocation& inv, const cfmo::oci::Reference& ref) {
+  Outputs out;
+  for (const auto& output : inv.outputs) {
+    if (output.starts_with("oci:") && output.size() > 4 && out.layout.empty()) {
+      out.layout = output.substr(4);
+      out.tag = ref.tag.empty() ? ref.digest : ref.tag;
+      if (const auto colon = out.layout.rfind(':');
+          colon != std::string::npos && out.layout.find('/', colon) == std::string::npos) {
+        out.tag = out.layout.substr(colon + 1);
+        out.layout.resize(colon);
+      }
+    } else if (output.starts_with("rootfs:") && output.size() > 7 && out.rootfs.empty()) {
+      out.rootfs = output.substr(7);
+    } else {
+      return cfmo::Error{cfmo::ErrorKind::kUsage,
+                         fmt::format("--output '{}': expected oci:DIR[:tag] or rootfs:DIR, each at most once", output)};
+    }
+  }
+  if (!inv.cache.empty() && !out.layout.empty()) {
+    return cfmo::Error{cfmo::ErrorKind::kUsage, "--cache: the blobs of a pull with --output oci: go into that layout"};
+  }
+  if (inv.replace && out.rootfs.empty()) {
+    return cfmo::Error{cfmo::ErrorKind::kUsage, "--replace: only for --output rootfs:DIR"};
+  }
+  return out;
+}
+
 int run_pull(const Invocation& inv) {
   auto ref = cfmo::oci::parse_reference(inv.reference);
   if (!ref) return fail(ref.error());
-  if (!inv.output.starts_with("oci:") || inv.output.size() == 4) {
-    return fail({cfmo::ErrorKind::kUsage, fmt::format("--output '{}': expected oci:DIR[:tag]", inv.output)});
-  }
-  std::string dir = inv.output.substr(4);
-  std::string tag = ref->tag.empty() ? ref->digest : ref->tag;
-  if (const auto colon = dir.rfind(':'); colon != std::string::npos && dir.find('/', colon) == std::string::npos) {
-    tag = dir.substr(colon + 1);
-    dir.resize(colon);
-  }
+  auto outputs = parse_outputs(inv, *ref);
+  if (!outputs) return fail(outputs.error());
   auto options = pull_options(inv);
   if (!options) return fail(options.error());
   auto credentials = cfmo::oci::load_credentials(ref->api_host(), inv.authfile);
   if (!credentials) return fail(credentials.error());
-  auto report = cfmo::oci::pull_to_layout(*ref, *options, *credentials, dir, tag);
+
+  cfmo::Result<cfmo::oci::PullReport> report = cfmo::Error{};
+  std::optional<cfmo::oci::RootfsReport> rootfs;
+  std::string layout = outputs->layout;
+  if (outputs->rootfs.empty()) {
+    report = cfmo::oci::pull_to_layout(*ref, *options, *credentials, layout, outputs->tag);
+  } else {
+    // A rootfs-only pull keeps its blobs in the cache (resumable, not fetched
+    // twice), named there by the whole reference.
+    std::string tag = outputs->tag;
+    if (layout.empty()) {
+      layout = inv.cache.empty() ? cfmo::oci::default_blob_cache().string() : inv.cache;
+      tag = ref->to_string();
+    }
+    cfmo::oci::RootfsOptions rootfs_options;
+    rootfs_options.dir = outputs->rootfs;
+    rootfs_options.replace = inv.replace;
+    auto got = cfmo::oci::pull_to_rootfs(*ref, *options, *credentials, layout, tag, rootfs_options);
+    if (!got) return fail(got.error());
+    report = got->pull;
+    rootfs = std::move(*got);
+  }
   if (!report) return fail(report.error());
+  if (rootfs && rootfs->total.skipped_devices > 0) {
+    fmt::print(stderr, "{}: {} device node(s) not created (creating them needs root)\n", kTool,
+               rootfs->total.skipped_devices);
+  }
   if (inv.json) {
     Json j;
     j["image"] = ref->to_string();
-    j["output"] = inv.output;
+    j["output"] = inv.outputs.front();
+    j["outputs"] = inv.outputs;
     j["manifest_digest"] = report->image.manifest.digest;
     j["layout_manifest_digest"] = report->layout_manifest.digest;
     j["layers"] = Json::array();
-    for (const auto& l : report->layers) {
-      j["layers"].push_back({{"digest", l.digest}, {"size", l.size}, {"state", l.state}, {"seconds", l.seconds}});
+    for (size_t i = 0; i < report->layers.size(); ++i) {
+      const auto& l = report->layers[i];
+      Json layer = {{"digest", l.digest}, {"size", l.size}, {"state", l.state}, {"seconds", l.seconds}};
+      if (rootfs) {
+        layer["entries"] = rootfs->layers[i].entries;
+        layer["uncompressed_bytes"] = rootfs->layers[i].uncompressed_bytes;
+      }
+      j["layers"].push_back(layer);
     }
     j["bytes_fetched"] = report->bytes_fetched;
+    if (rootfs) {
+      j["blobs"] = layout;
+      j["rootfs"] = {{"dir", rootfs->dir.string()},
+                     {"entries", rootfs->total.entries},
+                     {"uncompressed_bytes", rootfs->total.uncompressed_bytes},
+                     {"skipped_devices", rootfs->total.skipped_devices},
+                     {"skipped_xattrs", rootfs->total.skipped_xattrs},
+                     {"unpack_wait_s", rootfs->unpack_wait_s},
+                     {"sync_s", rootfs->sync_s}};
+    }
     j["wall_s"] = report->wall_s;
     fmt::print("{}\n", j.dump(2));
+  } else if (rootfs) {
+    fmt::print("{}: pulled {} ({}, {} layer(s), {} bytes fetched in {:.2f} s) into rootfs {} ({} entries)\n", kTool,
+               ref->to_string(), report->image.manifest.digest, report->layers.size(), report->bytes_fetched,
+               report->wall_s, rootfs->dir.string(), rootfs->total.entries);
   } else {
     fmt::print("{}: pulled {} ({}, {} layer(s), {} bytes fetched in {:.2f} s) into {}\n", kTool, ref->to_string(),
-               report->image.manifest.digest, report->layers.size(), report->bytes_fetched, report->wall_s, dir);
+               report->image.manifest.digest, report->layers.size(), report->bytes_fetched, report->wall_s, layout);
   }
   return 0;
 }
@@ -174,10 +253,17 @@ int run(int argc, char** argv) {
   app.get_formatter()->column_width(30);
 
   Invocation pull_inv;
-  CLI::App* pull = app.add_subcommand("pull", "pull an image into an OCI layout (--output oci:DIR[:tag])");
+  CLI::App* pull = app.add_subcommand(
+      "pull", "pull an image into an OCI layout (--output oci:DIR[:tag]) and/or a root filesystem (rootfs:DIR)");
   pull->get_formatter()->column_width(30);
   add_registry_flags(*pull, pull_inv);
-  pull->add_option("--output", pull_inv.output, "where the image goes: oci:DIR[:tag]")->required();
+  pull->add_option("--output", pull_inv.outputs,
+                   "where the image goes: oci:DIR[:tag] (an OCI layout), rootfs:DIR (its layers unpacked), or both")
+      ->required();
+  pull->add_option("--cache", pull_inv.cache,
+                   "blob store of a pull without oci: (default: $XDG_CACHE_HOME/cfmo-pull, ~/.cache/cfmo-pull)");
+  pull->add_flag("--replace", pull_inv.replace,
+                 "replace a rootfs:DIR that is not empty, once the new tree is complete");
   pull->add_option("--jobs", pull_inv.jobs, "blobs downloaded in parallel")->check(CLI::Range(1, 64));
 
   Invocation inspect_inv;
