@@ -4,7 +4,7 @@
 # prints the one apt-get line to run and exits 1.
 #
 #   scripts/install-deps.sh            build, test and demo dependencies
-#   scripts/install-deps.sh --bench    also the benchmark peers (python3-torch, the zstd command)
+#   scripts/install-deps.sh --bench    also the benchmark peers (python3-torch, the zstd command, skopeo)
 #   scripts/install-deps.sh --list     print the package list and exit
 set -euo pipefail
 
@@ -14,7 +14,7 @@ packages=(
   libopenblas-dev zlib1g-dev libzstd-dev libxxhash-dev            # BLAS, gzip, compression, checksums
   libucx-dev                                                      # transport between workers
   libcurl4-openssl-dev libssl-dev                                 # cfmo-pull: registry client, SHA-256
-  libarchive-dev                                                  # cfmo-pull: unpacking layers
+  libarchive-dev libisal-dev                                      # cfmo-pull: unpacking layers, igzip (zlib is the fallback)
   docker-registry umoci                                           # cfmo-pull tests: a real local registry, a layout reader
   libgtest-dev googletest                                         # tests
   scdoc                                                           # man pages from source
@@ -22,7 +22,7 @@ packages=(
 )
 
 case "${1:-}" in
-  --bench) packages+=(python3-torch python3-numpy time zstd) ;;
+  --bench) packages+=(python3-torch python3-numpy time zstd skopeo) ;;
   --list) printf '%s\n' "${packages[@]}"; exit 0 ;;
   "") ;;
   *) echo "usage: $0 [--bench|--list]" >&2; exit 2 ;;

@@ -111,6 +111,7 @@ class PartialFileSink : public BodySink {
     EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr);
     written_ = 0;
     on_disk_ = 0;
+    if (options_.observer != nullptr) options_.observer->on_restart();
     return {};
   }
 
@@ -127,6 +128,7 @@ class PartialFileSink : public BodySink {
       CFMO_TRY(flush());
       CFMO_TRY(pwrite_all(fd_, chunk, on_disk_, path_));
       on_disk_ += static_cast<int64_t>(chunk.size());
+      if (options_.observer != nullptr) CFMO_TRY(options_.observer->on_write(chunk));
     }
     written_ += static_cast<int64_t>(chunk.size());
     fetched_ += static_cast<int64_t>(chunk.size());
@@ -138,10 +140,13 @@ class PartialFileSink : public BodySink {
   /// partial file holds every byte received and verified by TCP.
   Status flush() {
     if (buffer_.empty()) return {};
-    CFMO_TRY(pwrite_all(fd_, std::string_view(buffer_.data(), buffer_.size()), on_disk_, path_));
-    on_disk_ += static_cast<int64_t>(buffer_.size());
+    const std::string_view bytes(buffer_.data(), buffer_.size());
+    CFMO_TRY(pwrite_all(fd_, bytes, on_disk_, path_));
+    on_disk_ += static_cast<int64_t>(bytes.size());
+    // The observer hears of bytes once they are in the file (an unpacker may read them back from it).
+    Status seen = options_.observer != nullptr ? options_.observer->on_write(bytes) : Status{};
     buffer_.clear();
-    return {};
+    return seen;
   }
 
   void report(bool force) {
@@ -218,6 +223,7 @@ Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, co
     CFMO_TRY(sink.resume_from(existing));
     result.resumed = true;
   }
+  if (options.observer != nullptr) options.observer->on_start(sink.written());
   if (sink.written() < blob.size || blob.size == 0) {
     auto got = client.get("/v2/" + client.reference().repository + "/blobs/" + blob.digest, {}, sink, what);
     result.bytes_fetched = sink.fetched();

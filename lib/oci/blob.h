@@ -20,6 +20,20 @@ struct BlobResult {
   bool resumed = false;  ///< a partial file from an earlier run was continued
 };
 
+/// Sees a blob's bytes as fetch_blob writes them to the partial file (a tee,
+/// e.g. to an unpacker). Calls come from the downloading thread, in order.
+class BlobObserver {
+ public:
+  virtual ~BlobObserver() = default;
+  /// Before the first request: the partial file already holds this many bytes
+  /// (a download resumed from an earlier run), which on_write will not repeat.
+  virtual void on_start(int64_t bytes_on_disk) = 0;
+  /// The registry answered 200 to a Range request: the file starts over, empty.
+  virtual void on_restart() = 0;
+  /// Bytes just appended to the partial file; an error aborts the download.
+  virtual Status on_write(std::string_view chunk) = 0;
+};
+
 /// How one blob is fetched. The write buffer (drawn by the caller from its
 /// MemoryBudget) gathers the network's small chunks into large writes; the
 /// bytes in it count as received, so a Range resume continues after them.
@@ -28,6 +42,9 @@ struct BlobFetchOptions {
   /// Called as bytes arrive with the blob's bytes so far (resumed ones
   /// included), at most every 256 KiB and once at the end.
   std::function<void(int64_t)> on_bytes;
+  /// Sees the bytes as they are written to the partial file (not those of a
+  /// blob already present).
+  BlobObserver* observer = nullptr;
 };
 
 /// The path of a blob in a layout: DIR/blobs/sha256/<hex>.

@@ -135,6 +135,7 @@ struct Transfer {
   std::shared_ptr<EndpointHealth> health;
   MemoryBudget* budget = nullptr;
   PullObserver* observer = nullptr;
+  const LayerHooks* hooks = nullptr;
   fs::path dir;
   std::mutex notes_mutex;  ///< guards notes
   std::vector<std::string> notes;
@@ -185,9 +186,15 @@ Status run_jobs(const std::vector<BlobJob>& jobs, int threads, Transfer& transfe
           transfer.observer->on_layer_bytes(job.layer, bytes);
         };
       }
+      const LayerHooks* hooks = job.layer != kConfig ? transfer.hooks : nullptr;
+      if (hooks != nullptr && hooks->observer) fetch_options.observer = hooks->observer(job.layer);
       const auto start = Clock::now();
       JobOutcome outcome;
+      int attempts = 0;
       Status status = pool.each_until_ok(job.what, [&](RegistryClient& client) -> Status {
+        // Another host after one failed: the observer starts the blob again
+        // (the partial file may have been dropped after a mismatch).
+        if (attempts++ > 0 && fetch_options.observer != nullptr) fetch_options.observer->on_restart();
         auto got = fetch_blob(client, job.blob, job.store, job.what, fetch_options);
         if (!got) return std::move(got).error();
         outcome.result.bytes_fetched += got->bytes_fetched;
@@ -197,6 +204,9 @@ Status run_jobs(const std::vector<BlobJob>& jobs, int threads, Transfer& transfe
       });
       lease.release();
       if (status && job.link) status = link_blob(transfer.dir, blob_path(job.store, job.blob.digest), job.blob.digest);
+      if (hooks != nullptr && hooks->done) {
+        hooks->done(job.layer, status ? Result<BlobResult>(outcome.result) : Result<BlobResult>(status.error()));
+      }
       outcome.seconds = seconds_since(start);
       std::lock_guard lock(mutex);
       Status recorded = status ? done(job, outcome) : done(job, status.error());
@@ -437,7 +447,7 @@ fs::path memory_store_for(const fs::path& dir, const fs::path& memory_dir) {
 }
 
 Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& options, const fs::path& dir,
-                                  const std::string& tag) {
+                                  const std::string& tag, const LayerHooks* hooks) {
   const auto start = Clock::now();
   PullReport report;
   CFMO_TRY(prepare_layout(dir));
@@ -465,10 +475,14 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   }
   const auto& image = report.image;
   const auto& layers = image.parsed.layers;
+  transfer.hooks = hooks;
+  if (hooks != nullptr && hooks->resolved) CFMO_TRY(hooks->resolved(image));
 
   if (fs::exists(state_path(dir))) {
     CFMO_ASSIGN_OR_RETURN(const auto earlier, read_state(dir));
-    if (!earlier.complete && earlier.manifest_digest != image.manifest.digest &&
+    // Layers left for later on purpose (lazy, skip) would be forgotten; an
+    // eager pull that failed is only resumed or replaced (a shared cache).
+    if (!earlier.complete && earlier.cold != "eager" && earlier.manifest_digest != image.manifest.digest &&
         std::any_of(earlier.layers.begin(), earlier.layers.end(),
                     [](const LayerState& l) { return l.status != LayerStatus::kFetched; })) {
       return make_error(ErrorKind::kUsage,
@@ -484,7 +498,9 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   const std::string cap_text =
       fmt::format("--max-memory {} leaves {} for the memory store ({} go to download buffers)",
                   human_bytes(options.max_memory), human_bytes(capacity), human_bytes(options.buffer_memory));
-  CFMO_ASSIGN_OR_RETURN(auto plan, plan_memory(layers, hot, capacity, options.spill, cap_text));
+  CFMO_ASSIGN_OR_RETURN(auto plan, options.memory_store
+                                       ? plan_memory(layers, hot, capacity, options.spill, cap_text)
+                                       : plan_memory(layers, std::vector<bool>(layers.size(), false), 0, false, ""));
   fs::path store;
   if (plan.memory_bytes > 0) {
     store = memory_store_for(dir, options.memory_dir);
@@ -526,7 +542,8 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   state.manifest_digest = image.manifest.digest;
   state.manifest_media_type = image.manifest.media_type;
   state.config = image.parsed.config;
-  state.cold = to_string(options.cold);
+  // A background fetch is lazy as far as the state file goes: the layers wait for that process.
+  state.cold = options.background ? "lazy" : to_string(options.cold);
   state.hosts = options.hosts;
   state.auth_file = options.registry.auth_file;
   state.memory_dir = plan.memory_bytes > 0 ? store.string() : "";

@@ -8,6 +8,7 @@
 /// layer. The pull's progress is kept in DIR's state file (pull_state.h).
 
 #include "core/error.h"
+#include "oci/blob.h"
 #include "oci/hosts.h"
 #include "oci/hot_set.h"
 #include "oci/manifest.h"
@@ -17,6 +18,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -75,7 +77,10 @@ struct PullOptions {
   /// returns: they are left pending, whatever `cold` says (not kSkip).
   bool background = false;
   std::filesystem::path memory_dir = "/dev/shm";  ///< where the memory store is made
-  std::filesystem::path ready_file;               ///< written when the hot layers are complete; empty: none
+  /// false: hot layers only go first; every blob goes to the layout (a
+  /// rootfs pull, whose product is the unpacked tree, not the blobs).
+  bool memory_store = true;
+  std::filesystem::path ready_file;  ///< written when the hot layers are complete; empty: none
   PullObserver* observer = nullptr;
 };
 
@@ -125,10 +130,22 @@ Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& opt
 /// MEMORY_DIR/cfmo-pull-<name>-<hash of DIR's absolute path>.
 std::filesystem::path memory_store_for(const std::filesystem::path& dir, const std::filesystem::path& memory_dir);
 
+/// What a caller may attach to a pull to see its layers while they download
+/// (the rootfs unpacker does). `observer` and `done` are called on download
+/// threads; layers a lazy or skipping pull leaves out see neither.
+struct LayerHooks {
+  /// Called once the manifest is known, before any blob is fetched; an error stops the pull.
+  std::function<Status(const ResolvedImage&)> resolved;
+  /// Before layer `index` is fetched: an observer of its bytes, or null.
+  std::function<BlobObserver*(size_t index)> observer;
+  /// After layer `index` is fetched, present, or failed.
+  std::function<void(size_t index, const Result<BlobResult>&)> done;
+};
+
 /// Pulls `ref` into the OCI layout at `dir` (created if absent); blobs
 /// already there are not fetched again; `tag` names it in index.json.
 Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& options, const std::filesystem::path& dir,
-                                  const std::string& tag);
+                                  const std::string& tag, const LayerHooks* hooks = nullptr);
 
 struct FetchOptions {
   RegistryOptions registry;

@@ -59,7 +59,14 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
     t.add("image", &c.image, "the image reference, [registry[:port]/]name[:tag|@digest] (or the REF argument)", image);
     t.add("platform", &c.platform, "os/arch[/variant] to choose from an index (empty: this machine's)", image);
   }
-  if (s == kPull) t.add("output", &c.output, "where the image goes: oci:DIR[:tag]", image, "-o");
+  if (s == kPull) {
+    t.add("output", &c.output,
+          "where the image goes: oci:DIR[:tag] (an OCI layout), rootfs:DIR (its layers unpacked), or both", image,
+          "-o");
+    t.add("cache", &c.cache, "blob store of a pull without oci: (empty: $XDG_CACHE_HOME/cfmo-pull, ~/.cache/cfmo-pull)",
+          image);
+    t.add("replace", &c.replace, "replace a rootfs:DIR that is not empty, once the new tree is complete", image);
+  }
 
   const std::string registry = "Registry";
   if (among(s, {kPull, kInspect, kFetch})) {

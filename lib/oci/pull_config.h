@@ -23,7 +23,9 @@ std::string_view to_string(PullCommand command);
 struct PullConfig {
   // The image.
   std::string image;
-  std::string output;
+  std::vector<std::string> output;  ///< oci:DIR[:tag] and/or rootfs:DIR
+  std::string cache;
+  bool replace = false;
   std::string platform;
   // Registries.
   bool plain_http = false;

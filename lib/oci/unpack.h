@@ -49,7 +49,8 @@ struct UnpackStats {
   int64_t compressed_bytes = 0;
   int64_t uncompressed_bytes = 0;  ///< the tar stream's size
   int64_t entries = 0;             ///< tar entries read, whiteouts included
-  int64_t skipped_devices = 0;     ///< device nodes (and fifos) not created
+  int64_t skipped_devices = 0;     ///< device nodes (and sockets) not created
+  int64_t skipped_xattrs = 0;      ///< extended attributes not set (not allowed, unsupported, trusted.overlay.*)
 };
 
 /// Streams one layer into `root` while it downloads: write() takes compressed

@@ -7,6 +7,7 @@
 #include "core/atomic_file.h"
 #include "integration/harness.h"
 #include "oci/registry.h"
+#include "support/layer_builder.h"
 
 #include <archive.h>
 #include <archive_entry.h>
@@ -196,6 +197,41 @@ inline FixtureImage make_image(unsigned seed, const std::string& architecture, s
       {"config", descriptor("application/vnd.oci.image.config.v1+json", image.config)},
       {"layers",
        layers}}.dump();
+  image.manifest_digest = oci::sha256_digest(image.manifest);
+  return image;
+}
+
+/// A layer of a real image: an uncompressed tar and how to compress it
+/// ("tar", "tar+gzip", "tar+zstd": the OCI media type's suffix).
+struct RealLayer {
+  std::string tar;
+  std::string kind = "tar+gzip";
+};
+
+/// An OCI image of real tar layers, with the config's diff_ids right (umoci checks them).
+inline FixtureImage make_real_image(const std::vector<RealLayer>& layers, const std::string& architecture = "amd64") {
+  FixtureImage image;
+  Json diff_ids = Json::array();
+  Json descriptors = Json::array();
+  for (const auto& layer : layers) {
+    diff_ids.push_back(oci::sha256_digest(layer.tar));
+    std::string blob = layer.tar;
+    if (layer.kind == "tar+gzip") blob = testing::gzip(layer.tar);
+    if (layer.kind == "tar+zstd") blob = testing::zstd(layer.tar);
+    image.layers.push_back(blob);
+    descriptors.push_back(descriptor("application/vnd.oci.image.layer.v1." + layer.kind, blob));
+  }
+  image.config = Json{{"architecture", architecture},
+                      {"os", "linux"},
+                      {"config", {{"Env", {"PATH=/usr/bin:/bin"}}}},
+                      {"rootfs", {{"type", "layers"}, {"diff_ids", diff_ids}}}}
+                     .dump();
+  image.manifest = Json{
+      {"schemaVersion", 2},
+      {"mediaType", "application/vnd.oci.image.manifest.v1+json"},
+      {"config", descriptor("application/vnd.oci.image.config.v1+json", image.config)},
+      {"layers",
+       descriptors}}.dump();
   image.manifest_digest = oci::sha256_digest(image.manifest);
   return image;
 }

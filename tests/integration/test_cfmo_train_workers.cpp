@@ -25,8 +25,8 @@ namespace fs = std::filesystem;
 std::string binary() { return testing::env_or("CFMO_TRAIN", "build/tools/cfmo-train"); }
 
 std::vector<std::string> args(std::vector<std::string> extra) {
-  std::vector<std::string> out = {binary(), "--data", "synthetic:2048:256", "--model", "mlp:32", "--quiet",
-                                  "--peer-timeout", "5"};
+  std::vector<std::string> out = {binary(), "--data",  "synthetic:2048:256", "--model",
+                                  "mlp:32", "--quiet", "--peer-timeout",     "5"};
   out.insert(out.end(), extra.begin(), extra.end());
   return out;
 }
@@ -65,7 +65,8 @@ TEST(CfmoTrainWorkers, EveryModeTrainsWithTwoWorkersAndReports) {
     SCOPED_TRACE(mode);
     // asgd with a tight staleness bound: unbounded, it is the unstable baseline the article describes.
     const std::string bound = std::string(mode) == "asgd" ? "1" : "4";
-    const RunResult r = run(args({"--workers", "2", "--mode", mode, "--epochs", "3", "--max-staleness", bound, "--json"}), 300);
+    const RunResult r =
+        run(args({"--workers", "2", "--mode", mode, "--epochs", "3", "--max-staleness", bound, "--json"}), 300);
     ASSERT_EQ(r.status, 0) << r.err;
     const auto j = last_json(r.out);
     ASSERT_FALSE(j.is_null()) << r.out;
@@ -114,9 +115,8 @@ TEST(CfmoTrainWorkers, ReconcilingModesWriteEachRanksDeltasForCfmoDiverge) {
   for (const char* mode : {"localsgd", "cfmo"}) {
     SCOPED_TRACE(mode);
     TempDir dir;
-    const RunResult r = run(args({"--workers", "2", "--mode", mode, "--epochs", "2", "--json", "--out",
-                                  (dir / "run").string()}),
-                            300);
+    const RunResult r =
+        run(args({"--workers", "2", "--mode", mode, "--epochs", "2", "--json", "--out", (dir / "run").string()}), 300);
     ASSERT_EQ(r.status, 0) << r.err;
     const auto j = last_json(r.out);
     for (int rank : {0, 1}) {
@@ -166,8 +166,8 @@ TEST(CfmoTrainWorkers, SyncWithTwoWorkersMatchesOneWorkerOnTheDoubledBatch) {
 }
 
 TEST(CfmoTrainWorkers, CfmoWithAVerySlowWorkerFinishesAndTheFastOneNeverWaits) {
-  const RunResult r = run(
-      args({"--workers", "2", "--mode", "cfmo", "--epochs", "2", "--slowdown", "1=5", "--json"}), 300);
+  const RunResult r =
+      run(args({"--workers", "2", "--mode", "cfmo", "--epochs", "2", "--slowdown", "1=5", "--json"}), 300);
   ASSERT_EQ(r.status, 0) << r.err;
   const auto j = last_json(r.out);
   ASSERT_EQ(j["per_worker"].size(), 2u);
@@ -192,9 +192,9 @@ Ranks start_ranks(const TempDir& dir, int world, const std::vector<std::string>&
   const std::string rendezvous = "CFMO_RENDEZVOUS=127.0.0.1:" + std::to_string(testing::free_port());
   Ranks ranks;
   for (int r = 0; r < world; ++r) {
-    ranks.processes.push_back(testing::spawn(
-        args(extra), {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world), rendezvous},
-        (dir / ("out-" + std::to_string(r))).string(), (dir / ("err-" + std::to_string(r))).string()));
+    ranks.processes.push_back(
+        testing::spawn(args(extra), {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world), rendezvous},
+                       (dir / ("out-" + std::to_string(r))).string(), (dir / ("err-" + std::to_string(r))).string()));
   }
   return ranks;
 }
@@ -216,9 +216,9 @@ bool wait_for_progress(Ranks& ranks, const fs::path& metrics, double timeout_s) 
 
 TEST(CfmoTrainWorkers, SyncWorkersExitFourNamingARankKilledMidRun) {
   TempDir dir;
-  auto ranks = start_ranks(dir, 3,
-                           {"--mode", "sync", "--epochs", "0", "--time-limit", "5m", "--log-every", "1", "--out",
-                            (dir / "run").string()});
+  auto ranks = start_ranks(
+      dir, 3,
+      {"--mode", "sync", "--epochs", "0", "--time-limit", "5m", "--log-every", "1", "--out", (dir / "run").string()});
   ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
       << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
   kill(ranks.processes[1].pid, SIGKILL);
@@ -237,9 +237,8 @@ TEST(CfmoTrainWorkers, SyncWorkersExitFourNamingARankKilledMidRun) {
 
 TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutARankKilledMidRun) {
   TempDir dir;
-  auto ranks = start_ranks(dir, 3,
-                           {"--mode", "cfmo", "--epochs", "300", "--log-every", "1", "--json", "--out",
-                            (dir / "run").string()});
+  auto ranks = start_ranks(
+      dir, 3, {"--mode", "cfmo", "--epochs", "300", "--log-every", "1", "--json", "--out", (dir / "run").string()});
   ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
       << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
   kill(ranks.processes[2].pid, SIGKILL);
@@ -254,7 +253,8 @@ TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutARankKilledMidRun) {
 }
 
 TEST(CfmoTrainWorkers, LauncherPrefixesRanksAndReportsAKilledRank) {
-  const RunResult r = run(args({"--workers", "2", "--mode", "sync", "--steps", "3", "--log-every", "1", "--no-quiet"}), 300);
+  const RunResult r =
+      run(args({"--workers", "2", "--mode", "sync", "--steps", "3", "--log-every", "1", "--no-quiet"}), 300);
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.err.find("[rank 0] step 1"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("[rank 1] step 1"), std::string::npos) << r.err;
@@ -264,24 +264,22 @@ TEST(CfmoTrainWorkers, LauncherPrefixesRanksAndReportsAKilledRank) {
 TEST(CfmoTrainWorkers, TimeLimitAndCtrlCStopLockstepWorkersTogether) {
   for (const char* mode : {"sync", "localsgd"}) {
     SCOPED_TRACE(mode);
-    const RunResult timed = run(args({"--workers", "3", "--mode", mode, "--epochs", "0", "--time-limit", "1s",
-                                      "--json"}),
-                                300);
+    const RunResult timed =
+        run(args({"--workers", "3", "--mode", mode, "--epochs", "0", "--time-limit", "1s", "--json"}), 300);
     EXPECT_EQ(timed.status, 0) << timed.err;
     EXPECT_EQ(last_json(timed.out)["stopped_by"], "time-limit");
     TempDir dir;
     bool sent = false;
-    const RunResult interrupted = run(
-        args({"--workers", "3", "--mode", mode, "--epochs", "0", "--time-limit", "5m", "--log-every", "1", "--out",
-              (dir / "run").string(), "--json"}),
-        300, {}, [&](pid_t pid, double elapsed) {
-          std::error_code ec;
-          const auto size = fs::file_size(dir / "run" / "metrics-rank-2.jsonl", ec);
-          if (!sent && ((!ec && size > 0) || elapsed > 120)) {
-            kill(pid, SIGINT);  // what a terminal's Ctrl-C does to the launcher
-            sent = true;
-          }
-        });
+    const RunResult interrupted = run(args({"--workers", "3", "--mode", mode, "--epochs", "0", "--time-limit", "5m",
+                                            "--log-every", "1", "--out", (dir / "run").string(), "--json"}),
+                                      300, {}, [&](pid_t pid, double elapsed) {
+                                        std::error_code ec;
+                                        const auto size = fs::file_size(dir / "run" / "metrics-rank-2.jsonl", ec);
+                                        if (!sent && ((!ec && size > 0) || elapsed > 120)) {
+                                          kill(pid, SIGINT);  // what a terminal's Ctrl-C does to the launcher
+                                          sent = true;
+                                        }
+                                      });
     EXPECT_TRUE(sent);
     EXPECT_FALSE(interrupted.timed_out);
     EXPECT_EQ(interrupted.status, 130) << interrupted.err;

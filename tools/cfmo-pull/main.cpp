@@ -12,6 +12,7 @@
 #include "oci/pull_config.h"
 #include "oci/pull_state.h"
 #include "oci/reference.h"
+#include "oci/rootfs.h"
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -21,6 +22,7 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -148,18 +150,38 @@ int run_inspect(Invocation& inv, const oci::PullPlan& plan) {
   return 0;
 }
 
-/// "oci:DIR[:tag]" into the directory and the tag (the reference's by default).
-cfmo::Result<std::pair<std::string, std::string>> parse_output(const std::string& output, const oci::Reference& ref) {
-  if (!output.starts_with("oci:") || output.size() == 4) {
-    return cfmo::make_error(cfmo::ErrorKind::kUsage, "--output '{}': expected oci:DIR[:tag]", output);
+/// What --output asked for: an OCI layout, a rootfs, or both.
+struct Outputs {
+  std::string layout;  ///< oci:DIR
+  std::string tag;
+  std::string rootfs;  ///< rootfs:DIR
+};
+
+cfmo::Result<Outputs> parse_outputs(const oci::PullConfig& config, const oci::Reference& ref) {
+  Outputs out;
+  for (const auto& output : config.output) {
+    if (output.starts_with("oci:") && output.size() > 4 && out.layout.empty()) {
+      out.layout = output.substr(4);
+      out.tag = ref.tag.empty() ? ref.digest : ref.tag;
+      if (const auto colon = out.layout.rfind(':');
+          colon != std::string::npos && out.layout.find('/', colon) == std::string::npos) {
+        out.tag = out.layout.substr(colon + 1);
+        out.layout.resize(colon);
+      }
+    } else if (output.starts_with("rootfs:") && output.size() > 7 && out.rootfs.empty()) {
+      out.rootfs = output.substr(7);
+    } else {
+      return cfmo::Error{cfmo::ErrorKind::kUsage,
+                         fmt::format("--output '{}': expected oci:DIR[:tag] or rootfs:DIR, each at most once", output)};
+    }
   }
-  std::string dir = output.substr(4);
-  std::string tag = ref.tag.empty() ? ref.digest : ref.tag;
-  if (const auto colon = dir.rfind(':'); colon != std::string::npos && dir.find('/', colon) == std::string::npos) {
-    tag = dir.substr(colon + 1);
-    dir.resize(colon);
+  if (!config.cache.empty() && !out.layout.empty()) {
+    return cfmo::Error{cfmo::ErrorKind::kUsage, "--cache: the blobs of a pull with --output oci: go into that layout"};
   }
-  return std::make_pair(dir, tag);
+  if (config.replace && out.rootfs.empty()) {
+    return cfmo::Error{cfmo::ErrorKind::kUsage, "--replace: only for --output rootfs:DIR"};
+  }
+  return out;
 }
 
 int run_pull(Invocation& inv, const oci::PullPlan& plan) {
@@ -169,23 +191,48 @@ int run_pull(Invocation& inv, const oci::PullPlan& plan) {
   auto ref = oci::parse_reference(inv.config.image);
   if (!ref) return fail(ref.error());
   if (inv.config.output.empty()) {
-    return fail({cfmo::ErrorKind::kUsage, "pull: --output oci:DIR[:tag] is required"});
+    return fail({cfmo::ErrorKind::kUsage, "pull: --output oci:DIR[:tag] or rootfs:DIR is required"});
   }
-  auto output = parse_output(inv.config.output, *ref);
-  if (!output) return fail(output.error());
-  const auto& [dir, tag] = *output;
+  auto outputs = parse_outputs(inv.config, *ref);
+  if (!outputs) return fail(outputs.error());
   auto progress = console(inv, plan);
   oci::PullOptions options = plan.pull;
   options.observer = progress.get();
-  auto report = oci::pull_to_layout(*ref, options, dir, tag);
-  if (!report) return fail(report.error());
+
+  std::optional<oci::RootfsReport> rootfs;
+  std::optional<oci::PullReport> report;
+  std::string layout = outputs->layout;
+  if (outputs->rootfs.empty()) {
+    auto got = oci::pull_to_layout(*ref, options, layout, outputs->tag);
+    if (!got) return fail(got.error());
+    report = std::move(*got);
+  } else {
+    // A rootfs-only pull keeps its blobs in the cache (resumable, not fetched
+    // twice), named there by the whole reference.
+    std::string tag = outputs->tag;
+    if (layout.empty()) {
+      layout = inv.config.cache.empty() ? oci::default_blob_cache().string() : inv.config.cache;
+      tag = ref->to_string();
+    }
+    oci::RootfsOptions rootfs_options;
+    rootfs_options.dir = outputs->rootfs;
+    rootfs_options.replace = inv.config.replace;
+    auto got = oci::pull_to_rootfs(*ref, options, layout, tag, rootfs_options);
+    if (!got) return fail(got.error());
+    report = got->pull;
+    rootfs = std::move(*got);
+  }
+  if (rootfs && rootfs->total.skipped_devices > 0 && !inv.config.quiet) {
+    fmt::print(stderr, "{}: {} device node(s) not created (creating them needs root)\n", kTool,
+               rootfs->total.skipped_devices);
+  }
 
   int background_pid = 0;
   const bool pending = std::any_of(report->layers.begin(), report->layers.end(),
                                    [](const oci::LayerReport& l) { return l.state == "pending"; });
   if (options.background && pending) {
     std::error_code ec;
-    const std::string absolute = fs::absolute(dir, ec).string();
+    const std::string absolute = fs::absolute(layout, ec).string();
     std::vector<std::string> args = {kTool, "fetch", absolute, "--progress", "plain"};
     for (auto& a : oci::fetch_arguments(inv.config, plan.pull.buffer_memory)) args.push_back(std::move(a));
     auto started = cfmo::pulltool::start_detached(args, (fs::path(absolute) / oci::kLogFile).string());
@@ -193,28 +240,48 @@ int run_pull(Invocation& inv, const oci::PullPlan& plan) {
     background_pid = *started;
   }
   if (inv.config.json) {
-    Json j = report_json(*report, ref->to_string(), inv.config.output);
+    Json j = report_json(*report, ref->to_string(), inv.config.output.front());
+    j["outputs"] = inv.config.output;
     j["background_pid"] = background_pid > 0 ? Json(background_pid) : Json(nullptr);
+    if (rootfs) {
+      for (size_t i = 0; i < report->layers.size(); ++i) {
+        j["layers"][i]["entries"] = rootfs->layers[i].entries;
+        j["layers"][i]["uncompressed_bytes"] = rootfs->layers[i].uncompressed_bytes;
+      }
+      j["blobs"] = layout;
+      j["rootfs"] = {{"dir", rootfs->dir.string()},
+                     {"entries", rootfs->total.entries},
+                     {"uncompressed_bytes", rootfs->total.uncompressed_bytes},
+                     {"skipped_devices", rootfs->total.skipped_devices},
+                     {"skipped_xattrs", rootfs->total.skipped_xattrs},
+                     {"unpack_wait_s", rootfs->unpack_wait_s}};
+    }
     print(j.dump(2) + "\n");
     return 0;
   }
   if (inv.config.quiet) return 0;
+  if (rootfs) {
+    print(fmt::format("{}: pulled {} ({}, {} layer(s), {} bytes fetched in {:.2f} s) into rootfs {} ({} entries)\n",
+                      kTool, ref->to_string(), report->image.manifest.digest, report->layers.size(),
+                      report->bytes_fetched, report->wall_s, rootfs->dir.string(), rootfs->total.entries));
+    return 0;
+  }
   size_t waiting = 0;
   for (const auto& l : report->layers) waiting += l.state == "pending" ? 1 : 0;
   std::string tail;
   if (background_pid > 0) {
     tail = fmt::format("; {} cold layer(s) being fetched in the background (pid {}, log {}); see '{} status {}'",
-                       waiting, background_pid, (fs::path(dir) / oci::kLogFile).string(), kTool, dir);
+                       waiting, background_pid, (fs::path(layout) / oci::kLogFile).string(), kTool, layout);
   } else if (waiting > 0) {
     tail = fmt::format("; {} cold layer(s) not fetched yet: '{} fetch {}' brings them (index.json is written then)",
-                       waiting, kTool, dir);
+                       waiting, kTool, layout);
   } else if (!report->complete) {
     tail = "; cold layers skipped: the layout has no index.json until they are fetched";
   }
   const std::string ready = report->ready_s >= 0 ? fmt::format(", ready after {:.2f} s", report->ready_s) : "";
   print(fmt::format("{}: pulled {} ({}, {} layer(s), {} bytes fetched in {:.2f} s{}) into {}{}\n", kTool,
                     ref->to_string(), report->image.manifest.digest, report->layers.size(), report->bytes_fetched,
-                    report->wall_s, ready, dir, tail));
+                    report->wall_s, ready, layout, tail));
   return 0;
 }
 
@@ -357,7 +424,7 @@ int run(int argc, char** argv) {
     oci::add_pull_options(inv.table, inv.config, entry.id);
     inv.table.register_cli(*inv.app);
     // One value per occurrence (--hot 0 --hot 2), so that a list flag does not swallow REF.
-    for (const char* list : {"--hot", "--mirror", "--insecure-registry"}) {
+    for (const char* list : {"--hot", "--mirror", "--insecure-registry", "--output"}) {
       if (auto* option = inv.app->get_option_no_throw(list)) option->allow_extra_args(false);
     }
   }
