@@ -112,6 +112,12 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
     t.add("memory_dir", &c.memory_dir, "memory-backed directory (tmpfs) the memory store is made in", layers);
   }
 
+  if (s == kMount) {
+    const std::string mounting = "Mounting";
+    t.add("partial", &c.partial, "mount though some layers are not fetched yet (their files are missing)", mounting);
+    t.add("writable", &c.writable, "add an upper directory in the memory store: writes stay in memory and go at umount",
+          mounting);
+  }
   const std::string output = "Output";
   if (s != kUmount) t.add("json", &c.json, "print a JSON report on stdout", output);
   if (among(s, {kPull, kFetch, kMount, kUmount})) {

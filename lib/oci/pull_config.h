@@ -48,6 +48,9 @@ struct PullConfig {
   bool background = false;
   std::string ready_file;
   std::string memory_dir = "/dev/shm";
+  // Mounting.
+  bool partial = false;
+  bool writable = false;
   // Output.
   bool json = false;
   bool quiet = false;

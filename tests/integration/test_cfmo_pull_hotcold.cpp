@@ -4,8 +4,10 @@
 // a flaky link or a busy registry.
 #include "integration/fault_proxy.h"
 #include "integration/registry_fixture.h"
+#include "support/tree_listing.h"
 
 #include <signal.h>
+#include <sys/mount.h>
 
 #include <chrono>
 #include <thread>
@@ -493,6 +495,187 @@ TEST_F(HotCold, ProgressIsPerLayerOnATerminalAndPlainElsewhere) {
     const RunResult r = pull_image(registry_->host(), out / silent, {"--hot", "0", silent});
     ASSERT_EQ(r.status, 0) << r.err;
     EXPECT_TRUE(r.err.empty()) << silent << ": " << r.err;
+  }
+}
+
+/// Three real layers: the second removes a file of the first (a whiteout),
+/// the third empties a directory of the lower layers (an opaque whiteout).
+FixtureImage whiteout_image() {
+  using namespace cfmo::testing;
+  const std::string base = make_tar({dir("etc"), file("etc/os-release", "ID=fixture\n"), file("old", "gone soon\n"),
+                                     dir("opt"), file("opt/lower", "lower\n"), symlink("bin", "usr/bin"), dir("usr"),
+                                     dir("usr/bin"), file("usr/bin/tool", "#!/bin/sh\n", 0755)});
+  const std::string runtime =
+      make_tar({whiteout("", "old"), dir("lib"), file("lib/runtime.so", random_bytes(50000, 7))});
+  const std::string app = make_tar({dir("opt"), opaque("opt"), file("opt/app", "app\n")});
+  return make_real_image({{base, "tar+gzip"}, {runtime, "tar+zstd"}, {app, "tar"}});
+}
+
+/// Skips (with the reason cfmo-pull gives) where this process may not mount.
+#define SKIP_UNLESS_MOUNTED(r)                                                   \
+  if ((r).status == 2 && (r).err.find("cannot mount") != std::string::npos) {    \
+    GTEST_SKIP() << "this sandbox does not allow an overlay mount: " << (r).err; \
+  }
+
+/// Unmounts at the end of a test that mounted, whatever happened.
+struct Unmount {
+  fs::path point;
+  ~Unmount() {
+    if (!point.empty()) ::umount2(point.c_str(), MNT_DETACH);
+  }
+};
+
+TEST_F(HotCold, MountPresentsTheImageAsOneOverlayHotFromMemory) {
+  const FixtureImage image = whiteout_image();
+  ASSERT_TRUE(push_image(*registry_, "hc/layered", "v1", image));
+  const std::string ref = registry_->host() + "/hc/layered:v1";
+  TempDir out;
+  const auto dir = out / "image";
+  const auto point = out / "mnt";
+  fs::create_directories(point);
+  const RunResult pulled = pull({"pull", ref, "--output", "oci:" + dir.string(), "--plain-http", "--memory-dir",
+                                 shm_.string(), "--hot", "1", "--cold", "lazy", "-q"});
+  ASSERT_EQ(pulled.status, 0) << pulled.err;
+  // Lazy layers are not there yet: mount says so rather than mounting half an image.
+  const RunResult early = pull({"mount", dir.string(), point.string()});
+  EXPECT_EQ(early.status, 2) << early.err;
+  EXPECT_NE(early.err.find("layers 0 and 2 are not fetched yet"), std::string::npos) << early.err;
+  EXPECT_NE(early.err.find("--partial"), std::string::npos) << early.err;
+  ASSERT_EQ(pull({"fetch", dir.string(), "-q"}).status, 0);
+
+  const RunResult mounted = pull({"mount", dir.string(), point.string(), "--json"});
+  SKIP_UNLESS_MOUNTED(mounted);
+  ASSERT_EQ(mounted.status, 0) << mounted.err;
+  Unmount guard{point};
+  const Json j = parse_json(mounted);
+  EXPECT_EQ(j["mounted"], true);
+  ASSERT_EQ(j["layers"].size(), 3u);
+  EXPECT_EQ(j["layers"][1]["memory"], true);
+  EXPECT_EQ(fs::path(j["layers"][1]["dir"].get<std::string>()).string().rfind(shm_.string(), 0), 0u)
+      << "the hot layer is not in the memory store: " << j["layers"][1]["dir"];
+  EXPECT_EQ(j["layers"][0]["memory"], false);
+  EXPECT_EQ(fs::path(j["layers"][2]["dir"].get<std::string>()).parent_path().parent_path(), dir / "layers");
+
+  // The overlay shows what a merged rootfs of the same image holds.
+  const RunResult rootfs = pull({"pull", ref, "--output", "rootfs:" + (out / "rootfs").string(), "--cache",
+                                 (out / "cache").string(), "--plain-http", "-q"});
+  ASSERT_EQ(rootfs.status, 0) << rootfs.err;
+  EXPECT_EQ(testing::list_tree(point), testing::list_tree(out / "rootfs"));
+  EXPECT_FALSE(fs::exists(point / "old"));
+  EXPECT_TRUE(fs::exists(point / "opt" / "app"));
+  EXPECT_FALSE(fs::exists(point / "opt" / "lower"));
+  EXPECT_EQ(slurp(point / "etc" / "os-release"), "ID=fixture\n");
+  // Read-only by default; mounting twice at one point is refused.
+  EXPECT_FALSE(std::ofstream(point / "new").good());
+  const RunResult twice = pull({"mount", dir.string(), point.string()});
+  EXPECT_EQ(twice.status, 2) << twice.err;
+  EXPECT_NE(twice.err.find("mounted there already"), std::string::npos) << twice.err;
+
+  const RunResult down = pull({"umount", point.string()});
+  ASSERT_EQ(down.status, 0) << down.err;
+  guard.point.clear();
+  EXPECT_TRUE(fs::is_empty(point));
+  const RunResult again = pull({"umount", point.string()});
+  EXPECT_EQ(again.status, 2) << again.err;
+  EXPECT_NE(again.err.find("nothing is mounted there"), std::string::npos) << again.err;
+
+  // A second mount reuses the unpacked layers; --writable keeps writes in memory until umount.
+  const RunResult rw = pull({"mount", dir.string(), point.string(), "--writable", "--json"});
+  ASSERT_EQ(rw.status, 0) << rw.err;
+  guard.point = point;
+  const Json w = parse_json(rw);
+  EXPECT_EQ(w["layers"][0]["unpacked_now"], false);
+  const fs::path upper = w["upper"].get<std::string>();
+  EXPECT_EQ(upper.string().rfind(shm_.string(), 0), 0u) << upper;
+  { std::ofstream(point / "written") << "kept in memory"; }
+  EXPECT_TRUE(fs::exists(upper / "written"));
+  ASSERT_EQ(pull({"umount", point.string()}).status, 0);
+  guard.point.clear();
+  EXPECT_FALSE(fs::exists(upper));
+}
+
+TEST_F(HotCold, SkippedLayersAreLeftOutAndPartialMountsWhatIsThere) {
+  const FixtureImage image = whiteout_image();
+  ASSERT_TRUE(push_image(*registry_, "hc/layered2", "v1", image));
+  TempDir out;
+  const auto point = out / "mnt";
+  fs::create_directories(point);
+  for (const char* cold : {"skip", "lazy"}) {
+    SCOPED_TRACE(cold);
+    const auto dir = out / cold;
+    ASSERT_EQ(pull({"pull", registry_->host() + "/hc/layered2:v1", "--output", "oci:" + dir.string(), "--plain-http",
+                    "--memory-dir", shm_.string(), "--hot", "0", "--cold", cold, "-q"})
+                  .status,
+              0);
+    // Skipped layers were left out on purpose; pending ones only with --partial.
+    std::vector<std::string> args = {"mount", dir.string(), point.string()};
+    if (std::string(cold) == "lazy") args.push_back("--partial");
+    const RunResult r = pull(args);
+    SKIP_UNLESS_MOUNTED(r);
+    ASSERT_EQ(r.status, 0) << r.err;
+    Unmount guard{point};
+    const std::string note = std::string(cold) == "skip" ? "layers 1 and 2 left out (skipped by the pull)"
+                                                         : "layers 1 and 2 not fetched: mounted without them";
+    EXPECT_NE(r.err.find(note), std::string::npos) << r.err;
+    EXPECT_TRUE(fs::exists(point / "old"));  // the whiteout that removes it is in layer 1
+    EXPECT_TRUE(fs::exists(point / "opt" / "lower"));
+    EXPECT_FALSE(fs::exists(point / "opt" / "app"));
+    ASSERT_EQ(pull({"umount", point.string()}).status, 0);
+    guard.point.clear();
+  }
+}
+
+TEST_F(HotCold, WhereMountIsNotAllowedTheLayerDirectoriesRemain) {
+  if (::geteuid() != 0 || !fs::exists("/usr/bin/setpriv")) {
+    GTEST_SKIP() << "needs root and setpriv to run cfmo-pull without CAP_SYS_ADMIN";
+  }
+  const FixtureImage image = whiteout_image();
+  ASSERT_TRUE(push_image(*registry_, "hc/layered3", "v1", image));
+  TempDir out;
+  const auto dir = out / "image";
+  fs::create_directories(out / "mnt");
+  ASSERT_EQ(pull({"pull", registry_->host() + "/hc/layered3:v1", "--output", "oci:" + dir.string(), "--plain-http",
+                  "--memory-dir", shm_.string(), "-q"})
+                .status,
+            0);
+  // As in a container without CAP_SYS_ADMIN.
+  const RunResult r = run({"/usr/bin/setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", "--", binary(),
+                           "mount", dir.string(), (out / "mnt").string()});
+  EXPECT_EQ(r.status, 2) << r.err;
+  EXPECT_NE(r.err.find("cannot mount"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("CAP_SYS_ADMIN"), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_TRUE(fs::is_empty(out / "mnt"));
+  // The plain directories are there, one per layer, with the OCI whiteouts as files.
+  size_t layers = 0;
+  for (const auto& entry : fs::directory_iterator(dir / "layers" / "oci")) {
+    EXPECT_TRUE(entry.is_directory()) << entry.path();
+    ++layers;
+  }
+  EXPECT_EQ(layers, 3u);
+  const auto top = dir / "layers" / "oci" / oci::sha256_digest(image.layers[2]).substr(7);
+  EXPECT_TRUE(fs::exists(top / "opt" / "app"));
+  EXPECT_TRUE(fs::exists(top / "opt" / ".wh..wh..opq"));
+}
+
+TEST_F(HotCold, ALazyRootfsCannotStayLazyAndSaysSo) {
+  TempDir out;
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"--cold", "lazy"}, {"--cold", "skip"}, {"--hot", "0", "--background"}}) {
+    std::vector<std::string> args = {"pull",
+                                     registry_->host() + "/" + kImage + ":v1",
+                                     "--plain-http",
+                                     "--output",
+                                     "rootfs:" + (out / "rootfs").string(),
+                                     "--cache",
+                                     (out / "cache").string()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const RunResult r = pull(args);
+    EXPECT_EQ(r.status, 2) << r.err;
+    EXPECT_NE(r.err.find("cannot stay lazy with --output rootfs:"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("cfmo-pull mount"), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(out / "rootfs"));
+    EXPECT_FALSE(fs::exists(out / "cache" / "blobs")) << "fetched before refusing";
   }
 }
 

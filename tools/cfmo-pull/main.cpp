@@ -8,6 +8,7 @@
 #include "core/config.h"
 #include "oci/manifest.h"
 #include "oci/memory_budget.h"
+#include "oci/mount.h"
 #include "oci/pull.h"
 #include "oci/pull_config.h"
 #include "oci/pull_state.h"
@@ -378,6 +379,68 @@ int run_status(Invocation& inv, const oci::PullPlan&) {
   return 0;
 }
 
+int run_mount(Invocation& inv, const oci::PullPlan&) {
+  if (inv.args.size() != 2) {
+    return fail({cfmo::ErrorKind::kUsage, "mount: give the pull's DIR and the MOUNTPOINT"});
+  }
+  oci::MountOptions options;
+  options.partial = inv.config.partial;
+  options.writable = inv.config.writable;
+  auto report = oci::mount_image(inv.args[0], inv.args[1], options);
+  if (!report) return fail(report.error());
+  if (!inv.config.quiet) {
+    for (const auto& note : report->notes) fmt::print(stderr, "{}: {}\n", kTool, note);
+  }
+  if (inv.config.json) {
+    Json j;
+    j["mounted"] = report->mounted;
+    j["mountpoint"] = inv.args[1];
+    j["not_mounted"] = report->not_mounted.empty() ? Json(nullptr) : Json(report->not_mounted);
+    j["upper"] = report->upper.empty() ? Json(nullptr) : Json(report->upper.string());
+    j["memory_bytes"] = report->memory_bytes;
+    j["layers"] = Json::array();
+    for (const auto& l : report->layers) {
+      j["layers"].push_back({{"index", l.index},
+                             {"digest", l.digest},
+                             {"hot", l.hot},
+                             {"dir", l.dir.string()},
+                             {"memory", l.memory},
+                             {"unpacked_now", l.unpacked_now},
+                             {"bytes", l.bytes}});
+    }
+    j["notes"] = report->notes;
+    print(j.dump(2) + "\n");
+  }
+  if (!report->mounted) {
+    // One clear line; the per-layer directories stay, in order, for whoever can use them.
+    std::string dirs;
+    for (const auto& l : report->layers) {
+      if (!dirs.empty()) dirs += ':';
+      dirs += l.dir.string();
+    }
+    fmt::print(stderr,
+               "{}: mount: cannot mount at '{}': {}; the layers are unpacked, base first, with OCI whiteouts (.wh. "
+               "files), in {}\n",
+               kTool, inv.args[1], report->not_mounted, dirs);
+    return static_cast<int>(cfmo::ErrorKind::kUsage);
+  }
+  if (!inv.config.json && !inv.config.quiet) {
+    size_t in_memory = 0;
+    for (const auto& l : report->layers) in_memory += l.memory ? 1 : 0;
+    print(fmt::format("{}: mounted {} layer(s) of {} at {} ({} from memory){}\n", kTool, report->layers.size(),
+                      inv.args[0], inv.args[1], in_memory,
+                      report->upper.empty() ? " read-only" : ", writes kept in memory until umount"));
+  }
+  return 0;
+}
+
+int run_umount(Invocation& inv, const oci::PullPlan&) {
+  if (inv.args.size() != 1) return fail({cfmo::ErrorKind::kUsage, "umount: give the MOUNTPOINT"});
+  if (auto done = oci::unmount_image(inv.args[0]); !done) return fail(done.error());
+  if (!inv.config.quiet) print(fmt::format("{}: unmounted {}\n", kTool, inv.args[0]));
+  return 0;
+}
+
 /// The subcommands, as a table (ninja's way): name, one line of help, positional arguments, body.
 struct SubcommandEntry {
   PullCommand id;
@@ -387,7 +450,7 @@ struct SubcommandEntry {
   int (*run)(Invocation&, const oci::PullPlan&);
 };
 
-constexpr std::array<SubcommandEntry, 4> kSubcommands = {{
+constexpr std::array<SubcommandEntry, 6> kSubcommands = {{
     {PullCommand::kPull, "pull an image: hot layers first, cold ones now, later or never", "REF",
      "image reference: [registry[:port]/]name[:tag|@digest]", run_pull},
     {PullCommand::kInspect, "print the manifest, config and layers, fetching no layer", "REF",
@@ -396,6 +459,10 @@ constexpr std::array<SubcommandEntry, 4> kSubcommands = {{
      "the pull's directory, then layers (sha256:PREFIX, N, smallest:N, top:N, last:N)", run_fetch},
     {PullCommand::kStatus, "show what a pull has fetched, what is pending, and its background fetch", "DIR",
      "the pull's directory", run_status},
+    {PullCommand::kMount, "present a pull's image as one overlay file system: hot layers from memory, cold from disk",
+     "DIR MOUNTPOINT", "the pull's directory and where to mount it", run_mount},
+    {PullCommand::kUmount, "unmount what cfmo-pull mount mounted (and drop its writes)", "MOUNTPOINT",
+     "where it is mounted", run_umount},
 }};
 
 int run(int argc, char** argv) {
