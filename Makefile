@@ -4,7 +4,7 @@ BUILD ?= build
 MESON_FLAGS ?= -Dwerror=true
 NINJA_JOBS ?=
 
-.PHONY: all deps configure build test test-unit demo bench bench-diverge clean
+.PHONY: all deps configure build test test-unit demo bench bench-diverge bench-pull clean
 
 all: build
 
@@ -35,6 +35,10 @@ bench: build
 bench-diverge: build
 	scripts/install-deps.sh --bench
 	bench/diverge_vs_zstd.sh
+
+bench-pull: build
+	scripts/install-deps.sh --bench
+	bench/pull_vs_skopeo.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -92,6 +94,7 @@ class PartialFileSink : public BodySink {
     CFMO_TRY(hash_prefix(fd_, length, ctx_.get(), path_));
     written_ = length;
     on_disk_ = length;
+    flushed_ = length;
     report(true);
     return {};
   }
@@ -111,6 +114,7 @@ class PartialFileSink : public BodySink {
     EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr);
     written_ = 0;
     on_disk_ = 0;
+    flushed_ = 0;
     if (options_.observer != nullptr) options_.observer->on_restart();
     return {};
   }
@@ -128,6 +132,7 @@ class PartialFileSink : public BodySink {
       CFMO_TRY(flush());
       CFMO_TRY(pwrite_all(fd_, chunk, on_disk_, path_));
       on_disk_ += static_cast<int64_t>(chunk.size());
+      write_back();
       if (options_.observer != nullptr) CFMO_TRY(options_.observer->on_write(chunk));
     }
     written_ += static_cast<int64_t>(chunk.size());
@@ -143,10 +148,20 @@ class PartialFileSink : public BodySink {
     const std::string_view bytes(buffer_.data(), buffer_.size());
     CFMO_TRY(pwrite_all(fd_, bytes, on_disk_, path_));
     on_disk_ += static_cast<int64_t>(bytes.size());
+    write_back();
     // The observer hears of bytes once they are in the file (an unpacker may read them back from it).
     Status seen = options_.observer != nullptr ? options_.observer->on_write(bytes) : Status{};
     buffer_.clear();
     return seen;
+  }
+
+  /// Starts writing back what is on disk so far, so the fsync at the end
+  /// waits for the last few MiB rather than the whole blob.
+  void write_back() {
+    if (on_disk_ - flushed_ >= kWritebackStep) {
+      ::sync_file_range(fd_, flushed_, on_disk_ - flushed_, SYNC_FILE_RANGE_WRITE);
+      flushed_ = on_disk_;
+    }
   }
 
   void report(bool force) {
@@ -173,6 +188,8 @@ class PartialFileSink : public BodySink {
   int64_t on_disk_ = 0;
   int64_t fetched_ = 0;
   int64_t reported_ = -1;
+  int64_t flushed_ = 0;  ///< bytes handed to writeback
+  static constexpr int64_t kWritebackStep = 8 << 20;
 };
 
 }  // namespace
@@ -212,9 +229,22 @@ Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, co
   if (fd.get() < 0) {
     return make_error(ErrorKind::kInternal, "'{}': cannot open: {}", partial.string(), std::strerror(errno));
   }
+  // Another process fetching the same blob into the same directory (a shared
+  // cache) holds the lock until its blob is in place: wait, then look again.
+  while (::flock(fd.get(), LOCK_EX) != 0) {
+    if (errno != EINTR) {
+      return make_error(ErrorKind::kInternal, "'{}': cannot lock: {}", partial.string(), std::strerror(errno));
+    }
+  }
+  CFMO_ASSIGN_OR_RETURN(const bool arrived, file_matches(final_path, blob.digest, blob.size));
+  if (arrived) {
+    result.already_present = true;
+    return result;
+  }
   PartialFileSink sink(fd.get(), partial, blob.size, what, options);
-  int64_t existing = static_cast<int64_t>(fs::file_size(partial, ec));
-  if (ec || existing > blob.size) {
+  struct stat st {};
+  int64_t existing = ::fstat(fd.get(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+  if (existing < 0 || existing > blob.size) {
     existing = 0;
     if (::ftruncate(fd.get(), 0) != 0)
       return make_error(ErrorKind::kInternal, "'{}': truncate failed", partial.string());

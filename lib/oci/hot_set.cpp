@@ -89,11 +89,14 @@ Result<std::vector<bool>> select_layers(const std::vector<LayerSpec>& specs, con
           return make_error(ErrorKind::kUsage, "{} {}: matches none of the image's {} layer(s)", flag, spec.text,
                             count);
         }
-        if (found.size() > 1) {
+        // Layers of one digest (an image may repeat a layer) are one match.
+        const auto other = std::find_if(found.begin(), found.end(),
+                                        [&](size_t i) { return layers[i].digest != layers[found[0]].digest; });
+        if (other != found.end()) {
           return make_error(ErrorKind::kUsage, "{} {}: matches {} layers ({} and {}); give more digits", flag,
-                            spec.text, found.size(), found[0], found[1]);
+                            spec.text, found.size(), found[0], *other);
         }
-        chosen[found[0]] = true;
+        for (const size_t i : found) chosen[i] = true;
         break;
       }
       case LayerSpec::Kind::kIndex: {
@@ -131,8 +134,15 @@ Result<MemoryPlan> plan_memory(const std::vector<Descriptor>& layers, const std:
   plan.placement.assign(layers.size(), Placement::kDisk);
   std::string listed;
   size_t hot_count = 0;
+  // A digest named by several layers is one blob: counted, and placed, once.
+  const auto repeated = [&](size_t i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (hot[j] && layers[j].digest == layers[i].digest) return true;
+    }
+    return false;
+  };
   for (size_t i = 0; i < layers.size(); ++i) {
-    if (!hot[i]) continue;
+    if (!hot[i] || repeated(i)) continue;
     plan.hot_bytes += layers[i].size;
     ++hot_count;
     if (hot_count <= 4) {
@@ -148,6 +158,12 @@ Result<MemoryPlan> plan_memory(const std::vector<Descriptor>& layers, const std:
   }
   for (size_t i = 0; i < layers.size(); ++i) {
     if (!hot[i]) continue;
+    if (repeated(i)) {
+      for (size_t j = 0; j < i; ++j) {
+        if (hot[j] && layers[j].digest == layers[i].digest) plan.placement[i] = plan.placement[j];
+      }
+      continue;
+    }
     if (plan.memory_bytes + layers[i].size <= capacity) {
       plan.placement[i] = Placement::kMemory;
       plan.memory_bytes += layers[i].size;

@@ -112,9 +112,20 @@ int64_t free_bytes(const fs::path& dir) {
   return static_cast<int64_t>(info.f_bavail) * static_cast<int64_t>(info.f_frsize);
 }
 
+/// Writes a pull's state file, or nothing for a pull that keeps none (a
+/// rootfs pull into the shared blob cache, which per-blob locks serialise).
+struct StateSaver {
+  fs::path dir;
+  bool keep = true;
+  Status operator()(PullState& state) const { return keep ? write_state(dir, state) : Status{}; }
+};
+
 /// One blob to fetch.
 struct BlobJob {
   size_t layer = kConfig;
+  /// Other layers with the same digest (the empty layer of many images):
+  /// one download, recorded for each of them.
+  std::vector<size_t> also;
   Descriptor blob;
   fs::path store;     ///< the directory whose blobs/sha256/ receives the file (DIR, or the memory store)
   bool link = false;  ///< make DIR's entry a symlink to it
@@ -205,7 +216,9 @@ Status run_jobs(const std::vector<BlobJob>& jobs, int threads, Transfer& transfe
       lease.release();
       if (status && job.link) status = link_blob(transfer.dir, blob_path(job.store, job.blob.digest), job.blob.digest);
       if (hooks != nullptr && hooks->done) {
-        hooks->done(job.layer, status ? Result<BlobResult>(outcome.result) : Result<BlobResult>(status.error()));
+        const auto result = status ? Result<BlobResult>(outcome.result) : Result<BlobResult>(status.error());
+        hooks->done(job.layer, result);
+        for (const size_t k : job.also) hooks->done(k, result);
       }
       outcome.seconds = seconds_since(start);
       std::lock_guard lock(mutex);
@@ -268,30 +281,45 @@ BlobJob layer_job(const fs::path& dir, const PullState& state, size_t i) {
 
 /// Builds the job list's `done`: records each outcome in the state (written
 /// whole after each layer) and the report.
-std::function<Status(const BlobJob&, const Result<JobOutcome>&)> recorder(const fs::path& dir, PullState& state,
+std::function<Status(const BlobJob&, const Result<JobOutcome>&)> recorder(const StateSaver& save, PullState& state,
                                                                           PullReport& report, PullObserver* observer) {
-  return [&dir, &state, &report, observer](const BlobJob& job, const Result<JobOutcome>& outcome) -> Status {
+  return [save, &state, &report, observer](const BlobJob& job, const Result<JobOutcome>& outcome) -> Status {
     if (job.layer == kConfig) {
       if (outcome) report.bytes_fetched += outcome->result.bytes_fetched;
       return {};
     }
-    auto& layer = state.layers[job.layer];
-    if (!outcome) {
-      layer.status = LayerStatus::kFailed;
-      layer.error = outcome.error().message;
-      report.layers[job.layer] = report_of(layer, "failed", 0, 0);
-      if (observer != nullptr) observer->on_layer_done(job.layer, report.layers[job.layer]);
-      return write_state(dir, state);
+    if (outcome) report.bytes_fetched += outcome->result.bytes_fetched;
+    std::vector<size_t> indices = {job.layer};
+    indices.insert(indices.end(), job.also.begin(), job.also.end());
+    for (const size_t k : indices) {
+      auto& layer = state.layers[k];
+      if (!outcome) {
+        layer.status = LayerStatus::kFailed;
+        layer.error = outcome.error().message;
+        report.layers[k] = report_of(layer, "failed", 0, 0);
+      } else {
+        layer.status = LayerStatus::kFetched;
+        layer.error.clear();
+        layer.seconds = outcome->seconds;
+        // The bytes are the first layer's; the others of the same digest came with them.
+        report.layers[k] = report_of(layer, k == job.layer ? fetched_state(outcome->result) : "present",
+                                     outcome->seconds, k == job.layer ? outcome->result.bytes_fetched : 0);
+      }
+      if (observer != nullptr) observer->on_layer_done(k, report.layers[k]);
     }
-    layer.status = LayerStatus::kFetched;
-    layer.error.clear();
-    layer.seconds = outcome->seconds;
-    report.bytes_fetched += outcome->result.bytes_fetched;
-    report.layers[job.layer] =
-        report_of(layer, fetched_state(outcome->result), outcome->seconds, outcome->result.bytes_fetched);
-    if (observer != nullptr) observer->on_layer_done(job.layer, report.layers[job.layer]);
-    return write_state(dir, state);
+    return save(state);
   };
+}
+
+/// Adds layer `i` to `jobs`, or to the job already fetching its digest.
+void add_layer_job(std::vector<BlobJob>& jobs, const fs::path& dir, const PullState& state, size_t i) {
+  for (auto& job : jobs) {
+    if (job.layer != kConfig && job.blob.digest == state.layers[i].blob.digest) {
+      if (job.layer != i && std::find(job.also.begin(), job.also.end(), i) == job.also.end()) job.also.push_back(i);
+      return;
+    }
+  }
+  jobs.push_back(layer_job(dir, state, i));
 }
 
 bool all_fetched(const PullState& state) {
@@ -326,11 +354,11 @@ void fill_report_from_state(PullReport& report, const PullState& state) {
   }
 }
 
-Status mark_ready(PullState& state, const fs::path& dir, double ready_s, PullObserver* observer) {
+Status mark_ready(PullState& state, const StateSaver& save, double ready_s, PullObserver* observer) {
   CFMO_TRY(write_ready_file(state, ready_s));
   state.ready = true;
   state.ready_s = ready_s;
-  CFMO_TRY(write_state(dir, state));
+  CFMO_TRY(save(state));
   if (observer != nullptr) observer->on_ready(ready_s);
   return {};
 }
@@ -453,10 +481,14 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   CFMO_TRY(prepare_layout(dir));
   Transfer transfer;
   transfer.observer = options.observer;
-  CFMO_ASSIGN_OR_RETURN(
-      auto lock, StateLock::acquire(dir, options.registry.deadline, [&](int pid) {
-        transfer.note(fmt::format("waiting for another cfmo-pull (pid {}) using '{}'", pid, dir.string()));
-      }));
+  const StateSaver save{dir, options.state_file};
+  std::optional<StateLock> lock;
+  if (options.state_file) {
+    CFMO_ASSIGN_OR_RETURN(
+        lock, StateLock::acquire(dir, options.registry.deadline, [&](int pid) {
+          transfer.note(fmt::format("waiting for another cfmo-pull (pid {}) using '{}'", pid, dir.string()));
+        }));
+  }
   CFMO_ASSIGN_OR_RETURN(transfer.endpoints, endpoints_for(ref, options.hosts));
   transfer.ref = ref;
   transfer.registry = options.registry;
@@ -478,7 +510,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   transfer.hooks = hooks;
   if (hooks != nullptr && hooks->resolved) CFMO_TRY(hooks->resolved(image));
 
-  if (fs::exists(state_path(dir))) {
+  if (options.state_file && fs::exists(state_path(dir))) {
     CFMO_ASSIGN_OR_RETURN(const auto earlier, read_state(dir));
     // Layers left for later on purpose (lazy, skip) would be forgotten; an
     // eager pull that failed is only resumed or replaced (a shared cache).
@@ -565,7 +597,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   }
   // The registry's manifest is kept as a blob so a later fetch can check its layers against it.
   CFMO_TRY(write_file_atomic(blob_path(dir, image.manifest.digest), image.manifest_body));
-  CFMO_TRY(write_state(dir, state));
+  CFMO_TRY(save(state));
   if (options.observer != nullptr) options.observer->on_plan(state);
   report.layers.resize(layers.size());
   report.buffer_bytes = static_cast<int64_t>(budget.total());
@@ -578,24 +610,32 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
 
   // The config and the hot layers first.
   std::vector<BlobJob> first;
-  first.push_back({kConfig, image.parsed.config, dir, false, "config " + short_digest(image.parsed.config.digest)});
+  first.push_back({kConfig, {}, image.parsed.config, dir, false, "config " + short_digest(image.parsed.config.digest)});
   for (size_t i = 0; i < layers.size(); ++i) {
-    if (hot[i]) first.push_back(layer_job(dir, state, i));
+    if (hot[i]) add_layer_job(first, dir, state, i);
   }
-  const auto done = recorder(dir, state, report, options.observer);
+  // A cold layer with a hot one's digest comes with it.
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (!hot[i] && std::any_of(first.begin(), first.end(), [&](const BlobJob& j) {
+          return j.layer != kConfig && j.blob.digest == layers[i].digest;
+        })) {
+      add_layer_job(first, dir, state, i);
+    }
+  }
+  const auto done = recorder(save, state, report, options.observer);
   CFMO_TRY(run_jobs(first, options.jobs, transfer, done));
 
   const bool any_hot = std::any_of(hot.begin(), hot.end(), [](bool h) { return h; });
   const bool cold_now = options.cold == ColdStrategy::kEager && !options.background;
-  if (any_hot || !cold_now) CFMO_TRY(mark_ready(state, dir, seconds_since(start), options.observer));
+  if (any_hot || !cold_now) CFMO_TRY(mark_ready(state, save, seconds_since(start), options.observer));
 
   if (cold_now) {
     std::vector<BlobJob> rest;
     for (size_t i = 0; i < layers.size(); ++i) {
-      if (!hot[i]) rest.push_back(layer_job(dir, state, i));
+      if (state.layers[i].status != LayerStatus::kFetched) add_layer_job(rest, dir, state, i);
     }
     CFMO_TRY(run_jobs(rest, options.jobs, transfer, done));
-    if (!any_hot) CFMO_TRY(mark_ready(state, dir, seconds_since(start), options.observer));
+    if (!any_hot) CFMO_TRY(mark_ready(state, save, seconds_since(start), options.observer));
   }
 
   if (all_fetched(state)) {
@@ -603,7 +643,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
     state.complete = true;
   }
   state.fetcher_pid = 0;
-  CFMO_TRY(write_state(dir, state));
+  CFMO_TRY(save(state));
   finish_report();
   return report;
 }
@@ -619,6 +659,7 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
         transfer.note(fmt::format("waiting for another cfmo-pull (pid {}) fetching into '{}'", pid, dir.string()));
       }));
   CFMO_ASSIGN_OR_RETURN(auto state, read_state(dir));
+  const StateSaver save{dir, true};
   const fs::path manifest_path = blob_path(dir, state.manifest_digest);
   auto body = read_file(manifest_path);
   if (!body || sha256_digest(*body) != state.manifest_digest) {
@@ -679,7 +720,7 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
   }
   std::vector<BlobJob> jobs;
   if (!fs::exists(blob_path(dir, state.config.digest))) {
-    jobs.push_back({kConfig, state.config, dir, false, "config " + short_digest(state.config.digest)});
+    jobs.push_back({kConfig, {}, state.config, dir, false, "config " + short_digest(state.config.digest)});
   }
   report.layers.resize(state.layers.size());
   // Hot layers first, as in the pull.
@@ -688,20 +729,20 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
       auto& layer = state.layers[i];
       if (layer.hot != hot_pass || !wanted[i] || layer.status == LayerStatus::kFetched) continue;
       layer.status = LayerStatus::kFetching;
-      jobs.push_back(layer_job(dir, state, i));
+      add_layer_job(jobs, dir, state, i);
     }
   }
   state.fetcher_pid = ::getpid();
   CFMO_TRY(write_state(dir, state));
   if (options.observer != nullptr) options.observer->on_plan(state);
-  const auto done = recorder(dir, state, report, options.observer);
+  const auto done = recorder(save, state, report, options.observer);
   Status fetched = run_jobs(jobs, options.jobs, transfer, done);
   // A layer this run did not get to is pending again, not "fetching" by nobody.
   for (auto& layer : state.layers) {
     if (layer.status == LayerStatus::kFetching) layer.status = LayerStatus::kPending;
   }
   if (fetched && !state.ready && hot_fetched(state)) {
-    fetched = mark_ready(state, dir, state.ready_s >= 0 ? state.ready_s : seconds_since(start), nullptr);
+    fetched = mark_ready(state, save, state.ready_s >= 0 ? state.ready_s : seconds_since(start), nullptr);
   }
   if (fetched && !state.complete && all_fetched(state)) {
     fetched = finish_layout(dir, *body, report.image.manifest, state.tag, report.layout_manifest);

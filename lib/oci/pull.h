@@ -80,6 +80,9 @@ struct PullOptions {
   /// false: hot layers only go first; every blob goes to the layout (a
   /// rootfs pull, whose product is the unpacked tree, not the blobs).
   bool memory_store = true;
+  /// false: no state file and no lock on the layout (a rootfs pull's shared
+  /// blob cache, where per-blob locks let pulls of other images go on).
+  bool state_file = true;
   std::filesystem::path ready_file;  ///< written when the hot layers are complete; empty: none
   PullObserver* observer = nullptr;
 };

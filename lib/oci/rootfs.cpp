@@ -151,11 +151,12 @@ class LayerPipe : public BlobObserver {
       if (cancelled_) return make_error(ErrorKind::kInternal, "{}: cancelled", what);
       if (finished_ && error_) return *error_;
       const uint64_t generation = generation_;
+      const bool complete = finished_;
       lock.unlock();
 
       CFMO_ASSIGN_OR_RETURN(auto unpacker, LayerUnpacker::start(root, compression, options, what));
-      // The partial file, or the complete blob it was renamed to.
-      int fd = ::open(partial_path.c_str(), O_RDONLY | O_CLOEXEC);
+      // The partial file being written, or the complete blob (it was renamed to).
+      int fd = complete ? -1 : ::open(partial_path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd < 0) fd = ::open(final_path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd < 0) {
         return make_error(ErrorKind::kInternal, "{}: cannot open '{}': {}", what, final_path.string(),
@@ -302,7 +303,6 @@ Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& opt
   std::vector<Descriptor> layers;
   std::optional<Error> apply_error;
   std::thread applier;
-  std::atomic<bool> apply_failed{false};
   bool apply_cancelled = false;  ///< the applier stopped because the pull did
   std::chrono::steady_clock::time_point downloads_done;
 
@@ -316,7 +316,6 @@ Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& opt
       if (!stats) {
         apply_error = std::move(stats).error();
         apply_cancelled = pipes[i]->cut_short();
-        apply_failed.store(true);
         cancel_all();
         return;
       }
@@ -362,6 +361,18 @@ Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& opt
     report.total.skipped_xattrs += s.skipped_xattrs;
   }
 
+  // The tree reaches the disk before its name does: after a crash DIR is
+  // either absent (or the old tree) or complete, never files without data.
+  const auto sync_start = std::chrono::steady_clock::now();
+  if (const int fd = ::open(staging.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); fd >= 0) {
+    const int rc = ::syncfs(fd);
+    const int err = errno;
+    ::close(fd);
+    if (rc != 0)
+      return make_error(ErrorKind::kInternal, "'{}': syncfs failed: {}", staging.string(), std::strerror(err));
+  }
+  report.sync_s = seconds_since(sync_start);
+
   // Into place: an empty DIR is replaced by the staging tree; a full one only with `replace`.
   CFMO_TRY(check_rootfs_target(target, rootfs.replace));
   fs::path old;
@@ -383,7 +394,7 @@ Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& opt
     ::fsync(parent);
     ::close(parent);
   }
-  report.pull.wall_s += report.unpack_wait_s;
+  report.pull.wall_s += seconds_since(downloads_done);
   // Ready means the tree in place: it is renamed into place whole, so the hot layers only went first.
   report.pull.ready_s = report.pull.wall_s;
   if (!options.ready_file.empty()) {

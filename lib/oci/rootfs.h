@@ -29,6 +29,7 @@ struct RootfsReport {
   std::vector<UnpackStats> layers;  ///< per layer, in manifest order
   UnpackStats total;
   double unpack_wait_s = 0;  ///< how long the unpacking outlasted the downloads
+  double sync_s = 0;         ///< syncfs of the tree before it is renamed into place
 };
 
 /// Where blobs go when no `oci:` output is asked for: $XDG_CACHE_HOME/cfmo-pull,

@@ -37,6 +37,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -71,6 +72,7 @@ class Fd {
     if (fd_ >= 0) ::close(fd_);
     fd_ = fd;
   }
+  int release() { return std::exchange(fd_, -1); }
 
  private:
   int fd_ = -1;
@@ -98,7 +100,7 @@ size_t depth_of(std::string_view path) {
   return path.empty() ? 0 : 1 + static_cast<size_t>(std::count(path.begin(), path.end(), '/'));
 }
 
-bool openat2_missing = false;  // set once when the kernel (or a seccomp filter) refuses openat2
+std::atomic<bool> openat2_missing{false};  // set once when the kernel (or a seccomp filter) refuses openat2
 
 /// Opens `path` (relative, cleaned) beneath `root` without following any
 /// symlink; -1 with errno on failure, ENOSYS where openat2 is unavailable.
@@ -136,9 +138,7 @@ int open_beneath(int root, const std::string& path, int flags) {
     if (last) break;
     start = slash + 1;
   }
-  const int fd = current.get();
-  current = Fd(-1);
-  return fd;
+  return current.release();
 }
 
 struct DirFix {
@@ -526,6 +526,8 @@ class Extractor {
     if (const int64_t size = archive_entry_size(e); size > end && ::ftruncate(fd.get(), size) != 0) {
       return system_error(raw, "extending the file");
     }
+    // Start writing large files back now, so a final syncfs finds little left to wait for.
+    if (end >= (1 << 20)) ::sync_file_range(fd.get(), 0, 0, SYNC_FILE_RANGE_WRITE);
     set_owner(parent, name, fd.get(), e);
     set_xattrs(e, fd.get(), parent, name, stats);
     if (::fchmod(fd.get(), archive_entry_perm(e)) != 0) return system_error(raw, "chmod");
@@ -718,6 +720,8 @@ class FileSource : public ByteSource {
 }  // namespace
 
 bool running_as_root() { return ::geteuid() == 0; }
+
+void detail::use_openat2(bool enabled) { openat2_missing = !enabled; }
 
 Result<Compression> layer_compression(const std::string& media_type) {
   static const std::pair<const char*, Compression> kTypes[] = {

@@ -87,4 +87,10 @@ class LayerUnpacker {
 Result<UnpackStats> unpack_layer_file(const std::filesystem::path& blob, const std::filesystem::path& root,
                                       Compression compression, const UnpackOptions& options, const std::string& what);
 
+namespace detail {
+/// Tests only: resolve paths one O_NOFOLLOW component at a time, as on a
+/// kernel without openat2 (5.6+).
+void use_openat2(bool enabled);
+}  // namespace detail
+
 }  // namespace cfmo::oci

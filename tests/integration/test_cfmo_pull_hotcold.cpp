@@ -180,6 +180,30 @@ TEST_F(HotCold, HotLayerFirstIntoMemoryThenLazyFetchRoundTrip) {
   EXPECT_EQ(parse_json(again)["bytes_fetched"], 0);
 }
 
+TEST_F(HotCold, ALayerNamedTwiceIsFetchedOnceForBothIndices) {
+  // Many images repeat the empty layer: here layer 2 is layer 0 again.
+  FixtureImage image = make_image(41, "amd64", {3000, 5000});
+  image.layers.push_back(image.layers[0]);
+  Json manifest = Json::parse(image.manifest);
+  manifest["layers"].push_back(manifest["layers"][0]);
+  image.manifest = manifest.dump();
+  ASSERT_TRUE(push_image(*registry_, "hc/twice", "v1", image));
+  FaultProxy proxy(registry_->host());
+  TempDir out;
+  const RunResult r = pull({"pull", proxy.host() + "/hc/twice:v1", "--output", "oci:" + (out / "a").string(),
+                            "--plain-http", "--memory-dir", shm_.string(), "--hot", "-1", "--cold", "lazy", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const Json j = parse_json(r);
+  EXPECT_EQ(j["layers"][0]["state"], "present");  // came with layer 2
+  EXPECT_EQ(j["layers"][2]["state"], "fetched");
+  EXPECT_EQ(j["layers"][1]["state"], "pending");
+  EXPECT_EQ(proxy.requests("/blobs/" + oci::sha256_digest(image.layers[0])).size(), 1u);
+  const RunResult rest = pull({"fetch", (out / "a").string(), "--json"});
+  ASSERT_EQ(rest.status, 0) << rest.err;
+  EXPECT_EQ(parse_json(rest)["complete"], true);
+  EXPECT_EQ(proxy.requests("/blobs/" + oci::sha256_digest(image.layers[0])).size(), 1u);
+}
+
 TEST_F(HotCold, SelectorsPickTheLayersTheyDocument) {
   struct Case {
     std::vector<std::string> specs;

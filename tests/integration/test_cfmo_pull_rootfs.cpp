@@ -203,6 +203,41 @@ TEST_F(RootfsFixture, ARootfsOnlyPullKeepsItsBlobsInTheCache) {
   EXPECT_EQ(testing::list_tree(out / "empty"), tree);
 }
 
+TEST_F(RootfsFixture, ALayerNamedTwiceIsFetchedOnceAndAppliedTwice) {
+  // Layer 0 and 2 are one blob: a file layer 1 removes comes back.
+  const std::string a = make_tar({dir("etc"), file("etc/motd", "hello\n")});
+  const std::string b = make_tar({dir("etc"), whiteout("etc", "motd"), file("etc/other", "o")});
+  const FixtureImage image = make_real_image({{a, "tar+gzip"}, {b, "tar+gzip"}, {a, "tar+gzip"}});
+  ASSERT_TRUE(push_image(*registry_, "rootfs/twice", "v1", image));
+  TempDir out;
+  const RunResult r = pull({"pull", ref("rootfs/twice:v1"), "--plain-http", "--output",
+                            "rootfs:" + (out / "rootfs").string(), "--cache", (out / "cache").string(), "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto report = Json::parse(r.out);
+  ASSERT_EQ(report["layers"].size(), 3u);
+  EXPECT_EQ(report["layers"][2]["digest"], report["layers"][0]["digest"]);
+  EXPECT_EQ(report["bytes_fetched"].get<size_t>(),
+            image.config.size() + image.layers[0].size() + image.layers[1].size());
+  EXPECT_EQ(slurp(out / "rootfs/etc/motd"), "hello\n");
+  EXPECT_EQ(slurp(out / "rootfs/etc/other"), "o");
+}
+
+TEST_F(RootfsFixture, TwoPullsShareOneCache) {
+  // The second waits on the first's lock for each blob it is fetching, then finds it in place.
+  TempDir out;
+  const auto cache = out / "cache";
+  auto background = testing::spawn({binary(), "pull", ref("rootfs/mixed:v1"), "--plain-http", "--output",
+                                    "rootfs:" + (out / "one").string(), "--cache", cache.string()},
+                                   {}, (out / "one.out").string(), (out / "one.err").string());
+  const RunResult two = pull({"pull", ref("rootfs/mixed:v1"), "--plain-http", "--output",
+                              "rootfs:" + (out / "two").string(), "--cache", cache.string()});
+  ASSERT_TRUE(background.wait(120));
+  ASSERT_EQ(background.status, 0) << slurp(out / "one.err");
+  ASSERT_EQ(two.status, 0) << two.err;
+  EXPECT_EQ(testing::list_tree(out / "one"), testing::list_tree(out / "two"));
+  for (const auto& layer : mixed_->layers) expect_blob(cache, layer);
+}
+
 TEST(CfmoPullRootfs, OutputFlagsAreChecked) {
   TempDir out;
   for (const auto& args : std::vector<std::vector<std::string>>{

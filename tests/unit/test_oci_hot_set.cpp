@@ -87,6 +87,18 @@ TEST(OciHotSet, MemoryPlanRefusesOrSpillsAHotSetOverTheCap) {
             (std::vector<Placement>{Placement::kMemory, Placement::kDisk, Placement::kMemory, Placement::kDisk}));
 }
 
+TEST(OciHotSet, ALayerNamedTwiceIsOneBlob) {
+  auto layers = layers_of({100, 200, 300});
+  layers[2].digest = layers[0].digest;
+  layers[2].size = layers[0].size;
+  // Its digest names "one" layer though two indices have it.
+  EXPECT_EQ(select({layers[0].digest}, layers), (std::vector<bool>{true, false, true}));
+  auto plan = plan_memory(layers, {true, false, true}, 150, false, "cap");
+  ASSERT_TRUE(plan.has_value()) << plan.error().message;
+  EXPECT_EQ(plan->hot_bytes, 100);
+  EXPECT_EQ(plan->placement[2], Placement::kMemory);
+}
+
 TEST(OciHotSet, HumanBytes) {
   EXPECT_EQ(human_bytes(0), "0 B");
   EXPECT_EQ(human_bytes(1023), "1023 B");

@@ -361,6 +361,27 @@ TEST(OciUnpack, EscapesAreRefused) {
   }
 }
 
+TEST(OciUnpack, EscapesAreRefusedWithoutOpenat2Too) {
+  detail::use_openat2(false);
+  struct Restore {
+    ~Restore() { detail::use_openat2(true); }
+  } restore;
+  Scratch s;
+  auto first =
+      unpack(s, {dir("a"), dir("a/b"), file("a/b/c", "c"), symlink("s", "../outside"), dir("d"), symlink("d/l", "/")});
+  ASSERT_TRUE(first) << first.error().message;
+  EXPECT_TRUE(fails_with(unpack(s, {file("s/evil", "x")}), ErrorKind::kInput, {"'s' is a symlink"}));
+  EXPECT_TRUE(fails_with(unpack(s, {file("d/l/tmp/cfmo-evil", "x")}), ErrorKind::kInput, {"'d/l' is a symlink"}));
+  EXPECT_TRUE(fails_with(unpack(s, {whiteout("s", "secret")}), ErrorKind::kInput, {"symlink"}));
+  EXPECT_TRUE(fails_with(unpack(s, {hardlink("h", "s/secret")}), ErrorKind::kInput, {"symlink"}));
+  auto second = unpack(s, {file("a/b/c", "new"), file("a/b/d", "d"), whiteout("a", "x"), opaque("d")});
+  ASSERT_TRUE(second) << second.error().message;
+  EXPECT_EQ(slurp(s.root() / "a/b/c"), "new");
+  EXPECT_FALSE(fs::exists(fs::symlink_status(s.root() / "d/l")));
+  EXPECT_TRUE(s.outside_untouched());
+  EXPECT_FALSE(fs::exists("/tmp/cfmo-evil"));
+}
+
 TEST(OciUnpack, EntriesReplaceSymlinksInsteadOfFollowingThem) {
   Scratch s;
   ASSERT_TRUE(unpack(s, {symlink("f", "../outside/secret"), symlink("d", "../outside"), symlink("h", "../outside")}));

@@ -214,6 +214,7 @@ int run_pull(Invocation& inv, const oci::PullPlan& plan) {
     if (layout.empty()) {
       layout = inv.config.cache.empty() ? oci::default_blob_cache().string() : inv.config.cache;
       tag = ref->to_string();
+      options.state_file = false;
     }
     oci::RootfsOptions rootfs_options;
     rootfs_options.dir = outputs->rootfs;
@@ -255,7 +256,8 @@ int run_pull(Invocation& inv, const oci::PullPlan& plan) {
                      {"uncompressed_bytes", rootfs->total.uncompressed_bytes},
                      {"skipped_devices", rootfs->total.skipped_devices},
                      {"skipped_xattrs", rootfs->total.skipped_xattrs},
-                     {"unpack_wait_s", rootfs->unpack_wait_s}};
+                     {"unpack_wait_s", rootfs->unpack_wait_s},
+                     {"sync_s", rootfs->sync_s}};
     }
     print(j.dump(2) + "\n");
     return 0;
