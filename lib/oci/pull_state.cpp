@@ -12,6 +12,8 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <fstream>
+#include <iterator>
 #include <thread>
 
 namespace cfmo::oci {
@@ -267,6 +269,14 @@ Result<StateLock> StateLock::acquire(const fs::path& dir, std::optional<std::chr
   return lock;
 }
 
-bool process_alive(int pid) { return pid > 0 && (::kill(pid, 0) == 0 || errno == EPERM); }
+bool process_alive(int pid) {
+  if (pid <= 0 || (::kill(pid, 0) != 0 && errno != EPERM)) return false;
+  // A zombie (a killed fetcher whose reaper has not reaped it yet) is gone too.
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto paren = text.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= text.size()) return true;
+  return text[paren + 2] != 'Z' && text[paren + 2] != 'X';
+}
 
 }  // namespace cfmo::oci
