@@ -135,7 +135,18 @@ struct BlobJob {
 struct JobOutcome {
   BlobResult result;
   double seconds = 0;
+  bool kept_on_disk = false;  ///< a hot blob found in DIR already, left there rather than fetched again
 };
+
+/// Whether DIR already holds the blob as a file of its own (a layer pulled
+/// cold before): then a hot job keeps it there instead of fetching it again.
+bool present_on_disk(const fs::path& dir, const Descriptor& blob) {
+  const fs::path path = blob_path(dir, blob.digest);
+  std::error_code ec;
+  if (!fs::is_regular_file(fs::symlink_status(path, ec))) return false;
+  auto matches = file_matches(path, blob.digest, blob.size);
+  return matches && *matches;
+}
 
 /// What every thread of one transfer shares.
 struct Transfer {
@@ -202,19 +213,33 @@ Status run_jobs(const std::vector<BlobJob>& jobs, int threads, Transfer& transfe
       const auto start = Clock::now();
       JobOutcome outcome;
       int attempts = 0;
-      Status status = pool.each_until_ok(job.what, [&](RegistryClient& client) -> Status {
-        // Another host after one failed: the observer starts the blob again
-        // (the partial file may have been dropped after a mismatch).
-        if (attempts++ > 0 && fetch_options.observer != nullptr) fetch_options.observer->on_restart();
-        auto got = fetch_blob(client, job.blob, job.store, job.what, fetch_options);
-        if (!got) return std::move(got).error();
-        outcome.result.bytes_fetched += got->bytes_fetched;
-        outcome.result.already_present = got->already_present;
-        outcome.result.resumed = outcome.result.resumed || got->resumed;
-        return {};
-      });
+      Status status;
+      if (job.link && present_on_disk(transfer.dir, job.blob)) {
+        outcome.result.already_present = true;
+        outcome.kept_on_disk = true;
+        transfer.note(fmt::format("hot {} is in '{}' already (pulled cold before): kept on disk", job.what,
+                                  transfer.dir.string()));
+        if (fetch_options.observer != nullptr) {
+          // The observer reads what fetch_blob would have left: the blob, complete.
+          fetch_options.observer->on_start(job.blob.size);
+        }
+      } else {
+        status = pool.each_until_ok(job.what, [&](RegistryClient& client) -> Status {
+          // Another host after one failed: the observer starts the blob again
+          // (the partial file may have been dropped after a mismatch).
+          if (attempts++ > 0 && fetch_options.observer != nullptr) fetch_options.observer->on_restart();
+          auto got = fetch_blob(client, job.blob, job.store, job.what, fetch_options);
+          if (!got) return std::move(got).error();
+          outcome.result.bytes_fetched += got->bytes_fetched;
+          outcome.result.already_present = got->already_present;
+          outcome.result.resumed = outcome.result.resumed || got->resumed;
+          return {};
+        });
+      }
       lease.release();
-      if (status && job.link) status = link_blob(transfer.dir, blob_path(job.store, job.blob.digest), job.blob.digest);
+      if (status && job.link && !outcome.kept_on_disk) {
+        status = link_blob(transfer.dir, blob_path(job.store, job.blob.digest), job.blob.digest);
+      }
       if (hooks != nullptr && hooks->done) {
         const auto result = status ? Result<BlobResult>(outcome.result) : Result<BlobResult>(status.error());
         hooks->done(job.layer, result);
@@ -300,6 +325,7 @@ std::function<Status(const BlobJob&, const Result<JobOutcome>&)> recorder(const 
       } else {
         layer.status = LayerStatus::kFetched;
         layer.error.clear();
+        if (outcome->kept_on_disk) layer.location = Placement::kDisk;
         layer.seconds = outcome->seconds;
         // The bytes are the first layer's; the others of the same digest came with them.
         report.layers[k] = report_of(layer, k == job.layer ? fetched_state(outcome->result) : "present",

@@ -204,6 +204,22 @@ TEST_F(HotCold, ALayerNamedTwiceIsFetchedOnceForBothIndices) {
   EXPECT_EQ(proxy.requests("/blobs/" + oci::sha256_digest(image.layers[0])).size(), 1u);
 }
 
+TEST_F(HotCold, AHotLayerPulledColdBeforeIsNotFetchedAgain) {
+  TempDir out;
+  const auto dir = out / "image";
+  FaultProxy proxy(registry_->host());
+  ASSERT_EQ(pull_image(proxy.host(), dir, {"-q"}).status, 0);
+  const RunResult r = pull_image(proxy.host(), dir, {"--hot", "1", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const Json j = parse_json(r);
+  EXPECT_EQ(j["bytes_fetched"], 0);
+  EXPECT_EQ(j["layers"][1]["state"], "present");
+  EXPECT_EQ(j["layers"][1]["location"], "disk");
+  EXPECT_NE(r.err.find("kept on disk"), std::string::npos) << r.err;
+  EXPECT_EQ(proxy.requests(blob_url_part(1)).size(), 1u);
+  EXPECT_FALSE(fs::is_symlink(dir / "blobs" / "sha256" / layer_digest(1).substr(7)));
+}
+
 TEST_F(HotCold, SelectorsPickTheLayersTheyDocument) {
   struct Case {
     std::vector<std::string> specs;
