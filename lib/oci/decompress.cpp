@@ -3,6 +3,13 @@
 #include <zlib.h>
 #include <zstd.h>
 
+#include <pthread.h>
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
 #include <vector>
 
 #ifdef CFMO_HAVE_ISAL
@@ -254,6 +261,79 @@ class ZstdDecoder : public Decoder {
   size_t pending_ = 0;
 };
 
+/// Decompresses ahead on its own thread into a few buffers of its own.
+class PrefetchDecoder : public Decoder {
+ public:
+  PrefetchDecoder(std::unique_ptr<Decoder> inner, size_t blocks) : inner_(std::move(inner)) {
+    for (size_t i = 0; i < std::max<size_t>(blocks, 2); ++i) free_.emplace_back();
+    thread_ = std::thread([this] { produce(); });
+  }
+  ~PrefetchDecoder() override {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();
+  }
+
+  Result<std::string_view> read() override {
+    std::unique_lock lock(mutex_);
+    if (reading_) {
+      free_.push_back(std::move(*reading_));
+      reading_.reset();
+      changed_.notify_all();
+    }
+    changed_.wait(lock, [&] { return !ready_.empty() || finished_; });
+    if (ready_.empty()) {
+      compressed_ = inner_compressed_;
+      if (error_) return *error_;
+      return std::string_view{};
+    }
+    reading_ = std::move(ready_.front());
+    ready_.pop_front();
+    changed_.notify_all();
+    return std::string_view(*reading_);
+  }
+
+ private:
+  void produce() {
+    pthread_setname_np(pthread_self(), "cfmo-inflate");
+    while (true) {
+      auto block = inner_->read();
+      std::unique_lock lock(mutex_);
+      if (!block || block->empty()) {
+        if (!block) error_ = std::move(block).error();
+        inner_compressed_ = inner_->compressed_bytes();
+        finished_ = true;
+        changed_.notify_all();
+        return;
+      }
+      changed_.wait(lock, [&] { return !free_.empty() || stop_; });
+      if (stop_) return;
+      std::string buffer = std::move(free_.front());
+      free_.pop_front();
+      lock.unlock();
+      buffer.assign(block->data(), block->size());
+      lock.lock();
+      ready_.push_back(std::move(buffer));
+      changed_.notify_all();
+    }
+  }
+
+  std::unique_ptr<Decoder> inner_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::string> free_;
+  std::deque<std::string> ready_;
+  std::optional<std::string> reading_;  ///< the block the reader holds
+  std::optional<Error> error_;
+  int64_t inner_compressed_ = 0;
+  bool finished_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 }  // namespace
 
 std::unique_ptr<Decoder> make_gzip_decoder(ByteSource& source, std::string what, bool use_zlib) {
@@ -274,6 +354,10 @@ std::unique_ptr<Decoder> make_decoder(Compression compression, ByteSource& sourc
       break;
   }
   return make_gzip_decoder(source, std::move(what), false);
+}
+
+std::unique_ptr<Decoder> make_prefetching(std::unique_ptr<Decoder> inner, size_t blocks) {
+  return std::make_unique<PrefetchDecoder>(std::move(inner), blocks);
 }
 
 const char* gzip_implementation() {

@@ -42,6 +42,12 @@ std::unique_ptr<Decoder> make_decoder(Compression compression, ByteSource& sourc
 /// A gzip decoder: igzip where built in, zlib when `use_zlib` or without ISA-L.
 std::unique_ptr<Decoder> make_gzip_decoder(ByteSource& source, std::string what, bool use_zlib);
 
+/// Runs `inner` on a thread of its own, `blocks` decompressed blocks ahead of
+/// the reader (each copied into one of `blocks` buffers), so decompression and
+/// the reader's work overlap. `inner`'s source must end or fail on its own
+/// when the reader stops early (the wrapper's destructor waits for it).
+std::unique_ptr<Decoder> make_prefetching(std::unique_ptr<Decoder> inner, size_t blocks = 4);
+
 /// The gzip inflater built in: "igzip (ISA-L)" or "zlib".
 const char* gzip_implementation();
 

@@ -685,6 +685,14 @@ class Extractor {
   size_t sorted_ = 0;
 };
 
+/// Compressed layers decompress on a thread of their own, a few blocks ahead
+/// of the extraction: inflating and writing files overlap.
+std::unique_ptr<Decoder> layer_decoder(Compression compression, ByteSource& source, const std::string& what) {
+  auto decoder = make_decoder(compression, source, what);
+  if (compression == Compression::kNone) return decoder;
+  return make_prefetching(std::move(decoder));
+}
+
 Status check_options(const UnpackOptions& options, const std::string& what) {
   if (options.whiteouts == WhiteoutMode::kOverlay && !running_as_root()) {
     return make_error(ErrorKind::kUsage, "{}: overlay whiteouts (0:0 devices, trusted.* xattrs) need root", what);
@@ -795,15 +803,21 @@ struct LayerUnpacker::Impl : ByteSource {
   void run() {
     pthread_setname_np(pthread_self(), "cfmo-unpack");
     Extractor extractor(root.get(), options, what);
-    auto decoder = make_decoder(compression, *this, what);
+    auto decoder = layer_decoder(compression, *this, what);
     UnpackStats local;
     Status status = extractor.run(*decoder, local);
-    std::lock_guard lock(mutex);
     if (!status) {
+      // The error is the writer's answer from now on; a decoder thread that
+      // waits for bytes that no longer come is ended by `aborted`.
+      std::lock_guard lock(mutex);
       error = std::move(status).error();
-    } else {
-      stats = local;
+      aborted = true;
+      data_ready.notify_all();
+      space_free.notify_all();
     }
+    decoder.reset();
+    std::lock_guard lock(mutex);
+    if (!error) stats = local;
     done = true;
     // Nothing reads any more: drop what is queued and wake a blocked writer.
     queue.clear();
@@ -888,7 +902,7 @@ Result<UnpackStats> unpack_layer_file(const fs::path& blob, const fs::path& root
     return make_error(ErrorKind::kInternal, "{}: cannot open '{}': {}", what, blob.string(), std::strerror(errno));
   ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
   FileSource source(fd.get(), what);
-  auto decoder = make_decoder(compression, source, what);
+  auto decoder = layer_decoder(compression, source, what);
   Extractor extractor(root_fd.get(), options, what);
   UnpackStats stats;
   CFMO_TRY(extractor.run(*decoder, stats));

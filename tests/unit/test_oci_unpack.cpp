@@ -41,7 +41,12 @@ class Scratch {
     std::ofstream(outside() / "secret") << "keep me";
   }
   ~Scratch() {
+    // Layers leave read-only directories, which a user other than root cannot empty.
     std::error_code ec;
+    for (auto it = fs::recursive_directory_iterator(path_, ec); !ec && it != fs::recursive_directory_iterator();
+         it.increment(ec)) {
+      if (it->is_directory(ec) && !it->is_symlink(ec)) ::chmod(it->path().c_str(), 0700);
+    }
     fs::remove_all(path_, ec);
   }
   fs::path root() const { return path_ / "root"; }
