@@ -21,6 +21,14 @@
 #   cfmo-pull pull REF --output oci:DIR          vs  skopeo copy docker://REF oci:DIR
 #   cfmo-pull pull REF --output rootfs:DIR       vs  skopeo copy ... && umoci unpack
 #     (with --cache on a fresh directory, so it downloads everything)
+# Then the hot/cold part (HOTCOLD=1, the default; PEERS=0 runs it alone), on
+# the big image with one small layer (HOT_LAYER_SIZE=4M) put first:
+#   full pull       cfmo-pull pull REF --output oci:DIR                     (wall)
+#   eager, hot 0    the same with --hot 0: ready_s while the rest still comes
+#   lazy, hot 0     --hot 0 --cold lazy: ready_s, the cold layers left pending
+# (target: ready in at most 10% of the full pull's time), and the peak RSS
+# of a full pull with default settings (target under 64 MB) and with
+# --max-memory CAP_MEMORY (default 32M), an image far larger than the cap.
 # Wall time is the clock's; peak RSS (for skopeo + umoci the larger of the
 # two) and CPU time (user + system, both of them) come from /usr/bin/time -v.
 # CPU time is the figure that survives a loaded machine; the registry's own
@@ -41,6 +49,10 @@ SMALL_FILE_SIZE=${SMALL_FILE_SIZE:-4K}
 LEVEL=${LEVEL:-6}
 REPS=${REPS:-3}
 JOBS=${JOBS:-4}
+PEERS=${PEERS:-1}
+HOTCOLD=${HOTCOLD:-1}
+HOT_LAYER_SIZE=${HOT_LAYER_SIZE:-4M}
+CAP_MEMORY=${CAP_MEMORY:-32M}
 FIXTURES=${FIXTURES:-${XDG_CACHE_HOME:-$HOME/.cache}/cfmo-bench-fixtures}
 record=false
 [ "${1:-}" = "--record" ] && record=true
@@ -79,6 +91,10 @@ build_fixture "$big" --layers "$BIG_LAYERS" --layer-size "$BIG_LAYER_SIZE" --fil
   --random "$RANDOM_SHARE" --seed 1
 build_fixture "$small" --layers "$SMALL_LAYERS" --layer-size "$SMALL_LAYER_SIZE" --file-size "$SMALL_FILE_SIZE" \
   --random 0.2 --seed 2
+hot=$FIXTURES/hot-$HOT_LAYER_SIZE-$LEVEL
+if [ "$HOTCOLD" = 1 ]; then
+  build_fixture "$hot" --layers 1 --layer-size "$HOT_LAYER_SIZE" --file-size 64K --random 0.2 --seed 3
+fi
 
 # A registry of our own.
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -103,6 +119,39 @@ for name in big small; do
   layout=$big; [ $name = small ] && layout=$small
   skopeo copy -q --dest-tls-verify=false "oci:$layout:latest" "docker://$host/bench/$name:latest" >&2
 done
+if [ "$HOTCOLD" = 1 ]; then
+  # bench/big:hot is the big image with the small layer of $hot first: its
+  # blobs go into the same repository, then a config and manifest naming both.
+  skopeo copy -q --dest-tls-verify=false "oci:$hot:latest" "docker://$host/bench/big:hotpart" >&2
+  python3 - "$host" "$big" "$hot" <<'EOF'
+import hashlib, json, os, sys, urllib.request
+host, big, hot = sys.argv[1:4]
+def load(layout):
+    index = json.load(open(os.path.join(layout, "index.json")))
+    blob = lambda d: open(os.path.join(layout, "blobs", "sha256", d[7:]), "rb").read()
+    manifest = json.loads(blob(index["manifests"][0]["digest"]))
+    return manifest, json.loads(blob(manifest["config"]["digest"]))
+def request(method, url, data=None, ctype=None):
+    r = urllib.request.Request(url, data=data, method=method)
+    if ctype: r.add_header("Content-Type", ctype)
+    return urllib.request.urlopen(r)
+big_m, big_c = load(big)
+hot_m, hot_c = load(hot)
+config = dict(big_c)
+config["rootfs"] = {"type": "layers", "diff_ids": hot_c["rootfs"]["diff_ids"] + big_c["rootfs"]["diff_ids"]}
+config.pop("history", None)
+body = json.dumps(config).encode()
+digest = "sha256:" + hashlib.sha256(body).hexdigest()
+loc = request("POST", f"http://{host}/v2/bench/big/blobs/uploads/").headers["Location"]
+loc = (loc if loc.startswith("http") else f"http://{host}{loc}") + ("&" if "?" in loc else "?") + "digest=" + digest
+request("PUT", loc, body, "application/octet-stream")
+manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": digest, "size": len(body)},
+            "layers": hot_m["layers"] + big_m["layers"]}
+request("PUT", f"http://{host}/v2/bench/big/manifests/hot", json.dumps(manifest).encode(),
+        "application/vnd.oci.image.manifest.v1+json")
+EOF
+fi
 sizes() {  # LAYOUT -> "compressed uncompressed-estimate files"
   python3 - "$1" <<'EOF'
 import json, sys, os
@@ -142,6 +191,7 @@ run_one() {  # KEY LABEL COMMAND...
   echo "rep $rep $label $w s $r KB ${c} s CPU" >&2
 }
 for rep in $(seq 1 "$REPS"); do
+  [ "$PEERS" = 1 ] || break
   for name in big small; do
     ref=$host/bench/$name:latest
     out=$tmp/out
@@ -177,29 +227,88 @@ row() {  # image output peer-label cfmo-label target
   echo "| $1 | $label | $ws | $wc | **$(ratio "$ws" "$wc")x**${target:+ ($target)} | $cs | $cc | $(ratio "$cs" "$cc")x | $(mb "$rs") | $(mb "$rc") |"
 }
 big_bytes=$(sizes "$big"); small_bytes=$(sizes "$small")
-table="| image | peer | peer s | cfmo-pull s | speed-up | peer CPU s | cfmo-pull CPU s | CPU ratio | peer peak RSS MB | cfmo-pull peak RSS MB |
+load=$(cut -d' ' -f1-3 /proc/loadavg)
+table=
+if [ "$PEERS" = 1 ]; then
+  table="| image | peer | peer s | cfmo-pull s | speed-up | peer CPU s | cfmo-pull CPU s | CPU ratio | peer peak RSS MB | cfmo-pull peak RSS MB |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 $(row big oci 'skopeo copy → oci:' 'target 2x')
 $(row big rootfs 'skopeo copy + umoci unpack → rootfs' 'target 3x')
 $(row small oci 'skopeo copy → oci:' '')
 $(row small rootfs 'skopeo copy + umoci unpack → rootfs' '')"
-load=$(cut -d' ' -f1-3 /proc/loadavg)
-echo
-echo "big: $BIG_LAYERS layers of $BIG_LAYER_SIZE ($big_bytes bytes gzip), small: $SMALL_LAYERS layers of $SMALL_LAYER_SIZE in $SMALL_FILE_SIZE files ($small_bytes bytes gzip); medians of $REPS; load $load"
-echo "$table"
+  echo
+  echo "big: $BIG_LAYERS layers of $BIG_LAYER_SIZE ($big_bytes bytes gzip), small: $SMALL_LAYERS layers of $SMALL_LAYER_SIZE in $SMALL_FILE_SIZE files ($small_bytes bytes gzip); medians of $REPS; load $load"
+  echo "$table"
+fi
+
+# The hot/cold part: one JSON report per run (ready_s, wall_s, peak_rss_bytes),
+# the peak RSS also from /usr/bin/time.
+hot_table=
+if [ "$HOTCOLD" = 1 ]; then
+  ref=$host/bench/big:hot
+  declare -A hc
+  hadd() { hc[$1]="${hc[$1]:-} $2"; }
+  hot_one() {  # KEY LABEL ARGS...
+    local key=$1 label=$2 w r c ready wall rss; shift 2
+    fresh
+    mkdir -p "$tmp/shm"
+    read -r w r c < <(measure "$PULL" pull "$ref" --plain-http --jobs "$JOBS" --output "oci:$tmp/out/layout" \
+      --memory-dir "$tmp/shm" --progress none --json "$@")
+    read -r ready wall rss < <(python3 -c 'import json, sys; j = json.load(open(sys.argv[1]))
+print(j["ready_s"] if j["ready_s"] is not None else -1, j["wall_s"], j["peak_rss_bytes"])' "$tmp/out.txt")
+    hadd "$key-ready" "$ready"; hadd "$key-wall" "$wall"; hadd "$key-rss" "$r"; hadd "$key-report" "$rss"
+    echo "rep $rep $label ready $ready s, wall $wall s, peak RSS $r KB (report $rss B)" >&2
+    rm -rf "$tmp/shm"
+  }
+  for rep in $(seq 1 "$REPS"); do
+    # The order rotates with the rep, so no configuration always runs first.
+    order=(full eager lazy capped)
+    for _ in $(seq 1 $(( (rep - 1) % 4 ))); do order=("${order[@]:1}" "${order[0]}"); done
+    for which in "${order[@]}"; do
+      case $which in
+        full) hot_one full "full pull             " ;;
+        eager) hot_one eager "--hot 0, cold eager  " --hot 0 ;;
+        lazy) hot_one lazy "--hot 0, cold lazy   " --hot 0 --cold lazy ;;
+        capped) hot_one capped "--max-memory $CAP_MEMORY     " --max-memory "$CAP_MEMORY" ;;
+      esac
+    done
+  done
+  hot_bytes=$(sizes "$hot")
+  s3() { awk -v v="$(median "$@")" 'BEGIN {printf "%.3f", v}'; }
+  full=$(s3 ${hc[full-wall]})
+  pct() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.1f%%", 100 * a / b}'; }
+  rmb() { awk -v b="$(median "$@")" 'BEGIN {printf "%.1f", b / 1048576}'; }
+  hot_table="| run | ready s | wall s | ready / full pull's wall | peak RSS MB (time) | peak_rss_bytes (report), MB |
+| --- | --- | --- | --- | --- | --- |
+| full pull, default settings | | $full | | **$(mb "$(median ${hc[full-rss]})")** (target < 64) | $(rmb ${hc[full-report]}) |
+| --hot 0, cold eager | $(s3 ${hc[eager-ready]}) | $(s3 ${hc[eager-wall]}) | **$(pct "$(s3 ${hc[eager-ready]})" "$full")** (target <= 10%) | $(mb "$(median ${hc[eager-rss]})") | $(rmb ${hc[eager-report]}) |
+| --hot 0, cold lazy | $(s3 ${hc[lazy-ready]}) | $(s3 ${hc[lazy-wall]}) | **$(pct "$(s3 ${hc[lazy-ready]})" "$full")** (target <= 10%) | $(mb "$(median ${hc[lazy-rss]})") | $(rmb ${hc[lazy-report]}) |
+| full pull, --max-memory $CAP_MEMORY | | $(s3 ${hc[capped-wall]}) | | **$(mb "$(median ${hc[capped-rss]})")** (cap $CAP_MEMORY) | $(rmb ${hc[capped-report]}) |"
+  echo
+  echo "hot/cold: bench/big:hot = one hot layer of $HOT_LAYER_SIZE ($hot_bytes bytes gzip) first, then the big image's layers ($big_bytes bytes); medians of $REPS; load $load"
+  echo "$hot_table"
+fi
 
 if $record; then
   cpu=$(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo)
   {
     echo
-    echo "### cfmo-pull against skopeo and umoci ($(date +%Y-%m-%d))"
+    title="cfmo-pull against skopeo and umoci"
+    [ "$PEERS" = 1 ] || title="cfmo-pull: time to ready with a hot layer, peak RSS against --max-memory"
+    echo "### $title ($(date +%Y-%m-%d))"
     echo
     echo "Machine: $cpu, $(nproc) cores; $(skopeo --version), $(umoci --version); load average at the end $load."
-    echo "Command: \`BIG_LAYERS=$BIG_LAYERS BIG_LAYER_SIZE=$BIG_LAYER_SIZE BIG_FILE_SIZE=$BIG_FILE_SIZE RANDOM_SHARE=$RANDOM_SHARE SMALL_LAYERS=$SMALL_LAYERS SMALL_LAYER_SIZE=$SMALL_LAYER_SIZE SMALL_FILE_SIZE=$SMALL_FILE_SIZE LEVEL=$LEVEL REPS=$REPS JOBS=$JOBS bench/pull_vs_skopeo.sh --record\`"
+    echo "Command: \`BIG_LAYERS=$BIG_LAYERS BIG_LAYER_SIZE=$BIG_LAYER_SIZE BIG_FILE_SIZE=$BIG_FILE_SIZE RANDOM_SHARE=$RANDOM_SHARE SMALL_LAYERS=$SMALL_LAYERS SMALL_LAYER_SIZE=$SMALL_LAYER_SIZE SMALL_FILE_SIZE=$SMALL_FILE_SIZE LEVEL=$LEVEL REPS=$REPS JOBS=$JOBS PEERS=$PEERS HOTCOLD=$HOTCOLD HOT_LAYER_SIZE=$HOT_LAYER_SIZE CAP_MEMORY=$CAP_MEMORY bench/pull_vs_skopeo.sh --record\`"
     echo "Images: big, $BIG_LAYERS gzip layers of $BIG_LAYER_SIZE uncompressed ($big_bytes bytes compressed, ${RANDOM_SHARE} of the files random);"
     echo "small, $SMALL_LAYERS layers of $SMALL_LAYER_SIZE in files of about $SMALL_FILE_SIZE ($small_bytes bytes compressed)."
     echo
-    echo "$table"
+    if [ -n "$table" ]; then echo "$table"; fi
+    if [ -n "$hot_table" ]; then
+      if [ -n "$table" ]; then echo; fi
+      echo "Hot and cold layers: bench/big:hot, one hot layer of $HOT_LAYER_SIZE uncompressed ($hot_bytes bytes compressed) first, then the big image's layers; ready_s and peak_rss_bytes from cfmo-pull's --json report, peak RSS also from /usr/bin/time."
+      echo
+      echo "$hot_table"
+    fi
   } >> bench/RESULTS.md
   echo "appended to bench/RESULTS.md" >&2
 fi

@@ -16,13 +16,14 @@ packages=(
   libcurl4-openssl-dev libssl-dev                                 # cfmo-pull: registry client, SHA-256
   libarchive-dev libisal-dev                                      # cfmo-pull: unpacking layers, igzip (zlib is the fallback)
   docker-registry umoci                                           # cfmo-pull tests: a real local registry, a layout reader
+  time                                                            # cfmo-pull's peak-RSS test: /usr/bin/time
   libgtest-dev googletest                                         # tests
   scdoc                                                           # man pages from source
   dataset-fashion-mnist                                           # the demo's data set
 )
 
 case "${1:-}" in
-  --bench) packages+=(python3-torch python3-numpy time zstd openmpi-bin libopenmpi-dev ucx-utils skopeo) ;;
+  --bench) packages+=(python3-torch python3-numpy zstd openmpi-bin libopenmpi-dev ucx-utils skopeo) ;;
   --list) printf '%s\n' "${packages[@]}"; exit 0 ;;
   "") ;;
   *) echo "usage: $0 [--bench|--list]" >&2; exit 2 ;;

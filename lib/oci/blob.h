@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 
 namespace cfmo::oci {
 
@@ -33,15 +34,27 @@ class BlobObserver {
   virtual Status on_write(std::string_view chunk) = 0;
 };
 
+/// How one blob is fetched. The write buffer (drawn by the caller from its
+/// MemoryBudget) gathers the network's small chunks into large writes; the
+/// bytes in it count as received, so a Range resume continues after them.
+struct BlobFetchOptions {
+  size_t buffer_bytes = 0;  ///< 0: each chunk is written as it arrives
+  /// Called as bytes arrive with the blob's bytes so far (resumed ones
+  /// included), at most every 256 KiB and once at the end.
+  std::function<void(int64_t)> on_bytes;
+  /// Sees the bytes as they are written to the partial file (not those of a
+  /// blob already present).
+  BlobObserver* observer = nullptr;
+};
+
 /// The path of a blob in a layout: DIR/blobs/sha256/<hex>.
 std::filesystem::path blob_path(const std::filesystem::path& layout, const std::string& digest);
 
 /// Fetches `blob` (from /v2/<repo>/blobs/<digest>) into `layout`. A digest
 /// or size mismatch is kInput, and the partial file is removed so the next
-/// run starts clean; a network failure keeps it for resuming. `observer`,
-/// when given, sees the bytes (not those of a blob already present).
+/// run starts clean; a network failure keeps it for resuming.
 Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, const std::filesystem::path& layout,
-                              const std::string& what, BlobObserver* observer = nullptr);
+                              const std::string& what, const BlobFetchOptions& options = {});
 
 /// Checks that a file holds `digest` and `size` (for blobs already present).
 Result<bool> file_matches(const std::filesystem::path& path, const std::string& digest, int64_t size);

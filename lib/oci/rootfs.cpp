@@ -11,12 +11,15 @@
 // same tree).
 #include "oci/rootfs.h"
 
+#include "core/atomic_file.h"
+
 #include "oci/blob.h"
 
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -259,11 +262,18 @@ Status check_rootfs_target(const fs::path& dir, bool replace) {
   return {};
 }
 
-Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& options,
-                                    const std::optional<Credentials>& credentials, const fs::path& layout,
+Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& options, const fs::path& layout,
                                     const std::string& tag, const RootfsOptions& rootfs) {
   const fs::path dir = fs::absolute(rootfs.dir).lexically_normal();
   const fs::path target = dir.filename().empty() ? dir.parent_path() : dir;
+  // Said before anything is fetched, never turned silently into a full pull.
+  if (options.cold != ColdStrategy::kEager || options.background) {
+    return make_error(ErrorKind::kUsage,
+                      "--cold {}{} cannot stay lazy with --output rootfs:{}: a root filesystem is built from every "
+                      "layer in order and put in place whole; use --cold eager, or pull to oci:DIR and present the "
+                      "layers fetched so far with 'cfmo-pull mount DIR MOUNTPOINT'",
+                      to_string(options.cold), options.background ? " --background" : "", target.string());
+  }
   CFMO_TRY(check_rootfs_target(target, rootfs.replace));
   if (rootfs.unpack.whiteouts != WhiteoutMode::kApply) {
     return make_error(ErrorKind::kUsage, "--output rootfs:{}: a merged tree applies whiteouts", target.string());
@@ -328,7 +338,10 @@ Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& opt
   hooks.observer = [&](size_t index) -> BlobObserver* { return pipes[index].get(); };
   hooks.done = [&](size_t index, const Result<BlobResult>& result) { pipes[index]->done(result, layers[index].size); };
 
-  auto pulled = pull_to_layout(ref, options, credentials, layout, tag, &hooks);
+  PullOptions inner = options;
+  inner.memory_store = false;
+  inner.ready_file.clear();  // ready means DIR in place, below
+  auto pulled = pull_to_layout(ref, inner, layout, tag, &hooks);
   downloads_done = std::chrono::steady_clock::now();
   for (size_t i = 0; i < pipes.size(); ++i) pipes[i]->not_fetched(fmt::format("layer {}", i));
   if (!pulled) cancel_all();
@@ -382,6 +395,20 @@ Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& opt
     ::close(parent);
   }
   report.pull.wall_s += seconds_since(downloads_done);
+  // Ready means the tree in place: it is renamed into place whole, so the hot layers only went first.
+  report.pull.ready_s = report.pull.wall_s;
+  if (!options.ready_file.empty()) {
+    nlohmann::ordered_json j;
+    j["image"] = ref.to_string();
+    j["manifest_digest"] = report.pull.image.manifest.digest;
+    j["rootfs"] = target.string();
+    j["ready_s"] = report.pull.ready_s;
+    j["hot"] = nlohmann::ordered_json::array();
+    for (const auto& l : report.pull.layers) {
+      if (l.hot) j["hot"].push_back(l.digest);
+    }
+    CFMO_TRY(write_file_atomic(options.ready_file, j.dump() + "\n"));
+  }
   return report;
 }
 

@@ -42,9 +42,14 @@ std::filesystem::path default_blob_cache();
 /// disk and then straight from the network as they arrive. Any failure
 /// (digest mismatch, a malicious layer, the network) removes the staging tree
 /// and leaves DIR as it was.
+///
+/// Hot layers (options.hot) are fetched first, into the layout like the
+/// others (the memory store holds blobs, and the product here is the tree);
+/// the ready file is written once DIR is in place. Lazy or skipped cold
+/// layers cannot make a tree that is renamed into place whole: kUsage.
 Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& options,
-                                    const std::optional<Credentials>& credentials, const std::filesystem::path& layout,
-                                    const std::string& tag, const RootfsOptions& rootfs);
+                                    const std::filesystem::path& layout, const std::string& tag,
+                                    const RootfsOptions& rootfs);
 
 /// Checks that `dir` may receive a rootfs (absent, empty, or `replace`); kUsage otherwise.
 Status check_rootfs_target(const std::filesystem::path& dir, bool replace);

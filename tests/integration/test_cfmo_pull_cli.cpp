@@ -11,24 +11,38 @@ namespace {
 
 using namespace cfmo::pulltest;
 
-TEST(CfmoPullCli, HelpAndManPageListTheSameOptions) {
+TEST(CfmoPullCli, HelpManPageAndConfigListTheSameOptions) {
   const std::regex long_flag(R"((--[a-z][a-z0-9-]*))");
   const RunResult top = pull({"--help"});
   ASSERT_EQ(top.status, 0);
   std::set<std::string> help_flags = matches(top.out, long_flag);
-  for (const char* sub : {"pull", "inspect"}) {
+  std::set<std::string> printed_keys;
+  const std::regex key(R"((?:^|\n)([a-z_0-9]+) = )");
+  for (const char* sub : {"pull", "inspect", "fetch", "status", "mount", "umount"}) {
     const RunResult help = pull({sub, "--help"});
     ASSERT_EQ(help.status, 0) << sub;
     for (const auto& f : matches(help.out, long_flag)) help_flags.insert(f);
+    const RunResult printed = pull({sub, "--print-config"});
+    ASSERT_EQ(printed.status, 0) << sub << ": " << printed.err;
+    for (const auto& k : matches(printed.out, key)) printed_keys.insert(k);
+    // The shipped file and the printed configuration both load, and print the same again.
+    EXPECT_EQ(pull({sub, "--config", (source_root() / "conf/pull.toml").string(), "--print-config"}).status, 0)
+        << sub;
+    TempDir dir;
+    ASSERT_TRUE(write_file_atomic(dir / "printed.toml", printed.out));
+    const RunResult again = pull({sub, "--config", (dir / "printed.toml").string(), "--print-config"});
+    EXPECT_EQ(again.out, printed.out) << sub << ": " << again.err;
   }
   const std::string man = slurp(source_root() / "man/cfmo-pull.1.scd");
   ASSERT_FALSE(man.empty()) << "man/cfmo-pull.1.scd missing";
   const std::set<std::string> man_flags = matches(man, std::regex(R"(\*(--[a-z][a-z0-9-]*)\*)"));
   for (const auto& f : help_flags) EXPECT_TRUE(man_flags.count(f)) << f << " is in --help but not in the man page";
   for (const auto& f : man_flags) EXPECT_TRUE(help_flags.count(f)) << f << " is in the man page but not in --help";
-  for (const char* section : {"# EXIT STATUS", "# FILES", "# ENVIRONMENT", "# EXAMPLES"}) {
+  for (const char* section : {"# EXIT STATUS", "# FILES", "# ENVIRONMENT", "# EXAMPLES", "cfmo-pull-state.json"}) {
     EXPECT_NE(man.find(section), std::string::npos) << section;
   }
+  // conf/pull.toml sets every key some subcommand knows, and no other.
+  EXPECT_EQ(matches(slurp(source_root() / "conf/pull.toml"), key), printed_keys);
 }
 
 TEST(CfmoPullCli, GeneratedManPageIsCurrent) {

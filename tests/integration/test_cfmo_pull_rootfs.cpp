@@ -282,8 +282,9 @@ TEST_F(RootfsFixture, MaliciousLayersAreRefusedAndNothingIsWrittenOutside) {
     fs::create_directories(out / "outside");
     std::ofstream(out / "outside" / "secret") << "keep";
     const auto target = out / "a" / "rootfs";
+    // --progress none: stderr is a pipe, where plain progress lines would precede the error's one line.
     const RunResult r = pull({"pull", ref(std::string("evil/") + c.name + ":v1"), "--plain-http", "--output",
-                              "rootfs:" + target.string(), "--cache", (out / "cache").string()});
+                              "rootfs:" + target.string(), "--cache", (out / "cache").string(), "--progress", "none"});
     EXPECT_EQ(r.status, 3) << r.err;
     EXPECT_NE(r.err.find(c.message), std::string::npos) << r.err;
     EXPECT_NE(r.err.find("layer sha256:"), std::string::npos) << r.err;
