@@ -315,6 +315,15 @@ TEST_F(HotCold, AnInterruptedBackgroundFetchIsResumedFromItsPartialBlob) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   ASSERT_TRUE(proxy.stalled()) << slurp(dir / "cfmo-pull.log");
+  // The proxy having sent the bytes is not the fetcher having written them:
+  // wait until its partial file holds some (a loaded machine may lag).
+  const auto partial = dir / "blobs" / "sha256" / (layer_digest(1).substr(7) + ".partial");
+  std::error_code ec;
+  while ((!fs::exists(partial, ec) || fs::file_size(partial, ec) == 0) &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(60)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_GT(fs::file_size(partial, ec), 0u) << partial << "\n" << slurp(dir / "cfmo-pull.log");
   ::kill(guard.pid, SIGKILL);
   const Json interrupted = wait_for_status(dir, [](const Json& s) { return s["fetcher_alive"] == false; });
   EXPECT_EQ(interrupted["fetcher_alive"], false);
