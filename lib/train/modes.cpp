@@ -17,7 +17,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-Clock::duration seconds(double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); }
+Clock::duration seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
 
 // resize + memcpy rather than insert: GCC 12 warns falsely (-Wstringop-overflow)
 // about inserting into an empty vector.
@@ -42,23 +44,6 @@ bool take(std::span<const std::byte>& in, T& value) {
 
 void put_floats(std::vector<std::byte>& out, std::span<const float> values) {
   put_bytes(out, values.data(), values.size_bytes());
-}
-
-/// θ̄ += outer step from the mean delta `delta` (scaled by `weight`), in place.
-/// avg: θ̄ += lr * weight * delta. nesterov: the pseudo-gradient g = -weight * delta
-/// through SGD with Nesterov momentum (DiLoCo's outer optimizer).
-void outer_step(const ModeSettings& s, float momentum, std::span<float> global, std::span<const float> delta,
-                std::span<float> buffer, float weight) {
-  const auto lr = static_cast<float>(s.outer_lr);
-  if (s.outer_optimizer == "nesterov") {
-    for (size_t i = 0; i < global.size(); ++i) {
-      const float g = -weight * delta[i];
-      buffer[i] = momentum * buffer[i] + g;
-      global[i] -= lr * (g + momentum * buffer[i]);
-    }
-  } else {
-    for (size_t i = 0; i < global.size(); ++i) global[i] += lr * weight * delta[i];
-  }
 }
 
 /// A lockstep stop vote, carried by a collective as two counts:
@@ -136,7 +121,10 @@ class SyncMode final : public Mode {
 class LocalSgdMode final : public Mode {
  public:
   LocalSgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial)
-      : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), momentum_(initial.size(), 0.0f) {}
+      : settings_(settings),
+        comm_(comm),
+        global_(initial.begin(), initial.end()),
+        outer_(settings, initial.size(), 1) {}
   std::string_view name() const override { return "localsgd"; }
   bool lockstep() const override { return true; }
   void want_stop(std::string_view reason) override { vote_.want(reason); }
@@ -170,8 +158,7 @@ class LocalSgdMode final : public Mode {
     stats_.wait_s += seconds_since(start);
     CFMO_TRY(status);
     vote_.read(delta_.data() + params.size());
-    outer_step(settings_, static_cast<float>(settings_.outer_momentum), global_,
-               std::span<const float>(delta_).first(params.size()), momentum_, 1.0f / static_cast<float>(comm_.size()));
+    outer_.apply(global_, std::span<const float>(delta_).first(params.size()), 1.0f / static_cast<float>(comm_.size()));
     std::copy(global_.begin(), global_.end(), params.begin());
     ++stats_.rounds;
     since_sync_ = 0;
@@ -181,7 +168,7 @@ class LocalSgdMode final : public Mode {
   ModeSettings settings_;
   Communicator& comm_;
   FloatBuffer global_;
-  FloatBuffer momentum_;
+  OuterOptimizer outer_;
   FloatBuffer delta_;
   int64_t since_sync_ = 0;
   int64_t last_step_ = 0;
@@ -205,7 +192,6 @@ class AsyncMode : public Mode {
     const int me = comm.rank();
     owned_.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
                   initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
-    outer_momentum_.assign(owned_.size(), 0.0f);
     stats_.staleness_histogram.assign(static_cast<size_t>(settings.max_staleness) + 2, 0);
     comm.on_message(Channel::kFreshShard, [this](int from, std::span<const std::byte> m) { on_fresh(from, m); });
     comm.on_message(Channel::kProgress, [this](int from, std::span<const std::byte> m) { on_progress(from, m); });
@@ -240,7 +226,8 @@ class AsyncMode : public Mode {
   };
 
   std::span<float> shard_of(std::span<float> v, int j) const {
-    return v.subspan(bounds_[static_cast<size_t>(j)], bounds_[static_cast<size_t>(j) + 1] - bounds_[static_cast<size_t>(j)]);
+    return v.subspan(bounds_[static_cast<size_t>(j)],
+                     bounds_[static_cast<size_t>(j) + 1] - bounds_[static_cast<size_t>(j)]);
   }
 
   /// Owner side: the reply carrying this shard as it is now.
@@ -366,9 +353,8 @@ class AsyncMode : public Mode {
   std::vector<int> awaiting_ = std::vector<int>(static_cast<size_t>(comm_.size()), 0);
 
   // Owner side (progress thread, except where mutex_ says otherwise).
-  FloatBuffer owned_;           ///< my shard of the global parameters
-  FloatBuffer outer_momentum_;  ///< outer optimizer state for it
-  int64_t version_ = 0;         ///< contributions applied to it
+  FloatBuffer owned_;    ///< my shard of the global parameters
+  int64_t version_ = 0;  ///< contributions applied to it
 
   mutable std::mutex mutex_;  ///< guards inbox_, stats_, done_from_, gathered_, owned_ snapshots
   std::deque<Fresh> inbox_;
@@ -426,7 +412,9 @@ class AsyncMode : public Mode {
 class CfmoMode final : public AsyncMode {
  public:
   CfmoMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial)
-      : AsyncMode(settings, comm, initial), snapshot_(initial.size(), 0.0f) {
+      : AsyncMode(settings, comm, initial),
+        outer_(settings, owned_.size(), comm.size()),
+        snapshot_(initial.size(), 0.0f) {
     comm.on_message(Channel::kDeltaShard, [this](int from, std::span<const std::byte> m) { on_delta(from, m); });
   }
   // Unregistered here, before this class's members go: the base's destructor would be too late.
@@ -511,8 +499,8 @@ class CfmoMode final : public AsyncMode {
     record_staleness(f.staleness, f.dropped);
     const size_t first = bounds_[static_cast<size_t>(f.shard)];
     if (f.values.size() != bounds_[static_cast<size_t>(f.shard) + 1] - first) return;
-    const int64_t behind = std::max<int64_t>(0, f.version - base_version_[static_cast<size_t>(f.shard)] - 1) /
-                           comm_.size();
+    const int64_t behind =
+        std::max<int64_t>(0, f.version - base_version_[static_cast<size_t>(f.shard)] - 1) / comm_.size();
     for (size_t i = 0; i < f.values.size(); ++i) {
       params[first + i] = f.values[i] + (params[first + i] - snapshot_[first + i]);
       base_[first + i] = f.values[i];
@@ -538,11 +526,10 @@ class CfmoMode final : public AsyncMode {
     const int64_t s = staleness_of(base_version);
     const bool dropped = s > settings_.max_staleness;
     if (!dropped) {
-      const float weight = static_cast<float>(std::pow(settings_.staleness_discount, s)) / static_cast<float>(comm_.size());
-      // Momentum per contribution is mu^(1/W), so a round of W contributions decays it by mu.
-      const auto momentum = static_cast<float>(std::pow(settings_.outer_momentum, 1.0 / comm_.size()));
+      const float weight =
+          static_cast<float>(std::pow(settings_.staleness_discount, s)) / static_cast<float>(comm_.size());
       std::lock_guard lock(mutex_);
-      outer_step(settings_, momentum, owned_, incoming_, outer_momentum_, weight);
+      outer_.apply(owned_, incoming_, weight);
       ++version_;
       ++stats_.contributions_applied;
     }
@@ -553,6 +540,7 @@ class CfmoMode final : public AsyncMode {
     reply_fresh(from, s, dropped);
   }
 
+  OuterOptimizer outer_;  ///< owner, under mutex_: the outer step on my shard
   FloatBuffer snapshot_;
   FloatBuffer delta_;
   FloatBuffer full_delta_;  ///< for the delta sink
@@ -616,8 +604,7 @@ class AsgdMode final : public AsyncMode {
 
   Status finish(std::span<float> params, Optimizer&) override {
     const auto start = Clock::now();
-    drain_replies(start + seconds(settings_.peer_timeout_s),
-                  [&](Fresh& f) { apply(f, params); });
+    drain_replies(start + seconds(settings_.peer_timeout_s), [&](Fresh& f) { apply(f, params); });
     {
       std::lock_guard lock(mutex_);
       stats_.finish_wait_s += seconds_since(start);
@@ -667,6 +654,35 @@ class AsgdMode final : public AsyncMode {
 };
 
 }  // namespace
+
+OuterOptimizer::OuterOptimizer(const ModeSettings& settings, size_t size, int contributions_per_round)
+    : nesterov_(settings.outer_optimizer == "nesterov"),
+      lr_(static_cast<float>(settings.outer_lr)),
+      mu_(static_cast<float>(settings.outer_momentum)),
+      per_round_(std::max(1, contributions_per_round)),
+      momentum_(nesterov_ ? size : 0, 0.0f),
+      round_sum_(nesterov_ && per_round_ > 1 ? size : 0, 0.0f) {}
+
+void OuterOptimizer::apply(std::span<float> global, std::span<const float> delta, float weight) {
+  const size_t n = global.size();
+  for (size_t i = 0; i < n; ++i) global[i] += lr_ * weight * delta[i];
+  if (!nesterov_) return;
+  if (per_round_ > 1) {
+    for (size_t i = 0; i < n; ++i) round_sum_[i] += weight * delta[i];
+    if (++in_round_ < per_round_) return;
+    in_round_ = 0;
+    for (size_t i = 0; i < n; ++i) {
+      momentum_[i] = mu_ * momentum_[i] + round_sum_[i];
+      round_sum_[i] = 0;
+      global[i] += lr_ * mu_ * momentum_[i];
+    }
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    momentum_[i] = mu_ * momentum_[i] + weight * delta[i];
+    global[i] += lr_ * mu_ * momentum_[i];
+  }
+}
 
 std::vector<size_t> shard_bounds(size_t size, int shards) {
   std::vector<size_t> bounds(static_cast<size_t>(shards) + 1, size);

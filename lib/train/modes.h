@@ -32,9 +32,9 @@ struct ModeSettings {
   int sync_interval = 10;           ///< H: local steps between reconciliations
   double staleness_discount = 0.9;  ///< beta
   int max_staleness = 4;            ///< rounds; older contributions are dropped
-  std::string outer_optimizer = "avg";
-  double outer_lr = 1.0;
-  double outer_momentum = 0.9;
+  std::string outer_optimizer = "nesterov";
+  double outer_lr = 0.5;
+  double outer_momentum = 0.8;
   WireDtype delta_dtype = WireDtype::kFp32;
   int64_t sample_budget = 0;  ///< async modes: stop when all workers together saw this many (0: no budget)
   double peer_timeout_s = 10;
@@ -49,11 +49,11 @@ struct ModeStats {
   double wait_s = 0;         ///< blocked on communication inside the training loop
   double finish_wait_s = 0;  ///< at the end, waiting for the last replies and for the other ranks
   uint64_t contributions_dropped = 0;
-  uint64_t contributions_sent = 0;      ///< shards of deltas (cfmo) or gradients (asgd) this rank sent
-  uint64_t contributions_applied = 0;   ///< as an owner: contributions from any rank applied to my shard
-  uint64_t contributions_received = 0;  ///< as an owner: contributions that arrived (applied or dropped)
-  int64_t rounds = 0;        ///< reconciliations (or gradient pushes for asgd) started
-  int64_t deferred = 0;      ///< cfmo: rounds in which a shard waited, its last delta still in flight
+  uint64_t contributions_sent = 0;            ///< shards of deltas (cfmo) or gradients (asgd) this rank sent
+  uint64_t contributions_applied = 0;         ///< as an owner: contributions from any rank applied to my shard
+  uint64_t contributions_received = 0;        ///< as an owner: contributions that arrived (applied or dropped)
+  int64_t rounds = 0;                         ///< reconciliations (or gradient pushes for asgd) started
+  int64_t deferred = 0;                       ///< cfmo: rounds in which a shard waited, its last delta still in flight
   std::vector<uint64_t> staleness_histogram;  ///< [s] = contributions applied s rounds stale
 };
 
@@ -88,6 +88,38 @@ class Mode {
   /// True when a rank's local parameters at an epoch end are the global ones.
   virtual bool local_is_global() const { return true; }
   virtual ModeStats stats() const { return {}; }
+};
+
+/// The outer step on (a range of) the global parameters, fed with weighted
+/// deltas. localsgd feeds it once per round with the sum of the W deltas
+/// weighted 1/W (`contributions_per_round` 1); a cfmo owner feeds it each
+/// contribution to its shard as it arrives, weighted beta^s / W
+/// (`contributions_per_round` W), so that a round of W fresh contributions
+/// moves the shard exactly as localsgd's step on their mean.
+///
+///   avg       global += lr * weight * delta
+///   nesterov  global += lr * weight * delta at once, and, once per round,
+///             m = mu * m + (the round's weighted deltas); global += lr * mu * m.
+///             Per round: DiLoCo's Nesterov step on the mean delta. For cfmo this
+///             is the delayed Nesterov update of Async Local-SGD (arXiv
+///             2401.09135, without momentum between the updates); a momentum
+///             step per contribution would amplify the mean by ~W / (1 - mu).
+class OuterOptimizer {
+ public:
+  OuterOptimizer(const ModeSettings& settings, size_t size, int contributions_per_round);
+  void apply(std::span<float> global, std::span<const float> delta, float weight);
+  /// m, in the deltas' sign (empty for avg): what a checkpoint keeps.
+  std::span<float> momentum() { return momentum_; }
+  std::span<const float> momentum() const { return momentum_; }
+
+ private:
+  bool nesterov_;
+  float lr_;
+  float mu_;
+  int per_round_;
+  int in_round_ = 0;
+  FloatBuffer momentum_;
+  FloatBuffer round_sum_;
 };
 
 /// The mode for `settings.name`; `comm` is null for a single worker.
