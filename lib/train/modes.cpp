@@ -230,14 +230,15 @@ class AsyncMode : public Mode {
                      bounds_[static_cast<size_t>(j) + 1] - bounds_[static_cast<size_t>(j)]);
   }
 
-  /// Owner side: the reply carrying this shard as it is now.
-  void reply_fresh(int to, int64_t staleness, bool dropped) {
+  /// Owner side: the reply carrying this shard as it is now (or, `with_shard`
+  /// false, only its version: an acknowledgement).
+  void reply_fresh(int to, int64_t staleness, bool dropped, bool with_shard = true) {
     std::vector<std::byte> out;
     put(out, static_cast<uint32_t>(comm_.rank()));
     put(out, static_cast<uint32_t>(dropped ? 1 : 0));
     put(out, version_);
     put(out, staleness);
-    put_floats(out, owned_);
+    if (with_shard) put_floats(out, owned_);
     comm_.post(to, Channel::kFreshShard, std::move(out));
   }
 
@@ -424,8 +425,8 @@ class CfmoMode final : public AsyncMode {
   Status after_step(int64_t step, int64_t samples, std::span<float> params, Optimizer& optimizer) override {
     last_step_ = step;
     for (auto& f : take_inbox()) rebase(f, params, optimizer);
-    if (step % settings_.sync_interval != 0) return {};
     report_progress(samples);
+    if (step % settings_.sync_interval != 0) return {};
     // Shards whose last delta is still in flight wait for the next round; the
     // others go now: a slow owner never holds back the rest, nobody waits.
     send_round(params, /*only_idle=*/true);
@@ -437,7 +438,10 @@ class CfmoMode final : public AsyncMode {
     const auto deadline = start + seconds(settings_.peer_timeout_s);
     auto apply = [&](Fresh& f) { rebase(f, params, optimizer); };
     drain_replies(deadline, apply);
-    send_round(params, /*only_idle=*/false);  // the last local progress counts too
+    // The last local progress counts too. Its replies carry no shard: this
+    // rank's parameters are not used after the run, and rank 0 gathers the
+    // global ones.
+    send_round(params, /*only_idle=*/false, /*last=*/true);
     drain_replies(deadline + seconds(settings_.peer_timeout_s), apply);
     {
       std::lock_guard lock(mutex_);
@@ -447,7 +451,7 @@ class CfmoMode final : public AsyncMode {
   }
 
  private:
-  void send_round(std::span<const float> params, bool only_idle) {
+  void send_round(std::span<const float> params, bool only_idle, bool last = false) {
     const auto lost = comm_.lost_ranks();
     uint64_t sent = 0;
     bool skipped = false;
@@ -457,6 +461,9 @@ class CfmoMode final : public AsyncMode {
         skipped = true;
         continue;
       }
+      // Nothing trained since this shard went: its delta would be zero.
+      if (last && sent_at_[static_cast<size_t>(j)] == last_step_) continue;
+      sent_at_[static_cast<size_t>(j)] = last_step_;
       const size_t first = bounds_[static_cast<size_t>(j)];
       const size_t count = bounds_[static_cast<size_t>(j) + 1] - first;
       // The rebase of this shard keeps the progress made after this moment.
@@ -467,7 +474,7 @@ class CfmoMode final : public AsyncMode {
       for (size_t i = 0; i < count; ++i) delta_[i] = params[first + i] - base_[first + i];
       std::vector<std::byte> out;
       put(out, static_cast<uint32_t>(j));
-      put(out, static_cast<uint32_t>(settings_.delta_dtype));
+      put(out, static_cast<uint32_t>(settings_.delta_dtype) | (last ? kLastRound : 0u));
       put(out, base_version_[static_cast<size_t>(j)]);
       encode_floats(settings_.delta_dtype, delta_,
                     residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count), out);
@@ -517,10 +524,12 @@ class CfmoMode final : public AsyncMode {
     uint32_t shard = 0;
     uint32_t dtype = 0;
     int64_t base_version = 0;
-    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || shard != static_cast<uint32_t>(comm_.rank()) ||
-        dtype > 2) {
+    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || shard != static_cast<uint32_t>(comm_.rank())) {
       return;
     }
+    const bool last = (dtype & kLastRound) != 0;
+    dtype &= ~kLastRound;
+    if (dtype > 2) return;
     incoming_.resize(owned_.size());
     if (!decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
     const int64_t s = staleness_of(base_version);
@@ -537,11 +546,16 @@ class CfmoMode final : public AsyncMode {
       std::lock_guard lock(mutex_);
       ++stats_.contributions_received;
     }
-    reply_fresh(from, s, dropped);
+    reply_fresh(from, s, dropped, /*with_shard=*/!last);
   }
 
   OuterOptimizer outer_;  ///< owner, under mutex_: the outer step on my shard
+  /// In a delta's dtype field: the sender's last round, answered without the shard.
+  static constexpr uint32_t kLastRound = 0x100;
+
   FloatBuffer snapshot_;
+  std::vector<int64_t> sent_at_ =
+      std::vector<int64_t>(static_cast<size_t>(comm_.size()), -1);  ///< step of each shard's last send
   FloatBuffer delta_;
   FloatBuffer full_delta_;  ///< for the delta sink
   int64_t last_step_ = 0;
@@ -584,7 +598,7 @@ class AsgdMode final : public AsyncMode {
     return {};
   }
 
-  Status after_step(int64_t step, int64_t samples, std::span<float> params, Optimizer&) override {
+  Status after_step(int64_t, int64_t samples, std::span<float> params, Optimizer&) override {
     for (auto& f : take_inbox()) apply(f, params);
     // Bounded staleness (SSP): with more than max_staleness rounds of pushes
     // unanswered, wait before computing the next gradient; 0 waits for each reply.
@@ -598,7 +612,7 @@ class AsgdMode final : public AsyncMode {
       std::lock_guard lock(mutex_);
       stats_.wait_s += seconds_since(start);
     }
-    if (step % settings_.sync_interval == 0) report_progress(samples);
+    report_progress(samples);
     return {};
   }
 

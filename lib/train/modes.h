@@ -35,7 +35,7 @@ struct ModeSettings {
   std::string outer_optimizer = "nesterov";
   double outer_lr = 0.5;
   double outer_momentum = 0.8;
-  WireDtype delta_dtype = WireDtype::kFp32;
+  WireDtype delta_dtype = WireDtype::kBf16;
   int64_t sample_budget = 0;  ///< async modes: stop when all workers together saw this many (0: no budget)
   double peer_timeout_s = 10;
   /// Called at each reconciliation (localsgd, cfmo) with this rank's delta

@@ -46,7 +46,7 @@ struct TrainConfig {
   std::string outer_optimizer = "nesterov";
   double outer_lr = 0.5;
   double outer_momentum = 0.8;
-  std::string delta_dtype = "fp32";
+  std::string delta_dtype = "bf16";
   std::vector<std::string> slowdown;
   std::string straggler;
   std::string rendezvous;
