@@ -29,6 +29,7 @@ enum class Channel : uint8_t {
   kGather = 7,       ///< a final shard for rank 0
   kUser = 8,         ///< free for tools (cfmo-moe)
   kReport = 9,       ///< a worker's end-of-run report, for rank 0
+  kCheckpoint = 10,  ///< cfmo/asgd: a request for the owners' shards, and the shards, for a checkpoint
 };
 
 struct CommStats {

@@ -16,10 +16,12 @@
 #include "core/error.h"
 #include "model/mlp.h"
 #include "optim/optimizer.h"
+#include "train/checkpoint.h"
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -57,6 +59,27 @@ struct ModeStats {
   std::vector<uint64_t> staleness_histogram;  ///< [s] = contributions applied s rounds stale
 };
 
+/// The global state of an asynchronous run, assembled on rank 0 from the
+/// owners' shards: what a checkpoint of cfmo or asgd holds.
+struct GlobalState {
+  std::vector<float> params;          ///< the global parameters
+  std::vector<float> outer_momentum;  ///< cfmo with nesterov: the owners' outer momentum; else empty
+  /// asgd: the owners' optimizer state, one vector per state buffer of the
+  /// optimizer (in Optimizer::state() order), each over the whole vector.
+  std::vector<std::vector<float>> owner_state;
+  std::vector<int64_t> owner_steps;  ///< asgd: each owner's optimizer steps
+  std::vector<TrainPosition> ranks;  ///< each rank's position, as last reported
+  std::vector<int64_t> versions;     ///< each shard's version
+};
+
+/// What a resumed run hands its mode (from the checkpoint; empty: start afresh).
+struct ModeResume {
+  std::vector<float> outer_momentum;            ///< over the whole vector
+  std::vector<std::vector<float>> owner_state;  ///< asgd: the owners' optimizer state, as in GlobalState
+  std::vector<int64_t> owner_steps;             ///< asgd
+  std::vector<TrainPosition> ranks;             ///< rank 0, async: the budget keeper's start
+};
+
 class Mode {
  public:
   virtual ~Mode() = default;
@@ -65,9 +88,8 @@ class Mode {
   virtual Status on_gradients(std::span<float> /*grads*/, int /*count*/, float /*lr*/) { return {}; }
   /// True when the mode applies updates itself (asgd's owners), not the local optimizer.
   virtual bool owns_update() const { return false; }
-  /// After the update: reconcile, rebase, report progress.
-  virtual Status after_step(int64_t /*step*/, int64_t /*samples*/, std::span<float> /*params*/,
-                            Optimizer& /*optimizer*/) {
+  /// After the update (`position` counts it): reconcile, rebase, report progress.
+  virtual Status after_step(const TrainPosition& /*position*/, std::span<float> /*params*/, Optimizer& /*optimizer*/) {
     return {};
   }
   /// True when the stop is decided together: this worker's wish to stop
@@ -85,8 +107,25 @@ class Mode {
   /// After the loop: the last reconciliation and the end handshake. Leaves the
   /// global parameters in `params` on rank 0 (on every rank for sync and localsgd).
   virtual Status finish(std::span<float> /*params*/, Optimizer& /*optimizer*/) { return {}; }
-  /// True when a rank's local parameters at an epoch end are the global ones.
-  virtual bool local_is_global() const { return true; }
+  /// True when this rank's parameters are the global ones now (after
+  /// after_step): always in sync, right after a round in localsgd, never in
+  /// cfmo and asgd, where the owners hold them.
+  virtual bool params_are_global() const { return true; }
+  /// The outer momentum over the whole vector where this rank holds it
+  /// (localsgd with nesterov); empty otherwise.
+  virtual std::span<const float> outer_momentum() const { return {}; }
+  /// cfmo and asgd, rank 0: asks every owner for its shard (and its owner
+  /// state) without waiting; a request supersedes one not yet answered.
+  /// False where the mode has no owners.
+  virtual bool request_snapshot() { return false; }
+  /// Rank 0: the global state assembled from every live owner's answer to the
+  /// last request, once complete (then only once); every shard is as its
+  /// owner held it when the request arrived.
+  virtual std::optional<GlobalState> take_snapshot() { return std::nullopt; }
+  /// cfmo and asgd, rank 0, after finish: the global state at the end (the
+  /// parameters finish left in `params`, with the owners' state and the
+  /// ranks' final positions).
+  virtual std::optional<GlobalState> final_state() { return std::nullopt; }
   virtual ModeStats stats() const { return {}; }
 };
 
@@ -108,7 +147,8 @@ class OuterOptimizer {
  public:
   OuterOptimizer(const ModeSettings& settings, size_t size, int contributions_per_round);
   void apply(std::span<float> global, std::span<const float> delta, float weight);
-  /// m, in the deltas' sign (empty for avg): what a checkpoint keeps.
+  /// m, in the deltas' sign (empty for avg): what a checkpoint keeps, and
+  /// where a resumed run puts it back.
   std::span<float> momentum() { return momentum_; }
   std::span<const float> momentum() const { return momentum_; }
 
@@ -126,7 +166,7 @@ class OuterOptimizer {
 /// `initial` is the parameters every rank starts from (the same everywhere).
 Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, Communicator* comm,
                                         const std::vector<ParamInfo>& layout, std::span<const float> initial,
-                                        const OptimizerConfig& optimizer_config);
+                                        const OptimizerConfig& optimizer_config, const ModeResume& resume = {});
 
 /// The W contiguous shards of a flat vector of `size` floats, on 16-float
 /// boundaries: shard j is [bounds[j], bounds[j + 1]).
