@@ -97,28 +97,37 @@ EvalResult evaluate_dataset(Mlp& model, const Dataset& data) {
 
 namespace {
 
+/// Every field of a WorkerReport with its JSON key, once: `f(key, member)`
+/// for a const or a mutable report, so to_json and from_json stay in step.
+template <typename Report, typename F>
+void visit_fields(Report& w, F&& f) {
+  f("rank", w.rank);
+  f("steps", w.steps);
+  f("samples", w.samples);
+  f("samples_per_s", w.samples_per_s);
+  f("solo_samples_per_s", w.solo_samples_per_s);
+  f("wait_s", w.wait_s);
+  f("finish_wait_s", w.finish_wait_s);
+  f("loop_s", w.loop_s);
+  f("bytes_sent", w.bytes_sent);
+  f("bytes_received", w.bytes_received);
+  f("contributions_dropped", w.contributions_dropped);
+  f("contributions_sent", w.contributions_sent);
+  f("contributions_applied", w.contributions_applied);
+  f("contributions_received", w.contributions_received);
+  f("rounds", w.rounds);
+  f("deferred", w.deferred);
+  f("staleness_histogram", w.staleness_histogram);
+  f("slowdown", w.slowdown);
+  f("deltas_written", w.deltas_written);
+  f("deltas_skipped", w.deltas_skipped);
+  f("stopped_by", w.stopped_by);
+}
+
 nlohmann::ordered_json worker_json(const WorkerReport& w) {
-  return {{"rank", w.rank},
-          {"steps", w.steps},
-          {"samples", w.samples},
-          {"samples_per_s", w.samples_per_s},
-          {"solo_samples_per_s", w.solo_samples_per_s},
-          {"wait_s", w.wait_s},
-          {"finish_wait_s", w.finish_wait_s},
-          {"loop_s", w.loop_s},
-          {"bytes_sent", w.bytes_sent},
-          {"bytes_received", w.bytes_received},
-          {"contributions_dropped", w.contributions_dropped},
-          {"contributions_sent", w.contributions_sent},
-          {"contributions_applied", w.contributions_applied},
-          {"contributions_received", w.contributions_received},
-          {"rounds", w.rounds},
-          {"deferred", w.deferred},
-          {"staleness_histogram", w.staleness_histogram},
-          {"slowdown", w.slowdown},
-          {"deltas_written", w.deltas_written},
-          {"deltas_skipped", w.deltas_skipped},
-          {"stopped_by", w.stopped_by}};
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  visit_fields(w, [&](const char* key, const auto& value) { j[key] = value; });
+  return j;
 }
 
 }  // namespace
@@ -129,27 +138,7 @@ Result<WorkerReport> WorkerReport::from_json(std::string_view text) {
   WorkerReport w;
   try {
     const auto j = nlohmann::json::parse(text);
-    w.rank = j.at("rank");
-    w.steps = j.at("steps");
-    w.samples = j.at("samples");
-    w.samples_per_s = j.at("samples_per_s");
-    w.solo_samples_per_s = j.at("solo_samples_per_s");
-    w.wait_s = j.at("wait_s");
-    w.finish_wait_s = j.at("finish_wait_s");
-    w.loop_s = j.at("loop_s");
-    w.bytes_sent = j.at("bytes_sent");
-    w.bytes_received = j.at("bytes_received");
-    w.contributions_dropped = j.at("contributions_dropped");
-    w.contributions_sent = j.at("contributions_sent");
-    w.contributions_applied = j.at("contributions_applied");
-    w.contributions_received = j.at("contributions_received");
-    w.rounds = j.at("rounds");
-    w.deferred = j.at("deferred");
-    w.staleness_histogram = j.at("staleness_histogram").get<std::vector<uint64_t>>();
-    w.slowdown = j.at("slowdown");
-    w.stopped_by = j.at("stopped_by");
-    w.deltas_written = j.at("deltas_written");
-    w.deltas_skipped = j.at("deltas_skipped");
+    visit_fields(w, [&](const char* key, auto& value) { j.at(key).get_to(value); });
   } catch (const nlohmann::json::exception& e) {
     return make_error(ErrorKind::kPeer, "a worker report is malformed: {}", e.what());
   }
