@@ -21,6 +21,7 @@ namespace {
 using testing::Background;
 using testing::run;
 using testing::RunResult;
+using testing::slurp;
 using testing::TempDir;
 namespace fs = std::filesystem;
 
@@ -40,13 +41,6 @@ nlohmann::json last_json(const std::string& out) {
     if (!line.empty() && line.front() == '{') j = nlohmann::json::parse(line);
   }
   return j;
-}
-
-std::string slurp(const fs::path& path) {
-  std::ifstream in(path);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 std::vector<float> parameters(const fs::path& file) {
