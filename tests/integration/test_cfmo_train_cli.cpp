@@ -18,8 +18,10 @@
 namespace cfmo {
 namespace {
 
+using testing::lines;
 using testing::run;
 using testing::RunResult;
+using testing::slurp;
 using testing::TempDir;
 namespace fs = std::filesystem;
 
@@ -32,20 +34,6 @@ std::vector<std::string> quick_args(std::vector<std::string> extra = {}) {
                                    "1",      "--quiet"};
   args.insert(args.end(), extra.begin(), extra.end());
   return args;
-}
-
-std::string slurp(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-std::vector<std::string> lines(const std::string& text) {
-  std::vector<std::string> out;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) out.push_back(line);
-  return out;
 }
 
 std::set<std::string> flags_in(const std::string& text, const std::regex& pattern) {
