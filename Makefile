@@ -4,7 +4,7 @@ BUILD ?= build
 MESON_FLAGS ?= -Dwerror=true
 NINJA_JOBS ?=
 
-.PHONY: all deps configure build test test-unit demo bench bench-diverge bench-moe clean
+.PHONY: all deps configure build test test-unit demo bench bench-diverge bench-moe bench-pull clean
 
 all: build
 
@@ -39,6 +39,9 @@ bench-diverge: build
 bench-moe: build
 	scripts/install-deps.sh --bench
 	bench/moe_vs_mpi.sh
+bench-pull: build
+	scripts/install-deps.sh --bench
+	bench/pull_vs_skopeo.sh
 
 clean:
 	rm -rf $(BUILD)

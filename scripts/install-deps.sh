@@ -4,7 +4,7 @@
 # prints the one apt-get line to run and exits 1.
 #
 #   scripts/install-deps.sh            build, test and demo dependencies
-#   scripts/install-deps.sh --bench    also the benchmark peers (python3-torch, the zstd command, Open MPI, ucx_perftest)
+#   scripts/install-deps.sh --bench    also the benchmark peers (python3-torch, the zstd command, Open MPI, ucx_perftest, skopeo)
 #   scripts/install-deps.sh --list     print the package list and exit
 set -euo pipefail
 
@@ -14,15 +14,16 @@ packages=(
   libopenblas-dev zlib1g-dev libzstd-dev libxxhash-dev            # BLAS, gzip, compression, checksums
   libucx-dev                                                      # transport between workers
   libcurl4-openssl-dev libssl-dev                                 # cfmo-pull: registry client, SHA-256
-  libarchive-dev                                                  # cfmo-pull: unpacking layers
+  libarchive-dev libisal-dev                                      # cfmo-pull: unpacking layers, igzip (zlib is the fallback)
   docker-registry umoci                                           # cfmo-pull tests: a real local registry, a layout reader
+  time                                                            # cfmo-pull's peak-RSS test: /usr/bin/time
   libgtest-dev googletest                                         # tests
   scdoc                                                           # man pages from source
   dataset-fashion-mnist                                           # the demo's data set
 )
 
 case "${1:-}" in
-  --bench) packages+=(python3-torch python3-numpy time zstd openmpi-bin libopenmpi-dev ucx-utils) ;;
+  --bench) packages+=(python3-torch python3-numpy zstd openmpi-bin libopenmpi-dev ucx-utils skopeo) ;;
   --list) printf '%s\n' "${packages[@]}"; exit 0 ;;
   "") ;;
   *) echo "usage: $0 [--bench|--list]" >&2; exit 2 ;;

@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -72,17 +74,28 @@ Status hash_prefix(int fd, int64_t length, EVP_MD_CTX* ctx, const fs::path& path
 }
 
 /// Streams a blob body into the partial file, hashing as it goes. It lives
-/// across retries: each attempt asks for the bytes after those already written.
+/// across retries: each attempt asks for the bytes after those already
+/// received. Received bytes wait in `buffer_` until it is full (or the
+/// transfer ends), so a chunk of a few KiB costs a memcpy, not a syscall.
 class PartialFileSink : public BodySink {
  public:
-  PartialFileSink(int fd, fs::path path, int64_t expected, std::string what)
-      : fd_(fd), path_(std::move(path)), expected_(expected), what_(std::move(what)), ctx_(EVP_MD_CTX_new()) {
+  PartialFileSink(int fd, fs::path path, int64_t expected, std::string what, const BlobFetchOptions& options)
+      : fd_(fd),
+        path_(std::move(path)),
+        expected_(expected),
+        what_(std::move(what)),
+        options_(options),
+        ctx_(EVP_MD_CTX_new()) {
     EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr);
+    buffer_.reserve(options.buffer_bytes);
   }
 
   Status resume_from(int64_t length) {
     CFMO_TRY(hash_prefix(fd_, length, ctx_.get(), path_));
     written_ = length;
+    on_disk_ = length;
+    flushed_ = length;
+    report(true);
     return {};
   }
 
@@ -94,11 +107,15 @@ class PartialFileSink : public BodySink {
   Status begin(long status) override {
     if (status == 206 || written_ == 0) return {};
     // The server ignored Range and sends the whole blob: start over.
+    buffer_.clear();
     if (::ftruncate(fd_, 0) != 0) {
       return make_error(ErrorKind::kInternal, "'{}': truncate failed: {}", path_.string(), std::strerror(errno));
     }
     EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr);
     written_ = 0;
+    on_disk_ = 0;
+    flushed_ = 0;
+    if (options_.observer != nullptr) options_.observer->on_restart();
     return {};
   }
 
@@ -107,11 +124,52 @@ class PartialFileSink : public BodySink {
       return make_error(ErrorKind::kInput, "{}: size mismatch: the registry sends more than the {} bytes declared",
                         what_, expected_);
     }
-    CFMO_TRY(pwrite_all(fd_, chunk, written_, path_));
     EVP_DigestUpdate(ctx_.get(), chunk.data(), chunk.size());
+    if (buffer_.capacity() > 0 && chunk.size() < buffer_.capacity()) {
+      if (buffer_.size() + chunk.size() > buffer_.capacity()) CFMO_TRY(flush());
+      buffer_.insert(buffer_.end(), chunk.begin(), chunk.end());
+    } else {
+      CFMO_TRY(flush());
+      CFMO_TRY(pwrite_all(fd_, chunk, on_disk_, path_));
+      on_disk_ += static_cast<int64_t>(chunk.size());
+      write_back();
+      if (options_.observer != nullptr) CFMO_TRY(options_.observer->on_write(chunk));
+    }
     written_ += static_cast<int64_t>(chunk.size());
     fetched_ += static_cast<int64_t>(chunk.size());
+    report(false);
     return {};
+  }
+
+  /// Writes what waits in the buffer; after a failed attempt too, so the
+  /// partial file holds every byte received and verified by TCP.
+  Status flush() {
+    if (buffer_.empty()) return {};
+    const std::string_view bytes(buffer_.data(), buffer_.size());
+    CFMO_TRY(pwrite_all(fd_, bytes, on_disk_, path_));
+    on_disk_ += static_cast<int64_t>(bytes.size());
+    write_back();
+    // The observer hears of bytes once they are in the file (an unpacker may read them back from it).
+    Status seen = options_.observer != nullptr ? options_.observer->on_write(bytes) : Status{};
+    buffer_.clear();
+    return seen;
+  }
+
+  /// Starts writing back what is on disk so far, so the fsync at the end
+  /// waits for the last few MiB rather than the whole blob.
+  void write_back() {
+    if (on_disk_ - flushed_ >= kWritebackStep) {
+      ::sync_file_range(fd_, flushed_, on_disk_ - flushed_, SYNC_FILE_RANGE_WRITE);
+      flushed_ = on_disk_;
+    }
+  }
+
+  void report(bool force) {
+    if (!options_.on_bytes) return;
+    if (force || written_ - reported_ >= (256 << 10) || written_ == expected_) {
+      reported_ = written_;
+      options_.on_bytes(written_);
+    }
   }
 
   int64_t written() const { return written_; }
@@ -123,9 +181,15 @@ class PartialFileSink : public BodySink {
   fs::path path_;
   int64_t expected_;
   std::string what_;
+  const BlobFetchOptions& options_;
   MdCtx ctx_;
-  int64_t written_ = 0;
+  std::vector<char> buffer_;
+  int64_t written_ = 0;  ///< received: on disk plus buffered
+  int64_t on_disk_ = 0;
   int64_t fetched_ = 0;
+  int64_t reported_ = -1;
+  int64_t flushed_ = 0;  ///< bytes handed to writeback
+  static constexpr int64_t kWritebackStep = 8 << 20;
 };
 
 }  // namespace
@@ -147,7 +211,7 @@ Result<bool> file_matches(const fs::path& path, const std::string& digest, int64
 }
 
 Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, const fs::path& layout,
-                              const std::string& what) {
+                              const std::string& what, const BlobFetchOptions& options) {
   BlobResult result;
   const fs::path final_path = blob_path(layout, blob.digest);
   CFMO_ASSIGN_OR_RETURN(const bool present, file_matches(final_path, blob.digest, blob.size));
@@ -165,9 +229,22 @@ Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, co
   if (fd.get() < 0) {
     return make_error(ErrorKind::kInternal, "'{}': cannot open: {}", partial.string(), std::strerror(errno));
   }
-  PartialFileSink sink(fd.get(), partial, blob.size, what);
-  int64_t existing = static_cast<int64_t>(fs::file_size(partial, ec));
-  if (ec || existing > blob.size) {
+  // Another process fetching the same blob into the same directory (a shared
+  // cache) holds the lock until its blob is in place: wait, then look again.
+  while (::flock(fd.get(), LOCK_EX) != 0) {
+    if (errno != EINTR) {
+      return make_error(ErrorKind::kInternal, "'{}': cannot lock: {}", partial.string(), std::strerror(errno));
+    }
+  }
+  CFMO_ASSIGN_OR_RETURN(const bool arrived, file_matches(final_path, blob.digest, blob.size));
+  if (arrived) {
+    result.already_present = true;
+    return result;
+  }
+  PartialFileSink sink(fd.get(), partial, blob.size, what, options);
+  struct stat st {};
+  int64_t existing = ::fstat(fd.get(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+  if (existing < 0 || existing > blob.size) {
     existing = 0;
     if (::ftruncate(fd.get(), 0) != 0)
       return make_error(ErrorKind::kInternal, "'{}': truncate failed", partial.string());
@@ -176,9 +253,11 @@ Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, co
     CFMO_TRY(sink.resume_from(existing));
     result.resumed = true;
   }
+  if (options.observer != nullptr) options.observer->on_start(sink.written());
   if (sink.written() < blob.size || blob.size == 0) {
     auto got = client.get("/v2/" + client.reference().repository + "/blobs/" + blob.digest, {}, sink, what);
     result.bytes_fetched = sink.fetched();
+    if (auto flushed = sink.flush(); !flushed) return std::move(flushed).error();
     if (!got) {
       if (got.error().kind == ErrorKind::kInput && got.error().message.find("mismatch") != std::string::npos) {
         fs::remove(partial, ec);

@@ -1,7 +1,14 @@
 #include "oci/pull.h"
 
 #include "core/atomic_file.h"
+#include "core/parallel.h"
 #include "oci/blob.h"
+#include "oci/memory_budget.h"
+
+#include <linux/magic.h>
+#include <sys/statvfs.h>
+#include <sys/vfs.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -10,19 +17,17 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <thread>
 
 namespace cfmo::oci {
 namespace {
 
 namespace fs = std::filesystem;
 using Json = nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
 
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
+constexpr size_t kConfig = static_cast<size_t>(-1);  ///< a job's layer index for the config blob
 
-std::string short_digest(const std::string& digest) { return digest.substr(0, 19) + "…"; }
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 /// index.json with this image's entry added (or replacing one of the same name).
 Result<std::string> updated_index(const fs::path& dir, const Descriptor& manifest, const std::string& name) {
@@ -47,7 +52,363 @@ Result<std::string> updated_index(const fs::path& dir, const Descriptor& manifes
   return index.dump(2) + "\n";
 }
 
+Status prepare_layout(const fs::path& dir) {
+  std::error_code ec;
+  fs::create_directories(dir / "blobs" / "sha256", ec);
+  if (ec) return make_error(ErrorKind::kInternal, "output '{}': cannot create: {}", dir.string(), ec.message());
+  if (fs::exists(dir / "oci-layout")) {
+    CFMO_ASSIGN_OR_RETURN(const auto text, read_file(dir / "oci-layout"));
+    const auto j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_discarded() || !j.is_object() || j.value("imageLayoutVersion", "") != "1.0.0") {
+      return make_error(ErrorKind::kInput, "output '{}': oci-layout is not imageLayoutVersion 1.0.0", dir.string());
+    }
+  }
+  return {};
+}
+
+/// The manifest goes in last, so a layout never names blobs it lacks.
+Status finish_layout(const fs::path& dir, const std::string& manifest_body, const Descriptor& manifest,
+                     const std::string& tag, Descriptor& layout_manifest) {
+  std::string layout_body = manifest_body;
+  layout_manifest = manifest;
+  if (manifest.media_type == kDockerManifest) {
+    CFMO_ASSIGN_OR_RETURN(layout_body, docker_to_oci_manifest(layout_body, "manifest " + manifest.digest));
+    layout_manifest = {
+        std::string(kOciManifest), sha256_digest(layout_body), static_cast<int64_t>(layout_body.size()), {}};
+  }
+  CFMO_TRY(write_file_atomic(blob_path(dir, layout_manifest.digest), layout_body));
+  CFMO_TRY(write_file_atomic(dir / "oci-layout", "{\"imageLayoutVersion\":\"1.0.0\"}\n"));
+  CFMO_ASSIGN_OR_RETURN(const auto index, updated_index(dir, layout_manifest, tag));
+  return write_file_atomic(dir / "index.json", index);
+}
+
+/// DIR/blobs/sha256/<hex> made a symlink to the blob in the memory store
+/// (atomically: a reader sees the old entry or the link, never neither).
+Status link_blob(const fs::path& dir, const fs::path& target, const std::string& digest) {
+  const fs::path link = blob_path(dir, digest);
+  const fs::path temp = link.string() + ".link." + std::to_string(::getpid());
+  std::error_code ec;
+  fs::remove(temp, ec);
+  fs::create_symlink(target, temp, ec);
+  if (!ec) fs::rename(temp, link, ec);
+  if (ec) {
+    fs::remove(temp, ec);
+    return make_error(ErrorKind::kInternal, "'{}': cannot link to the memory store: {}", link.string(), ec.message());
+  }
+  return {};
+}
+
+/// Whether the memory store is memory: tmpfs or ramfs.
+bool memory_backed(const fs::path& dir) {
+  struct statfs info {};
+  if (::statfs(dir.c_str(), &info) != 0) return false;
+  return static_cast<unsigned long>(info.f_type) == TMPFS_MAGIC ||
+         static_cast<unsigned long>(info.f_type) == RAMFS_MAGIC;
+}
+
+int64_t free_bytes(const fs::path& dir) {
+  struct statvfs info {};
+  if (::statvfs(dir.c_str(), &info) != 0) return -1;
+  return static_cast<int64_t>(info.f_bavail) * static_cast<int64_t>(info.f_frsize);
+}
+
+/// Writes a pull's state file, or nothing for a pull that keeps none (a
+/// rootfs pull into the shared blob cache, which per-blob locks serialise).
+struct StateSaver {
+  fs::path dir;
+  bool keep = true;
+  Status operator()(PullState& state) const { return keep ? write_state(dir, state) : Status{}; }
+};
+
+/// One blob to fetch.
+struct BlobJob {
+  size_t layer = kConfig;
+  /// Other layers with the same digest (the empty layer of many images):
+  /// one download, recorded for each of them.
+  std::vector<size_t> also;
+  Descriptor blob;
+  fs::path store;     ///< the directory whose blobs/sha256/ receives the file (DIR, or the memory store)
+  bool link = false;  ///< make DIR's entry a symlink to it
+  std::string what;
+};
+
+struct JobOutcome {
+  BlobResult result;
+  double seconds = 0;
+  bool kept_on_disk = false;  ///< a hot blob found in DIR already, left there rather than fetched again
+};
+
+/// Whether DIR already holds the blob as a file of its own (a layer pulled
+/// cold before): then a hot job keeps it there instead of fetching it again.
+bool present_on_disk(const fs::path& dir, const Descriptor& blob) {
+  const fs::path path = blob_path(dir, blob.digest);
+  std::error_code ec;
+  if (!fs::is_regular_file(fs::symlink_status(path, ec))) return false;
+  auto matches = file_matches(path, blob.digest, blob.size);
+  return matches && *matches;
+}
+
+/// What every thread of one transfer shares.
+struct Transfer {
+  Reference ref;
+  std::vector<Endpoint> endpoints;
+  RegistryOptions registry;
+  std::string auth_file;
+  std::shared_ptr<EndpointHealth> health;
+  MemoryBudget* budget = nullptr;
+  PullObserver* observer = nullptr;
+  const LayerHooks* hooks = nullptr;
+  fs::path dir;
+  std::mutex notes_mutex;  ///< guards notes
+  std::vector<std::string> notes;
+  /// One pool per worker slot, kept across the hot and cold phases so its
+  /// connections and tokens carry over; a slot is used by one thread at a time.
+  std::vector<std::unique_ptr<RegistryPool>> slots;
+
+  void note(const std::string& message) {
+    {
+      std::lock_guard lock(notes_mutex);
+      notes.push_back(message);
+    }
+    if (observer != nullptr) observer->on_note(message);
+  }
+  RegistryPool pool() {
+    return RegistryPool(ref, endpoints, registry, auth_file, health, [this](const std::string& m) { note(m); });
+  }
+  RegistryPool& slot(size_t i) {
+    if (!slots[i]) slots[i] = std::make_unique<RegistryPool>(pool());
+    return *slots[i];
+  }
+};
+
+/// Fetches `jobs` on up to `threads` threads, each with its own clients and
+/// a write buffer from the budget; `done` is called for each job under one
+/// mutex, on the thread that fetched it. The first error stops the others
+/// taking new jobs and is returned.
+Status run_jobs(const std::vector<BlobJob>& jobs, int threads, Transfer& transfer,
+                const std::function<Status(const BlobJob&, const Result<JobOutcome>&)>& done) {
+  if (jobs.empty()) return {};
+  const size_t count = std::clamp<size_t>(static_cast<size_t>(std::max(threads, 1)), 1, jobs.size());
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mutex;  // guards first_error and serialises `done`
+  std::optional<Error> first_error;
+  const size_t share = transfer.budget->share(count, 64 << 10, 4 << 20);
+  if (transfer.slots.size() < count) transfer.slots.resize(count);
+  parallel_for(count, static_cast<int>(count), "pull", [&](size_t slot) {
+    RegistryPool& pool = transfer.slot(slot);
+    for (size_t i = next++; i < jobs.size() && !failed.load(); i = next++) {
+      const BlobJob& job = jobs[i];
+      MemoryBudget::Lease lease = transfer.budget->acquire(share);
+      BlobFetchOptions fetch_options;
+      fetch_options.buffer_bytes = lease.bytes();
+      if (transfer.observer != nullptr && job.layer != kConfig) {
+        transfer.observer->on_layer_start(job.layer);
+        fetch_options.on_bytes = [&transfer, &job](int64_t bytes) {
+          transfer.observer->on_layer_bytes(job.layer, bytes);
+        };
+      }
+      const LayerHooks* hooks = job.layer != kConfig ? transfer.hooks : nullptr;
+      if (hooks != nullptr && hooks->observer) fetch_options.observer = hooks->observer(job.layer);
+      const auto start = Clock::now();
+      JobOutcome outcome;
+      int attempts = 0;
+      Status status;
+      if (job.link && present_on_disk(transfer.dir, job.blob)) {
+        outcome.result.already_present = true;
+        outcome.kept_on_disk = true;
+        transfer.note(fmt::format("hot {} is in '{}' already (pulled cold before): kept on disk", job.what,
+                                  transfer.dir.string()));
+        if (fetch_options.observer != nullptr) {
+          // The observer reads what fetch_blob would have left: the blob, complete.
+          fetch_options.observer->on_start(job.blob.size);
+        }
+      } else {
+        status = pool.each_until_ok(job.what, [&](RegistryClient& client) -> Status {
+          // Another host after one failed: the observer starts the blob again
+          // (the partial file may have been dropped after a mismatch).
+          if (attempts++ > 0 && fetch_options.observer != nullptr) fetch_options.observer->on_restart();
+          auto got = fetch_blob(client, job.blob, job.store, job.what, fetch_options);
+          if (!got) return std::move(got).error();
+          outcome.result.bytes_fetched += got->bytes_fetched;
+          outcome.result.already_present = got->already_present;
+          outcome.result.resumed = outcome.result.resumed || got->resumed;
+          return {};
+        });
+      }
+      lease.release();
+      if (status && job.link && !outcome.kept_on_disk) {
+        status = link_blob(transfer.dir, blob_path(job.store, job.blob.digest), job.blob.digest);
+      }
+      if (hooks != nullptr && hooks->done) {
+        const auto result = status ? Result<BlobResult>(outcome.result) : Result<BlobResult>(status.error());
+        hooks->done(job.layer, result);
+        for (const size_t k : job.also) hooks->done(k, result);
+      }
+      outcome.seconds = seconds_since(start);
+      std::lock_guard lock(mutex);
+      Status recorded = status ? done(job, outcome) : done(job, status.error());
+      if (!status || !recorded) {
+        if (!first_error) first_error = status ? recorded.error() : status.error();
+        failed.store(true);
+        return;
+      }
+    }
+  });
+  if (first_error) return *first_error;
+  return {};
+}
+
+std::string layer_what(size_t index, const std::string& digest) {
+  return fmt::format("layer {} ({})", short_digest(digest), index);
+}
+
+LayerReport report_of(const LayerState& layer, const char* state, double seconds, int64_t bytes) {
+  return {layer.blob.digest,
+          layer.blob.size,
+          layer.hot,
+          layer.location == Placement::kMemory ? "memory" : "disk",
+          state,
+          seconds,
+          bytes};
+}
+
+const char* fetched_state(const BlobResult& r) {
+  return r.already_present ? "present" : (r.resumed ? "resumed" : "fetched");
+}
+
+Status write_ready_file(const PullState& state, double ready_s) {
+  if (state.ready_file.empty()) return {};
+  Json j;
+  j["image"] = state.image;
+  j["manifest_digest"] = state.manifest_digest;
+  j["ready_s"] = ready_s;
+  j["hot"] = Json::array();
+  for (const auto& l : state.layers) {
+    if (l.hot) j["hot"].push_back(l.blob.digest);
+  }
+  return write_file_atomic(state.ready_file, j.dump() + "\n");
+}
+
+/// The job for layer `i` of `state`: its blob into the memory store and a
+/// link, or straight into DIR.
+BlobJob layer_job(const fs::path& dir, const PullState& state, size_t i) {
+  const auto& layer = state.layers[i];
+  BlobJob job;
+  job.layer = i;
+  job.blob = layer.blob;
+  job.what = layer_what(i, layer.blob.digest);
+  const bool memory = layer.location == Placement::kMemory && !state.memory_dir.empty();
+  job.store = memory ? fs::path(state.memory_dir) : dir;
+  job.link = memory;
+  return job;
+}
+
+/// Builds the job list's `done`: records each outcome in the state (written
+/// whole after each layer) and the report.
+std::function<Status(const BlobJob&, const Result<JobOutcome>&)> recorder(const StateSaver& save, PullState& state,
+                                                                          PullReport& report, PullObserver* observer) {
+  return [save, &state, &report, observer](const BlobJob& job, const Result<JobOutcome>& outcome) -> Status {
+    if (job.layer == kConfig) {
+      if (outcome) report.bytes_fetched += outcome->result.bytes_fetched;
+      return {};
+    }
+    if (outcome) report.bytes_fetched += outcome->result.bytes_fetched;
+    std::vector<size_t> indices = {job.layer};
+    indices.insert(indices.end(), job.also.begin(), job.also.end());
+    for (const size_t k : indices) {
+      auto& layer = state.layers[k];
+      if (!outcome) {
+        layer.status = LayerStatus::kFailed;
+        layer.error = outcome.error().message;
+        report.layers[k] = report_of(layer, "failed", 0, 0);
+      } else {
+        layer.status = LayerStatus::kFetched;
+        layer.error.clear();
+        if (outcome->kept_on_disk) layer.location = Placement::kDisk;
+        layer.seconds = outcome->seconds;
+        // The bytes are the first layer's; the others of the same digest came with them.
+        report.layers[k] = report_of(layer, k == job.layer ? fetched_state(outcome->result) : "present",
+                                     outcome->seconds, k == job.layer ? outcome->result.bytes_fetched : 0);
+      }
+      if (observer != nullptr) observer->on_layer_done(k, report.layers[k]);
+    }
+    return save(state);
+  };
+}
+
+/// Adds layer `i` to `jobs`, or to the job already fetching its digest.
+void add_layer_job(std::vector<BlobJob>& jobs, const fs::path& dir, const PullState& state, size_t i) {
+  for (auto& job : jobs) {
+    if (job.layer != kConfig && job.blob.digest == state.layers[i].blob.digest) {
+      if (job.layer != i && std::find(job.also.begin(), job.also.end(), i) == job.also.end()) job.also.push_back(i);
+      return;
+    }
+  }
+  jobs.push_back(layer_job(dir, state, i));
+}
+
+bool all_fetched(const PullState& state) {
+  return std::all_of(state.layers.begin(), state.layers.end(),
+                     [](const LayerState& l) { return l.status == LayerStatus::kFetched; });
+}
+
+bool hot_fetched(const PullState& state) {
+  return std::all_of(state.layers.begin(), state.layers.end(),
+                     [](const LayerState& l) { return !l.hot || l.status == LayerStatus::kFetched; });
+}
+
+void fill_report_from_state(PullReport& report, const PullState& state) {
+  report.layers.resize(state.layers.size());
+  for (size_t i = 0; i < state.layers.size(); ++i) {
+    const auto& l = state.layers[i];
+    if (!report.layers[i].digest.empty()) continue;
+    const char* s = l.status == LayerStatus::kFetched   ? "present"
+                    : l.status == LayerStatus::kSkipped ? "skipped"
+                    : l.status == LayerStatus::kFailed  ? "failed"
+                                                        : "pending";
+    report.layers[i] = report_of(l, s, 0, 0);
+  }
+  report.complete = state.complete;
+  report.cold = state.cold;
+  report.ready_s = state.ready_s;
+  report.memory_dir = state.memory_dir;
+  report.memory_capacity = state.memory_capacity;
+  report.memory_bytes = 0;
+  for (const auto& l : state.layers) {
+    if (l.location == Placement::kMemory && l.status == LayerStatus::kFetched) report.memory_bytes += l.blob.size;
+  }
+}
+
+Status mark_ready(PullState& state, const StateSaver& save, double ready_s, PullObserver* observer) {
+  CFMO_TRY(write_ready_file(state, ready_s));
+  state.ready = true;
+  state.ready_s = ready_s;
+  CFMO_TRY(save(state));
+  if (observer != nullptr) observer->on_ready(ready_s);
+  return {};
+}
+
 }  // namespace
+
+const char* to_string(ColdStrategy cold) {
+  switch (cold) {
+    case ColdStrategy::kEager:
+      return "eager";
+    case ColdStrategy::kLazy:
+      return "lazy";
+    case ColdStrategy::kSkip:
+      return "skip";
+  }
+  return "?";
+}
+
+Result<ColdStrategy> parse_cold_strategy(std::string_view text) {
+  for (auto c : {ColdStrategy::kEager, ColdStrategy::kLazy, ColdStrategy::kSkip}) {
+    if (text == to_string(c)) return c;
+  }
+  return make_error(ErrorKind::kUsage, "--cold '{}': expected eager, lazy or skip", text);
+}
 
 Result<std::string> docker_to_oci_manifest(std::string_view docker_manifest, const std::string& what) {
   Json j = Json::parse(docker_manifest, nullptr, false);
@@ -72,6 +433,7 @@ Result<std::string> docker_to_oci_manifest(std::string_view docker_manifest, con
 Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform) {
   ResolvedImage image;
   image.ref = client.reference();
+  image.host = client.reference().api_host();
   const std::string what = "image " + image.ref.to_string();
   CFMO_ASSIGN_OR_RETURN(auto first, client.get_manifest(image.ref.manifest_reference()));
   std::string digest = sha256_digest(first.second);
@@ -101,93 +463,344 @@ Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform) 
   return image;
 }
 
-Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& options,
-                                    const std::optional<Credentials>& credentials) {
-  RegistryClient client(ref, options.registry, credentials);
-  CFMO_ASSIGN_OR_RETURN(auto image, resolve(client, options.platform));
-  const auto& config = image.parsed.config;
-  StringSink sink("config " + config.digest);
-  CFMO_TRY(client.get("/v2/" + ref.repository + "/blobs/" + config.digest, {}, sink, "config " + config.digest));
-  if (static_cast<int64_t>(sink.body.size()) != config.size || sha256_digest(sink.body) != config.digest) {
-    return make_error(ErrorKind::kInput, "config {}: digest or size mismatch", config.digest);
-  }
-  image.config_body = std::move(sink.body);
+Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& options) {
+  CFMO_ASSIGN_OR_RETURN(auto endpoints, endpoints_for(ref, options.hosts));
+  auto health = std::make_shared<EndpointHealth>(endpoints.size());
+  RegistryPool pool(ref, std::move(endpoints), options.registry, options.registry.auth_file, health,
+                    [&](const std::string& m) {
+                      if (options.observer != nullptr) options.observer->on_note(m);
+                    });
+  ResolvedImage image;
+  CFMO_TRY(pool.each_until_ok("image " + ref.to_string(), [&](RegistryClient& client) -> Status {
+    CFMO_ASSIGN_OR_RETURN(image, resolve(client, options.platform));
+    const auto& config = image.parsed.config;
+    StringSink sink("config " + config.digest);
+    CFMO_TRY(client.get("/v2/" + client.reference().repository + "/blobs/" + config.digest, {}, sink,
+                        "config " + config.digest));
+    if (static_cast<int64_t>(sink.body.size()) != config.size || sha256_digest(sink.body) != config.digest) {
+      return make_error(ErrorKind::kInput, "config {}: digest or size mismatch", config.digest);
+    }
+    image.config_body = std::move(sink.body);
+    return {};
+  }));
+  image.ref = ref;
   return image;
 }
 
-Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& options,
-                                  const std::optional<Credentials>& credentials, const fs::path& dir,
-                                  const std::string& tag) {
-  const auto start = std::chrono::steady_clock::now();
-  PullReport report;
+fs::path memory_store_for(const fs::path& dir, const fs::path& memory_dir) {
   std::error_code ec;
-  fs::create_directories(dir / "blobs" / "sha256", ec);
-  if (ec) return make_error(ErrorKind::kInternal, "output '{}': cannot create: {}", dir.string(), ec.message());
-  if (fs::exists(dir / "oci-layout")) {
-    CFMO_ASSIGN_OR_RETURN(const auto text, read_file(dir / "oci-layout"));
-    const auto j = nlohmann::json::parse(text, nullptr, false);
-    if (j.is_discarded() || !j.is_object() || j.value("imageLayoutVersion", "") != "1.0.0") {
-      return make_error(ErrorKind::kInput, "output '{}': oci-layout is not imageLayoutVersion 1.0.0", dir.string());
-    }
+  fs::path absolute = fs::weakly_canonical(fs::absolute(dir, ec), ec);
+  if (absolute.empty()) absolute = dir;
+  std::string name = absolute.filename().string();
+  if (name.empty()) name = "image";
+  for (auto& c : name) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') c = '_';
   }
+  if (name.size() > 40) name.resize(40);
+  return memory_dir / fmt::format("cfmo-pull-{}-{}", name, sha256_digest(absolute.string()).substr(7, 12));
+}
 
-  RegistryClient client(ref, options.registry, credentials);
-  CFMO_ASSIGN_OR_RETURN(report.image, resolve(client, options.platform));
-  const auto& manifest = report.image.parsed;
+Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& options, const fs::path& dir,
+                                  const std::string& tag, const LayerHooks* hooks) {
+  const auto start = Clock::now();
+  PullReport report;
+  CFMO_TRY(prepare_layout(dir));
+  Transfer transfer;
+  transfer.observer = options.observer;
+  const StateSaver save{dir, options.state_file};
+  std::optional<StateLock> lock;
+  if (options.state_file) {
+    CFMO_ASSIGN_OR_RETURN(
+        lock, StateLock::acquire(dir, options.registry.deadline, [&](int pid) {
+          transfer.note(fmt::format("waiting for another cfmo-pull (pid {}) using '{}'", pid, dir.string()));
+        }));
+  }
+  CFMO_ASSIGN_OR_RETURN(transfer.endpoints, endpoints_for(ref, options.hosts));
+  transfer.ref = ref;
+  transfer.registry = options.registry;
+  transfer.auth_file = options.registry.auth_file;
+  transfer.health = std::make_shared<EndpointHealth>(transfer.endpoints.size());
+  transfer.dir = dir;
+  MemoryBudget budget(static_cast<size_t>(std::max<int64_t>(options.buffer_memory, 64 << 10)));
+  transfer.budget = &budget;
 
-  // Config and layers share one queue; the blobs are fetched by `jobs` threads,
-  // each with its own client (a curl handle is not shared between threads).
-  std::vector<Descriptor> blobs;
-  blobs.push_back(manifest.config);
-  for (const auto& layer : manifest.layers) blobs.push_back(layer);
-  report.layers.resize(manifest.layers.size());
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex mutex;  // guards first_error and report.bytes_fetched
-  std::optional<Error> first_error;
-  auto worker = [&] {
-    RegistryClient own(ref, options.registry, credentials);
-    for (size_t i = next++; i < blobs.size() && !failed.load(); i = next++) {
-      const auto& blob = blobs[i];
-      const std::string what = i == 0 ? "config " + short_digest(blob.digest)
-                                      : fmt::format("layer {} ({})", short_digest(blob.digest), i - 1);
-      const auto blob_start = std::chrono::steady_clock::now();
-      auto got = fetch_blob(own, blob, dir, what);
-      std::lock_guard lock(mutex);
-      if (!got) {
-        if (!first_error) first_error = std::move(got).error();
-        failed.store(true);
-        return;
-      }
-      report.bytes_fetched += got->bytes_fetched;
-      if (i > 0) {
-        report.layers[i - 1] = {blob.digest, blob.size,
-                                got->already_present ? "present" : (got->resumed ? "resumed" : "fetched"),
-                                seconds_since(blob_start)};
-      }
-    }
-  };
-  const size_t threads = std::max<size_t>(1, std::min<size_t>(static_cast<size_t>(options.jobs), blobs.size()));
   {
-    std::vector<std::jthread> pool;
-    for (size_t t = 0; t < threads; ++t) pool.emplace_back(worker);
+    RegistryPool pool = transfer.pool();
+    CFMO_TRY(pool.each_until_ok("image " + ref.to_string(), [&](RegistryClient& client) -> Status {
+      CFMO_ASSIGN_OR_RETURN(report.image, resolve(client, options.platform));
+      return {};
+    }));
   }
-  if (first_error) return *first_error;
+  const auto& image = report.image;
+  const auto& layers = image.parsed.layers;
+  transfer.hooks = hooks;
+  if (hooks != nullptr && hooks->resolved) CFMO_TRY(hooks->resolved(image));
 
-  // The manifest goes in last, so a layout never names blobs it lacks.
-  std::string layout_body = report.image.manifest_body;
-  report.layout_manifest = report.image.manifest;
-  if (report.image.manifest.media_type == kDockerManifest) {
-    CFMO_ASSIGN_OR_RETURN(layout_body, docker_to_oci_manifest(layout_body, "manifest " + report.image.manifest.digest));
-    report.layout_manifest = {
-        std::string(kOciManifest), sha256_digest(layout_body), static_cast<int64_t>(layout_body.size()), {}};
+  if (options.state_file && fs::exists(state_path(dir))) {
+    CFMO_ASSIGN_OR_RETURN(const auto earlier, read_state(dir));
+    // Layers left for later on purpose (lazy, skip) would be forgotten; an
+    // eager pull that failed is only resumed or replaced (a shared cache).
+    if (!earlier.complete && earlier.cold != "eager" && earlier.manifest_digest != image.manifest.digest &&
+        std::any_of(earlier.layers.begin(), earlier.layers.end(),
+                    [](const LayerState& l) { return l.status != LayerStatus::kFetched; })) {
+      return make_error(ErrorKind::kUsage,
+                        "output '{}' holds a pull of {} whose layers are not all fetched; finish it (cfmo-pull "
+                        "fetch {}) or pull into another directory",
+                        dir.string(), earlier.image, dir.string());
+    }
   }
-  CFMO_TRY(write_file_atomic(blob_path(dir, report.layout_manifest.digest), layout_body));
-  CFMO_TRY(write_file_atomic(dir / "oci-layout", "{\"imageLayoutVersion\":\"1.0.0\"}\n"));
-  CFMO_ASSIGN_OR_RETURN(const auto index, updated_index(dir, report.layout_manifest, tag));
-  CFMO_TRY(write_file_atomic(dir / "index.json", index));
+
+  // Which layers are hot and where each goes, decided before any layer is fetched.
+  CFMO_ASSIGN_OR_RETURN(const auto hot, select_layers(options.hot, layers, "--hot"));
+  const int64_t capacity = std::max<int64_t>(0, options.max_memory - options.buffer_memory);
+  const std::string cap_text =
+      fmt::format("--max-memory {} leaves {} for the memory store ({} go to download buffers)",
+                  human_bytes(options.max_memory), human_bytes(capacity), human_bytes(options.buffer_memory));
+  CFMO_ASSIGN_OR_RETURN(auto plan, options.memory_store
+                                       ? plan_memory(layers, hot, capacity, options.spill, cap_text)
+                                       : plan_memory(layers, std::vector<bool>(layers.size(), false), 0, false, ""));
+  fs::path store;
+  if (plan.memory_bytes > 0) {
+    store = memory_store_for(dir, options.memory_dir);
+    std::error_code ec;
+    fs::create_directories(store / "blobs" / "sha256", ec);
+    if (ec) {
+      return make_error(ErrorKind::kUsage, "--memory-dir '{}': cannot create the memory store '{}': {}",
+                        options.memory_dir.string(), store.string(), ec.message());
+    }
+    if (!memory_backed(store)) {
+      transfer.note(
+          fmt::format("the memory store '{}' is not on tmpfs: hot layers are kept on its disk", store.string()));
+    }
+    // Room in the store itself: what is not there yet must fit in what is free.
+    int64_t needed = 0;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (plan.placement[i] == Placement::kMemory && !fs::exists(blob_path(store, layers[i].digest))) {
+        needed += layers[i].size;
+      }
+    }
+    const int64_t free = free_bytes(store);
+    if (free >= 0 && needed > free) {
+      if (!options.spill) {
+        return make_error(ErrorKind::kUsage,
+                          "the hot layers need {} in the memory store '{}', which has {} free (pass --spill to put "
+                          "the excess on disk, or --memory-dir elsewhere)",
+                          human_bytes(needed), store.string(), human_bytes(free));
+      }
+      CFMO_ASSIGN_OR_RETURN(plan, plan_memory(layers, hot, plan.memory_bytes - needed + free, true,
+                                              cap_text + fmt::format(" and the store has {} free", human_bytes(free))));
+    }
+  }
+  for (const auto& w : plan.warnings) transfer.note(w);
+
+  PullState state;
+  state.image = ref.registry + "/" + ref.repository + "@" + image.manifest.digest;
+  state.tag = tag;
+  state.output = "oci:" + dir.string();
+  state.manifest_digest = image.manifest.digest;
+  state.manifest_media_type = image.manifest.media_type;
+  state.config = image.parsed.config;
+  // A background fetch is lazy as far as the state file goes: the layers wait for that process.
+  state.cold = options.background ? "lazy" : to_string(options.cold);
+  state.hosts = options.hosts;
+  state.auth_file = options.registry.auth_file;
+  state.memory_dir = plan.memory_bytes > 0 ? store.string() : "";
+  state.memory_capacity = capacity;
+  state.spill = options.spill;
+  if (!options.ready_file.empty()) {
+    std::error_code ec;
+    state.ready_file = fs::absolute(options.ready_file, ec).string();
+  }
+  state.fetcher_pid = ::getpid();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    LayerState layer;
+    layer.blob = layers[i];
+    layer.hot = hot[i];
+    layer.location = plan.placement[i];
+    const bool skipped = !hot[i] && options.cold == ColdStrategy::kSkip;
+    layer.status = skipped ? LayerStatus::kSkipped : LayerStatus::kPending;
+    state.layers.push_back(std::move(layer));
+  }
+  // The registry's manifest is kept as a blob so a later fetch can check its layers against it.
+  CFMO_TRY(write_file_atomic(blob_path(dir, image.manifest.digest), image.manifest_body));
+  CFMO_TRY(save(state));
+  if (options.observer != nullptr) options.observer->on_plan(state);
+  report.layers.resize(layers.size());
+  report.buffer_bytes = static_cast<int64_t>(budget.total());
+  const auto finish_report = [&] {
+    fill_report_from_state(report, state);
+    report.notes = transfer.notes;
+    report.buffer_peak_bytes = static_cast<int64_t>(budget.peak());
+    report.wall_s = seconds_since(start);
+  };
+
+  // The config and the hot layers first.
+  std::vector<BlobJob> first;
+  first.push_back({kConfig, {}, image.parsed.config, dir, false, "config " + short_digest(image.parsed.config.digest)});
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (hot[i]) add_layer_job(first, dir, state, i);
+  }
+  // A cold layer with a hot one's digest comes with it.
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (!hot[i] && std::any_of(first.begin(), first.end(), [&](const BlobJob& j) {
+          return j.layer != kConfig && j.blob.digest == layers[i].digest;
+        })) {
+      add_layer_job(first, dir, state, i);
+    }
+  }
+  const auto done = recorder(save, state, report, options.observer);
+  CFMO_TRY(run_jobs(first, options.jobs, transfer, done));
+
+  const bool any_hot = std::any_of(hot.begin(), hot.end(), [](bool h) { return h; });
+  const bool cold_now = options.cold == ColdStrategy::kEager && !options.background;
+  if (any_hot || !cold_now) CFMO_TRY(mark_ready(state, save, seconds_since(start), options.observer));
+
+  if (cold_now) {
+    std::vector<BlobJob> rest;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (state.layers[i].status != LayerStatus::kFetched) add_layer_job(rest, dir, state, i);
+    }
+    CFMO_TRY(run_jobs(rest, options.jobs, transfer, done));
+    if (!any_hot) CFMO_TRY(mark_ready(state, save, seconds_since(start), options.observer));
+  }
+
+  if (all_fetched(state)) {
+    CFMO_TRY(finish_layout(dir, image.manifest_body, image.manifest, tag, report.layout_manifest));
+    state.complete = true;
+  }
+  state.fetcher_pid = 0;
+  CFMO_TRY(save(state));
+  finish_report();
+  return report;
+}
+
+Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options) {
+  const auto start = Clock::now();
+  PullReport report;
+  Transfer transfer;
+  transfer.observer = options.observer;
+  if (!fs::exists(state_path(dir))) CFMO_TRY(read_state(dir));  // the "not a cfmo-pull directory" error
+  CFMO_ASSIGN_OR_RETURN(
+      auto lock, StateLock::acquire(dir, options.registry.deadline, [&](int pid) {
+        transfer.note(fmt::format("waiting for another cfmo-pull (pid {}) fetching into '{}'", pid, dir.string()));
+      }));
+  CFMO_ASSIGN_OR_RETURN(auto state, read_state(dir));
+  const StateSaver save{dir, true};
+  const fs::path manifest_path = blob_path(dir, state.manifest_digest);
+  auto body = read_file(manifest_path);
+  if (!body || sha256_digest(*body) != state.manifest_digest) {
+    return make_error(ErrorKind::kInput, "'{}': the manifest {} is missing or damaged; pull the image again",
+                      dir.string(), state.manifest_digest);
+  }
+  CFMO_ASSIGN_OR_RETURN(auto manifest,
+                        parse_manifest(*body, state.manifest_media_type, "manifest " + state.manifest_digest));
+  if (manifest.is_index || manifest.layers.size() != state.layers.size() ||
+      manifest.config.digest != state.config.digest) {
+    return make_error(ErrorKind::kInput, "state file '{}': does not match the manifest {}", state_path(dir).string(),
+                      state.manifest_digest);
+  }
+  for (size_t i = 0; i < manifest.layers.size(); ++i) {
+    if (manifest.layers[i].digest != state.layers[i].blob.digest) {
+      return make_error(ErrorKind::kInput, "state file '{}': layer {} is not the manifest's", state_path(dir).string(),
+                        i);
+    }
+  }
+  CFMO_ASSIGN_OR_RETURN(transfer.ref, parse_reference(state.image));
+  const HostSettings hosts = options.hosts.value_or(state.hosts);
+  CFMO_ASSIGN_OR_RETURN(transfer.endpoints, endpoints_for(transfer.ref, hosts));
+  transfer.registry = options.registry;
+  transfer.auth_file = options.auth_file.value_or(state.auth_file);
+  transfer.health = std::make_shared<EndpointHealth>(transfer.endpoints.size());
+  transfer.dir = dir;
+  MemoryBudget budget(static_cast<size_t>(std::max<int64_t>(options.buffer_memory, 64 << 10)));
+  transfer.budget = &budget;
+
+  report.image.ref = transfer.ref;
+  report.image.manifest = {state.manifest_media_type, state.manifest_digest, static_cast<int64_t>(body->size()), {}};
+  report.image.manifest_body = *body;
+  report.image.parsed = manifest;
+
+  // A layer counts as fetched only while its blob is there: a memory store
+  // cleared by a reboot leaves links to nothing.
+  for (auto& layer : state.layers) {
+    if (layer.status == LayerStatus::kFetched && !fs::exists(blob_path(dir, layer.blob.digest))) {
+      layer.status = LayerStatus::kPending;
+      transfer.note(fmt::format("layer {} is gone from '{}'; fetching it again", short_digest(layer.blob.digest),
+                                blob_path(dir, layer.blob.digest).string()));
+    }
+  }
+  std::vector<bool> wanted(state.layers.size(), true);
+  if (!options.layers.empty()) {
+    CFMO_ASSIGN_OR_RETURN(wanted, select_layers(options.layers, manifest.layers, "fetch"));
+  }
+  // The memory store may be gone (a reboot); it is made again where it was.
+  if (!state.memory_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(fs::path(state.memory_dir) / "blobs" / "sha256", ec);
+    if (ec) {
+      transfer.note(fmt::format("the memory store '{}' cannot be made again ({}); hot layers go to disk",
+                                state.memory_dir, ec.message()));
+      state.memory_dir.clear();
+      for (auto& layer : state.layers) layer.location = Placement::kDisk;
+    }
+  }
+  std::vector<BlobJob> jobs;
+  if (!fs::exists(blob_path(dir, state.config.digest))) {
+    jobs.push_back({kConfig, {}, state.config, dir, false, "config " + short_digest(state.config.digest)});
+  }
+  report.layers.resize(state.layers.size());
+  // Hot layers first, as in the pull.
+  for (const bool hot_pass : {true, false}) {
+    for (size_t i = 0; i < state.layers.size(); ++i) {
+      auto& layer = state.layers[i];
+      if (layer.hot != hot_pass || !wanted[i] || layer.status == LayerStatus::kFetched) continue;
+      layer.status = LayerStatus::kFetching;
+      add_layer_job(jobs, dir, state, i);
+    }
+  }
+  state.fetcher_pid = ::getpid();
+  CFMO_TRY(write_state(dir, state));
+  if (options.observer != nullptr) options.observer->on_plan(state);
+  const auto done = recorder(save, state, report, options.observer);
+  Status fetched = run_jobs(jobs, options.jobs, transfer, done);
+  // A layer this run did not get to is pending again, not "fetching" by nobody.
+  for (auto& layer : state.layers) {
+    if (layer.status == LayerStatus::kFetching) layer.status = LayerStatus::kPending;
+  }
+  if (fetched && !state.ready && hot_fetched(state)) {
+    fetched = mark_ready(state, save, state.ready_s >= 0 ? state.ready_s : seconds_since(start), nullptr);
+  }
+  if (fetched && !state.complete && all_fetched(state)) {
+    fetched = finish_layout(dir, *body, report.image.manifest, state.tag, report.layout_manifest);
+    if (fetched) state.complete = true;
+  }
+  state.fetcher_pid = 0;
+  CFMO_TRY(write_state(dir, state));
+  CFMO_TRY(std::move(fetched));
+  fill_report_from_state(report, state);
+  report.notes = transfer.notes;
+  report.buffer_bytes = static_cast<int64_t>(budget.total());
+  report.buffer_peak_bytes = static_cast<int64_t>(budget.peak());
   report.wall_s = seconds_since(start);
   return report;
+}
+
+std::vector<int64_t> bytes_on_disk(const fs::path& dir, const PullState& state) {
+  std::vector<int64_t> out;
+  for (const auto& layer : state.layers) {
+    std::error_code ec;
+    int64_t bytes = 0;
+    for (const fs::path& root : {dir, state.memory_dir.empty() ? dir : fs::path(state.memory_dir)}) {
+      const fs::path path = blob_path(root, layer.blob.digest);
+      if (const auto size = fs::file_size(path, ec); !ec) {
+        bytes = std::max(bytes, static_cast<int64_t>(size));
+      } else if (const auto partial = fs::file_size(path.string() + ".partial", ec); !ec) {
+        bytes = std::max(bytes, static_cast<int64_t>(partial));
+      }
+    }
+    out.push_back(bytes);
+  }
+  return out;
 }
 
 }  // namespace cfmo::oci

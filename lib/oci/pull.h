@@ -1,24 +1,90 @@
 #pragma once
-/// A whole pull: resolve the reference (index → platform manifest), fetch
-/// config and layers (in parallel), and write an OCI image layout that
-/// skopeo and umoci read. Also `inspect`, which fetches no layer.
+/// A whole pull: resolve the reference (index → platform manifest, through
+/// the mirrors, then the origin), fetch the config and the hot layers first
+/// (in parallel; hot blobs into the memory-backed store), mark the image
+/// ready, then the cold layers by the cold strategy (now, later with
+/// `fetch_layers`, or never), and write an OCI image layout that skopeo and
+/// umoci read once every layer is there. Also `inspect`, which fetches no
+/// layer. The pull's progress is kept in DIR's state file (pull_state.h).
 
 #include "core/error.h"
+#include "oci/blob.h"
+#include "oci/hosts.h"
+#include "oci/hot_set.h"
 #include "oci/manifest.h"
+#include "oci/pull_state.h"
 #include "oci/reference.h"
 #include "oci/registry.h"
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
 namespace cfmo::oci {
 
+/// What happens to the layers that are not hot.
+enum class ColdStrategy {
+  kEager,  ///< fetched right after the hot ones
+  kLazy,   ///< recorded as pending; `fetch_layers` (cfmo-pull fetch, or a background fetch) brings them
+  kSkip,   ///< left out
+};
+const char* to_string(ColdStrategy cold);
+Result<ColdStrategy> parse_cold_strategy(std::string_view text);
+
+/// One layer's outcome in a report.
+struct LayerReport {
+  std::string digest;
+  int64_t size = 0;
+  bool hot = false;
+  std::string location;  ///< "memory" or "disk"
+  /// "fetched", "resumed" (a partial blob continued), "present" (there
+  /// already), "pending" (lazy: not fetched yet), "skipped", "failed"
+  std::string state;
+  double seconds = 0;
+  int64_t bytes_fetched = 0;
+};
+
+/// Hears how a pull goes, from the threads doing it (calls may come from
+/// several threads at once; the observer serialises what it shares).
+class PullObserver {
+ public:
+  virtual ~PullObserver() = default;
+  /// Once, before the first layer: every layer, hot or not, where it goes.
+  virtual void on_plan(const PullState& /*state*/) {}
+  virtual void on_layer_start(size_t /*layer*/) {}
+  /// The layer's bytes so far (resumed ones included).
+  virtual void on_layer_bytes(size_t /*layer*/, int64_t /*bytes*/) {}
+  virtual void on_layer_done(size_t /*layer*/, const LayerReport& /*report*/) {}
+  /// The hot layers are complete (and the ready file written).
+  virtual void on_ready(double /*seconds*/) {}
+  /// A warning or notice: a hot layer spilled to disk, a mirror given up.
+  virtual void on_note(const std::string& /*message*/) {}
+};
+
 struct PullOptions {
-  RegistryOptions registry;
+  RegistryOptions registry;  ///< its auth_file is read per host
+  HostSettings hosts;
   Platform platform;
   int jobs = 4;
+  std::vector<LayerSpec> hot;
+  int64_t max_memory = int64_t{2} << 30;      ///< the memory store and the buffers together
+  int64_t buffer_memory = int64_t{16} << 20;  ///< the buffers shared by the parallel downloads
+  bool spill = false;
+  ColdStrategy cold = ColdStrategy::kEager;
+  /// The caller fetches the cold layers in a detached process after this
+  /// returns: they are left pending, whatever `cold` says (not kSkip).
+  bool background = false;
+  std::filesystem::path memory_dir = "/dev/shm";  ///< where the memory store is made
+  /// false: hot layers only go first; every blob goes to the layout (a
+  /// rootfs pull, whose product is the unpacked tree, not the blobs).
+  bool memory_store = true;
+  /// false: no state file and no lock on the layout (a rootfs pull's shared
+  /// blob cache, where per-blob locks let pulls of other images go on).
+  bool state_file = true;
+  std::filesystem::path ready_file;  ///< written when the hot layers are complete; empty: none
+  PullObserver* observer = nullptr;
 };
 
 /// The image a reference resolves to.
@@ -29,24 +95,28 @@ struct ResolvedImage {
   std::string manifest_body;  ///< its exact bytes, as digested
   Manifest parsed;
   std::string config_body;  ///< only filled by inspect
-};
-
-struct LayerReport {
-  std::string digest;
-  int64_t size = 0;
-  std::string state;  ///< "fetched", "present", "resumed"
-  double seconds = 0;
+  std::string host;         ///< the host that served the manifest
 };
 
 struct PullReport {
   ResolvedImage image;
   /// The manifest the layout's index.json names: the registry's own, or its
   /// OCI conversion when the registry served Docker schema 2 (umoci reads
-  /// only OCI manifests; skopeo converts the same way).
+  /// only OCI manifests; skopeo converts the same way). Empty digest while
+  /// layers are still pending or skipped (no index.json yet).
   Descriptor layout_manifest;
   std::vector<LayerReport> layers;
   int64_t bytes_fetched = 0;
   double wall_s = 0;
+  double ready_s = -1;  ///< when the hot layers were complete; -1: not reached
+  bool complete = false;
+  std::string cold;
+  std::string memory_dir;  ///< the memory store; empty when none was used
+  int64_t memory_bytes = 0;
+  int64_t memory_capacity = 0;
+  int64_t buffer_bytes = 0;       ///< the download buffers' budget
+  int64_t buffer_peak_bytes = 0;  ///< the most of it held at once
+  std::vector<std::string> notes;
 };
 
 /// A Docker schema 2 manifest rewritten with OCI media types (config and
@@ -57,13 +127,45 @@ Result<std::string> docker_to_oci_manifest(std::string_view docker_manifest, con
 Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform);
 
 /// Resolve and fetch the config too, for `inspect`.
-Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& options,
-                                    const std::optional<Credentials>& credentials);
+Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& options);
+
+/// The memory store a pull into `dir` uses under `memory_dir`:
+/// MEMORY_DIR/cfmo-pull-<name>-<hash of DIR's absolute path>.
+std::filesystem::path memory_store_for(const std::filesystem::path& dir, const std::filesystem::path& memory_dir);
+
+/// What a caller may attach to a pull to see its layers while they download
+/// (the rootfs unpacker does). `observer` and `done` are called on download
+/// threads; layers a lazy or skipping pull leaves out see neither.
+struct LayerHooks {
+  /// Called once the manifest is known, before any blob is fetched; an error stops the pull.
+  std::function<Status(const ResolvedImage&)> resolved;
+  /// Before layer `index` is fetched: an observer of its bytes, or null.
+  std::function<BlobObserver*(size_t index)> observer;
+  /// After layer `index` is fetched, present, or failed.
+  std::function<void(size_t index, const Result<BlobResult>&)> done;
+};
 
 /// Pulls `ref` into the OCI layout at `dir` (created if absent); blobs
 /// already there are not fetched again; `tag` names it in index.json.
-Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& options,
-                                  const std::optional<Credentials>& credentials, const std::filesystem::path& dir,
-                                  const std::string& tag);
+Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& options, const std::filesystem::path& dir,
+                                  const std::string& tag, const LayerHooks* hooks = nullptr);
+
+struct FetchOptions {
+  RegistryOptions registry;
+  std::optional<HostSettings> hosts;  ///< empty: the pull's, from the state file
+  std::optional<std::string> auth_file;
+  int jobs = 4;
+  int64_t buffer_memory = int64_t{16} << 20;
+  std::vector<LayerSpec> layers;  ///< empty: every layer not fetched yet
+  PullObserver* observer = nullptr;
+};
+
+/// Brings the layers of an earlier pull into `dir` (cfmo-pull fetch, and the
+/// background fetch), resuming partial blobs, and completes the layout when
+/// the last one arrives. Waits for the directory's lock.
+Result<PullReport> fetch_layers(const std::filesystem::path& dir, const FetchOptions& options);
+
+/// Per layer, the bytes of its blob on disk now (its file, or its .partial).
+std::vector<int64_t> bytes_on_disk(const std::filesystem::path& dir, const PullState& state);
 
 }  // namespace cfmo::oci

@@ -242,6 +242,9 @@ RegistryClient::Attempt RegistryClient::perform(const std::string& url, const st
   curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1024L);
   curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, options_.stall_timeout_s);
   curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
+  // Larger reads than curl's 16 KiB: a tenth of the syscalls and sink calls
+  // on a fast link, for 256 KiB per transfer.
+  curl_easy_setopt(curl, CURLOPT_BUFFERSIZE, 256L << 10);
   double limit_s = options_.request_timeout_s;
   if (options_.deadline) {
     const double left = std::chrono::duration<double>(*options_.deadline - std::chrono::steady_clock::now()).count();

@@ -3,8 +3,11 @@
 #include "ckpt/safetensors.h"
 #include "core/atomic_file.h"
 
-#include <nlohmann/json.hpp>
+#include <fcntl.h>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
 
 #include <algorithm>
 
@@ -70,12 +73,54 @@ Status save_model(const fs::path& path, const Mlp& model, const std::map<std::st
   return write_safetensors(path, tensors, metadata);
 }
 
-Result<fs::path> save_checkpoint(const fs::path& run_dir, const Mlp& model, Optimizer& optimizer,
-                                 const TrainPosition& position, const std::string& config_toml, int keep) {
+CheckpointData checkpoint_data(const Mlp& model, Optimizer& optimizer, const TrainPosition& position) {
+  CheckpointData data;
+  data.position = position;
+  data.params.assign(model.parameters().begin(), model.parameters().end());
+  data.optimizer_name = std::string(optimizer.name());
+  data.optimizer_steps = optimizer.step_count();
+  for (const auto& s : optimizer.state()) data.optimizer_state.emplace_back(s.name, *s.buffer);
+  return data;
+}
+
+namespace {
+
+nlohmann::ordered_json position_json(const TrainPosition& p) {
+  return {{"step", p.step},
+          {"epoch", p.epoch},
+          {"batch_in_epoch", p.batch_in_epoch},
+          {"samples", p.samples},
+          {"train_s", p.train_s}};
+}
+
+/// Puts `temp_dir` where `final_dir` is: a rename, or, when a checkpoint of
+/// the same step is there already (a resumed run that stopped where it began,
+/// the end of an asynchronous run at a step that had a checkpoint), an atomic
+/// exchange, so that step-N never goes missing; the old one is then removed.
+Status put_in_place(const fs::path& temp_dir, const fs::path& final_dir) {
+  std::error_code ec;
+  if (fs::exists(final_dir, ec)) {
+    if (renameat2(AT_FDCWD, temp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+      fs::remove_all(temp_dir, ec);
+      return {};
+    }
+    // A file system without exchange: replace it (not atomic, but never torn).
+    fs::remove_all(final_dir, ec);
+  }
+  fs::rename(temp_dir, final_dir, ec);
+  if (ec) return fs_error(final_dir, "Failed to rename checkpoint onto", ec);
+  return {};
+}
+
+}  // namespace
+
+Result<fs::path> write_checkpoint(const fs::path& run_dir, const MlpSpec& spec, const std::vector<ParamInfo>& layout,
+                                  const CheckpointData& data, const std::string& config_toml, int keep) {
   const fs::path root = run_dir / "checkpoints";
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) return fs_error(root, "Failed to create", ec);
+  const TrainPosition& position = data.position;
   const std::string name = fmt::format("step-{:08}", position.step);
   const fs::path final_dir = root / name;
   const fs::path temp_dir = root / fmt::format(".{}.tmp-{}", name, ::getpid());
@@ -83,20 +128,28 @@ Result<fs::path> save_checkpoint(const fs::path& run_dir, const Mlp& model, Opti
   fs::create_directory(temp_dir, ec);
   if (ec) return fs_error(temp_dir, "Failed to create", ec);
 
+  auto tensors_of = [&](std::span<const float> flat, const std::string& suffix) {
+    std::vector<TensorRef> tensors;
+    for (const auto& p : layout) {
+      tensors.push_back({p.name + suffix, "F32", p.shape, as_bytes(flat.data() + p.offset, p.size)});
+    }
+    return tensors;
+  };
   const std::map<std::string, std::string> model_meta = {
-      {"format", "pt"}, {"cfmo.model", model.spec().to_string()}, {"cfmo.step", std::to_string(position.step)}};
-  CFMO_TRY(save_model(temp_dir / "model.safetensors", model, model_meta));
+      {"format", "pt"}, {"cfmo.model", spec.to_string()}, {"cfmo.step", std::to_string(position.step)}};
+  CFMO_TRY(write_safetensors(temp_dir / "model.safetensors", tensors_of(data.params, ""), model_meta));
 
   std::vector<TensorRef> state_tensors;
-  auto states = optimizer.state();
-  for (const auto& s : states) {
-    for (const auto& p : model.params()) {
-      state_tensors.push_back({p.name + "." + s.name, "F32", p.shape, as_bytes(s.buffer->data() + p.offset, p.size)});
-    }
+  for (const auto& [state_name, buffer] : data.optimizer_state) {
+    for (auto& t : tensors_of(buffer, "." + state_name)) state_tensors.push_back(std::move(t));
   }
-  const std::map<std::string, std::string> optim_meta = {{"cfmo.optimizer", std::string(optimizer.name())},
-                                                         {"cfmo.optimizer_steps", std::to_string(optimizer.step_count())}};
+  const std::map<std::string, std::string> optim_meta = {
+      {"cfmo.optimizer", data.optimizer_name}, {"cfmo.optimizer_steps", std::to_string(data.optimizer_steps)}};
   CFMO_TRY(write_safetensors(temp_dir / "optimizer.safetensors", state_tensors, optim_meta));
+  if (!data.outer_momentum.empty()) {
+    CFMO_TRY(write_safetensors(temp_dir / "outer.safetensors", tensors_of(data.outer_momentum, ".outer_momentum"),
+                               {{"cfmo.state", "outer_momentum"}}));
+  }
 
   nlohmann::ordered_json state = {{"format", "cfmo-checkpoint"},
                                   {"version", kStateVersion},
@@ -105,22 +158,112 @@ Result<fs::path> save_checkpoint(const fs::path& run_dir, const Mlp& model, Opti
                                   {"batch_in_epoch", position.batch_in_epoch},
                                   {"samples", position.samples},
                                   {"train_s", position.train_s},
-                                  {"model", model.spec().to_string()},
-                                  {"optimizer", optimizer.name()},
-                                  {"optimizer_steps", optimizer.step_count()}};
+                                  {"model", spec.to_string()},
+                                  {"optimizer", data.optimizer_name},
+                                  {"optimizer_steps", data.optimizer_steps},
+                                  {"workers", data.world.workers}};
+  if (!data.world.mode.empty()) state["mode"] = data.world.mode;
+  if (data.world.batch_size > 0) state["batch_size"] = data.world.batch_size;
+  if (!data.world.ranks.empty()) {
+    nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+    for (const auto& p : data.world.ranks) ranks.push_back(position_json(p));
+    state["ranks"] = ranks;
+  }
+  if (!data.world.shard_optimizer_steps.empty()) state["shard_optimizer_steps"] = data.world.shard_optimizer_steps;
+  if (!data.outer_momentum.empty()) state["outer"] = "outer.safetensors";
   CFMO_TRY(write_file_atomic(temp_dir / "state.json", state.dump(2) + "\n"));
   CFMO_TRY(write_file_atomic(temp_dir / "config.toml", config_toml));
   CFMO_TRY(fsync_directory(temp_dir));
 
-  // A checkpoint of the same step (a resumed run that stopped where it began) is replaced.
-  fs::remove_all(final_dir, ec);
-  fs::rename(temp_dir, final_dir, ec);
-  if (ec) return fs_error(final_dir, "Failed to rename checkpoint onto", ec);
+  CFMO_TRY(put_in_place(temp_dir, final_dir));
   CFMO_TRY(fsync_directory(root));
   CFMO_TRY(write_file_atomic(root / "latest", name + "\n"));
 
   prune_checkpoints(root, position.step, keep);
   return final_dir;
+}
+
+Result<fs::path> save_checkpoint(const fs::path& run_dir, const Mlp& model, Optimizer& optimizer,
+                                 const TrainPosition& position, const std::string& config_toml, int keep) {
+  return write_checkpoint(run_dir, model.spec(), model.params(), checkpoint_data(model, optimizer, position),
+                          config_toml, keep);
+}
+
+CheckpointWriter::CheckpointWriter(fs::path run_dir, MlpSpec spec, std::vector<ParamInfo> layout,
+                                   std::string config_toml, int keep)
+    : run_dir_(std::move(run_dir)),
+      spec_(std::move(spec)),
+      layout_(std::move(layout)),
+      config_toml_(std::move(config_toml)),
+      keep_(keep),
+      thread_([this] { run(); }) {}
+
+CheckpointWriter::~CheckpointWriter() { close(); }
+
+void CheckpointWriter::close() {
+  {
+    std::lock_guard lock(mutex_);
+    if (closed_) return;
+    stopping_ = true;
+    closed_ = true;
+  }
+  ready_.notify_all();
+  thread_.join();
+}
+
+bool CheckpointWriter::submit(CheckpointData data) {
+  std::lock_guard lock(mutex_);
+  if (stopping_ || !status_) {
+    ++skipped_;
+    return false;
+  }
+  // One waits at most: a newer checkpoint replaces one not yet begun.
+  const bool replaced = job_.has_value();
+  if (replaced) ++skipped_;
+  job_ = std::move(data);
+  ready_.notify_one();
+  return !replaced;
+}
+
+Status CheckpointWriter::status() const {
+  std::lock_guard lock(mutex_);
+  return status_;
+}
+
+int64_t CheckpointWriter::written() const {
+  std::lock_guard lock(mutex_);
+  return written_;
+}
+
+int64_t CheckpointWriter::skipped() const {
+  std::lock_guard lock(mutex_);
+  return skipped_;
+}
+
+int64_t CheckpointWriter::last_step() const {
+  std::lock_guard lock(mutex_);
+  return last_step_;
+}
+
+void CheckpointWriter::run() {
+  for (;;) {
+    CheckpointData data;
+    {
+      std::unique_lock lock(mutex_);
+      ready_.wait(lock, [this] { return stopping_ || job_.has_value(); });
+      if (!job_) return;
+      data = std::move(*job_);
+      job_.reset();
+    }
+    auto written = write_checkpoint(run_dir_, spec_, layout_, data, config_toml_, keep_);
+    std::lock_guard lock(mutex_);
+    if (written) {
+      ++written_;
+      last_step_ = data.position.step;
+    } else if (status_) {
+      status_ = written.error();
+    }
+  }
 }
 
 Result<fs::path> resolve_checkpoint(const fs::path& given) {
@@ -152,11 +295,30 @@ std::filesystem::path run_dir_of(const std::filesystem::path& checkpoint_dir) {
   return {};
 }
 
-Result<TrainPosition> load_checkpoint(const fs::path& dir, Mlp& model, Optimizer& optimizer) {
+namespace {
+
+TrainPosition position_from(const nlohmann::json& j) {
+  TrainPosition p;
+  p.step = j.at("step").get<int64_t>();
+  p.epoch = j.at("epoch").get<int64_t>();
+  p.batch_in_epoch = j.at("batch_in_epoch").get<int64_t>();
+  p.samples = j.at("samples").get<int64_t>();
+  p.train_s = j.at("train_s").get<double>();
+  return p;
+}
+
+bool negative(const TrainPosition& p) { return p.step < 0 || p.epoch < 0 || p.batch_in_epoch < 0 || p.samples < 0; }
+
+}  // namespace
+
+Result<TrainPosition> load_checkpoint(const fs::path& dir, Mlp& model, Optimizer& optimizer, CheckpointWorld* world,
+                                      FloatBuffer* outer_momentum) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
   TrainPosition position;
+  CheckpointWorld recorded;
   std::string optimizer_name;
+  std::string outer_file;
   int64_t optimizer_steps = 0;
   try {
     const auto state = nlohmann::json::parse(text);
@@ -164,18 +326,37 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Mlp& model, Optimizer
       return make_error(ErrorKind::kInput, "'{}': not a version {} cfmo checkpoint", state_path.string(),
                         kStateVersion);
     }
-    position.step = state.at("step").get<int64_t>();
-    position.epoch = state.at("epoch").get<int64_t>();
-    position.batch_in_epoch = state.at("batch_in_epoch").get<int64_t>();
-    position.samples = state.at("samples").get<int64_t>();
-    position.train_s = state.at("train_s").get<double>();
+    position = position_from(state);
     optimizer_name = state.at("optimizer").get<std::string>();
     optimizer_steps = state.at("optimizer_steps").get<int64_t>();
+    recorded.workers = state.value("workers", 1);
+    recorded.mode = state.value("mode", std::string());
+    recorded.batch_size = state.value("batch_size", 0);
+    if (state.contains("ranks")) {
+      for (const auto& r : state.at("ranks")) recorded.ranks.push_back(position_from(r));
+    }
+    if (state.contains("shard_optimizer_steps")) {
+      recorded.shard_optimizer_steps = state.at("shard_optimizer_steps").get<std::vector<int64_t>>();
+    }
+    outer_file = state.value("outer", std::string());
   } catch (const nlohmann::json::exception& e) {
     return make_error(ErrorKind::kInput, "'{}': {}", state_path.string(), e.what());
   }
-  if (position.step < 0 || position.epoch < 0 || position.batch_in_epoch < 0 || position.samples < 0) {
+  bool bad_ranks = std::any_of(recorded.ranks.begin(), recorded.ranks.end(), negative);
+  for (int64_t s : recorded.shard_optimizer_steps) bad_ranks = bad_ranks || s < 0;
+  if (negative(position) || bad_ranks) {
     return make_error(ErrorKind::kInput, "'{}': negative counters", state_path.string());
+  }
+  if (recorded.workers < 1 || recorded.batch_size < 0 ||
+      (!recorded.ranks.empty() && recorded.ranks.size() != static_cast<size_t>(recorded.workers)) ||
+      (!recorded.shard_optimizer_steps.empty() &&
+       recorded.shard_optimizer_steps.size() != static_cast<size_t>(recorded.workers))) {
+    return make_error(ErrorKind::kInput, "'{}': workers, ranks and shard_optimizer_steps disagree",
+                      state_path.string());
+  }
+  if (!outer_file.empty() && outer_file != "outer.safetensors") {
+    return make_error(ErrorKind::kInput, "'{}': outer names '{}', not outer.safetensors", state_path.string(),
+                      outer_file);
   }
   if (optimizer_name != optimizer.name()) {
     return make_error(ErrorKind::kUsage, "'{}': saved with optimizer {}, this run uses {}", state_path.string(),
@@ -189,10 +370,23 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Mlp& model, Optimizer
   CFMO_ASSIGN_OR_RETURN(auto state_file, SafetensorsFile::read(dir / "optimizer.safetensors"));
   for (const auto& s : optimizer.state()) {
     for (const auto& p : model.params()) {
-      CFMO_TRY(state_file.read_f32(p.name + "." + s.name, p.shape, std::span<float>(*s.buffer).subspan(p.offset, p.size)));
+      CFMO_TRY(
+          state_file.read_f32(p.name + "." + s.name, p.shape, std::span<float>(*s.buffer).subspan(p.offset, p.size)));
     }
   }
   optimizer.set_step_count(optimizer_steps);
+  if (outer_momentum != nullptr) {
+    outer_momentum->clear();
+    if (!outer_file.empty()) {
+      CFMO_ASSIGN_OR_RETURN(auto outer, SafetensorsFile::read(dir / outer_file));
+      outer_momentum->assign(model.num_params(), 0.0f);
+      for (const auto& p : model.params()) {
+        CFMO_TRY(outer.read_f32(p.name + ".outer_momentum", p.shape,
+                                std::span<float>(*outer_momentum).subspan(p.offset, p.size)));
+      }
+    }
+  }
+  if (world != nullptr) *world = std::move(recorded);
   return position;
 }
 

@@ -3,21 +3,31 @@
 ///
 ///   RUN/checkpoints/step-00001234/model.safetensors      parameters (PyTorch loads them as they are)
 ///   RUN/checkpoints/step-00001234/optimizer.safetensors  state, "<param>.<state>" per tensor
-///   RUN/checkpoints/step-00001234/state.json             step, epoch, data position, counters
+///   RUN/checkpoints/step-00001234/state.json             step, epoch, data position, counters, workers
+///   RUN/checkpoints/step-00001234/outer.safetensors      outer momentum, "<param>.outer_momentum" (if any)
 ///   RUN/checkpoints/step-00001234/config.toml            the merged configuration
 ///   RUN/checkpoints/latest                               name of the newest complete checkpoint
 ///
-/// A checkpoint is built in a temporary directory and renamed into place, so
-/// a directory named step-N is always complete.
+/// A checkpoint is built in a temporary directory and renamed into place (a
+/// checkpoint of the same step is swapped in atomically), so a directory named
+/// step-N is always complete. With several workers the parameters are the
+/// global ones; see docs/FORMATS.md for what else a checkpoint of each mode holds.
 
 #include "core/error.h"
 #include "model/mlp.h"
 #include "optim/optimizer.h"
+#include "tensor/buffer.h"
 
+#include <condition_variable>
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 namespace cfmo {
 
@@ -30,13 +40,87 @@ struct TrainPosition {
   double train_s = 0;          ///< seconds spent in training steps, all runs together
 };
 
-/// Writes a checkpoint and keeps only the newest `keep`; returns its directory.
+/// How the run that wrote a checkpoint was distributed. An older checkpoint
+/// says nothing of it: workers 1, mode empty, batch_size 0.
+struct CheckpointWorld {
+  int workers = 1;
+  std::string mode;                            ///< empty: not recorded
+  int batch_size = 0;                          ///< 0: not recorded
+  std::vector<TrainPosition> ranks;            ///< cfmo, asgd: each rank's; empty: every rank at the position
+  std::vector<int64_t> shard_optimizer_steps;  ///< asgd: each owner's optimizer steps
+};
+
+/// A checkpoint to write, with copies of everything, flat in the model's layout.
+struct CheckpointData {
+  TrainPosition position;
+  CheckpointWorld world;
+  FloatBuffer params;
+  std::string optimizer_name;
+  int64_t optimizer_steps = 0;
+  std::vector<std::pair<std::string, FloatBuffer>> optimizer_state;
+  FloatBuffer outer_momentum;  ///< empty: none
+};
+
+/// Copies the model's parameters and the optimizer's state.
+CheckpointData checkpoint_data(const Mlp& model, Optimizer& optimizer, const TrainPosition& position);
+
+/// Writes a checkpoint of a model of this layout and keeps only the newest
+/// `keep`; returns its directory.
+Result<std::filesystem::path> write_checkpoint(const std::filesystem::path& run_dir, const MlpSpec& spec,
+                                               const std::vector<ParamInfo>& layout, const CheckpointData& data,
+                                               const std::string& config_toml, int keep);
+
+/// Writes a checkpoint of one worker's model and optimizer (write_checkpoint of checkpoint_data).
 Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_dir, const Mlp& model,
                                               Optimizer& optimizer, const TrainPosition& position,
                                               const std::string& config_toml, int keep);
 
+/// Writes checkpoints on a thread of its own, one at a time, so that the
+/// training loop never waits for the disk. While one is being written, one
+/// more waits; a newer one replaces it (the replaced one counts as skipped).
+class CheckpointWriter {
+ public:
+  CheckpointWriter(std::filesystem::path run_dir, MlpSpec spec, std::vector<ParamInfo> layout, std::string config_toml,
+                   int keep);
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+  ~CheckpointWriter();
+  /// Writes what was submitted, then stops the thread.
+  void close();
+  /// Queues `data`; false when it replaced one that was waiting (or the writer
+  /// is closed or failed: then `data` is dropped).
+  bool submit(CheckpointData data);
+  /// The first write error, if any.
+  Status status() const;
+  int64_t written() const;
+  int64_t skipped() const;
+  /// The step of the last checkpoint written, or -1.
+  int64_t last_step() const;
+
+ private:
+  void run();
+
+  const std::filesystem::path run_dir_;
+  const MlpSpec spec_;
+  const std::vector<ParamInfo> layout_;
+  const std::string config_toml_;
+  const int keep_;
+
+  mutable std::mutex mutex_;  ///< guards everything below
+  std::condition_variable ready_;
+  std::optional<CheckpointData> job_;  ///< the one waiting
+  bool stopping_ = false;
+  bool closed_ = false;
+  Status status_;
+  int64_t written_ = 0;
+  int64_t skipped_ = 0;
+  int64_t last_step_ = -1;
+  std::thread thread_;  ///< last: starts after the members it uses
+};
+
 /// Writes the parameters alone as a safetensors file (the run's final model).
-Status save_model(const std::filesystem::path& path, const Mlp& model, const std::map<std::string, std::string>& metadata);
+Status save_model(const std::filesystem::path& path, const Mlp& model,
+                  const std::map<std::string, std::string>& metadata);
 
 /// `path` is a checkpoint directory or a run directory (its latest checkpoint);
 /// returns the checkpoint directory as an absolute, normalised path.
@@ -46,7 +130,10 @@ Result<std::filesystem::path> resolve_checkpoint(const std::filesystem::path& pa
 std::filesystem::path run_dir_of(const std::filesystem::path& checkpoint_dir);
 
 /// Restores parameters, optimizer state and position. Shapes and the
-/// optimizer's name must match; errors name the file and tensor.
-Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, Mlp& model, Optimizer& optimizer);
+/// optimizer's name must match; errors name the file and tensor. `world` and
+/// `outer_momentum` (the model's layout; left empty when the checkpoint has
+/// none), when given, receive the rest.
+Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, Mlp& model, Optimizer& optimizer,
+                                      CheckpointWorld* world = nullptr, FloatBuffer* outer_momentum = nullptr);
 
 }  // namespace cfmo

@@ -4,17 +4,37 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+
 namespace cfmo {
 namespace {
 constexpr size_t kQueueLimit = 2;
 }  // namespace
 
-DeltaWriter::DeltaWriter(std::filesystem::path run_dir, int rank, std::vector<ParamInfo> layout)
+DeltaWriter::DeltaWriter(std::filesystem::path run_dir, int rank, std::vector<ParamInfo> layout, int64_t round_offset)
     : run_dir_(run_dir),
       dir_(delta_path(run_dir, rank, 0).parent_path()),
       rank_(rank),
       layout_(std::move(layout)),
+      round_offset_(round_offset),
       thread_([this] { run(); }) {}
+
+int64_t DeltaWriter::last_round(const std::filesystem::path& run_dir, int rank) {
+  const auto dir = delta_path(run_dir, rank, 0).parent_path();
+  int64_t last = 0;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    int64_t round = 0;
+    const std::string name = it->path().filename().string();
+    if (std::sscanf(name.c_str(), "round-%" SCNd64 ".cfd", &round) == 1 &&
+        it->path() == delta_path(run_dir, rank, round)) {
+      last = std::max(last, round);
+    }
+  }
+  return last;
+}
 
 DeltaWriter::~DeltaWriter() { close(); }
 
@@ -36,7 +56,7 @@ void DeltaWriter::submit(int64_t round, int64_t step, int64_t base_version, std:
     ++skipped_;
     return;
   }
-  queue_.push_back(Job{round, step, base_version, FloatBuffer(base.begin(), base.end()),
+  queue_.push_back(Job{round_offset_ + round, step, base_version, FloatBuffer(base.begin(), base.end()),
                        FloatBuffer(delta.begin(), delta.end())});
   ready_.notify_one();
 }

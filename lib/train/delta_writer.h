@@ -21,7 +21,11 @@ namespace cfmo {
 
 class DeltaWriter {
  public:
-  DeltaWriter(std::filesystem::path run_dir, int rank, std::vector<ParamInfo> layout);
+  /// Rounds are written as `round_offset` + the mode's round number (a resumed
+  /// run continues after last_round(), rather than overwrite its deltas).
+  DeltaWriter(std::filesystem::path run_dir, int rank, std::vector<ParamInfo> layout, int64_t round_offset = 0);
+  /// The highest round with a delta of `rank` in the run directory, or 0.
+  static int64_t last_round(const std::filesystem::path& run_dir, int rank);
   DeltaWriter(const DeltaWriter&) = delete;
   DeltaWriter& operator=(const DeltaWriter&) = delete;
   /// Writes what is queued, then stops the thread.
@@ -52,6 +56,7 @@ class DeltaWriter {
   const std::filesystem::path dir_;  ///< RUN/deltas/rank-K, as ckpt/cfd.h's delta_path names it
   const int rank_;
   const std::vector<ParamInfo> layout_;
+  const int64_t round_offset_;
 
   mutable std::mutex mutex_;  ///< guards everything below
   std::condition_variable ready_;

@@ -17,7 +17,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-Clock::duration seconds(double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); }
+Clock::duration seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
 
 // resize + memcpy rather than insert: GCC 12 warns falsely (-Wstringop-overflow)
 // about inserting into an empty vector.
@@ -42,23 +44,6 @@ bool take(std::span<const std::byte>& in, T& value) {
 
 void put_floats(std::vector<std::byte>& out, std::span<const float> values) {
   put_bytes(out, values.data(), values.size_bytes());
-}
-
-/// θ̄ += outer step from the mean delta `delta` (scaled by `weight`), in place.
-/// avg: θ̄ += lr * weight * delta. nesterov: the pseudo-gradient g = -weight * delta
-/// through SGD with Nesterov momentum (DiLoCo's outer optimizer).
-void outer_step(const ModeSettings& s, float momentum, std::span<float> global, std::span<const float> delta,
-                std::span<float> buffer, float weight) {
-  const auto lr = static_cast<float>(s.outer_lr);
-  if (s.outer_optimizer == "nesterov") {
-    for (size_t i = 0; i < global.size(); ++i) {
-      const float g = -weight * delta[i];
-      buffer[i] = momentum * buffer[i] + g;
-      global[i] -= lr * (g + momentum * buffer[i]);
-    }
-  } else {
-    for (size_t i = 0; i < global.size(); ++i) global[i] += lr * weight * delta[i];
-  }
 }
 
 /// A lockstep stop vote, carried by a collective as two counts:
@@ -135,20 +120,27 @@ class SyncMode final : public Mode {
 /// against the shared global parameters and an outer step.
 class LocalSgdMode final : public Mode {
  public:
-  LocalSgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial)
-      : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), momentum_(initial.size(), 0.0f) {}
+  LocalSgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
+               const ModeResume& resume)
+      : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), outer_(settings, initial.size(), 1) {
+    if (resume.outer_momentum.size() == outer_.momentum().size()) {
+      std::copy(resume.outer_momentum.begin(), resume.outer_momentum.end(), outer_.momentum().begin());
+    }
+  }
   std::string_view name() const override { return "localsgd"; }
   bool lockstep() const override { return true; }
   void want_stop(std::string_view reason) override { vote_.want(reason); }
   bool stop_requested() const override { return vote_.agreed; }
   std::string agreed_reason() const override { return vote_.reason; }
 
-  Status after_step(int64_t step, int64_t, std::span<float> params, Optimizer&) override {
-    last_step_ = step;
-    since_sync_ = step % settings_.sync_interval;
+  Status after_step(const TrainPosition& position, std::span<float> params, Optimizer&) override {
+    last_step_ = position.step;
+    since_sync_ = position.step % settings_.sync_interval;
     if (since_sync_ != 0) return {};
     return reconcile(params);
   }
+  bool params_are_global() const override { return since_sync_ == 0; }
+  std::span<const float> outer_momentum() const override { return outer_.momentum(); }
   Status finish(std::span<float> params, Optimizer&) override {
     // Every rank took the same number of steps, so all agree whether one more round is due.
     return since_sync_ != 0 ? reconcile(params) : Status{};
@@ -170,8 +162,7 @@ class LocalSgdMode final : public Mode {
     stats_.wait_s += seconds_since(start);
     CFMO_TRY(status);
     vote_.read(delta_.data() + params.size());
-    outer_step(settings_, static_cast<float>(settings_.outer_momentum), global_,
-               std::span<const float>(delta_).first(params.size()), momentum_, 1.0f / static_cast<float>(comm_.size()));
+    outer_.apply(global_, std::span<const float>(delta_).first(params.size()), 1.0f / static_cast<float>(comm_.size()));
     std::copy(global_.begin(), global_.end(), params.begin());
     ++stats_.rounds;
     since_sync_ = 0;
@@ -181,7 +172,7 @@ class LocalSgdMode final : public Mode {
   ModeSettings settings_;
   Communicator& comm_;
   FloatBuffer global_;
-  FloatBuffer momentum_;
+  OuterOptimizer outer_;
   FloatBuffer delta_;
   int64_t since_sync_ = 0;
   int64_t last_step_ = 0;
@@ -189,11 +180,40 @@ class LocalSgdMode final : public Mode {
   StopVote vote_;
 };
 
+void put_position(std::vector<std::byte>& out, const TrainPosition& p) {
+  put(out, p.step);
+  put(out, p.epoch);
+  put(out, p.batch_in_epoch);
+  put(out, p.samples);
+  put(out, p.train_s);
+}
+
+bool take_position(std::span<const std::byte>& in, TrainPosition& p) {
+  return take(in, p.step) && take(in, p.epoch) && take(in, p.batch_in_epoch) && take(in, p.samples) &&
+         take(in, p.train_s);
+}
+
+/// [u64 count][count floats]
+void put_vector(std::vector<std::byte>& out, std::span<const float> values) {
+  put(out, static_cast<uint64_t>(values.size()));
+  put_floats(out, values);
+}
+
+bool take_vector(std::span<const std::byte>& in, std::vector<float>& values) {
+  uint64_t n = 0;
+  if (!take(in, n) || n > in.size() / sizeof(float)) return false;
+  values.resize(n);
+  std::memcpy(values.data(), in.data(), n * sizeof(float));
+  in = in.subspan(n * sizeof(float));
+  return true;
+}
+
 /// What cfmo and asgd share: shard ownership, the budget keeper, the inbox of
-/// fresh shards and the end-of-run handshake.
+/// fresh shards, snapshots of the global state for checkpoints and the
+/// end-of-run handshake.
 class AsyncMode : public Mode {
  public:
-  AsyncMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial)
+  AsyncMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume)
       : settings_(settings),
         comm_(comm),
         bounds_(shard_bounds(initial.size(), comm.size())),
@@ -201,11 +221,12 @@ class AsyncMode : public Mode {
         base_version_(static_cast<size_t>(comm.size()), 0),
         residual_(settings.delta_dtype == WireDtype::kFp32 ? 0 : initial.size(), 0.0f),
         done_from_(static_cast<size_t>(comm.size()), false),
-        progress_(static_cast<size_t>(comm.size()), 0) {
+        progress_(static_cast<size_t>(comm.size())) {
     const int me = comm.rank();
     owned_.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
                   initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
-    outer_momentum_.assign(owned_.size(), 0.0f);
+    if (resume.ranks.size() == progress_.size()) progress_ = resume.ranks;
+    gather_ = Assembly(comm.size());
     stats_.staleness_histogram.assign(static_cast<size_t>(settings.max_staleness) + 2, 0);
     comm.on_message(Channel::kFreshShard, [this](int from, std::span<const std::byte> m) { on_fresh(from, m); });
     comm.on_message(Channel::kProgress, [this](int from, std::span<const std::byte> m) { on_progress(from, m); });
@@ -218,16 +239,51 @@ class AsyncMode : public Mode {
   }
 
   ~AsyncMode() override {
-    for (Channel c : {Channel::kFreshShard, Channel::kProgress, Channel::kStop, Channel::kDone, Channel::kGather}) {
+    for (Channel c : {Channel::kFreshShard, Channel::kProgress, Channel::kStop, Channel::kDone, Channel::kGather,
+                      Channel::kCheckpoint}) {
       comm_.on_message(c, nullptr);
     }
   }
 
   bool stop_requested() const override { return stop_.load(); }
-  bool local_is_global() const override { return false; }
+  bool params_are_global() const override { return false; }
   ModeStats stats() const override {
     std::lock_guard lock(mutex_);
     return stats_;
+  }
+
+  bool request_snapshot() override {
+    if (comm_.rank() != 0) return false;
+    std::vector<std::byte> out;
+    {
+      std::lock_guard lock(mutex_);
+      // A request still being answered covers this one too, unless it is so
+      // old that an owner must have been lost: then a new one replaces it.
+      if (!snapshot_.received.empty() && Clock::now() - snapshot_asked_ < seconds(settings_.peer_timeout_s)) {
+        return true;
+      }
+      snapshot_asked_ = Clock::now();
+      ++snapshot_id_;
+      snapshot_ = Assembly(comm_.size());
+      put(out, kSnapshotRequest);
+      put(out, snapshot_id_);
+    }
+    for (int r = 0; r < comm_.size(); ++r) comm_.post(r, Channel::kCheckpoint, out);
+    return true;
+  }
+
+  std::optional<GlobalState> take_snapshot() override {
+    std::lock_guard lock(mutex_);
+    std::optional<GlobalState> out;
+    out.swap(ready_);
+    return out;
+  }
+
+  std::optional<GlobalState> final_state() override {
+    std::lock_guard lock(mutex_);
+    std::optional<GlobalState> out;
+    out.swap(final_);
+    return out;
   }
 
  protected:
@@ -240,17 +296,20 @@ class AsyncMode : public Mode {
   };
 
   std::span<float> shard_of(std::span<float> v, int j) const {
-    return v.subspan(bounds_[static_cast<size_t>(j)], bounds_[static_cast<size_t>(j) + 1] - bounds_[static_cast<size_t>(j)]);
+    return v.subspan(bounds_[static_cast<size_t>(j)],
+                     bounds_[static_cast<size_t>(j) + 1] - bounds_[static_cast<size_t>(j)]);
   }
+  size_t shard_size(int j) const { return bounds_[static_cast<size_t>(j) + 1] - bounds_[static_cast<size_t>(j)]; }
 
-  /// Owner side: the reply carrying this shard as it is now.
-  void reply_fresh(int to, int64_t staleness, bool dropped) {
+  /// Owner side: the reply carrying this shard as it is now (or, `with_shard`
+  /// false, only its version: an acknowledgement).
+  void reply_fresh(int to, int64_t staleness, bool dropped, bool with_shard = true) {
     std::vector<std::byte> out;
     put(out, static_cast<uint32_t>(comm_.rank()));
     put(out, static_cast<uint32_t>(dropped ? 1 : 0));
     put(out, version_);
     put(out, staleness);
-    put_floats(out, owned_);
+    if (with_shard) put_floats(out, owned_);
     comm_.post(to, Channel::kFreshShard, std::move(out));
   }
 
@@ -284,9 +343,11 @@ class AsyncMode : public Mode {
     return n;
   }
 
-  void report_progress(int64_t samples) {
+  /// Every step: rank 0 keeps the budget and the positions a checkpoint records.
+  void report_progress(const TrainPosition& position) {
+    position_ = position;
     std::vector<std::byte> out;
-    put(out, samples);
+    put_position(out, position);
     comm_.post(0, Channel::kProgress, std::move(out));
   }
 
@@ -304,7 +365,8 @@ class AsyncMode : public Mode {
   }
 
   /// The end: tell everyone this rank is done, serve owners' work until every
-  /// live rank is done too, then gather the owned shards on rank 0.
+  /// live rank is done too, then gather the owned shards (and the owners'
+  /// state, and each rank's last position) on rank 0.
   Status end_handshake(std::span<float> params) {
     const auto start = Clock::now();
     const auto deadline = start + seconds(settings_.peer_timeout_s * 3);
@@ -320,15 +382,15 @@ class AsyncMode : public Mode {
     while (!everyone_done() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     // Owners' shards now include every contribution: send mine to rank 0.
     std::vector<std::byte> out;
-    put(out, static_cast<uint32_t>(comm_.rank()));
-    post_owned_snapshot(out);
+    put_position(out, position_);
+    put_owner_shard(out);
     comm_.post(0, Channel::kGather, std::move(out));
     if (comm_.rank() == 0) {
       auto gathered_all = [&] {
         const auto lost = comm_.lost_ranks();
         std::lock_guard lock(mutex_);
         for (int r = 0; r < comm_.size(); ++r) {
-          if (gathered_[static_cast<size_t>(r)].empty() && std::find(lost.begin(), lost.end(), r) == lost.end()) {
+          if (!gather_.received[static_cast<size_t>(r)] && std::find(lost.begin(), lost.end(), r) == lost.end()) {
             return false;
           }
         }
@@ -336,13 +398,18 @@ class AsyncMode : public Mode {
       };
       while (!gathered_all() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       std::lock_guard lock(mutex_);
+      GlobalState& g = gather_.state;
       for (int j = 0; j < comm_.size(); ++j) {
-        const auto& shard = gathered_[static_cast<size_t>(j)];
         // A lost owner's shard keeps rank 0's own values: the best there is.
-        if (shard.size() == bounds_[static_cast<size_t>(j) + 1] - bounds_[static_cast<size_t>(j)]) {
-          std::copy(shard.begin(), shard.end(), shard_of(params, j).begin());
+        if (gather_.received[static_cast<size_t>(j)]) {
+          std::copy_n(g.params.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(j)]), shard_size(j),
+                      shard_of(params, j).begin());
+        } else {
+          g.ranks[static_cast<size_t>(j)] = progress_[static_cast<size_t>(j)];
         }
       }
+      g.params.assign(params.begin(), params.end());
+      final_ = std::move(g);
     }
     {
       std::lock_guard lock(mutex_);
@@ -355,6 +422,20 @@ class AsyncMode : public Mode {
     return {};
   }
 
+  /// For the derived constructors, last, and destructors, first: the handler
+  /// that calls owner_state() may run only while the derived members it reads
+  /// exist (a request that comes before waits, unread, for the handler).
+  void start_serving_owner_state() {
+    comm_.on_message(Channel::kCheckpoint, [this](int from, std::span<const std::byte> m) { on_checkpoint(from, m); });
+  }
+  void stop_serving_owner_state() { comm_.on_message(Channel::kCheckpoint, nullptr); }
+
+  /// Owner side, under mutex_: the state of the outer or shard optimizer for
+  /// my shard, each buffer the shard's size (cfmo: the outer momentum, if any;
+  /// asgd: the optimizer's state), and its optimizer's steps.
+  virtual std::vector<std::span<const float>> owner_state() const { return {}; }
+  virtual int64_t owner_steps() const { return 0; }
+
   const ModeSettings settings_;
   Communicator& comm_;
   const std::vector<size_t> bounds_;
@@ -364,20 +445,80 @@ class AsyncMode : public Mode {
   std::vector<int64_t> base_version_;  ///< their versions
   FloatBuffer residual_;               ///< error feedback for lossy wire dtypes
   std::vector<int> awaiting_ = std::vector<int>(static_cast<size_t>(comm_.size()), 0);
+  TrainPosition position_;  ///< as last reported
 
   // Owner side (progress thread, except where mutex_ says otherwise).
-  FloatBuffer owned_;           ///< my shard of the global parameters
-  FloatBuffer outer_momentum_;  ///< outer optimizer state for it
-  int64_t version_ = 0;         ///< contributions applied to it
+  FloatBuffer owned_;    ///< my shard of the global parameters
+  int64_t version_ = 0;  ///< contributions applied to it
 
-  mutable std::mutex mutex_;  ///< guards inbox_, stats_, done_from_, gathered_, owned_ snapshots
+  /// Guards inbox_, stats_, done_from_, progress_, the snapshots, and the
+  /// owner's state whenever another thread reads it.
+  mutable std::mutex mutex_;
   std::deque<Fresh> inbox_;
   ModeStats stats_;
 
  private:
-  void post_owned_snapshot(std::vector<std::byte>& out) {
+  static constexpr uint32_t kSnapshotRequest = 0;
+  static constexpr uint32_t kSnapshotShard = 1;
+
+  /// A global state being put together from the owners' shards.
+  struct Assembly {
+    Assembly() = default;
+    explicit Assembly(int world) : received(static_cast<size_t>(world), false) {
+      state.ranks.resize(static_cast<size_t>(world));
+      state.versions.assign(static_cast<size_t>(world), 0);
+      state.owner_steps.assign(static_cast<size_t>(world), 0);
+    }
+    GlobalState state;
+    std::vector<bool> received;
+    int count = 0;
+  };
+
+  /// [u32 shard][i64 version][i64 owner steps][u32 buffers][params][owner state...], under mutex_.
+  void put_owner_shard(std::vector<std::byte>& out) {
     std::lock_guard lock(mutex_);
-    put_floats(out, owned_);
+    const auto state = owner_state();
+    put(out, static_cast<uint32_t>(comm_.rank()));
+    put(out, version_);
+    put(out, owner_steps());
+    put(out, static_cast<uint32_t>(1 + state.size()));
+    put_vector(out, owned_);
+    for (const auto& buffer : state) put_vector(out, buffer);
+  }
+
+  /// Rank 0, under mutex_: an owner's shard into `a`; false when malformed.
+  bool take_owner_shard(int from, std::span<const std::byte>& m, Assembly& a) {
+    uint32_t shard = 0;
+    int64_t version = 0;
+    int64_t steps = 0;
+    uint32_t buffers = 0;
+    if (!take(m, shard) || shard != static_cast<uint32_t>(from) || !take(m, version) || !take(m, steps) ||
+        !take(m, buffers) || buffers == 0 || a.received.size() != static_cast<size_t>(comm_.size()) ||
+        a.received[shard]) {
+      return false;
+    }
+    const size_t total = bounds_.back();
+    const size_t first = bounds_[shard];
+    std::vector<float> v;
+    for (uint32_t b = 0; b < buffers; ++b) {
+      if (!take_vector(m, v) || v.size() != shard_size(static_cast<int>(shard))) return false;
+      std::vector<float>* into = nullptr;
+      if (b == 0) {
+        into = &a.state.params;
+      } else if (settings_.name == "cfmo") {
+        into = &a.state.outer_momentum;
+      } else {
+        if (a.state.owner_state.size() < b) a.state.owner_state.resize(b);
+        into = &a.state.owner_state[b - 1];
+      }
+      if (into->empty()) into->assign(total, 0.0f);
+      std::copy(v.begin(), v.end(), into->begin() + static_cast<std::ptrdiff_t>(first));
+    }
+    a.state.versions[shard] = version;
+    a.state.owner_steps[shard] = steps;
+    a.received[shard] = true;
+    ++a.count;
+    return true;
   }
 
   void on_fresh(int, std::span<const std::byte> m) {
@@ -395,49 +536,91 @@ class AsyncMode : public Mode {
   }
 
   void on_progress(int from, std::span<const std::byte> m) {
-    int64_t samples = 0;
-    if (!take(m, samples)) return;
-    progress_[static_cast<size_t>(from)] = samples;
-    int64_t total = 0;
-    for (int64_t p : progress_) total += p;
-    if (settings_.sample_budget > 0 && total >= settings_.sample_budget && !stop_sent_) {
-      stop_sent_ = true;
+    TrainPosition p;
+    if (!take_position(m, p)) return;
+    bool stop = false;
+    {
+      std::lock_guard lock(mutex_);
+      progress_[static_cast<size_t>(from)] = p;
+      int64_t total = 0;
+      for (const auto& q : progress_) total += q.samples;
+      stop = settings_.sample_budget > 0 && total >= settings_.sample_budget && !stop_sent_;
+      if (stop) stop_sent_ = true;
+    }
+    if (stop) {
       for (int r = 0; r < comm_.size(); ++r) comm_.post(r, Channel::kStop, {});
     }
   }
 
   void on_gather(int from, std::span<const std::byte> m) {
-    uint32_t shard = 0;
-    if (!take(m, shard) || shard != static_cast<uint32_t>(from)) return;
+    TrainPosition p;
+    if (!take_position(m, p)) return;
     std::lock_guard lock(mutex_);
-    auto& out = gathered_[static_cast<size_t>(from)];
-    out.resize(m.size() / sizeof(float));
-    std::memcpy(out.data(), m.data(), out.size() * sizeof(float));
+    if (take_owner_shard(from, m, gather_)) gather_.state.ranks[static_cast<size_t>(from)] = p;
+  }
+
+  /// A request (any rank, as an owner): my shard to rank 0, now. A shard
+  /// (rank 0): into the snapshot of that request; complete when every owner's is in.
+  void on_checkpoint(int from, std::span<const std::byte> m) {
+    uint32_t kind = 0;
+    uint64_t id = 0;
+    if (!take(m, kind) || !take(m, id)) return;
+    if (kind == kSnapshotRequest) {
+      std::vector<std::byte> out;
+      put(out, kSnapshotShard);
+      put(out, id);
+      put_owner_shard(out);
+      comm_.post(from, Channel::kCheckpoint, std::move(out));
+      return;
+    }
+    if (kind != kSnapshotShard || comm_.rank() != 0) return;
+    std::lock_guard lock(mutex_);
+    if (id != snapshot_id_ || !take_owner_shard(from, m, snapshot_)) return;
+    if (snapshot_.count < comm_.size()) return;
+    // Every shard is in (a lost owner's never is: then no checkpoint is whole).
+    snapshot_.state.ranks = progress_;
+    ready_ = std::move(snapshot_.state);
+    snapshot_ = Assembly();
   }
 
   std::atomic<bool> stop_{false};
   std::vector<bool> done_from_;
-  std::vector<int64_t> progress_;  ///< rank 0, progress thread: samples per rank
-  bool stop_sent_ = false;         ///< rank 0, progress thread
-  std::vector<std::vector<float>> gathered_ = std::vector<std::vector<float>>(static_cast<size_t>(comm_.size()));
+  std::vector<TrainPosition> progress_;  ///< rank 0: each rank's last reported position
+  bool stop_sent_ = false;               ///< rank 0, progress thread
+  uint64_t snapshot_id_ = 0;             ///< rank 0: the request being answered
+  Clock::time_point snapshot_asked_;     ///< rank 0: when it was sent
+  Assembly snapshot_;                    ///< rank 0: its answers so far
+  std::optional<GlobalState> ready_;     ///< rank 0: the last complete snapshot, until taken
+  Assembly gather_;                      ///< rank 0: the end's gather
+  std::optional<GlobalState> final_;     ///< rank 0: the end's state, until taken
 };
 
 /// Communication-free: see ALGORITHM.md, mode 3.
 class CfmoMode final : public AsyncMode {
  public:
-  CfmoMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial)
-      : AsyncMode(settings, comm, initial), snapshot_(initial.size(), 0.0f) {
+  CfmoMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume)
+      : AsyncMode(settings, comm, initial, resume),
+        outer_(settings, owned_.size(), comm.size()),
+        snapshot_(initial.size(), 0.0f) {
+    if (!outer_.momentum().empty() && resume.outer_momentum.size() == initial.size()) {
+      const auto first = static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(comm.rank())]);
+      std::copy_n(resume.outer_momentum.begin() + first, owned_.size(), outer_.momentum().begin());
+    }
     comm.on_message(Channel::kDeltaShard, [this](int from, std::span<const std::byte> m) { on_delta(from, m); });
+    start_serving_owner_state();
   }
   // Unregistered here, before this class's members go: the base's destructor would be too late.
-  ~CfmoMode() override { comm_.on_message(Channel::kDeltaShard, nullptr); }
+  ~CfmoMode() override {
+    comm_.on_message(Channel::kDeltaShard, nullptr);
+    stop_serving_owner_state();
+  }
   std::string_view name() const override { return "cfmo"; }
 
-  Status after_step(int64_t step, int64_t samples, std::span<float> params, Optimizer& optimizer) override {
-    last_step_ = step;
+  Status after_step(const TrainPosition& position, std::span<float> params, Optimizer& optimizer) override {
+    last_step_ = position.step;
     for (auto& f : take_inbox()) rebase(f, params, optimizer);
-    if (step % settings_.sync_interval != 0) return {};
-    report_progress(samples);
+    report_progress(position);
+    if (position.step % settings_.sync_interval != 0) return {};
     // Shards whose last delta is still in flight wait for the next round; the
     // others go now: a slow owner never holds back the rest, nobody waits.
     send_round(params, /*only_idle=*/true);
@@ -449,7 +632,10 @@ class CfmoMode final : public AsyncMode {
     const auto deadline = start + seconds(settings_.peer_timeout_s);
     auto apply = [&](Fresh& f) { rebase(f, params, optimizer); };
     drain_replies(deadline, apply);
-    send_round(params, /*only_idle=*/false);  // the last local progress counts too
+    // The last local progress counts too. Its replies carry no shard: this
+    // rank's parameters are not used after the run, and rank 0 gathers the
+    // global ones.
+    send_round(params, /*only_idle=*/false, /*last=*/true);
     drain_replies(deadline + seconds(settings_.peer_timeout_s), apply);
     {
       std::lock_guard lock(mutex_);
@@ -459,7 +645,7 @@ class CfmoMode final : public AsyncMode {
   }
 
  private:
-  void send_round(std::span<const float> params, bool only_idle) {
+  void send_round(std::span<const float> params, bool only_idle, bool last = false) {
     const auto lost = comm_.lost_ranks();
     uint64_t sent = 0;
     bool skipped = false;
@@ -469,6 +655,9 @@ class CfmoMode final : public AsyncMode {
         skipped = true;
         continue;
       }
+      // Nothing trained since this shard went: its delta would be zero.
+      if (last && sent_at_[static_cast<size_t>(j)] == last_step_) continue;
+      sent_at_[static_cast<size_t>(j)] = last_step_;
       const size_t first = bounds_[static_cast<size_t>(j)];
       const size_t count = bounds_[static_cast<size_t>(j) + 1] - first;
       // The rebase of this shard keeps the progress made after this moment.
@@ -479,7 +668,7 @@ class CfmoMode final : public AsyncMode {
       for (size_t i = 0; i < count; ++i) delta_[i] = params[first + i] - base_[first + i];
       std::vector<std::byte> out;
       put(out, static_cast<uint32_t>(j));
-      put(out, static_cast<uint32_t>(settings_.delta_dtype));
+      put(out, static_cast<uint32_t>(settings_.delta_dtype) | (last ? kLastRound : 0u));
       put(out, base_version_[static_cast<size_t>(j)]);
       encode_floats(settings_.delta_dtype, delta_,
                     residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count), out);
@@ -511,8 +700,8 @@ class CfmoMode final : public AsyncMode {
     record_staleness(f.staleness, f.dropped);
     const size_t first = bounds_[static_cast<size_t>(f.shard)];
     if (f.values.size() != bounds_[static_cast<size_t>(f.shard) + 1] - first) return;
-    const int64_t behind = std::max<int64_t>(0, f.version - base_version_[static_cast<size_t>(f.shard)] - 1) /
-                           comm_.size();
+    const int64_t behind =
+        std::max<int64_t>(0, f.version - base_version_[static_cast<size_t>(f.shard)] - 1) / comm_.size();
     for (size_t i = 0; i < f.values.size(); ++i) {
       params[first + i] = f.values[i] + (params[first + i] - snapshot_[first + i]);
       base_[first + i] = f.values[i];
@@ -529,20 +718,21 @@ class CfmoMode final : public AsyncMode {
     uint32_t shard = 0;
     uint32_t dtype = 0;
     int64_t base_version = 0;
-    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || shard != static_cast<uint32_t>(comm_.rank()) ||
-        dtype > 2) {
+    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || shard != static_cast<uint32_t>(comm_.rank())) {
       return;
     }
+    const bool last = (dtype & kLastRound) != 0;
+    dtype &= ~kLastRound;
+    if (dtype > 2) return;
     incoming_.resize(owned_.size());
     if (!decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
     const int64_t s = staleness_of(base_version);
     const bool dropped = s > settings_.max_staleness;
     if (!dropped) {
-      const float weight = static_cast<float>(std::pow(settings_.staleness_discount, s)) / static_cast<float>(comm_.size());
-      // Momentum per contribution is mu^(1/W), so a round of W contributions decays it by mu.
-      const auto momentum = static_cast<float>(std::pow(settings_.outer_momentum, 1.0 / comm_.size()));
+      const float weight =
+          static_cast<float>(std::pow(settings_.staleness_discount, s)) / static_cast<float>(comm_.size());
       std::lock_guard lock(mutex_);
-      outer_step(settings_, momentum, owned_, incoming_, outer_momentum_, weight);
+      outer_.apply(owned_, incoming_, weight);
       ++version_;
       ++stats_.contributions_applied;
     }
@@ -550,10 +740,21 @@ class CfmoMode final : public AsyncMode {
       std::lock_guard lock(mutex_);
       ++stats_.contributions_received;
     }
-    reply_fresh(from, s, dropped);
+    reply_fresh(from, s, dropped, /*with_shard=*/!last);
   }
 
+  OuterOptimizer outer_;  ///< owner, under mutex_: the outer step on my shard
+  std::vector<std::span<const float>> owner_state() const override {
+    if (outer_.momentum().empty()) return {};
+    return {outer_.momentum()};
+  }
+
+  /// In a delta's dtype field: the sender's last round, answered without the shard.
+  static constexpr uint32_t kLastRound = 0x100;
+
   FloatBuffer snapshot_;
+  std::vector<int64_t> sent_at_ =
+      std::vector<int64_t>(static_cast<size_t>(comm_.size()), -1);  ///< step of each shard's last send
   FloatBuffer delta_;
   FloatBuffer full_delta_;  ///< for the delta sink
   int64_t last_step_ = 0;
@@ -564,11 +765,25 @@ class CfmoMode final : public AsyncMode {
 class AsgdMode final : public AsyncMode {
  public:
   AsgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
-           std::unique_ptr<Optimizer> shard_optimizer)
-      : AsyncMode(settings, comm, initial), optimizer_(std::move(shard_optimizer)) {
+           std::unique_ptr<Optimizer> shard_optimizer, const ModeResume& resume)
+      : AsyncMode(settings, comm, initial, resume), optimizer_(std::move(shard_optimizer)) {
+    // A resumed owner takes up its shard of the saved owners' state.
+    auto state = optimizer_->state();
+    if (resume.owner_state.size() == state.size() && resume.owner_steps.size() == static_cast<size_t>(comm.size())) {
+      const auto first = static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(comm.rank())]);
+      for (size_t i = 0; i < state.size(); ++i) {
+        if (resume.owner_state[i].size() != initial.size()) continue;
+        std::copy_n(resume.owner_state[i].begin() + first, state[i].buffer->size(), state[i].buffer->begin());
+      }
+      optimizer_->set_step_count(resume.owner_steps[static_cast<size_t>(comm.rank())]);
+    }
     comm.on_message(Channel::kGradShard, [this](int from, std::span<const std::byte> m) { on_grad(from, m); });
+    start_serving_owner_state();
   }
-  ~AsgdMode() override { comm_.on_message(Channel::kGradShard, nullptr); }
+  ~AsgdMode() override {
+    comm_.on_message(Channel::kGradShard, nullptr);
+    stop_serving_owner_state();
+  }
   std::string_view name() const override { return "asgd"; }
   bool owns_update() const override { return true; }
 
@@ -596,7 +811,7 @@ class AsgdMode final : public AsyncMode {
     return {};
   }
 
-  Status after_step(int64_t step, int64_t samples, std::span<float> params, Optimizer&) override {
+  Status after_step(const TrainPosition& position, std::span<float> params, Optimizer&) override {
     for (auto& f : take_inbox()) apply(f, params);
     // Bounded staleness (SSP): with more than max_staleness rounds of pushes
     // unanswered, wait before computing the next gradient; 0 waits for each reply.
@@ -610,14 +825,13 @@ class AsgdMode final : public AsyncMode {
       std::lock_guard lock(mutex_);
       stats_.wait_s += seconds_since(start);
     }
-    if (step % settings_.sync_interval == 0) report_progress(samples);
+    report_progress(position);
     return {};
   }
 
   Status finish(std::span<float> params, Optimizer&) override {
     const auto start = Clock::now();
-    drain_replies(start + seconds(settings_.peer_timeout_s),
-                  [&](Fresh& f) { apply(f, params); });
+    drain_replies(start + seconds(settings_.peer_timeout_s), [&](Fresh& f) { apply(f, params); });
     {
       std::lock_guard lock(mutex_);
       stats_.finish_wait_s += seconds_since(start);
@@ -662,11 +876,47 @@ class AsgdMode final : public AsyncMode {
     reply_fresh(from, s, false);
   }
 
+  std::vector<std::span<const float>> owner_state() const override {
+    std::vector<std::span<const float>> out;
+    for (const auto& s : optimizer_->state()) out.emplace_back(*s.buffer);
+    return out;
+  }
+  int64_t owner_steps() const override { return optimizer_->step_count(); }
+
   std::unique_ptr<Optimizer> optimizer_;  ///< progress thread: the inner optimizer for my shard
   FloatBuffer incoming_;                  ///< progress thread
 };
 
 }  // namespace
+
+OuterOptimizer::OuterOptimizer(const ModeSettings& settings, size_t size, int contributions_per_round)
+    : nesterov_(settings.outer_optimizer == "nesterov"),
+      lr_(static_cast<float>(settings.outer_lr)),
+      mu_(static_cast<float>(settings.outer_momentum)),
+      per_round_(std::max(1, contributions_per_round)),
+      momentum_(nesterov_ ? size : 0, 0.0f),
+      round_sum_(nesterov_ && per_round_ > 1 ? size : 0, 0.0f) {}
+
+void OuterOptimizer::apply(std::span<float> global, std::span<const float> delta, float weight) {
+  const size_t n = global.size();
+  for (size_t i = 0; i < n; ++i) global[i] += lr_ * weight * delta[i];
+  if (!nesterov_) return;
+  if (per_round_ > 1) {
+    for (size_t i = 0; i < n; ++i) round_sum_[i] += weight * delta[i];
+    if (++in_round_ < per_round_) return;
+    in_round_ = 0;
+    for (size_t i = 0; i < n; ++i) {
+      momentum_[i] = mu_ * momentum_[i] + round_sum_[i];
+      round_sum_[i] = 0;
+      global[i] += lr_ * mu_ * momentum_[i];
+    }
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    momentum_[i] = mu_ * momentum_[i] + weight * delta[i];
+    global[i] += lr_ * mu_ * momentum_[i];
+  }
+}
 
 std::vector<size_t> shard_bounds(size_t size, int shards) {
   std::vector<size_t> bounds(static_cast<size_t>(shards) + 1, size);
@@ -680,20 +930,22 @@ std::vector<size_t> shard_bounds(size_t size, int shards) {
 
 Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, Communicator* comm,
                                         const std::vector<ParamInfo>& layout, std::span<const float> initial,
-                                        const OptimizerConfig& optimizer_config) {
+                                        const OptimizerConfig& optimizer_config, const ModeResume& resume) {
   if (comm == nullptr || comm->size() == 1) return std::unique_ptr<Mode>(std::make_unique<SoloMode>(settings.name));
   if (settings.name == "sync") return std::unique_ptr<Mode>(std::make_unique<SyncMode>(*comm));
   if (settings.name == "localsgd") {
-    return std::unique_ptr<Mode>(std::make_unique<LocalSgdMode>(settings, *comm, initial));
+    return std::unique_ptr<Mode>(std::make_unique<LocalSgdMode>(settings, *comm, initial, resume));
   }
-  if (settings.name == "cfmo") return std::unique_ptr<Mode>(std::make_unique<CfmoMode>(settings, *comm, initial));
+  if (settings.name == "cfmo") {
+    return std::unique_ptr<Mode>(std::make_unique<CfmoMode>(settings, *comm, initial, resume));
+  }
   if (settings.name == "asgd") {
     const auto bounds = shard_bounds(initial.size(), comm->size());
     const size_t own = bounds[static_cast<size_t>(comm->rank()) + 1] - bounds[static_cast<size_t>(comm->rank())];
     // The owner's optimizer sees its shard as one flat tensor: element-wise optimizers only.
     std::vector<ParamInfo> shard_layout = {{"shard", {static_cast<int64_t>(own)}, 0, own}};
     CFMO_ASSIGN_OR_RETURN(auto optimizer, make_optimizer(optimizer_config, shard_layout, own));
-    return std::unique_ptr<Mode>(std::make_unique<AsgdMode>(settings, *comm, initial, std::move(optimizer)));
+    return std::unique_ptr<Mode>(std::make_unique<AsgdMode>(settings, *comm, initial, std::move(optimizer), resume));
   }
   (void)layout;
   return make_error(ErrorKind::kUsage, "--mode '{}': expected sync, localsgd, cfmo or asgd", settings.name);

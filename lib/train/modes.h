@@ -16,10 +16,12 @@
 #include "core/error.h"
 #include "model/mlp.h"
 #include "optim/optimizer.h"
+#include "train/checkpoint.h"
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -32,10 +34,10 @@ struct ModeSettings {
   int sync_interval = 10;           ///< H: local steps between reconciliations
   double staleness_discount = 0.9;  ///< beta
   int max_staleness = 4;            ///< rounds; older contributions are dropped
-  std::string outer_optimizer = "avg";
-  double outer_lr = 1.0;
-  double outer_momentum = 0.9;
-  WireDtype delta_dtype = WireDtype::kFp32;
+  std::string outer_optimizer = "nesterov";
+  double outer_lr = 0.5;
+  double outer_momentum = 0.8;
+  WireDtype delta_dtype = WireDtype::kBf16;
   int64_t sample_budget = 0;  ///< async modes: stop when all workers together saw this many (0: no budget)
   double peer_timeout_s = 10;
   /// Called at each reconciliation (localsgd, cfmo) with this rank's delta
@@ -49,12 +51,33 @@ struct ModeStats {
   double wait_s = 0;         ///< blocked on communication inside the training loop
   double finish_wait_s = 0;  ///< at the end, waiting for the last replies and for the other ranks
   uint64_t contributions_dropped = 0;
-  uint64_t contributions_sent = 0;      ///< shards of deltas (cfmo) or gradients (asgd) this rank sent
-  uint64_t contributions_applied = 0;   ///< as an owner: contributions from any rank applied to my shard
-  uint64_t contributions_received = 0;  ///< as an owner: contributions that arrived (applied or dropped)
-  int64_t rounds = 0;        ///< reconciliations (or gradient pushes for asgd) started
-  int64_t deferred = 0;      ///< cfmo: rounds in which a shard waited, its last delta still in flight
+  uint64_t contributions_sent = 0;            ///< shards of deltas (cfmo) or gradients (asgd) this rank sent
+  uint64_t contributions_applied = 0;         ///< as an owner: contributions from any rank applied to my shard
+  uint64_t contributions_received = 0;        ///< as an owner: contributions that arrived (applied or dropped)
+  int64_t rounds = 0;                         ///< reconciliations (or gradient pushes for asgd) started
+  int64_t deferred = 0;                       ///< cfmo: rounds in which a shard waited, its last delta still in flight
   std::vector<uint64_t> staleness_histogram;  ///< [s] = contributions applied s rounds stale
+};
+
+/// The global state of an asynchronous run, assembled on rank 0 from the
+/// owners' shards: what a checkpoint of cfmo or asgd holds.
+struct GlobalState {
+  std::vector<float> params;          ///< the global parameters
+  std::vector<float> outer_momentum;  ///< cfmo with nesterov: the owners' outer momentum; else empty
+  /// asgd: the owners' optimizer state, one vector per state buffer of the
+  /// optimizer (in Optimizer::state() order), each over the whole vector.
+  std::vector<std::vector<float>> owner_state;
+  std::vector<int64_t> owner_steps;  ///< asgd: each owner's optimizer steps
+  std::vector<TrainPosition> ranks;  ///< each rank's position, as last reported
+  std::vector<int64_t> versions;     ///< each shard's version
+};
+
+/// What a resumed run hands its mode (from the checkpoint; empty: start afresh).
+struct ModeResume {
+  std::vector<float> outer_momentum;            ///< over the whole vector
+  std::vector<std::vector<float>> owner_state;  ///< asgd: the owners' optimizer state, as in GlobalState
+  std::vector<int64_t> owner_steps;             ///< asgd
+  std::vector<TrainPosition> ranks;             ///< rank 0, async: the budget keeper's start
 };
 
 class Mode {
@@ -65,9 +88,8 @@ class Mode {
   virtual Status on_gradients(std::span<float> /*grads*/, int /*count*/, float /*lr*/) { return {}; }
   /// True when the mode applies updates itself (asgd's owners), not the local optimizer.
   virtual bool owns_update() const { return false; }
-  /// After the update: reconcile, rebase, report progress.
-  virtual Status after_step(int64_t /*step*/, int64_t /*samples*/, std::span<float> /*params*/,
-                            Optimizer& /*optimizer*/) {
+  /// After the update (`position` counts it): reconcile, rebase, report progress.
+  virtual Status after_step(const TrainPosition& /*position*/, std::span<float> /*params*/, Optimizer& /*optimizer*/) {
     return {};
   }
   /// True when the stop is decided together: this worker's wish to stop
@@ -85,16 +107,66 @@ class Mode {
   /// After the loop: the last reconciliation and the end handshake. Leaves the
   /// global parameters in `params` on rank 0 (on every rank for sync and localsgd).
   virtual Status finish(std::span<float> /*params*/, Optimizer& /*optimizer*/) { return {}; }
-  /// True when a rank's local parameters at an epoch end are the global ones.
-  virtual bool local_is_global() const { return true; }
+  /// True when this rank's parameters are the global ones now (after
+  /// after_step): always in sync, right after a round in localsgd, never in
+  /// cfmo and asgd, where the owners hold them.
+  virtual bool params_are_global() const { return true; }
+  /// The outer momentum over the whole vector where this rank holds it
+  /// (localsgd with nesterov); empty otherwise.
+  virtual std::span<const float> outer_momentum() const { return {}; }
+  /// cfmo and asgd, rank 0: asks every owner for its shard (and its owner
+  /// state) without waiting; a request supersedes one not yet answered.
+  /// False where the mode has no owners.
+  virtual bool request_snapshot() { return false; }
+  /// Rank 0: the global state assembled from every live owner's answer to the
+  /// last request, once complete (then only once); every shard is as its
+  /// owner held it when the request arrived.
+  virtual std::optional<GlobalState> take_snapshot() { return std::nullopt; }
+  /// cfmo and asgd, rank 0, after finish: the global state at the end (the
+  /// parameters finish left in `params`, with the owners' state and the
+  /// ranks' final positions).
+  virtual std::optional<GlobalState> final_state() { return std::nullopt; }
   virtual ModeStats stats() const { return {}; }
+};
+
+/// The outer step on (a range of) the global parameters, fed with weighted
+/// deltas. localsgd feeds it once per round with the sum of the W deltas
+/// weighted 1/W (`contributions_per_round` 1); a cfmo owner feeds it each
+/// contribution to its shard as it arrives, weighted beta^s / W
+/// (`contributions_per_round` W), so that a round of W fresh contributions
+/// moves the shard exactly as localsgd's step on their mean.
+///
+///   avg       global += lr * weight * delta
+///   nesterov  global += lr * weight * delta at once, and, once per round,
+///             m = mu * m + (the round's weighted deltas); global += lr * mu * m.
+///             Per round: DiLoCo's Nesterov step on the mean delta. For cfmo this
+///             is the delayed Nesterov update of Async Local-SGD (arXiv
+///             2401.09135, without momentum between the updates); a momentum
+///             step per contribution would amplify the mean by ~W / (1 - mu).
+class OuterOptimizer {
+ public:
+  OuterOptimizer(const ModeSettings& settings, size_t size, int contributions_per_round);
+  void apply(std::span<float> global, std::span<const float> delta, float weight);
+  /// m, in the deltas' sign (empty for avg): what a checkpoint keeps, and
+  /// where a resumed run puts it back.
+  std::span<float> momentum() { return momentum_; }
+  std::span<const float> momentum() const { return momentum_; }
+
+ private:
+  bool nesterov_;
+  float lr_;
+  float mu_;
+  int per_round_;
+  int in_round_ = 0;
+  FloatBuffer momentum_;
+  FloatBuffer round_sum_;
 };
 
 /// The mode for `settings.name`; `comm` is null for a single worker.
 /// `initial` is the parameters every rank starts from (the same everywhere).
 Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, Communicator* comm,
                                         const std::vector<ParamInfo>& layout, std::span<const float> initial,
-                                        const OptimizerConfig& optimizer_config);
+                                        const OptimizerConfig& optimizer_config, const ModeResume& resume = {});
 
 /// The W contiguous shards of a flat vector of `size` floats, on 16-float
 /// boundaries: shard j is [bounds[j], bounds[j + 1]).

@@ -45,10 +45,11 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         "beta: a contribution s rounds stale is weighted beta^s; momentum after a rebase likewise (cfmo)", dist);
   t.add("max_staleness", &c.max_staleness,
         "cfmo: rounds after which a contribution is dropped; asgd: rounds of unanswered pushes before a worker waits", dist);
-  t.add("outer_optimizer", &c.outer_optimizer, "outer step on the averaged deltas: avg or nesterov (localsgd; cfmo: use avg, see BUGS)",
+  t.add("outer_optimizer", &c.outer_optimizer,
+        "outer step on the deltas (localsgd, cfmo): nesterov (momentum once per round of W contributions) or avg", dist);
+  t.add("outer_lr", &c.outer_lr, "outer learning rate (use 1 with avg; DiLoCo: 0.7 with momentum 0.9)", dist);
+  t.add("outer_momentum", &c.outer_momentum, "outer Nesterov momentum (DiLoCo's 0.9 is too much for cfmo: see BUGS)",
         dist);
-  t.add("outer_lr", &c.outer_lr, "outer learning rate (1 with avg; DiLoCo uses 0.7 with nesterov)", dist);
-  t.add("outer_momentum", &c.outer_momentum, "outer Nesterov momentum (DiLoCo: 0.9)", dist);
   t.add("delta_dtype", &c.delta_dtype, "deltas and gradients on the wire: fp32, bf16 or int8 (with error feedback)",
         dist);
   t.add("slowdown", &c.slowdown, "simulate a slower worker: RANK=FACTOR, repeatable (a sleep after each step)", dist);

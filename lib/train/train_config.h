@@ -43,10 +43,10 @@ struct TrainConfig {
   int sync_interval = 10;
   double staleness_discount = 0.9;
   int max_staleness = 4;
-  std::string outer_optimizer = "avg";
-  double outer_lr = 1.0;
-  double outer_momentum = 0.9;
-  std::string delta_dtype = "fp32";
+  std::string outer_optimizer = "nesterov";
+  double outer_lr = 0.5;
+  double outer_momentum = 0.8;
+  std::string delta_dtype = "bf16";
   std::vector<std::string> slowdown;
   std::string straggler;
   std::string rendezvous;

@@ -3,9 +3,9 @@
 #include "train/delta_writer.h"
 
 #include "core/atomic_file.h"
+#include "core/rng.h"
 #include "data/dataset.h"
 #include "optim/schedule.h"
-#include "core/rng.h"
 #include "tensor/ops.h"
 
 #include <nlohmann/json.hpp>
@@ -27,9 +27,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 /// metrics.jsonl: one JSON object per line, flushed as written so a reader
 /// (cfmo-diverge watch, tail -f) sees each line whole.
@@ -99,28 +97,37 @@ EvalResult evaluate_dataset(Mlp& model, const Dataset& data) {
 
 namespace {
 
+/// Every field of a WorkerReport with its JSON key, once: `f(key, member)`
+/// for a const or a mutable report, so to_json and from_json stay in step.
+template <typename Report, typename F>
+void visit_fields(Report& w, F&& f) {
+  f("rank", w.rank);
+  f("steps", w.steps);
+  f("samples", w.samples);
+  f("samples_per_s", w.samples_per_s);
+  f("solo_samples_per_s", w.solo_samples_per_s);
+  f("wait_s", w.wait_s);
+  f("finish_wait_s", w.finish_wait_s);
+  f("loop_s", w.loop_s);
+  f("bytes_sent", w.bytes_sent);
+  f("bytes_received", w.bytes_received);
+  f("contributions_dropped", w.contributions_dropped);
+  f("contributions_sent", w.contributions_sent);
+  f("contributions_applied", w.contributions_applied);
+  f("contributions_received", w.contributions_received);
+  f("rounds", w.rounds);
+  f("deferred", w.deferred);
+  f("staleness_histogram", w.staleness_histogram);
+  f("slowdown", w.slowdown);
+  f("deltas_written", w.deltas_written);
+  f("deltas_skipped", w.deltas_skipped);
+  f("stopped_by", w.stopped_by);
+}
+
 nlohmann::ordered_json worker_json(const WorkerReport& w) {
-  return {{"rank", w.rank},
-          {"steps", w.steps},
-          {"samples", w.samples},
-          {"samples_per_s", w.samples_per_s},
-          {"solo_samples_per_s", w.solo_samples_per_s},
-          {"wait_s", w.wait_s},
-          {"finish_wait_s", w.finish_wait_s},
-          {"loop_s", w.loop_s},
-          {"bytes_sent", w.bytes_sent},
-          {"bytes_received", w.bytes_received},
-          {"contributions_dropped", w.contributions_dropped},
-          {"contributions_sent", w.contributions_sent},
-          {"contributions_applied", w.contributions_applied},
-          {"contributions_received", w.contributions_received},
-          {"rounds", w.rounds},
-          {"deferred", w.deferred},
-          {"staleness_histogram", w.staleness_histogram},
-          {"slowdown", w.slowdown},
-          {"deltas_written", w.deltas_written},
-          {"deltas_skipped", w.deltas_skipped},
-          {"stopped_by", w.stopped_by}};
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  visit_fields(w, [&](const char* key, const auto& value) { j[key] = value; });
+  return j;
 }
 
 }  // namespace
@@ -131,27 +138,7 @@ Result<WorkerReport> WorkerReport::from_json(std::string_view text) {
   WorkerReport w;
   try {
     const auto j = nlohmann::json::parse(text);
-    w.rank = j.at("rank");
-    w.steps = j.at("steps");
-    w.samples = j.at("samples");
-    w.samples_per_s = j.at("samples_per_s");
-    w.solo_samples_per_s = j.at("solo_samples_per_s");
-    w.wait_s = j.at("wait_s");
-    w.finish_wait_s = j.at("finish_wait_s");
-    w.loop_s = j.at("loop_s");
-    w.bytes_sent = j.at("bytes_sent");
-    w.bytes_received = j.at("bytes_received");
-    w.contributions_dropped = j.at("contributions_dropped");
-    w.contributions_sent = j.at("contributions_sent");
-    w.contributions_applied = j.at("contributions_applied");
-    w.contributions_received = j.at("contributions_received");
-    w.rounds = j.at("rounds");
-    w.deferred = j.at("deferred");
-    w.staleness_histogram = j.at("staleness_histogram").get<std::vector<uint64_t>>();
-    w.slowdown = j.at("slowdown");
-    w.stopped_by = j.at("stopped_by");
-    w.deltas_written = j.at("deltas_written");
-    w.deltas_skipped = j.at("deltas_skipped");
+    visit_fields(w, [&](const char* key, auto& value) { j.at(key).get_to(value); });
   } catch (const nlohmann::json::exception& e) {
     return make_error(ErrorKind::kPeer, "a worker report is malformed: {}", e.what());
   }
@@ -161,53 +148,79 @@ Result<WorkerReport> WorkerReport::from_json(std::string_view text) {
 std::string TrainSummary::to_json() const {
   nlohmann::ordered_json workers_json = nlohmann::ordered_json::array();
   for (const auto& w : per_worker) workers_json.push_back(worker_json(w));
-  auto null_or = [](const std::string& v) { return v.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v); };
+  auto null_or = [](const std::string& v) {
+    return v.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v);
+  };
   nlohmann::ordered_json slowdowns = nlohmann::ordered_json::object();
   for (const auto& item : slowdown) {
     const auto eq = item.find('=');
     if (eq != std::string::npos) slowdowns[item.substr(0, eq)] = std::stod(item.substr(eq + 1));
   }
-  nlohmann::ordered_json j = {{"mode", mode},
-                              {"workers", workers},
-                              {"model", model},
-                              {"optimizer", optimizer},
-                              {"data", data},
-                              {"blas", blas},
-                              {"parameters", parameters},
-                              {"steps", steps},
-                              {"samples", samples},
-                              {"epochs_completed", epochs_completed},
-                              {"wall_s", wall_s},
-                              {"train_s", train_s},
-                              {"eval_s", eval_s},
-                              {"samples_per_s", samples_per_s},
-                              {"efficiency", efficiency},
-                              {"efficiency_basis",
-                               "total samples/s over the sum of each worker's solo samples/s, measured during this run "
-                               "as its samples over its own compute time (simulated slowness included, waits excluded)"},
-                              {"test_accuracy", test_accuracy},
-                              {"test_loss", test_loss},
-                              {"final_train_loss", final_train_loss},
-                              {"bytes_sent", bytes_sent},
-                              {"stopped_by", stopped_by},
-                              {"lost_ranks", lost_ranks},
-                              {"settings",
-                               {{"sync_interval", mode_settings.sync_interval},
-                                {"staleness_discount", mode_settings.staleness_discount},
-                                {"max_staleness", mode_settings.max_staleness},
-                                {"outer_optimizer", mode_settings.outer_optimizer},
-                                {"outer_lr", mode_settings.outer_lr},
-                                {"outer_momentum", mode_settings.outer_momentum},
-                                {"delta_dtype", std::string(to_string(mode_settings.delta_dtype))}}},
-                              {"simulation",
-                               {{"simulated", !slowdown.empty() || !straggler.empty()},
-                                {"slowdown", slowdowns},
-                                {"straggler", null_or(straggler)}}},
-                              {"run_dir", null_or(run_dir)},
-                              {"resumed_from", null_or(resumed_from)},
-                              {"per_worker", workers_json}};
+  nlohmann::ordered_json j = {
+      {"mode", mode},
+      {"workers", workers},
+      {"model", model},
+      {"optimizer", optimizer},
+      {"data", data},
+      {"blas", blas},
+      {"parameters", parameters},
+      {"steps", steps},
+      {"samples", samples},
+      {"epochs_completed", epochs_completed},
+      {"wall_s", wall_s},
+      {"train_s", train_s},
+      {"eval_s", eval_s},
+      {"samples_per_s", samples_per_s},
+      {"efficiency", efficiency},
+      {"efficiency_basis",
+       "total samples/s over the sum of each worker's solo samples/s, measured during this run "
+       "as its samples over its own compute time (simulated slowness included, waits excluded)"},
+      {"test_accuracy", test_accuracy},
+      {"test_loss", test_loss},
+      {"final_train_loss", final_train_loss},
+      {"bytes_sent", bytes_sent},
+      {"stopped_by", stopped_by},
+      {"lost_ranks", lost_ranks},
+      {"settings",
+       {{"sync_interval", mode_settings.sync_interval},
+        {"staleness_discount", mode_settings.staleness_discount},
+        {"max_staleness", mode_settings.max_staleness},
+        {"outer_optimizer", mode_settings.outer_optimizer},
+        {"outer_lr", mode_settings.outer_lr},
+        {"outer_momentum", mode_settings.outer_momentum},
+        {"delta_dtype", std::string(to_string(mode_settings.delta_dtype))}}},
+      {"simulation",
+       {{"simulated", !slowdown.empty() || !straggler.empty()},
+        {"slowdown", slowdowns},
+        {"straggler", null_or(straggler)}}},
+      {"run_dir", null_or(run_dir)},
+      {"resumed_from", null_or(resumed_from)},
+      {"per_worker", workers_json}};
   return j.dump();
 }
+
+namespace {
+
+/// A checkpoint resumes in a world like the one that wrote it: the position
+/// counts global batches of workers x batch size, and cfmo's and asgd's
+/// checkpoints hold a position per rank.
+Status check_resumable(const fs::path& dir, const CheckpointWorld& saved, const TrainConfig& config, int world) {
+  if (saved.workers != world) {
+    return make_error(ErrorKind::kUsage, "--resume '{}': written by a run of {} worker(s); this one has {}",
+                      dir.string(), saved.workers, world);
+  }
+  if (world > 1 && !saved.mode.empty() && saved.mode != config.mode) {
+    return make_error(ErrorKind::kUsage, "--resume '{}': written in --mode {}; resume it with --mode {}", dir.string(),
+                      saved.mode, saved.mode);
+  }
+  if (saved.batch_size > 0 && saved.batch_size != config.batch_size) {
+    return make_error(ErrorKind::kUsage, "--resume '{}': written with --batch-size {}; this run has {}", dir.string(),
+                      saved.batch_size, config.batch_size);
+  }
+  return {};
+}
+
+}  // namespace
 
 Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& options) {
   const auto run_start = Clock::now();
@@ -226,10 +239,6 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   // torch.set_flush_denormal(True) does the same.
   _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ | DAZ
 #endif
-  if (world > 1 && !options.resume.empty() && config.mode != "sync") {
-    return make_error(ErrorKind::kUsage, "--resume: only a single worker or --mode sync can resume for now");
-  }
-
   CFMO_ASSIGN_OR_RETURN(DataSplit data, load_data(config.data, static_cast<uint64_t>(config.seed)));
   const Dataset& train_set = data.train;
   CFMO_ASSIGN_OR_RETURN(MlpSpec spec, MlpSpec::parse(config.model, train_set.features, train_set.classes));
@@ -248,8 +257,21 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   CFMO_ASSIGN_OR_RETURN(auto optimizer, make_optimizer(optim_config, model.params(), model.num_params()));
 
   TrainPosition pos;
+  ModeResume resume;
   if (!options.resume.empty()) {
-    CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model, *optimizer));
+    CheckpointWorld saved;
+    FloatBuffer outer;
+    CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model, *optimizer, &saved, &outer));
+    CFMO_TRY(check_resumable(options.resume, saved, config, world));
+    // Every rank starts from the global parameters; in cfmo and asgd each at its own position.
+    if (!saved.ranks.empty()) pos = saved.ranks[static_cast<size_t>(rank)];
+    resume.outer_momentum.assign(outer.begin(), outer.end());
+    resume.ranks = saved.ranks;
+    if (config.mode == "asgd" && world > 1) {
+      // An asgd checkpoint's optimizer state is the owners'.
+      for (const auto& s : optimizer->state()) resume.owner_state.emplace_back(s.buffer->begin(), s.buffer->end());
+      resume.owner_steps = saved.shard_optimizer_steps;
+    }
     if (rank == 0) observer.on_note(fmt::format("resumed from {} at step {}", options.resume.string(), pos.step));
   }
 
@@ -299,13 +321,14 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   // Each reconciliation's delta goes to RUN/deltas/rank-K/, for cfmo-diverge.
   std::unique_ptr<DeltaWriter> delta_writer;
   if (!run_dir.empty() && world > 1 && (config.mode == "localsgd" || config.mode == "cfmo")) {
-    delta_writer = std::make_unique<DeltaWriter>(run_dir, rank, model.params());
+    const int64_t offset = options.resume.empty() ? 0 : DeltaWriter::last_round(run_dir, rank);
+    delta_writer = std::make_unique<DeltaWriter>(run_dir, rank, model.params(), offset);
     settings.delta_sink = [&delta_writer](int64_t round, int64_t step, int64_t base_version,
                                           std::span<const float> base, std::span<const float> delta) {
       delta_writer->submit(round, step, base_version, base, delta);
     };
   }
-  CFMO_ASSIGN_OR_RETURN(auto mode, make_mode(settings, comm, model.params(), model.parameters(), optim_config));
+  CFMO_ASSIGN_OR_RETURN(auto mode, make_mode(settings, comm, model.params(), model.parameters(), optim_config, resume));
 
   MetricsLog metrics;
   if (!run_dir.empty()) {
@@ -352,17 +375,47 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
                           {"test_accuracy", event.test_accuracy},
                           {"wall_s", event.elapsed_s}});
   };
-  // Only rank 0 checkpoints, and mid-run only where its parameters are the global ones.
-  const bool checkpoints_mid_run = rank == 0 && (world == 1 || config.mode == "sync");
+  // Only rank 0 checkpoints, always the global parameters: where its own are
+  // the global ones (sync, localsgd right after a round) it writes them at
+  // once; in cfmo and asgd it asks the owners for their shards and hands the
+  // assembled state to a writer thread, so that no worker waits.
+  const bool checkpoints = rank == 0 && !run_dir.empty();
   int64_t last_checkpoint_step = options.resume.empty() ? -1 : pos.step;
+  std::unique_ptr<CheckpointWriter> checkpoint_writer;
+  if (checkpoints && async) {
+    checkpoint_writer =
+        std::make_unique<CheckpointWriter>(run_dir, spec, model.params(), options.config_toml, config.keep_checkpoints);
+  }
+  // What a checkpoint of this run holds; `global` is the owners' state (cfmo, asgd).
+  auto checkpoint_of = [&](std::span<const float> params, const GlobalState* global) {
+    CheckpointData data = checkpoint_data(model, *optimizer, pos);
+    data.params.assign(params.begin(), params.end());
+    data.world.workers = world;
+    data.world.mode = config.mode;
+    data.world.batch_size = config.batch_size;
+    const auto outer = mode->outer_momentum();
+    data.outer_momentum.assign(outer.begin(), outer.end());
+    if (global != nullptr) {
+      data.world.ranks = global->ranks;
+      data.outer_momentum.assign(global->outer_momentum.begin(), global->outer_momentum.end());
+      if (!global->owner_state.empty() && global->owner_state.size() == data.optimizer_state.size()) {
+        // asgd: the owners ran the optimizer; rank 0's own never stepped.
+        for (size_t i = 0; i < data.optimizer_state.size(); ++i) {
+          data.optimizer_state[i].second.assign(global->owner_state[i].begin(), global->owner_state[i].end());
+        }
+        data.world.shard_optimizer_steps = global->owner_steps;
+      }
+    }
+    return data;
+  };
   auto checkpoint = [&]() -> Status {
-    if (run_dir.empty() || rank != 0) return {};
-    CFMO_ASSIGN_OR_RETURN(auto dir, save_checkpoint(run_dir, model, *optimizer, pos, options.config_toml,
-                                                    config.keep_checkpoints));
-    (void)dir;
+    if (!checkpoints) return {};
+    CFMO_TRY(write_checkpoint(run_dir, spec, model.params(), checkpoint_of(model.parameters(), nullptr),
+                              options.config_toml, config.keep_checkpoints));
     last_checkpoint_step = pos.step;
     return {};
   };
+  bool checkpoint_due = false;  // an epoch end or --checkpoint-every asked for one
 
   FloatBuffer batch_inputs(static_cast<size_t>(batch) * static_cast<size_t>(train_set.features));
   std::vector<int32_t> batch_labels(static_cast<size_t>(batch));
@@ -401,17 +454,19 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     if (mode->stop_requested()) {
       if (mode->lockstep()) stopped_by = mode->agreed_reason();  // the same on every rank
       if (stopped_by.empty()) {
-        stopped_by = !async ? "peer"
-                     : config.epochs > 0 && (config.steps == 0 || config.epochs * train_set.count <= config.steps * global_batch)
-                         ? "epochs"
-                         : "steps";
+        stopped_by =
+            !async ? "peer"
+            : config.epochs > 0 && (config.steps == 0 || config.epochs * train_set.count <= config.steps * global_batch)
+                ? "epochs"
+                : "steps";
       }
       break;
     }
     if (async && rank != 0 && comm->health().has_value() == false) {
       const auto lost = comm->lost_ranks();
       if (std::find(lost.begin(), lost.end(), 0) != lost.end()) {
-        return make_error(ErrorKind::kPeer, "rank 0, which keeps the run's budget, is lost: {}", comm->health().error().message);
+        return make_error(ErrorKind::kPeer, "rank 0, which keeps the run's budget, is lost: {}",
+                          comm->health().error().message);
       }
     }
     if (order_epoch != pos.epoch) {
@@ -448,7 +503,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     pos.samples += n;
     samples_this_run += n;
     ++pos.batch_in_epoch;
-    CFMO_TRY(mode->after_step(pos.step, pos.samples, model.parameters(), *optimizer));
+    CFMO_TRY(mode->after_step(pos, model.parameters(), *optimizer));
     // Simulated heterogeneity: sleep so the step takes FACTOR times its natural time.
     const double natural_s = seconds_since(step_start) - (mode->stats().wait_s - wait_before);
     double factor = simulated.slowdown;
@@ -518,9 +573,20 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
         CFMO_TRY(evaluate(false));
         last_eval_step = pos.step;
       }
-      if (checkpoints_mid_run) CFMO_TRY(checkpoint());
-    } else if (checkpoints_mid_run && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
+      checkpoint_due = checkpoints;
+    } else if (checkpoints && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
+      checkpoint_due = true;
+    }
+    if (checkpoint_due && mode->params_are_global()) {
       CFMO_TRY(checkpoint());
+      checkpoint_due = false;
+    } else if (checkpoint_due && mode->request_snapshot()) {
+      checkpoint_due = false;
+    }
+    if (checkpoint_writer) {
+      if (auto global = mode->take_snapshot()) {
+        checkpoint_writer->submit(checkpoint_of(global->params, &*global));
+      }
     }
   }
   const double loop_s = seconds_since(loop_start);
@@ -571,8 +637,8 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     std::vector<WorkerReport> reports;
     if (rank == 0) {
       comm->on_message(Channel::kReport, [&](int, std::span<const std::byte> payload) {
-        auto report = WorkerReport::from_json(
-            std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
+        auto report =
+            WorkerReport::from_json(std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
         if (!report) return;
         std::lock_guard lock(reports_mutex);
         reports.push_back(std::move(*report));
@@ -604,10 +670,23 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   if (rank == 0) {
     // The final parameters are those of the last evaluation when the run ended on an epoch boundary.
     if (last_eval_step != pos.step || (world > 1 && config.mode != "sync")) CFMO_TRY(evaluate(true));
-    if (last_checkpoint_step != pos.step) CFMO_TRY(checkpoint());
+    if (checkpoint_writer) {
+      // Mid-run checkpoints first, then the end's, which holds the final global state.
+      checkpoint_writer->close();
+      CFMO_TRY(checkpoint_writer->status());
+      if (checkpoints) {
+        const auto global = mode->final_state();
+        CFMO_TRY(write_checkpoint(run_dir, spec, model.params(),
+                                  checkpoint_of(model.parameters(), global ? &*global : nullptr), options.config_toml,
+                                  config.keep_checkpoints));
+      }
+    } else if (last_checkpoint_step != pos.step) {
+      CFMO_TRY(checkpoint());
+    }
     if (!run_dir.empty()) {
-      CFMO_TRY(save_model(run_dir / "model.safetensors", model,
-                          {{"format", "pt"}, {"cfmo.model", spec.to_string()}, {"cfmo.step", std::to_string(pos.step)}}));
+      CFMO_TRY(
+          save_model(run_dir / "model.safetensors", model,
+                     {{"format", "pt"}, {"cfmo.model", spec.to_string()}, {"cfmo.step", std::to_string(pos.step)}}));
     }
   }
 

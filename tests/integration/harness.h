@@ -5,17 +5,19 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
-#include <sys/socket.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -147,6 +149,22 @@ inline Background spawn(const std::vector<std::string>& args, const std::vector<
   if (posix_spawn(&b.pid, argv[0], &actions, nullptr, argv.data(), envp.data()) != 0) b.pid = -1;
   posix_spawn_file_actions_destroy(&actions);
   return b;
+}
+
+/// A file's bytes; empty when it cannot be read.
+inline std::string slurp(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+/// `text` cut at newlines (a last line without one counts too).
+inline std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
 }
 
 /// A free TCP port on 127.0.0.1 (bound, read, released: good enough for tests).

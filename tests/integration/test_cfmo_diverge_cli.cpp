@@ -24,28 +24,16 @@
 namespace cfmo {
 namespace {
 
+using testing::lines;
 using testing::run;
 using testing::RunResult;
+using testing::slurp;
 using testing::TempDir;
 namespace fs = std::filesystem;
 
 std::string binary() { return testing::env_or("CFMO_DIVERGE", "build/tools/cfmo-diverge"); }
 std::string trainer() { return testing::env_or("CFMO_TRAIN", "build/tools/cfmo-train"); }
 fs::path source_root() { return testing::env_or("CFMO_SOURCE_ROOT", "."); }
-
-std::string slurp(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-std::vector<std::string> lines(const std::string& text) {
-  std::vector<std::string> out;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) out.push_back(line);
-  return out;
-}
 
 std::set<std::string> matches(const std::string& text, const std::regex& pattern) {
   std::set<std::string> found;

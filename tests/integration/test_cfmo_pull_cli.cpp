@@ -2,280 +2,47 @@
 // docker-registry, plain HTTP on a free port, its own storage) holding
 // fixture images pushed through the upload API, and against a tiny HTTP
 // server for what a well-behaved registry never does (wrong bytes, 503s).
-#include "core/atomic_file.h"
-#include "integration/harness.h"
-#include "oci/registry.h"
+#include "integration/registry_fixture.h"
 
-#include <archive.h>
-#include <archive_entry.h>
-#include <curl/curl.h>
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
-
-#include <atomic>
-#include <fstream>
-#include <functional>
-#include <map>
-#include <mutex>
-#include <regex>
-#include <set>
-#include <sstream>
-#include <thread>
 
 namespace cfmo {
 namespace {
 
-using testing::run;
-using testing::RunResult;
-using testing::TempDir;
-namespace fs = std::filesystem;
-using Json = nlohmann::ordered_json;
+using namespace cfmo::pulltest;
 
-constexpr const char* kRegistryBinary = "/usr/bin/docker-registry";
-
-std::string binary() { return testing::env_or("CFMO_PULL", "build/tools/cfmo-pull"); }
-fs::path source_root() { return testing::env_or("CFMO_SOURCE_ROOT", "."); }
-
-RunResult pull(std::vector<std::string> args, double timeout_s = 120) {
-  args.insert(args.begin(), binary());
-  return run(args, timeout_s);
-}
-
-std::string slurp(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-std::set<std::string> matches(const std::string& text, const std::regex& pattern) {
-  std::set<std::string> out;
-  for (auto it = std::sregex_iterator(text.begin(), text.end(), pattern); it != std::sregex_iterator(); ++it) {
-    out.insert((*it)[1].str());
-  }
-  return out;
-}
-
-struct HttpResponse {
-  long status = 0;
-  std::string body;
-  std::string location;
-};
-
-/// A plain libcurl request, for pushing fixtures (the code under test is not used to set up its own test).
-HttpResponse http(const std::string& method, const std::string& url, const std::string& body = "",
-                  const std::string& content_type = "") {
-  HttpResponse response;
-  CURL* curl = curl_easy_init();
-  curl_slist* headers = nullptr;
-  if (!content_type.empty()) headers = curl_slist_append(headers, ("Content-Type: " + content_type).c_str());
-  curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
-  curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, method.c_str());
-  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
-  if (method == "PUT" || method == "POST") {
-    curl_easy_setopt(curl, CURLOPT_POSTFIELDS, body.data());
-    curl_easy_setopt(curl, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(body.size()));
-  }
-  curl_easy_setopt(curl, CURLOPT_WRITEDATA, &response.body);
-  curl_easy_setopt(
-      curl, CURLOPT_WRITEFUNCTION, +[](char* d, size_t s, size_t n, void* u) -> size_t {
-        static_cast<std::string*>(u)->append(d, s * n);
-        return s * n;
-      });
-  curl_easy_setopt(curl, CURLOPT_HEADERDATA, &response.location);
-  curl_easy_setopt(
-      curl, CURLOPT_HEADERFUNCTION, +[](char* d, size_t s, size_t n, void* u) -> size_t {
-        std::string line(d, s * n);
-        if (line.size() > 9 && (line.rfind("Location:", 0) == 0 || line.rfind("location:", 0) == 0)) {
-          line = line.substr(9);
-          while (!line.empty() && (line.front() == ' ')) line.erase(0, 1);
-          while (!line.empty() && (line.back() == '\r' || line.back() == '\n')) line.pop_back();
-          *static_cast<std::string*>(u) = line;
-        }
-        return s * n;
-      });
-  curl_easy_setopt(curl, CURLOPT_TIMEOUT, 30L);
-  if (curl_easy_perform(curl) == CURLE_OK) curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &response.status);
-  curl_slist_free_all(headers);
-  curl_easy_cleanup(curl);
-  return response;
-}
-
-/// Deterministic bytes: a layer for a pull-only test need not be a real tar.
-std::string fixture_bytes(size_t size, unsigned seed) {
-  std::string out(size, '\0');
-  uint32_t x = seed * 2654435761u + 1;
-  for (auto& c : out) {
-    x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    c = static_cast<char>(x);
-  }
-  return out;
-}
-
-Json descriptor(const std::string& media_type, const std::string& body) {
-  return {{"mediaType", media_type}, {"digest", oci::sha256_digest(body)}, {"size", body.size()}};
-}
-
-/// A docker-registry serving from a temporary directory on a free port.
-class Registry {
- public:
-  bool start() {
-    port_ = testing::free_port();
-    const std::string config =
-        "version: 0.1\n"
-        "log:\n  level: error\n"
-        "storage:\n  filesystem:\n    rootdirectory: " +
-        (dir_ / "storage").string() +
-        "\n"
-        "http:\n  addr: 127.0.0.1:" +
-        std::to_string(port_) + "\n";
-    if (!write_file_atomic(dir_ / "config.yml", config)) return false;
-    process_ = testing::spawn({kRegistryBinary, "serve", (dir_ / "config.yml").string()}, {},
-                              (dir_ / "stdout").string(), (dir_ / "stderr").string());
-    for (int i = 0; i < 200; ++i) {
-      if (http("GET", url() + "/v2/").status == 200) return true;
-      if (process_.wait(0.05)) return false;
-    }
-    return false;
-  }
-  ~Registry() { process_.reap(); }
-
-  std::string host() const { return "127.0.0.1:" + std::to_string(port_); }
-  std::string url() const { return "http://" + host(); }
-  std::string log() const { return slurp(dir_ / "stderr"); }
-
-  /// POST an upload, PUT its bytes with the digest; true on 201.
-  bool push_blob(const std::string& repository, const std::string& body) {
-    const auto started = http("POST", url() + "/v2/" + repository + "/blobs/uploads/");
-    if (started.status != 202 || started.location.empty()) return false;
-    std::string location = started.location.rfind("http", 0) == 0 ? started.location : url() + started.location;
-    location +=
-        (location.find('?') == std::string::npos ? "?" : "&") + std::string("digest=") + oci::sha256_digest(body);
-    return http("PUT", location, body, "application/octet-stream").status == 201;
-  }
-
-  bool push_manifest(const std::string& repository, const std::string& reference, const std::string& body,
-                     const std::string& media_type) {
-    return http("PUT", url() + "/v2/" + repository + "/manifests/" + reference, body, media_type).status == 201;
-  }
-
- private:
-  TempDir dir_;
-  int port_ = 0;
-  testing::Background process_;
-};
-
-struct FixtureImage {
-  std::string config;
-  std::vector<std::string> layers;
-  std::string manifest;
-  std::string manifest_digest;
-};
-
-FixtureImage make_image(unsigned seed, const std::string& architecture, std::vector<size_t> layer_sizes) {
-  FixtureImage image;
-  image.config = Json{{"architecture", architecture},
-                      {"os", "linux"},
-                      {"config", {{"Env", {"SEED=" + std::to_string(seed)}}}},
-                      {"rootfs", {{"type", "layers"}, {"diff_ids", Json::array()}}}}
-                     .dump();
-  Json layers = Json::array();
-  for (size_t i = 0; i < layer_sizes.size(); ++i) {
-    image.layers.push_back(fixture_bytes(layer_sizes[i], seed * 100 + static_cast<unsigned>(i)));
-    layers.push_back(descriptor("application/vnd.oci.image.layer.v1.tar+gzip", image.layers.back()));
-  }
-  image.manifest = Json{
-      {"schemaVersion", 2},
-      {"mediaType", "application/vnd.oci.image.manifest.v1+json"},
-      {"config", descriptor("application/vnd.oci.image.config.v1+json", image.config)},
-      {"layers",
-       layers}}.dump();
-  image.manifest_digest = oci::sha256_digest(image.manifest);
-  return image;
-}
-
-bool push_image(Registry& registry, const std::string& repository, const std::string& tag, const FixtureImage& image) {
-  if (!registry.push_blob(repository, image.config)) return false;
-  for (const auto& layer : image.layers) {
-    if (!registry.push_blob(repository, layer)) return false;
-  }
-  return registry.push_manifest(repository, tag, image.manifest, "application/vnd.oci.image.manifest.v1+json");
-}
-
-/// One registry for the whole suite, with "fixtures/small:v1" (three layers,
-/// one of 3 MiB) and "fixtures/multi:latest", an index of amd64 and arm64.
-class PullFixture : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    if (!fs::exists(kRegistryBinary)) return;
-    registry_ = new Registry();
-    if (!registry_->start()) {
-      setup_error_ = "docker-registry did not start: " + registry_->log();
-      return;
-    }
-    small_ = new FixtureImage(make_image(1, "amd64", {1000, 3u << 20, 0}));
-    amd64_ = new FixtureImage(make_image(2, "amd64", {2000}));
-    arm64_ = new FixtureImage(make_image(3, "arm64", {3000}));
-    if (!push_image(*registry_, "fixtures/small", "v1", *small_) ||
-        !push_image(*registry_, "fixtures/multi", "amd64", *amd64_) ||
-        !push_image(*registry_, "fixtures/multi", "arm64", *arm64_)) {
-      setup_error_ = "pushing the fixtures failed: " + registry_->log();
-      return;
-    }
-    Json index = {
-        {"schemaVersion", 2}, {"mediaType", "application/vnd.oci.image.index.v1+json"}, {"manifests", Json::array()}};
-    for (const auto* image : {amd64_, arm64_}) {
-      auto d = descriptor("application/vnd.oci.image.manifest.v1+json", image->manifest);
-      d["platform"] = {{"os", "linux"}, {"architecture", image == amd64_ ? "amd64" : "arm64"}};
-      index["manifests"].push_back(d);
-    }
-    if (!registry_->push_manifest("fixtures/multi", "latest", index.dump(),
-                                  "application/vnd.oci.image.index.v1+json")) {
-      setup_error_ = "pushing the index failed: " + registry_->log();
-    }
-  }
-  static void TearDownTestSuite() {
-    delete registry_;
-    registry_ = nullptr;
-  }
-  void SetUp() override {
-    if (!fs::exists(kRegistryBinary)) GTEST_SKIP() << kRegistryBinary << " not installed (Debian docker-registry)";
-    ASSERT_TRUE(setup_error_.empty()) << setup_error_;
-  }
-
-  static inline Registry* registry_ = nullptr;
-  static inline FixtureImage* small_ = nullptr;
-  static inline FixtureImage* amd64_ = nullptr;
-  static inline FixtureImage* arm64_ = nullptr;
-  static inline std::string setup_error_;
-};
-
-void expect_blob(const fs::path& layout, const std::string& body) {
-  const auto path = layout / "blobs" / "sha256" / oci::sha256_digest(body).substr(7);
-  EXPECT_TRUE(fs::exists(path)) << path;
-  EXPECT_TRUE(slurp(path) == body) << path << ": other bytes than pushed";
-}
-
-TEST(CfmoPullCli, HelpAndManPageListTheSameOptions) {
+TEST(CfmoPullCli, HelpManPageAndConfigListTheSameOptions) {
   const std::regex long_flag(R"((--[a-z][a-z0-9-]*))");
   const RunResult top = pull({"--help"});
   ASSERT_EQ(top.status, 0);
   std::set<std::string> help_flags = matches(top.out, long_flag);
-  for (const char* sub : {"pull", "inspect"}) {
+  std::set<std::string> printed_keys;
+  const std::regex key(R"((?:^|\n)([a-z_0-9]+) = )");
+  for (const char* sub : {"pull", "inspect", "fetch", "status", "mount", "umount"}) {
     const RunResult help = pull({sub, "--help"});
     ASSERT_EQ(help.status, 0) << sub;
     for (const auto& f : matches(help.out, long_flag)) help_flags.insert(f);
+    const RunResult printed = pull({sub, "--print-config"});
+    ASSERT_EQ(printed.status, 0) << sub << ": " << printed.err;
+    for (const auto& k : matches(printed.out, key)) printed_keys.insert(k);
+    // The shipped file and the printed configuration both load, and print the same again.
+    EXPECT_EQ(pull({sub, "--config", (source_root() / "conf/pull.toml").string(), "--print-config"}).status, 0)
+        << sub;
+    TempDir dir;
+    ASSERT_TRUE(write_file_atomic(dir / "printed.toml", printed.out));
+    const RunResult again = pull({sub, "--config", (dir / "printed.toml").string(), "--print-config"});
+    EXPECT_EQ(again.out, printed.out) << sub << ": " << again.err;
   }
   const std::string man = slurp(source_root() / "man/cfmo-pull.1.scd");
   ASSERT_FALSE(man.empty()) << "man/cfmo-pull.1.scd missing";
   const std::set<std::string> man_flags = matches(man, std::regex(R"(\*(--[a-z][a-z0-9-]*)\*)"));
   for (const auto& f : help_flags) EXPECT_TRUE(man_flags.count(f)) << f << " is in --help but not in the man page";
   for (const auto& f : man_flags) EXPECT_TRUE(help_flags.count(f)) << f << " is in the man page but not in --help";
-  for (const char* section : {"# EXIT STATUS", "# FILES", "# ENVIRONMENT", "# EXAMPLES"}) {
+  for (const char* section : {"# EXIT STATUS", "# FILES", "# ENVIRONMENT", "# EXAMPLES", "cfmo-pull-state.json"}) {
     EXPECT_NE(man.find(section), std::string::npos) << section;
   }
+  // conf/pull.toml sets every key some subcommand knows, and no other.
+  EXPECT_EQ(matches(slurp(source_root() / "conf/pull.toml"), key), printed_keys);
 }
 
 TEST(CfmoPullCli, GeneratedManPageIsCurrent) {
@@ -407,78 +174,6 @@ TEST(CfmoPullCli, RegistryDownIsExitFourAfterRetries) {
   EXPECT_NE(r.err.find("after 3 attempts"), std::string::npos) << r.err;
 }
 
-/// A one-thread HTTP/1.1 server answering from a table of path → handler,
-/// for responses a real registry never gives.
-class TinyServer {
- public:
-  using Handler = std::function<std::string(const std::string& request)>;
-  explicit TinyServer(std::map<std::string, Handler> routes) : routes_(std::move(routes)) {
-    fd_ = socket(AF_INET, SOCK_STREAM, 0);
-    int one = 1;
-    setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-    socklen_t length = sizeof addr;
-    getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &length);
-    port_ = ntohs(addr.sin_port);
-    listen(fd_, 16);
-    thread_ = std::thread([this] { serve(); });
-  }
-  ~TinyServer() {
-    stop_ = true;
-    shutdown(fd_, SHUT_RDWR);
-    close(fd_);
-    thread_.join();
-  }
-  std::string host() const { return "127.0.0.1:" + std::to_string(port_); }
-
-  /// The response announcing the whole body but ending after `sent` bytes of it (a dropped connection).
-  static std::string truncated(const std::string& body, size_t sent) {
-    const std::string full = response(200, body);
-    return full.substr(0, full.size() - body.size() + sent);
-  }
-
-  static std::string response(int status, const std::string& body, const std::string& extra_headers = "") {
-    return "HTTP/1.1 " + std::to_string(status) + " X\r\nContent-Length: " + std::to_string(body.size()) +
-           "\r\nConnection: close\r\n" + extra_headers + "\r\n" + body;
-  }
-
- private:
-  void serve() {
-    while (!stop_) {
-      const int client = accept(fd_, nullptr, nullptr);
-      if (client < 0) return;
-      std::string request;
-      char buffer[4096];
-      while (request.find("\r\n\r\n") == std::string::npos) {
-        const ssize_t n = read(client, buffer, sizeof buffer);
-        if (n <= 0) break;
-        request.append(buffer, static_cast<size_t>(n));
-      }
-      const auto first_space = request.find(' ');
-      const auto second_space = request.find(' ', first_space + 1);
-      const std::string path = request.substr(first_space + 1, second_space - first_space - 1);
-      const auto it = routes_.find(path);
-      const std::string reply = it == routes_.end() ? response(404, "{}") : it->second(request);
-      size_t sent = 0;
-      while (sent < reply.size()) {
-        const ssize_t n = write(client, reply.data() + sent, reply.size() - sent);
-        if (n <= 0) break;
-        sent += static_cast<size_t>(n);
-      }
-      close(client);
-    }
-  }
-
-  std::map<std::string, Handler> routes_;
-  int fd_ = -1;
-  int port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-};
-
 TEST(CfmoPullCli, DigestMismatchIsExitThreeAndKeepsNothing) {
   const auto image = make_image(7, "amd64", {5000});
   std::string wrong = image.layers[0];
@@ -557,25 +252,6 @@ TEST(CfmoPullCli, BearerTokenFlowAndRangeIgnored) {
   EXPECT_EQ(r.err.find("secret-token"), std::string::npos);
   expect_blob(layout, image.layers[0]);
   EXPECT_GE(token_requests.load(), 1);
-}
-
-/// Serves `image` under /v2/<repository>/ with a per-blob handler override.
-std::map<std::string, TinyServer::Handler> image_routes(const std::string& repository, const FixtureImage& image,
-                                                        const std::string& manifest_type) {
-  std::map<std::string, TinyServer::Handler> routes;
-  routes["/v2/" + repository + "/manifests/latest"] = [&image, manifest_type](const std::string&) {
-    return TinyServer::response(200, image.manifest, "Content-Type: " + manifest_type + "\r\n");
-  };
-  routes["/v2/" + repository + "/blobs/" + oci::sha256_digest(image.config)] = [&image](const std::string&) {
-    return TinyServer::response(200, image.config);
-  };
-  return routes;
-}
-
-/// The N of a "Range: bytes=N-" header, or -1.
-long range_start(const std::string& request) {
-  const auto at = request.find("Range: bytes=");
-  return at == std::string::npos ? -1 : std::stol(request.substr(at + 13));
 }
 
 TEST(CfmoPullCli, DroppedConnectionsAndRateLimitsAreRetriedAndResumed) {
@@ -683,35 +359,6 @@ TEST(CfmoPullCli, AuthorizationIsNotSentToAnotherHostOnRedirect) {
   ASSERT_FALSE(store_request.empty());
   EXPECT_EQ(store_request.find("Authorization"), std::string::npos) << store_request;
   EXPECT_EQ(r.err.find("dTpw"), std::string::npos);
-}
-
-/// A gzip-compressed tar holding `files` (path → contents), written with
-/// libarchive, and the digest of the uncompressed tar (the diff ID).
-std::pair<std::string, std::string> tar_gz(const std::map<std::string, std::string>& files) {
-  std::string out[2];
-  for (int compressed = 0; compressed < 2; ++compressed) {
-    std::vector<char> buffer(1 << 20);
-    size_t used = 0;
-    archive* a = archive_write_new();
-    archive_write_set_format_pax_restricted(a);
-    if (compressed == 1) archive_write_add_filter_gzip(a);
-    archive_write_open_memory(a, buffer.data(), buffer.size(), &used);
-    for (const auto& [path, contents] : files) {
-      archive_entry* e = archive_entry_new();
-      archive_entry_set_pathname(e, path.c_str());
-      archive_entry_set_size(e, static_cast<la_int64_t>(contents.size()));
-      archive_entry_set_filetype(e, AE_IFREG);
-      archive_entry_set_perm(e, 0644);
-      archive_entry_set_mtime(e, 1700000000, 0);
-      archive_write_header(a, e);
-      archive_write_data(a, contents.data(), contents.size());
-      archive_entry_free(e);
-    }
-    archive_write_close(a);
-    archive_write_free(a);
-    out[compressed].assign(buffer.data(), used);
-  }
-  return {out[1], oci::sha256_digest(out[0])};
 }
 
 TEST_F(PullFixture, UmociUnpacksThePulledLayout) {

@@ -18,8 +18,10 @@
 namespace cfmo {
 namespace {
 
+using testing::lines;
 using testing::run;
 using testing::RunResult;
+using testing::slurp;
 using testing::TempDir;
 namespace fs = std::filesystem;
 
@@ -28,24 +30,10 @@ fs::path source_root() { return testing::env_or("CFMO_SOURCE_ROOT", "."); }
 
 // Small and quick: a few hundred synthetic examples, a narrow model.
 std::vector<std::string> quick_args(std::vector<std::string> extra = {}) {
-  std::vector<std::string> args = {binary(), "--data", "synthetic:512:128", "--model", "mlp:32", "--epochs", "1",
-                                   "--quiet"};
+  std::vector<std::string> args = {binary(), "--data", "synthetic:512:128", "--model", "mlp:32", "--epochs",
+                                   "1",      "--quiet"};
   args.insert(args.end(), extra.begin(), extra.end());
   return args;
-}
-
-std::string slurp(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-std::vector<std::string> lines(const std::string& text) {
-  std::vector<std::string> out;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) out.push_back(line);
-  return out;
 }
 
 std::set<std::string> flags_in(const std::string& text, const std::regex& pattern) {
@@ -92,8 +80,8 @@ TEST(CfmoTrainCli, HelpManPageAndConfigListTheSameOptions) {
 TEST(CfmoTrainCli, GeneratedManPageIsCurrent) {
   if (system("command -v scdoc >/dev/null 2>&1") != 0) GTEST_SKIP() << "scdoc not installed";
   TempDir dir;
-  const std::string command = "scdoc < '" + (source_root() / "man/cfmo-train.1.scd").string() + "' > '" +
-                              (dir / "page.1").string() + "'";
+  const std::string command =
+      "scdoc < '" + (source_root() / "man/cfmo-train.1.scd").string() + "' > '" + (dir / "page.1").string() + "'";
   ASSERT_EQ(system(command.c_str()), 0);
   // scdoc stamps today's date into the .TH line; compare everything else.
   auto without_date = [](const std::string& page) {
@@ -171,8 +159,8 @@ TEST(CfmoTrainCli, HumanOutputWithoutJson) {
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.out.find("test accuracy"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find('{'), std::string::npos);
-  const RunResult logged = run({binary(), "--data", "synthetic:512:128", "--model", "mlp:32", "--steps", "4",
-                                "--log-every", "2"});
+  const RunResult logged =
+      run({binary(), "--data", "synthetic:512:128", "--model", "mlp:32", "--steps", "4", "--log-every", "2"});
   ASSERT_EQ(logged.status, 0) << logged.err;
   EXPECT_NE(logged.err.find("step 2 "), std::string::npos) << logged.err;  // plain lines when not a TTY
   EXPECT_EQ(logged.err.find('\r'), std::string::npos);
@@ -225,8 +213,8 @@ TEST(CfmoTrainCli, ResumedRunEndsWithTheSameParametersAsAnUninterruptedOne) {
   TempDir dir;
   for (const char* optimizer : {"adamw", "muon"}) {
     SCOPED_TRACE(optimizer);
-    const std::vector<std::string> common = {"--optimizer", optimizer, "--schedule", "cosine", "--warmup-steps", "3",
-                                             "--epochs", "3"};
+    const std::vector<std::string> common = {"--optimizer",    optimizer, "--schedule", "cosine",
+                                             "--warmup-steps", "3",       "--epochs",   "3"};
     auto with = [&](std::vector<std::string> extra) {
       std::vector<std::string> args = common;
       args.insert(args.end(), extra.begin(), extra.end());
@@ -238,7 +226,8 @@ TEST(CfmoTrainCli, ResumedRunEndsWithTheSameParametersAsAnUninterruptedOne) {
     ASSERT_EQ(run(with({"--out", whole.string(), "--checkpoint-every", "13", "--keep-checkpoints", "10"})).status, 0);
     const fs::path step13 = whole / "checkpoints" / "step-00000013";
     ASSERT_TRUE(fs::exists(step13 / "state.json"));
-    const RunResult resumed = run({binary(), "--resume", step13.string(), "--out", parts.string(), "--quiet", "--json"});
+    const RunResult resumed =
+        run({binary(), "--resume", step13.string(), "--out", parts.string(), "--quiet", "--json"});
     ASSERT_EQ(resumed.status, 0) << resumed.err;
     EXPECT_EQ(nlohmann::json::parse(resumed.out)["steps"], 24);
     EXPECT_TRUE(tensor_bytes(whole / "model.safetensors") == tensor_bytes(parts / "model.safetensors"))
@@ -251,7 +240,8 @@ TEST(CfmoTrainCli, ResumedRunEndsWithTheSameParametersAsAnUninterruptedOne) {
     EXPECT_TRUE(tensor_bytes(whole / "model.safetensors") == before);
     // Resuming a run directory continues it in place, from its latest checkpoint.
     const fs::path in_place = dir / (std::string(optimizer) + "-in-place");
-    ASSERT_EQ(run(with({"--out", in_place.string(), "--checkpoint-every", "13", "--keep-checkpoints", "10"})).status, 0);
+    ASSERT_EQ(run(with({"--out", in_place.string(), "--checkpoint-every", "13", "--keep-checkpoints", "10"})).status,
+              0);
     fs::remove_all(in_place / "checkpoints" / "step-00000024");
     fs::remove_all(in_place / "checkpoints" / "step-00000016");
     ASSERT_TRUE(write_file_atomic(in_place / "checkpoints" / "latest", "step-00000013\n"));
@@ -286,17 +276,16 @@ TEST(CfmoTrainCli, InterruptWritesACheckpointAndExits130) {
   TempDir dir;
   const fs::path out = dir / "run";
   bool sent = false;
-  const RunResult r = run(
-      {binary(), "--data", "synthetic:4096:128", "--model", "mlp:64", "--epochs", "0", "--time-limit", "5m",
-       "--log-every", "1", "--quiet", "--json", "--out", out.string()},
-      120, {}, [&](pid_t pid, double elapsed) {
-        std::error_code ec;
-        const auto size = fs::file_size(out / "metrics.jsonl", ec);
-        if (!sent && ((!ec && size > 0) || elapsed > 60)) {
-          kill(pid, SIGINT);
-          sent = true;
-        }
-      });
+  const RunResult r = run({binary(), "--data", "synthetic:4096:128", "--model", "mlp:64", "--epochs", "0",
+                           "--time-limit", "5m", "--log-every", "1", "--quiet", "--json", "--out", out.string()},
+                          120, {}, [&](pid_t pid, double elapsed) {
+                            std::error_code ec;
+                            const auto size = fs::file_size(out / "metrics.jsonl", ec);
+                            if (!sent && ((!ec && size > 0) || elapsed > 60)) {
+                              kill(pid, SIGINT);
+                              sent = true;
+                            }
+                          });
   ASSERT_TRUE(sent);
   EXPECT_EQ(r.status, 130) << r.err;
   ASSERT_FALSE(r.out.empty());

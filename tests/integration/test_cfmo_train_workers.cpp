@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -19,14 +21,15 @@ namespace {
 using testing::Background;
 using testing::run;
 using testing::RunResult;
+using testing::slurp;
 using testing::TempDir;
 namespace fs = std::filesystem;
 
 std::string binary() { return testing::env_or("CFMO_TRAIN", "build/tools/cfmo-train"); }
 
 std::vector<std::string> args(std::vector<std::string> extra) {
-  std::vector<std::string> out = {binary(), "--data", "synthetic:2048:256", "--model", "mlp:32", "--quiet",
-                                  "--peer-timeout", "5"};
+  std::vector<std::string> out = {binary(), "--data",  "synthetic:2048:256", "--model",
+                                  "mlp:32", "--quiet", "--peer-timeout",     "5"};
   out.insert(out.end(), extra.begin(), extra.end());
   return out;
 }
@@ -38,13 +41,6 @@ nlohmann::json last_json(const std::string& out) {
     if (!line.empty() && line.front() == '{') j = nlohmann::json::parse(line);
   }
   return j;
-}
-
-std::string slurp(const fs::path& path) {
-  std::ifstream in(path);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 std::vector<float> parameters(const fs::path& file) {
@@ -65,7 +61,8 @@ TEST(CfmoTrainWorkers, EveryModeTrainsWithTwoWorkersAndReports) {
     SCOPED_TRACE(mode);
     // asgd with a tight staleness bound: unbounded, it is the unstable baseline the article describes.
     const std::string bound = std::string(mode) == "asgd" ? "1" : "4";
-    const RunResult r = run(args({"--workers", "2", "--mode", mode, "--epochs", "3", "--max-staleness", bound, "--json"}), 300);
+    const RunResult r =
+        run(args({"--workers", "2", "--mode", mode, "--epochs", "3", "--max-staleness", bound, "--json"}), 300);
     ASSERT_EQ(r.status, 0) << r.err;
     const auto j = last_json(r.out);
     ASSERT_FALSE(j.is_null()) << r.out;
@@ -114,9 +111,8 @@ TEST(CfmoTrainWorkers, ReconcilingModesWriteEachRanksDeltasForCfmoDiverge) {
   for (const char* mode : {"localsgd", "cfmo"}) {
     SCOPED_TRACE(mode);
     TempDir dir;
-    const RunResult r = run(args({"--workers", "2", "--mode", mode, "--epochs", "2", "--json", "--out",
-                                  (dir / "run").string()}),
-                            300);
+    const RunResult r =
+        run(args({"--workers", "2", "--mode", mode, "--epochs", "2", "--json", "--out", (dir / "run").string()}), 300);
     ASSERT_EQ(r.status, 0) << r.err;
     const auto j = last_json(r.out);
     for (int rank : {0, 1}) {
@@ -166,8 +162,8 @@ TEST(CfmoTrainWorkers, SyncWithTwoWorkersMatchesOneWorkerOnTheDoubledBatch) {
 }
 
 TEST(CfmoTrainWorkers, CfmoWithAVerySlowWorkerFinishesAndTheFastOneNeverWaits) {
-  const RunResult r = run(
-      args({"--workers", "2", "--mode", "cfmo", "--epochs", "2", "--slowdown", "1=5", "--json"}), 300);
+  const RunResult r =
+      run(args({"--workers", "2", "--mode", "cfmo", "--epochs", "2", "--slowdown", "1=5", "--json"}), 300);
   ASSERT_EQ(r.status, 0) << r.err;
   const auto j = last_json(r.out);
   ASSERT_EQ(j["per_worker"].size(), 2u);
@@ -192,9 +188,9 @@ Ranks start_ranks(const TempDir& dir, int world, const std::vector<std::string>&
   const std::string rendezvous = "CFMO_RENDEZVOUS=127.0.0.1:" + std::to_string(testing::free_port());
   Ranks ranks;
   for (int r = 0; r < world; ++r) {
-    ranks.processes.push_back(testing::spawn(
-        args(extra), {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world), rendezvous},
-        (dir / ("out-" + std::to_string(r))).string(), (dir / ("err-" + std::to_string(r))).string()));
+    ranks.processes.push_back(
+        testing::spawn(args(extra), {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world), rendezvous},
+                       (dir / ("out-" + std::to_string(r))).string(), (dir / ("err-" + std::to_string(r))).string()));
   }
   return ranks;
 }
@@ -214,32 +210,35 @@ bool wait_for_progress(Ranks& ranks, const fs::path& metrics, double timeout_s) 
   return false;
 }
 
-TEST(CfmoTrainWorkers, SyncWorkersExitFourNamingARankKilledMidRun) {
-  TempDir dir;
-  auto ranks = start_ranks(dir, 3,
-                           {"--mode", "sync", "--epochs", "0", "--time-limit", "5m", "--log-every", "1", "--out",
-                            (dir / "run").string()});
-  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
-      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
-  kill(ranks.processes[1].pid, SIGKILL);
-  for (int r : {0, 2}) {
-    // Generous: the point is that it ends, with the right status and message.
-    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(60)) << "rank " << r << " hangs";
-    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 4) << slurp(dir / ("err-" + std::to_string(r)));
-    EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("rank 1"), std::string::npos)
-        << slurp(dir / ("err-" + std::to_string(r)));
-  }
-  // The checkpoint directory holds only whole checkpoints.
-  for (const auto& e : fs::directory_iterator(dir / "run" / "checkpoints", *new std::error_code)) {
-    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+TEST(CfmoTrainWorkers, LockstepWorkersExitFourNamingARankKilledMidRun) {
+  for (const char* mode : {"sync", "localsgd"}) {
+    SCOPED_TRACE(mode);
+    TempDir dir;
+    auto ranks = start_ranks(dir, 3,
+                             {"--mode", mode, "--epochs", "0", "--time-limit", "5m", "--log-every", "1",
+                              "--checkpoint-every", "5", "--out", (dir / "run").string()});
+    ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
+        << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+    kill(ranks.processes[1].pid, SIGKILL);
+    for (int r : {0, 2}) {
+      // Generous: the point is that it ends, with the right status and message.
+      ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(60)) << "rank " << r << " hangs";
+      EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 4) << slurp(dir / ("err-" + std::to_string(r)));
+      EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("rank 1"), std::string::npos)
+          << slurp(dir / ("err-" + std::to_string(r)));
+    }
+    // The checkpoint directory holds only whole checkpoints.
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir / "run" / "checkpoints", ec)) {
+      EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+    }
   }
 }
 
 TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutARankKilledMidRun) {
   TempDir dir;
-  auto ranks = start_ranks(dir, 3,
-                           {"--mode", "cfmo", "--epochs", "300", "--log-every", "1", "--json", "--out",
-                            (dir / "run").string()});
+  auto ranks = start_ranks(
+      dir, 3, {"--mode", "cfmo", "--epochs", "300", "--log-every", "1", "--json", "--out", (dir / "run").string()});
   ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
       << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
   kill(ranks.processes[2].pid, SIGKILL);
@@ -253,8 +252,136 @@ TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutARankKilledMidRun) {
   EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
 }
 
+// The checkpoint directories of a run, oldest first (temporaries left out).
+std::vector<fs::path> checkpoints_of(const fs::path& run) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(run / "checkpoints", ec)) {
+    if (e.is_directory() && e.path().filename().string().starts_with("step-")) out.push_back(e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// A checkpoint is whole: its state reads, and so does every file it names.
+void expect_whole(const fs::path& checkpoint) {
+  SCOPED_TRACE(checkpoint.string());
+  nlohmann::json state;
+  ASSERT_NO_THROW(state = nlohmann::json::parse(slurp(checkpoint / "state.json")));
+  EXPECT_EQ(state["format"], "cfmo-checkpoint");
+  std::vector<std::string> files = {"model.safetensors", "optimizer.safetensors"};
+  if (state.contains("outer")) files.push_back(state["outer"]);
+  for (const auto& file : files) {
+    auto st = SafetensorsFile::read(checkpoint / file);
+    EXPECT_TRUE(st) << file << ": " << (st ? "" : st.error().message);
+  }
+  EXPECT_TRUE(fs::is_regular_file(checkpoint / "config.toml"));
+}
+
+TEST(CfmoTrainWorkers, EveryModeCheckpointsTheGlobalParametersMidRunAndResumes) {
+  for (const char* mode : {"sync", "localsgd", "cfmo", "asgd"}) {
+    SCOPED_TRACE(mode);
+    TempDir dir;
+    const fs::path run_dir = dir / "run";
+    // Slowed steps leave the owners' threads time to answer a checkpoint's request.
+    const RunResult first = run(args({"--workers", "2", "--mode", mode, "--epochs", "6", "--max-staleness", "1",
+                                      "--checkpoint-every", "8", "--keep-checkpoints", "100", "--slowdown", "0=2",
+                                      "--slowdown", "1=2", "--out", run_dir.string(), "--json"}),
+                                300);
+    ASSERT_EQ(first.status, 0) << first.err;
+    const auto saved = checkpoints_of(run_dir);
+    ASSERT_GE(saved.size(), 2u) << "a checkpoint during the run and one at its end";
+    for (const auto& c : saved) expect_whole(c);
+    const auto state = nlohmann::json::parse(slurp(saved.front() / "state.json"));
+    EXPECT_EQ(state["workers"], 2);
+    EXPECT_EQ(state["mode"], mode);
+    const bool async = std::string(mode) == "cfmo" || std::string(mode) == "asgd";
+    EXPECT_EQ(state.contains("ranks"), async) << state.dump();
+    if (async) {
+      EXPECT_EQ(state["ranks"].size(), 2u);
+    }
+    EXPECT_EQ(std::string(mode) == "asgd", state.contains("shard_optimizer_steps"));
+    EXPECT_EQ(std::string(mode) == "localsgd" || std::string(mode) == "cfmo", state.contains("outer")) << state.dump();
+
+    // Every rank starts again from the global parameters and its position.
+    const RunResult resumed = run(
+        {binary(), "--resume", saved.front().string(), "--workers", "2", "--epochs", "7", "--no-quiet", "--json"}, 300);
+    ASSERT_EQ(resumed.status, 0) << resumed.err;
+    EXPECT_NE(resumed.err.find("resumed from"), std::string::npos) << resumed.err;
+    const auto j = last_json(resumed.out);
+    EXPECT_EQ(j["resumed_from"], saved.front().string());
+    EXPECT_EQ(j["stopped_by"], "epochs");
+    EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << resumed.out;
+    EXPECT_GT(checkpoints_of(run_dir).back().filename(), saved.front().filename());
+
+    if (std::string(mode) == "cfmo") {
+      // Another world or another mode cannot take it up.
+      const RunResult three = run({binary(), "--resume", saved.front().string(), "--workers", "3"}, 120);
+      EXPECT_EQ(three.status, 2) << three.err;
+      EXPECT_NE(three.err.find("2 worker(s)"), std::string::npos) << three.err;
+      const RunResult other =
+          run({binary(), "--resume", saved.front().string(), "--workers", "2", "--mode", "sync"}, 120);
+      EXPECT_EQ(other.status, 2) << other.err;
+      EXPECT_NE(other.err.find("--mode cfmo"), std::string::npos) << other.err;
+    }
+  }
+}
+
+TEST(CfmoTrainWorkers, AKillDuringCheckpointingLeavesOnlyWholeCheckpoints) {
+  // A checkpoint asked for at every step keeps rank 0's writer busy; rank 0
+  // is killed while it writes (or between two writes: either way, what is
+  // left must be whole checkpoints and, at most, a temporary directory).
+  TempDir dir;
+  const fs::path run_dir = dir / "run";
+  auto ranks = start_ranks(dir, 3,
+                           {"--mode", "cfmo", "--model", "mlp:256,128", "--epochs", "300", "--checkpoint-every", "1",
+                            "--keep-checkpoints", "2", "--log-every", "1", "--out", run_dir.string()});
+  const auto start = std::chrono::steady_clock::now();
+  while (!fs::exists(run_dir / "checkpoints" / "latest") &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(120)) {
+    usleep(2000);
+  }
+  ASSERT_TRUE(fs::exists(run_dir / "checkpoints" / "latest")) << slurp(dir / "err-0");
+  usleep(30000);
+  kill(ranks.processes[0].pid, SIGKILL);
+  for (int r : {1, 2}) {
+    // The others lose the keeper of the budget: status 4, naming it.
+    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(120)) << "rank " << r << " hangs";
+    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 4) << slurp(dir / ("err-" + std::to_string(r)));
+    EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("rank 0"), std::string::npos)
+        << slurp(dir / ("err-" + std::to_string(r)));
+  }
+  for (const auto& e : fs::directory_iterator(run_dir / "checkpoints")) {
+    const std::string name = e.path().filename().string();
+    if (name == "latest") continue;
+    if (name.starts_with(".step-") && name.find(".tmp-") != std::string::npos) continue;  // unfinished, never read
+    ASSERT_TRUE(name.starts_with("step-")) << name;
+    expect_whole(e.path());
+  }
+  std::string latest = slurp(run_dir / "checkpoints" / "latest");
+  while (!latest.empty() && latest.back() == '\n') latest.pop_back();
+  expect_whole(run_dir / "checkpoints" / latest);
+
+  // The whole world resumes from the run directory's latest checkpoint.
+  const auto state = nlohmann::json::parse(slurp(run_dir / "checkpoints" / latest / "state.json"));
+  const std::string steps = std::to_string(state["step"].get<int64_t>() + 20);
+  auto again = start_ranks(
+      dir, 3, {"--resume", run_dir.string(), "--model", "mlp:256,128", "--epochs", "0", "--steps", steps, "--json"});
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(again.processes[static_cast<size_t>(r)].wait(240)) << "rank " << r << " hangs";
+    EXPECT_EQ(again.processes[static_cast<size_t>(r)].status, 0) << slurp(dir / ("err-" + std::to_string(r)));
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  EXPECT_EQ(j["resumed_from"], (run_dir / "checkpoints" / latest).string());
+  // The resumed run's checkpoints pruned what the killed writer left.
+  for (const auto& e : fs::directory_iterator(run_dir / "checkpoints")) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
+  }
+}
+
 TEST(CfmoTrainWorkers, LauncherPrefixesRanksAndReportsAKilledRank) {
-  const RunResult r = run(args({"--workers", "2", "--mode", "sync", "--steps", "3", "--log-every", "1", "--no-quiet"}), 300);
+  const RunResult r =
+      run(args({"--workers", "2", "--mode", "sync", "--steps", "3", "--log-every", "1", "--no-quiet"}), 300);
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.err.find("[rank 0] step 1"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("[rank 1] step 1"), std::string::npos) << r.err;
@@ -264,24 +391,22 @@ TEST(CfmoTrainWorkers, LauncherPrefixesRanksAndReportsAKilledRank) {
 TEST(CfmoTrainWorkers, TimeLimitAndCtrlCStopLockstepWorkersTogether) {
   for (const char* mode : {"sync", "localsgd"}) {
     SCOPED_TRACE(mode);
-    const RunResult timed = run(args({"--workers", "3", "--mode", mode, "--epochs", "0", "--time-limit", "1s",
-                                      "--json"}),
-                                300);
+    const RunResult timed =
+        run(args({"--workers", "3", "--mode", mode, "--epochs", "0", "--time-limit", "1s", "--json"}), 300);
     EXPECT_EQ(timed.status, 0) << timed.err;
     EXPECT_EQ(last_json(timed.out)["stopped_by"], "time-limit");
     TempDir dir;
     bool sent = false;
-    const RunResult interrupted = run(
-        args({"--workers", "3", "--mode", mode, "--epochs", "0", "--time-limit", "5m", "--log-every", "1", "--out",
-              (dir / "run").string(), "--json"}),
-        300, {}, [&](pid_t pid, double elapsed) {
-          std::error_code ec;
-          const auto size = fs::file_size(dir / "run" / "metrics-rank-2.jsonl", ec);
-          if (!sent && ((!ec && size > 0) || elapsed > 120)) {
-            kill(pid, SIGINT);  // what a terminal's Ctrl-C does to the launcher
-            sent = true;
-          }
-        });
+    const RunResult interrupted = run(args({"--workers", "3", "--mode", mode, "--epochs", "0", "--time-limit", "5m",
+                                            "--log-every", "1", "--out", (dir / "run").string(), "--json"}),
+                                      300, {}, [&](pid_t pid, double elapsed) {
+                                        std::error_code ec;
+                                        const auto size = fs::file_size(dir / "run" / "metrics-rank-2.jsonl", ec);
+                                        if (!sent && ((!ec && size > 0) || elapsed > 120)) {
+                                          kill(pid, SIGINT);  // what a terminal's Ctrl-C does to the launcher
+                                          sent = true;
+                                        }
+                                      });
     EXPECT_TRUE(sent);
     EXPECT_FALSE(interrupted.timed_out);
     EXPECT_EQ(interrupted.status, 130) << interrupted.err;

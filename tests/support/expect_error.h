@@ -11,7 +11,8 @@
 
 namespace cfmo {
 
-// Checks the kind and that the message names each part, printing the message on failure.
+// Checks the kind, that the message names each part and that it is one line,
+// printing the message on failure.
 template <typename T>
 ::testing::AssertionResult fails_with(const Result<T>& result, ErrorKind kind,
                                       std::initializer_list<std::string> parts = {}) {
@@ -26,6 +27,7 @@ template <typename T>
       return ::testing::AssertionFailure() << "message \"" << error.message << "\" does not name \"" << part << "\"";
     }
   }
+  if (error.message.find('\n') != std::string::npos) return ::testing::AssertionFailure() << "more than one line";
   return ::testing::AssertionSuccess() << error.message;
 }
 

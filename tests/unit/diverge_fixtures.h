@@ -5,6 +5,8 @@
 #include "ckpt/cfd.h"
 #include "diverge/sources.h"
 
+#include "integration/harness.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -51,16 +53,8 @@ inline std::vector<NamedDelta> scaled_delta(float scale) {
 
 class TempDirTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = std::filesystem::temp_directory_path() / ("cfmo-test-" + std::string(info->test_suite_name()) + "-" +
-                                                     std::to_string(::getpid()) + "-" + info->name());
-    std::filesystem::remove_all(dir_);
-    ASSERT_TRUE(std::filesystem::create_directories(dir_));
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-
-  std::filesystem::path dir_;
+  TempDir temp_;
+  const std::filesystem::path dir_ = temp_.path();
 };
 
 }  // namespace cfmo::testing

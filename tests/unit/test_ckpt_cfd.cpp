@@ -2,6 +2,9 @@
 
 #include "core/atomic_file.h"
 
+#include "integration/harness.h"
+#include "support/expect_error.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -24,24 +27,6 @@ namespace cfmo {
 namespace {
 
 namespace fs = std::filesystem;
-
-template <typename T>
-::testing::AssertionResult fails_with(const Result<T>& result, ErrorKind kind,
-                                      std::initializer_list<std::string> parts = {}) {
-  if (result.has_value()) return ::testing::AssertionFailure() << "succeeded, expected an error";
-  const Error& error = result.error();
-  if (error.kind != kind) {
-    return ::testing::AssertionFailure() << "kind " << error.exit_status() << ", expected " << static_cast<int>(kind)
-                                         << ": " << error.message;
-  }
-  for (const auto& part : parts) {
-    if (error.message.find(part) == std::string::npos) {
-      return ::testing::AssertionFailure() << "message \"" << error.message << "\" does not name \"" << part << "\"";
-    }
-  }
-  if (error.message.find('\n') != std::string::npos) return ::testing::AssertionFailure() << "more than one line";
-  return ::testing::AssertionSuccess() << error.message;
-}
 
 std::vector<float> random_values(size_t n, uint32_t seed, float scale) {
   std::mt19937 gen(seed);
@@ -105,14 +90,6 @@ struct Sample {
 
 class CfdTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / ("cfmo-test-cfd-" + std::to_string(::getpid()) + "-" + info->name());
-    fs::remove_all(dir_);
-    ASSERT_TRUE(fs::create_directories(dir_));
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   // The sample written with frames of 1000 values; returns its bytes.
   std::string sample_file(CfdCodec codec = CfdCodec::kZstd, CfdTransform transform = CfdTransform::kGroupedPlanes) {
     CfdWriteOptions options;
@@ -136,7 +113,8 @@ class CfdTest : public ::testing::Test {
     return {};
   }
 
-  fs::path dir_;
+  testing::TempDir temp_;
+  const fs::path dir_ = temp_.path();
   Sample sample_;
 };
 

@@ -1,6 +1,8 @@
 #include "ckpt/safetensors.h"
 #include "support/expect_error.h"
 
+#include "integration/harness.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
@@ -52,14 +54,6 @@ std::string read_bytes(const fs::path& path) {
 
 class SafetensorsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / ("cfmo-test-ckpt-" + std::to_string(::getpid()) + "-" + info->name());
-    fs::remove_all(dir_);
-    ASSERT_TRUE(fs::create_directories(dir_));
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   std::vector<std::string> entries() const {
     std::vector<std::string> names;
     for (const auto& entry : fs::directory_iterator(dir_)) names.push_back(entry.path().filename().string());
@@ -67,7 +61,8 @@ class SafetensorsTest : public ::testing::Test {
     return names;
   }
 
-  fs::path dir_;
+  testing::TempDir temp_;
+  const fs::path dir_ = temp_.path();
 };
 
 // Tensors of several dtypes; "mask" has an odd byte count so later tensors start unaligned.

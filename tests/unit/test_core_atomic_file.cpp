@@ -1,6 +1,8 @@
 #include "core/atomic_file.h"
 #include "support/expect_error.h"
 
+#include "integration/harness.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -19,14 +21,6 @@ namespace fs = std::filesystem;
 // A fresh, empty directory per test, so a leftover temporary file is visible as an extra entry.
 class AtomicFileTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / ("cfmo-test-atomic-" + std::to_string(::getpid()) + "-" + info->name());
-    fs::remove_all(dir_);
-    ASSERT_TRUE(fs::create_directories(dir_));
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   std::vector<std::string> entries() const {
     std::vector<std::string> names;
     for (const auto& entry : fs::directory_iterator(dir_)) names.push_back(entry.path().filename().string());
@@ -40,7 +34,8 @@ class AtomicFileTest : public ::testing::Test {
     return text ? *text : std::string();
   }
 
-  fs::path dir_;
+  testing::TempDir temp_;
+  const fs::path dir_ = temp_.path();
 };
 
 TEST_F(AtomicFileTest, WriteCreatesTheFile) {

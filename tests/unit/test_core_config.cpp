@@ -1,6 +1,8 @@
 #include "core/config.h"
 #include "support/expect_error.h"
 
+#include "integration/harness.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
@@ -316,16 +318,8 @@ TEST(OptionTableTest, EmptyTextChangesNothing) {
 // A fresh directory per test, removed afterwards.
 class OptionTableFileTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = std::filesystem::temp_directory_path() /
-           ("cfmo-test-config-" + std::to_string(::getpid()) + "-" + info->name());
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-
-  std::filesystem::path dir_;
+  testing::TempDir temp_;
+  const std::filesystem::path dir_ = temp_.path();
 };
 
 TEST_F(OptionTableFileTest, LoadTomlReadsAFile) {

@@ -1,6 +1,8 @@
 #include "data/dataset.h"
 #include "support/expect_error.h"
 
+#include "integration/harness.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -53,14 +55,6 @@ const std::vector<uint8_t> kLabels = {3, 0, 9};
 
 class DatasetTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / ("cfmo-test-data-" + std::to_string(::getpid()) + "-" + info->name());
-    fs::remove_all(dir_);
-    ASSERT_TRUE(fs::create_directories(dir_));
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   fs::path write_raw(const std::string& name, const std::string& bytes) {
     const auto path = dir_ / name;
     std::ofstream out(path, std::ios::binary);
@@ -106,7 +100,8 @@ class DatasetTest : public ::testing::Test {
     EXPECT_EQ(data.row(1), data.pixels.data() + 6);
   }
 
-  fs::path dir_;
+  testing::TempDir temp_;
+  const fs::path dir_ = temp_.path();
   fs::path images_;
   fs::path labels_;
 };

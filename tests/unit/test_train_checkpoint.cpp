@@ -102,6 +102,113 @@ TEST(Checkpoint, ResumingFromAnEarlierStepDropsTheAbandonedFuture) {
   EXPECT_EQ(names, (std::vector<std::string>{"latest", "step-00000001", "step-00000002", "step-00000003"}));
 }
 
+TEST(Checkpoint, KeepsTheWorldAndTheOuterMomentumOfSeveralWorkers) {
+  TempDir dir;
+  Fixture f("adamw");
+  CheckpointData data = checkpoint_data(f.model, *f.optimizer, {9, 1, 2, 640, 0.5});
+  data.world.workers = 2;
+  data.world.mode = "asgd";
+  data.world.batch_size = 32;
+  data.world.ranks = {{9, 1, 2, 640, 0.5}, {12, 1, 5, 832, 0.25}};
+  data.world.shard_optimizer_steps = {20, 24};
+  data.outer_momentum.assign(f.model.num_params(), 0.0f);
+  for (size_t i = 0; i < data.outer_momentum.size(); ++i) data.outer_momentum[i] = static_cast<float>(i) * 0.5f;
+  auto path = write_checkpoint(dir.path(), f.model.spec(), f.model.params(), data, "", 3);
+  ASSERT_TRUE(path) << path.error().message;
+  EXPECT_TRUE(fs::exists(*path / "outer.safetensors"));
+
+  Fixture loaded("adamw");
+  CheckpointWorld world;
+  FloatBuffer outer;
+  auto position = load_checkpoint(*path, loaded.model, *loaded.optimizer, &world, &outer);
+  ASSERT_TRUE(position) << position.error().message;
+  EXPECT_EQ(position->step, 9);
+  EXPECT_EQ(world.workers, 2);
+  EXPECT_EQ(world.mode, "asgd");
+  EXPECT_EQ(world.batch_size, 32);
+  ASSERT_EQ(world.ranks.size(), 2u);
+  EXPECT_EQ(world.ranks[1].step, 12);
+  EXPECT_EQ(world.ranks[1].batch_in_epoch, 5);
+  EXPECT_EQ(world.ranks[1].samples, 832);
+  EXPECT_EQ(world.shard_optimizer_steps, (std::vector<int64_t>{20, 24}));
+  // The padding between tensors is not saved: compare the tensors.
+  ASSERT_EQ(outer.size(), data.outer_momentum.size());
+  for (const auto& p : f.model.params()) {
+    for (size_t i = p.offset; i < p.offset + p.size; ++i) EXPECT_EQ(outer[i], data.outer_momentum[i]) << p.name;
+  }
+
+  // A single worker's checkpoint has neither.
+  auto single = save_checkpoint(dir / "single", f.model, *f.optimizer, {3, 0, 3, 12, 0}, "", 1);
+  ASSERT_TRUE(single);
+  ASSERT_TRUE(load_checkpoint(*single, loaded.model, *loaded.optimizer, &world, &outer));
+  EXPECT_EQ(world.workers, 1);
+  EXPECT_TRUE(world.ranks.empty());
+  EXPECT_TRUE(outer.empty());
+}
+
+TEST(Checkpoint, ACheckpointOfTheSameStepIsSwappedInWhole) {
+  TempDir dir;
+  Fixture f("sgd");
+  auto first = save_checkpoint(dir.path(), f.model, *f.optimizer, {4, 0, 4, 16, 0}, "a = 1\n", 3);
+  ASSERT_TRUE(first);
+  auto second = save_checkpoint(dir.path(), f.model, *f.optimizer, {4, 0, 4, 16, 0}, "a = 2\n", 3);
+  ASSERT_TRUE(second);
+  EXPECT_EQ(*first, *second);
+  EXPECT_EQ(read_file(*second / "config.toml").value(), "a = 2\n");
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir / "checkpoints")) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"latest", "step-00000004"}));  // the old one is gone, no temporary left
+}
+
+TEST(CheckpointWriter, WritesInTheBackgroundAndANewerOneReplacesOneWaiting) {
+  TempDir dir;
+  Fixture f("adamw");
+  int64_t accepted = 0;
+  {
+    CheckpointWriter writer(dir.path(), f.model.spec(), f.model.params(), "", 100);
+    for (int64_t step = 1; step <= 20; ++step) {
+      if (writer.submit(checkpoint_data(f.model, *f.optimizer, {step, 0, step, step, 0}))) ++accepted;
+    }
+    writer.close();
+    ASSERT_TRUE(writer.status());
+    EXPECT_EQ(writer.written() + writer.skipped(), 20);
+    EXPECT_GE(writer.written(), 1);  // at least the last one submitted: it is never replaced
+    EXPECT_EQ(writer.last_step(), 20);
+    // Closed: nothing more is written.
+    EXPECT_FALSE(writer.submit(checkpoint_data(f.model, *f.optimizer, {21, 0, 21, 21, 0})));
+  }
+  EXPECT_GE(accepted, 1);
+  EXPECT_EQ(read_file(dir / "checkpoints/latest").value(), "step-00000020\n");
+  for (const auto& e : fs::directory_iterator(dir / "checkpoints")) {
+    if (!e.is_directory()) continue;
+    Fixture loaded("adamw");
+    EXPECT_TRUE(load_checkpoint(e.path(), loaded.model, *loaded.optimizer)) << e.path();
+  }
+}
+
+TEST(Checkpoint, AWorldThatDisagreesWithItselfIsAnInputError) {
+  TempDir dir;
+  Fixture f("sgd");
+  auto path = save_checkpoint(dir.path(), f.model, *f.optimizer, {2, 0, 2, 8, 0}, "", 1);
+  ASSERT_TRUE(path);
+  const std::string good = read_file(*path / "state.json").value();
+  const std::string end = "\n}";
+  ASSERT_NE(good.rfind(end), std::string::npos);
+  const std::string base = good.substr(0, good.rfind(end));
+  const std::string one_rank =
+      R"(, "ranks": [{"step": 1, "epoch": 0, "batch_in_epoch": 1, "samples": 4, "train_s": 0}])";
+  for (const std::string& extra : std::vector<std::string>{R"(, "workers": 0)", R"(, "workers": 2)" + one_rank,
+                                                           R"(, "workers": 1, "shard_optimizer_steps": [-1])",
+                                                           R"(, "outer": "../../elsewhere")"}) {
+    ASSERT_TRUE(write_file_atomic(*path / "state.json", base + extra + end));
+    auto loaded = load_checkpoint(*path, f.model, *f.optimizer);
+    ASSERT_FALSE(loaded) << extra;
+    EXPECT_EQ(loaded.error().kind, ErrorKind::kInput) << extra;
+    EXPECT_NE(loaded.error().message.find("state.json"), std::string::npos) << loaded.error().message;
+  }
+}
+
 TEST(Checkpoint, ResolveErrorsNameThePath) {
   TempDir dir;
   auto missing = resolve_checkpoint(dir / "nothing");

@@ -369,17 +369,7 @@ int run(int argc, char** argv) {
     for (const char* list : {"--tensor", "--rank", "--round"}) inv.app->get_option(list)->allow_extra_args(false);
   }
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "{}: {}\nRun '{} --help' for the subcommands, '{} SUBCOMMAND --help' for their options.\n",
-               kTool, e.what(), kTool, kTool);
-    return static_cast<int>(cfmo::ErrorKind::kUsage);
-  }
+  if (auto done = cfmo::tool::parse_command_line(app, argc, argv, "cfmo-diverge", true)) return *done;
 
   for (size_t i = 0; i < kSubcommands.size(); ++i) {
     Invocation& inv = invocations[i];

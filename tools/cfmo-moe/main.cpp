@@ -52,16 +52,7 @@ static int run(int argc, char** argv) {
   app.add_flag("--print-config", print_config, "print the merged configuration as TOML and exit")->group("General");
   table.register_cli(app);
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "cfmo-moe: {}\nRun 'cfmo-moe --help' for the options.\n", e.what());
-    return static_cast<int>(cfmo::ErrorKind::kUsage);
-  }
+  if (auto done = cfmo::tool::parse_command_line(app, argc, argv, "cfmo-moe")) return *done;
   if (!config_file.empty()) {
     if (auto loaded = table.load_toml(config_file); !loaded) return fail(loaded.error());
   }

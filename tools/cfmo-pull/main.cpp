@@ -1,107 +1,132 @@
-// cfmo-pull: pulls a container image from an OCI Distribution registry into
-// an OCI image layout, streaming and verifying every blob. Parses flags,
-// calls lib/oci, prints, and maps the result to the shared exit status.
+// cfmo-pull: pulls container images from an OCI Distribution registry in
+// bounded memory, hot layers first, cold ones now, later or never. Parses
+// flags and config, calls lib/oci, prints, and maps the result to the
+// shared exit status.
 #include "../common/tool_main.h"
+#include "background.h"
+#include "console_progress.h"
+#include "core/config.h"
 #include "oci/manifest.h"
+#include "oci/memory_budget.h"
+#include "oci/mount.h"
 #include "oci/pull.h"
+#include "oci/pull_config.h"
+#include "oci/pull_state.h"
 #include "oci/reference.h"
+#include "oci/rootfs.h"
 
 #include <fmt/format.h>
+#include <unistd.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include <chrono>
+#include <array>
 #include <cstdio>
+#include <filesystem>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace {
 
-constexpr const char* kTool = "cfmo-pull";
+using cfmo::oci::PullCommand;
+namespace fs = std::filesystem;
+namespace oci = cfmo::oci;
 using Json = nlohmann::ordered_json;
+
+constexpr const char* kTool = "cfmo-pull";
 
 int fail(const cfmo::Error& error) { return cfmo::tool::fail(kTool, error); }
 
-/// What the flags of one subcommand set.
+/// Everything one subcommand parsed; it stays in place because CLI11 and the
+/// option table hold pointers into it.
 struct Invocation {
-  std::string reference;
-  std::string output;
-  std::string platform;
-  std::string authfile;
-  bool plain_http = false;
-  bool json = false;
-  int jobs = 4;
-  int retries = 5;
-  double retry_delay = 0.5;
-  double retry_max_delay = 30;
-  long stall_timeout = 30;
-  double request_timeout = 0;
-  double timeout = 0;
+  PullCommand id{};
+  CLI::App* app = nullptr;
+  oci::PullConfig config;
+  cfmo::OptionTable table;
+  std::string config_file;
+  bool print_config = false;
+  std::vector<std::string> args;  ///< the positional arguments
+  char** argv = nullptr;
+
+  Invocation() = default;
+  Invocation(const Invocation&) = delete;
+  Invocation& operator=(const Invocation&) = delete;
 };
 
-void add_registry_flags(CLI::App& app, Invocation& inv) {
-  app.add_option("REF", inv.reference, "image reference: [registry[:port]/]name[:tag|@digest]")->required();
-  app.add_flag("--plain-http", inv.plain_http, "speak HTTP, not HTTPS, to the registry (a local test registry)");
-  app.add_option("--platform", inv.platform, "os/arch[/variant] to choose from an index (default: this machine's)");
-  app.add_option("--authfile", inv.authfile,
-                 "docker config.json with credentials (default: $DOCKER_CONFIG/config.json, ~/.docker/config.json)");
-  app.add_option("--retries", inv.retries, "attempts after the first on connection errors, 408, 429 and 5xx")
-      ->check(CLI::Range(0, 100));
-  app.add_option("--retry-delay", inv.retry_delay, "first backoff in seconds; doubles per attempt, with jitter")
-      ->check(CLI::Range(0.0, 3600.0));
-  app.add_option("--retry-max-delay", inv.retry_max_delay, "longest backoff in seconds, Retry-After included")
-      ->check(CLI::Range(0.0, 3600.0));
-  app.add_option("--stall-timeout", inv.stall_timeout, "abort and retry a transfer slower than 1 KiB/s for this long")
-      ->check(CLI::Range(1, 3600));
-  app.add_option("--request-timeout", inv.request_timeout, "seconds one request may take, body included; 0: no limit")
-      ->check(CLI::Range(0.0, 1e6));
-  app.add_option("--timeout", inv.timeout, "seconds the whole command may take, retries included; 0: no limit")
-      ->check(CLI::Range(0.0, 1e6));
-  app.add_flag("--json", inv.json, "print a JSON report on stdout");
+void print(const std::string& text) {
+  std::fwrite(text.data(), 1, text.size(), stdout);
+  std::fflush(stdout);
 }
 
-cfmo::Result<cfmo::oci::PullOptions> pull_options(const Invocation& inv) {
-  cfmo::oci::PullOptions options;
-  options.registry.plain_http = inv.plain_http;
-  options.registry.retries = inv.retries;
-  options.registry.retry_base_s = inv.retry_delay;
-  options.registry.retry_max_delay_s = inv.retry_max_delay;
-  options.registry.stall_timeout_s = inv.stall_timeout;
-  options.registry.auth_file = inv.authfile;
-  options.registry.request_timeout_s = inv.request_timeout;
-  if (inv.timeout > 0) {
-    options.registry.timeout_s = inv.timeout;
-    options.registry.deadline =
-        std::chrono::steady_clock::now() +
-        std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(inv.timeout));
+std::unique_ptr<cfmo::pulltool::ConsoleProgress> console(const Invocation& inv, const oci::PullPlan& plan) {
+  using Mode = cfmo::pulltool::ConsoleProgress::Mode;
+  Mode mode = Mode::kNone;
+  switch (plan.progress) {
+    case oci::ProgressMode::kAuto:
+      mode = ::isatty(STDERR_FILENO) != 0 ? Mode::kTty : Mode::kPlain;
+      break;
+    case oci::ProgressMode::kTty:
+      mode = Mode::kTty;
+      break;
+    case oci::ProgressMode::kPlain:
+      mode = Mode::kPlain;
+      break;
+    case oci::ProgressMode::kNone:
+      break;
   }
-  options.jobs = inv.jobs;
-  if (inv.platform.empty()) {
-    options.platform = cfmo::oci::host_platform();
-  } else {
-    CFMO_ASSIGN_OR_RETURN(options.platform, cfmo::oci::parse_platform(inv.platform));
-  }
-  return options;
+  return std::make_unique<cfmo::pulltool::ConsoleProgress>(kTool, mode, !inv.config.quiet);
 }
 
-Json layers_json(const cfmo::oci::Manifest& manifest) {
+Json layers_json(const oci::Manifest& manifest) {
   Json layers = Json::array();
   for (const auto& l : manifest.layers)
     layers.push_back({{"digest", l.digest}, {"size", l.size}, {"mediaType", l.media_type}});
   return layers;
 }
 
-int run_inspect(const Invocation& inv) {
-  auto ref = cfmo::oci::parse_reference(inv.reference);
+Json report_json(const oci::PullReport& report, const std::string& image, const std::string& output) {
+  Json j;
+  j["image"] = image;
+  j["output"] = output;
+  j["manifest_digest"] = report.image.manifest.digest;
+  j["layout_manifest_digest"] =
+      report.layout_manifest.digest.empty() ? Json(nullptr) : Json(report.layout_manifest.digest);
+  j["complete"] = report.complete;
+  j["cold"] = report.cold;
+  j["layers"] = Json::array();
+  for (const auto& l : report.layers) {
+    j["layers"].push_back({{"digest", l.digest},
+                           {"size", l.size},
+                           {"hot", l.hot},
+                           {"location", l.location},
+                           {"state", l.state},
+                           {"seconds", l.seconds}});
+  }
+  j["bytes_fetched"] = report.bytes_fetched;
+  j["wall_s"] = report.wall_s;
+  j["ready_s"] = report.ready_s >= 0 ? Json(report.ready_s) : Json(nullptr);
+  j["peak_rss_bytes"] = oci::peak_rss_bytes();
+  j["memory_store"] = {{"dir", report.memory_dir.empty() ? Json(nullptr) : Json(report.memory_dir)},
+                       {"bytes", report.memory_bytes},
+                       {"capacity", report.memory_capacity}};
+  j["buffer_memory"] = {{"budget", report.buffer_bytes}, {"peak", report.buffer_peak_bytes}};
+  j["notes"] = report.notes;
+  return j;
+}
+
+int run_inspect(Invocation& inv, const oci::PullPlan& plan) {
+  auto ref = oci::parse_reference(inv.config.image);
   if (!ref) return fail(ref.error());
-  auto options = pull_options(inv);
-  if (!options) return fail(options.error());
-  auto credentials = cfmo::oci::load_credentials(ref->api_host(), inv.authfile);
-  if (!credentials) return fail(credentials.error());
-  auto image = cfmo::oci::inspect_image(*ref, *options, *credentials);
+  auto progress = console(inv, plan);
+  oci::PullOptions options = plan.pull;
+  options.observer = progress.get();
+  auto image = oci::inspect_image(*ref, options);
   if (!image) return fail(image.error());
   int64_t total = 0;
   for (const auto& l : image->parsed.layers) total += l.size;
-  if (inv.json) {
+  if (inv.config.json) {
     Json j;
     j["image"] = ref->to_string();
     j["index_digest"] = image->index_digest.empty() ? Json(nullptr) : Json(image->index_digest);
@@ -110,7 +135,7 @@ int run_inspect(const Invocation& inv) {
     j["config"] = Json::parse(image->config_body, nullptr, false);
     j["layers"] = layers_json(image->parsed);
     j["total_size"] = total;
-    fmt::print("{}\n", j.dump(2));
+    print(j.dump(2) + "\n");
     return 0;
   }
   std::string out = fmt::format("image     {}\nmanifest  {} ({})\nconfig    {} ({} bytes)\n", ref->to_string(),
@@ -122,82 +147,387 @@ int run_inspect(const Invocation& inv) {
     const auto& l = image->parsed.layers[i];
     out += fmt::format("  {:>3}  {}  {:>12}  {}\n", i, l.digest, l.size, l.media_type);
   }
-  std::fwrite(out.data(), 1, out.size(), stdout);
+  print(out);
   return 0;
 }
 
-int run_pull(const Invocation& inv) {
-  auto ref = cfmo::oci::parse_reference(inv.reference);
+/// What --output asked for: an OCI layout, a rootfs, or both.
+struct Outputs {
+  std::string layout;  ///< oci:DIR
+  std::string tag;
+  std::string rootfs;  ///< rootfs:DIR
+};
+
+cfmo::Result<Outputs> parse_outputs(const oci::PullConfig& config, const oci::Reference& ref) {
+  Outputs out;
+  for (const auto& output : config.output) {
+    if (output.starts_with("oci:") && output.size() > 4 && out.layout.empty()) {
+      out.layout = output.substr(4);
+      out.tag = ref.tag.empty() ? ref.digest : ref.tag;
+      if (const auto colon = out.layout.rfind(':');
+          colon != std::string::npos && out.layout.find('/', colon) == std::string::npos) {
+        out.tag = out.layout.substr(colon + 1);
+        out.layout.resize(colon);
+      }
+    } else if (output.starts_with("rootfs:") && output.size() > 7 && out.rootfs.empty()) {
+      out.rootfs = output.substr(7);
+    } else {
+      return cfmo::Error{cfmo::ErrorKind::kUsage,
+                         fmt::format("--output '{}': expected oci:DIR[:tag] or rootfs:DIR, each at most once", output)};
+    }
+  }
+  if (!config.cache.empty() && !out.layout.empty()) {
+    return cfmo::Error{cfmo::ErrorKind::kUsage, "--cache: the blobs of a pull with --output oci: go into that layout"};
+  }
+  if (config.replace && out.rootfs.empty()) {
+    return cfmo::Error{cfmo::ErrorKind::kUsage, "--replace: only for --output rootfs:DIR"};
+  }
+  return out;
+}
+
+int run_pull(Invocation& inv, const oci::PullPlan& plan) {
+  if (inv.config.image.empty()) {
+    return fail({cfmo::ErrorKind::kUsage, "pull: which image? give REF (or image in the --config file)"});
+  }
+  auto ref = oci::parse_reference(inv.config.image);
   if (!ref) return fail(ref.error());
-  if (!inv.output.starts_with("oci:") || inv.output.size() == 4) {
-    return fail({cfmo::ErrorKind::kUsage, fmt::format("--output '{}': expected oci:DIR[:tag]", inv.output)});
+  if (inv.config.output.empty()) {
+    return fail({cfmo::ErrorKind::kUsage, "pull: --output oci:DIR[:tag] or rootfs:DIR is required"});
   }
-  std::string dir = inv.output.substr(4);
-  std::string tag = ref->tag.empty() ? ref->digest : ref->tag;
-  if (const auto colon = dir.rfind(':'); colon != std::string::npos && dir.find('/', colon) == std::string::npos) {
-    tag = dir.substr(colon + 1);
-    dir.resize(colon);
+  auto outputs = parse_outputs(inv.config, *ref);
+  if (!outputs) return fail(outputs.error());
+  auto progress = console(inv, plan);
+  oci::PullOptions options = plan.pull;
+  options.observer = progress.get();
+
+  std::optional<oci::RootfsReport> rootfs;
+  std::optional<oci::PullReport> report;
+  std::string layout = outputs->layout;
+  if (outputs->rootfs.empty()) {
+    auto got = oci::pull_to_layout(*ref, options, layout, outputs->tag);
+    if (!got) return fail(got.error());
+    report = std::move(*got);
+  } else {
+    // A rootfs-only pull keeps its blobs in the cache (resumable, not fetched
+    // twice), named there by the whole reference.
+    std::string tag = outputs->tag;
+    if (layout.empty()) {
+      layout = inv.config.cache.empty() ? oci::default_blob_cache().string() : inv.config.cache;
+      tag = ref->to_string();
+      options.state_file = false;
+    }
+    oci::RootfsOptions rootfs_options;
+    rootfs_options.dir = outputs->rootfs;
+    rootfs_options.replace = inv.config.replace;
+    auto got = oci::pull_to_rootfs(*ref, options, layout, tag, rootfs_options);
+    if (!got) return fail(got.error());
+    report = got->pull;
+    rootfs = std::move(*got);
   }
-  auto options = pull_options(inv);
-  if (!options) return fail(options.error());
-  auto credentials = cfmo::oci::load_credentials(ref->api_host(), inv.authfile);
-  if (!credentials) return fail(credentials.error());
-  auto report = cfmo::oci::pull_to_layout(*ref, *options, *credentials, dir, tag);
+  if (rootfs && rootfs->total.skipped_devices > 0 && !inv.config.quiet) {
+    fmt::print(stderr, "{}: {} device node(s) not created (creating them needs root)\n", kTool,
+               rootfs->total.skipped_devices);
+  }
+
+  int background_pid = 0;
+  const bool pending = std::any_of(report->layers.begin(), report->layers.end(),
+                                   [](const oci::LayerReport& l) { return l.state == "pending"; });
+  if (options.background && pending) {
+    std::error_code ec;
+    const std::string absolute = fs::absolute(layout, ec).string();
+    std::vector<std::string> args = {kTool, "fetch", absolute, "--progress", "plain"};
+    for (auto& a : oci::fetch_arguments(inv.config, plan.pull.buffer_memory)) args.push_back(std::move(a));
+    auto started = cfmo::pulltool::start_detached(args, (fs::path(absolute) / oci::kLogFile).string());
+    if (!started) return fail(started.error());
+    background_pid = *started;
+  }
+  if (inv.config.json) {
+    Json j = report_json(*report, ref->to_string(), inv.config.output.front());
+    j["outputs"] = inv.config.output;
+    j["background_pid"] = background_pid > 0 ? Json(background_pid) : Json(nullptr);
+    if (rootfs) {
+      for (size_t i = 0; i < report->layers.size(); ++i) {
+        j["layers"][i]["entries"] = rootfs->layers[i].entries;
+        j["layers"][i]["uncompressed_bytes"] = rootfs->layers[i].uncompressed_bytes;
+      }
+      j["blobs"] = layout;
+      j["rootfs"] = {{"dir", rootfs->dir.string()},
+                     {"entries", rootfs->total.entries},
+                     {"uncompressed_bytes", rootfs->total.uncompressed_bytes},
+                     {"skipped_devices", rootfs->total.skipped_devices},
+                     {"skipped_xattrs", rootfs->total.skipped_xattrs},
+                     {"unpack_wait_s", rootfs->unpack_wait_s},
+                     {"sync_s", rootfs->sync_s}};
+    }
+    print(j.dump(2) + "\n");
+    return 0;
+  }
+  if (inv.config.quiet) return 0;
+  if (rootfs) {
+    print(fmt::format("{}: pulled {} ({}, {} layer(s), {} bytes fetched in {:.2f} s) into rootfs {} ({} entries)\n",
+                      kTool, ref->to_string(), report->image.manifest.digest, report->layers.size(),
+                      report->bytes_fetched, report->wall_s, rootfs->dir.string(), rootfs->total.entries));
+    return 0;
+  }
+  size_t waiting = 0;
+  for (const auto& l : report->layers) waiting += l.state == "pending" ? 1 : 0;
+  std::string tail;
+  if (background_pid > 0) {
+    tail = fmt::format("; {} cold layer(s) being fetched in the background (pid {}, log {}); see '{} status {}'",
+                       waiting, background_pid, (fs::path(layout) / oci::kLogFile).string(), kTool, layout);
+  } else if (waiting > 0) {
+    tail = fmt::format("; {} cold layer(s) not fetched yet: '{} fetch {}' brings them (index.json is written then)",
+                       waiting, kTool, layout);
+  } else if (!report->complete) {
+    tail = "; cold layers skipped: the layout has no index.json until they are fetched";
+  }
+  const std::string ready = report->ready_s >= 0 ? fmt::format(", ready after {:.2f} s", report->ready_s) : "";
+  print(fmt::format("{}: pulled {} ({}, {} layer(s), {} bytes fetched in {:.2f} s{}) into {}{}\n", kTool,
+                    ref->to_string(), report->image.manifest.digest, report->layers.size(), report->bytes_fetched,
+                    report->wall_s, ready, layout, tail));
+  return 0;
+}
+
+int run_fetch(Invocation& inv, const oci::PullPlan& plan) {
+  if (inv.args.empty()) return fail({cfmo::ErrorKind::kUsage, "fetch: which directory? give DIR [LAYER...]"});
+  const std::string dir = inv.args[0];
+  oci::FetchOptions options = plan.fetch;
+  for (size_t i = 1; i < inv.args.size(); ++i) {
+    auto spec = oci::parse_layer_spec(inv.args[i], "fetch");
+    if (!spec) return fail(spec.error());
+    options.layers.push_back(*spec);
+  }
+  auto progress = console(inv, plan);
+  options.observer = progress.get();
+  auto report = oci::fetch_layers(dir, options);
   if (!report) return fail(report.error());
-  if (inv.json) {
+  if (inv.config.json) {
+    auto state = oci::read_state(dir);
+    print(report_json(*report, state ? state->image : "", state ? state->output : "").dump(2) + "\n");
+    return 0;
+  }
+  if (inv.config.quiet) return 0;
+  size_t missing = 0;
+  for (const auto& l : report->layers) missing += l.state == "pending" || l.state == "skipped" ? 1 : 0;
+  print(fmt::format(
+      "{}: fetched {} bytes into {} in {:.2f} s; {}\n", kTool, report->bytes_fetched, dir, report->wall_s,
+      report->complete ? std::string("the image is complete") : fmt::format("{} layer(s) still not fetched", missing)));
+  return 0;
+}
+
+int run_status(Invocation& inv, const oci::PullPlan&) {
+  if (inv.args.empty()) return fail({cfmo::ErrorKind::kUsage, "status: which directory? give DIR"});
+  const fs::path dir = inv.args[0];
+  auto state = oci::read_state(dir);
+  if (!state) return fail(state.error());
+  const auto on_disk = oci::bytes_on_disk(dir, *state);
+  const bool fetcher_alive = state->fetcher_pid > 0 && oci::process_alive(state->fetcher_pid);
+  size_t fetched = 0;
+  int64_t total = 0;
+  int64_t have = 0;
+  for (size_t i = 0; i < state->layers.size(); ++i) {
+    fetched += state->layers[i].status == oci::LayerStatus::kFetched ? 1 : 0;
+    total += state->layers[i].blob.size;
+    have += std::min(on_disk[i], state->layers[i].blob.size);
+  }
+  // A layer "fetching" by a process that is gone was interrupted: it is pending, its partial blob kept.
+  auto state_of = [&](const oci::LayerState& l) -> std::string {
+    if (l.status == oci::LayerStatus::kFetching && !fetcher_alive) return "interrupted";
+    return oci::to_string(l.status);
+  };
+  if (inv.config.json) {
+    Json j = Json::parse(oci::state_to_json(*state));
+    j["fetcher_alive"] = fetcher_alive;
+    j["layers_fetched"] = fetched;
+    j["bytes_on_disk"] = have;
+    j["bytes_total"] = total;
+    for (size_t i = 0; i < state->layers.size(); ++i) {
+      j["layers"][i]["state"] = state_of(state->layers[i]);
+      j["layers"][i]["bytes_on_disk"] = on_disk[i];
+    }
+    print(j.dump(2) + "\n");
+    return 0;
+  }
+  std::string out = fmt::format("image     {}\noutput    {}\n", state->image, state->output);
+  out += fmt::format("layers    {} of {} fetched ({} of {}){}\n", fetched, state->layers.size(), oci::human_bytes(have),
+                     oci::human_bytes(total), state->complete ? "; complete (index.json written)" : "");
+  out += fmt::format("ready     {}\n", state->ready ? fmt::format("yes, after {:.2f} s", state->ready_s) : "no");
+  std::string fetcher = "none";
+  if (state->fetcher_pid > 0) {
+    fetcher = fetcher_alive ? fmt::format("pid {} running", state->fetcher_pid)
+                            : fmt::format("pid {} gone before it finished ('{} fetch {}' resumes)", state->fetcher_pid,
+                                          kTool, dir.string());
+  }
+  out += fmt::format("cold      {}; fetcher: {}\n", state->cold, fetcher);
+  if (!state->memory_dir.empty()) {
+    int64_t in_memory = 0;
+    for (size_t i = 0; i < state->layers.size(); ++i) {
+      if (state->layers[i].location == oci::Placement::kMemory) in_memory += on_disk[i];
+    }
+    out += fmt::format("memory    {}: {} of {}\n", state->memory_dir, oci::human_bytes(in_memory),
+                       oci::human_bytes(state->memory_capacity));
+  }
+  for (size_t i = 0; i < state->layers.size(); ++i) {
+    const auto& l = state->layers[i];
+    const std::string bytes = l.status == oci::LayerStatus::kFetched
+                                  ? oci::human_bytes(l.blob.size)
+                                  : fmt::format("{} of {}", oci::human_bytes(std::min(on_disk[i], l.blob.size)),
+                                                oci::human_bytes(l.blob.size));
+    out += fmt::format("  {:>3}  {}  {}  {:<6}  {:<11}  {}{}\n", i, l.blob.digest.substr(0, 19),
+                       l.hot ? "hot " : "cold", l.location == oci::Placement::kMemory ? "memory" : "disk", state_of(l),
+                       bytes, l.error.empty() ? "" : "  (" + l.error + ")");
+  }
+  print(out);
+  return 0;
+}
+
+int run_mount(Invocation& inv, const oci::PullPlan&) {
+  if (inv.args.size() != 2) {
+    return fail({cfmo::ErrorKind::kUsage, "mount: give the pull's DIR and the MOUNTPOINT"});
+  }
+  oci::MountOptions options;
+  options.partial = inv.config.partial;
+  options.writable = inv.config.writable;
+  auto report = oci::mount_image(inv.args[0], inv.args[1], options);
+  if (!report) return fail(report.error());
+  if (!inv.config.quiet) {
+    for (const auto& note : report->notes) fmt::print(stderr, "{}: {}\n", kTool, note);
+  }
+  if (inv.config.json) {
     Json j;
-    j["image"] = ref->to_string();
-    j["output"] = inv.output;
-    j["manifest_digest"] = report->image.manifest.digest;
-    j["layout_manifest_digest"] = report->layout_manifest.digest;
+    j["mounted"] = report->mounted;
+    j["mountpoint"] = inv.args[1];
+    j["not_mounted"] = report->not_mounted.empty() ? Json(nullptr) : Json(report->not_mounted);
+    j["upper"] = report->upper.empty() ? Json(nullptr) : Json(report->upper.string());
+    j["memory_bytes"] = report->memory_bytes;
     j["layers"] = Json::array();
     for (const auto& l : report->layers) {
-      j["layers"].push_back({{"digest", l.digest}, {"size", l.size}, {"state", l.state}, {"seconds", l.seconds}});
+      j["layers"].push_back({{"index", l.index},
+                             {"digest", l.digest},
+                             {"hot", l.hot},
+                             {"dir", l.dir.string()},
+                             {"memory", l.memory},
+                             {"unpacked_now", l.unpacked_now},
+                             {"bytes", l.bytes}});
     }
-    j["bytes_fetched"] = report->bytes_fetched;
-    j["wall_s"] = report->wall_s;
-    fmt::print("{}\n", j.dump(2));
-  } else {
-    fmt::print("{}: pulled {} ({}, {} layer(s), {} bytes fetched in {:.2f} s) into {}\n", kTool, ref->to_string(),
-               report->image.manifest.digest, report->layers.size(), report->bytes_fetched, report->wall_s, dir);
+    j["notes"] = report->notes;
+    print(j.dump(2) + "\n");
+  }
+  if (!report->mounted) {
+    // One clear line; the per-layer directories stay, in order, for whoever can use them.
+    std::string dirs;
+    for (const auto& l : report->layers) {
+      if (!dirs.empty()) dirs += ':';
+      dirs += l.dir.string();
+    }
+    fmt::print(stderr,
+               "{}: mount: cannot mount at '{}': {}; the layers are unpacked, base first, with OCI whiteouts (.wh. "
+               "files), in {}\n",
+               kTool, inv.args[1], report->not_mounted, dirs);
+    return static_cast<int>(cfmo::ErrorKind::kUsage);
+  }
+  if (!inv.config.json && !inv.config.quiet) {
+    size_t in_memory = 0;
+    for (const auto& l : report->layers) in_memory += l.memory ? 1 : 0;
+    print(fmt::format("{}: mounted {} layer(s) of {} at {} ({} from memory){}\n", kTool, report->layers.size(),
+                      inv.args[0], inv.args[1], in_memory,
+                      report->upper.empty() ? " read-only" : ", writes kept in memory until umount"));
   }
   return 0;
 }
+
+int run_umount(Invocation& inv, const oci::PullPlan&) {
+  if (inv.args.size() != 1) return fail({cfmo::ErrorKind::kUsage, "umount: give the MOUNTPOINT"});
+  if (auto done = oci::unmount_image(inv.args[0]); !done) return fail(done.error());
+  if (!inv.config.quiet) print(fmt::format("{}: unmounted {}\n", kTool, inv.args[0]));
+  return 0;
+}
+
+/// The subcommands, as a table (ninja's way): name, one line of help, positional arguments, body.
+struct SubcommandEntry {
+  PullCommand id;
+  const char* description;
+  const char* args_name;
+  const char* args_help;
+  int (*run)(Invocation&, const oci::PullPlan&);
+};
+
+constexpr std::array<SubcommandEntry, 6> kSubcommands = {{
+    {PullCommand::kPull, "pull an image: hot layers first, cold ones now, later or never", "REF",
+     "image reference: [registry[:port]/]name[:tag|@digest]", run_pull},
+    {PullCommand::kInspect, "print the manifest, config and layers, fetching no layer", "REF",
+     "image reference: [registry[:port]/]name[:tag|@digest]", run_inspect},
+    {PullCommand::kFetch, "fetch the layers a lazy pull left (all, or those named), resuming partial blobs", "DIR",
+     "the pull's directory, then layers (sha256:PREFIX, N, smallest:N, top:N, last:N)", run_fetch},
+    {PullCommand::kStatus, "show what a pull has fetched, what is pending, and its background fetch", "DIR",
+     "the pull's directory", run_status},
+    {PullCommand::kMount, "present a pull's image as one overlay file system: hot layers from memory, cold from disk",
+     "DIR MOUNTPOINT", "the pull's directory and where to mount it", run_mount},
+    {PullCommand::kUmount, "unmount what cfmo-pull mount mounted (and drop its writes)", "MOUNTPOINT",
+     "where it is mounted", run_umount},
+}};
 
 int run(int argc, char** argv) {
   CLI::App app{
-      "Pull container images from an OCI Distribution registry into an OCI image layout, streaming\n"
-      "and verifying every blob."};
+      "Pull container images from an OCI Distribution registry in bounded memory: hot layers first into a\n"
+      "memory-backed store, cold layers now, later or never. Every option can also be set in a TOML file\n"
+      "(--config); flags override the file."};
   app.name(kTool);
-  app.set_version_flag("--version", "cfmo-pull 0.1.0");
+  app.set_version_flag("--version", "cfmo-pull 0.2.0");
   app.require_subcommand(1);
-  app.get_formatter()->column_width(30);
+  app.get_formatter()->column_width(34);
 
-  Invocation pull_inv;
-  CLI::App* pull = app.add_subcommand("pull", "pull an image into an OCI layout (--output oci:DIR[:tag])");
-  pull->get_formatter()->column_width(30);
-  add_registry_flags(*pull, pull_inv);
-  pull->add_option("--output", pull_inv.output, "where the image goes: oci:DIR[:tag]")->required();
-  pull->add_option("--jobs", pull_inv.jobs, "blobs downloaded in parallel")->check(CLI::Range(1, 64));
-
-  Invocation inspect_inv;
-  CLI::App* inspect = app.add_subcommand("inspect", "print the manifest, config and layers, fetching no layer");
-  inspect->get_formatter()->column_width(30);
-  add_registry_flags(*inspect, inspect_inv);
-
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "{}: {}\nRun '{} --help' for the subcommands, '{} SUBCOMMAND --help' for their options.\n",
-               kTool, e.what(), kTool, kTool);
-    return static_cast<int>(cfmo::ErrorKind::kUsage);
+  std::array<Invocation, kSubcommands.size()> invocations;
+  for (size_t i = 0; i < kSubcommands.size(); ++i) {
+    const auto& entry = kSubcommands[i];
+    Invocation& inv = invocations[i];
+    inv.id = entry.id;
+    inv.argv = argv;
+    inv.app = app.add_subcommand(std::string(oci::to_string(entry.id)), entry.description);
+    inv.app->get_formatter()->column_width(34);
+    // Checked by the subcommand, not CLI11, so that --print-config needs no argument.
+    inv.app->add_option(entry.args_name, inv.args, entry.args_help);
+    inv.app->add_option("--config", inv.config_file, "TOML file with any of the options below")->group("General");
+    inv.app->add_flag("--print-config", inv.print_config, "print the merged configuration as TOML and exit")
+        ->group("General");
+    oci::add_pull_options(inv.table, inv.config, entry.id);
+    inv.table.register_cli(*inv.app);
+    // One value per occurrence (--hot 0 --hot 2), so that a list flag does not swallow REF.
+    for (const char* list : {"--hot", "--mirror", "--insecure-registry", "--output"}) {
+      if (auto* option = inv.app->get_option_no_throw(list)) option->allow_extra_args(false);
+    }
   }
-  if (pull->parsed()) return run_pull(pull_inv);
-  return run_inspect(inspect_inv);
+
+  if (auto done = cfmo::tool::parse_command_line(app, argc, argv, "cfmo-pull", true)) return *done;
+
+  for (size_t i = 0; i < kSubcommands.size(); ++i) {
+    Invocation& inv = invocations[i];
+    if (!inv.app->parsed()) continue;
+    if (!inv.config_file.empty()) {
+      if (auto loaded = oci::load_pull_config(inv.table, inv.config_file, inv.id); !loaded) {
+        return fail(loaded.error());
+      }
+    }
+    const bool takes_ref = inv.id == PullCommand::kPull || inv.id == PullCommand::kInspect;
+    if (takes_ref && !inv.args.empty()) {
+      if (inv.args.size() > 1) {
+        return fail({cfmo::ErrorKind::kUsage, fmt::format("{}: one image at a time (got '{}' and '{}')",
+                                                          oci::to_string(inv.id), inv.args[0], inv.args[1])});
+      }
+      inv.config.image = inv.args[0];  // the argument wins over --image and the file
+    }
+    auto plan = oci::validate(inv.config, inv.id);
+    if (!plan) return fail(plan.error());
+    if (inv.print_config) {
+      print(inv.table.to_toml());
+      return 0;
+    }
+    if (inv.id == PullCommand::kInspect && inv.config.image.empty()) {
+      return fail({cfmo::ErrorKind::kUsage, "inspect: which image? give REF (or image in the --config file)"});
+    }
+    return kSubcommands[i].run(inv, *plan);
+  }
+  return static_cast<int>(cfmo::ErrorKind::kUsage);  // unreachable: CLI11 requires a subcommand
 }
 
 }  // namespace

@@ -1,17 +1,17 @@
 // cfmo-train: parse flags and config, run the library's trainer, report.
 #include "../common/tool_main.h"
-#include "core/config.h"
-#include "core/progress.h"
 #include "comm/rendezvous.h"
 #include "comm/ucx_communicator.h"
+#include "core/config.h"
+#include "core/progress.h"
 #include "train/checkpoint.h"
 #include "train/launcher.h"
 #include "train/trainer.h"
 
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 #include <fmt/format.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -60,7 +60,8 @@ class ConsoleObserver final : public cfmo::TrainObserver {
     if (quiet_) return;
     clear_line();
     fmt::print(stderr, "{} step {}: test accuracy {:.4f}  test loss {:.4f}  ({:.1f}s)\n",
-               e.final ? "final" : fmt::format("epoch {:.0f}", e.epochs), e.step, e.test_accuracy, e.test_loss, e.elapsed_s);
+               e.final ? "final" : fmt::format("epoch {:.0f}", e.epochs), e.step, e.test_accuracy, e.test_loss,
+               e.elapsed_s);
   }
 
   void on_note(std::string_view text) override {
@@ -132,8 +133,8 @@ int compare_modes(int argc, char** argv, const cfmo::TrainConfig& config, bool j
     const auto& [status, out] = *ran;
     // The summary is the run's last line on stdout.
     const auto last = out.rfind('\n', out.size() > 1 ? out.size() - 2 : 0);
-    const auto summary = nlohmann::ordered_json::parse(out.substr(last == std::string::npos ? 0 : last + 1), nullptr,
-                                                       false);
+    const auto summary =
+        nlohmann::ordered_json::parse(out.substr(last == std::string::npos ? 0 : last + 1), nullptr, false);
     if (status != 0 || !summary.is_object()) {
       fmt::print(stderr, "cfmo-train: --compare: the {} run failed with status {}\n", mode, status);
       return status != 0 ? status : static_cast<int>(cfmo::ErrorKind::kInternal);
@@ -183,16 +184,7 @@ static int run(int argc, char** argv) {
       ->group("General");
   table.register_cli(app);
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "cfmo-train: {}\nRun 'cfmo-train --help' for the options.\n", e.what());
-    return static_cast<int>(cfmo::ErrorKind::kUsage);
-  }
+  if (auto done = cfmo::tool::parse_command_line(app, argc, argv, "cfmo-train")) return *done;
 
   cfmo::TrainOptions options;
   if (!resume.empty()) {

@@ -8,10 +8,13 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
+
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <new>
+#include <optional>
 
 namespace cfmo::tool {
 
@@ -39,6 +42,30 @@ int guarded(const char* tool, Body&& body) {
     fmt::print(stderr, "{}: internal error: {}\n", tool, e.what());
   }
   return static_cast<int>(ErrorKind::kInternal);
+}
+
+/// Parses the command line. Returns the status to exit with when the run
+/// ends here: 0 after --help or --version, 2 (usage) after a bad command line,
+/// which is one line naming the problem and one saying where the help is.
+/// `subcommands`: the tool has them, and the hint names both levels of help.
+inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv, const char* tool,
+                                             bool subcommands = false) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    if (subcommands) {
+      fmt::print(stderr, "{}: {}\nRun '{} --help' for the subcommands, '{} SUBCOMMAND --help' for their options.\n",
+                 tool, e.what(), tool, tool);
+    } else {
+      fmt::print(stderr, "{}: {}\nRun '{} --help' for the options.\n", tool, e.what(), tool);
+    }
+    return static_cast<int>(ErrorKind::kUsage);
+  }
+  return std::nullopt;
 }
 
 inline int fail(const char* tool, const Error& error) {

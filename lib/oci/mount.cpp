@@ -1,0 +1,359 @@
+#include "oci/mount.h"
+
+#include "oci/blob.h"
+#include "oci/hot_set.h"
+#include "oci/pull_state.h"
+#include "oci/registry.h"
+#include "oci/unpack.h"
+
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace cfmo::oci {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kMountSource = "cfmo-pull";  ///< how umount tells our mounts from others
+constexpr const char* kRwMarker = ".cfmo-pull-rw";
+constexpr int kCapSysAdmin = 21;
+
+/// A tree's use of its file system, in bytes (what du counts).
+int64_t tree_bytes(const fs::path& root) {
+  int64_t total = 0;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(root, fs::directory_options::skip_permission_denied, ec);
+       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    struct stat st {};
+    if (::lstat(it->path().c_str(), &st) == 0) total += static_cast<int64_t>(st.st_blocks) * 512;
+  }
+  return total;
+}
+
+void remove_tree(const fs::path& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  if (!ec) return;
+  // A layer may leave directories without write permission.
+  for (auto it = fs::recursive_directory_iterator(path, fs::directory_options::skip_permission_denied, ec);
+       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    if (it->is_directory(ec) && !it->is_symlink(ec)) ::chmod(it->path().c_str(), 0700);
+  }
+  ::chmod(path.c_str(), 0700);
+  fs::remove_all(path, ec);
+}
+
+/// /proc/self/mountinfo's escapes (\040 for a space...) undone.
+std::string unescape(const std::string& field) {
+  std::string out;
+  for (size_t i = 0; i < field.size(); ++i) {
+    if (field[i] == '\\' && i + 3 < field.size()) {
+      const std::string octal = field.substr(i + 1, 3);
+      if (octal.size() == 3 && std::all_of(octal.begin(), octal.end(), [](char c) { return c >= '0' && c <= '7'; })) {
+        out += static_cast<char>(std::stoi(octal, nullptr, 8));
+        i += 3;
+        continue;
+      }
+    }
+    out += field[i];
+  }
+  return out;
+}
+
+struct MountEntry {
+  fs::path point;
+  std::string fstype;
+  std::string source;
+  std::string super_options;
+};
+
+std::vector<MountEntry> mounts() {
+  std::vector<MountEntry> out;
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::vector<std::string> f;
+    for (std::string w; fields >> w;) f.push_back(w);
+    const auto dash = std::find(f.begin(), f.end(), "-");
+    if (f.size() < 5 || dash == f.end() || std::distance(dash, f.end()) < 4) continue;
+    out.push_back({unescape(f[4]), *(dash + 1), unescape(*(dash + 2)), *(dash + 3)});
+  }
+  return out;
+}
+
+/// The last mount at `point` (the one a path lookup sees).
+std::optional<MountEntry> mount_at(const fs::path& point) {
+  std::optional<MountEntry> found;
+  for (auto& m : mounts()) {
+    if (m.point == point) found = std::move(m);
+  }
+  return found;
+}
+
+bool has_cap_sys_admin() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.starts_with("CapEff:")) continue;
+    const uint64_t caps = std::stoull(line.substr(7), nullptr, 16);
+    return (caps >> kCapSysAdmin) & 1u;
+  }
+  return false;
+}
+
+bool kernel_has_overlay() {
+  std::ifstream in("/proc/filesystems");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.ends_with("\toverlay") || line == "nodev\toverlay") return true;
+  }
+  return false;
+}
+
+/// The directory a layer is unpacked into under `root` (DIR, or the memory store).
+fs::path layer_dir(const fs::path& root, WhiteoutMode mode, const std::string& digest) {
+  return root / "layers" / (mode == WhiteoutMode::kOverlay ? "overlay" : "oci") / digest.substr(7);
+}
+
+/// Unpacks `blob` into `target` through a temporary sibling renamed at the end.
+Result<UnpackStats> unpack_into(const fs::path& blob, const fs::path& target, const Descriptor& layer,
+                                WhiteoutMode mode, const std::string& what) {
+  std::error_code ec;
+  fs::create_directories(target.parent_path(), ec);
+  if (ec) {
+    return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", target.parent_path().string(), ec.message());
+  }
+  const fs::path temp = target.string() + ".partial-" + std::to_string(::getpid());
+  remove_tree(temp);
+  if (::mkdir(temp.c_str(), 0755) != 0) {
+    return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", temp.string(), std::strerror(errno));
+  }
+  CFMO_ASSIGN_OR_RETURN(const Compression compression, layer_compression(layer.media_type));
+  UnpackOptions options;
+  options.whiteouts = mode;
+  auto stats = unpack_layer_file(blob, temp, compression, options, what);
+  if (!stats) {
+    remove_tree(temp);
+    return stats;
+  }
+  if (::rename(temp.c_str(), target.c_str()) != 0) {
+    const int error = errno;
+    remove_tree(temp);
+    // Another mount unpacked the same layer meanwhile: theirs is as good.
+    if ((error == ENOTEMPTY || error == EEXIST) && fs::is_directory(target)) return stats;
+    return make_error(ErrorKind::kInternal, "'{}': cannot rename into place: {}", target.string(),
+                      std::strerror(error));
+  }
+  return stats;
+}
+
+std::string join_indices(const std::vector<size_t>& indices) {
+  std::string out;
+  for (size_t i = 0; i < indices.size(); ++i) {
+    if (i > 0) out += i + 1 == indices.size() ? " and " : ", ";
+    out += std::to_string(indices[i]);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string mount_unavailable_reason() {
+  if (!kernel_has_overlay()) return "the kernel has no overlay file system (modprobe overlay)";
+  if (!has_cap_sys_admin()) {
+    return ::geteuid() == 0 ? "this process lacks CAP_SYS_ADMIN (a container without it)"
+                            : "mounting needs root (CAP_SYS_ADMIN)";
+  }
+  return "";
+}
+
+Result<MountReport> mount_image(const fs::path& dir, const fs::path& mountpoint, const MountOptions& options) {
+  MountReport report;
+  CFMO_ASSIGN_OR_RETURN(const PullState state, read_state(dir));
+  std::error_code ec;
+  const fs::path point = fs::weakly_canonical(fs::absolute(mountpoint, ec), ec);
+  if (!fs::is_directory(point, ec)) {
+    return make_error(ErrorKind::kUsage, "mount point '{}': not a directory", mountpoint.string());
+  }
+  if (const auto existing = mount_at(point); existing && existing->source == kMountSource) {
+    return make_error(ErrorKind::kUsage, "mount point '{}': a cfmo-pull image is mounted there already ({} umount {})",
+                      mountpoint.string(), kMountSource, mountpoint.string());
+  }
+  std::vector<size_t> missing;
+  std::vector<size_t> skipped;
+  for (size_t i = 0; i < state.layers.size(); ++i) {
+    const auto& l = state.layers[i];
+    if (l.status == LayerStatus::kSkipped) {
+      skipped.push_back(i);
+    } else if (l.status != LayerStatus::kFetched || !fs::exists(blob_path(dir, l.blob.digest))) {
+      missing.push_back(i);
+    }
+  }
+  if (!missing.empty() && !options.partial) {
+    return make_error(ErrorKind::kUsage,
+                      "'{}': layer{} {} {} not fetched yet ({} fetch {} brings them; --partial mounts the layers "
+                      "there are, without their files)",
+                      dir.string(), missing.size() == 1 ? "" : "s", join_indices(missing),
+                      missing.size() == 1 ? "is" : "are", kMountSource, dir.string());
+  }
+  if (!skipped.empty()) {
+    report.notes.push_back(fmt::format("layer{} {} left out (skipped by the pull)", skipped.size() == 1 ? "" : "s",
+                                       join_indices(skipped)));
+  }
+  if (!missing.empty()) {
+    report.notes.push_back(fmt::format("layer{} {} not fetched: mounted without {}", missing.size() == 1 ? "" : "s",
+                                       join_indices(missing), missing.size() == 1 ? "it" : "them"));
+  }
+
+  // Overlay whiteouts (0:0 devices, trusted.* xattrs) need the privileges
+  // a mount needs; without them the directories keep OCI's .wh. files.
+  const std::string cannot_mount = mount_unavailable_reason();
+  const WhiteoutMode mode = cannot_mount.empty() && running_as_root() ? WhiteoutMode::kOverlay : WhiteoutMode::kKeep;
+  const fs::path store = state.memory_dir;
+  int64_t memory_use = 0;
+  if (!store.empty()) memory_use = tree_bytes(store);
+  for (size_t i = 0; i < state.layers.size(); ++i) {
+    if (std::find(missing.begin(), missing.end(), i) != missing.end() ||
+        std::find(skipped.begin(), skipped.end(), i) != skipped.end()) {
+      continue;
+    }
+    const auto& l = state.layers[i];
+    MountedLayer m;
+    m.index = i;
+    m.digest = l.blob.digest;
+    m.hot = l.hot;
+    const std::string what = fmt::format("layer {} ({})", short_digest(l.blob.digest), i);
+    const fs::path blob = blob_path(dir, l.blob.digest);
+    const bool in_memory = l.hot && !store.empty() && fs::is_directory(store, ec);
+    const fs::path memory_target = in_memory ? layer_dir(store, mode, l.blob.digest) : fs::path();
+    const fs::path disk_target = layer_dir(dir, mode, l.blob.digest);
+    if (in_memory && fs::is_directory(memory_target, ec)) {
+      m.dir = memory_target;
+      m.memory = true;
+    } else if (fs::is_directory(disk_target, ec)) {
+      m.dir = disk_target;
+    } else if (in_memory) {
+      CFMO_TRY(unpack_into(blob, memory_target, l.blob, mode, what));
+      const int64_t bytes = tree_bytes(memory_target);
+      if (memory_use + bytes > state.memory_capacity) {
+        remove_tree(memory_target);
+        const std::string sizes =
+            fmt::format("hot layer {} unpacks to {}, and the memory store holds {} of {}", i, human_bytes(bytes),
+                        human_bytes(memory_use), human_bytes(state.memory_capacity));
+        if (!state.spill) {
+          return make_error(ErrorKind::kUsage, "{} (pull with --spill to unpack it on disk instead)", sizes);
+        }
+        report.notes.push_back(sizes + ": unpacked on disk instead");
+        CFMO_TRY(unpack_into(blob, disk_target, l.blob, mode, what));
+        m.dir = disk_target;
+      } else {
+        memory_use += bytes;
+        m.dir = memory_target;
+        m.memory = true;
+      }
+      m.unpacked_now = true;
+    } else {
+      CFMO_TRY(unpack_into(blob, disk_target, l.blob, mode, what));
+      m.dir = disk_target;
+      m.unpacked_now = true;
+    }
+    m.bytes = tree_bytes(m.dir);
+    report.layers.push_back(std::move(m));
+  }
+  report.memory_bytes = memory_use;
+
+  if (!cannot_mount.empty()) {
+    report.not_mounted = cannot_mount;
+    return report;
+  }
+  // Short names for the lower directories (as docker's overlay2 does), so
+  // the mount's options stay within a page for images of many layers.
+  const fs::path links = dir / "layers" / "l";
+  fs::create_directories(links, ec);
+  std::vector<fs::path> lower;
+  for (auto it = report.layers.rbegin(); it != report.layers.rend(); ++it) {  // the top layer first
+    const fs::path link = links / std::to_string(it->index);
+    fs::remove(link, ec);
+    fs::create_symlink(fs::absolute(it->dir), link, ec);
+    if (ec) return make_error(ErrorKind::kInternal, "'{}': cannot link: {}", link.string(), ec.message());
+    lower.push_back(fs::absolute(link));
+  }
+  // An overlay without an upper directory needs two lower ones.
+  if (lower.size() < 2 && !options.writable) {
+    const fs::path empty = dir / "layers" / "empty";
+    fs::create_directories(empty, ec);
+    lower.push_back(fs::absolute(empty));
+  }
+  std::string data = "lowerdir=";
+  for (size_t i = 0; i < lower.size(); ++i) {
+    if (i > 0) data += ':';
+    data += lower[i].string();
+  }
+  unsigned long flags = MS_RDONLY;
+  if (options.writable) {
+    const fs::path base = (store.empty() ? dir / "layers" : store) / "rw" / sha256_digest(point.string()).substr(7, 12);
+    remove_tree(base);
+    fs::create_directories(base / "upper", ec);
+    fs::create_directories(base / "work", ec);
+    if (ec) return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", base.string(), ec.message());
+    std::ofstream(base / kRwMarker) << point.string() << "\n";
+    data += ",upperdir=" + (base / "upper").string() + ",workdir=" + (base / "work").string();
+    report.upper = base / "upper";
+    flags = 0;
+  }
+  if (data.size() >= static_cast<size_t>(::getpagesize())) {
+    return make_error(ErrorKind::kUsage, "'{}': {} layers are too many for one overlay mount's options ({} bytes)",
+                      dir.string(), report.layers.size(), data.size());
+  }
+  if (::mount(kMountSource, point.c_str(), "overlay", flags, data.c_str()) != 0) {
+    const int error = errno;
+    if (error == EPERM || error == EACCES) {
+      report.not_mounted = fmt::format("mount(2) refused: {}", std::strerror(error));
+      return report;
+    }
+    return make_error(ErrorKind::kInternal, "mount point '{}': overlay mount failed: {}", mountpoint.string(),
+                      std::strerror(error));
+  }
+  report.mounted = true;
+  return report;
+}
+
+Status unmount_image(const fs::path& mountpoint) {
+  std::error_code ec;
+  const fs::path point = fs::weakly_canonical(fs::absolute(mountpoint, ec), ec);
+  const auto entry = mount_at(point);
+  if (!entry) return make_error(ErrorKind::kUsage, "'{}': nothing is mounted there", mountpoint.string());
+  if (entry->source != kMountSource || entry->fstype != "overlay") {
+    return make_error(ErrorKind::kUsage, "'{}': not a cfmo-pull mount ({} from {})", mountpoint.string(), entry->fstype,
+                      entry->source);
+  }
+  if (::umount2(point.c_str(), 0) != 0) {
+    const int error = errno;
+    if (error == EBUSY) {
+      return make_error(ErrorKind::kInternal, "'{}': busy (a process still uses it): {}", mountpoint.string(),
+                        std::strerror(error));
+    }
+    if (error == EPERM) {
+      return make_error(ErrorKind::kUsage, "'{}': unmounting needs root (CAP_SYS_ADMIN)", mountpoint.string());
+    }
+    return make_error(ErrorKind::kInternal, "'{}': umount failed: {}", mountpoint.string(), std::strerror(error));
+  }
+  // The writes of a --writable mount lived in its upper directory; they go with it.
+  const std::string key = "upperdir=";
+  if (const auto at = entry->super_options.find(key); at != std::string::npos) {
+    const auto end = entry->super_options.find(',', at);
+    const fs::path upper =
+        unescape(entry->super_options.substr(at + key.size(), end == std::string::npos ? end : end - at - key.size()));
+    if (fs::exists(upper.parent_path() / kRwMarker, ec)) remove_tree(upper.parent_path());
+  }
+  return {};
+}
+
+}  // namespace cfmo::oci

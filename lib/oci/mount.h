@@ -1,0 +1,61 @@
+#pragma once
+/// `cfmo-pull mount DIR MOUNTPOINT`: an earlier pull's image presented as
+/// one overlay filesystem. Each layer is unpacked once into a directory of
+/// its own — a hot layer in the memory store, a cold one in DIR/layers/ —
+/// and the directories are stacked in the image's order (the base layer at
+/// the bottom) as overlayfs lower layers, so the hot layers are served from
+/// memory and the cold ones from disk. Where the process may mount (root
+/// with CAP_SYS_ADMIN) the layers carry overlayfs whiteouts
+/// (WhiteoutMode::kOverlay, in DIR/layers/overlay/); otherwise they keep the
+/// OCI .wh. files (kKeep, in DIR/layers/oci/), and the mount itself is
+/// refused with the reason, the directories staying usable.
+
+#include "core/error.h"
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace cfmo::oci {
+
+struct MountOptions {
+  bool partial = false;   ///< mount though some layers are not fetched (their files are absent)
+  bool writable = false;  ///< an upper directory in the memory store: writes stay in memory until umount
+};
+
+struct MountedLayer {
+  size_t index = 0;
+  std::string digest;
+  bool hot = false;
+  std::filesystem::path dir;  ///< the unpacked layer
+  bool memory = false;        ///< dir is in the memory store
+  bool unpacked_now = false;  ///< false: it was there from an earlier mount
+  int64_t bytes = 0;          ///< the unpacked tree's disk (or memory) use
+};
+
+struct MountReport {
+  std::vector<MountedLayer> layers;  ///< in the image's order, base first
+  std::vector<std::string> notes;    ///< layers left out, spilled to disk
+  bool mounted = false;
+  std::string not_mounted;      ///< why the mount was not made (the directories are there)
+  std::filesystem::path upper;  ///< --writable: the upper directory
+  int64_t memory_bytes = 0;     ///< the memory store's use now: hot blobs and unpacked hot layers
+};
+
+/// Why this process cannot mount overlayfs, or empty when it can (it has
+/// CAP_SYS_ADMIN and the kernel knows overlay).
+std::string mount_unavailable_reason();
+
+/// Unpacks the fetched layers of the pull in `dir` and mounts them at
+/// `mountpoint` (an existing directory). Missing layers (pending, failed)
+/// are kUsage naming them, unless `partial`; skipped ones are left out with
+/// a note. When the process may not mount, the report says why and
+/// `mounted` is false (not an error: the caller decides).
+Result<MountReport> mount_image(const std::filesystem::path& dir, const std::filesystem::path& mountpoint,
+                                const MountOptions& options);
+
+/// Unmounts a cfmo-pull overlay at `mountpoint` and removes its upper
+/// directory; anything else mounted there is kUsage.
+Status unmount_image(const std::filesystem::path& mountpoint);
+
+}  // namespace cfmo::oci

@@ -1,0 +1,279 @@
+#include "oci/pull_config.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <initializer_list>
+#include <sstream>
+
+namespace cfmo::oci {
+namespace {
+
+constexpr std::array<PullCommand, 6> kCommands = {PullCommand::kPull,   PullCommand::kInspect, PullCommand::kFetch,
+                                                  PullCommand::kStatus, PullCommand::kMount,   PullCommand::kUmount};
+
+bool among(PullCommand c, std::initializer_list<PullCommand> set) {
+  return std::find(set.begin(), set.end(), c) != set.end();
+}
+
+Result<double> duration(const std::string& text, const char* flag, double max_s) {
+  auto d = parse_duration(text);
+  if (!d) return make_error(ErrorKind::kUsage, "--{}: {}", flag, d.error().message);
+  if (*d > max_s) return make_error(ErrorKind::kUsage, "--{} '{}': at most {} s", flag, text, max_s);
+  return *d;
+}
+
+Result<int64_t> size_flag(const std::string& text, const char* flag) {
+  auto s = parse_size(text);
+  if (!s) return make_error(ErrorKind::kUsage, "--{}: {}", flag, s.error().message);
+  if (*s > (uint64_t{1} << 50)) return make_error(ErrorKind::kUsage, "--{} '{}': too large", flag, text);
+  return static_cast<int64_t>(*s);
+}
+
+}  // namespace
+
+std::string_view to_string(PullCommand command) {
+  switch (command) {
+    case PullCommand::kPull:
+      return "pull";
+    case PullCommand::kInspect:
+      return "inspect";
+    case PullCommand::kFetch:
+      return "fetch";
+    case PullCommand::kStatus:
+      return "status";
+    case PullCommand::kMount:
+      return "mount";
+    case PullCommand::kUmount:
+      return "umount";
+  }
+  return "?";
+}
+
+void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
+  using enum PullCommand;
+  const std::string image = "Image";
+  if (among(s, {kPull, kInspect})) {
+    t.add("image", &c.image, "the image reference, [registry[:port]/]name[:tag|@digest] (or the REF argument)", image);
+    t.add("platform", &c.platform, "os/arch[/variant] to choose from an index (empty: this machine's)", image);
+  }
+  if (s == kPull) {
+    t.add("output", &c.output,
+          "where the image goes: oci:DIR[:tag] (an OCI layout), rootfs:DIR (its layers unpacked), or both", image,
+          "-o");
+    t.add("cache", &c.cache, "blob store of a pull without oci: (empty: $XDG_CACHE_HOME/cfmo-pull, ~/.cache/cfmo-pull)",
+          image);
+    t.add("replace", &c.replace, "replace a rootfs:DIR that is not empty, once the new tree is complete", image);
+  }
+
+  const std::string registry = "Registry";
+  if (among(s, {kPull, kInspect, kFetch})) {
+    t.add("plain_http", &c.plain_http, "speak HTTP, not HTTPS, to every registry and mirror", registry);
+    t.add("insecure_registry", &c.insecure_registry,
+          "speak plain HTTP to this host (HOST or HOST:PORT; repeatable), HTTPS to the others", registry);
+    t.add("mirror", &c.mirror,
+          "try this mirror (HOST[:PORT], http:// for plain HTTP) before the image's registry; repeatable, in order",
+          registry);
+    t.add("authfile", &c.authfile,
+          "docker config.json with credentials (empty: $DOCKER_CONFIG/config.json, ~/.docker/config.json)", registry);
+    if (s != kInspect) t.add("jobs", &c.jobs, "blobs downloaded in parallel (1 to 64)", registry);
+    t.add("retries", &c.retries, "attempts after the first on connection errors, 408, 429 and 5xx (0 to 100)",
+          registry);
+    t.add("retry_delay", &c.retry_delay, "first backoff (e.g. 0.5s); doubles per attempt, with jitter", registry);
+    t.add("retry_max_delay", &c.retry_max_delay, "longest backoff, Retry-After included (e.g. 30s)", registry);
+    t.add("stall_timeout", &c.stall_timeout, "abort and retry a transfer slower than 1 KiB/s for this long", registry);
+    t.add("request_timeout", &c.request_timeout, "longest one request may take, body included (0: no limit)", registry);
+    t.add("timeout", &c.timeout, "longest the whole command may take, retries included (0: no limit; e.g. 30s)",
+          registry);
+  }
+
+  const std::string layers = "Hot and cold layers";
+  if (s == kPull) {
+    t.add("hot", &c.hot,
+          "hot layers, fetched first into the memory store: sha256:PREFIX, index N or -N, smallest:N, top:N (the "
+          "first N in manifest order), last:N, all, none; repeatable",
+          layers);
+    t.add("max_memory", &c.max_memory,
+          "memory this pull may use: the memory store of hot layers plus the download buffers (e.g. 2G)", layers);
+  }
+  if (among(s, {kPull, kFetch})) {
+    t.add("buffer_memory", &c.buffer_memory,
+          "download buffers shared by the parallel downloads (empty: 16M, or max_memory/4 when less)", layers);
+  }
+  if (s == kPull) {
+    t.add("spill", &c.spill, "put hot layers that do not fit in the memory store on disk (with a warning)", layers);
+    t.add("cold", &c.cold, "what happens to the other layers: eager (fetch them now), lazy (later) or skip", layers);
+    t.add("background", &c.background,
+          "fetch the cold layers in a detached process once the hot ones are ready (its log: DIR/cfmo-pull.log)",
+          layers);
+    t.add("ready_file", &c.ready_file, "file written the moment the hot layers are complete (empty: none)", layers);
+    t.add("memory_dir", &c.memory_dir, "memory-backed directory (tmpfs) the memory store is made in", layers);
+  }
+
+  if (s == kMount) {
+    const std::string mounting = "Mounting";
+    t.add("partial", &c.partial, "mount though some layers are not fetched yet (their files are missing)", mounting);
+    t.add("writable", &c.writable, "add an upper directory in the memory store: writes stay in memory and go at umount",
+          mounting);
+  }
+  const std::string output = "Output";
+  if (s != kUmount) t.add("json", &c.json, "print a JSON report on stdout", output);
+  if (among(s, {kPull, kFetch, kMount, kUmount})) {
+    t.add("quiet", &c.quiet, "print nothing but errors (and the JSON report)", output, "-q");
+  }
+  if (among(s, {kPull, kFetch})) {
+    t.add("progress", &c.progress,
+          "per-layer progress on stderr: auto (tty on a terminal, else plain), tty, plain, none", output);
+  }
+}
+
+Status load_pull_config(OptionTable& table, const std::filesystem::path& file, PullCommand command) {
+  std::error_code ec;
+  const std::string source = file.string();
+  if (!std::filesystem::is_regular_file(file, ec)) {
+    return make_error(ErrorKind::kUsage, "config '{}': no such file", source);
+  }
+  toml::table parsed;
+  try {
+    parsed = toml::parse_file(source);
+  } catch (const toml::parse_error& e) {
+    return make_error(ErrorKind::kUsage, "config '{}': line {}: {}", source, e.source().begin.line, e.description());
+  }
+  auto known = [](PullCommand c, const std::string& key) {
+    PullConfig scratch;
+    OptionTable t;
+    add_pull_options(t, scratch, c);
+    return t.to_toml().find("\n" + key + " = ") != std::string::npos;
+  };
+  toml::table mine;
+  for (const auto& [key, node] : parsed) {
+    const std::string name(key.str());
+    if (known(command, name)) {
+      mine.insert_or_assign(name, node);
+    } else if (std::none_of(kCommands.begin(), kCommands.end(), [&](PullCommand c) { return known(c, name); })) {
+      return make_error(ErrorKind::kUsage, "config '{}': unknown key '{}'", source, name);
+    }
+  }
+  std::ostringstream text;
+  text << mine;
+  return table.load_toml_text(text.str(), source);
+}
+
+Result<PullPlan> validate(const PullConfig& c, PullCommand s) {
+  using enum PullCommand;
+  PullPlan plan;
+  if (c.progress == "auto") {
+    plan.progress = ProgressMode::kAuto;
+  } else if (c.progress == "tty") {
+    plan.progress = ProgressMode::kTty;
+  } else if (c.progress == "plain") {
+    plan.progress = ProgressMode::kPlain;
+  } else if (c.progress == "none") {
+    plan.progress = ProgressMode::kNone;
+  } else {
+    return make_error(ErrorKind::kUsage, "--progress '{}': expected auto, tty, plain or none", c.progress);
+  }
+  if (c.json || c.quiet) plan.progress = ProgressMode::kNone;
+
+  RegistryOptions r;
+  if (c.retries < 0 || c.retries > 100) return make_error(ErrorKind::kUsage, "--retries {}: 0 to 100", c.retries);
+  if (c.jobs < 1 || c.jobs > 64) return make_error(ErrorKind::kUsage, "--jobs {}: 1 to 64", c.jobs);
+  r.retries = c.retries;
+  CFMO_ASSIGN_OR_RETURN(r.retry_base_s, duration(c.retry_delay, "retry-delay", 3600));
+  CFMO_ASSIGN_OR_RETURN(r.retry_max_delay_s, duration(c.retry_max_delay, "retry-max-delay", 3600));
+  CFMO_ASSIGN_OR_RETURN(const double stall, duration(c.stall_timeout, "stall-timeout", 3600));
+  if (stall < 1) return make_error(ErrorKind::kUsage, "--stall-timeout '{}': at least 1 s", c.stall_timeout);
+  r.stall_timeout_s = static_cast<long>(std::ceil(stall));
+  CFMO_ASSIGN_OR_RETURN(r.request_timeout_s, duration(c.request_timeout, "request-timeout", 1e6));
+  CFMO_ASSIGN_OR_RETURN(const double timeout, duration(c.timeout, "timeout", 1e6));
+  if (timeout > 0) {
+    r.timeout_s = timeout;
+    r.deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                        std::chrono::duration<double>(timeout));
+  }
+  r.auth_file = c.authfile;
+  HostSettings hosts{c.mirror, c.insecure_registry, c.plain_http};
+  // Checked now (a usage error before any request), used per pull.
+  CFMO_TRY(endpoints_for(Reference{"registry.invalid", "x", "latest", ""}, hosts));
+
+  CFMO_ASSIGN_OR_RETURN(const int64_t max_memory, size_flag(c.max_memory, "max-memory"));
+  if (max_memory < (int64_t{1} << 20)) {
+    return make_error(ErrorKind::kUsage, "--max-memory '{}': at least 1M", c.max_memory);
+  }
+  int64_t buffers = std::min<int64_t>(int64_t{16} << 20, max_memory / 4);
+  if (!c.buffer_memory.empty()) {
+    CFMO_ASSIGN_OR_RETURN(buffers, size_flag(c.buffer_memory, "buffer-memory"));
+    if (buffers < (int64_t{256} << 10)) {
+      return make_error(ErrorKind::kUsage, "--buffer-memory '{}': at least 256K", c.buffer_memory);
+    }
+    if (s == kPull && buffers >= max_memory) {
+      return make_error(ErrorKind::kUsage, "--buffer-memory {} must be less than --max-memory {}", c.buffer_memory,
+                        c.max_memory);
+    }
+  }
+
+  PullOptions& p = plan.pull;
+  p.registry = r;
+  p.hosts = hosts;
+  p.jobs = c.jobs;
+  if (c.platform.empty()) {
+    p.platform = host_platform();
+  } else {
+    CFMO_ASSIGN_OR_RETURN(p.platform, parse_platform(c.platform));
+  }
+  for (const auto& text : c.hot) {
+    CFMO_ASSIGN_OR_RETURN(auto spec, parse_layer_spec(text, "--hot"));
+    p.hot.push_back(std::move(spec));
+  }
+  p.max_memory = max_memory;
+  p.buffer_memory = buffers;
+  p.spill = c.spill;
+  CFMO_ASSIGN_OR_RETURN(p.cold, parse_cold_strategy(c.cold));
+  p.background = c.background;
+  if (c.background && p.cold == ColdStrategy::kSkip) {
+    return make_error(ErrorKind::kUsage, "--background with --cold skip: there is nothing to fetch in the background");
+  }
+  if (c.memory_dir.empty()) return make_error(ErrorKind::kUsage, "--memory-dir: empty");
+  p.memory_dir = c.memory_dir;
+  p.ready_file = c.ready_file;
+  if (!c.ready_file.empty()) {
+    std::error_code ec;
+    const auto parent = std::filesystem::absolute(c.ready_file, ec).parent_path();
+    if (!std::filesystem::is_directory(parent, ec)) {
+      return make_error(ErrorKind::kUsage, "--ready-file '{}': directory '{}' does not exist", c.ready_file,
+                        parent.string());
+    }
+  }
+
+  FetchOptions& f = plan.fetch;
+  f.registry = r;
+  if (!c.mirror.empty() || !c.insecure_registry.empty() || c.plain_http) f.hosts = hosts;
+  if (!c.authfile.empty()) f.auth_file = c.authfile;
+  f.jobs = c.jobs;
+  f.buffer_memory = buffers;
+  return plan;
+}
+
+std::vector<std::string> fetch_arguments(const PullConfig& c, int64_t buffer_memory) {
+  std::vector<std::string> args = {"--jobs",
+                                   std::to_string(c.jobs),
+                                   "--retries",
+                                   std::to_string(c.retries),
+                                   "--retry-delay",
+                                   c.retry_delay,
+                                   "--retry-max-delay",
+                                   c.retry_max_delay,
+                                   "--stall-timeout",
+                                   c.stall_timeout,
+                                   "--request-timeout",
+                                   c.request_timeout,
+                                   "--timeout",
+                                   c.timeout,
+                                   "--buffer-memory",
+                                   std::to_string(buffer_memory)};
+  return args;
+}
+
+}  // namespace cfmo::oci
