@@ -23,6 +23,7 @@ class CpuEngine final : public Engine {
       : model_(model), optimizer_(optimizer), data_(data) {}
 
   std::string description() const override { return "cpu (" + ops::blas_info() + ")"; }
+  bool host_resident() const override { return true; }
 
   Result<float> forward_backward(std::span<const int64_t> indices) override {
     const Dataset& train = data_.train;
@@ -135,6 +136,7 @@ class CudaEngine final : public Engine {
   }
 
   std::string description() const override { return description_; }
+  bool host_resident() const override { return false; }
 
   Result<float> forward_backward(std::span<const int64_t> indices) override {
     host_params_current_ = false;

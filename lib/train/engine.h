@@ -30,6 +30,8 @@ class Engine {
   virtual ~Engine() = default;
   /// "cpu (OpenBLAS 0.3.21 SkylakeX)", "NVIDIA H200 (cuda:0, ...)".
   virtual std::string description() const = 0;
+  /// True when the host views are the engine's own memory (the CPU): no copies, always current.
+  virtual bool host_resident() const = 0;
 
   /// Forward and backward over the training examples `indices`; the
   /// gradients become d(mean loss)/d(params); returns the mean loss.
