@@ -110,6 +110,16 @@ Result<std::vector<ModeSummary>> run_benchmark(const MoeConfig& config, const Mo
   for (int e = placement.first(rank); e < placement.first(rank + 1); ++e) {
     experts.emplace_back(seed, e, config.hidden, config.ffn);
   }
+  std::string device = "cpu";
+  if (plan.device.is_cuda()) {
+    const Device mine = device_for_rank(plan.device, rank);
+    CFMO_TRY(attach_cuda(experts, mine.index));
+    device = device_description(mine);
+  }
+  auto experts_status = [&]() -> Status {
+    for (ExpertFfn& e : experts) CFMO_TRY(e.take_status());
+    return {};
+  };
   std::vector<ModeSummary> summaries;
   for (const int64_t tokens : plan.sizes) {
     const InputPool inputs = make_inputs(seed, rank, tokens, config.hidden, config.warmup + config.iters);
@@ -152,6 +162,7 @@ Result<std::vector<ModeSummary>> run_benchmark(const MoeConfig& config, const Mo
       settings.iters = config.iters;
       settings.slowdown = config.slowdown;
       settings.straggler = config.straggler;
+      settings.device = device;
 
       RankRecord record;
       if (mode == "sync") {
@@ -168,6 +179,7 @@ Result<std::vector<ModeSummary>> run_benchmark(const MoeConfig& config, const Mo
         settings.deadline_s = std::max(0.0, deadline);
         CFMO_ASSIGN_OR_RETURN(record, async_engine.run(setup, config.warmup, config.iters, settings.deadline_s));
       }
+      CFMO_TRY(experts_status());  // a device failure in any block of the run
       CheckValues check;
       if (config.check) check = reference_check(setup, seed, config.ffn, record.last_iteration, record);
       CFMO_ASSIGN_OR_RETURN(ModeSummary summary, summarize(comm, settings, record, check));

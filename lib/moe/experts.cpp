@@ -45,6 +45,10 @@ ExpertFfn::ExpertFfn(uint64_t seed, int expert, int hidden, int ffn) : expert_(e
 
 void ExpertFfn::forward(const float* x, int64_t rows, float* out) {
   if (rows == 0) return;
+  if (device_ != nullptr && ffn_ > 0) {
+    if (Status s = device_->forward(x, rows, out); !s && status_) status_ = std::move(s);
+    return;
+  }
   const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(hidden_);
   if (ffn_ == 0) {
     std::memcpy(out, x, n * sizeof(float));

@@ -7,9 +7,12 @@
 /// The device seam for experts is ExpertFfn::forward: a CUDA build (the GPU
 /// issue's --device cuda) adds a cuBLAS implementation beside this one.
 
+#include "core/error.h"
 #include "tensor/buffer.h"
 
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <vector>
 
 namespace cfmo::moe {
@@ -27,15 +30,35 @@ struct Placement {
 /// variance, drawn from (seed, rank, batch).
 void make_hidden_states(uint64_t seed, int rank, uint64_t batch, int64_t tokens, int hidden, float* out);
 
+/// Where an expert's GEMMs run when not on the CPU (--device cuda): the
+/// rows come from host memory and the results go back there.
+class ExpertDevice {
+ public:
+  virtual ~ExpertDevice() = default;
+  /// out[rows, hidden] = relu(x W1) W2, as ExpertFfn::forward.
+  virtual Status forward(const float* x, int64_t rows, float* out) = 0;
+};
+
 /// One expert: W1 [hidden, ffn], W2 [ffn, hidden], drawn from (seed, expert).
 class ExpertFfn {
  public:
   ExpertFfn(uint64_t seed, int expert, int hidden, int ffn);
 
   /// out[rows, hidden] = relu(x W1) W2 (ffn 0: out = x). `x` and `out` do not overlap.
+  /// On a device, a failure is kept for status() (the engines check it each iteration).
   void forward(const float* x, int64_t rows, float* out);
 
+  /// From now on forward() runs on `device` (made from this expert's weights).
+  void attach(std::unique_ptr<ExpertDevice> device) { device_ = std::move(device); }
+  bool on_device() const { return device_ != nullptr; }
+  /// The first device failure since the last call, if any.
+  Status take_status() { return std::exchange(status_, Status{}); }
+
   int expert() const { return expert_; }
+  int hidden() const { return hidden_; }
+  int ffn() const { return ffn_; }
+  const FloatBuffer& w1() const { return w1_; }
+  const FloatBuffer& w2() const { return w2_; }
 
  private:
   int expert_;
@@ -44,6 +67,12 @@ class ExpertFfn {
   FloatBuffer w1_;
   FloatBuffer w2_;
   FloatBuffer inner_;  ///< scratch [rows, ffn]
+  std::unique_ptr<ExpertDevice> device_;
+  Status status_;
 };
+
+/// Moves every expert's GEMMs to CUDA device `ordinal` (cuBLAS; the weights
+/// uploaded once). kUsage "no CUDA device" where it cannot be used.
+Status attach_cuda(std::vector<ExpertFfn>& experts, int ordinal);
 
 }  // namespace cfmo::moe

@@ -42,6 +42,7 @@ void add_moe_options(OptionTable& t, MoeConfig& c) {
   t.add("in_flight", &c.in_flight, "async: iterations (micro-batches) in flight at once", run);
   t.add("check", &c.check, "check the last iteration's output against a single-process reference", run);
   t.add("threads", &c.threads, "BLAS threads per rank", run);
+  t.add("device", &c.device, "where the experts' GEMMs run: cpu, cuda (each rank its local GPU) or cuda:N", run);
   const std::string ranks = "Ranks";
   t.add("ranks", &c.ranks, "start N ranks on this host (under a launcher, the launcher decides)", ranks);
   t.add("slowdown", &c.slowdown,
@@ -145,6 +146,7 @@ Result<MoePlan> validate(const MoeConfig& c) {
   }
   if (c.in_flight < 1 || c.in_flight > 64) return usage("in-flight", "must be in 1..64");
   if (c.threads < 1 || c.threads > 1024) return usage("threads", "must be in 1..1024");
+  CFMO_ASSIGN_OR_RETURN(plan.device, parse_device(c.device));
   if (c.ranks < 1 || c.ranks > 1024) return usage("ranks", "must be in 1..1024");
   if (!(c.peer_timeout > 0)) return usage("peer-timeout", "must be positive");
   if (c.format != "table" && c.format != "json" && c.format != "csv") {

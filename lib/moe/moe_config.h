@@ -7,6 +7,7 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "moe/router.h"
+#include "tensor/device.h"
 
 #include <cstdint>
 #include <string>
@@ -36,6 +37,7 @@ struct MoeConfig {
   int in_flight = 2;
   bool check = true;
   int threads = 1;
+  std::string device = "cpu";
   // ranks
   int ranks = 1;
   std::vector<std::string> slowdown;
@@ -58,6 +60,7 @@ struct MoePlan {
   WireDtype dtype = WireDtype::kFp32;
   LatePolicy late_policy = LatePolicy::kResidual;
   double deadline_s = -1;  ///< < 0: auto (from the warmup's round trips)
+  Device device;           ///< where the experts' GEMMs run
 };
 
 /// Registers every field of `config` in `table` with its help text.

@@ -197,6 +197,7 @@ nlohmann::ordered_json ModeSummary::to_json() const {
   j["ffn"] = c.ffn;
   j["top_k"] = c.top_k;
   j["dtype"] = c.dtype;
+  j["device"] = c.device;
   j["routing"] = c.routing;
   j["capacity_factor"] = c.capacity_factor;
   j["capacity"] = c.capacity;
@@ -249,6 +250,7 @@ std::string render_table(const std::vector<ModeSummary>& rows) {
   const RunSettings& c = rows.front().settings;
   out += fmt::format("# cfmo-moe: {} ranks, {} experts, top-{}, hidden {}, ffn {}, {} payload, routing {}\n",
                      rows.front().ranks, c.experts, c.top_k, c.hidden, c.ffn, c.dtype, c.routing);
+  if (c.device != "cpu") out += fmt::format("# experts on {}; tokens staged through host memory for UCX\n", c.device);
   out += fmt::format("# capacity factor {} ({}), {} warmup + {} measured iterations{}{}\n", c.capacity_factor,
                      c.drop_policy, c.warmup, c.iters,
                      c.slowdown.empty() ? "" : fmt::format(", simulated slowdown {}", fmt::join(c.slowdown, ",")),

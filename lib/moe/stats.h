@@ -38,6 +38,7 @@ struct RunSettings {
   double capacity_factor = 0;
   int64_t capacity = -1;
   std::string drop_policy, routing, dtype, late_policy;
+  std::string device = "cpu";  ///< where the experts ran: "cpu", or the GPU's description
   int64_t warmup = 0, iters = 0;
   double deadline_s = 0;
   std::vector<std::string> slowdown;

@@ -63,8 +63,8 @@ Result<std::optional<WorldInfo>> world_from_environment() {
     const auto size = env_int(p.size);
     if (!rank && !size) continue;
     if (!rank || !size || *size < 1 || *rank < 0 || *rank >= *size) {
-      return make_error(ErrorKind::kUsage, "{}={} and {}={} do not describe a rank in a world",
-                        p.rank, std::getenv(p.rank) ? std::getenv(p.rank) : "(unset)", p.size,
+      return make_error(ErrorKind::kUsage, "{}={} and {}={} do not describe a rank in a world", p.rank,
+                        std::getenv(p.rank) ? std::getenv(p.rank) : "(unset)", p.size,
                         std::getenv(p.size) ? std::getenv(p.size) : "(unset)");
     }
     return std::optional<WorldInfo>(WorldInfo{*rank, *size, fmt::format("{}/{}", p.rank, p.size)});

@@ -89,7 +89,23 @@ class SyncMode final : public Mode {
   bool stop_requested() const override { return vote_.agreed; }
   std::string agreed_reason() const override { return vote_.reason; }
 
+  bool needs_params(const TrainPosition&) const override { return false; }
+  bool uses_gradients() const override { return true; }
+  void use_device_reduce(DeviceReduce reduce) override { device_reduce_ = std::move(reduce); }
+
   Status on_gradients(std::span<float> grads, int count, float) override {
+    if (device_reduce_) {
+      // The gradients stay on the device: only the count and the votes are the host's.
+      float extras[3] = {static_cast<float>(count), 0, 0};
+      vote_.write(extras + 1);
+      const auto start = Clock::now();
+      Status status = device_reduce_(extras);
+      stats_.wait_s += seconds_since(start);
+      CFMO_TRY(status);
+      vote_.read(extras + 1);
+      ++stats_.rounds;
+      return {};
+    }
     // [weighted gradients..., example count, stop votes (time limit, interrupt)]
     buffer_.resize(grads.size() + 3);
     const auto n = static_cast<float>(count);
@@ -114,6 +130,7 @@ class SyncMode final : public Mode {
   FloatBuffer buffer_;
   ModeStats stats_;
   StopVote vote_;
+  DeviceReduce device_reduce_;
 };
 
 /// Local SGD / DiLoCo: H local steps, then a blocking all-reduce of the deltas
@@ -133,6 +150,9 @@ class LocalSgdMode final : public Mode {
   bool stop_requested() const override { return vote_.agreed; }
   std::string agreed_reason() const override { return vote_.reason; }
 
+  bool needs_params(const TrainPosition& position) const override {
+    return position.step % settings_.sync_interval == 0;
+  }
   Status after_step(const TrainPosition& position, std::span<float> params, Optimizer&) override {
     last_step_ = position.step;
     since_sync_ = position.step % settings_.sync_interval;
@@ -323,6 +343,12 @@ class AsyncMode : public Mode {
     const size_t bucket = std::min(static_cast<size_t>(std::max<int64_t>(0, s)), stats_.staleness_histogram.size() - 1);
     ++stats_.staleness_histogram[bucket];
     if (dropped) ++stats_.contributions_dropped;
+  }
+
+  /// True while fresh shards wait to be applied.
+  bool inbox_pending() const {
+    std::lock_guard lock(mutex_);
+    return !inbox_.empty();
   }
 
   /// Takes the fresh shards that arrived; the caller applies them.
@@ -616,8 +642,15 @@ class CfmoMode final : public AsyncMode {
   }
   std::string_view name() const override { return "cfmo"; }
 
+  bool needs_params(const TrainPosition& position) const override {
+    return position.step % settings_.sync_interval == 0 || inbox_pending();
+  }
   Status after_step(const TrainPosition& position, std::span<float> params, Optimizer& optimizer) override {
     last_step_ = position.step;
+    if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
+      report_progress(position);
+      return {};
+    }
     for (auto& f : take_inbox()) rebase(f, params, optimizer);
     report_progress(position);
     if (position.step % settings_.sync_interval != 0) return {};
@@ -786,6 +819,7 @@ class AsgdMode final : public AsyncMode {
   }
   std::string_view name() const override { return "asgd"; }
   bool owns_update() const override { return true; }
+  bool uses_gradients() const override { return true; }
 
   Status on_gradients(std::span<float> grads, int count, float lr) override {
     if (count == 0) return {};
@@ -811,7 +845,14 @@ class AsgdMode final : public AsyncMode {
     return {};
   }
 
+  bool needs_params(const TrainPosition&) const override {
+    return inbox_pending() || outstanding() > settings_.max_staleness * comm_.size();
+  }
   Status after_step(const TrainPosition& position, std::span<float> params, Optimizer&) override {
+    if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
+      report_progress(position);
+      return {};
+    }
     for (auto& f : take_inbox()) apply(f, params);
     // Bounded staleness (SSP): with more than max_staleness rounds of pushes
     // unanswered, wait before computing the next gradient; 0 waits for each reply.

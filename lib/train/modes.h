@@ -95,6 +95,18 @@ class Mode {
   /// True when the stop is decided together: this worker's wish to stop
   /// (time limit, Ctrl-C) travels with the next collective, and every worker
   /// stops at the same step. Asynchronous modes stop each worker on its own.
+  /// Whether after_step at `position` reads or writes the parameters. When
+  /// false, the trainer may pass an empty span (a device engine then copies
+  /// nothing to the host), and after_step must leave the parameters alone
+  /// even if a reply arrives meanwhile: it waits for the next step.
+  virtual bool needs_params(const TrainPosition& /*position*/) const { return true; }
+  /// Whether on_gradients reads (or rewrites) the gradients: sync and asgd.
+  virtual bool uses_gradients() const { return false; }
+  /// Sync: the weighted all-reduce of on_gradients done where the gradients
+  /// live (NCCL on GPUs). `extras` are host floats summed with them, extras[0]
+  /// this rank's example count; afterwards the gradients are the mean.
+  using DeviceReduce = std::function<Status(std::span<float> extras)>;
+  virtual void use_device_reduce(DeviceReduce /*reduce*/) {}
   virtual bool lockstep() const { return false; }
   /// This worker wants to stop, for "time-limit" or "interrupt" (lockstep
   /// modes: it keeps stepping until all agree).

@@ -3,6 +3,7 @@
 #include "model/mlp.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
+#include "tensor/device.h"
 
 #include <charconv>
 #include <cmath>
@@ -36,6 +37,7 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
   t.add("time_limit", &c.time_limit, "stop after this long, e.g. 90s, 5m (empty: no time limit)", length);
   t.add("batch_size", &c.batch_size, "examples per step", length);
   t.add("threads", &c.threads, "BLAS threads", length);
+  t.add("device", &c.device, "where each worker trains: cpu, cuda (each worker its local GPU) or cuda:N", length);
 
   const std::string dist = "Workers and modes";
   t.add("workers", &c.workers, "worker processes to start on this host (1: train in this process)", dist);
@@ -44,17 +46,19 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
   t.add("staleness_discount", &c.staleness_discount,
         "beta: a contribution s rounds stale is weighted beta^s; momentum after a rebase likewise (cfmo)", dist);
   t.add("max_staleness", &c.max_staleness,
-        "cfmo: rounds after which a contribution is dropped; asgd: rounds of unanswered pushes before a worker waits", dist);
+        "cfmo: rounds after which a contribution is dropped; asgd: rounds of unanswered pushes before a worker waits",
+        dist);
   t.add("outer_optimizer", &c.outer_optimizer,
-        "outer step on the deltas (localsgd, cfmo): nesterov (momentum once per round of W contributions) or avg", dist);
+        "outer step on the deltas (localsgd, cfmo): nesterov (momentum once per round of W contributions) or avg",
+        dist);
   t.add("outer_lr", &c.outer_lr, "outer learning rate (use 1 with avg; DiLoCo: 0.7 with momentum 0.9)", dist);
   t.add("outer_momentum", &c.outer_momentum, "outer Nesterov momentum (DiLoCo's 0.9 is too much for cfmo: see BUGS)",
         dist);
   t.add("delta_dtype", &c.delta_dtype, "deltas and gradients on the wire: fp32, bf16 or int8 (with error feedback)",
         dist);
   t.add("slowdown", &c.slowdown, "simulate a slower worker: RANK=FACTOR, repeatable (a sleep after each step)", dist);
-  t.add("straggler", &c.straggler, "simulate stragglers: P:FACTOR, any step takes FACTOR times as long with probability P",
-        dist);
+  t.add("straggler", &c.straggler,
+        "simulate stragglers: P:FACTOR, any step takes FACTOR times as long with probability P", dist);
   t.add("rendezvous", &c.rendezvous, "host:port where rank 0 listens (default: $CFMO_RENDEZVOUS)", dist);
   t.add("peer_timeout", &c.peer_timeout, "seconds of silence after which a peer is lost", dist);
 
@@ -72,6 +76,7 @@ Status validate(const TrainConfig& c) {
     return make_error(ErrorKind::kUsage, "--{}: {}", flag, why);
   };
   CFMO_TRY(MlpSpec::parse(c.model, 784, 10));
+  CFMO_TRY(parse_device(c.device));
   if (c.optimizer != "sgd" && c.optimizer != "adam" && c.optimizer != "adamw" && c.optimizer != "muon") {
     return usage("optimizer", fmt::format("'{}' is not sgd, adam, adamw or muon", c.optimizer));
   }

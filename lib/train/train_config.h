@@ -37,6 +37,7 @@ struct TrainConfig {
   std::string time_limit;
   int batch_size = 64;
   int threads = 1;
+  std::string device = "cpu";
   // workers and modes
   int workers = 1;
   std::string mode = "sync";

@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include "train/delta_writer.h"
+#include "train/engine.h"
 
 #include "core/atomic_file.h"
 #include "core/rng.h"
@@ -76,23 +77,6 @@ class MetricsLog {
   fs::path path_;
 };
 
-/// The model's loss and accuracy over a whole data set, converted to floats
-/// a chunk at a time so the set itself stays in bytes.
-EvalResult evaluate_dataset(Mlp& model, const Dataset& data) {
-  constexpr int64_t kChunk = 1000;
-  FloatBuffer chunk(static_cast<size_t>(std::min(kChunk, data.count)) * static_cast<size_t>(data.features));
-  EvalResult total;
-  for (int64_t first = 0; first < data.count; first += kChunk) {
-    const int64_t n = std::min(kChunk, data.count - first);
-    data.rows_to_float(first, n, chunk.data());
-    const EvalResult r = model.evaluate(chunk.data(), data.labels.data() + first, n, static_cast<int>(kChunk));
-    total.loss_sum += r.loss_sum;
-    total.correct += r.correct;
-    total.count += r.count;
-  }
-  return total;
-}
-
 }  // namespace
 
 namespace {
@@ -163,6 +147,7 @@ std::string TrainSummary::to_json() const {
       {"optimizer", optimizer},
       {"data", data},
       {"blas", blas},
+      {"device", device},
       {"parameters", parameters},
       {"steps", steps},
       {"samples", samples},
@@ -330,6 +315,26 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   }
   CFMO_ASSIGN_OR_RETURN(auto mode, make_mode(settings, comm, model.params(), model.parameters(), optim_config, resume));
 
+  // Where the arithmetic runs (--device). The host model and optimizer stay the
+  // mirror the modes, checkpoints and deltas use; a CUDA engine copies to them
+  // only when asked. Every rank makes its engine together (NCCL connects here).
+  EngineOptions engine_options;
+  CFMO_ASSIGN_OR_RETURN(engine_options.device, parse_device(config.device));
+  engine_options.comm = comm;
+  engine_options.device_collectives = world > 1 && config.mode == "sync";
+  engine_options.peer_timeout_s = config.peer_timeout;
+  CFMO_ASSIGN_OR_RETURN(auto engine, make_engine(engine_options, model, *optimizer, optim_config, data));
+  CFMO_TRY(engine->optimizer_changed());  // a resumed optimizer's state, where the engine keeps it
+  if (engine->has_device_all_reduce()) {
+    mode->use_device_reduce([&engine](std::span<float> extras) { return engine->device_all_reduce_gradients(extras); });
+  }
+  // Brings the host model and optimizer up to date with the engine (a checkpoint, the end).
+  auto sync_host = [&]() -> Status {
+    CFMO_TRY(engine->host_parameters());
+    CFMO_TRY(engine->host_optimizer());
+    return {};
+  };
+
   MetricsLog metrics;
   if (!run_dir.empty()) {
     std::error_code ec;
@@ -347,6 +352,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   summary.optimizer = config.optimizer;
   summary.data = data.source;
   summary.blas = ops::blas_info();
+  summary.device = engine->description();
   summary.parameters = model.num_trainable();
   summary.run_dir = run_dir.string();
   summary.resumed_from = options.resume.string();
@@ -361,7 +367,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   };
   auto evaluate = [&](bool final) -> Status {
     const auto t0 = Clock::now();
-    const EvalResult r = evaluate_dataset(model, data.test);
+    CFMO_ASSIGN_OR_RETURN(const EvalResult r, engine->evaluate_test());
     EvalEvent event{pos.step, epochs_done(), r.loss(), r.accuracy(), seconds_since(run_start), final};
     summary.test_loss = event.test_loss;
     summary.test_accuracy = event.test_accuracy;
@@ -410,6 +416,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   };
   auto checkpoint = [&]() -> Status {
     if (!checkpoints) return {};
+    CFMO_TRY(sync_host());
     CFMO_TRY(write_checkpoint(run_dir, spec, model.params(), checkpoint_of(model.parameters(), nullptr),
                               options.config_toml, config.keep_checkpoints));
     last_checkpoint_step = pos.step;
@@ -417,8 +424,6 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   };
   bool checkpoint_due = false;  // an epoch end or --checkpoint-every asked for one
 
-  FloatBuffer batch_inputs(static_cast<size_t>(batch) * static_cast<size_t>(train_set.features));
-  std::vector<int32_t> batch_labels(static_cast<size_t>(batch));
   std::vector<int64_t> order;
   int64_t order_epoch = -1;
   Rng straggler_rng(static_cast<uint64_t>(config.seed), 0x57A6000ULL + static_cast<uint64_t>(rank));
@@ -479,31 +484,47 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     const int n = static_cast<int>(std::clamp<int64_t>(train_set.count - first, 0, batch));
     float loss = 0;
     if (n > 0) {
-      gather_batch(train_set, order, first, n, batch_inputs.data(), batch_labels.data());
-      loss = model.forward_backward(batch_inputs.data(), batch_labels.data(), n);
+      CFMO_ASSIGN_OR_RETURN(loss, engine->forward_backward(std::span<const int64_t>(order).subspan(
+                                      static_cast<size_t>(first), static_cast<size_t>(n))));
       if (!std::isfinite(loss)) {
         return make_error(ErrorKind::kCheckFailed,
                           "training diverged: loss is {} at step {} (lower --lr or set --clip-grad-norm)", loss,
                           pos.step + 1);
       }
     } else {
-      std::fill(model.gradients().begin(), model.gradients().end(), 0.0f);
+      CFMO_TRY(engine->zero_gradients());
     }
     const double lr = schedule.at(pos.step);
     const auto wait_before = mode->stats().wait_s;
     // Clip the gradient that is applied: the all-reduced one in sync, the pushed one in asgd.
-    if (mode->owns_update() && config.clip_grad_norm > 0) clip_grad_norm(model.gradients(), config.clip_grad_norm);
-    if (n > 0 || !async) CFMO_TRY(mode->on_gradients(model.gradients(), n, static_cast<float>(lr)));
-    if (!mode->owns_update() && config.clip_grad_norm > 0) clip_grad_norm(model.gradients(), config.clip_grad_norm);
-    if (!mode->owns_update() && (n > 0 || config.mode == "sync")) {
-      optimizer->step(model.parameters(), model.gradients(), static_cast<float>(lr));
+    if (mode->owns_update() && config.clip_grad_norm > 0) CFMO_TRY(engine->clip_gradients(config.clip_grad_norm));
+    if ((n > 0 || !async) && mode->uses_gradients()) {
+      // The gradients come to the host only for a mode that reduces them there.
+      std::span<float> grads;
+      const bool on_host = !engine->has_device_all_reduce();
+      if (on_host) {
+        CFMO_ASSIGN_OR_RETURN(grads, engine->host_gradients());
+      }
+      CFMO_TRY(mode->on_gradients(grads, n, static_cast<float>(lr)));
+      if (on_host && !mode->owns_update()) CFMO_TRY(engine->gradients_changed());
     }
+    if (!mode->owns_update() && config.clip_grad_norm > 0) CFMO_TRY(engine->clip_gradients(config.clip_grad_norm));
+    if (!mode->owns_update() && (n > 0 || config.mode == "sync")) CFMO_TRY(engine->step(static_cast<float>(lr)));
     ++pos.step;
     ++steps_this_run;
     pos.samples += n;
     samples_this_run += n;
     ++pos.batch_in_epoch;
-    CFMO_TRY(mode->after_step(pos, model.parameters(), *optimizer));
+    {
+      // The host copy of the parameters only at the steps where the mode works on them.
+      std::span<float> params;
+      const bool host_params = engine->host_resident() || mode->needs_params(pos);
+      if (host_params) {
+        CFMO_ASSIGN_OR_RETURN(params, engine->host_parameters());
+      }
+      CFMO_TRY(mode->after_step(pos, params, engine->mode_optimizer()));
+      if (host_params) CFMO_TRY(engine->parameters_changed());
+    }
     // Simulated heterogeneity: sleep so the step takes FACTOR times its natural time.
     const double natural_s = seconds_since(step_start) - (mode->stats().wait_s - wait_before);
     double factor = simulated.slowdown;
@@ -585,6 +606,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     }
     if (checkpoint_writer) {
       if (auto global = mode->take_snapshot()) {
+        CFMO_TRY(engine->host_optimizer());  // rank 0's optimizer state goes with the owners' shards
         checkpoint_writer->submit(checkpoint_of(global->params, &*global));
       }
     }
@@ -592,7 +614,12 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   const double loop_s = seconds_since(loop_start);
 
   // The last reconciliation; afterwards rank 0 holds the global parameters.
-  CFMO_TRY(mode->finish(model.parameters(), *optimizer));
+  {
+    CFMO_ASSIGN_OR_RETURN(auto params, engine->host_parameters());
+    CFMO_TRY(mode->finish(params, engine->mode_optimizer()));
+    CFMO_TRY(engine->parameters_changed());  // the evaluation below runs where the engine is
+    CFMO_TRY(sync_host());
+  }
   const ModeStats mode_stats = mode->stats();
   int64_t deltas_written = 0;
   int64_t deltas_skipped = 0;

@@ -2,11 +2,11 @@
 /// The training loop. One worker runs it; how workers reconcile is a Mode,
 /// asked after every step (the seam the distributed modes plug into).
 
+#include "comm/communicator.h"
 #include "core/error.h"
 #include "model/mlp.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
-#include "comm/communicator.h"
 #include "train/modes.h"
 #include "train/train_config.h"
 
@@ -22,14 +22,14 @@ namespace cfmo {
 
 struct StepEvent {
   int64_t step = 0;
-  int64_t epoch = 0;         ///< the epoch in progress, 0-based
-  double loss = 0;           ///< mean over the steps since the last event of this kind
+  int64_t epoch = 0;  ///< the epoch in progress, 0-based
+  double loss = 0;    ///< mean over the steps since the last event of this kind
   double lr = 0;
   double samples_per_s = 0;  ///< over the same window, training steps only
   double elapsed_s = 0;
-  double fraction = -1;      ///< of the run, or negative when unknown
-  double eta_s = -1;         ///< seconds of training left, or negative when unknown
-  bool logged = false;       ///< true every log_every steps
+  double fraction = -1;  ///< of the run, or negative when unknown
+  double eta_s = -1;     ///< seconds of training left, or negative when unknown
+  bool logged = false;   ///< true every log_every steps
 };
 
 struct EvalEvent {
@@ -51,8 +51,8 @@ class TrainObserver {
 };
 
 struct TrainOptions {
-  std::filesystem::path resume;         ///< a checkpoint directory (resolved), or empty
-  std::string config_toml;              ///< saved beside each checkpoint
+  std::filesystem::path resume;             ///< a checkpoint directory (resolved), or empty
+  std::string config_toml;                  ///< saved beside each checkpoint
   const std::atomic<bool>* stop = nullptr;  ///< set by a signal handler: stop cleanly
   TrainObserver* observer = nullptr;
   Communicator* comm = nullptr;  ///< the other workers; null for a single worker
@@ -91,25 +91,26 @@ struct TrainSummary {
   std::string model;
   std::string optimizer;
   std::string data;
-  std::string blas;           ///< library and kernel, e.g. "OpenBLAS 0.3.21 SkylakeX"
+  std::string blas;    ///< library and kernel, e.g. "OpenBLAS 0.3.21 SkylakeX"
+  std::string device;  ///< where rank 0 trained: "cpu (OpenBLAS ...)" or the GPU's description
   size_t parameters = 0;
-  int64_t steps = 0;          ///< total, including steps before a resume
-  int64_t samples = 0;        ///< total
+  int64_t steps = 0;    ///< total, including steps before a resume
+  int64_t samples = 0;  ///< total
   int64_t epochs_completed = 0;
-  double wall_s = 0;          ///< this invocation, including evaluation and checkpoints
-  double train_s = 0;         ///< this invocation, training steps only
-  double eval_s = 0;          ///< this invocation, test-set evaluation
-  double samples_per_s = 0;   ///< this invocation's samples / train_s
+  double wall_s = 0;         ///< this invocation, including evaluation and checkpoints
+  double train_s = 0;        ///< this invocation, training steps only
+  double eval_s = 0;         ///< this invocation, test-set evaluation
+  double samples_per_s = 0;  ///< this invocation's samples / train_s
   double test_accuracy = 0;
   double test_loss = 0;
   double final_train_loss = 0;
   uint64_t bytes_sent = 0;
-  std::string stopped_by;     ///< "epochs", "steps", "time-limit" or "interrupt"
+  std::string stopped_by;  ///< "epochs", "steps", "time-limit" or "interrupt"
   std::string run_dir;
   std::string resumed_from;
   std::vector<WorkerReport> per_worker;
-  int rank = 0;              ///< the rank that made this summary (only rank 0's is complete)
-  double efficiency = 0;     ///< total samples/s over the sum of the workers' solo samples/s
+  int rank = 0;           ///< the rank that made this summary (only rank 0's is complete)
+  double efficiency = 0;  ///< total samples/s over the sum of the workers' solo samples/s
   std::vector<int> lost_ranks;
   ModeSettings mode_settings;
   std::vector<std::string> slowdown;

@@ -167,6 +167,25 @@ TEST(CfmoMoeCli, OneRankReportsEveryFormat) {
   EXPECT_NE(table.out.find(" pass "), std::string::npos) << table.out;
 }
 
+// Where no GPU can be used (CI), --device cuda is one line and exit 2 before
+// any rank starts; where one can (the GPU machine), the experts run there and
+// the output still equals the single-process reference.
+TEST(CfmoMoeCli, DeviceCudaRunsOnTheGpuOrSaysThereIsNone) {
+  const RunResult r = run(quick({"--device", "cuda", "--ranks", "2", "--mode", "both", "--format", "json"}), 240);
+  if (r.status == 2) {
+    EXPECT_NE(r.err.find("no CUDA device"), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_EQ(r.out, "");
+    return;
+  }
+  const auto rows = rows_of(r);
+  ASSERT_EQ(rows.size(), 2u);
+  for (const auto& row : rows) {
+    EXPECT_EQ(row["check"], "pass") << row.dump();
+    EXPECT_NE(row["device"].get<std::string>().find("cuda"), std::string::npos) << row.dump();
+  }
+}
+
 TEST(CfmoMoeCli, SyncOverLocalRanksEqualsTheReference) {
   for (const char* dtype : {"fp32", "bf16"}) {
     const auto rows =

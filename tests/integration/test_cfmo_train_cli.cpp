@@ -117,11 +117,28 @@ TEST(CfmoTrainCli, UsageErrorsExitTwoNamingTheProblem) {
   expect_one_line_error(run(quick_args({"--time-limit", "soon"})), 2, "soon");
   expect_one_line_error(run(quick_args({"--epochs", "0"})), 2, "--epochs");
   expect_one_line_error(run(quick_args({"--data", "synthetic:0"})), 2, "synthetic:0");
+  expect_one_line_error(run(quick_args({"--device", "gpu"})), 2, "--device 'gpu'");
+  expect_one_line_error(run(quick_args({"--device", "cuda:x"})), 2, "--device 'cuda:x'");
   // CLI11's own parse errors add a hint line; the status is what scripts rely on.
   const RunResult bad_number = run(quick_args({"--batch-size", "lots"}));
   EXPECT_EQ(bad_number.status, 2);
   EXPECT_NE(bad_number.err.find("--batch-size"), std::string::npos) << bad_number.err;
   EXPECT_EQ(run(quick_args({"--no-such-flag"})).status, 2);
+}
+
+// Where no GPU can be used (CI), --device cuda is one line and exit 2 before
+// anything starts, with --workers too; where one can, the run trains there.
+TEST(CfmoTrainCli, DeviceCudaTrainsOnTheGpuOrSaysThereIsNone) {
+  const RunResult r = run(quick_args({"--device", "cuda", "--json"}));
+  if (r.status == 2) {
+    expect_one_line_error(r, 2, "no CUDA device");
+    expect_one_line_error(run(quick_args({"--device", "cuda", "--workers", "2"})), 2, "no CUDA device");
+    return;
+  }
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_NE(j["device"].get<std::string>().find("cuda"), std::string::npos) << j["device"];
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.0);
 }
 
 TEST(CfmoTrainCli, BadDataExitsThreeNamingTheFile) {
@@ -142,7 +159,7 @@ TEST(CfmoTrainCli, JsonSummaryHasTheDocumentedKeysAndNothingElseOnStdout) {
   ASSERT_EQ(lines(r.out).size(), 1u) << r.out;
   const auto j = nlohmann::json::parse(r.out);
   for (const char* key : {"mode", "workers", "steps", "samples", "wall_s", "samples_per_s", "test_accuracy",
-                          "test_loss", "bytes_sent", "per_worker"}) {
+                          "test_loss", "bytes_sent", "per_worker", "device"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   EXPECT_EQ(j["workers"], 1);

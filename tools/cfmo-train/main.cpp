@@ -4,6 +4,7 @@
 #include "comm/ucx_communicator.h"
 #include "core/config.h"
 #include "core/progress.h"
+#include "tensor/device.h"
 #include "train/checkpoint.h"
 #include "train/launcher.h"
 #include "train/trainer.h"
@@ -207,6 +208,13 @@ static int run(int argc, char** argv) {
   if (print_config) {
     fmt::print("{}", options.config_toml);
     return 0;
+  }
+
+  // Before any worker starts: "no CUDA device" is one line and exit 2, from the launcher too.
+  if (auto device = cfmo::parse_device(config.device); !device) {
+    return fail(device.error());
+  } else if (auto usable = cfmo::check_device(*device); !usable) {
+    return fail(usable.error());
   }
 
   std::signal(SIGINT, on_signal);

@@ -1,0 +1,240 @@
+#include "train/engine.h"
+
+#include "tensor/ops.h"
+
+#if CFMO_HAVE_CUDA
+#include "cuda/kernels.h"
+#include "cuda/mlp.h"
+#include "cuda/nccl.h"
+#include "cuda/optimizer.h"
+#include "cuda/runtime.h"
+#endif
+
+#include <algorithm>
+#include <utility>
+
+namespace cfmo {
+namespace {
+
+/// The model and optimizer in host memory, OpenBLAS for the GEMMs.
+class CpuEngine final : public Engine {
+ public:
+  CpuEngine(Mlp& model, Optimizer& optimizer, const DataSplit& data)
+      : model_(model), optimizer_(optimizer), data_(data) {}
+
+  std::string description() const override { return "cpu (" + ops::blas_info() + ")"; }
+  bool host_resident() const override { return true; }
+
+  Result<float> forward_backward(std::span<const int64_t> indices) override {
+    const Dataset& train = data_.train;
+    const auto n = static_cast<int>(indices.size());
+    const auto features = static_cast<size_t>(train.features);
+    inputs_.resize(indices.size() * features);
+    labels_.resize(indices.size());
+    for (size_t i = 0; i < indices.size(); ++i) {
+      train.rows_to_float(indices[i], 1, inputs_.data() + i * features);
+      labels_[i] = train.labels[static_cast<size_t>(indices[i])];
+    }
+    return model_.forward_backward(inputs_.data(), labels_.data(), n);
+  }
+  Status zero_gradients() override {
+    std::fill(model_.gradients().begin(), model_.gradients().end(), 0.0f);
+    return {};
+  }
+  Result<std::span<float>> host_gradients() override { return model_.gradients(); }
+  Status gradients_changed() override { return {}; }
+  Status clip_gradients(double max_norm) override {
+    clip_grad_norm(model_.gradients(), max_norm);
+    return {};
+  }
+  Status step(float lr) override {
+    optimizer_.step(model_.parameters(), model_.gradients(), lr);
+    return {};
+  }
+  Result<std::span<float>> host_parameters() override { return model_.parameters(); }
+  Status parameters_changed() override { return {}; }
+  Optimizer& mode_optimizer() override { return optimizer_; }
+  Result<Optimizer*> host_optimizer() override { return &optimizer_; }
+  Status optimizer_changed() override { return {}; }
+
+  Result<EvalResult> evaluate_test() override {
+    // Converted to floats a chunk at a time, so the set itself stays in bytes.
+    const Dataset& test = data_.test;
+    constexpr int64_t kChunk = 1000;
+    FloatBuffer chunk(static_cast<size_t>(std::min(kChunk, test.count)) * static_cast<size_t>(test.features));
+    EvalResult total;
+    for (int64_t first = 0; first < test.count; first += kChunk) {
+      const int64_t n = std::min(kChunk, test.count - first);
+      test.rows_to_float(first, n, chunk.data());
+      const EvalResult r = model_.evaluate(chunk.data(), test.labels.data() + first, n, static_cast<int>(kChunk));
+      total.loss_sum += r.loss_sum;
+      total.correct += r.correct;
+      total.count += r.count;
+    }
+    return total;
+  }
+
+ private:
+  Mlp& model_;
+  Optimizer& optimizer_;
+  const DataSplit& data_;
+  FloatBuffer inputs_;
+  std::vector<int32_t> labels_;
+};
+
+#if CFMO_HAVE_CUDA
+
+/// What the modes see of an optimizer whose state is on the device: the
+/// momentum discount runs there; the state buffers are the host mirror's.
+class DeviceOptimizerView final : public Optimizer {
+ public:
+  DeviceOptimizerView(Optimizer& host, cuda::CudaOptimizer& device) : host_(host), device_(device) {}
+  std::string_view name() const override { return host_.name(); }
+  void step(std::span<float>, std::span<const float>, float) override {}  // Engine::step updates on the device
+  void scale_first_moment(float factor, size_t offset, size_t count) override {
+    status_ = device_.scale_first_moment(factor, offset, count);
+  }
+  std::vector<OptimizerState> state() override { return host_.state(); }
+  /// scale_first_moment cannot return an error through Optimizer's interface: it is kept here.
+  Status take_status() { return std::exchange(status_, Status{}); }
+
+ private:
+  Optimizer& host_;
+  cuda::CudaOptimizer& device_;
+  Status status_;
+};
+
+/// Parameters, gradients and optimizer state on one CUDA device; the data
+/// set uploaded once; NCCL for the lockstep modes' collectives.
+class CudaEngine final : public Engine {
+ public:
+  static Result<std::unique_ptr<Engine>> create(const EngineOptions& options, Mlp& model, Optimizer& optimizer,
+                                                const OptimizerConfig& optimizer_config, const DataSplit& data) {
+    std::unique_ptr<CudaEngine> e(new CudaEngine(model, optimizer));
+    const Device device = device_for_rank(options.device, options.comm != nullptr ? options.comm->rank() : 0);
+    CFMO_ASSIGN_OR_RETURN(e->ctx_, cuda::Context::create(device.index));
+    CFMO_ASSIGN_OR_RETURN(e->model_, cuda::CudaMlp::create(*e->ctx_, model));
+    CFMO_ASSIGN_OR_RETURN(e->optimizer_,
+                          cuda::CudaOptimizer::create(*e->ctx_, optimizer_config, model.params(), model.num_params()));
+    CFMO_ASSIGN_OR_RETURN(auto train, cuda::DeviceDataset::upload(*e->ctx_, data.train, "the training set"));
+    CFMO_ASSIGN_OR_RETURN(auto test, cuda::DeviceDataset::upload(*e->ctx_, data.test, "the test set"));
+    e->train_ = std::make_unique<cuda::DeviceDataset>(std::move(train));
+    e->test_ = std::make_unique<cuda::DeviceDataset>(std::move(test));
+    e->view_ = std::make_unique<DeviceOptimizerView>(optimizer, *e->optimizer_);
+    e->description_ = device_description(device);
+    if (options.device_collectives && options.comm != nullptr && options.comm->size() > 1) {
+      // NCCL refuses two ranks on one GPU: such ranks reduce over UCX, through host memory.
+      CFMO_ASSIGN_OR_RETURN(const bool distinct, cuda::NcclComm::one_gpu_per_rank(*e->ctx_, *options.comm));
+      if (distinct) {
+        CFMO_ASSIGN_OR_RETURN(e->nccl_, cuda::NcclComm::create(*e->ctx_, *options.comm, options.peer_timeout_s));
+        e->description_ += ", " + cuda::NcclComm::version();
+      } else {
+        e->description_ += ", ranks share a GPU: collectives over UCX";
+      }
+    }
+    return std::unique_ptr<Engine>(std::move(e));
+  }
+
+  std::string description() const override { return description_; }
+  bool host_resident() const override { return false; }
+
+  Result<float> forward_backward(std::span<const int64_t> indices) override {
+    host_params_current_ = false;
+    return model_->forward_backward(*train_, indices);
+  }
+  Status zero_gradients() override { return model_->zero_gradients(); }
+  Result<std::span<float>> host_gradients() override {
+    CFMO_TRY(model_->download_gradients(host_.gradients()));
+    return host_.gradients();
+  }
+  Status gradients_changed() override { return model_->upload_gradients(host_.gradients()); }
+  Status clip_gradients(double max_norm) override {
+    return cuda::clip_grad_norm(*ctx_, model_->gradients(), model_->num_params(), max_norm, norm_scratch_);
+  }
+  Status step(float lr) override {
+    host_params_current_ = false;
+    CFMO_TRY(view_->take_status());
+    return optimizer_->step(model_->parameters(), model_->gradients(), lr);
+  }
+  Result<std::span<float>> host_parameters() override {
+    if (!host_params_current_) {
+      CFMO_TRY(model_->download_parameters(host_.parameters()));
+      host_params_current_ = true;
+    }
+    return host_.parameters();
+  }
+  Status parameters_changed() override {
+    CFMO_TRY(view_->take_status());
+    return model_->upload_parameters(host_.parameters());
+  }
+  Optimizer& mode_optimizer() override { return *view_; }
+  Result<Optimizer*> host_optimizer() override {
+    CFMO_TRY(view_->take_status());
+    CFMO_TRY(optimizer_->download_state(host_optimizer_));
+    return &host_optimizer_;
+  }
+  Status optimizer_changed() override { return optimizer_->upload_state(host_optimizer_); }
+
+  Result<EvalResult> evaluate_test() override { return model_->evaluate(*test_); }
+
+  bool has_device_all_reduce() const override { return nccl_ != nullptr; }
+  Status device_all_reduce_gradients(std::span<float> extras) override {
+    // [gradients * count..., extras...] in one NCCL all-reduce, then / total count.
+    const size_t n = model_->num_params();
+    CFMO_TRY(reduce_.resize(n + extras.size(), "the all-reduce buffer"));
+    CFMO_CUDA_TRY(cudaMemcpyAsync(reduce_.data(), model_->gradients(), n * sizeof(float), cudaMemcpyDeviceToDevice,
+                                  ctx_->stream()),
+                  "the all-reduce buffer");
+    CFMO_CUDA_TRY(cuda::kernels::scale(reduce_.data(), n, extras[0], ctx_->stream()), "weighting the gradients");
+    CFMO_CUDA_TRY(cudaMemcpyAsync(reduce_.data() + n, extras.data(), extras.size() * sizeof(float),
+                                  cudaMemcpyHostToDevice, ctx_->stream()),
+                  "the all-reduce buffer");
+    CFMO_TRY(nccl_->all_reduce_sum(reduce_.data(), reduce_.size()));
+    CFMO_CUDA_TRY(cudaMemcpyAsync(extras.data(), reduce_.data() + n, extras.size() * sizeof(float),
+                                  cudaMemcpyDeviceToHost, ctx_->stream()),
+                  "the all-reduce buffer");
+    CFMO_TRY(ctx_->synchronize("the all-reduce"));
+    const float total = extras[0];
+    CFMO_CUDA_TRY(cudaMemcpyAsync(model_->gradients(), reduce_.data(), n * sizeof(float), cudaMemcpyDeviceToDevice,
+                                  ctx_->stream()),
+                  "the all-reduce buffer");
+    CFMO_CUDA_TRY(cuda::kernels::scale(model_->gradients(), n, total > 0 ? 1.0f / total : 0.0f, ctx_->stream()),
+                  "averaging the gradients");
+    return {};
+  }
+
+ private:
+  CudaEngine(Mlp& host, Optimizer& host_optimizer) : host_(host), host_optimizer_(host_optimizer) {}
+
+  Mlp& host_;
+  Optimizer& host_optimizer_;
+  std::unique_ptr<cuda::Context> ctx_;
+  std::unique_ptr<cuda::CudaMlp> model_;
+  std::unique_ptr<cuda::CudaOptimizer> optimizer_;
+  std::unique_ptr<cuda::DeviceDataset> train_;
+  std::unique_ptr<cuda::DeviceDataset> test_;
+  std::unique_ptr<DeviceOptimizerView> view_;
+  std::unique_ptr<cuda::NcclComm> nccl_;
+  cuda::DeviceArray<double> norm_scratch_;
+  cuda::DeviceArray<float> reduce_;
+  std::string description_;
+  bool host_params_current_ = true;  ///< the host Mlp's parameters equal the device's
+};
+
+#endif
+
+}  // namespace
+
+Result<std::unique_ptr<Engine>> make_engine(const EngineOptions& options, Mlp& model, Optimizer& optimizer,
+                                            const OptimizerConfig& optimizer_config, const DataSplit& data) {
+  CFMO_TRY(check_device(options.device));
+  if (!options.device.is_cuda()) return std::unique_ptr<Engine>(std::make_unique<CpuEngine>(model, optimizer, data));
+#if CFMO_HAVE_CUDA
+  return CudaEngine::create(options, model, optimizer, optimizer_config, data);
+#else
+  (void)optimizer_config;
+  return make_error(ErrorKind::kInternal, "no CUDA backend in this build");
+#endif
+}
+
+}  // namespace cfmo
