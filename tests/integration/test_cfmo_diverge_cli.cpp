@@ -7,6 +7,7 @@
 #include "core/atomic_file.h"
 #include "diverge/sources.h"
 #include "integration/harness.h"
+#include "integration/man_page.h"
 #include "support/well_formed_xml.h"
 
 #include <gtest/gtest.h>
@@ -153,16 +154,7 @@ TEST(CfmoDivergeCli, HelpManPageAndConfigListTheSameOptions) {
 }
 
 TEST(CfmoDivergeCli, GeneratedManPageIsCurrent) {
-  if (system("command -v scdoc >/dev/null 2>&1") != 0) GTEST_SKIP() << "scdoc not installed";
-  TempDir dir;
-  const std::string command =
-      "scdoc < '" + (source_root() / "man/cfmo-diverge.1.scd").string() + "' > '" + (dir / "page.1").string() + "'";
-  ASSERT_EQ(system(command.c_str()), 0);
-  auto without_date = [](const std::string& page) {
-    return std::regex_replace(page, std::regex(R"(\n\.TH [^\n]*)"), "\n.TH");
-  };
-  EXPECT_EQ(without_date(slurp(dir / "page.1")), without_date(slurp(source_root() / "man/cfmo-diverge.1")))
-      << "run: scdoc < man/cfmo-diverge.1.scd > man/cfmo-diverge.1";
+  testing::expect_generated_man_page_current(source_root(), "cfmo-diverge");
 }
 
 TEST(CfmoDivergeCli, ReportInEveryFormat) {

@@ -2,6 +2,7 @@
 // and conf/moe.toml agree; flags, files, exit statuses), its reports, sync
 // and async against the reference over several local ranks, and a dead peer.
 #include "integration/harness.h"
+#include "integration/man_page.h"
 
 #include "core/atomic_file.h"
 
@@ -75,18 +76,7 @@ TEST(CfmoMoeCli, HelpManPageAndConfigListTheSameOptions) {
   EXPECT_EQ(loaded.out, printed.out);
 }
 
-TEST(CfmoMoeCli, GeneratedManPageIsCurrent) {
-  if (system("command -v scdoc >/dev/null 2>&1") != 0) GTEST_SKIP() << "scdoc not installed";
-  TempDir dir;
-  const std::string command =
-      "scdoc < '" + (source_root() / "man/cfmo-moe.1.scd").string() + "' > '" + (dir / "page.1").string() + "'";
-  ASSERT_EQ(system(command.c_str()), 0);
-  auto without_date = [](const std::string& page) {
-    return std::regex_replace(page, std::regex(R"(\n\.TH [^\n]*)"), "\n.TH");
-  };
-  EXPECT_EQ(without_date(slurp(dir / "page.1")), without_date(slurp(source_root() / "man/cfmo-moe.1")))
-      << "run: scdoc < man/cfmo-moe.1.scd > man/cfmo-moe.1";
-}
+TEST(CfmoMoeCli, GeneratedManPageIsCurrent) { testing::expect_generated_man_page_current(source_root(), "cfmo-moe"); }
 
 TEST(CfmoMoeCli, FlagsOverrideTheFileWhichOverridesDefaults) {
   TempDir dir;

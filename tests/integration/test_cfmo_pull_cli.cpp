@@ -2,6 +2,7 @@
 // docker-registry, plain HTTP on a free port, its own storage) holding
 // fixture images pushed through the upload API, and against a tiny HTTP
 // server for what a well-behaved registry never does (wrong bytes, 503s).
+#include "integration/man_page.h"
 #include "integration/registry_fixture.h"
 
 #include <gtest/gtest.h>
@@ -26,8 +27,7 @@ TEST(CfmoPullCli, HelpManPageAndConfigListTheSameOptions) {
     ASSERT_EQ(printed.status, 0) << sub << ": " << printed.err;
     for (const auto& k : matches(printed.out, key)) printed_keys.insert(k);
     // The shipped file and the printed configuration both load, and print the same again.
-    EXPECT_EQ(pull({sub, "--config", (source_root() / "conf/pull.toml").string(), "--print-config"}).status, 0)
-        << sub;
+    EXPECT_EQ(pull({sub, "--config", (source_root() / "conf/pull.toml").string(), "--print-config"}).status, 0) << sub;
     TempDir dir;
     ASSERT_TRUE(write_file_atomic(dir / "printed.toml", printed.out));
     const RunResult again = pull({sub, "--config", (dir / "printed.toml").string(), "--print-config"});
@@ -45,18 +45,7 @@ TEST(CfmoPullCli, HelpManPageAndConfigListTheSameOptions) {
   EXPECT_EQ(matches(slurp(source_root() / "conf/pull.toml"), key), printed_keys);
 }
 
-TEST(CfmoPullCli, GeneratedManPageIsCurrent) {
-  if (system("command -v scdoc >/dev/null 2>&1") != 0) GTEST_SKIP() << "scdoc not installed";
-  TempDir dir;
-  const std::string command =
-      "scdoc < '" + (source_root() / "man/cfmo-pull.1.scd").string() + "' > '" + (dir / "page.1").string() + "'";
-  ASSERT_EQ(system(command.c_str()), 0);
-  auto without_date = [](const std::string& page) {
-    return std::regex_replace(page, std::regex(R"(\n\.TH [^\n]*)"), "\n.TH");
-  };
-  EXPECT_EQ(without_date(slurp(dir / "page.1")), without_date(slurp(source_root() / "man/cfmo-pull.1")))
-      << "run: scdoc < man/cfmo-pull.1.scd > man/cfmo-pull.1";
-}
+TEST(CfmoPullCli, GeneratedManPageIsCurrent) { testing::expect_generated_man_page_current(source_root(), "cfmo-pull"); }
 
 TEST(CfmoPullCli, UsageErrorsAreExitTwo) {
   EXPECT_EQ(pull({}).status, 2);

@@ -1,6 +1,7 @@
 // Drives the real cfmo-train binary: flags, config files, exit statuses,
 // outputs, checkpoints, resume and interruption.
 #include "integration/harness.h"
+#include "integration/man_page.h"
 
 #include "ckpt/safetensors.h"
 #include "core/atomic_file.h"
@@ -78,17 +79,7 @@ TEST(CfmoTrainCli, HelpManPageAndConfigListTheSameOptions) {
 }
 
 TEST(CfmoTrainCli, GeneratedManPageIsCurrent) {
-  if (system("command -v scdoc >/dev/null 2>&1") != 0) GTEST_SKIP() << "scdoc not installed";
-  TempDir dir;
-  const std::string command =
-      "scdoc < '" + (source_root() / "man/cfmo-train.1.scd").string() + "' > '" + (dir / "page.1").string() + "'";
-  ASSERT_EQ(system(command.c_str()), 0);
-  // scdoc stamps today's date into the .TH line; compare everything else.
-  auto without_date = [](const std::string& page) {
-    return std::regex_replace(page, std::regex(R"(\n\.TH [^\n]*)"), "\n.TH");
-  };
-  EXPECT_EQ(without_date(slurp(dir / "page.1")), without_date(slurp(source_root() / "man/cfmo-train.1")))
-      << "run: scdoc < man/cfmo-train.1.scd > man/cfmo-train.1";
+  testing::expect_generated_man_page_current(source_root(), "cfmo-train");
 }
 
 TEST(CfmoTrainCli, FlagsOverrideConfigFileOverridesDefaults) {
