@@ -161,8 +161,8 @@ class UcxCommunicator final : public Communicator {
   }
 
   Status barrier() override {
-    float one = 1.0f;
-    return all_reduce_sum(std::span<float>(&one, 1));
+    if (size_ == 1) return {};
+    return run_collective([this] { return dissemination_barrier(); });
   }
 
   void post(int peer, Channel channel, std::vector<std::byte> payload) override {
@@ -704,6 +704,24 @@ class UcxCommunicator final : public Communicator {
         float* target = data.data() + begin(recv_chunk);
         for (size_t i = 0; i < recv_count; ++i) target[i] += scratch_[i];
       }
+    }
+    return {};
+  }
+
+  /// Dissemination barrier: in round k each rank tells rank + 2^k and hears
+  /// from rank - 2^k, ceil(log2 W) rounds (a ring all-reduce of one float
+  /// took 2(W-1) steps, one after the other).
+  Status dissemination_barrier() {
+    const uint32_t sequence = (++collective_sequence_ & 0x1FFFFF) << 11;
+    std::byte token{1};
+    std::byte heard{0};
+    uint32_t step = 0;
+    for (int distance = 1; distance < size_; distance *= 2, ++step) {
+      const int to = (rank_ + distance) % size_;
+      const int from = (rank_ - distance + size_) % size_;
+      std::vector<std::pair<void*, int>> requests = {{post_recv(from, &heard, 1, sequence | step), from},
+                                                     {post_send(to, &token, 1, sequence | step), to}};
+      CFMO_TRY(wait_all(requests, "barrier"));
     }
     return {};
   }

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -82,6 +83,33 @@ TEST_P(UcxTransports, RingAllReduceSumsForOddSizesAndRankCounts) {
       auto status = comm.barrier();
       if (!status) fprintf(stderr, "rank %d: barrier: %s\n", comm.rank(), status.error().message.c_str());
       return static_cast<bool>(status);
+    });
+    for (int code : codes) EXPECT_EQ(code, 0);
+  }
+}
+
+TEST_P(UcxTransports, NobodyLeavesABarrierBeforeEveryRankEnteredIt) {
+  for (int size : {2, 3, 5}) {  // dissemination rounds: 1, 2, 3 (5 is no power of two)
+    SCOPED_TRACE(size);
+    auto codes = run_ranks(size, GetParam(), [](Communicator& comm) {
+      // Rank r enters r * 50 ms late; then every rank learns when each one
+      // entered (the monotonic clock is the same for every process of the
+      // host) and checks that it left after the last of them.
+      std::this_thread::sleep_for(std::chrono::milliseconds(50 * comm.rank()));
+      const int64_t entered = std::chrono::steady_clock::now().time_since_epoch().count();
+      if (!comm.barrier()) return false;
+      const int64_t left = std::chrono::steady_clock::now().time_since_epoch().count();
+      const auto w = static_cast<size_t>(comm.size());
+      std::vector<int64_t> in(w, 0);
+      std::vector<std::span<const std::byte>> send(w, std::as_bytes(std::span<const int64_t>(&entered, 1)));
+      std::vector<std::span<std::byte>> recv;
+      for (auto& e : in) recv.push_back(std::as_writable_bytes(std::span<int64_t>(&e, 1)));
+      if (!comm.all_to_all_v(send, recv)) return false;
+      const int64_t last = *std::max_element(in.begin(), in.end());
+      if (left < last)
+        fprintf(stderr, "rank %d left %lld ns before the last rank entered\n", comm.rank(),
+                static_cast<long long>(last - left));
+      return left >= last;
     });
     for (int code : codes) EXPECT_EQ(code, 0);
   }
