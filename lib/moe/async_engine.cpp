@@ -121,11 +121,18 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
   auto results_in_flight = [&] {
     return std::any_of(flights.begin(), flights.end(), [](const Flight& f) { return f.awaiting > 0; });
   };
-  auto timed_compute = [&](auto&& work) {
+  // Seconds of expert compute per row on this rank lately (simulated
+  // slowness included): what serving a chunk will take.
+  double row_cost_s = 0;
+  auto timed_compute = [&](auto&& work, size_t rows = 0) {
     const bool overlapped = results_in_flight();
     const double took = s.pacer->run(work);
     record.compute_s += took;
     if (overlapped) record.overlapped_s += took;
+    if (rows > 0) {
+      const double cost = took / static_cast<double>(rows);
+      row_cost_s = row_cost_s == 0 ? cost : 0.8 * row_cost_s + 0.2 * cost;
+    }
   };
 
   // What is left of a flight's deadline, for the chunks it sends.
@@ -173,8 +180,8 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
     std::vector<std::byte> own;
     encode_rows(s.inputs->batch(f.iteration), hidden, s.top_k, f.plan.slots[mi], s.dtype, own);
     record.dispatch_bytes += static_cast<double>(own.size());
-    timed_compute(
-        [&] { compute_rows(own, f.plan.counts[mi], *s.experts, s.dtype, hidden, f.results[mi], 0, scratch); });
+    timed_compute([&] { compute_rows(own, f.plan.counts[mi], *s.experts, s.dtype, hidden, f.results[mi], 0, scratch); },
+                  f.plan.slots[mi].size());
     f.have[mi] = true;
     f.own_done = true;
     f.last_result = std::max(f.last_result, Clock::now());
@@ -268,13 +275,15 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
         ++record.skipped_chunks;  // its requester has combined that iteration: too late to matter
         return {};
       }
-      // Past the requester's deadline the result could only be late: with the
-      // residual policy nobody would use it, so the compute goes to chunks
-      // that can still make theirs (with stale, a late result still
-      // refreshes its slots). The arrival is no earlier than the send, so
-      // this never drops a chunk that could have been on time.
+      // A result that cannot be back before the requester's deadline could
+      // only be late: with the residual policy nobody would use it, so the
+      // compute goes to chunks that can still make theirs (with stale, a
+      // late result still refreshes its slots). The arrival is no earlier
+      // than the send, so only the compute estimate can misjudge.
       if (!stale_policy && hd.budget_us != kNoDeadline &&
-          Clock::now() > m.arrived + std::chrono::microseconds(hd.budget_us)) {
+          Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                             std::chrono::duration<double>(row_cost_s * static_cast<double>(total))) >
+              m.arrived + std::chrono::microseconds(hd.budget_us)) {
         ++record.skipped_chunks;
         return {};
       }
@@ -284,10 +293,12 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
       }
       std::vector<std::byte> reply = start_message(Kind::kResult, run_, hd.iteration, counts);
       const size_t header = reply.size();
-      timed_compute([&] {
-        compute_rows(std::span<const std::byte>(m.bytes).subspan(offset), counts, *s.experts, s.dtype, hidden, reply,
-                     header, scratch);
-      });
+      timed_compute(
+          [&] {
+            compute_rows(std::span<const std::byte>(m.bytes).subspan(offset), counts, *s.experts, s.dtype, hidden,
+                         reply, header, scratch);
+          },
+          total);
       comm_.post(m.from, Channel::kUser, std::move(reply));
       return {};
     }
