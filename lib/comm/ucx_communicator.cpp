@@ -560,21 +560,24 @@ class UcxCommunicator final : public Communicator {
   /// fails those when the peer died (UCX's keepalive takes a dead process
   /// that is not yet reaped for a live one), so the lost peer's endpoint is
   /// closed by force, which ends everything on it with an error. What still
-  /// involves a live peer gets a bounded time, then that endpoint is closed
-  /// too: the run is failing, and no request may outlive its buffer.
+  /// involves a live peer gets a second, then that endpoint is closed too:
+  /// the run is failing, and no request should outlive its buffer. A receive
+  /// that even that does not end (a message half arrived from a dead peer)
+  /// is left to UCX after another second rather than hanging the caller.
   void abandon(std::vector<std::pair<void*, int>>& requests, int lost_peer) {
     auto in_flight = [](void* r) { return r != nullptr && ucp_request_check_status(r) == UCS_INPROGRESS; };
     for (auto& [r, peer] : requests) {
       if (in_flight(r)) ucp_request_cancel(worker_, r);
     }
     force_close(lost_peer);
-    const auto deadline = Clock::now() + std::chrono::seconds(1);
+    const auto close_more = Clock::now() + std::chrono::seconds(1);
+    const auto give_up = close_more + std::chrono::seconds(1);
     for (;;) {
       ucp_worker_progress(worker_);
       const auto open =
           std::find_if(requests.begin(), requests.end(), [&](const auto& rp) { return in_flight(rp.first); });
-      if (open == requests.end()) break;
-      if (Clock::now() > deadline) force_close(open->second);
+      if (open == requests.end() || Clock::now() > give_up) break;
+      if (Clock::now() > close_more) force_close(open->second);
     }
     for (auto& [r, peer] : requests) {
       if (r != nullptr) ucp_request_free(r);
@@ -592,7 +595,8 @@ class UcxCommunicator final : public Communicator {
     void* request = ucp_ep_close_nbx(ep, &param);
     ep = nullptr;
     if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
-    while (ucp_request_check_status(request) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+    const auto deadline = Clock::now() + std::chrono::seconds(1);  // a forced close needs no peer: bounded anyway
+    while (ucp_request_check_status(request) == UCS_INPROGRESS && Clock::now() < deadline) ucp_worker_progress(worker_);
     ucp_request_free(request);
   }
 
