@@ -4,27 +4,32 @@
 #  2. Open MPI's MPI_Alltoallv (bench/mpi-alltoallv) against cfmo-moe's sync
 #     all-to-all-v (--ffn 0, balanced routing, top-1, one expert per rank, so
 #     every rank sends exactly SIZE bytes to every rank) at the same rank count
-#     and sizes, alternated, medians of busbw (nccl-tests' definition);
+#     and sizes, alternated, medians of busbw (nccl-tests' definition); and,
+#     timed the way the MPI peer is (a barrier before each), cfmo's
+#     communicator alone (bench/comm-a2a), to tell the transport from the
+#     engine around it;
 #  3. cfmo-moe sync against async tokens/s, 4 ranks and 12 experts, without and
 #     with --slowdown 1=1.25 (--mode both: the same inputs back to back), medians.
 # Prints a Markdown table and the targets' ratios; --record appends them to
 # bench/RESULTS.md.
 #
 #   bench/moe_vs_mpi.sh [--record]
-#   (RANKS=4 PEER_SIZES="16384 65536 262144 1048576" REPS=3 ITERS=30
-#    TOKENS=512 HIDDEN=512 FFN=1024 EXPERTS=12 to change)
+#   (RANKS=4 PEER_SIZES="16384 65536 262144 1048576" REPS=3 A2A_ITERS=200 ITERS=30
+#    TOKENS=512 HIDDEN=512 FFN=1024 EXPERTS=12 to change; A2A_ITERS for part 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RANKS=${RANKS:-4}
 PEER_SIZES=${PEER_SIZES:-"16384 65536 262144 1048576"}
 REPS=${REPS:-3}
 ITERS=${ITERS:-30}
+A2A_ITERS=${A2A_ITERS:-200}
 TOKENS=${TOKENS:-512}
 HIDDEN=${HIDDEN:-512}
 FFN=${FFN:-1024}
 EXPERTS=${EXPERTS:-12}
 MOE=${MOE:-build/tools/cfmo-moe}
 MPI_BENCH=${MPI_BENCH:-build/bench/mpi-alltoallv}
+COMM_BENCH=${COMM_BENCH:-build/bench/comm-a2a}
 PY=/usr/bin/python3
 record=false
 [ "${1:-}" = "--record" ] && record=true
@@ -62,11 +67,11 @@ for size in $PEER_SIZES; do
   rows=$(( size / 4096 * RANKS ))  # tokens per rank: hidden 1024 floats = 4096 bytes a row, RANKS peers
   sweep+="${sweep:+,}$rows"
 done
-declare -A mpi_runs cfmo_runs
+declare -A mpi_runs cfmo_runs comm_runs
 for rep in $(seq 1 "$REPS"); do
   if $have_mpi; then
     # shellcheck disable=SC2086
-    timeout 600 mpirun -np "$RANKS" --oversubscribe "$MPI_BENCH" --iters "$ITERS" $PEER_SIZES > "$tmp/mpi" 2>/dev/null ||
+    timeout 600 mpirun -np "$RANKS" --oversubscribe "$MPI_BENCH" --iters "$A2A_ITERS" $PEER_SIZES > "$tmp/mpi" 2>/dev/null ||
       echo "mpirun failed" >&2
     while read -r size bw; do mpi_runs[$size]+=" $bw"; done < <("$PY" -c '
 import json, sys
@@ -74,23 +79,34 @@ for l in open(sys.argv[1]):
     if l.startswith("{"): r = json.loads(l); print(r["bytes_per_peer"], r["busbw_gbps"])' "$tmp/mpi")
   fi
   timeout 600 "$MOE" --ranks "$RANKS" --experts "$RANKS" --top-k 1 --ffn 0 --routing balanced --drop-policy dropless \
-    --hidden 1024 --sweep "$sweep" --warmup 5 --iters "$ITERS" --mode sync --quiet --format json > "$tmp/cfmo" ||
+    --hidden 1024 --sweep "$sweep" --warmup 5 --iters "$A2A_ITERS" --mode sync --quiet --format json > "$tmp/cfmo" ||
     echo "cfmo-moe failed" >&2
   while read -r size bw; do cfmo_runs[$size]+=" $bw"; done < <("$PY" -c '
 import json, sys
 for r in json.load(open(sys.argv[1])): print(int(round(r["bytes_per_peer"])), r["busbw_gbps"])' "$tmp/cfmo")
+  if [ -x "$COMM_BENCH" ]; then
+    # shellcheck disable=SC2086
+    timeout 600 "$COMM_BENCH" --ranks "$RANKS" --iters "$A2A_ITERS" --barrier $PEER_SIZES > "$tmp/comm" 2>/dev/null ||
+      echo "comm-a2a failed" >&2
+    while read -r size bw; do comm_runs[$size]+=" $bw"; done < <("$PY" -c '
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    if r["op"] == "all_to_all_v": print(r["bytes_per_peer"], r["busbw_gbps"])' "$tmp/comm")
+  fi
   echo "all-to-all-v rep $rep done" >&2
 done
 
-a2a_table="| bytes per peer | ucx_perftest tag_bw GB/s (ceiling, 1 pair) | Open MPI MPI_Alltoallv busbw GB/s | cfmo-moe sync all-to-all-v busbw GB/s | cfmo / MPI |
-| --- | --- | --- | --- | --- |"
+a2a_table="| bytes per peer | ucx_perftest tag_bw GB/s (ceiling, 1 pair) | Open MPI MPI_Alltoallv busbw GB/s | cfmo-moe sync all-to-all-v busbw GB/s | cfmo / MPI | cfmo communicator alone (comm-a2a --barrier) busbw GB/s | alone / MPI |
+| --- | --- | --- | --- | --- | --- | --- |"
 a2a_notes=""
 for size in $PEER_SIZES; do
   # shellcheck disable=SC2086
-  m=$(median ${mpi_runs[$size]:-}); c=$(median ${cfmo_runs[$size]:-})
+  m=$(median ${mpi_runs[$size]:-}); c=$(median ${cfmo_runs[$size]:-}); a=$(median ${comm_runs[$size]:-})
   ratio=$( [ -n "$m" ] && [ -n "$c" ] && awk -v a="$c" -v b="$m" 'BEGIN{printf "%.2fx", a/b}' || echo "-")
+  alone=$( [ -n "$m" ] && [ -n "$a" ] && awk -v a="$a" -v b="$m" 'BEGIN{printf "%.2fx", a/b}' || echo "-")
   a2a_table+="
-| $size | ${ceiling[$size]:--} | ${m:--} | ${c:--} | $ratio |"
+| $size | ${ceiling[$size]:--} | ${m:--} | ${c:--} | $ratio | ${a:--} | $alone |"
   [ "$size" -ge 65536 ] && a2a_notes+="- $size bytes per peer: cfmo / Open MPI busbw = $ratio (target >= 0.9x from 64 KiB)
 "
 done
@@ -125,7 +141,7 @@ print("%.0f|%.0f|%.2f|%.2f|%.0f|%s|%s" % (med(sync, "tokens_per_s"), med(asyn, "
 "
 done
 
-report="All-to-all-v, $RANKS ranks on this host (median of $REPS runs, $ITERS iterations each):
+report="All-to-all-v, $RANKS ranks on this host (median of $REPS runs, $A2A_ITERS iterations each):
 
 $a2a_table
 
@@ -142,7 +158,7 @@ if $record; then
     echo "### cfmo-moe against ucx_perftest and Open MPI ($(date -u +%Y-%m-%d))"
     echo
     echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores shared by every rank, load average $(cut -d' ' -f1-3 /proc/loadavg) when it ended${NOTE:+; $NOTE}."
-    echo "Command: \`RANKS=$RANKS PEER_SIZES=\"$PEER_SIZES\" REPS=$REPS ITERS=$ITERS TOKENS=$TOKENS HIDDEN=$HIDDEN FFN=$FFN EXPERTS=$EXPERTS bench/moe_vs_mpi.sh --record\`"
+    echo "Command: \`RANKS=$RANKS PEER_SIZES=\"$PEER_SIZES\" REPS=$REPS A2A_ITERS=$A2A_ITERS ITERS=$ITERS TOKENS=$TOKENS HIDDEN=$HIDDEN FFN=$FFN EXPERTS=$EXPERTS bench/moe_vs_mpi.sh --record\`"
     echo
     echo "$report"
   } >> bench/RESULTS.md

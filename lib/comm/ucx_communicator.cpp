@@ -1,19 +1,19 @@
 #include "comm/ucx_communicator.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
 #include <ucs/config/global_opts.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
-#include <future>
+#include <initializer_list>
 #include <mutex>
 #include <thread>
 
@@ -29,6 +29,12 @@ constexpr uint8_t kHeartbeat = 0xFF;
 constexpr uint8_t kGoodbye = 0xFE;  // a rank is leaving on purpose: its disconnect is not a failure
 constexpr ucp_tag_t kChannelMask = ucp_tag_t{0xFF} << 56;
 constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
+// Collective messages up to this size are sent eagerly (see post_send).
+constexpr size_t kEagerCollectiveBytes = 64 * 1024;
+// How long each waiting thread spins, yielding, before it sleeps.
+constexpr auto kCallerSpin = std::chrono::microseconds(20);  // the caller of a blocking collective
+constexpr auto kWaitSpin = std::chrono::microseconds(50);    // the progress thread in a collective, without news
+constexpr auto kIdleSpin = std::chrono::microseconds(100);   // the progress thread after traffic
 
 ucp_tag_t make_tag(uint8_t channel, int source, uint32_t sequence) {
   return (ucp_tag_t{channel} << 56) | (ucp_tag_t{static_cast<uint32_t>(source) & 0xFFFFFF} << 32) | sequence;
@@ -65,6 +71,7 @@ class UcxCommunicator final : public Communicator {
     ucp_config_t* config = nullptr;
     ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
     if (status != UCS_OK) return ucx_error("reading the UCX configuration", status);
+    allow_shared_memory(config);
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
@@ -112,6 +119,30 @@ class UcxCommunicator final : public Communicator {
     return {};
   }
 
+  /// UCX (1.13 at least) keeps shared memory and CMA away from endpoints
+  /// that ask for peer error handling unless told they may claim it: the
+  /// shared-memory FIFOs (sysv, posix) have no failure reporting of their own
+  /// and CMA cannot invalidate a registration. Without these, every byte
+  /// between two ranks on one host went over TCP loopback, several times
+  /// slower. Peer failure is still seen: UCX's keepalive checks that a local
+  /// peer's process is alive, and the heartbeats here mark a silent peer
+  /// lost. CMA's rendezvous has the receiver read the sender's buffer
+  /// (get), so a peer found lost can at most read a send buffer of this
+  /// rank, never write into its memory. A UCX_* variable the user set wins.
+  static void allow_shared_memory(ucp_config_t* config) {
+    const auto user_set = [](std::initializer_list<const char*> names) {
+      return std::any_of(names.begin(), names.end(), [](const char* n) { return std::getenv(n) != nullptr; });
+    };
+    if (!user_set({"UCX_MM_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_POSIX_ERROR_HANDLING"})) {
+      ucp_config_modify(config, "MM_ERROR_HANDLING", "y");  // unknown to another UCX: ignored
+    }
+    // CMA's memory domain reads its options without the CMA_ prefix.
+    if (!user_set({"UCX_CMA_MEMORY_INVALIDATE"})) ucp_config_modify(config, "MEMORY_INVALIDATE", "y");
+    // A local peer that died is seen by that keepalive (a look at its
+    // process), every 20 s by default: every second, as TCP's reset was.
+    if (!user_set({"UCX_KEEPALIVE_INTERVAL"})) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
+  }
+
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
@@ -130,8 +161,8 @@ class UcxCommunicator final : public Communicator {
   }
 
   Status barrier() override {
-    float one = 1.0f;
-    return all_reduce_sum(std::span<float>(&one, 1));
+    if (size_ == 1) return {};
+    return run_collective([this] { return dissemination_barrier(); });
   }
 
   void post(int peer, Channel channel, std::vector<std::byte> payload) override {
@@ -157,12 +188,14 @@ class UcxCommunicator final : public Communicator {
     std::lock_guard dispatch(dispatch_mutex_);
     std::lock_guard lock(handlers_mutex_);
     handlers_[static_cast<uint8_t>(channel)] = ChannelHandler{std::move(handler), nullptr};
+    ++handlers_generation_;
   }
 
   void on_message_owned(Channel channel, OwnedHandler handler) override {
     std::lock_guard dispatch(dispatch_mutex_);
     std::lock_guard lock(handlers_mutex_);
     handlers_[static_cast<uint8_t>(channel)] = ChannelHandler{nullptr, std::move(handler)};
+    ++handlers_generation_;
   }
 
   std::vector<int> lost_ranks() const override {
@@ -255,54 +288,56 @@ class UcxCommunicator final : public Communicator {
     {
       std::lock_guard lock(queue_mutex_);
       commands_.push_back(std::move(command));
+      queued_.store(true);
     }
     wake();
   }
 
+  /// Wakes the progress thread if it sleeps (or is about to): it raises
+  /// `sleeping_` before it looks at the queue a last time, and this is called
+  /// after queueing, so one of the two sees the other.
   void wake() {
+    if (!sleeping_.load()) return;
     const uint64_t one = 1;
     if (wake_fd_ >= 0) [[maybe_unused]]
       auto n = ::write(wake_fd_, &one, sizeof one);
   }
 
   /// Runs `body` on the progress thread and blocks the caller until it is done.
-  template <typename Body>
-  Status run_collective(Body body) {
+  Status run_collective(std::function<Status()> body) {
     CFMO_TRY(health());
+    std::lock_guard one_at_a_time(collective_call_mutex_);
     const auto start = Clock::now();
-    Status result;
-    std::atomic<bool> finished{false};
-    std::mutex done_mutex;
-    std::condition_variable done;
     {
       std::lock_guard lock(queue_mutex_);
-      collective_ = [&] {
-        result = body();
-        // Notified under the lock: the caller takes it before returning, so
-        // these locals outlive the notification.
-        std::lock_guard done_lock(done_mutex);
-        finished.store(true, std::memory_order_release);
-        done.notify_one();
-      };
+      collective_ = std::move(body);
+      collective_state_.store(kCollectivePosted);
+      queued_.store(true);
     }
     wake();
-    // A short collective (an MoE layout, a small all-to-all) ends within
-    // microseconds: spin, yielding, before sleeping, so the wake-up does not
-    // add a scheduler round trip to each.
-    const auto spin_until = Clock::now() + std::chrono::microseconds(100);
-    while (!finished.load(std::memory_order_acquire) && Clock::now() < spin_until) std::this_thread::yield();
-    {
-      std::unique_lock done_lock(done_mutex);
-      done.wait(done_lock, [&] { return finished.load(std::memory_order_acquire); });
+    // A tiny collective on idle cores ends within microseconds: spin,
+    // yielding, for a moment so its wake-up costs nothing; then sleep, since a
+    // thread that keeps yielding on a busy host only runs again when the
+    // running one's time slice ends, while a woken one is scheduled at once.
+    const auto spin_until = Clock::now() + kCallerSpin;
+    int state = collective_state_.load(std::memory_order_acquire);
+    while (state != kCollectiveDone && Clock::now() < spin_until) {
+      std::this_thread::yield();
+      state = collective_state_.load(std::memory_order_acquire);
     }
+    while (state != kCollectiveDone) {
+      collective_state_.wait(state, std::memory_order_acquire);
+      state = collective_state_.load(std::memory_order_acquire);
+    }
+    collective_state_.store(kCollectiveIdle, std::memory_order_relaxed);
     collective_wait_s_ += std::chrono::duration<double>(Clock::now() - start).count();
-    return result;
+    return std::move(collective_result_);
   }
 
   // ---- everything below runs on the progress thread ----
 
   void send_now(int peer, uint8_t channel, uint32_t sequence, std::vector<std::byte> payload) {
-    if (is_lost(peer)) return;
+    if (is_lost(peer) || endpoints_[static_cast<size_t>(peer)] == nullptr) return;
     if (channel != kHeartbeat && channel != kGoodbye) {
       stats_bytes_sent_ += payload.size();
       ++stats_messages_sent_;
@@ -336,28 +371,28 @@ class UcxCommunicator final : public Communicator {
   /// Probes for messages on channels that have a handler, starting their receives.
   bool probe_channels() {
     bool any = false;
-    // Which channels to probe, under one lock: this runs on every turn of the
-    // progress loop, also while a collective waits.
-    std::array<bool, 256> wanted{};
-    {
+    // Which channels to probe: this runs on every turn of the progress loop,
+    // also while a collective waits, so the list is rebuilt only after a
+    // handler changed.
+    if (const uint64_t generation = handlers_generation_.load(); generation != probed_generation_) {
+      probed_generation_ = generation;
+      probed_.clear();
       std::lock_guard lock(handlers_mutex_);
-      for (size_t c = 1; c < wanted.size(); ++c) wanted[c] = static_cast<bool>(handlers_[c]);
+      for (size_t c = 1; c < handlers_.size(); ++c) {
+        if (handlers_[c] || c == kHeartbeat || c == kGoodbye) probed_.push_back(static_cast<uint8_t>(c));
+      }
     }
-    wanted[kHeartbeat] = true;
-    wanted[kGoodbye] = true;
-    for (int channel = 1; channel <= 0xFF; ++channel) {
-      if (!wanted[static_cast<size_t>(channel)]) continue;
+    for (const uint8_t channel : probed_) {
       for (;;) {
         ucp_tag_recv_info_t info{};
-        ucp_tag_message_h message =
-            ucp_tag_probe_nb(worker_, ucp_tag_t{static_cast<uint8_t>(channel)} << 56, kChannelMask, 1, &info);
+        ucp_tag_message_h message = ucp_tag_probe_nb(worker_, ucp_tag_t{channel} << 56, kChannelMask, 1, &info);
         if (message == nullptr) break;
         any = true;
         const int from = tag_source(info.sender_tag);
         if (from >= 0 && from < size_) last_heard_[static_cast<size_t>(from)] = Clock::now();
         Pending p;
         p.peer = from;
-        p.channel = static_cast<uint8_t>(channel);
+        p.channel = channel;
         p.is_receive = true;
         p.payload.resize(info.length);
         ucp_request_param_t param{};
@@ -425,6 +460,9 @@ class UcxCommunicator final : public Communicator {
         if (peer != rank_) send_now(peer, kHeartbeat, 0, std::vector<std::byte>(1));
       }
     }
+    // Silence is measured in seconds: looking every few milliseconds is enough.
+    if (now - last_silence_check_ < std::chrono::milliseconds(5)) return;
+    last_silence_check_ = now;
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_ || departed(peer)) continue;
       const double silent = std::chrono::duration<double>(now - last_heard_[static_cast<size_t>(peer)]).count();
@@ -434,16 +472,23 @@ class UcxCommunicator final : public Communicator {
     }
   }
 
-  /// One round of everything except starting a collective; true if work was done.
-  bool service() {
-    bool any = false;
-    std::deque<std::function<void()>> commands;
+  /// Runs the commands queued by other threads; true if there were any.
+  bool run_commands() {
+    if (!queued_.load(std::memory_order_acquire)) return false;
     {
       std::lock_guard lock(queue_mutex_);
-      commands.swap(commands_);
+      running_.swap(commands_);
+      queued_.store(collective_ != nullptr);
     }
-    for (auto& c : commands) c();
-    any |= !commands.empty();
+    for (auto& c : running_) c();
+    const bool any = !running_.empty();
+    running_.clear();
+    return any;
+  }
+
+  /// One round of everything except starting a collective; true if work was done.
+  bool service() {
+    bool any = run_commands();
     while (ucp_worker_progress(worker_) != 0) any = true;
     any |= probe_channels();
     any |= retire_pending();
@@ -451,15 +496,27 @@ class UcxCommunicator final : public Communicator {
     return any;
   }
 
+  /// Runs a collective the caller handed over, if any; true if it did.
+  bool run_posted_collective() {
+    if (!queued_.load(std::memory_order_acquire)) return false;
+    std::function<Status()> body;
+    {
+      std::lock_guard lock(queue_mutex_);
+      body.swap(collective_);
+      queued_.store(!commands_.empty());
+    }
+    if (!body) return false;
+    collective_result_ = body();
+    collective_state_.store(kCollectiveDone, std::memory_order_release);
+    collective_state_.notify_one();
+    return true;
+  }
+
   void progress_loop() {
+    pthread_setname_np(pthread_self(), "cfmo-progress");
     while (!stop_thread_.load()) {
-      std::function<void()> collective;
-      {
-        std::lock_guard lock(queue_mutex_);
-        collective.swap(collective_);
-      }
-      if (collective) {
-        collective();
+      if (run_posted_collective()) {
+        last_activity_ = Clock::now();
         continue;
       }
       if (service()) {
@@ -467,8 +524,10 @@ class UcxCommunicator final : public Communicator {
         continue;
       }
       // Spin (yielding the core) for a moment after traffic: replies tend to
-      // follow requests closely, and a sleep would add its latency to each.
-      if (Clock::now() - last_activity_ < std::chrono::milliseconds(1)) {
+      // follow requests closely. Not longer: a yielding thread steals turns
+      // from ranks that compute and reacts no faster on a busy host than one
+      // that sleeps on UCX's event fd, which shared memory and TCP signal.
+      if (Clock::now() - last_activity_ < kIdleSpin) {
         std::this_thread::yield();
         continue;
       }
@@ -476,22 +535,76 @@ class UcxCommunicator final : public Communicator {
     }
   }
 
-  /// Sleeps until UCX or the training thread has something, at most 200 us
-  /// (shared-memory transports may not signal the worker's event fd).
+  /// Sleeps until UCX or another thread has something, at most 200 us (UCX
+  /// does not promise an event for every kind of progress a transport makes).
   void idle_wait() {
+    sleeping_.store(true);
+    struct Awake {
+      std::atomic<bool>& flag;
+      ~Awake() { flag.store(false); }
+    } awake{sleeping_};
+    if (queued_.load()) return;  // queued before the flag was up: no wake-up will come
     uint64_t drained = 0;
     if (wake_fd_ >= 0) [[maybe_unused]]
       auto n = ::read(wake_fd_, &drained, sizeof drained);
+    if (queued_.load()) return;
     if (worker_fd_ >= 0 && ucp_worker_arm(worker_) != UCS_OK) return;  // events pending: go round again
     pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {worker_fd_, POLLIN, 0}};
     const timespec timeout{0, 200'000};
     ::ppoll(fds, worker_fd_ >= 0 ? 2 : 1, &timeout, nullptr);
   }
 
+  /// Ends the requests of a collective that cannot finish, before the
+  /// caller's buffers go away. Cancelling ends the receives nothing matched
+  /// yet, not a send or a receive under way: over shared memory nothing ever
+  /// fails those when the peer died (UCX's keepalive takes a dead process
+  /// that is not yet reaped for a live one), so the lost peer's endpoint is
+  /// closed by force, which ends everything on it with an error. What still
+  /// involves a live peer gets a second, then that endpoint is closed too:
+  /// the run is failing, and no request should outlive its buffer. A receive
+  /// that even that does not end (a message half arrived from a dead peer)
+  /// is left to UCX after another second rather than hanging the caller.
+  void abandon(std::vector<std::pair<void*, int>>& requests, int lost_peer) {
+    auto in_flight = [](void* r) { return r != nullptr && ucp_request_check_status(r) == UCS_INPROGRESS; };
+    for (auto& [r, peer] : requests) {
+      if (in_flight(r)) ucp_request_cancel(worker_, r);
+    }
+    force_close(lost_peer);
+    const auto close_more = Clock::now() + std::chrono::seconds(1);
+    const auto give_up = close_more + std::chrono::seconds(1);
+    for (;;) {
+      ucp_worker_progress(worker_);
+      const auto open =
+          std::find_if(requests.begin(), requests.end(), [&](const auto& rp) { return in_flight(rp.first); });
+      if (open == requests.end() || Clock::now() > give_up) break;
+      if (Clock::now() > close_more) force_close(open->second);
+    }
+    for (auto& [r, peer] : requests) {
+      if (r != nullptr) ucp_request_free(r);
+      r = nullptr;
+    }
+  }
+
+  /// Closes the endpoint to `peer` at once, ending its requests with an error.
+  void force_close(int peer) {
+    ucp_ep_h& ep = endpoints_[static_cast<size_t>(peer)];
+    if (ep == nullptr) return;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* request = ucp_ep_close_nbx(ep, &param);
+    ep = nullptr;
+    if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
+    const auto deadline = Clock::now() + std::chrono::seconds(1);  // a forced close needs no peer: bounded anyway
+    while (ucp_request_check_status(request) == UCS_INPROGRESS && Clock::now() < deadline) ucp_worker_progress(worker_);
+    ucp_request_free(request);
+  }
+
   /// Waits for `requests` (each with the peer it involves) while serving
   /// everything else; fails when a peer with a request still in flight is lost.
   Status wait_all(std::vector<std::pair<void*, int>>& requests, std::string_view what) {
     auto in_flight = [](void* r) { return r != nullptr && ucp_request_check_status(r) == UCS_INPROGRESS; };
+    auto idle_since = Clock::now();
     for (;;) {
       bool done = true;
       int lost_peer = -1;
@@ -502,19 +615,18 @@ class UcxCommunicator final : public Communicator {
       }
       if (done) break;
       if (lost_peer >= 0) {
-        for (auto& [r, peer] : requests) {
-          if (in_flight(r)) ucp_request_cancel(worker_, r);
-        }
-        while (std::any_of(requests.begin(), requests.end(), [&](const auto& rp) { return in_flight(rp.first); })) {
-          ucp_worker_progress(worker_);
-        }
-        for (auto& [r, peer] : requests) {
-          if (r != nullptr) ucp_request_free(r);
-          r = nullptr;
-        }
+        abandon(requests, lost_peer);
         return make_error(ErrorKind::kPeer, "{}: {}", what, failure_of(lost_peer));
       }
-      if (!service()) std::this_thread::yield();
+      // Spin while the peers answer promptly, then sleep until UCX has
+      // news (or 200 us pass), for the reason given in progress_loop.
+      if (service()) {
+        idle_since = Clock::now();
+      } else if (Clock::now() - idle_since > kWaitSpin) {
+        idle_wait();
+      } else {
+        std::this_thread::yield();
+      }
     }
     Status result;
     for (auto& [r, peer] : requests) {
@@ -545,6 +657,17 @@ class UcxCommunicator final : public Communicator {
 
   void* post_send(int peer, const void* buffer, size_t bytes, uint32_t sequence) {
     ucp_request_param_t param{};
+    // A collective's mid-size messages go eagerly (copied through the
+    // receiver's FIFO, UCX's protocol for sends that must complete fast)
+    // instead of by rendezvous, whose request, reply and acknowledgement each
+    // wait for the other rank's progress thread to run: on a busy host that
+    // wait, not the copy, is the cost. Larger ones go by rendezvous (between
+    // ranks of one host, read in place over CMA: one copy).
+    if (bytes <= kEagerCollectiveBytes) param.op_attr_mask |= UCP_OP_ATTR_FLAG_FAST_CMPL;
+    if (endpoints_[static_cast<size_t>(peer)] == nullptr) {  // closed after a failure
+      mark_lost(peer, "its endpoint was closed after a failure");
+      return nullptr;
+    }
     void* request = ucp_tag_send_nbx(endpoints_[static_cast<size_t>(peer)], buffer, bytes,
                                      make_tag(kCollective, rank_, sequence), &param);
     if (UCS_PTR_IS_ERR(request)) {
@@ -585,6 +708,24 @@ class UcxCommunicator final : public Communicator {
         float* target = data.data() + begin(recv_chunk);
         for (size_t i = 0; i < recv_count; ++i) target[i] += scratch_[i];
       }
+    }
+    return {};
+  }
+
+  /// Dissemination barrier: in round k each rank tells rank + 2^k and hears
+  /// from rank - 2^k, ceil(log2 W) rounds (a ring all-reduce of one float
+  /// took 2(W-1) steps, one after the other).
+  Status dissemination_barrier() {
+    const uint32_t sequence = (++collective_sequence_ & 0x1FFFFF) << 11;
+    std::byte token{1};
+    std::byte heard{0};
+    uint32_t step = 0;
+    for (int distance = 1; distance < size_; distance *= 2, ++step) {
+      const int to = (rank_ + distance) % size_;
+      const int from = (rank_ - distance + size_) % size_;
+      std::vector<std::pair<void*, int>> requests = {{post_recv(from, &heard, 1, sequence | step), from},
+                                                     {post_send(to, &token, 1, sequence | step), to}};
+      CFMO_TRY(wait_all(requests, "barrier"));
     }
     return {};
   }
@@ -639,7 +780,9 @@ class UcxCommunicator final : public Communicator {
     }
     stopping_ = true;
     stop_thread_ = true;
-    wake();
+    const uint64_t one = 1;
+    if (wake_fd_ >= 0) [[maybe_unused]]
+      auto n = ::write(wake_fd_, &one, sizeof one);
     progress_thread_.join();
     // Let queued sends leave, briefly: peers are shutting down too.
     const auto deadline = Clock::now() + std::chrono::milliseconds(500);
@@ -727,12 +870,22 @@ class UcxCommunicator final : public Communicator {
   std::atomic<bool> stopping_{false};
 
   std::mutex queue_mutex_;  ///< guards commands_ and collective_
-  std::deque<std::function<void()>> commands_;
-  std::function<void()> collective_;
+  std::vector<std::function<void()>> commands_;
+  std::function<Status()> collective_;
+  std::atomic<bool> queued_{false};    ///< commands_ or collective_ holds something
+  std::atomic<bool> sleeping_{false};  ///< the progress thread may be asleep: wake() writes the eventfd
+  std::mutex collective_call_mutex_;   ///< one blocking collective at a time
+  static constexpr int kCollectiveIdle = 0;
+  static constexpr int kCollectivePosted = 1;
+  static constexpr int kCollectiveDone = 2;
+  std::atomic<int> collective_state_{kCollectiveIdle};
+  Status collective_result_;                    ///< written by the progress thread before kCollectiveDone
+  std::vector<std::function<void()>> running_;  ///< progress thread: the commands being run
 
   std::mutex dispatch_mutex_;  ///< held while a handler runs (progress thread) or is replaced
   std::mutex handlers_mutex_;  ///< guards handlers_
   std::array<ChannelHandler, 256> handlers_;
+  std::atomic<uint64_t> handlers_generation_{1};  ///< bumped by every change of handlers_
 
   mutable std::mutex lost_mutex_;  ///< guards lost_
   std::vector<std::string> lost_;  ///< per rank: why it is lost, empty while alive
@@ -741,6 +894,9 @@ class UcxCommunicator final : public Communicator {
 
   // Progress-thread state.
   std::vector<Pending> pending_;
+  std::vector<uint8_t> probed_;     ///< the channels probe_channels() looks at
+  uint64_t probed_generation_ = 0;  ///< handlers_generation_ when probed_ was built
+  Clock::time_point last_silence_check_{};
   std::vector<Clock::time_point> last_heard_;
   Clock::time_point last_heartbeat_{};
   Clock::time_point last_activity_{};

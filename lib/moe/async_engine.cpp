@@ -16,15 +16,20 @@ struct WireHeader {
   uint32_t run = 0;
   uint32_t iteration = 0;  ///< the iteration (low 32 bits); for kDone, unused
   uint32_t count = 0;
+  /// kDispatch: microseconds left until the sender's deadline when it sent
+  /// the chunk (kNoDeadline: none). Relative, so no clock is shared.
+  uint32_t budget_us = 0;
 };
-static_assert(sizeof(WireHeader) == 16);
+static_assert(sizeof(WireHeader) == 20);
+constexpr uint32_t kNoDeadline = ~uint32_t{0};
 
 size_t rows_offset(size_t counts) { return (sizeof(WireHeader) + counts * sizeof(uint32_t) + 15) / 16 * 16; }
 
-std::vector<std::byte> start_message(Kind kind, uint32_t run, int64_t iteration, std::span<const uint32_t> counts) {
+std::vector<std::byte> start_message(Kind kind, uint32_t run, int64_t iteration, std::span<const uint32_t> counts,
+                                     uint32_t budget_us = kNoDeadline) {
   std::vector<std::byte> out(rows_offset(counts.size()));
   const WireHeader h{static_cast<uint32_t>(kind), run, static_cast<uint32_t>(iteration),
-                     static_cast<uint32_t>(counts.size())};
+                     static_cast<uint32_t>(counts.size()), budget_us};
   std::memcpy(out.data(), &h, sizeof h);
   if (!counts.empty()) std::memcpy(out.data() + sizeof h, counts.data(), counts.size_bytes());
   return out;
@@ -38,7 +43,8 @@ struct Flight {
   std::vector<std::vector<std::byte>> results;  ///< per rank: the result message (own rank: rows only)
   std::vector<size_t> offsets;                  ///< per rank: where the rows start in results
   std::vector<bool> have;
-  int awaiting = 0;  ///< other ranks whose results are still out
+  int awaiting = 0;       ///< other ranks whose results are still out
+  bool own_done = false;  ///< the own tokens for the own experts are computed
   Clock::time_point start;
   Clock::time_point dispatch_start;
   Clock::time_point deadline;
@@ -115,11 +121,25 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
   auto results_in_flight = [&] {
     return std::any_of(flights.begin(), flights.end(), [](const Flight& f) { return f.awaiting > 0; });
   };
-  auto timed_compute = [&](auto&& work) {
+  // Seconds of expert compute per row on this rank lately (simulated
+  // slowness included): what serving a chunk will take.
+  double row_cost_s = 0;
+  auto timed_compute = [&](auto&& work, size_t rows = 0) {
     const bool overlapped = results_in_flight();
     const double took = s.pacer->run(work);
     record.compute_s += took;
     if (overlapped) record.overlapped_s += took;
+    if (rows > 0) {
+      const double cost = took / static_cast<double>(rows);
+      row_cost_s = row_cost_s == 0 ? cost : 0.8 * row_cost_s + 0.2 * cost;
+    }
+  };
+
+  // What is left of a flight's deadline, for the chunks it sends.
+  auto budget_us = [&](const Flight& f) -> uint32_t {
+    if (f.deadline == Clock::time_point::max()) return kNoDeadline;
+    const double left = std::max(0.0, seconds_between(Clock::now(), f.deadline)) * 1e6;
+    return static_cast<uint32_t>(std::min(left, static_cast<double>(kNoDeadline - 1)));
   };
 
   auto start_flight = [&](int64_t i) {
@@ -141,7 +161,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
     for (int p = 0; p < ranks; ++p) {
       const auto pi = static_cast<size_t>(p);
       if (p == me || f.plan.slots[pi].empty()) continue;
-      std::vector<std::byte> message = start_message(Kind::kDispatch, run_, i, f.plan.counts[pi]);
+      std::vector<std::byte> message = start_message(Kind::kDispatch, run_, i, f.plan.counts[pi], budget_us(f));
       const size_t header = message.size();
       encode_rows(x, hidden, s.top_k, f.plan.slots[pi], s.dtype, message);
       record.dispatch_bytes += static_cast<double>(message.size() - header);
@@ -149,18 +169,22 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
       comm_.post(p, Channel::kUser, std::move(message));
       ++f.awaiting;
     }
-    // The own tokens for the own experts, at once, while the rest travel.
+    flights.push_back(std::move(f));
+  };
+
+  // The own tokens for the own experts, while the rest travel: after the
+  // chunks that peers sent are served (they wait on them; this rank's own
+  // combine waits on its remote results anyway).
+  auto compute_own = [&](Flight& f) {
     const auto mi = static_cast<size_t>(me);
     std::vector<std::byte> own;
-    encode_rows(x, hidden, s.top_k, f.plan.slots[mi], s.dtype, own);
+    encode_rows(s.inputs->batch(f.iteration), hidden, s.top_k, f.plan.slots[mi], s.dtype, own);
     record.dispatch_bytes += static_cast<double>(own.size());
-    flights.push_back(std::move(f));
-    Flight& placed = flights.back();
-    timed_compute([&] {
-      compute_rows(own, placed.plan.counts[mi], *s.experts, s.dtype, hidden, placed.results[mi], 0, scratch);
-    });
-    placed.have[mi] = true;
-    placed.last_result = Clock::now();
+    timed_compute([&] { compute_rows(own, f.plan.counts[mi], *s.experts, s.dtype, hidden, f.results[mi], 0, scratch); },
+                  f.plan.slots[mi].size());
+    f.have[mi] = true;
+    f.own_done = true;
+    f.last_result = std::max(f.last_result, Clock::now());
   };
 
   auto finish_flight = [&] {
@@ -243,9 +267,24 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
       return make_error(ErrorKind::kPeer, "rank {} sent {} bytes for {} rows", m.from, m.bytes.size(), total);
     }
     if (hd.kind == static_cast<uint32_t>(Kind::kDispatch)) {
-      if (done[from]) return {};  // it combined without us already
+      if (done[from]) {  // it combined without us already (a small done can overtake a big chunk)
+        ++record.skipped_chunks;
+        return {};
+      }
       if (static_cast<int64_t>(hd.iteration) + s.in_flight <= newest[from]) {
         ++record.skipped_chunks;  // its requester has combined that iteration: too late to matter
+        return {};
+      }
+      // A result that cannot be back before the requester's deadline could
+      // only be late: with the residual policy nobody would use it, so the
+      // compute goes to chunks that can still make theirs (with stale, a
+      // late result still refreshes its slots). The arrival is no earlier
+      // than the send, so only the compute estimate can misjudge.
+      if (!stale_policy && hd.budget_us != kNoDeadline &&
+          Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                             std::chrono::duration<double>(row_cost_s * static_cast<double>(total))) >
+              m.arrived + std::chrono::microseconds(hd.budget_us)) {
+        ++record.skipped_chunks;
         return {};
       }
       if (counts.size() != mine) {
@@ -254,10 +293,12 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
       }
       std::vector<std::byte> reply = start_message(Kind::kResult, run_, hd.iteration, counts);
       const size_t header = reply.size();
-      timed_compute([&] {
-        compute_rows(std::span<const std::byte>(m.bytes).subspan(offset), counts, *s.experts, s.dtype, hidden, reply,
-                     header, scratch);
-      });
+      timed_compute(
+          [&] {
+            compute_rows(std::span<const std::byte>(m.bytes).subspan(offset), counts, *s.experts, s.dtype, hidden,
+                         reply, header, scratch);
+          },
+          total);
       comm_.post(m.from, Channel::kUser, std::move(reply));
       return {};
     }
@@ -317,15 +358,25 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
     if (!flights.empty()) flights.front().waited_s += seconds_between(before, Clock::now());
   };
 
+  // Each turn: serve what arrived (peers' chunks first: they wait on them),
+  // combine the oldest iteration once its results are in or its deadline has
+  // passed, open a new iteration while fewer than in_flight are, compute the
+  // own rows of the oldest open one, else wait for a message.
   while (!flights.empty() || next < end) {
     CFMO_TRY(comm_.health());
     CFMO_ASSIGN_OR_RETURN(const bool any, drain());
     if (!flights.empty() && (flights.front().awaiting == 0 || Clock::now() >= flights.front().deadline)) {
+      if (!flights.front().own_done) compute_own(flights.front());  // local: never late
       finish_flight();
       continue;
     }
     if (next < end && static_cast<int>(flights.size()) < s.in_flight) {
       start_flight(next++);
+      continue;
+    }
+    if (auto f = std::find_if(flights.begin(), flights.end(), [](const Flight& g) { return !g.own_done; });
+        f != flights.end()) {
+      compute_own(*f);
       continue;
     }
     if (!any) wait_for_messages(flights.empty() ? Clock::now() : flights.front().deadline);

@@ -75,7 +75,7 @@ struct RankRecord {
   double staleness_sum = 0;  ///< iterations of age, over the stale ones
   int64_t staleness_max = 0;
   int64_t late_arrivals = 0;   ///< results that came after their iteration was combined
-  int64_t skipped_chunks = 0;  ///< peers' chunks not computed: their iteration was combined already
+  int64_t skipped_chunks = 0;  ///< peers' chunks not computed: combined already, or past the deadline (residual)
   double compute_s = 0;        ///< routing and expert compute, simulated slowness included
   double overlapped_s = 0;     ///< compute while results of this rank were in flight
   double dispatch_bytes = 0;   ///< payload dispatched, this rank's own share included

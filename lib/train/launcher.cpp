@@ -48,6 +48,8 @@ struct Child {
   std::string err_partial;
   int status = -1;
   bool killed = false;  ///< ended by a signal rather than an exit
+  bool reaped = false;
+  int wstatus = 0;
 };
 
 }  // namespace
@@ -149,6 +151,12 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
       }
     }
     if (fds.empty()) break;
+    // Reap a rank as soon as it is gone: until then it is a zombie, which
+    // the others' transport (UCX's keepalive between ranks of one host)
+    // takes for a live process, so they would wait for the peer timeout.
+    for (auto& c : children) {
+      if (!c.reaped && c.out < 0 && c.err < 0) c.reaped = ::waitpid(c.pid, &c.wstatus, WNOHANG) == c.pid;
+    }
     if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
     for (size_t i = 0; i < fds.size(); ++i) {
       if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
@@ -169,8 +177,8 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
 
   int result = 0;
   for (auto& c : children) {
-    int wstatus = 0;
-    while (::waitpid(c.pid, &wstatus, 0) < 0 && errno == EINTR) {
+    int wstatus = c.wstatus;
+    while (!c.reaped && ::waitpid(c.pid, &wstatus, 0) < 0 && errno == EINTR) {
     }
     if (WIFEXITED(wstatus)) {
       c.status = WEXITSTATUS(wstatus);

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -82,6 +83,33 @@ TEST_P(UcxTransports, RingAllReduceSumsForOddSizesAndRankCounts) {
       auto status = comm.barrier();
       if (!status) fprintf(stderr, "rank %d: barrier: %s\n", comm.rank(), status.error().message.c_str());
       return static_cast<bool>(status);
+    });
+    for (int code : codes) EXPECT_EQ(code, 0);
+  }
+}
+
+TEST_P(UcxTransports, NobodyLeavesABarrierBeforeEveryRankEnteredIt) {
+  for (int size : {2, 3, 5}) {  // dissemination rounds: 1, 2, 3 (5 is no power of two)
+    SCOPED_TRACE(size);
+    auto codes = run_ranks(size, GetParam(), [](Communicator& comm) {
+      // Rank r enters r * 50 ms late; then every rank learns when each one
+      // entered (the monotonic clock is the same for every process of the
+      // host) and checks that it left after the last of them.
+      std::this_thread::sleep_for(std::chrono::milliseconds(50 * comm.rank()));
+      const int64_t entered = std::chrono::steady_clock::now().time_since_epoch().count();
+      if (!comm.barrier()) return false;
+      const int64_t left = std::chrono::steady_clock::now().time_since_epoch().count();
+      const auto w = static_cast<size_t>(comm.size());
+      std::vector<int64_t> in(w, 0);
+      std::vector<std::span<const std::byte>> send(w, std::as_bytes(std::span<const int64_t>(&entered, 1)));
+      std::vector<std::span<std::byte>> recv;
+      for (auto& e : in) recv.push_back(std::as_writable_bytes(std::span<int64_t>(&e, 1)));
+      if (!comm.all_to_all_v(send, recv)) return false;
+      const int64_t last = *std::max_element(in.begin(), in.end());
+      if (left < last)
+        fprintf(stderr, "rank %d left %lld ns before the last rank entered\n", comm.rank(),
+                static_cast<long long>(last - left));
+      return left >= last;
     });
     for (int code : codes) EXPECT_EQ(code, 0);
   }
@@ -271,11 +299,43 @@ TEST_P(UcxTransports, ALostRankFailsTheCollectiveNamingIt) {
   for (int code : codes) EXPECT_EQ(code, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, UcxTransports, ::testing::Values("", "tcp", "posix,cma,self,tcp"),
-                         [](const auto& info) {
-                           return info.param.empty()    ? std::string("Default")
-                                  : info.param == "tcp" ? std::string("Tcp")
-                                                        : std::string("SharedMemory");
+TEST_P(UcxTransports, ALostRankFailsLargeAllToAllsInFlightNamingIt) {
+  // Rendezvous-sized messages (read in place over CMA between ranks of one
+  // host): the survivors' requests to and from the dead rank must end in an
+  // error naming it, not a crash or a hang.
+  UcxOptions options;
+  options.peer_timeout_s = 2;
+  auto codes = run_ranks(
+      3, GetParam(),
+      [](Communicator& comm) {
+        const size_t bytes = 1 << 20;
+        std::vector<std::vector<std::byte>> out(3, std::vector<std::byte>(bytes, std::byte{1}));
+        std::vector<std::vector<std::byte>> in(3, std::vector<std::byte>(bytes));
+        std::vector<std::span<const std::byte>> send(out.begin(), out.end());
+        std::vector<std::span<std::byte>> recv(in.begin(), in.end());
+        if (!comm.all_to_all_v(send, recv)) return false;
+        Status status;
+        for (int i = 0; i < 100000 && status; ++i) {
+          if (comm.rank() == 2 && i == 3) _exit(0);  // gone mid-run, like kill -9
+          status = comm.all_to_all_v(send, recv);
+        }
+        if (status) return false;
+        fprintf(stderr, "rank %d: %s\n", comm.rank(), status.error().message.c_str());
+        return status.error().kind == ErrorKind::kPeer && status.error().message.find("rank 2") != std::string::npos;
+      },
+      options);
+  for (int code : codes) EXPECT_EQ(code, 0);
+}
+
+// "posix,cma,self": shared memory and CMA alone, no TCP to fall back on, so
+// the communicator must get them even though its endpoints ask for peer
+// error handling (UCX withholds them unless told they may claim it).
+INSTANTIATE_TEST_SUITE_P(Transports, UcxTransports,
+                         ::testing::Values("", "tcp", "posix,cma,self,tcp", "posix,cma,self"), [](const auto& info) {
+                           return info.param.empty()                   ? std::string("Default")
+                                  : info.param == "tcp"                ? std::string("Tcp")
+                                  : info.param == "posix,cma,self,tcp" ? std::string("SharedMemory")
+                                                                       : std::string("SharedMemoryOnly");
                          });
 
 TEST(SoloCommunicator, CollectivesAreCopiesAndMessagesReachTheHandler) {

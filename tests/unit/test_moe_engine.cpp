@@ -176,5 +176,31 @@ TEST(MoeEngine, AsyncWithATinyDeadlineCountsLateTokensAndStaysCorrectForTheRest)
   for (int code : codes) EXPECT_EQ(code, 0);
 }
 
+TEST(MoeEngine, AsyncSkipsChunksWhoseResultCouldOnlyBeLate) {
+  auto codes = run_ranks(2, [](Communicator& comm, std::string& why) {
+    Layer layer;  // residual policy: a late result is never used
+    layer.tokens = 200;
+    layer.ffn = 64;
+    Rank rank(comm, layer);
+    Pacer slow(comm.rank() == 1 ? 20 : 1, 0, 1, 3, comm.rank());
+    rank.setup.pacer = &slow;
+    AsyncEngine engine(comm);
+    // A 1 us deadline has passed before any chunk is served: each rank
+    // skips the other's chunks instead of computing results nobody reads.
+    auto record = engine.run(rank.setup, 0, 5, 1e-6);
+    if (!record) return why = record.error().message, false;
+    if (record->skipped_chunks == 0) return why = "no chunk skipped", false;
+    if (record->late == 0) return why = "nothing late", false;
+    const CheckValues check = reference_check(rank.setup, 3, layer.ffn, 4, *record);
+    if (check.ontime_max_abs_err != 0) return why = "on-time tokens differ from the reference", false;
+    // With no deadline every chunk is served and nothing is late.
+    auto full = engine.run(rank.setup, 5, 3, 0);
+    if (!full) return why = full.error().message, false;
+    if (full->skipped_chunks != 0 || full->late != 0) return why = "skipped or late without a deadline", false;
+    return true;
+  });
+  for (int code : codes) EXPECT_EQ(code, 0);
+}
+
 }  // namespace
 }  // namespace cfmo::moe
