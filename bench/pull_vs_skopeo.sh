@@ -69,7 +69,12 @@ rootless=()
 tmp=$(mktemp -d)
 registry_pid=
 cleanup() {
-  [ -n "$registry_pid" ] && kill "$registry_pid" 2>/dev/null && wait "$registry_pid" 2>/dev/null
+  # Under set -e a failing command here would end the trap before the rm:
+  # wait reports the killed registry's signal, so nothing here may fail.
+  if [ -n "$registry_pid" ]; then
+    kill "$registry_pid" 2>/dev/null || true
+    wait "$registry_pid" 2>/dev/null || true
+  fi
   chmod -R u+rwx "$tmp" 2>/dev/null || true
   rm -rf "$tmp"
 }
