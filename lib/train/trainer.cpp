@@ -439,6 +439,10 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   int64_t samples_this_run = 0;
   int64_t steps_this_run = 0;
   int64_t last_eval_step = -1;
+  // Every worker starts its loop together: ranks finish loading data and
+  // connecting at different times, and a loop started alone would count
+  // time in which the others cannot yet run against the run's throughput.
+  if (world > 1) CFMO_TRY(comm->barrier());
   const auto loop_start = Clock::now();
 
   std::string stopped_by;
