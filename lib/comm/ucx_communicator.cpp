@@ -597,6 +597,7 @@ class UcxCommunicator final : public Communicator {
     if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
     const auto deadline = Clock::now() + std::chrono::seconds(1);  // a forced close needs no peer: bounded anyway
     while (ucp_request_check_status(request) == UCS_INPROGRESS && Clock::now() < deadline) ucp_worker_progress(worker_);
+    if (ucp_request_check_status(request) == UCS_INPROGRESS) unclosed_endpoints_ = true;
     ucp_request_free(request);
   }
 
@@ -840,15 +841,23 @@ class UcxCommunicator final : public Communicator {
            })) {
       ucp_worker_progress(worker_);
     }
+    bool unfinished = unclosed_endpoints_;
     for (void* r : closing) {
-      if (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_request_cancel(worker_, r);
+      if (ucp_request_check_status(r) == UCS_INPROGRESS) {
+        ucp_request_cancel(worker_, r);
+        unfinished = true;
+      }
       ucp_request_free(r);
     }
-    if (worker_ != nullptr) {
+    // An endpoint whose close did not finish (its peer died or left while a
+    // send was still on it) still holds requests, and destroying the worker
+    // under them aborts the process inside UCX. Then the worker and context
+    // are left to the process's exit: a failing run loses nothing by it.
+    if (worker_ != nullptr && !unfinished) {
       discard_unexpected();  // what arrived while the endpoints closed
       ucp_worker_destroy(worker_);
+      if (context_ != nullptr) ucp_cleanup(context_);
     }
-    if (context_ != nullptr) ucp_cleanup(context_);
     worker_ = nullptr;
     context_ = nullptr;
     if (wake_fd_ >= 0) ::close(wake_fd_);
@@ -857,6 +866,7 @@ class UcxCommunicator final : public Communicator {
 
   const int rank_;
   const int size_;
+  bool unclosed_endpoints_ = false;  ///< a forced close that did not finish: see release()
   const UcxOptions options_;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
