@@ -191,6 +191,7 @@ fresh() { [ -e "$tmp/out" ] && mv "$tmp/out" "$tmp/trash-$((trash += 1))"; mkdir
 run_one() {  # KEY LABEL COMMAND...
   local key=$1 label=$2 w r c; shift 2
   fresh
+  sync  # the last run's writeback (umoci does not sync its tree) is not this run's
   read -r w r c < <(measure "$@")
   add "$key" "$w" "$r" "$c"
   echo "rep $rep $label $w s $r KB ${c} s CPU" >&2
@@ -206,6 +207,11 @@ for rep in $(seq 1 "$REPS"); do
     skopeo_rootfs=(/bin/sh -c "skopeo copy -q --src-tls-verify=false 'docker://$ref' 'oci:$out/layout:latest' \
       && umoci unpack ${rootless[*]} --image '$out/layout:latest' '$out/bundle' > /dev/null")
     # Odd reps run cfmo-pull first, even reps the peer.
+    # The disk's ceiling for an OCI layout: the same blobs written by dd, one
+    # stream per blob in parallel as the pullers do, each fsynced.
+    layout=$big; [ $name = small ] && layout=$small
+    run_one "$name-disk" "$name disk:   dd conv=fsync" /bin/sh -c "for f in '$layout'/blobs/sha256/*; do
+      dd if=\"\$f\" of='$out'/\"\${f##*/}\" bs=1M conv=fsync status=none & done; wait"
     if [ $((rep % 2)) -eq 1 ]; then
       run_one "$name-oci-cfmo" "$name oci:    cfmo-pull   " "${cfmo_oci[@]}"
       run_one "$name-oci-skopeo" "$name oci:    skopeo      " "${skopeo_oci[@]}"
@@ -241,6 +247,14 @@ $(row big oci 'skopeo copy → oci:' 'target 2x')
 $(row big rootfs 'skopeo copy + umoci unpack → rootfs' 'target 3x')
 $(row small oci 'skopeo copy → oci:' '')
 $(row small rootfs 'skopeo copy + umoci unpack → rootfs' '')"
+  table+="
+"
+  for name in big small; do
+    d=$(median ${wall[$name-disk]}); ws=$(median ${wall[$name-oci-skopeo]}); wc=$(median ${wall[$name-oci-cfmo]})
+    table+="
+- $name, disk ceiling: the same blobs written by dd (conv=fsync, one stream per blob in parallel) took $d s;
+  to an OCI layout skopeo runs at $(ratio "$d" "$ws")x of it, cfmo-pull at $(ratio "$d" "$wc")x, and at most $(ratio "$ws" "$d")x over skopeo is possible on this disk."
+  done
   echo
   echo "big: $BIG_LAYERS layers of $BIG_LAYER_SIZE ($big_bytes bytes gzip), small: $SMALL_LAYERS layers of $SMALL_LAYER_SIZE in $SMALL_FILE_SIZE files ($small_bytes bytes gzip); medians of $REPS; load $load"
   echo "$table"
@@ -257,6 +271,7 @@ if [ "$HOTCOLD" = 1 ]; then
     local key=$1 label=$2 w r c ready wall rss; shift 2
     fresh
     mkdir -p "$tmp/shm"
+    sync
     read -r w r c < <(measure "$PULL" pull "$ref" --plain-http --jobs "$JOBS" --output "oci:$tmp/out/layout" \
       --memory-dir "$tmp/shm" --progress none --json "$@")
     read -r ready wall rss < <(python3 -c 'import json, sys; j = json.load(open(sys.argv[1]))
