@@ -34,7 +34,7 @@ struct MoeConfig {
   std::string sweep;
   std::string deadline = "auto";
   std::string late_policy = "residual";
-  int in_flight = 2;
+  int in_flight = 4;
   bool check = true;
   int threads = 1;
   std::string device = "cpu";
