@@ -6,6 +6,10 @@
 #include "integration/registry_fixture.h"
 
 #include <gtest/gtest.h>
+#include <sys/mount.h>
+#include <unistd.h>
+
+#include <cstring>
 
 namespace cfmo {
 namespace {
@@ -110,6 +114,30 @@ TEST_F(PullFixture, ResumesAPartialBlobLeftByAnEarlierRun) {
   EXPECT_LT(report["bytes_fetched"].get<int64_t>(), static_cast<int64_t>(big.size()));
   expect_blob(layout, big);
   EXPECT_FALSE(fs::exists(partial));
+}
+
+TEST_F(PullFixture, ADiskTooSmallForALayerIsOneLineBeforeTheDownload) {
+  // A 1 MiB tmpfs cannot hold the 3 MiB layer: the reservation before the
+  // download fails, the error names the layer and the directory, and no
+  // blob is left looking complete.
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs";
+  TempDir out;
+  const auto mountpoint = out / "small-disk";
+  fs::create_directories(mountpoint);
+  if (::mount("tmpfs", mountpoint.c_str(), "tmpfs", 0, "size=1m") != 0) {
+    GTEST_SKIP() << "this sandbox does not allow a tmpfs mount: " << std::strerror(errno);
+  }
+  const auto layout = mountpoint / "image";
+  const RunResult r = pull({"pull", registry_->host() + "/fixtures/small:v1", "--output", "oci:" + layout.string(),
+                            "--plain-http", "--jobs", "1", "--quiet"});
+  EXPECT_EQ(r.status, 5) << r.err;
+  EXPECT_NE(r.err.find("no space left"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find((layout / "blobs" / "sha256").string()), std::string::npos) << r.err;
+  EXPECT_EQ(cfmo::testing::lines(r.err).size(), 1u) << r.err;
+  EXPECT_FALSE(fs::exists(layout / "index.json"));
+  const std::string big = oci::sha256_digest(small_->layers[1]).substr(7);
+  EXPECT_FALSE(fs::exists(layout / "blobs" / "sha256" / big));
+  ::umount(mountpoint.c_str());
 }
 
 TEST_F(PullFixture, ChoosesThePlatformFromAnIndex) {
