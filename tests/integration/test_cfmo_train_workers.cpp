@@ -220,6 +220,10 @@ TEST(CfmoTrainWorkers, LockstepWorkersExitFourNamingARankKilledMidRun) {
     ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
         << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
     kill(ranks.processes[1].pid, SIGKILL);
+    // Reaped at once, as a launcher does: UCX's shared-memory keepalive takes
+    // an unreaped (zombie) process for a live one, and the others would only
+    // find it by its silence, possibly after blaming a rank that waited on it.
+    ASSERT_TRUE(ranks.processes[1].wait(10));
     for (int r : {0, 2}) {
       // Generous: the point is that it ends, with the right status and message.
       ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(60)) << "rank " << r << " hangs";
@@ -242,6 +246,7 @@ TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutARankKilledMidRun) {
   ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
       << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
   kill(ranks.processes[2].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[2].wait(10));  // reaped at once, as above
   for (int r : {0, 1}) {
     ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(240)) << "rank " << r << " hangs";
     EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 0) << slurp(dir / ("err-" + std::to_string(r)));
@@ -344,6 +349,7 @@ TEST(CfmoTrainWorkers, AKillDuringCheckpointingLeavesOnlyWholeCheckpoints) {
   ASSERT_TRUE(fs::exists(run_dir / "checkpoints" / "latest")) << slurp(dir / "err-0");
   usleep(30000);
   kill(ranks.processes[0].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[0].wait(10));  // reaped at once, as above
   for (int r : {1, 2}) {
     // The others lose the keeper of the budget: status 4, naming it.
     ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(120)) << "rank " << r << " hangs";
