@@ -6,21 +6,6 @@
 #include <cmath>
 
 namespace cfmo::cuda {
-namespace {
-
-struct AdamCoefficients {
-  float step_size;
-  float inv_sqrt_bc2;
-};
-
-// The CPU optimizer's bias corrections (optim/optimizer.cpp), computed on the host once a step.
-AdamCoefficients adam_coefficients(const OptimizerConfig& c, int64_t step, float lr) {
-  const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(step));
-  return {static_cast<float>(lr / bc1), static_cast<float>(1.0 / std::sqrt(bc2))};
-}
-
-}  // namespace
 
 Result<std::unique_ptr<CudaOptimizer>> CudaOptimizer::create(Context& ctx, const OptimizerConfig& config,
                                                              const std::vector<ParamInfo>& layout, size_t size) {

@@ -4,11 +4,17 @@
 #include "tensor/simd.h"
 
 #include <algorithm>
-#include <cstdint>
 #include <cmath>
-
+#include <cstdint>
 
 namespace cfmo {
+
+AdamCoefficients adam_coefficients(const OptimizerConfig& c, int64_t step, float lr) {
+  const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(step));
+  return {static_cast<float>(lr / bc1), static_cast<float>(1.0 / std::sqrt(bc2))};
+}
+
 namespace {
 
 // ---- element-wise kernels (PyTorch's for-each formulas, float arithmetic) ----
@@ -51,17 +57,6 @@ void scale_kernel(float* __restrict x, size_t n, float factor) {
 void scale_range(FloatBuffer& buffer, float factor, size_t offset, size_t count) {
   if (offset >= buffer.size()) return;
   scale_kernel(buffer.data() + offset, std::min(count, buffer.size() - offset), factor);
-}
-
-struct AdamCoefficients {
-  float step_size;
-  float inv_sqrt_bc2;
-};
-
-AdamCoefficients adam_coefficients(const OptimizerConfig& c, int64_t step, float lr) {
-  const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(step));
-  return {static_cast<float>(lr / bc1), static_cast<float>(1.0 / std::sqrt(bc2))};
 }
 
 class Sgd final : public Optimizer {
@@ -137,8 +132,8 @@ class Muon final : public Optimizer {
       const float* g = grads.data() + info.offset;
       if (!info.is_matrix()) {
         adam_kernel(p, g, exp_avg_.data() + info.offset, exp_avg_sq_.data() + info.offset, info.size,
-                    static_cast<float>(config_.beta1), static_cast<float>(config_.beta2), k.step_size,
-                    k.inv_sqrt_bc2, static_cast<float>(config_.eps), 0.0f, 1.0f - lr * wd);
+                    static_cast<float>(config_.beta1), static_cast<float>(config_.beta2), k.step_size, k.inv_sqrt_bc2,
+                    static_cast<float>(config_.eps), 0.0f, 1.0f - lr * wd);
         continue;
       }
       float* buf = momentum_.data() + info.offset;
@@ -200,7 +195,8 @@ void newton_schulz(std::span<float> g, int rows, int cols, int steps, NewtonSchu
   const float inv_norm = 1.0f / (static_cast<float>(ops::norm2(g)) + 1e-7f);
   if (transpose) {
     for (int i = 0; i < rows; ++i) {
-      for (int j = 0; j < cols; ++j) x[static_cast<size_t>(j) * k + i] = g[static_cast<size_t>(i) * cols + j] * inv_norm;
+      for (int j = 0; j < cols; ++j)
+        x[static_cast<size_t>(j) * k + i] = g[static_cast<size_t>(i) * cols + j] * inv_norm;
     }
   } else {
     for (size_t i = 0; i < n; ++i) x[i] = g[i] * inv_norm;

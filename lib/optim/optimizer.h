@@ -23,8 +23,8 @@ struct OptimizerConfig {
   double beta1 = 0.9;          ///< Adam(W) first-moment decay (also Muon's AdamW part)
   double beta2 = 0.999;        ///< Adam(W) second-moment decay
   double eps = 1e-8;
-  double weight_decay = 0.0;   ///< L2 for sgd/adam, decoupled for adamw/muon
-  int ns_steps = 5;            ///< Newton-Schulz iterations for Muon
+  double weight_decay = 0.0;  ///< L2 for sgd/adam, decoupled for adamw/muon
+  int ns_steps = 5;           ///< Newton-Schulz iterations for Muon
 };
 
 /// A named state buffer, laid out like the parameters.
@@ -55,6 +55,14 @@ class Optimizer {
  protected:
   int64_t steps_ = 0;
 };
+
+/// Adam's bias corrections for step `step` (1-based) at learning rate `lr`,
+/// folded into the two scalars the update uses; the CPU and CUDA optimizers share them.
+struct AdamCoefficients {
+  float step_size;     ///< lr / (1 - beta1^step)
+  float inv_sqrt_bc2;  ///< 1 / sqrt(1 - beta2^step)
+};
+AdamCoefficients adam_coefficients(const OptimizerConfig& config, int64_t step, float lr);
 
 /// Builds the optimizer named in `config` for a model of this layout.
 Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config, const std::vector<ParamInfo>& layout,

@@ -225,21 +225,6 @@ bool CheckpointWriter::submit(CheckpointData data) {
   return !replaced;
 }
 
-Status CheckpointWriter::status() const {
-  std::lock_guard lock(mutex_);
-  return status_;
-}
-
-int64_t CheckpointWriter::written() const {
-  std::lock_guard lock(mutex_);
-  return written_;
-}
-
-int64_t CheckpointWriter::skipped() const {
-  std::lock_guard lock(mutex_);
-  return skipped_;
-}
-
 int64_t CheckpointWriter::last_step() const {
   std::lock_guard lock(mutex_);
   return last_step_;

@@ -17,6 +17,7 @@
 #include "model/mlp.h"
 #include "optim/optimizer.h"
 #include "tensor/buffer.h"
+#include "train/writer_counters.h"
 
 #include <condition_variable>
 #include <cstdint>
@@ -78,7 +79,7 @@ Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_d
 /// Writes checkpoints on a thread of its own, one at a time, so that the
 /// training loop never waits for the disk. While one is being written, one
 /// more waits; a newer one replaces it (the replaced one counts as skipped).
-class CheckpointWriter {
+class CheckpointWriter : public WriterCounters {
  public:
   CheckpointWriter(std::filesystem::path run_dir, MlpSpec spec, std::vector<ParamInfo> layout, std::string config_toml,
                    int keep);
@@ -90,10 +91,6 @@ class CheckpointWriter {
   /// Queues `data`; false when it replaced one that was waiting (or the writer
   /// is closed or failed: then `data` is dropped).
   bool submit(CheckpointData data);
-  /// The first write error, if any.
-  Status status() const;
-  int64_t written() const;
-  int64_t skipped() const;
   /// The step of the last checkpoint written, or -1.
   int64_t last_step() const;
 
@@ -106,14 +103,11 @@ class CheckpointWriter {
   const std::string config_toml_;
   const int keep_;
 
-  mutable std::mutex mutex_;  ///< guards everything below
+  // Guarded by WriterCounters::mutex_:
   std::condition_variable ready_;
   std::optional<CheckpointData> job_;  ///< the one waiting
   bool stopping_ = false;
   bool closed_ = false;
-  Status status_;
-  int64_t written_ = 0;
-  int64_t skipped_ = 0;
   int64_t last_step_ = -1;
   std::thread thread_;  ///< last: starts after the members it uses
 };

@@ -61,21 +61,6 @@ void DeltaWriter::submit(int64_t round, int64_t step, int64_t base_version, std:
   ready_.notify_one();
 }
 
-Status DeltaWriter::status() const {
-  std::lock_guard lock(mutex_);
-  return status_;
-}
-
-int64_t DeltaWriter::written() const {
-  std::lock_guard lock(mutex_);
-  return written_;
-}
-
-int64_t DeltaWriter::skipped() const {
-  std::lock_guard lock(mutex_);
-  return skipped_;
-}
-
 void DeltaWriter::run() {
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);

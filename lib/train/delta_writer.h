@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "model/mlp.h"
 #include "tensor/buffer.h"
+#include "train/writer_counters.h"
 
 #include <condition_variable>
 #include <cstdint>
@@ -19,7 +20,7 @@
 
 namespace cfmo {
 
-class DeltaWriter {
+class DeltaWriter : public WriterCounters {
  public:
   /// Rounds are written as `round_offset` + the mode's round number (a resumed
   /// run continues after last_round(), rather than overwrite its deltas).
@@ -37,11 +38,6 @@ class DeltaWriter {
   void submit(int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
               std::span<const float> delta);
 
-  /// The first write error, if any (the tool reports it at the end).
-  Status status() const;
-  int64_t written() const;
-  int64_t skipped() const;
-
  private:
   struct Job {
     int64_t round = 0;
@@ -58,15 +54,12 @@ class DeltaWriter {
   const std::vector<ParamInfo> layout_;
   const int64_t round_offset_;
 
-  mutable std::mutex mutex_;  ///< guards everything below
+  // Guarded by WriterCounters::mutex_:
   std::condition_variable ready_;
   std::deque<Job> queue_;
   bool stopping_ = false;
   bool closed_ = false;  ///< the thread was joined
-  Status status_;
-  int64_t written_ = 0;
-  int64_t skipped_ = 0;
-  std::thread thread_;  ///< last: starts after the members it uses
+  std::thread thread_;   ///< last: starts after the members it uses
 };
 
 }  // namespace cfmo
