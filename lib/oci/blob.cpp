@@ -6,9 +6,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <memory>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 namespace cfmo::oci {
@@ -77,6 +80,52 @@ Status hash_prefix(int fd, int64_t length, EVP_MD_CTX* ctx, const fs::path& path
 /// across retries: each attempt asks for the bytes after those already
 /// received. Received bytes wait in `buffer_` until it is full (or the
 /// transfer ends), so a chunk of a few KiB costs a memcpy, not a syscall.
+/// Makes a growing file durable a piece at a time while it is still being
+/// written: an fdatasync on a thread of its own, at most one at a time, so
+/// the download never waits for it. The final fsync of a blob waits for the
+/// disk's cache flush, and on a virtual disk that flush lasts as long as the
+/// host needs to persist what it has buffered: 1.3-1.6 s here when a whole
+/// 1.3 GB pull was left to it, while the downloads had kept the host's disk
+/// idle. Flushing along the way overlaps the two (a pull to an OCI layout
+/// took 2.7-3.3 s instead of 3.7-4.3 s), and a crash mid-download keeps
+/// what was flushed for the resume.
+class BackgroundSync {
+ public:
+  explicit BackgroundSync(int fd) : fd_(fd) {}
+  ~BackgroundSync() { wait(); }
+  BackgroundSync(const BackgroundSync&) = delete;
+  BackgroundSync& operator=(const BackgroundSync&) = delete;
+
+  /// Starts an fdatasync unless one is still running (the next one covers
+  /// what this one would have).
+  void start() {
+    if (running_.load(std::memory_order_acquire)) return;
+    wait();
+    running_.store(true, std::memory_order_relaxed);
+    try {
+      thread_ = std::thread([this] {
+        if (::fdatasync(fd_) != 0 && error_ == 0) error_ = errno;
+        running_.store(false, std::memory_order_release);
+      });
+    } catch (const std::system_error&) {
+      running_.store(false, std::memory_order_relaxed);  // no thread to spare: the final fsync does it all
+    }
+  }
+
+  /// Waits for the one in flight. The errno of a failed one, or 0: the
+  /// kernel reports a writeback error to one fsync only, so it is kept here.
+  int wait() {
+    if (thread_.joinable()) thread_.join();
+    return error_;
+  }
+
+ private:
+  int fd_;
+  std::thread thread_;
+  std::atomic<bool> running_{false};
+  int error_ = 0;  ///< written by the thread, read after the join
+};
+
 class PartialFileSink : public BodySink {
  public:
   PartialFileSink(int fd, fs::path path, int64_t expected, std::string what, const BlobFetchOptions& options)
@@ -95,6 +144,7 @@ class PartialFileSink : public BodySink {
     written_ = length;
     on_disk_ = length;
     flushed_ = length;
+    synced_ = length;
     report(true);
     return {};
   }
@@ -115,6 +165,7 @@ class PartialFileSink : public BodySink {
     written_ = 0;
     on_disk_ = 0;
     flushed_ = 0;
+    synced_ = 0;
     if (options_.observer != nullptr) options_.observer->on_restart();
     return {};
   }
@@ -155,13 +206,28 @@ class PartialFileSink : public BodySink {
     return seen;
   }
 
-  /// Starts writing back what is on disk so far, so the fsync at the end
-  /// waits for the last few MiB rather than the whole blob.
+  /// Starts writing back what is on disk so far, and now and then makes it
+  /// durable (see BackgroundSync), so the fsync at the end waits for the
+  /// last few MiB rather than the whole blob.
   void write_back() {
     if (on_disk_ - flushed_ >= kWritebackStep) {
       ::sync_file_range(fd_, flushed_, on_disk_ - flushed_, SYNC_FILE_RANGE_WRITE);
       flushed_ = on_disk_;
     }
+    if (on_disk_ - synced_ >= kSyncStep) {
+      sync_.start();
+      synced_ = on_disk_;
+    }
+  }
+
+  /// Makes the whole file durable: waits for the background flush, then fsyncs.
+  Status sync() {
+    const int background = sync_.wait();
+    if (background != 0 || ::fsync(fd_) != 0) {
+      return make_error(ErrorKind::kInternal, "'{}': fsync failed: {}", path_.string(),
+                        std::strerror(background != 0 ? background : errno));
+    }
+    return {};
   }
 
   void report(bool force) {
@@ -189,7 +255,10 @@ class PartialFileSink : public BodySink {
   int64_t fetched_ = 0;
   int64_t reported_ = -1;
   int64_t flushed_ = 0;  ///< bytes handed to writeback
+  int64_t synced_ = 0;   ///< bytes covered by a background flush, started or done
+  BackgroundSync sync_{fd_};
   static constexpr int64_t kWritebackStep = 8 << 20;
+  static constexpr int64_t kSyncStep = 32 << 20;
 };
 
 }  // namespace
@@ -291,9 +360,7 @@ Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, co
     fs::remove(partial, ec);
     return make_error(ErrorKind::kInput, "{}: digest mismatch: got {}", what, actual);
   }
-  if (::fsync(fd.get()) != 0) {
-    return make_error(ErrorKind::kInternal, "'{}': fsync failed: {}", partial.string(), std::strerror(errno));
-  }
+  CFMO_TRY(sink.sync());
   fs::rename(partial, final_path, ec);
   if (ec) return make_error(ErrorKind::kInternal, "'{}': rename failed: {}", final_path.string(), ec.message());
   return result;
