@@ -3,8 +3,10 @@
 /// network, whatever carries the bytes (UCX here; NCCL later on GPUs).
 ///
 /// Threads: every method may be called from the training thread. Message
-/// handlers registered with on_message() run on the communicator's own
-/// progress thread, one at a time, and may call post().
+/// handlers registered with on_message() run one at a time on the
+/// communicator's own progress thread or, while a blocking collective is
+/// under way, on the thread that called it; they may call post(), never a
+/// collective, and the caller of a collective holds no lock a handler takes.
 
 #include "core/error.h"
 

@@ -1,8 +1,10 @@
 #pragma once
 /// The UCX implementation of the transport seam: one UCP context and worker
 /// per process, endpoints to every peer with peer error handling, and one
-/// progress thread that owns the worker. The training thread never calls
-/// UCX: it hands work to the progress thread through a queue.
+/// progress thread that drives the worker. Other threads hand their sends
+/// to it through a queue; only the caller of a blocking collective takes
+/// the worker over for the collective's duration (no hand-off, no wake-ups
+/// on the collective's path) while the progress thread waits.
 
 #include "comm/communicator.h"
 #include "comm/rendezvous.h"
