@@ -646,8 +646,8 @@ class UcxCommunicator final : public Communicator {
     // A collective's mid-size messages go eagerly (copied through the
     // receiver's FIFO, UCX's protocol for sends that must complete fast)
     // instead of by rendezvous, whose request, reply and acknowledgement each
-    // wait for the other rank's progress thread to run: on a busy host that
-    // wait, not the copy, is the cost. Larger ones go by rendezvous (between
+    // wait for the other rank to be scheduled: on a busy host that wait, not
+    // the copy, is the cost. Larger ones go by rendezvous (between
     // ranks of one host, read in place over CMA: one copy).
     if (bytes <= kEagerCollectiveBytes) param.op_attr_mask |= UCP_OP_ATTR_FLAG_FAST_CMPL;
     if (endpoints_[static_cast<size_t>(peer)] == nullptr) {  // closed after a failure
