@@ -19,9 +19,7 @@ Error corrupt(const std::string& source, std::string_view what) {
   return make_error(ErrorKind::kInput, "'{}': {}", source, what);
 }
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  return fmt::format("[{}]", fmt::join(shape, ","));
-}
+std::string shape_string(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ",")); }
 
 }  // namespace
 
@@ -95,8 +93,8 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::string bytes, const std::str
   uint64_t header_length = 0;
   std::memcpy(&header_length, bytes.data(), 8);
   if (header_length > limits.max_header_bytes) {
-    return corrupt(source, fmt::format("header of {} bytes exceeds the limit of {}", header_length,
-                                       limits.max_header_bytes));
+    return corrupt(source,
+                   fmt::format("header of {} bytes exceeds the limit of {}", header_length, limits.max_header_bytes));
   }
   if (header_length > bytes.size() - 8) return corrupt(source, "truncated header");
   nlohmann::json header;

@@ -200,14 +200,15 @@ Result<std::pair<int, uint16_t>> listen_tcp(const std::string& host, uint16_t po
 }
 
 Result<std::vector<std::vector<std::byte>>> exchange_addresses(const RendezvousConfig& config, int rank, int size,
-                                                                const std::vector<std::byte>& own_address) {
+                                                               const std::vector<std::byte>& own_address) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(config.timeout_s * 1000));
   std::vector<std::vector<std::byte>> table(static_cast<size_t>(size));
   if (rank != 0) {
     CFMO_ASSIGN_OR_RETURN(Socket s, connect_with_retry(config, deadline));
     const std::string what = fmt::format("talking to rank 0 at {}:{}", config.host, config.port);
-    CFMO_TRY(send_u32s(s.get(), {kMagic, kVersion, static_cast<uint32_t>(rank), static_cast<uint32_t>(size),
-                                 static_cast<uint32_t>(own_address.size())},
+    CFMO_TRY(send_u32s(s.get(),
+                       {kMagic, kVersion, static_cast<uint32_t>(rank), static_cast<uint32_t>(size),
+                        static_cast<uint32_t>(own_address.size())},
                        deadline, what));
     CFMO_TRY(send_all(s.get(), own_address.data(), own_address.size(), deadline, what));
     CFMO_ASSIGN_OR_RETURN(uint32_t count, recv_u32(s.get(), deadline, what));

@@ -1,7 +1,7 @@
 #include "core/config.h"
 
-#include <CLI/CLI.hpp>
 #include <toml++/toml.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <charconv>
@@ -16,8 +16,7 @@ Error bad_value(const std::string& source, const std::string& key, std::string_v
   return make_error(ErrorKind::kUsage, "config '{}': key '{}': expected {}", source, key, expected);
 }
 
-Status assign(const toml::node& node, OptionTable::Target target, const std::string& source,
-              const std::string& key) {
+Status assign(const toml::node& node, OptionTable::Target target, const std::string& source, const std::string& key) {
   return std::visit(
       [&](auto* out) -> Status {
         using T = std::remove_pointer_t<decltype(out)>;
@@ -156,8 +155,7 @@ Status OptionTable::load_toml_text(std::string_view text, const std::string& sou
   try {
     table = toml::parse(text, source);
   } catch (const toml::parse_error& e) {
-    return make_error(ErrorKind::kUsage, "config '{}': line {}: {}", source, e.source().begin.line,
-                      e.description());
+    return make_error(ErrorKind::kUsage, "config '{}': line {}: {}", source, e.source().begin.line, e.description());
   }
   for (const auto& [key, node] : table) {
     const std::string name(key.str());

@@ -37,7 +37,7 @@ Error make_error(ErrorKind kind, fmt::format_string<Args...> format, Args&&... a
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : state_(std::in_place_index<0>, std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : state_(std::in_place_index<0>, std::move(value)) {}      // NOLINT: implicit by design
   Result(Error error) : state_(std::in_place_index<1>, std::move(error)) {}  // NOLINT
 
   bool has_value() const { return state_.index() == 0; }
@@ -102,17 +102,16 @@ using Status = Result<void>;
 }  // namespace cfmo
 
 /// Propagates an error from an expression returning Result<T>.
-#define CFMO_TRY(expr)                                        \
-  do {                                                        \
-    auto cfmo_try_result_ = (expr);                           \
+#define CFMO_TRY(expr)                                                 \
+  do {                                                                 \
+    auto cfmo_try_result_ = (expr);                                    \
     if (!cfmo_try_result_) return std::move(cfmo_try_result_).error(); \
   } while (false)
 
 #define CFMO_CONCAT_INNER(a, b) a##b
 #define CFMO_CONCAT(a, b) CFMO_CONCAT_INNER(a, b)
 /// Declares `lhs` from a Result<T> expression, or returns its error.
-#define CFMO_ASSIGN_OR_RETURN(lhs, expr) \
-  CFMO_ASSIGN_OR_RETURN_IMPL(CFMO_CONCAT(cfmo_result_, __LINE__), lhs, expr)
+#define CFMO_ASSIGN_OR_RETURN(lhs, expr) CFMO_ASSIGN_OR_RETURN_IMPL(CFMO_CONCAT(cfmo_result_, __LINE__), lhs, expr)
 #define CFMO_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
   auto tmp = (expr);                               \
   if (!tmp) return std::move(tmp).error();         \

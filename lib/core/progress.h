@@ -7,10 +7,10 @@
 namespace cfmo {
 
 struct ProgressState {
-  double fraction = 0;   ///< 0..1 of the run; negative when unknown
-  double eta_s = -1;      ///< seconds left, or negative when unknown
-  std::string label;     ///< e.g. "epoch 2/10"
-  std::string metrics;   ///< e.g. "loss 0.4123  41.2k samples/s"
+  double fraction = 0;  ///< 0..1 of the run; negative when unknown
+  double eta_s = -1;    ///< seconds left, or negative when unknown
+  std::string label;    ///< e.g. "epoch 2/10"
+  std::string metrics;  ///< e.g. "loss 0.4123  41.2k samples/s"
 };
 
 /// "epoch 2/10 [########....] 61%  loss 0.41  41.2k samples/s  ETA 0:12"

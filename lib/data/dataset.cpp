@@ -34,7 +34,8 @@ class IdxReader {
       return make_error(ErrorKind::kInput, "'{}': no such file", path.string());
     }
     gzFile f = gzopen(path.c_str(), "rb");
-    if (f == nullptr) return make_error(ErrorKind::kInput, "'{}': cannot open: {}", path.string(), std::strerror(errno));
+    if (f == nullptr)
+      return make_error(ErrorKind::kInput, "'{}': cannot open: {}", path.string(), std::strerror(errno));
     gzbuffer(f, 1 << 17);
     return IdxReader(path, GzHandle(f));
   }
@@ -47,8 +48,8 @@ class IdxReader {
       if (n < 0) {
         int errnum = 0;
         const char* message = gzerror(file_.get(), &errnum);
-        return make_error(ErrorKind::kInput, "'{}': corrupt compressed data while reading {}: {}", path_.string(),
-                          what, message);
+        return make_error(ErrorKind::kInput, "'{}': corrupt compressed data while reading {}: {}", path_.string(), what,
+                          message);
       }
       if (n == 0) return make_error(ErrorKind::kInput, "'{}': truncated while reading {}", path_.string(), what);
       p += n;
@@ -153,9 +154,10 @@ Result<Dataset> read_idx(const std::filesystem::path& images, const std::filesys
 Result<DataSplit> load_fashion_mnist(const std::filesystem::path& dir) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec)) {
-    return make_error(ErrorKind::kInput,
-                      "data directory '{}': not found (install Debian's dataset-fashion-mnist, or use --data synthetic)",
-                      dir.string());
+    return make_error(
+        ErrorKind::kInput,
+        "data directory '{}': not found (install Debian's dataset-fashion-mnist, or use --data synthetic)",
+        dir.string());
   }
   DataSplit split;
   split.source = dir.string();
@@ -187,7 +189,8 @@ DataSplit make_synthetic(uint64_t seed, int64_t train_count, int64_t test_count)
         for (int x = 0; x < kSide; ++x) {
           const float d2 = (static_cast<float>(x) - cx) * (static_cast<float>(x) - cx) +
                            (static_cast<float>(y) - cy) * (static_cast<float>(y) - cy);
-          prototypes[static_cast<size_t>(c) * kFeatures + y * kSide + x] += weight * std::exp(-d2 / (2 * radius * radius));
+          prototypes[static_cast<size_t>(c) * kFeatures + y * kSide + x] +=
+              weight * std::exp(-d2 / (2 * radius * radius));
         }
       }
     }

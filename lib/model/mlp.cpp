@@ -55,8 +55,8 @@ Mlp::Mlp(MlpSpec spec) : spec_(std::move(spec)) {
     const auto out = static_cast<size_t>(widths_[l + 1]);
     // Tensors start on 16-float (64-byte) boundaries so SIMD loops and BLAS see aligned rows.
     auto align = [](size_t n) { return (n + 15) / 16 * 16; };
-    params_.push_back({fmt::format("layers.{}.weight", l), {static_cast<int64_t>(out), static_cast<int64_t>(in)},
-                       offset, out * in});
+    params_.push_back(
+        {fmt::format("layers.{}.weight", l), {static_cast<int64_t>(out), static_cast<int64_t>(in)}, offset, out * in});
     offset = align(offset + out * in);
     params_.push_back({fmt::format("layers.{}.bias", l), {static_cast<int64_t>(out)}, offset, out});
     offset = align(offset + out);
@@ -130,8 +130,7 @@ float Mlp::forward_backward(const float* inputs, const int32_t* labels, int batc
     ops::gemm(ops::Trans::kYes, ops::Trans::kNo, out, in, batch, 1.0f, dz, out, a, in, 0.0f, dw, in);
     ops::column_sums(dz, batch, out, db);
     if (l == 0) break;  // no gradient is needed for the inputs
-    ops::gemm(ops::Trans::kNo, ops::Trans::kNo, batch, in, out, 1.0f, dz, out, weight(l), in, 0.0f,
-              grad_a_.data(), in);
+    ops::gemm(ops::Trans::kNo, ops::Trans::kNo, batch, in, out, 1.0f, dz, out, weight(l), in, 0.0f, grad_a_.data(), in);
     // ReLU backward: dZ = dA where the activation was positive.
     ops::relu_backward(activations_[l].data(), grad_a_.data(), grad_z_.data(),
                        static_cast<size_t>(batch) * static_cast<size_t>(in));
@@ -144,15 +143,15 @@ EvalResult Mlp::evaluate(const float* inputs, const int32_t* labels, int64_t cou
   for (int64_t start = 0; start < count; start += chunk) {
     const int n = static_cast<int>(std::min<int64_t>(chunk, count - start));
     forward(inputs + static_cast<size_t>(start) * static_cast<size_t>(spec_.inputs), n);
-    result.loss_sum += softmax_cross_entropy(logits_.data(), labels + start, n, spec_.classes, nullptr, 0.0f,
-                                             &result.correct);
+    result.loss_sum +=
+        softmax_cross_entropy(logits_.data(), labels + start, n, spec_.classes, nullptr, 0.0f, &result.correct);
     result.count += n;
   }
   return result;
 }
 
-double softmax_cross_entropy(const float* logits, const int32_t* labels, int batch, int classes,
-                             float* dlogits, float grad_scale, int64_t* correct) {
+double softmax_cross_entropy(const float* logits, const int32_t* labels, int batch, int classes, float* dlogits,
+                             float grad_scale, int64_t* correct) {
   double total = 0;
   for (int r = 0; r < batch; ++r) {
     const float* row = logits + static_cast<size_t>(r) * classes;

@@ -17,10 +17,10 @@ namespace cfmo {
 
 /// One named tensor inside a flat parameter buffer.
 struct ParamInfo {
-  std::string name;             ///< "layers.0.weight"
-  std::vector<int64_t> shape;   ///< [out, in] for weights (nn.Linear layout), [out] for biases
-  size_t offset = 0;            ///< in floats, into the flat buffer
-  size_t size = 0;              ///< in floats
+  std::string name;            ///< "layers.0.weight"
+  std::vector<int64_t> shape;  ///< [out, in] for weights (nn.Linear layout), [out] for biases
+  size_t offset = 0;           ///< in floats, into the flat buffer
+  size_t size = 0;             ///< in floats
   bool is_matrix() const { return shape.size() == 2; }
 };
 
@@ -91,7 +91,7 @@ class Mlp {
 /// Softmax cross-entropy over rows of `logits` [batch, classes]. Returns the
 /// summed loss; when `dlogits` is given, writes (softmax - onehot) * grad_scale.
 /// `correct`, when given, is increased by the rows whose argmax is the label.
-double softmax_cross_entropy(const float* logits, const int32_t* labels, int batch, int classes,
-                             float* dlogits, float grad_scale, int64_t* correct);
+double softmax_cross_entropy(const float* logits, const int32_t* labels, int batch, int classes, float* dlogits,
+                             float grad_scale, int64_t* correct);
 
 }  // namespace cfmo

@@ -13,8 +13,8 @@ namespace cfmo::ops {
 enum class Trans : uint8_t { kNo, kYes };
 
 /// Row-major C[m,n] = alpha * op(A)[m,k] * op(B)[k,n] + beta * C.
-void gemm(Trans trans_a, Trans trans_b, int m, int n, int k, float alpha, const float* a, int lda,
-          const float* b, int ldb, float beta, float* c, int ldc);
+void gemm(Trans trans_a, Trans trans_b, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
+          int ldb, float beta, float* c, int ldc);
 
 /// Sets the BLAS thread count (1 for reproducible runs and for one worker per core).
 void set_num_threads(int threads);

@@ -125,8 +125,8 @@ TEST(World, ReadsTheLaunchersVariables) {
   ASSERT_FALSE(bad);
   EXPECT_EQ(bad.error().kind, ErrorKind::kUsage);
   EXPECT_NE(bad.error().message.find("WORLD_SIZE"), std::string::npos);
-  for (const char* name : {"RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID",
-                           "SLURM_NTASKS"}) {
+  for (const char* name :
+       {"RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"}) {
     unsetenv(name);
   }
 }
