@@ -34,6 +34,10 @@ constexpr size_t kEagerCollectiveBytes = 64 * 1024;
 // How long each waiting thread spins, yielding, before it sleeps.
 constexpr auto kWaitSpin = std::chrono::microseconds(50);   // the caller of a collective, without news
 constexpr auto kIdleSpin = std::chrono::microseconds(100);  // the progress thread after traffic
+// How long the progress thread naps while a collective's caller has the
+// worker: at first, then at most (doubling while the collective lasts).
+constexpr auto kCallerNap = std::chrono::microseconds(200);
+constexpr auto kCallerNapMax = std::chrono::microseconds(3200);
 
 ucp_tag_t make_tag(uint8_t channel, int source, uint32_t sequence) {
   return (ucp_tag_t{channel} << 56) | (ucp_tag_t{static_cast<uint32_t>(source) & 0xFFFFFF} << 32) | sequence;
@@ -316,16 +320,19 @@ class UcxCommunicator final : public Communicator {
     CFMO_TRY(health());
     std::lock_guard one_at_a_time(collective_call_mutex_);
     const auto start = Clock::now();
-    // The progress thread lets go of the worker at its next turn and waits
-    // for this flag to drop; if it sleeps, it does not hold the worker.
+    // The progress thread lets go of the worker at its next turn and naps
+    // until this flag drops; if it sleeps, it does not hold the worker.
     caller_active_.store(true);
     Status result;
     {
       std::lock_guard worker(worker_mutex_);
       result = body();
     }
+    // No wake-up: the progress thread sees the flag drop within a nap.
+    // Waking it here cost a context switch per collective, and between two
+    // collectives back to back (a barrier, then an all-to-all) it then held
+    // the worker when the second one's caller wanted it.
     caller_active_.store(false);
-    caller_active_.notify_one();
     collective_wait_s_ += std::chrono::duration<double>(Clock::now() - start).count();
     return result;
   }
@@ -494,11 +501,14 @@ class UcxCommunicator final : public Communicator {
 
   void progress_loop() {
     pthread_setname_np(pthread_self(), "cfmo-progress");
+    auto nap = kCallerNap;
     while (!stop_thread_.load()) {
       if (caller_active_.load()) {
-        caller_active_.wait(true);  // the caller of a collective has the worker
+        std::this_thread::sleep_for(nap);  // the caller of a collective has the worker
+        nap = std::min(nap * 2, kCallerNapMax);
         continue;
       }
+      nap = kCallerNap;
       std::unique_lock worker(worker_mutex_);
       if (service()) {
         last_activity_ = Clock::now();
