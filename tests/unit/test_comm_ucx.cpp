@@ -278,6 +278,44 @@ TEST_P(UcxTransports, AsyncMessagesArriveExactlyOnce) {
   for (int code : codes) EXPECT_EQ(code, 0);
 }
 
+// A collective's caller serves the messages that arrive meanwhile: handlers
+// run, and may post, while their rank waits in a barrier. Rank 2 enters the
+// barrier only once rank 0's handler, in that barrier, has had every reply
+// rank 1's handler posted from inside it; without that service the barrier
+// could only end after rank 2 gave up waiting.
+TEST_P(UcxTransports, HandlersRunAndPostWhileTheirRankWaitsInACollective) {
+  constexpr int kPings = 50;
+  auto codes = run_ranks(3, GetParam(), [](Communicator& comm) {
+    std::atomic<int> pongs{0};
+    std::atomic<bool> go{false};
+    comm.on_message(Channel::kUser, [&](int from, std::span<const std::byte> payload) {
+      if (comm.rank() == 1 && from == 0) {
+        comm.post(0, Channel::kUser, std::vector<std::byte>(payload.begin(), payload.end()));  // the pong
+      } else if (comm.rank() == 0 && from == 1) {
+        if (++pongs == kPings) comm.post(2, Channel::kUser, std::vector<std::byte>(1));
+      } else if (comm.rank() == 2 && from == 0) {
+        go = true;
+      }
+    });
+    if (!comm.barrier()) return false;  // every handler is registered before anyone posts
+    if (comm.rank() == 0) {
+      for (int i = 0; i < kPings; ++i) comm.post(1, Channel::kUser, std::vector<std::byte>(64));
+    }
+    if (comm.rank() == 2) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (!go && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (!go) fprintf(stderr, "rank 2: no go from rank 0 within 30 s\n");
+    }
+    const bool passed = static_cast<bool>(comm.barrier());
+    comm.on_message(Channel::kUser, nullptr);
+    if (comm.rank() == 0) return passed && pongs == kPings;
+    return passed && (comm.rank() != 2 || go);
+  });
+  for (int code : codes) EXPECT_EQ(code, 0);
+}
+
 TEST_P(UcxTransports, ALostRankFailsTheCollectiveNamingIt) {
   UcxOptions options;
   options.peer_timeout_s = 2;
