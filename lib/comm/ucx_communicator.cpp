@@ -321,18 +321,23 @@ class UcxCommunicator final : public Communicator {
     std::lock_guard one_at_a_time(collective_call_mutex_);
     const auto start = Clock::now();
     // The progress thread lets go of the worker at its next turn and naps
-    // until this flag drops; if it sleeps, it does not hold the worker.
-    caller_active_.store(true);
+    // until this flag drops; if it sleeps, it does not hold the worker. The
+    // flag drops however the body ends (an exception too), and without a
+    // wake-up: the progress thread sees it within a nap. Waking it cost a
+    // context switch per collective, and between two collectives back to
+    // back (a barrier, then an all-to-all) it then held the worker when the
+    // second one's caller wanted it.
+    struct Active {
+      std::atomic<bool>& flag;
+      explicit Active(std::atomic<bool>& f) : flag(f) { flag.store(true); }
+      ~Active() { flag.store(false); }
+    };
     Status result;
     {
+      const Active active(caller_active_);
       std::lock_guard worker(worker_mutex_);
       result = body();
     }
-    // No wake-up: the progress thread sees the flag drop within a nap.
-    // Waking it here cost a context switch per collective, and between two
-    // collectives back to back (a barrier, then an all-to-all) it then held
-    // the worker when the second one's caller wanted it.
-    caller_active_.store(false);
     collective_wait_s_ += std::chrono::duration<double>(Clock::now() - start).count();
     return result;
   }
@@ -888,7 +893,7 @@ class UcxCommunicator final : public Communicator {
   std::atomic<bool> caller_active_{false};      ///< a collective's caller has or wants the worker
   std::vector<std::function<void()>> running_;  ///< the commands being run
 
-  std::mutex dispatch_mutex_;  ///< held while a handler runs (progress thread) or is replaced
+  std::mutex dispatch_mutex_;  ///< held while a handler runs (on the worker's holder) or is replaced
   std::mutex handlers_mutex_;  ///< guards handlers_
   std::array<ChannelHandler, 256> handlers_;
   std::atomic<uint64_t> handlers_generation_{1};  ///< bumped by every change of handlers_
