@@ -76,10 +76,6 @@ Status hash_prefix(int fd, int64_t length, EVP_MD_CTX* ctx, const fs::path& path
   return {};
 }
 
-/// Streams a blob body into the partial file, hashing as it goes. It lives
-/// across retries: each attempt asks for the bytes after those already
-/// received. Received bytes wait in `buffer_` until it is full (or the
-/// transfer ends), so a chunk of a few KiB costs a memcpy, not a syscall.
 /// Makes a growing file durable a piece at a time while it is still being
 /// written: an fdatasync on a thread of its own, at most one at a time, so
 /// the download never waits for it. The final fsync of a blob waits for the
@@ -126,6 +122,10 @@ class BackgroundSync {
   int error_ = 0;  ///< written by the thread, read after the join
 };
 
+/// Streams a blob body into the partial file, hashing as it goes. It lives
+/// across retries: each attempt asks for the bytes after those already
+/// received. Received bytes wait in `buffer_` until it is full (or the
+/// transfer ends), so a chunk of a few KiB costs a memcpy, not a syscall.
 class PartialFileSink : public BodySink {
  public:
   PartialFileSink(int fd, fs::path path, int64_t expected, std::string what, const BlobFetchOptions& options)
