@@ -7,8 +7,11 @@
 // slowest rank's mean, times (n-1)/n).
 //   --barrier  a barrier before each timed all-to-all (as bench/mpi-alltoallv)
 //   --layout   a 16-byte all-to-all before each timed one (as cfmo-moe's sync layout)
+//   --touch F  before each, untimed, write F times the bytes a rank sends to
+//              memory of its own and fresh bytes into the send buffers: a
+//              layer's own work between its collectives (as bench/mpi-alltoallv)
 //
-//   comm-a2a [--ranks N] [--iters N] [--barrier] [--layout] SIZE...
+//   comm-a2a [--ranks N] [--iters N] [--barrier] [--layout] [--touch F] SIZE...
 #include "comm/rendezvous.h"
 #include "comm/ucx_communicator.h"
 
@@ -32,7 +35,8 @@ double pct(std::vector<double> v, double q) {
   return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1))];
 }
 
-int run_rank(cfmo::Communicator& comm, int iters, bool barrier, bool layout, const std::vector<long>& sizes) {
+int run_rank(cfmo::Communicator& comm, int iters, bool barrier, bool layout, double touch,
+             const std::vector<long>& sizes) {
   const int n = comm.size();
   auto report = [&](const char* what, long size, std::vector<double>& t) {
     double mean = 0;
@@ -80,8 +84,13 @@ int run_rank(cfmo::Communicator& comm, int iters, bool barrier, bool layout, con
       s.emplace_back(out[static_cast<size_t>(p)]);
       r.emplace_back(in[static_cast<size_t>(p)]);
     }
+    std::vector<std::byte> scratch(static_cast<size_t>(touch * static_cast<double>(size) * n));
     t.clear();
     for (int i = 0; i < iters + 10; ++i) {
+      if (touch > 0) {
+        std::memset(scratch.data(), i & 0xFF, scratch.size());
+        for (auto& o : out) std::memset(o.data(), i & 0xFF, o.size());
+      }
       if (barrier && !comm.barrier()) return 1;
       if (layout && !comm.all_to_all_v(layout_send, layout_recv)) return 1;
       const auto start = Clock::now();
@@ -103,6 +112,7 @@ int main(int argc, char** argv) {
   int iters = 200;
   bool barrier = false;
   bool layout = false;
+  double touch = 0;
   std::vector<long> sizes;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--ranks") == 0 && i + 1 < argc) {
@@ -113,12 +123,14 @@ int main(int argc, char** argv) {
       barrier = true;
     } else if (std::strcmp(argv[i], "--layout") == 0) {
       layout = true;
+    } else if (std::strcmp(argv[i], "--touch") == 0 && i + 1 < argc) {
+      touch = std::atof(argv[++i]);
     } else {
       sizes.push_back(std::atol(argv[i]));
     }
   }
-  if (ranks < 2 || iters < 1) {
-    std::fprintf(stderr, "usage: comm-a2a [--ranks N] [--iters N] [--barrier] [--layout] SIZE...\n");
+  if (ranks < 2 || iters < 1 || touch < 0) {
+    std::fprintf(stderr, "usage: comm-a2a [--ranks N] [--iters N] [--barrier] [--layout] [--touch F] SIZE...\n");
     return 2;
   }
   auto listener = cfmo::listen_tcp("127.0.0.1", 0);
@@ -140,7 +152,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "rank %d: %s\n", rank, comm.error().message.c_str());
         _exit(4);
       }
-      const int code = run_rank(**comm, iters, barrier, layout, sizes);
+      const int code = run_rank(**comm, iters, barrier, layout, touch, sizes);
       comm->reset();
       std::fflush(stdout);
       _exit(code);
