@@ -16,10 +16,10 @@
 #     which is compared with the MPI loop that writes as much;
 #  3. cfmo-moe sync against async tokens/s, 4 ranks and 12 experts, without and
 #     with --slowdown 1=1.25 (--mode both: the same inputs back to back),
-#     medians; and the machine's compute ceiling for that layer: one
-#     single-rank cfmo-moe per core at once (every core computing, nothing
-#     communicated), the most tokens/s any mode that computes every token
-#     can reach here.
+#     medians; and the machine's compute ceiling for that layer
+#     (bench/expert-gemm: the experts' GEMMs alone, one process per core, as
+#     many rows a call as one rank sends an expert), the most tokens/s a mode
+#     that computes every token can reach here.
 # Prints a Markdown table and the targets' ratios; --record appends them to
 # bench/RESULTS.md.
 #
@@ -42,6 +42,7 @@ TOUCH=${TOUCH:-3}
 MOE=${MOE:-build/tools/cfmo-moe}
 MPI_BENCH=${MPI_BENCH:-build/bench/mpi-alltoallv}
 COMM_BENCH=${COMM_BENCH:-build/bench/comm-a2a}
+GEMM_BENCH=${GEMM_BENCH:-build/bench/expert-gemm}
 PY=/usr/bin/python3
 record=false
 [ "${1:-}" = "--record" ] && record=true
@@ -131,35 +132,31 @@ for size in $PEER_SIZES; do
 done
 
 # 3. Tokens per second, sync against async on the same inputs, and the
-# compute ceiling: one single-rank cfmo-moe per core at once, their tokens/s summed.
-cores=$(nproc)
+# compute ceiling (bench/expert-gemm). Alternated, rep by rep, as the host's
+# speed drifts.
+scenarios=("homogeneous|" "slowdown 1=1.25|--slowdown 1=1.25")
 ceiling_runs=""
 for rep in $(seq 1 "$REPS"); do
-  for core in $(seq 1 "$cores"); do
-    timeout 900 "$MOE" --ranks 1 --experts "$EXPERTS" --tokens "$TOKENS" --hidden "$HIDDEN" --ffn "$FFN" \
-      --warmup 5 --iters "$ITERS" --mode sync --quiet --format json > "$tmp/alone.$core" &
+  if [ -x "$GEMM_BENCH" ]; then
+    ceiling_runs+=" $(timeout 120 "$GEMM_BENCH" --ranks 4 --experts "$EXPERTS" --tokens "$TOKENS" --top-k 2 \
+      --hidden "$HIDDEN" --ffn "$FFN" --seconds 3 | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["tokens_per_s"])')"
+  fi
+  for index in "${!scenarios[@]}"; do
+    sc=${scenarios[$index]}; name=${sc%%|*}; flags=${sc#*|}
+    # shellcheck disable=SC2086
+    timeout 900 "$MOE" --ranks 4 --experts "$EXPERTS" --tokens "$TOKENS" --hidden "$HIDDEN" --ffn "$FFN" \
+      --warmup 5 --iters "$ITERS" --mode both --quiet --format json $flags >> "$tmp/both.$index" ||
+      echo "cfmo-moe failed" >&2
   done
-  wait
-  ceiling_runs+=" $(cat "$tmp"/alone.* | "$PY" -c '
-import json, sys
-print("%.0f" % sum(r["tokens_per_s"] for l in sys.stdin if l.startswith("[") for r in json.loads(l)))')"
-  rm -f "$tmp"/alone.*
-  echo "compute ceiling rep $rep done" >&2
+  echo "layer rep $rep done" >&2
 done
 # shellcheck disable=SC2086
 compute_ceiling=$(median $ceiling_runs | cut -d. -f1)
 tok_table="| scenario | sync tokens/s | async tokens/s | async / sync | async late % | async deadline us | sync check | async check | compute ceiling / sync (the most async / sync can be, every token computed) |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 tok_notes=""
-for sc in "homogeneous|" "slowdown 1=1.25|--slowdown 1=1.25"; do
-  name=${sc%%|*}; flags=${sc#*|}
-  : > "$tmp/both"
-  for rep in $(seq 1 "$REPS"); do
-    # shellcheck disable=SC2086
-    timeout 900 "$MOE" --ranks 4 --experts "$EXPERTS" --tokens "$TOKENS" --hidden "$HIDDEN" --ffn "$FFN" \
-      --warmup 5 --iters "$ITERS" --mode both --quiet --format json $flags >> "$tmp/both" || echo "cfmo-moe failed" >&2
-    echo "$name rep $rep done" >&2
-  done
+for index in "${!scenarios[@]}"; do
+  name=${scenarios[$index]%%|*}
   row=$("$PY" -c '
 import json, sys, statistics as st
 runs = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("[")]
@@ -168,7 +165,7 @@ med = lambda rows, k: st.median(r[k] for r in rows)
 deadline = st.median((r["deadline_us"] or 0) for r in asyn)
 print("%.0f|%.0f|%.2f|%.2f|%.0f|%s|%s" % (med(sync, "tokens_per_s"), med(asyn, "tokens_per_s"),
       med(asyn, "speedup_vs_sync"), 100 * med(asyn, "late_frac"), deadline,
-      ",".join(sorted(set(r["check"] for r in sync))), ",".join(sorted(set(r["check"] for r in asyn)))))' "$tmp/both")
+      ",".join(sorted(set(r["check"] for r in sync))), ",".join(sorted(set(r["check"] for r in asyn)))))' "$tmp/both.$index")
   IFS='|' read -r s a ratio late deadline cs ca <<< "$row"
   most=$(ratio_of "$compute_ceiling" "$s")
   tok_table+="
@@ -187,7 +184,7 @@ MoE layer, 4 ranks, $EXPERTS experts, top-2, $TOKENS tokens per rank, hidden $HI
 
 $tok_table
 
-Compute ceiling: $cores single-rank cfmo-moe processes at once (one per core, the same layer, nothing communicated), tokens/s summed, median of $REPS: ${compute_ceiling:-?} tokens/s.
+Compute ceiling: the experts' GEMMs alone on every core at once (bench/expert-gemm, one process per core, each with one rank's experts, $(( TOKENS * 2 / EXPERTS )) rows a call; nothing routed, communicated or combined), median of $REPS: ${compute_ceiling:-?} tokens/s.
 
 $tok_notes"
 echo "$report"
