@@ -21,8 +21,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <iterator>
 #include <vector>
 
 namespace {
@@ -54,41 +52,25 @@ double run_one(int first_expert, int experts, int hidden, int ffn, int rows, dou
 
 int main(int argc, char** argv) {
   cfmo::tool::reexec_for_blas(argv);
-  // Every flag takes a number.
-  struct Flag {
-    const char* name;
-    double value;
-  };
-  Flag flags[] = {{"--processes", static_cast<double>(sysconf(_SC_NPROCESSORS_ONLN))},
-                  {"--ranks", 4},
-                  {"--experts", 12},
-                  {"--tokens", 512},
-                  {"--top-k", 2},
-                  {"--hidden", 512},
-                  {"--ffn", 1024},
-                  {"--rows", 0},
-                  {"--seconds", 3}};
-  bool usage = argc % 2 == 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    Flag* f = std::find_if(std::begin(flags), std::end(flags),
-                           [&](const Flag& g) { return std::strcmp(g.name, argv[i]) == 0; });
-    if (f == std::end(flags)) {
-      usage = true;
-    } else {
-      f->value = std::atof(argv[i + 1]);
-    }
-  }
-  auto get = [&](int index) { return static_cast<int>(flags[index].value); };
-  const int processes = get(0), ranks = get(1), experts = get(2), tokens = get(3), top_k = get(4), hidden = get(5),
-            ffn = get(6);
-  const double seconds = flags[8].value;
-  const int rows = get(7) > 0 ? get(7) : std::max(1, tokens * top_k / std::max(1, experts));
-  if (usage || processes < 1 || ranks < 1 || experts < ranks || top_k < 1 || hidden < 1 || ffn < 1 || seconds <= 0) {
-    std::fprintf(stderr,
-                 "usage: expert-gemm [--processes N] [--ranks R] [--experts E] [--tokens T] [--top-k K] [--hidden H] "
-                 "[--ffn F] [--rows N] [--seconds S]\n");
+  int processes = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  int ranks = 4, experts = 12, tokens = 512, top_k = 2, hidden = 512, ffn = 1024, rows = 0;
+  double seconds = 3;
+  CLI::App app{"expert-gemm: the experts' GEMMs alone on every core, cfmo-moe's compute ceiling"};
+  app.add_option("--processes", processes, "processes at once (one per core)")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--ranks", ranks, "ranks the experts are spread over")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--experts", experts, "experts in all")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--tokens", tokens, "tokens per rank (for the default --rows)")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--top-k", top_k, "experts per token")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--hidden", hidden, "hidden size")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--ffn", ffn, "expert FFN size")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--rows", rows, "rows a call (default tokens * top-k / experts)")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--seconds", seconds, "how long each process computes")->check(CLI::Range(0.1, 3600.0));
+  if (auto done = cfmo::tool::parse_command_line(app, argc, argv, "expert-gemm")) return *done;
+  if (experts < ranks) {
+    std::fprintf(stderr, "expert-gemm: --experts %d is fewer than --ranks %d\n", experts, ranks);
     return 2;
   }
+  if (rows == 0) rows = std::max(1, tokens * top_k / experts);
   // Each child leaves its rate here.
   auto* rates = static_cast<double*>(mmap(nullptr, sizeof(double) * static_cast<size_t>(processes),
                                           PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
