@@ -34,8 +34,9 @@ class IdxReader {
       return make_error(ErrorKind::kInput, "'{}': no such file", path.string());
     }
     gzFile f = gzopen(path.c_str(), "rb");
-    if (f == nullptr)
+    if (f == nullptr) {
       return make_error(ErrorKind::kInput, "'{}': cannot open: {}", path.string(), std::strerror(errno));
+    }
     gzbuffer(f, 1 << 17);
     return IdxReader(path, GzHandle(f));
   }

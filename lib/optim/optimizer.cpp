@@ -195,8 +195,9 @@ void newton_schulz(std::span<float> g, int rows, int cols, int steps, NewtonSchu
   const float inv_norm = 1.0f / (static_cast<float>(ops::norm2(g)) + 1e-7f);
   if (transpose) {
     for (int i = 0; i < rows; ++i) {
-      for (int j = 0; j < cols; ++j)
+      for (int j = 0; j < cols; ++j) {
         x[static_cast<size_t>(j) * k + i] = g[static_cast<size_t>(i) * cols + j] * inv_norm;
+      }
     }
   } else {
     for (size_t i = 0; i < n; ++i) x[i] = g[i] * inv_norm;
