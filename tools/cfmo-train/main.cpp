@@ -71,6 +71,11 @@ class ConsoleObserver final : public cfmo::TrainObserver {
     fmt::print(stderr, "{}\n", text);
   }
 
+  void on_warning(std::string_view text) override {
+    clear_line();
+    fmt::print(stderr, "{}\n", text);
+  }
+
   void clear_line() {
     if (drawn_) fmt::print(stderr, "\r\033[K");
     drawn_ = false;
@@ -219,6 +224,9 @@ static int run(int argc, char** argv) {
 
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
+  // A file-size limit (ulimit -f) makes a write fail with EFBIG, reported as
+  // any failed write (exit 5, naming the file), not a crash by SIGXFSZ.
+  std::signal(SIGXFSZ, SIG_IGN);
   if (compare) return compare_modes(argc, argv, config, json);
 
   auto world = cfmo::world_from_environment();
@@ -226,7 +234,7 @@ static int run(int argc, char** argv) {
   const bool launched = std::getenv("CFMO_LAUNCHED") != nullptr;  // a worker of our own launcher
   if (config.workers > 1 && !launched && (!world->has_value() || (*world)->size == 1)) {
     // One host, no launcher: start the workers here and relay their output.
-    auto status = cfmo::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO);
+    auto status = cfmo::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
     if (!status) return fail(status.error());
     return *status;
   }
@@ -259,6 +267,9 @@ static int run(int argc, char** argv) {
 
   auto summary = cfmo::train(config, options);
   observer.clear_line();
+  // The goodbye tells the other ranks why this one leaves: they then fail
+  // with this root cause, and the run ends with its status.
+  if (!summary && comm) comm->leave_with(summary.error());
   comm.reset();  // say goodbye to the other ranks before reporting
   if (!summary) return fail(summary.error());
   if (summary->rank != 0) return summary->stopped_by == "interrupt" ? kInterruptedStatus : 0;
