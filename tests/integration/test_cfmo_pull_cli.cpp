@@ -191,6 +191,32 @@ TEST(CfmoPullCli, RegistryDownIsExitFourAfterRetries) {
   EXPECT_NE(r.err.find("after 3 attempts"), std::string::npos) << r.err;
 }
 
+// What no retry can mend (a registry without a host, a port outside
+// 1-65535) is a usage error at once: one line, nothing tried, nothing written.
+TEST(CfmoPullCli, AMalformedRegistryIsExitTwoAtOnceNotRetried) {
+  TempDir out;
+  for (const std::string ref : {":5055/x", "127.0.0.1:99999/x:v1", "127.0.0.1:0/x", "localhost:5x/x", "[::1/x"}) {
+    SCOPED_TRACE(ref);
+    for (const char* sub : {"pull", "inspect"}) {
+      std::vector<std::string> args = {sub, ref, "--plain-http", "--retries", "5"};
+      if (std::string(sub) == "pull") {
+        args.insert(args.end(), {"--output", "oci:" + (out / "x").string()});
+      }
+      const RunResult r = pull(args, 60);
+      EXPECT_EQ(r.status, 2) << r.err;
+      EXPECT_EQ(testing::lines(r.err).size(), 1u) << r.err;
+      EXPECT_NE(r.err.find("image reference '" + ref + "': registry"), std::string::npos) << r.err;
+      EXPECT_EQ(r.err.find("attempt"), std::string::npos) << r.err;
+    }
+  }
+  EXPECT_FALSE(fs::exists(out / "x"));
+  // The same rule for the other hosts a pull names.
+  const RunResult mirror =
+      pull({"pull", "127.0.0.1:5000/x", "--output", "oci:" + (out / "x").string(), "--mirror", "127.0.0.1:70000"});
+  EXPECT_EQ(mirror.status, 2) << mirror.err;
+  EXPECT_NE(mirror.err.find("--mirror '127.0.0.1:70000': port 70000 is out of range"), std::string::npos) << mirror.err;
+}
+
 TEST(CfmoPullCli, DigestMismatchIsExitThreeAndKeepsNothing) {
   const auto image = make_image(7, "amd64", {5000});
   std::string wrong = image.layers[0];

@@ -2,6 +2,7 @@
 // bounded memory, hot layers first, cold ones now, later or never. Parses
 // flags and config, calls lib/oci, prints, and maps the result to the
 // shared exit status.
+#include "../common/stop_signals.h"
 #include "../common/tool_main.h"
 #include "background.h"
 #include "console_progress.h"
@@ -36,7 +37,16 @@ using Json = nlohmann::ordered_json;
 
 constexpr const char* kTool = "cfmo-pull";
 
-int fail(const cfmo::Error& error) { return cfmo::tool::fail(kTool, error); }
+/// A failure is reported as itself, unless a signal caused it: then one line
+/// says the run stopped and that nothing fetched is lost.
+int fail(const cfmo::Error& error) {
+  if (cfmo::tool::stop_requested().load()) {
+    fmt::print(stderr, "{}: stopped by {}; what was fetched is kept, partial blobs too: the same command resumes\n",
+               kTool, cfmo::tool::stop_signal_name());
+    return cfmo::tool::stop_status();
+  }
+  return cfmo::tool::fail(kTool, error);
+}
 
 /// Everything one subcommand parsed; it stays in place because CLI11 and the
 /// option table hold pointers into it.
@@ -359,6 +369,10 @@ int run_status(Invocation& inv, const oci::PullPlan&) {
                                           kTool, dir.string());
   }
   out += fmt::format("cold      {}; fetcher: {}\n", state->cold, fetcher);
+  if (state->interrupted) {
+    out += fmt::format("stopped   by a signal before it finished; its partial blobs are kept: '{} fetch {}' resumes\n",
+                       kTool, dir.string());
+  }
   if (!state->memory_dir.empty()) {
     int64_t in_memory = 0;
     for (size_t i = 0; i < state->layers.size(); ++i) {
@@ -399,6 +413,7 @@ int run_mount(Invocation& inv, const oci::PullPlan&) {
     j["mountpoint"] = inv.args[1];
     j["not_mounted"] = report->not_mounted.empty() ? Json(nullptr) : Json(report->not_mounted);
     j["upper"] = report->upper.empty() ? Json(nullptr) : Json(report->upper.string());
+    j["upper_in_memory"] = report->upper_in_memory;
     j["memory_bytes"] = report->memory_bytes;
     j["layers"] = Json::array();
     for (const auto& l : report->layers) {
@@ -429,9 +444,13 @@ int run_mount(Invocation& inv, const oci::PullPlan&) {
   if (!inv.config.json && !inv.config.quiet) {
     size_t in_memory = 0;
     for (const auto& l : report->layers) in_memory += l.memory ? 1 : 0;
+    std::string writes = " read-only";
+    if (!report->upper.empty()) {
+      writes = fmt::format(", writes kept {} in {} until umount", report->upper_in_memory ? "in memory" : "on disk",
+                           report->upper.string());
+    }
     print(fmt::format("{}: mounted {} layer(s) of {} at {} ({} from memory){}\n", kTool, report->layers.size(),
-                      inv.args[0], inv.args[1], in_memory,
-                      report->upper.empty() ? " read-only" : ", writes kept in memory until umount"));
+                      inv.args[0], inv.args[1], in_memory, writes));
   }
   return 0;
 }
@@ -524,6 +543,12 @@ int run(int argc, char** argv) {
     }
     if (inv.id == PullCommand::kInspect && inv.config.image.empty()) {
       return fail({cfmo::ErrorKind::kUsage, "inspect: which image? give REF (or image in the --config file)"});
+    }
+    // What talks to a registry stops cleanly on SIGINT/SIGTERM; the rest is quick or must not stop halfway.
+    if (inv.id == PullCommand::kPull || inv.id == PullCommand::kFetch || inv.id == PullCommand::kInspect) {
+      plan->pull.registry.stop = &cfmo::tool::stop_requested();
+      plan->fetch.registry.stop = &cfmo::tool::stop_requested();
+      cfmo::tool::catch_stop_signals();
     }
     return kSubcommands[i].run(inv, *plan);
   }
