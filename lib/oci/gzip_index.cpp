@@ -299,20 +299,6 @@ class TarWalker {
   std::string long_link_;
 };
 
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
 struct Inflater {
   z_stream z{};
   bool open = false;
@@ -333,7 +319,14 @@ std::string deflated(std::string_view data) {
 /// Reads the layer blob sequentially in chunks, hashing the compressed spans as checkpoints close them.
 class BlobReader {
  public:
-  BlobReader(int fd, const fs::path& path) : fd_(fd), path_(path), chunk_(1 << 16) {}
+  explicit BlobReader(const fs::path& path)
+      : fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)), path_(path), chunk_(1 << 16) {}
+  ~BlobReader() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  BlobReader(const BlobReader&) = delete;
+  BlobReader& operator=(const BlobReader&) = delete;
+  bool is_open() const { return fd_ >= 0; }
 
   /// The next chunk; false at the end of the file.
   Result<bool> refill() {
@@ -378,7 +371,7 @@ class BlobReader {
 
  private:
   int fd_;
-  const fs::path& path_;
+  fs::path path_;
   std::vector<unsigned char> chunk_;
   uint64_t chunk_start_ = 0;
   size_t chunk_size_ = 0;
@@ -387,12 +380,11 @@ class BlobReader {
   Md span_;
 };
 
-Status index_gzip(int fd, const fs::path& path, LayerIndex& index, TarWalker& walker, const std::string& what) {
+Status index_gzip(BlobReader& blob, LayerIndex& index, TarWalker& walker, const std::string& what) {
   Inflater inf;
   if (inflateInit2(&inf.z, 15 + 16) != Z_OK) return make_error(ErrorKind::kInternal, "{}: zlib failed to start", what);
   inf.open = true;
   z_stream& z = inf.z;
-  BlobReader blob(fd, path);
   std::vector<unsigned char> window(kWindow);
   size_t written = 0;  ///< next write position in the circular window
   bool wrapped = false;
@@ -466,8 +458,7 @@ Status index_gzip(int fd, const fs::path& path, LayerIndex& index, TarWalker& wa
   return {};
 }
 
-Status index_plain(int fd, const fs::path& path, LayerIndex& index, TarWalker& walker) {
-  BlobReader blob(fd, path);
+Status index_plain(BlobReader& blob, LayerIndex& index, TarWalker& walker) {
   uint64_t total = 0;
   while (true) {
     CFMO_ASSIGN_OR_RETURN(const bool more, blob.refill());
@@ -634,17 +625,19 @@ Result<LayerIndex> build_layer_index(const fs::path& blob, const Descriptor& lay
   if (compression == Compression::kZstd) {
     return make_error(ErrorKind::kInput, "{}: zstd is not indexed (not lazily loadable; it is fetched whole)", what);
   }
-  Fd fd(::open(blob.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return make_error(ErrorKind::kInput, "'{}': cannot open: {}", blob.string(), std::strerror(errno));
+  BlobReader reader(blob);
+  if (!reader.is_open()) {
+    return make_error(ErrorKind::kInput, "'{}': cannot open: {}", blob.string(), std::strerror(errno));
+  }
   LayerIndex index;
   index.compression = compression == Compression::kGzip ? IndexedCompression::kGzip : IndexedCompression::kNone;
   index.span = span;
   index.layer_digest = layer.digest;
   TarWalker walker(index.entries, what);
   if (compression == Compression::kGzip) {
-    CFMO_TRY(index_gzip(fd.get(), blob, index, walker, what));
+    CFMO_TRY(index_gzip(reader, index, walker, what));
   } else {
-    CFMO_TRY(index_plain(fd.get(), blob, index, walker));
+    CFMO_TRY(index_plain(reader, index, walker));
   }
   CFMO_TRY(walker.finish());
   std::error_code ec;
@@ -886,6 +879,50 @@ Result<std::string> read_entry(const LayerIndex& index, CompressedSource& source
     return make_error(ErrorKind::kInput, "{}: '{}' is a sparse file: read it from the whole layer", what, entry.path);
   }
   return read_range(index, source, file->offset, file->size, fmt::format("{}: '{}'", what, entry.path));
+}
+
+Result<std::vector<std::pair<size_t, LayerIndex>>> read_pull_indexes(const fs::path& dir) {
+  CFMO_ASSIGN_OR_RETURN(const PullState state, read_state(dir));
+  std::vector<std::pair<size_t, LayerIndex>> out;
+  for (size_t i = 0; i < state.layers.size(); ++i) {
+    const auto& layer = state.layers[i];
+    CFMO_ASSIGN_OR_RETURN(const Compression compression, layer_compression(layer.blob.media_type));
+    if (compression == Compression::kZstd || layer.status != LayerStatus::kFetched) continue;
+    const fs::path path = index_path(dir, layer.blob.digest);
+    std::error_code ec;
+    if (!fs::exists(path, ec)) {
+      return make_error(ErrorKind::kInput, "layer {} ({}) has no index; 'cfmo-pull index {}' makes it", i,
+                        short_digest(layer.blob.digest), dir.string());
+    }
+    CFMO_ASSIGN_OR_RETURN(LayerIndex index, read_index(path));
+    if (index.layer_digest != layer.blob.digest) {
+      return make_error(ErrorKind::kInput, "index '{}': is the index of {}, not of layer {}", path.string(),
+                        index.layer_digest, i);
+    }
+    out.emplace_back(i, std::move(index));
+  }
+  return out;
+}
+
+const char* entry_type_name(char type) {
+  switch (type) {
+    case '0':
+      return "file";
+    case '1':
+      return "hardlink";
+    case '2':
+      return "symlink";
+    case '3':
+      return "char";
+    case '4':
+      return "block";
+    case '5':
+      return "dir";
+    case '6':
+      return "fifo";
+    default:
+      return "?";
+  }
 }
 
 Result<std::vector<LayerIndexReport>> index_pull(const fs::path& dir, uint64_t span) {

@@ -135,4 +135,11 @@ struct LayerIndexReport {
 /// into DIR/cfmo-index/; the others are reported with the reason.
 Result<std::vector<LayerIndexReport>> index_pull(const std::filesystem::path& dir, uint64_t span);
 
+/// The indexes `index_pull` made for the pull in `dir`, with their layer
+/// numbers; a fetched gzip or plain layer without one is kInput.
+Result<std::vector<std::pair<size_t, LayerIndex>>> read_pull_indexes(const std::filesystem::path& dir);
+
+/// "file", "hardlink", "symlink", "char", "block", "dir", "fifo".
+const char* entry_type_name(char type);
+
 }  // namespace cfmo::oci

@@ -23,7 +23,7 @@ TEST(CfmoPullCli, HelpManPageAndConfigListTheSameOptions) {
   std::set<std::string> help_flags = matches(top.out, long_flag);
   std::set<std::string> printed_keys;
   const std::regex key(R"((?:^|\n)([a-z_0-9]+) = )");
-  for (const char* sub : {"pull", "inspect", "fetch", "status", "mount", "umount"}) {
+  for (const char* sub : {"pull", "inspect", "fetch", "status", "mount", "umount", "index"}) {
     const RunResult help = pull({sub, "--help"});
     ASSERT_EQ(help.status, 0) << sub;
     for (const auto& f : matches(help.out, long_flag)) help_flags.insert(f);
@@ -215,6 +215,76 @@ TEST(CfmoPullCli, AMalformedRegistryIsExitTwoAtOnceNotRetried) {
       pull({"pull", "127.0.0.1:5000/x", "--output", "oci:" + (out / "x").string(), "--mirror", "127.0.0.1:70000"});
   EXPECT_EQ(mirror.status, 2) << mirror.err;
   EXPECT_NE(mirror.err.find("--mirror '127.0.0.1:70000': port 70000 is out of range"), std::string::npos) << mirror.err;
+}
+
+// cfmo-pull index on a pulled image of a gzip, a zstd and a plain layer:
+// the gzip and plain ones indexed (their files listed with their offsets),
+// the zstd one named as not lazily loadable; a damaged index is exit 3.
+TEST_F(PullFixture, IndexMakesASeekableIndexOfEachGzipLayer) {
+  using namespace cfmo::testing;
+  const std::vector<TarEntry> files = {dir("etc"), file("etc/os-release", "ID=fixture\n"),
+                                       file("big", random_bytes(300001, 11)), symlink("link", "big")};
+  const std::string gz = make_tar(files);
+  const std::string plain = make_tar({file("plain", random_bytes(70000, 12))});
+  const FixtureImage image = make_real_image({{gz, "tar+gzip"}, {plain, "tar+zstd"}, {plain, "tar"}});
+  ASSERT_TRUE(push_image(*registry_, "fixtures/indexed", "v1", image));
+  TempDir out;
+  const auto dir = out / "image";
+  ASSERT_EQ(pull({"pull", registry_->host() + "/fixtures/indexed:v1", "--output", "oci:" + dir.string(),
+                  "--plain-http", "-q"})
+                .status,
+            0);
+  const RunResult r = pull({"index", dir.string(), "--span", "64K", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const Json j = Json::parse(r.out);
+  ASSERT_EQ(j["layers"].size(), 3u);
+  EXPECT_EQ(j["layers"][0]["indexed"], true);
+  EXPECT_EQ(j["layers"][0]["entries"], files.size());
+  EXPECT_GE(j["layers"][0]["checkpoints"].get<int>(), 2);
+  EXPECT_EQ(j["layers"][1]["indexed"], false);
+  EXPECT_NE(j["layers"][1]["note"].get<std::string>().find("not lazily loadable"), std::string::npos);
+  EXPECT_EQ(j["layers"][2]["indexed"], true);
+  // The layers are unchanged, and the index is beside them, in DIR/cfmo-index/.
+  for (const auto& layer : image.layers) expect_blob(dir, layer);
+  const fs::path index = dir / "cfmo-index" / oci::sha256_digest(image.layers[0]).substr(7);
+  EXPECT_EQ(j["layers"][0]["index"], index.string());
+
+  const RunResult listed = pull({"index", dir.string(), "--list", "--json"});
+  ASSERT_EQ(listed.status, 0) << listed.err;
+  const Json l = Json::parse(listed.out);
+  ASSERT_EQ(l["layers"].size(), 2u);
+  const Json& entries = l["layers"][0]["entries"];
+  ASSERT_EQ(entries.size(), files.size());
+  EXPECT_EQ(entries[2]["path"], "big");
+  EXPECT_EQ(entries[2]["size"], 300001);
+  // The offset is where the file's bytes are in the uncompressed tar.
+  const uint64_t offset = entries[2]["offset"].get<uint64_t>();
+  EXPECT_TRUE(gz.substr(offset, 300001) == files[2].data);
+  EXPECT_EQ(entries[3]["type"], "symlink");
+  EXPECT_EQ(entries[3]["link"], "big");
+  const RunResult text = pull({"index", dir.string(), "--list"});
+  EXPECT_NE(text.out.find("etc/os-release"), std::string::npos) << text.out;
+
+  // A damaged index: one line naming it, exit 3.
+  std::string bytes = pulltest::slurp(index);
+  bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x40);
+  ASSERT_TRUE(write_file_atomic(index, bytes));
+  const RunResult damaged = pull({"index", dir.string(), "--list"});
+  EXPECT_EQ(damaged.status, 3) << damaged.err;
+  EXPECT_EQ(testing::lines(damaged.err).size(), 1u) << damaged.err;
+  EXPECT_NE(damaged.err.find("index '" + index.string() + "'"), std::string::npos) << damaged.err;
+  fs::remove(index);
+  const RunResult missing = pull({"index", dir.string(), "--list"});
+  EXPECT_EQ(missing.status, 3) << missing.err;
+  EXPECT_NE(missing.err.find("has no index"), std::string::npos) << missing.err;
+  // Indexing again makes it anew.
+  ASSERT_EQ(pull({"index", dir.string(), "-q"}).status, 0);
+  EXPECT_EQ(pull({"index", dir.string(), "--list"}).status, 0);
+
+  EXPECT_EQ(pull({"index", (out / "nowhere").string()}).status, 2);
+  EXPECT_EQ(pull({"index", dir.string(), "--span", "1K"}).status, 2);
+  const RunResult not_a_pull = pull({"index", out.path().string()});
+  EXPECT_EQ(not_a_pull.status, 3) << not_a_pull.err;
 }
 
 TEST(CfmoPullCli, DigestMismatchIsExitThreeAndKeepsNothing) {

@@ -7,6 +7,7 @@
 #include "background.h"
 #include "console_progress.h"
 #include "core/config.h"
+#include "oci/gzip_index.h"
 #include "oci/manifest.h"
 #include "oci/memory_budget.h"
 #include "oci/mount.h"
@@ -462,6 +463,79 @@ int run_umount(Invocation& inv, const oci::PullPlan&) {
   return 0;
 }
 
+int list_indexes(Invocation& inv, const fs::path& dir) {
+  auto indexes = oci::read_pull_indexes(dir);
+  if (!indexes) return fail(indexes.error());
+  Json layers = Json::array();
+  std::string out;
+  for (const auto& [layer, index] : *indexes) {
+    Json entries = Json::array();
+    out += fmt::format("layer {} {} ({} entries)\n", layer, index.layer_digest, index.entries.size());
+    for (const auto& e : index.entries) {
+      const char* whiteout = e.whiteout == oci::IndexWhiteout::kOpaque ? "opaque"
+                             : e.whiteout == oci::IndexWhiteout::kFile ? "whiteout"
+                                                                       : "";
+      entries.push_back({{"path", e.path},
+                         {"type", oci::entry_type_name(e.type)},
+                         {"mode", e.mode},
+                         {"uid", e.uid},
+                         {"gid", e.gid},
+                         {"size", e.size},
+                         {"offset", e.offset},
+                         {"link", e.link},
+                         {"whiteout", *whiteout != '\0' ? Json(whiteout) : Json(nullptr)}});
+      out += fmt::format("  {:<8} {:04o} {}:{} {:>12} {:>12}  {}{}{}\n", oci::entry_type_name(e.type), e.mode, e.uid,
+                         e.gid, e.size, e.offset, e.path, e.link.empty() ? "" : " -> " + e.link,
+                         *whiteout != '\0' ? fmt::format(" ({})", whiteout) : "");
+    }
+    layers.push_back({{"layer", layer}, {"digest", index.layer_digest}, {"entries", entries}});
+  }
+  print(inv.config.json ? Json{{"layers", layers}}.dump(2) + "\n" : out);
+  return 0;
+}
+
+int run_index(Invocation& inv, const oci::PullPlan& plan) {
+  if (inv.args.size() != 1) return fail({cfmo::ErrorKind::kUsage, "index: give the pull's DIR"});
+  const fs::path dir = inv.args[0];
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return fail({cfmo::ErrorKind::kUsage,
+                 fmt::format("index: '{}' is not a directory; give the DIR of a pull (an image is indexed once it "
+                             "is pulled: 'cfmo-pull pull REF --output oci:DIR')",
+                             dir.string())});
+  }
+  if (inv.config.list) return list_indexes(inv, dir);
+  auto reports = oci::index_pull(dir, plan.span);
+  if (!reports) return fail(reports.error());
+  Json layers = Json::array();
+  std::string out;
+  for (const auto& r : *reports) {
+    layers.push_back({{"layer", r.layer},
+                      {"digest", r.digest},
+                      {"mediaType", r.media_type},
+                      {"indexed", r.indexed},
+                      {"note", r.note.empty() ? Json(nullptr) : Json(r.note)},
+                      {"index", r.indexed ? Json(r.path.string()) : Json(nullptr)},
+                      {"entries", r.entries},
+                      {"checkpoints", r.checkpoints},
+                      {"members", r.members},
+                      {"uncompressed_size", r.uncompressed_size},
+                      {"index_bytes", r.index_bytes}});
+    out += r.indexed
+               ? fmt::format("{}: layer {} {}: {} entries, {} checkpoint(s), {} uncompressed; index {} ({})\n", kTool,
+                             r.layer, r.digest.substr(0, 19), r.entries, r.checkpoints,
+                             oci::human_bytes(static_cast<int64_t>(r.uncompressed_size)), r.path.string(),
+                             oci::human_bytes(static_cast<int64_t>(r.index_bytes)))
+               : fmt::format("{}: layer {} {}: not indexed: {}\n", kTool, r.layer, r.digest.substr(0, 19), r.note);
+  }
+  if (inv.config.json) {
+    print(Json{{"dir", dir.string()}, {"span", plan.span}, {"layers", layers}}.dump(2) + "\n");
+  } else if (!inv.config.quiet) {
+    print(out);
+  }
+  return 0;
+}
+
 /// The subcommands, as a table (ninja's way): name, one line of help, positional arguments, body.
 struct SubcommandEntry {
   PullCommand id;
@@ -471,7 +545,7 @@ struct SubcommandEntry {
   int (*run)(Invocation&, const oci::PullPlan&);
 };
 
-constexpr std::array<SubcommandEntry, 6> kSubcommands = {{
+constexpr std::array<SubcommandEntry, 7> kSubcommands = {{
     {PullCommand::kPull, "pull an image: hot layers first, cold ones now, later or never", "REF",
      "image reference: [registry[:port]/]name[:tag|@digest]", run_pull},
     {PullCommand::kInspect, "print the manifest, config and layers, fetching no layer", "REF",
@@ -484,6 +558,8 @@ constexpr std::array<SubcommandEntry, 6> kSubcommands = {{
      "DIR MOUNTPOINT", "the pull's directory and where to mount it", run_mount},
     {PullCommand::kUmount, "unmount what cfmo-pull mount mounted (and drop its writes)", "MOUNTPOINT",
      "where it is mounted", run_umount},
+    {PullCommand::kIndex, "index a pull's gzip layers for seeking: file table, inflate checkpoints, span digests",
+     "DIR", "the pull's directory", run_index},
 }};
 
 int run(int argc, char** argv) {
