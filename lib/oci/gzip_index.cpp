@@ -618,6 +618,48 @@ Result<std::string> FileSource::read(uint64_t offset, uint64_t length) {
   return out;
 }
 
+namespace {
+
+/// The body of one Range request: exactly what was asked, and only as a 206.
+class RangeSink : public BodySink {
+ public:
+  RangeSink(const std::string& what, uint64_t length) : what_(what), length_(length) {}
+  Status begin(long status) override {
+    if (status != 206) {
+      return make_error(ErrorKind::kPeer,
+                        "{}: the registry answered HTTP {} to a Range request: it does not serve parts of a blob "
+                        "(fetch the layer whole)",
+                        what_, status);
+    }
+    body.clear();
+    return {};
+  }
+  Status write(std::string_view chunk) override {
+    if (body.size() + chunk.size() > length_) {
+      return make_error(ErrorKind::kPeer, "{}: the registry sent more than the {} bytes asked for", what_, length_);
+    }
+    body.append(chunk);
+    return {};
+  }
+  std::string body;
+
+ private:
+  const std::string& what_;
+  uint64_t length_;
+};
+
+}  // namespace
+
+Result<std::string> RegistrySource::read(uint64_t offset, uint64_t length) {
+  if (length == 0) return std::string();
+  RangeSink sink(what_, length);
+  ++requests_;
+  CFMO_TRY(client_.get("/v2/" + client_.reference().repository + "/blobs/" + digest_,
+                       {fmt::format("Range: bytes={}-{}", offset, offset + length - 1)}, sink, what_));
+  fetched_ += sink.body.size();
+  return std::move(sink.body);
+}
+
 Result<LayerIndex> build_layer_index(const fs::path& blob, const Descriptor& layer, uint64_t span,
                                      const std::string& what) {
   if (span < kMinSpan) return make_error(ErrorKind::kUsage, "--span {}: at least 64K", span);

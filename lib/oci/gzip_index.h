@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "oci/manifest.h"
+#include "oci/registry.h"
 
 #include <array>
 #include <cstdint>
@@ -104,6 +105,27 @@ class FileSource : public CompressedSource {
  private:
   std::filesystem::path path_;
   int fd_ = -1;
+};
+
+/// Ranges of the layer blob fetched from its registry with HTTP Range
+/// requests (one a read, retried as the client retries), for a layer that
+/// is not on disk; read_range checks each span against its digest. A
+/// registry that answers a Range request with the whole blob (200) is
+/// kPeer, said as such: a caller can fetch the layer whole instead.
+class RegistrySource : public CompressedSource {
+ public:
+  RegistrySource(RegistryClient& client, std::string digest, std::string what)
+      : client_(client), digest_(std::move(digest)), what_(std::move(what)) {}
+  Result<std::string> read(uint64_t offset, uint64_t length) override;
+  uint64_t bytes_fetched() const { return fetched_; }
+  int requests() const { return requests_; }
+
+ private:
+  RegistryClient& client_;
+  std::string digest_;
+  std::string what_;
+  uint64_t fetched_ = 0;
+  int requests_ = 0;
 };
 
 /// Uncompressed bytes [offset, offset + length) of the layer, inflated from

@@ -4,6 +4,8 @@
 // server for what a well-behaved registry never does (wrong bytes, 503s).
 #include "integration/man_page.h"
 #include "integration/registry_fixture.h"
+#include "oci/gzip_index.h"
+#include "support/expect_error.h"
 
 #include <gtest/gtest.h>
 #include <sys/mount.h>
@@ -230,8 +232,8 @@ TEST_F(PullFixture, IndexMakesASeekableIndexOfEachGzipLayer) {
   ASSERT_TRUE(push_image(*registry_, "fixtures/indexed", "v1", image));
   TempDir out;
   const auto dir = out / "image";
-  ASSERT_EQ(pull({"pull", registry_->host() + "/fixtures/indexed:v1", "--output", "oci:" + dir.string(),
-                  "--plain-http", "-q"})
+  ASSERT_EQ(pull({"pull", registry_->host() + "/fixtures/indexed:v1", "--output", "oci:" + dir.string(), "--plain-http",
+                  "-q"})
                 .status,
             0);
   const RunResult r = pull({"index", dir.string(), "--span", "64K", "--json"});
@@ -285,6 +287,84 @@ TEST_F(PullFixture, IndexMakesASeekableIndexOfEachGzipLayer) {
   EXPECT_EQ(pull({"index", dir.string(), "--span", "1K"}).status, 2);
   const RunResult not_a_pull = pull({"index", out.path().string()});
   EXPECT_EQ(not_a_pull.status, 3) << not_a_pull.err;
+}
+
+/// "bytes=A-B" of a request's Range header, or {-1, -1}.
+std::pair<long, long> range_of(const std::string& request) {
+  const auto at = request.find("Range: bytes=");
+  if (at == std::string::npos) return {-1, -1};
+  const auto dash = request.find('-', at + 13);
+  return {std::stol(request.substr(at + 13)), std::stol(request.substr(dash + 1))};
+}
+
+// A file of a layer that is not on disk, read through its index with HTTP
+// Range requests for the spans holding it (the real registry serves them),
+// each span verified by its SHA-256; a registry that ignores Range, and one
+// that sends wrong bytes, are refused clearly.
+TEST_F(PullFixture, AFileIsReadThroughItsIndexWithRangeRequests) {
+  using namespace cfmo::testing;
+  const std::vector<TarEntry> files = {file("small", "the first file\n"), file("big", random_bytes(400003, 21)),
+                                       file("log", std::string(200000, 'l')), file("last", random_bytes(90001, 22))};
+  const std::string tar = make_tar(files);
+  const FixtureImage image = make_real_image({{tar, "tar+gzip"}});
+  ASSERT_TRUE(push_image(*registry_, "fixtures/ranged", "v1", image));
+  TempDir out;
+  const auto dir = out / "image";
+  ASSERT_EQ(
+      pull({"pull", registry_->host() + "/fixtures/ranged:v1", "--output", "oci:" + dir.string(), "--plain-http", "-q"})
+          .status,
+      0);
+  ASSERT_EQ(pull({"index", dir.string(), "--span", "64K", "-q"}).status, 0);
+  const std::string digest = oci::sha256_digest(image.layers[0]);
+  auto index = oci::read_index(oci::index_path(dir, digest));
+  ASSERT_TRUE(index) << index.error().message;
+  ASSERT_GE(index->checkpoints.size(), 3u);
+
+  oci::RegistryOptions options;
+  options.plain_http = true;
+  options.retries = 0;
+  auto ref = oci::parse_reference(registry_->host() + "/fixtures/ranged:v1");
+  ASSERT_TRUE(ref);
+  oci::RegistryClient client(*ref, options, std::nullopt);
+  // The first file needs the first span only: a fraction of the layer.
+  oci::RegistrySource first(client, digest, "layer 0");
+  auto small = oci::read_entry(*index, first, *index->find("small"), "layer 0");
+  ASSERT_TRUE(small) << small.error().message;
+  EXPECT_EQ(*small, files[0].data);
+  EXPECT_EQ(first.bytes_fetched(), index->span_range(0).second - index->span_range(0).first);
+  EXPECT_LT(first.bytes_fetched(), image.layers[0].size());
+  // Every file, through ranges, equals the tar's.
+  for (const auto& f : files) {
+    oci::RegistrySource source(client, digest, "layer 0");
+    auto bytes = oci::read_entry(*index, source, *index->find(f.path), "layer 0");
+    ASSERT_TRUE(bytes) << f.path << ": " << bytes.error().message;
+    EXPECT_TRUE(*bytes == f.data) << f.path;
+  }
+
+  const std::string blob_path = "/v2/fixtures/ranged/blobs/" + digest;
+  {
+    TinyServer whole({{blob_path, [&](const std::string&) { return TinyServer::response(200, image.layers[0]); }}});
+    auto r = oci::parse_reference(whole.host() + "/fixtures/ranged:v1");
+    oci::RegistryClient c(*r, options, std::nullopt);
+    oci::RegistrySource source(c, digest, "layer 0");
+    const auto got = oci::read_entry(*index, source, *index->find("last"), "layer 0");
+    EXPECT_TRUE(fails_with(got, ErrorKind::kPeer, {"layer 0", "does not serve parts of a blob"}));
+  }
+  {
+    TinyServer corrupt({{blob_path, [&](const std::string& request) {
+                           const auto [a, b] = range_of(request);
+                           std::string part = image.layers[0].substr(a, b - a + 1);
+                           part[part.size() / 2] = static_cast<char>(part[part.size() / 2] ^ 1);
+                           return TinyServer::response(
+                               206, part,
+                               fmt::format("Content-Range: bytes {}-{}/{}\r\n", a, b, image.layers[0].size()));
+                         }}});
+    auto r = oci::parse_reference(corrupt.host() + "/fixtures/ranged:v1");
+    oci::RegistryClient c(*r, options, std::nullopt);
+    oci::RegistrySource source(c, digest, "layer 0");
+    const auto got = oci::read_entry(*index, source, *index->find("big"), "layer 0");
+    EXPECT_TRUE(fails_with(got, ErrorKind::kInput, {"layer 0", "span", "SHA-256 mismatch"}));
+  }
 }
 
 TEST(CfmoPullCli, DigestMismatchIsExitThreeAndKeepsNothing) {
