@@ -1,4 +1,5 @@
 // cfmo-train: parse flags and config, run the library's trainer, report.
+#include "../common/stop_signals.h"
 #include "../common/tool_main.h"
 #include "comm/rendezvous.h"
 #include "comm/ucx_communicator.h"
@@ -16,7 +17,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -25,14 +25,8 @@
 namespace {
 
 constexpr int kInterruptedStatus = 130;  // 128 + SIGINT, as shells report it
-std::atomic<bool> g_stop{false};
-
-// The first SIGINT/SIGTERM asks the trainer to stop cleanly (checkpoint, summary);
-// a second one gets the default action and ends the process at once.
-void on_signal(int signal_number) {
-  g_stop.store(true);
-  std::signal(signal_number, SIG_DFL);
-}
+// The first SIGINT/SIGTERM asks the trainer to stop cleanly (checkpoint, summary).
+std::atomic<bool>& g_stop = cfmo::tool::stop_requested();
 
 int fail(const cfmo::Error& error) { return cfmo::tool::fail("cfmo-train", error); }
 
@@ -222,8 +216,7 @@ static int run(int argc, char** argv) {
     return fail(usable.error());
   }
 
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGTERM, on_signal);
+  cfmo::tool::catch_stop_signals();
   // A file-size limit (ulimit -f) makes a write fail with EFBIG, reported as
   // any failed write (exit 5, naming the file), not a crash by SIGXFSZ.
   std::signal(SIGXFSZ, SIG_IGN);
