@@ -99,6 +99,15 @@ TEST(OciPullState, BadFilesNameTheKey) {
   EXPECT_TRUE(fails_with(mutate([](auto& j) { j["layers"][0]["size"] = "big"; }), ErrorKind::kInput,
                          {"layers[0].size' not an integer"}));
   EXPECT_TRUE(fails_with(mutate([](auto& j) { j["hosts"]["mirrors"] = {1}; }), ErrorKind::kInput, {"hosts.mirrors"}));
+  EXPECT_TRUE(fails_with(mutate([](auto& j) { j["interrupted"] = "yes"; }), ErrorKind::kInput,
+                         {"'interrupted' not true or false"}));
+  // A file written before "interrupted" existed reads as not interrupted; true survives the round trip.
+  auto old = mutate([](auto& j) { j.erase("interrupted"); });
+  ASSERT_TRUE(old) << old.error().message;
+  EXPECT_FALSE(old->interrupted);
+  auto stopped = mutate([](auto& j) { j["interrupted"] = true; });
+  ASSERT_TRUE(stopped) << stopped.error().message;
+  EXPECT_TRUE(stopped->interrupted);
 }
 
 TEST(OciPullState, TheLockIsExclusiveAcrossProcesses) {
