@@ -4,8 +4,10 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -138,16 +140,45 @@ bool OptionTable::given_on_cli(const std::string& key) const {
   return false;
 }
 
-Status OptionTable::load_toml(const std::filesystem::path& file) {
+Result<std::string> read_config_file(const std::filesystem::path& file) {
+  namespace fs = std::filesystem;
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(file, ec)) {
-    return make_error(ErrorKind::kUsage, "config '{}': no such file", file.string());
+  const fs::file_status status = fs::status(file, ec);
+  const auto not_a_file = [&](std::string_view what) {
+    return make_error(ErrorKind::kUsage, "config '{}': {}, not a file", file.string(), what);
+  };
+  switch (status.type()) {
+    case fs::file_type::regular:
+      break;
+    case fs::file_type::not_found:
+      return make_error(ErrorKind::kUsage, "config '{}': no such file", file.string());
+    case fs::file_type::directory:
+      return not_a_file("a directory");
+    case fs::file_type::fifo:
+      return not_a_file("a FIFO");
+    case fs::file_type::socket:
+      return not_a_file("a socket");
+    case fs::file_type::block:
+    case fs::file_type::character:
+      return not_a_file("a device");
+    default:
+      return make_error(ErrorKind::kUsage, "config '{}': cannot read: {}", file.string(),
+                        ec ? ec.message() : "not a regular file");
   }
+  errno = 0;
   std::ifstream in(file, std::ios::binary);
   std::ostringstream text;
   text << in.rdbuf();
-  if (!in) return make_error(ErrorKind::kUsage, "config '{}': cannot read", file.string());
-  return load_toml_text(text.str(), file.string());
+  if (!in) {
+    return make_error(ErrorKind::kUsage, "config '{}': cannot read: {}", file.string(),
+                      errno != 0 ? std::strerror(errno) : "unknown error");
+  }
+  return text.str();
+}
+
+Status OptionTable::load_toml(const std::filesystem::path& file) {
+  CFMO_ASSIGN_OR_RETURN(const std::string text, read_config_file(file));
+  return load_toml_text(text, file.string());
 }
 
 Status OptionTable::load_toml_text(std::string_view text, const std::string& source) {

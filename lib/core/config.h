@@ -59,6 +59,11 @@ class OptionTable {
   std::vector<Entry> entries_;
 };
 
+/// A configuration file's text. Anything but a readable regular file is
+/// kUsage saying what it is (missing, a directory, a FIFO, ...); a FIFO or
+/// a device is never opened, so it cannot block the reader.
+Result<std::string> read_config_file(const std::filesystem::path& file);
+
 /// "30", "30s", "1.5m", "2h", "250ms" -> seconds.
 Result<double> parse_duration(std::string_view text);
 /// "512", "64K", "64KiB", "1.5G", "2GB" -> bytes (binary multiples).

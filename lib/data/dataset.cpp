@@ -6,6 +6,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -90,6 +91,31 @@ class IdxReader {
   GzHandle file_;
 };
 
+struct ImageHeader {
+  uint32_t count = 0;
+  uint32_t rows = 0;
+  uint32_t cols = 0;
+};
+
+/// An IDX image file's header, checked: the magic and plausible dimensions.
+Result<ImageHeader> read_image_header(IdxReader& file) {
+  const std::string name = file.path().string();
+  CFMO_ASSIGN_OR_RETURN(uint32_t magic, file.read_be32("the header"));
+  if (magic != kImageMagic) {
+    return make_error(ErrorKind::kInput, "'{}': not an IDX image file (magic 0x{:08x}, expected 0x{:08x})", name, magic,
+                      kImageMagic);
+  }
+  ImageHeader h;
+  CFMO_ASSIGN_OR_RETURN(h.count, file.read_be32("the header"));
+  CFMO_ASSIGN_OR_RETURN(h.rows, file.read_be32("the header"));
+  CFMO_ASSIGN_OR_RETURN(h.cols, file.read_be32("the header"));
+  const uint64_t elements = uint64_t{h.count} * h.rows * h.cols;
+  if (h.count == 0 || h.rows == 0 || h.cols == 0 || elements > kMaxElements || uint64_t{h.rows} * h.cols > (1u << 24)) {
+    return make_error(ErrorKind::kInput, "'{}': implausible dimensions {}x{}x{}", name, h.count, h.rows, h.cols);
+  }
+  return h;
+}
+
 std::filesystem::path find_file(const std::filesystem::path& dir, const std::string& stem) {
   std::error_code ec;
   for (const char* suffix : {".gz", ""}) {
@@ -106,18 +132,9 @@ Result<Dataset> read_idx(const std::filesystem::path& images, const std::filesys
   data.classes = classes;
 
   CFMO_ASSIGN_OR_RETURN(auto image_file, IdxReader::open(images));
-  CFMO_ASSIGN_OR_RETURN(uint32_t magic, image_file.read_be32("the header"));
-  if (magic != kImageMagic) {
-    return make_error(ErrorKind::kInput, "'{}': not an IDX image file (magic 0x{:08x}, expected 0x{:08x})",
-                      images.string(), magic, kImageMagic);
-  }
-  CFMO_ASSIGN_OR_RETURN(uint32_t count, image_file.read_be32("the header"));
-  CFMO_ASSIGN_OR_RETURN(uint32_t rows, image_file.read_be32("the header"));
-  CFMO_ASSIGN_OR_RETURN(uint32_t cols, image_file.read_be32("the header"));
-  const uint64_t elements = uint64_t{count} * rows * cols;
-  if (count == 0 || rows == 0 || cols == 0 || elements > kMaxElements || uint64_t{rows} * cols > (1u << 24)) {
-    return make_error(ErrorKind::kInput, "'{}': implausible dimensions {}x{}x{}", images.string(), count, rows, cols);
-  }
+  CFMO_ASSIGN_OR_RETURN(const ImageHeader header, read_image_header(image_file));
+  const uint32_t count = header.count;
+  const uint64_t elements = uint64_t{count} * header.rows * header.cols;
 
   std::vector<unsigned char> pixels(elements);
   CFMO_TRY(image_file.read_exact(pixels.data(), pixels.size(), "the pixels"));
@@ -139,7 +156,9 @@ Result<Dataset> read_idx(const std::filesystem::path& images, const std::filesys
   CFMO_TRY(label_file.expect_end());
 
   data.count = count;
-  data.features = static_cast<int>(rows * cols);
+  data.rows = static_cast<int>(header.rows);
+  data.cols = static_cast<int>(header.cols);
+  data.features = data.rows * data.cols;
   data.pixels = std::move(pixels);
   data.labels.resize(count);
   for (size_t i = 0; i < count; ++i) {
@@ -166,9 +185,10 @@ Result<DataSplit> load_fashion_mnist(const std::filesystem::path& dir) {
                         read_idx(find_file(dir, "train-images-idx3-ubyte"), find_file(dir, "train-labels-idx1-ubyte")));
   CFMO_ASSIGN_OR_RETURN(split.test,
                         read_idx(find_file(dir, "t10k-images-idx3-ubyte"), find_file(dir, "t10k-labels-idx1-ubyte")));
-  if (split.train.features != split.test.features) {
-    return make_error(ErrorKind::kInput, "data directory '{}': training images have {} pixels, test images {}",
-                      dir.string(), split.train.features, split.test.features);
+  // The same shape, not only the same pixel count: 56x14 test images beside 28x28 training images are another data set.
+  if (split.train.rows != split.test.rows || split.train.cols != split.test.cols) {
+    return make_error(ErrorKind::kInput, "data directory '{}': training images are {}x{}, test images {}x{}",
+                      dir.string(), split.train.rows, split.train.cols, split.test.rows, split.test.cols);
   }
   return split;
 }
@@ -200,6 +220,8 @@ DataSplit make_synthetic(uint64_t seed, int64_t train_count, int64_t test_count)
     Rng local(seed, stream);
     data.count = count;
     data.features = kFeatures;
+    data.rows = kSide;
+    data.cols = kSide;
     data.classes = kClasses;
     data.pixels.resize(static_cast<size_t>(count) * kFeatures);
     data.labels.resize(static_cast<size_t>(count));
@@ -225,10 +247,13 @@ DataSplit make_synthetic(uint64_t seed, int64_t train_count, int64_t test_count)
   return split;
 }
 
-Result<DataSplit> load_data(const std::string& spec, uint64_t seed) {
-  constexpr std::string_view kSynthetic = "synthetic";
-  if (!spec.starts_with(kSynthetic)) return load_fashion_mnist(spec);
-  int64_t sizes[2] = {12000, 2000};
+namespace {
+
+constexpr std::string_view kSynthetic = "synthetic";
+
+/// "synthetic[:TRAIN[:TEST]]" -> {TRAIN, TEST}.
+Result<std::array<int64_t, 2>> synthetic_sizes(const std::string& spec) {
+  std::array<int64_t, 2> sizes = {12000, 2000};
   std::string_view rest = std::string_view(spec).substr(kSynthetic.size());
   for (int64_t& size : sizes) {
     if (rest.empty()) break;
@@ -241,7 +266,36 @@ Result<DataSplit> load_data(const std::string& spec, uint64_t seed) {
     rest = std::string_view(end, static_cast<size_t>(rest.data() + rest.size() - end));
   }
   if (!rest.empty()) return make_error(ErrorKind::kUsage, "--data '{}': expected synthetic[:TRAIN[:TEST]]", spec);
+  return sizes;
+}
+
+}  // namespace
+
+Result<DataSplit> load_data(const std::string& spec, uint64_t seed) {
+  if (!spec.starts_with(kSynthetic)) return load_fashion_mnist(spec);
+  CFMO_ASSIGN_OR_RETURN(const auto sizes, synthetic_sizes(spec));
   return make_synthetic(seed, sizes[0], sizes[1]);
+}
+
+Result<DataShape> data_shape(const std::string& spec) {
+  DataShape shape;
+  if (spec.starts_with(kSynthetic)) {
+    CFMO_ASSIGN_OR_RETURN(const auto sizes, synthetic_sizes(spec));
+    shape.train = sizes[0];
+    shape.test = sizes[1];
+    shape.features = 28 * 28;  // make_synthetic's images
+    return shape;
+  }
+  // The image headers only: a gzip file is read no further than its first bytes.
+  int64_t* counts[2] = {&shape.train, &shape.test};
+  const char* stems[2] = {"train-images-idx3-ubyte", "t10k-images-idx3-ubyte"};
+  for (int i = 0; i < 2; ++i) {
+    CFMO_ASSIGN_OR_RETURN(auto file, IdxReader::open(find_file(spec, stems[i])));
+    CFMO_ASSIGN_OR_RETURN(const ImageHeader header, read_image_header(file));
+    *counts[i] = header.count;
+    shape.features = static_cast<int>(header.rows * header.cols);
+  }
+  return shape;
 }
 
 std::vector<int64_t> epoch_order(uint64_t seed, int64_t epoch, int64_t count) {

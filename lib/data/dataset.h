@@ -17,6 +17,8 @@ namespace cfmo {
 struct Dataset {
   int64_t count = 0;
   int features = 0;
+  int rows = 0;  ///< the images' shape: rows x cols = features
+  int cols = 0;
   int classes = 0;
   std::vector<uint8_t> pixels;  ///< [count, features], row-major; feature value = pixel / 255
   std::vector<int32_t> labels;  ///< [count], each in [0, classes)
@@ -50,6 +52,16 @@ DataSplit make_synthetic(uint64_t seed, int64_t train_count = 12000, int64_t tes
 
 /// `spec` is a directory, "synthetic" or "synthetic:TRAIN[:TEST]".
 Result<DataSplit> load_data(const std::string& spec, uint64_t seed);
+
+/// How big the data set `spec` names is, without loading it: from the IDX
+/// images' headers, or the synthetic sizes. For estimates (memory).
+struct DataShape {
+  int64_t train = 0;
+  int64_t test = 0;
+  int features = 0;
+  int classes = 10;
+};
+Result<DataShape> data_shape(const std::string& spec);
 
 /// The order of examples in each epoch: a permutation of [0, count) that
 /// depends only on (seed, epoch), so a resumed run sees the same batches.

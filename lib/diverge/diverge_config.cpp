@@ -87,14 +87,11 @@ void add_diverge_options(OptionTable& t, DivergeConfig& c, Subcommand s) {
 }
 
 Status load_diverge_config(OptionTable& table, const std::filesystem::path& file, Subcommand subcommand) {
-  std::error_code ec;
   const std::string source = file.string();
-  if (!std::filesystem::is_regular_file(file, ec)) {
-    return make_error(ErrorKind::kUsage, "config '{}': no such file", source);
-  }
+  CFMO_ASSIGN_OR_RETURN(const std::string contents, read_config_file(file));
   toml::table parsed;
   try {
-    parsed = toml::parse_file(source);
+    parsed = toml::parse(contents, source);
   } catch (const toml::parse_error& e) {
     return make_error(ErrorKind::kUsage, "config '{}': line {}: {}", source, e.source().begin.line, e.description());
   }
@@ -113,6 +110,13 @@ Status load_diverge_config(OptionTable& table, const std::filesystem::path& file
         std::find_if(kSubcommands.begin(), kSubcommands.end(), [&](Subcommand s) { return to_string(s) == name; });
     if (section != kSubcommands.end()) {
       if (!node.is_table()) return make_error(ErrorKind::kUsage, "config '{}': '{}' must be a table", source, name);
+      // Every table is checked, whichever subcommand reads the file: a mistake in
+      // [plot] shows in `check` too, not only when `plot` runs.
+      for (const auto& [inner, value] : *node.as_table()) {
+        if (!known(*section, std::string(inner.str()))) {
+          return make_error(ErrorKind::kUsage, "config '{}': unknown key '{}.{}'", source, name, inner.str());
+        }
+      }
       if (*section == subcommand) own_section = node.as_table();
       continue;
     }
@@ -123,13 +127,7 @@ Status load_diverge_config(OptionTable& table, const std::filesystem::path& file
     }
   }
   if (own_section != nullptr) {
-    for (const auto& [key, node] : *own_section) {
-      const std::string name(key.str());
-      if (!known(subcommand, name)) {
-        return make_error(ErrorKind::kUsage, "config '{}': unknown key '{}.{}'", source, to_string(subcommand), name);
-      }
-      mine.insert_or_assign(name, node);
-    }
+    for (const auto& [key, node] : *own_section) mine.insert_or_assign(std::string(key.str()), node);
   }
   std::ostringstream text;
   text << mine;

@@ -520,10 +520,10 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   Transfer transfer;
   transfer.observer = options.observer;
   const StateSaver save{dir, options.state_file};
-  std::optional<StateLock> lock;
+  std::optional<DirLock> lock;
   if (options.state_file) {
     CFMO_ASSIGN_OR_RETURN(
-        lock, StateLock::acquire(
+        lock, lock_layout(
                   dir, options.registry.deadline,
                   [&](int pid) {
                     transfer.note(fmt::format("waiting for another cfmo-pull (pid {}) using '{}'", pid, dir.string()));
@@ -704,7 +704,7 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
   if (!fs::exists(state_path(dir))) CFMO_TRY(read_state(dir));  // the "not a cfmo-pull directory" error
   CFMO_ASSIGN_OR_RETURN(
       auto lock,
-      StateLock::acquire(
+      lock_layout(
           dir, options.registry.deadline,
           [&](int pid) {
             transfer.note(fmt::format("waiting for another cfmo-pull (pid {}) fetching into '{}'", pid, dir.string()));

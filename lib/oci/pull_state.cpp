@@ -2,19 +2,9 @@
 
 #include "core/atomic_file.h"
 
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/file.h>
-#include <unistd.h>
-
 #include <nlohmann/json.hpp>
 
-#include <cerrno>
-#include <cstring>
 #include <ctime>
-#include <fstream>
-#include <iterator>
-#include <thread>
 
 namespace cfmo::oci {
 namespace {
@@ -222,64 +212,12 @@ Status write_state(const fs::path& dir, PullState& state) {
   return write_file_atomic(state_path(dir), state_to_json(state));
 }
 
-StateLock& StateLock::operator=(StateLock&& other) noexcept {
-  if (this != &other) {
-    release();
-    fd_ = other.fd_;
-    other.fd_ = -1;
-  }
-  return *this;
-}
-
-StateLock::~StateLock() { release(); }
-
-void StateLock::release() {
-  if (fd_ >= 0) ::close(fd_);  // closing the descriptor drops the flock
-  fd_ = -1;
-}
-
-Result<StateLock> StateLock::acquire(const fs::path& dir, std::optional<std::chrono::steady_clock::time_point> deadline,
-                                     const std::function<void(int pid)>& on_wait, const std::atomic<bool>* stop) {
-  const fs::path path = dir / kLockFile;
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    return make_error(ErrorKind::kInternal, "'{}': cannot open: {}", path.string(), std::strerror(errno));
-  }
-  StateLock lock(fd);
-  bool told = false;
-  while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    if (errno != EWOULDBLOCK && errno != EINTR) {
-      return make_error(ErrorKind::kInternal, "'{}': cannot lock: {}", path.string(), std::strerror(errno));
-    }
-    if (!told && on_wait) {
-      char buffer[32] = {0};
-      const ssize_t n = ::pread(fd, buffer, sizeof buffer - 1, 0);
-      on_wait(n > 0 ? std::atoi(buffer) : 0);
-      told = true;
-    }
-    if (deadline && std::chrono::steady_clock::now() >= *deadline) {
-      return make_error(ErrorKind::kPeer, "'{}': another cfmo-pull still holds it when the timeout ran out",
-                        dir.string());
-    }
-    if (stop != nullptr && stop->load()) return interrupted(fmt::format("waiting for the lock on '{}'", dir.string()));
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  // The holder's pid, for whoever waits next (informational: the lock is the flock).
-  const std::string pid = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(fd, 0) == 0) {
-    [[maybe_unused]] const ssize_t n = ::pwrite(fd, pid.data(), pid.size(), 0);
-  }
+Result<DirLock> lock_layout(const fs::path& dir, std::optional<std::chrono::steady_clock::time_point> deadline,
+                            const std::function<void(int pid)>& on_wait, const std::atomic<bool>* stop) {
+  auto lock = DirLock::acquire(dir, kLockFile, "cfmo-pull", deadline, on_wait, stop);
+  if (!lock && stop != nullptr && stop->load())
+    return interrupted(fmt::format("waiting for the lock on '{}'", dir.string()));
   return lock;
-}
-
-bool process_alive(int pid) {
-  if (pid <= 0 || (::kill(pid, 0) != 0 && errno != EPERM)) return false;
-  // A zombie (a killed fetcher whose reaper has not reaped it yet) is gone too.
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  const auto paren = text.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= text.size()) return true;
-  return text[paren + 2] != 'Z' && text[paren + 2] != 'X';
 }
 
 }  // namespace cfmo::oci

@@ -4,8 +4,9 @@
 /// `cfmo-pull fetch` and `status` (and a detached background fetch) carry
 /// on where the pull left off. It is rewritten whole (temp + fsync +
 /// rename) after every change, so a reader never sees half of it; writers
-/// take the directory's lock (StateLock) first.
+/// take the directory's lock (lock_layout) first.
 
+#include "core/dir_lock.h"
 #include "core/error.h"
 #include "oci/hosts.h"
 #include "oci/hot_set.h"
@@ -84,30 +85,12 @@ Status write_state(const std::filesystem::path& dir, PullState& state);
 std::string state_to_json(const PullState& state);
 Result<PullState> state_from_json(std::string_view text, const std::string& source);
 
-/// An exclusive lock on DIR (flock on DIR/.cfmo-pull.lock), released when
-/// destroyed. A second process waits for it: `on_wait` is called once with
-/// the holder's pid when it has to, and the wait ends with kPeer at `deadline`.
-class StateLock {
- public:
-  /// The wait also ends, as interrupted, when `stop` is set.
-  static Result<StateLock> acquire(const std::filesystem::path& dir,
-                                   std::optional<std::chrono::steady_clock::time_point> deadline,
-                                   const std::function<void(int pid)>& on_wait = nullptr,
-                                   const std::atomic<bool>* stop = nullptr);
-  StateLock(StateLock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
-  StateLock& operator=(StateLock&& other) noexcept;
-  StateLock(const StateLock&) = delete;
-  StateLock& operator=(const StateLock&) = delete;
-  ~StateLock();
-  /// Lets it go before destruction (a process about to hand over to another).
-  void release();
-
- private:
-  explicit StateLock(int fd) : fd_(fd) {}
-  int fd_ = -1;
-};
-
-/// True when `pid` names a live process.
-bool process_alive(int pid);
+/// The layout's lock (DIR/.cfmo-pull.lock, a DirLock): a second process
+/// waits for it; `on_wait` hears the holder's pid, and the wait ends with
+/// kPeer at `deadline`, or as interrupted when `stop` is set.
+Result<DirLock> lock_layout(const std::filesystem::path& dir,
+                            std::optional<std::chrono::steady_clock::time_point> deadline,
+                            const std::function<void(int pid)>& on_wait = nullptr,
+                            const std::atomic<bool>* stop = nullptr);
 
 }  // namespace cfmo::oci

@@ -10,6 +10,9 @@
 #include <cstdio>
 
 #include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cmath>
 
 namespace cfmo {
 namespace fs = std::filesystem;
@@ -127,6 +130,16 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const MlpSpec& spec, 
   fs::remove_all(temp_dir, ec);
   fs::create_directory(temp_dir, ec);
   if (ec) return fs_error(temp_dir, "Failed to create", ec);
+  // However this ends, the temporary directory goes: after a failed write (a full
+  // disk) a partial checkpoint left behind would keep the disk full; after a
+  // successful one it has been renamed away already.
+  struct RemoveOnExit {
+    const fs::path& dir;
+    ~RemoveOnExit() {
+      std::error_code ignored;
+      fs::remove_all(dir, ignored);
+    }
+  } remove_temp{temp_dir};
 
   auto tensors_of = [&](std::span<const float> flat, const std::string& suffix) {
     std::vector<TensorRef> tensors;
@@ -276,8 +289,23 @@ Result<fs::path> resolve_checkpoint(const fs::path& given) {
 
 std::filesystem::path run_dir_of(const std::filesystem::path& checkpoint_dir) {
   const fs::path parent = checkpoint_dir.parent_path();
-  if (parent.filename() == "checkpoints" && parent.has_parent_path()) return parent.parent_path();
+  if (step_of(checkpoint_dir.filename().string()) >= 0 && parent.filename() == "checkpoints" &&
+      parent.has_parent_path()) {
+    return parent.parent_path();
+  }
   return {};
+}
+
+Result<DirLock> lock_run_dir(const fs::path& run_dir) {
+  std::error_code ec;
+  fs::create_directories(run_dir, ec);
+  if (ec) return make_error(ErrorKind::kUsage, "--out '{}': {}", run_dir.string(), ec.message());
+  auto lock = DirLock::acquire(run_dir, ".cfmo-train.lock", "cfmo-train", std::chrono::steady_clock::now());
+  if (!lock && lock.error().kind == ErrorKind::kPeer) {
+    // Busy is not a network failure here: the user named a directory in use.
+    return make_error(ErrorKind::kUsage, "--out {}; wait for it or choose another run directory", lock.error().message);
+  }
+  return lock;
 }
 
 namespace {
@@ -303,6 +331,7 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Mlp& model, Optimizer
   TrainPosition position;
   CheckpointWorld recorded;
   std::string optimizer_name;
+  std::string model_name;
   std::string outer_file;
   int64_t optimizer_steps = 0;
   try {
@@ -313,6 +342,7 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Mlp& model, Optimizer
     }
     position = position_from(state);
     optimizer_name = state.at("optimizer").get<std::string>();
+    model_name = state.value("model", std::string());
     optimizer_steps = state.at("optimizer_steps").get<int64_t>();
     recorded.workers = state.value("workers", 1);
     recorded.mode = state.value("mode", std::string());
@@ -352,6 +382,11 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Mlp& model, Optimizer
   for (const auto& p : model.params()) {
     CFMO_TRY(params.read_f32(p.name, p.shape, model.parameters().subspan(p.offset, p.size)));
   }
+  // Tensors of the right shapes under another model's name: state.json is not this checkpoint's.
+  if (!model_name.empty() && model_name != model.spec().to_string()) {
+    return make_error(ErrorKind::kInput, "'{}': model '{}' is not the one its tensors hold ({})", state_path.string(),
+                      model_name, model.spec().to_string());
+  }
   CFMO_ASSIGN_OR_RETURN(auto state_file, SafetensorsFile::read(dir / "optimizer.safetensors"));
   for (const auto& s : optimizer.state()) {
     for (const auto& p : model.params()) {
@@ -372,6 +407,68 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Mlp& model, Optimizer
     }
   }
   if (world != nullptr) *world = std::move(recorded);
+  return position;
+}
+
+Status check_positions(const fs::path& dir, const TrainPosition& position, const CheckpointWorld& world,
+                       int64_t optimizer_steps, int64_t examples, int batch) {
+  const std::string state = (dir / "state.json").string();
+  const int64_t global_batch = static_cast<int64_t>(batch) * world.workers;
+  const int64_t batches = (examples + global_batch - 1) / global_batch;  // an epoch's
+  int64_t total_steps = 0;
+  auto check = [&](const TrainPosition& p, const std::string& where, int rank) -> Status {
+    // The examples rank `rank` takes in the first `n` batches of an epoch (the last batches can be short or empty).
+    auto samples_in = [&](int64_t n) {
+      int64_t sum = 0;
+      for (int64_t k = 0; k < n; ++k) {
+        sum += std::clamp<int64_t>(examples - (k * global_batch + rank * batch), 0, batch);
+      }
+      return sum;
+    };
+    // batch_in_epoch = batches is the end of an epoch: a rank's position in cfmo and asgd is
+    // recorded after its step and before it turns to the next epoch.
+    if (p.batch_in_epoch > batches) {
+      return make_error(ErrorKind::kInput, "'{}': {}batch_in_epoch {} is past the end of an epoch ({} batches of {})",
+                        state, where, p.batch_in_epoch, batches, global_batch);
+    }
+    if (p.epoch > p.step / batches || p.epoch * batches + p.batch_in_epoch != p.step) {
+      return make_error(ErrorKind::kInput,
+                        "'{}': {}step {} is not epoch {} x {} batches + batch_in_epoch {} (the data has {} examples)",
+                        state, where, p.step, p.epoch, batches, p.batch_in_epoch, examples);
+    }
+    // Without overflow: epoch <= step / batches, so epoch x an epoch's samples <= step x batch.
+    if (p.step > INT64_MAX / std::max(batch, 1) ||
+        p.samples != p.epoch * samples_in(batches) + samples_in(p.batch_in_epoch)) {
+      return make_error(ErrorKind::kInput, "'{}': {}samples {} is not what {} steps of this data take", state, where,
+                        p.samples, p.step);
+    }
+    if (!std::isfinite(p.train_s) || p.train_s < 0) {
+      return make_error(ErrorKind::kInput, "'{}': {}train_s {} is not a duration", state, where, p.train_s);
+    }
+    total_steps = p.step > INT64_MAX - total_steps ? INT64_MAX : total_steps + p.step;
+    return {};
+  };
+  CFMO_TRY(check(position, "", 0));
+  for (size_t r = 0; r < world.ranks.size(); ++r) {
+    CFMO_TRY(check(world.ranks[r], fmt::format("ranks[{}].", r), static_cast<int>(r)));
+  }
+  // An optimizer steps at most once a step. In cfmo and asgd the ranks' positions are
+  // the last each reported, behind their steps, so the bound adds them to rank 0's own
+  // (and the owners' steps of asgd, which count pushes of steps not reported yet, are
+  // not bounded by them at all).
+  if (world.ranks.empty() && total_steps <= INT64_MAX / world.workers) total_steps *= world.workers;
+  if (optimizer_steps > total_steps) {
+    return make_error(ErrorKind::kInput, "'{}': optimizer_steps {} is more than the run's {} steps", state,
+                      optimizer_steps, total_steps);
+  }
+  return {};
+}
+
+TrainPosition resume_position(TrainPosition position, int64_t batches_per_epoch) {
+  if (position.batch_in_epoch == batches_per_epoch) {
+    ++position.epoch;
+    position.batch_in_epoch = 0;
+  }
   return position;
 }
 

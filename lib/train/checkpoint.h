@@ -13,6 +13,7 @@
 /// step-N is always complete. With several workers the parameters are the
 /// global ones; see docs/FORMATS.md for what else a checkpoint of each mode holds.
 
+#include "core/dir_lock.h"
 #include "core/error.h"
 #include "model/mlp.h"
 #include "optim/optimizer.h"
@@ -123,11 +124,32 @@ Result<std::filesystem::path> resolve_checkpoint(const std::filesystem::path& pa
 /// RUN for RUN/checkpoints/step-N; empty for a checkpoint kept anywhere else.
 std::filesystem::path run_dir_of(const std::filesystem::path& checkpoint_dir);
 
+/// The lock on a run directory (RUN/.cfmo-train.lock, created with RUN):
+/// one run at a time writes into it. Held by another process: kUsage naming
+/// that process's pid; RUN cannot be made: kUsage naming it.
+Result<DirLock> lock_run_dir(const std::filesystem::path& run_dir);
+
 /// Restores parameters, optimizer state and position. Shapes and the
 /// optimizer's name must match; errors name the file and tensor. `world` and
 /// `outer_momentum` (the model's layout; left empty when the checkpoint has
 /// none), when given, receive the rest.
 Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, Mlp& model, Optimizer& optimizer,
                                       CheckpointWorld* world = nullptr, FloatBuffer* outer_momentum = nullptr);
+
+/// A loaded checkpoint's positions (`position` and each of `world.ranks`)
+/// against the data they index: `examples` training examples cut into
+/// batches of `batch` per worker, `world.workers` workers. Every counter
+/// must be one the run could have reached: batch_in_epoch within an epoch
+/// (equal to its batches at its end, which resume_position turns into the
+/// next epoch's start),
+/// step = epoch x batches an epoch + batch_in_epoch, samples those steps'
+/// examples, optimizer steps no more than the steps; errors are kInput
+/// naming state.json and the field.
+Status check_positions(const std::filesystem::path& checkpoint_dir, const TrainPosition& position,
+                       const CheckpointWorld& world, int64_t optimizer_steps, int64_t examples, int batch);
+
+/// A checked position to continue from: the end of an epoch becomes the
+/// start of the next, where the training loop would have turned to it.
+TrainPosition resume_position(TrainPosition position, int64_t batches_per_epoch);
 
 }  // namespace cfmo

@@ -15,8 +15,10 @@
 #endif
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -38,17 +40,21 @@ class MetricsLog {
     std::error_code ec;
     if (resume_step >= 0 && fs::exists(path, ec)) CFMO_TRY(truncate_after(path, resume_step));
     MetricsLog log;
+    errno = 0;
     log.out_ = std::make_unique<std::ofstream>(path, resume_step >= 0 ? std::ios::app : std::ios::trunc);
-    if (!*log.out_) return make_error(ErrorKind::kInternal, "Failed to open '{}' for writing", path.string());
+    if (!*log.out_) {
+      return make_error(ErrorKind::kInternal, "Failed to open '{}' for writing: {}", path.string(), reason());
+    }
     log.path_ = path;
     return log;
   }
 
   Status write(const nlohmann::ordered_json& line) {
     if (!out_) return {};
+    errno = 0;
     *out_ << line.dump() << '\n';
     out_->flush();
-    if (!*out_) return make_error(ErrorKind::kInternal, "Failed to write '{}'", path_.string());
+    if (!*out_) return make_error(ErrorKind::kInternal, "Failed to write '{}': {}", path_.string(), reason());
     return {};
   }
 
@@ -72,6 +78,9 @@ class MetricsLog {
     }
     return write_file_atomic(path, kept);
   }
+
+  /// What the failed stream operation's system call said (the streams keep errno).
+  static std::string reason() { return errno != 0 ? std::strerror(errno) : "unknown error"; }
 
   std::unique_ptr<std::ofstream> out_;
   fs::path path_;
@@ -248,6 +257,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     FloatBuffer outer;
     CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model, *optimizer, &saved, &outer));
     CFMO_TRY(check_resumable(options.resume, saved, config, world));
+    CFMO_TRY(check_positions(options.resume, pos, saved, optimizer->step_count(), train_set.count, config.batch_size));
     // Every rank starts from the global parameters; in cfmo and asgd each at its own position.
     if (!saved.ranks.empty()) pos = saved.ranks[static_cast<size_t>(rank)];
     resume.outer_momentum.assign(outer.begin(), outer.end());
@@ -266,6 +276,8 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   const int batch = config.batch_size;
   const int64_t global_batch = static_cast<int64_t>(batch) * world;
   const int64_t batches_per_epoch = (train_set.count + global_batch - 1) / global_batch;
+  // A rank's saved position at the very end of an epoch continues with the next one.
+  if (!options.resume.empty()) pos = resume_position(pos, batches_per_epoch);
   int64_t step_limit = config.steps > 0 ? config.steps : INT64_MAX;
   if (config.epochs > 0) step_limit = std::min(step_limit, config.epochs * batches_per_epoch);
   ModeSettings settings;

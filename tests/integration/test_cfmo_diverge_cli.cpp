@@ -11,6 +11,7 @@
 #include "support/well_formed_xml.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <xxhash.h>
 #include <nlohmann/json.hpp>
 
@@ -256,7 +257,15 @@ TEST(CfmoDivergeCli, UsageErrorsExitTwo) {
                         {"bad.toml", "check.width"});
   // CLI11's own errors add a hint line; the status is what scripts rely on.
   EXPECT_EQ(diverge({}).status, 2);
-  EXPECT_EQ(diverge({"frobnicate"}).status, 2);
+  expect_one_line_error(diverge({"frobnicate", run_dir.string()}), 2, {"'frobnicate'", "report, check, plot or watch"});
+  // Every subcommand checks the whole file: a mistake in [plot] is one in check's configuration too.
+  ASSERT_TRUE(write_file_atomic(dir / "plot.toml", "[plot]\nfrob = 1\n"));
+  expect_one_line_error(diverge({"check", run_dir.string(), "--config", (dir / "plot.toml").string()}), 2,
+                        {"plot.toml", "plot.frob"});
+  // A directory or a FIFO is not a configuration file, and a FIFO is not waited on.
+  expect_one_line_error(diverge({"check", run_dir.string(), "--config", dir.path().string()}), 2, {"a directory"});
+  ASSERT_EQ(mkfifo((dir / "fifo").c_str(), 0600), 0);
+  expect_one_line_error(diverge({"check", run_dir.string(), "--config", (dir / "fifo").string()}, 30), 2, {"a FIFO"});
   EXPECT_EQ(diverge({"report", run_dir.string(), "--no-such-flag"}).status, 2);
   EXPECT_EQ(diverge({"report", run_dir.string(), "--threads", "many"}).status, 2);
 }

@@ -5,8 +5,10 @@
 
 #include "ckpt/safetensors.h"
 #include "core/atomic_file.h"
+#include "core/dir_lock.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -301,6 +303,140 @@ TEST(CfmoTrainCli, InterruptWritesACheckpointAndExits130) {
   EXPECT_EQ(j["stopped_by"], "interrupt");
   const std::string latest = slurp(out / "checkpoints" / "latest");
   EXPECT_EQ(latest, fmt::format("step-{:08}\n", j["steps"].get<int64_t>()));
+}
+
+TEST(CfmoTrainCli, ConfigThatIsADirectoryOrAFifoIsRefusedAtOnce) {
+  TempDir dir;
+  expect_one_line_error(run({binary(), "--config", dir.path().string()}), 2, "a directory");
+  const fs::path fifo = dir / "config.fifo";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const RunResult r = run({binary(), "--config", fifo.string()}, 30);
+  EXPECT_FALSE(r.timed_out) << "reading a FIFO as the configuration hung";
+  expect_one_line_error(r, 2, "a FIFO");
+}
+
+TEST(CfmoTrainCli, OneRunAtATimeWritesIntoARunDirectory) {
+  TempDir dir;
+  const fs::path out = dir / "run";
+  // A run of two workers holds the directory while its ranks share it...
+  const std::vector<std::string> long_run = {binary(),    "--data",  "synthetic:4096:128", "--model", "mlp:64",
+                                             "--epochs",  "0",       "--time-limit",       "5m",      "--log-every",
+                                             "1",         "--quiet", "--workers",          "2",       "--out",
+                                             out.string()};
+  testing::Background first = testing::spawn(long_run, {}, (dir / "first.out").string(), (dir / "first.err").string());
+  ASSERT_GT(first.pid, 0);
+  for (int i = 0; i < 2400; ++i) {  // until its first step is logged (two minutes at most)
+    std::error_code ec;
+    const auto size = fs::file_size(out / "metrics.jsonl", ec);
+    if (!ec && size > 0) break;
+    if (first.wait(0.05)) break;
+  }
+  ASSERT_LT(first.status, 0) << slurp(dir / "first.err");
+  // ...and a second run into it, of one worker or several, fresh or resumed, is refused naming the holder.
+  const std::string holder = fmt::format("pid {}", first.pid);
+  expect_one_line_error(run(quick_args({"--out", out.string()})), 2, holder);
+  expect_one_line_error(run(quick_args({"--out", out.string(), "--workers", "2"})), 2, holder);
+  kill(first.pid, SIGINT);
+  ASSERT_TRUE(first.wait(120)) << slurp(dir / "first.err");
+  first.reap();
+  EXPECT_EQ(first.status, 130) << slurp(dir / "first.err");
+  // The first run's metrics are its own, whole lines.
+  for (const auto& line : lines(slurp(out / "metrics.jsonl"))) {
+    EXPECT_FALSE(nlohmann::json::parse(line, nullptr, false).is_discarded()) << line;
+  }
+  // Once it has ended the directory is free: its checkpoint resumes, but not while another process holds it.
+  {
+    auto lock = DirLock::acquire(out, ".cfmo-train.lock", "test", std::chrono::steady_clock::now());
+    ASSERT_TRUE(lock) << lock.error().message;
+    expect_one_line_error(run({binary(), "--resume", out.string(), "--steps", "1", "--quiet"}), 2,
+                          fmt::format("pid {}", getpid()));
+  }
+  const RunResult resumed = run({binary(), "--resume", out.string(), "--time-limit", "0.1s", "--quiet"});
+  EXPECT_EQ(resumed.status, 0) << resumed.err;
+}
+
+TEST(CfmoTrainCli, ACheckpointCopiedOutOfItsRunNeedsOut) {
+  TempDir dir;
+  const fs::path out = dir / "run";
+  ASSERT_EQ(run(quick_args({"--out", out.string()})).status, 0);
+  const fs::path copy = dir / "a" / "b" / "ck";
+  fs::create_directories(copy.parent_path());
+  fs::copy(out / "checkpoints" / "step-00000008", copy, fs::copy_options::recursive);
+  const RunResult refused = run({binary(), "--resume", copy.string(), "--epochs", "2", "--quiet"});
+  expect_one_line_error(refused, 2, "--out");
+  EXPECT_NE(refused.err.find(copy.string()), std::string::npos) << refused.err;
+  const fs::path elsewhere = dir / "elsewhere";
+  ASSERT_EQ(run({binary(), "--resume", copy.string(), "--epochs", "2", "--quiet", "--out", elsewhere.string()}).status,
+            0);
+  EXPECT_EQ(slurp(elsewhere / "checkpoints" / "latest"), "step-00000016\n");
+  EXPECT_EQ(slurp(out / "checkpoints" / "latest"), "step-00000008\n");  // the original run is untouched
+}
+
+TEST(CfmoTrainCli, ACorruptPositionInStateJsonExitsThreeNamingTheField) {
+  TempDir dir;
+  const fs::path out = dir / "run";
+  ASSERT_EQ(run(quick_args({"--out", out.string(), "--epochs", "3"})).status, 0);
+  const fs::path state = out / "checkpoints" / "step-00000024" / "state.json";
+  const auto good = nlohmann::json::parse(slurp(state));
+  auto corrupt = [&](const char* field, const nlohmann::json& value) {
+    auto j = good;
+    j[field] = value;
+    EXPECT_TRUE(write_file_atomic(state, j.dump(2)));
+  };
+  corrupt("batch_in_epoch", int64_t{1'000'000'000'000});
+  expect_one_line_error(run({binary(), "--resume", out.string(), "--epochs", "4", "--quiet"}), 3, "batch_in_epoch");
+  corrupt("epoch", int64_t{1} << 62);
+  expect_one_line_error(run({binary(), "--resume", out.string(), "--epochs", "4", "--quiet"}), 3, "epoch");
+  corrupt("samples", 7);
+  expect_one_line_error(run({binary(), "--resume", out.string(), "--epochs", "4", "--quiet"}), 3, "samples");
+  // Nothing was trained or written from them; the intact state resumes.
+  EXPECT_EQ(slurp(out / "checkpoints" / "latest"), "step-00000024\n");
+  ASSERT_TRUE(write_file_atomic(state, good.dump(2)));
+  const RunResult resumed = run({binary(), "--resume", out.string(), "--epochs", "4", "--quiet", "--json"});
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_EQ(nlohmann::json::parse(resumed.out)["steps"], 32);
+}
+
+TEST(CfmoTrainCli, AFileThatCannotBeWrittenIsNamedWithTheReason) {
+  TempDir dir;
+  const fs::path out = dir / "run";
+  fs::create_directories(out / "metrics.jsonl");  // in the way of the metrics file
+  const RunResult r = run(quick_args({"--out", out.string()}));
+  expect_one_line_error(r, 5, "metrics.jsonl");
+  EXPECT_NE(r.err.find("Is a directory"), std::string::npos) << r.err;
+}
+
+TEST(CfmoTrainCli, WorkersThatCannotFitInMemoryAreRefusedBeforeAnyStarts) {
+  // A thousand workers of a model of 20 million parameters: hundreds of gigabytes.
+  const RunResult r = run({binary(), "--data", "synthetic:512:128", "--model", "mlp:4096,4096", "--workers", "1000",
+                           "--epochs", "1", "--quiet"},
+                          60);
+  expect_one_line_error(r, 2, "--workers 1000");
+  EXPECT_NE(r.err.find("MemAvailable"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("GB"), std::string::npos) << r.err;
+}
+
+TEST(CfmoTrainCli, TheSummaryLineChecksOut) {
+  // samples / seconds of training = samples/s, with the wall time beside them.
+  const std::regex summary(
+      R"(: (\d+) steps, (\d+) samples(?: \((\d+) in this run\))? in ([0-9.]+)s of training \(([0-9.]+)(k|M)? samples/s\), ([0-9.]+)s in all)");
+  // Enough steps that the seconds of training, printed to 0.01 s, carry a few digits.
+  for (const char* workers : {"1", "2"}) {
+    const RunResult r = run({binary(), "--data", "synthetic:8192:128", "--model", "mlp:128", "--epochs", "1", "--quiet",
+                             "--workers", workers});
+    ASSERT_EQ(r.status, 0) << r.err;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.out, m, summary)) << r.out;
+    const double samples = std::stod(m[3].matched ? m[3].str() : m[2].str());
+    const double train_s = std::stod(m[4]);
+    const double rate = std::stod(m[5]) * (m[6] == "k" ? 1e3 : m[6] == "M" ? 1e6 : 1);
+    const double wall_s = std::stod(m[7]);
+    EXPECT_LE(train_s, wall_s + 0.01) << r.out;
+    // The printed figures are rounded (seconds to 0.01, the rate to 3-4 digits).
+    if (train_s >= 0.05) {
+      EXPECT_NEAR(samples / train_s, rate, rate * (0.005 + 0.0051 / train_s)) << r.out;
+    }
+  }
 }
 
 }  // namespace

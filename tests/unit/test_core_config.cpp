@@ -4,6 +4,7 @@
 #include "integration/harness.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
@@ -346,7 +347,17 @@ TEST_F(OptionTableFileTest, MissingFileIsAUsageErrorNamingIt) {
 
 TEST_F(OptionTableFileTest, DirectoryIsNotAConfigFile) {
   Options o;
-  EXPECT_TRUE(fails_with(o.table.load_toml(dir_), ErrorKind::kUsage, {dir_.string()}));
+  EXPECT_TRUE(fails_with(o.table.load_toml(dir_), ErrorKind::kUsage, {dir_.string(), "a directory"}));
+}
+
+TEST_F(OptionTableFileTest, AFifoIsRefusedWithoutBeingOpened) {
+  // Opening a FIFO with no writer would block for ever; it is refused by its type.
+  const auto fifo = dir_ / "config.fifo";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  Options o;
+  EXPECT_TRUE(fails_with(o.table.load_toml(fifo), ErrorKind::kUsage, {fifo.string(), "a FIFO"}));
+  EXPECT_TRUE(fails_with(read_config_file("/dev/null"), ErrorKind::kUsage, {"/dev/null", "a device"}));
+  EXPECT_TRUE(fails_with(read_config_file(dir_ / "none.toml"), ErrorKind::kUsage, {"none.toml", "no such file"}));
 }
 
 std::vector<std::string> lines_of(const std::string& text) {

@@ -309,8 +309,10 @@ TEST_F(DatasetTest, GzipCutShort) {
   }
 }
 
-// Writes the four Fashion-MNIST files: train has `train` examples, test has `test`, 2x2 pixels each.
-void write_split(const fs::path& dir, uint32_t train, uint32_t test, bool gzip, uint32_t test_cols = 2) {
+// Writes the four Fashion-MNIST files: train has `train` examples of 2x2 pixels, test has `test` of
+// test_rows x test_cols.
+void write_split(const fs::path& dir, uint32_t train, uint32_t test, bool gzip, uint32_t test_cols = 2,
+                 uint32_t test_rows = 2) {
   auto write = [&](const std::string& stem, const std::string& bytes) {
     if (gzip) {
       gzFile file = gzopen((dir / (stem + ".gz")).c_str(), "wb");
@@ -321,8 +323,8 @@ void write_split(const fs::path& dir, uint32_t train, uint32_t test, bool gzip, 
       std::ofstream(dir / stem, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
     }
   };
-  auto pixels = [](uint32_t count, uint32_t cols, uint8_t base) {
-    std::vector<uint8_t> out(count * 2 * cols);
+  auto pixels = [](uint32_t count, uint32_t rows, uint32_t cols, uint8_t base) {
+    std::vector<uint8_t> out(count * rows * cols);
     for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<uint8_t>(base + i);
     return out;
   };
@@ -331,9 +333,9 @@ void write_split(const fs::path& dir, uint32_t train, uint32_t test, bool gzip, 
     for (uint32_t i = 0; i < count; ++i) out[i] = static_cast<uint8_t>(i % 10);
     return out;
   };
-  write("train-images-idx3-ubyte", image_file(train, 2, 2, pixels(train, 2, 0)));
+  write("train-images-idx3-ubyte", image_file(train, 2, 2, pixels(train, 2, 2, 0)));
   write("train-labels-idx1-ubyte", label_file(labels(train)));
-  write("t10k-images-idx3-ubyte", image_file(test, 2, test_cols, pixels(test, test_cols, 100)));
+  write("t10k-images-idx3-ubyte", image_file(test, test_rows, test_cols, pixels(test, test_rows, test_cols, 100)));
   write("t10k-labels-idx1-ubyte", label_file(labels(test)));
 }
 
@@ -383,6 +385,34 @@ TEST_F(DatasetTest, LoadFashionMnistMissingFileNamesIt) {
 TEST_F(DatasetTest, LoadFashionMnistRejectsDifferentImageSizes) {
   write_split(dir_, 4, 2, /*gzip=*/true, /*test_cols=*/3);
   EXPECT_TRUE(fails_with(load_fashion_mnist(dir_), ErrorKind::kInput, {dir_.string()}));
+}
+
+TEST_F(DatasetTest, LoadFashionMnistRejectsAnotherShapeOfAsManyPixels) {
+  // 1x4 test images beside 2x2 training images: the pixel counts agree, the images do not.
+  write_split(dir_, 4, 2, /*gzip=*/false, /*test_cols=*/4, /*test_rows=*/1);
+  EXPECT_TRUE(fails_with(load_fashion_mnist(dir_), ErrorKind::kInput, {dir_.string(), "2x2", "1x4"}));
+  write_split(dir_, 4, 2, /*gzip=*/false, /*test_cols=*/2, /*test_rows=*/2);
+  auto same = load_fashion_mnist(dir_);
+  ASSERT_TRUE(same) << same.error().message;
+  EXPECT_EQ(same->test.rows, 2);
+  EXPECT_EQ(same->test.cols, 2);
+}
+
+TEST_F(DatasetTest, DataShapeReadsOnlyTheHeaders) {
+  write_split(dir_, 12, 5, /*gzip=*/true);
+  auto shape = data_shape(dir_.string());
+  ASSERT_TRUE(shape) << shape.error().message;
+  EXPECT_EQ(shape->train, 12);
+  EXPECT_EQ(shape->test, 5);
+  EXPECT_EQ(shape->features, 4);
+  auto synthetic = data_shape("synthetic:300:40");
+  ASSERT_TRUE(synthetic) << synthetic.error().message;
+  EXPECT_EQ(synthetic->train, 300);
+  EXPECT_EQ(synthetic->test, 40);
+  EXPECT_EQ(synthetic->features, make_synthetic(1, 2, 2).train.features);
+  EXPECT_TRUE(fails_with(data_shape("synthetic:x"), ErrorKind::kUsage, {"synthetic:x"}));
+  fs::remove(dir_ / "t10k-images-idx3-ubyte.gz");
+  EXPECT_TRUE(fails_with(data_shape(dir_.string()), ErrorKind::kInput, {"t10k-images-idx3-ubyte"}));
 }
 
 TEST(FashionMnistTest, ReadsTheInstalledDataSet) {

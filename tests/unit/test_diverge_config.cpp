@@ -4,6 +4,7 @@
 #include "unit/diverge_fixtures.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -91,11 +92,29 @@ TEST_F(ConfigTest, UnknownKeysTablesAndWrongTypesAreUsageErrors) {
   expect_error("check = 3\n", Subcommand::kCheck, "must be a table");
   expect_error("threads = \"many\"\n", Subcommand::kReport, "'threads'");
   expect_error("threads = = 1\n", Subcommand::kReport, "line 1");
+  // Every table is checked by every subcommand: a mistake in [plot] shows in `check` and `report` too.
+  for (Subcommand s : {Subcommand::kCheck, Subcommand::kReport, Subcommand::kWatch, Subcommand::kPlot}) {
+    expect_error("[plot]\nfrob = 1\n", s, "'plot.frob'");
+    expect_error("[watch]\nwidth = 3\n", s, "'watch.width'");
+  }
   auto missing = parse(Subcommand::kReport, {});
   auto loaded = load_diverge_config(missing->table, dir_ / "none.toml", Subcommand::kReport);
   ASSERT_FALSE(loaded);
   EXPECT_EQ(loaded.error().kind, ErrorKind::kUsage);
   EXPECT_NE(loaded.error().message.find("none.toml"), std::string::npos);
+}
+
+TEST_F(ConfigTest, ADirectoryOrAFifoIsNotAConfigFile) {
+  const fs::path fifo = dir_ / "config.fifo";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  for (const auto& [path, what] : {std::pair{dir_, "a directory"}, std::pair{fifo, "a FIFO"}}) {
+    auto p = parse(Subcommand::kCheck, {});
+    auto loaded = load_diverge_config(p->table, path, Subcommand::kCheck);
+    ASSERT_FALSE(loaded) << path;
+    EXPECT_EQ(loaded.error().kind, ErrorKind::kUsage);
+    EXPECT_NE(loaded.error().message.find(what), std::string::npos) << loaded.error().message;
+    EXPECT_NE(loaded.error().message.find(path.string()), std::string::npos) << loaded.error().message;
+  }
 }
 
 TEST(ValidateTest, ValuesAreCheckedAndErrorsNameTheFlag) {

@@ -112,21 +112,21 @@ TEST(OciPullState, BadFilesNameTheKey) {
 
 TEST(OciPullState, TheLockIsExclusiveAcrossProcesses) {
   TempDir dir;
-  auto lock = StateLock::acquire(dir.path(), std::nullopt);
+  auto lock = lock_layout(dir.path(), std::nullopt);
   ASSERT_TRUE(lock.has_value());
   const pid_t child = fork();
   if (child == 0) {
     // Another process waits, hears the holder's pid, and gives up at its deadline.
     int heard = 0;
-    auto second = StateLock::acquire(dir.path(), std::chrono::steady_clock::now() + std::chrono::milliseconds(200),
-                                     [&](int pid) { heard = pid; });
+    auto second = lock_layout(dir.path(), std::chrono::steady_clock::now() + std::chrono::milliseconds(200),
+                              [&](int pid) { heard = pid; });
     _exit(!second.has_value() && second.error().kind == ErrorKind::kPeer && heard == getppid() ? 0 : 1);
   }
   int status = 0;
   waitpid(child, &status, 0);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   lock->release();
-  EXPECT_TRUE(StateLock::acquire(dir.path(), std::chrono::steady_clock::now()).has_value());
+  EXPECT_TRUE(lock_layout(dir.path(), std::chrono::steady_clock::now()).has_value());
   EXPECT_TRUE(process_alive(getpid()));
   EXPECT_FALSE(process_alive(0));
 }

@@ -4,9 +4,14 @@
 
 #include "core/atomic_file.h"
 #include "integration/harness.h"
+#include "support/expect_error.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <csignal>
 #include <numeric>
 
 namespace cfmo {
@@ -255,6 +260,124 @@ TEST(Checkpoint, CorruptStateIsAnInputError) {
     EXPECT_EQ(loaded.error().kind, ErrorKind::kInput) << bad;
     EXPECT_NE(loaded.error().message.find("state.json"), std::string::npos) << loaded.error().message;
   }
+}
+
+// Positions of a run over 10 examples in batches of 4 a worker: 3 batches an epoch.
+TEST(Checkpoint, PositionsTheDataCouldNotHaveGivenAreInputErrorsNamingTheField) {
+  const fs::path dir = "/run/checkpoints/step-00000004";
+  CheckpointWorld solo;
+  // One worker: batches of 4, 4 and 2 examples; step 4 is epoch 1, batch 1.
+  EXPECT_TRUE(check_positions(dir, {4, 1, 1, 14, 0.5}, solo, 4, 10, 4));
+  EXPECT_TRUE(check_positions(dir, {3, 1, 0, 10, 0}, solo, 3, 10, 4));
+  EXPECT_TRUE(check_positions(dir, {0, 0, 0, 0, 0}, solo, 0, 10, 4));
+  auto fails = [&](const TrainPosition& p, const CheckpointWorld& world, int64_t optimizer_steps,
+                   std::initializer_list<std::string> parts) {
+    return fails_with(check_positions(dir, p, world, optimizer_steps, 10, 4), ErrorKind::kInput, parts);
+  };
+  EXPECT_TRUE(fails({4, 1, 1'000'000'000'000, 14, 0}, solo, 4, {"state.json", "batch_in_epoch 1000000000000"}));
+  EXPECT_TRUE(fails({5, 1, 4, 14, 0}, solo, 4, {"batch_in_epoch 4"}));
+  // The end of an epoch, as a rank of cfmo or asgd records it before turning to the next one.
+  EXPECT_TRUE(check_positions(dir, {3, 0, 3, 10, 0}, solo, 3, 10, 4));
+  const TrainPosition next = resume_position({3, 0, 3, 10, 0}, 3);
+  EXPECT_EQ(next.epoch, 1);
+  EXPECT_EQ(next.batch_in_epoch, 0);
+  EXPECT_EQ(next.step, 3);
+  EXPECT_EQ(resume_position({4, 1, 1, 14, 0}, 3).batch_in_epoch, 1);
+  EXPECT_TRUE(fails({4, int64_t{1} << 62, 1, 14, 0}, solo, 4, {"epoch 4611686018427387904"}));
+  EXPECT_TRUE(fails({4, 2, 1, 14, 0}, solo, 4, {"step 4", "epoch 2"}));
+  EXPECT_TRUE(fails({5, 1, 1, 14, 0}, solo, 4, {"step 5"}));
+  EXPECT_TRUE(fails({4, 1, 1, 15, 0}, solo, 4, {"samples 15"}));
+  EXPECT_TRUE(fails({4, 1, 1, 13, 0}, solo, 4, {"samples 13"}));
+  EXPECT_TRUE(fails({4, 1, 1, 14, -1}, solo, 4, {"train_s"}));
+  EXPECT_TRUE(fails({4, 1, 1, 14, 0}, solo, 5, {"optimizer_steps 5"}));
+  // A step count so large that epoch x an epoch's samples would overflow: refused, not wrapped.
+  const int64_t huge = (int64_t{1} << 62) + 1;
+  EXPECT_TRUE(fails({huge, huge / 3, huge % 3, 0, 0}, solo, 0, {"samples 0"}));
+
+  // Two workers, batches of 4 each (8 a step): rank 0 takes examples 0-3 of an epoch's
+  // first batch and 8-9 of its second, rank 1 examples 4-7 and none.
+  CheckpointWorld two;
+  two.workers = 2;
+  two.ranks = {{3, 1, 1, 10, 0}, {2, 1, 0, 4, 0}};
+  two.shard_optimizer_steps = {5, 5};
+  EXPECT_TRUE(check_positions(dir, two.ranks[0], two, 5, 10, 4));
+  CheckpointWorld bad_rank = two;
+  bad_rank.ranks[1].batch_in_epoch = 7;
+  EXPECT_TRUE(fails(two.ranks[0], bad_rank, 5, {"ranks[1].batch_in_epoch 7"}));
+  bad_rank = two;
+  bad_rank.ranks[1].samples = 5;
+  EXPECT_TRUE(fails(two.ranks[0], bad_rank, 5, {"ranks[1].samples 5"}));
+  // The ranks' positions lag their steps: the optimizer's are bounded by them and rank 0's own together.
+  EXPECT_TRUE(check_positions(dir, two.ranks[0], two, 8, 10, 4));
+  EXPECT_TRUE(fails(two.ranks[0], two, 9, {"optimizer_steps 9"}));
+}
+
+TEST(Checkpoint, AFailedWriteLeavesNoTemporaryDirectoryBehind) {
+  TempDir dir;
+  Fixture f("adamw");
+  // A disk that fills up: files may not grow past 64 bytes, so the first
+  // write fails (EFBIG, as ENOSPC would), without filling a real file system.
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto previous = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit tiny = old;
+  tiny.rlim_cur = 64;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &tiny), 0);
+  auto written = save_checkpoint(dir.path(), f.model, *f.optimizer, {2, 0, 2, 8, 0}, "", 1);
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, previous);
+  ASSERT_FALSE(written);
+  EXPECT_EQ(written.error().kind, ErrorKind::kInternal) << written.error().message;
+  std::vector<std::string> left;
+  for (const auto& entry : fs::directory_iterator(dir / "checkpoints")) left.push_back(entry.path().filename());
+  EXPECT_TRUE(left.empty()) << left.front();
+  // And the next one, with room, is written whole.
+  ASSERT_TRUE(save_checkpoint(dir.path(), f.model, *f.optimizer, {2, 0, 2, 8, 0}, "", 1));
+}
+
+TEST(Checkpoint, TheModelFieldMustBeTheModels) {
+  TempDir dir;
+  Fixture f("sgd");
+  auto path = save_checkpoint(dir.path(), f.model, *f.optimizer, {2, 0, 2, 8, 0}, "", 1);
+  ASSERT_TRUE(path);
+  std::string text = read_file(*path / "state.json").value();
+  const std::string model = "\"" + f.model.spec().to_string() + "\"";
+  ASSERT_NE(text.find(model), std::string::npos);
+  text.replace(text.find(model), model.size(), "\"mlp:999\"");
+  ASSERT_TRUE(write_file_atomic(*path / "state.json", text));
+  EXPECT_TRUE(fails_with(load_checkpoint(*path, f.model, *f.optimizer), ErrorKind::kInput, {"state.json", "mlp:999"}));
+}
+
+TEST(Checkpoint, TheRunDirectoryIsLockedAgainstASecondRun) {
+  TempDir dir;
+  const fs::path run = dir / "a" / "run";
+  auto lock = lock_run_dir(run);
+  ASSERT_TRUE(lock) << lock.error().message;
+  EXPECT_TRUE(fs::is_directory(run));
+  const pid_t child = fork();
+  if (child == 0) {
+    // Another process is refused at once, with the holder's pid.
+    auto second = lock_run_dir(run);
+    _exit(!second && second.error().kind == ErrorKind::kUsage &&
+                  second.error().message.find(fmt::format("pid {}", getppid())) != std::string::npos &&
+                  second.error().message.find(run.string()) != std::string::npos
+              ? 0
+              : 1);
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  lock->release();
+  EXPECT_TRUE(lock_run_dir(run));
+  ASSERT_TRUE(write_file_atomic(dir / "file", "x"));
+  EXPECT_TRUE(fails_with(lock_run_dir(dir / "file" / "run"), ErrorKind::kUsage, {"--out", "file"}));
+}
+
+TEST(Checkpoint, OnlyACheckpointInRunCheckpointsBelongsToARun) {
+  EXPECT_EQ(run_dir_of("/x/run/checkpoints/step-00000003"), fs::path("/x/run"));
+  EXPECT_EQ(run_dir_of("/x/a/b/ck"), fs::path());
+  EXPECT_EQ(run_dir_of("/x/a/checkpoints/ck"), fs::path());
+  EXPECT_EQ(run_dir_of("/x/run/saved/step-00000003"), fs::path());
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -363,6 +364,19 @@ int run(int argc, char** argv) {
     for (const char* list : {"--tensor", "--rank", "--round"}) inv.app->get_option(list)->allow_extra_args(false);
   }
 
+  // The top level has no options that take a value, so the first word that is not an option names
+  // the subcommand; CLI11 alone would say only that a subcommand is required, not which word it took for one.
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view word(argv[i]);
+    if (word.starts_with("-")) continue;
+    if (std::none_of(kSubcommands.begin(), kSubcommands.end(),
+                     [&](const auto& entry) { return cfmo::to_string(entry.id) == word; })) {
+      fmt::print(stderr, "{}: unknown subcommand '{}': expected report, check, plot or watch (see --help)\n", kTool,
+                 word);
+      return static_cast<int>(cfmo::ErrorKind::kUsage);
+    }
+    break;
+  }
   if (auto done = cfmo::tool::parse_command_line(app, argc, argv, "cfmo-diverge", true)) return *done;
 
   for (size_t i = 0; i < kSubcommands.size(); ++i) {

@@ -332,7 +332,7 @@ int run_status(Invocation& inv, const oci::PullPlan&) {
   auto state = oci::read_state(dir);
   if (!state) return fail(state.error());
   const auto on_disk = oci::bytes_on_disk(dir, *state);
-  const bool fetcher_alive = state->fetcher_pid > 0 && oci::process_alive(state->fetcher_pid);
+  const bool fetcher_alive = state->fetcher_pid > 0 && cfmo::process_alive(state->fetcher_pid);
   size_t fetched = 0;
   int64_t total = 0;
   int64_t have = 0;

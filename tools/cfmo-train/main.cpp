@@ -8,6 +8,7 @@
 #include "tensor/device.h"
 #include "train/checkpoint.h"
 #include "train/launcher.h"
+#include "train/memory_estimate.h"
 #include "train/trainer.h"
 
 #include <fmt/format.h>
@@ -21,6 +22,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 
 namespace {
 
@@ -89,8 +91,17 @@ class ConsoleObserver final : public cfmo::TrainObserver {
 };
 
 void print_human_summary(const cfmo::TrainSummary& s) {
-  fmt::print("{} on {} worker(s): {} steps, {} samples in {:.1f}s ({} samples/s), stopped by {}\n", s.mode, s.workers,
-             s.steps, s.samples, s.wall_s, cfmo::human_count(s.samples_per_s), s.stopped_by);
+  // The rate is this invocation's samples over its training time (the longest worker's
+  // loop), so the line shows both and the wall time beside them; a resumed run's totals
+  // include the steps before the resume.
+  int64_t run_samples = 0;
+  for (const auto& w : s.per_worker) run_samples += w.samples;
+  fmt::print(
+      "{} on {} worker(s): {} steps, {} samples{} in {:.2f}s of training ({} samples/s), {:.2f}s in all, "
+      "stopped by {}\n",
+      s.mode, s.workers, s.steps, s.samples,
+      run_samples != s.samples ? fmt::format(" ({} in this run)", run_samples) : "", s.train_s,
+      cfmo::human_count(s.samples_per_s), s.wall_s, s.stopped_by);
   if (s.workers > 1) {
     fmt::print("efficiency {:.2f} (total samples/s over the sum of the workers' solo samples/s)\n", s.efficiency);
     for (const auto& w : s.per_worker) {
@@ -199,8 +210,16 @@ static int run(int argc, char** argv) {
   }
   if (!options.resume.empty() && !table.given_on_cli("out")) {
     // It continues in the run directory the checkpoint lives in, wherever it was started
-    // from; a checkpoint copied elsewhere keeps the saved configuration's out.
-    if (auto run_dir = cfmo::run_dir_of(options.resume); !run_dir.empty()) config.out = run_dir.string();
+    // from. The saved configuration's out never counts: for a checkpoint copied out of its
+    // run it is a relative path that would be resolved from wherever this run starts.
+    const auto run_dir = cfmo::run_dir_of(options.resume);
+    if (run_dir.empty()) {
+      return fail(cfmo::make_error(cfmo::ErrorKind::kUsage,
+                                   "--resume '{}': not in a run directory (RUN/checkpoints/step-N); say where this "
+                                   "run writes with --out",
+                                   options.resume.string()));
+    }
+    config.out = run_dir.string();
   }
   if (auto valid = cfmo::validate(config); !valid) return fail(valid.error());
   options.config_toml = table.to_toml();
@@ -225,6 +244,15 @@ static int run(int argc, char** argv) {
   auto world = cfmo::world_from_environment();
   if (!world) return fail(world.error());
   const bool launched = std::getenv("CFMO_LAUNCHED") != nullptr;  // a worker of our own launcher
+  // One run at a time in a run directory. The process that owns the run holds the lock for
+  // all its ranks: this one alone, our launcher (its workers share the directory), or rank 0
+  // under another launcher, before the rendezvous, so no rank of a second run gets to write.
+  std::optional<cfmo::DirLock> run_lock;
+  if (!config.out.empty() && !launched && (!world->has_value() || (*world)->rank == 0)) {
+    auto lock = cfmo::lock_run_dir(config.out);
+    if (!lock) return fail(lock.error());
+    run_lock = std::move(*lock);
+  }
   if (config.workers > 1 && !launched && (!world->has_value() || (*world)->size == 1)) {
     // One host, no launcher: start the workers here and relay their output.
     auto status = cfmo::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);

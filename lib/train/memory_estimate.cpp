@@ -1,0 +1,89 @@
+#include "train/memory_estimate.h"
+
+#include "data/dataset.h"
+#include "model/mlp.h"
+#include "optim/optimizer.h"
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace cfmo {
+namespace {
+
+// A worker's private memory before its data and model: the program, its
+// libraries' own allocations (OpenBLAS's buffers, UCX's pools), thread
+// stacks. Shared library pages are not counted: the workers share them.
+// Measured as the RssAnon of a worker with a linear model on 64 examples
+// (97 MB alone, 98 MB as a rank of --workers 2; bench/RESULTS.md); rounded up.
+constexpr uint64_t kProcessBaseBytes = uint64_t{100} << 20;
+
+std::string human_bytes(uint64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 1e9) return fmt::format("{:.1f} GB", b / 1e9);
+  return fmt::format("{:.0f} MB", b / 1e6);
+}
+
+}  // namespace
+
+Result<uint64_t> estimate_worker_bytes(const TrainConfig& config) {
+  CFMO_ASSIGN_OR_RETURN(const DataShape data, data_shape(config.data));
+  CFMO_ASSIGN_OR_RETURN(const MlpSpec spec, MlpSpec::parse(config.model, data.features, data.classes));
+  // Parameters, counted from the layer widths (no model is built for this).
+  uint64_t params = 0;
+  uint64_t activations = 0;  // floats per example: every layer's outputs
+  int in = spec.inputs;
+  std::vector<int> outs = spec.hidden;
+  outs.push_back(spec.classes);
+  for (int out : outs) {
+    params += static_cast<uint64_t>(in) * static_cast<uint64_t>(out) + static_cast<uint64_t>(out);
+    activations += static_cast<uint64_t>(out);
+    in = out;
+  }
+  // The optimizer's state buffers, each of the parameters' size: as many as
+  // the optimizer keeps, asked of one built for a tiny model.
+  OptimizerConfig optim_config;
+  optim_config.name = config.optimizer;
+  optim_config.momentum = config.momentum;
+  const Mlp tiny(MlpSpec{2, {}, 2});
+  CFMO_ASSIGN_OR_RETURN(auto optimizer, make_optimizer(optim_config, tiny.params(), tiny.num_params()));
+  const uint64_t optimizer_copies = optimizer->state().size();
+  // The mode's own copies of the parameters: a reduce buffer (sync), the
+  // round's anchor, delta and outer momentum (localsgd, cfmo), the owners'
+  // shards and their state (asgd).
+  const uint64_t mode_copies = config.workers <= 1 ? 0 : config.mode == "sync" ? 1 : 3;
+  const uint64_t floats = params * (2 + optimizer_copies + mode_copies) +
+                          static_cast<uint64_t>(config.batch_size) * (activations * 2 + spec.inputs);
+  // The data set as bytes: a byte a pixel and an int32 label an example.
+  const uint64_t data_bytes =
+      static_cast<uint64_t>(data.train + data.test) * (static_cast<uint64_t>(data.features) + 4);
+  return kProcessBaseBytes + floats * sizeof(float) + data_bytes;
+}
+
+std::optional<uint64_t> available_memory() {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.starts_with("MemAvailable:")) continue;
+    std::istringstream fields(line.substr(13));
+    uint64_t kib = 0;
+    if (fields >> kib) return kib * 1024;
+  }
+  return std::nullopt;
+}
+
+Status check_workers_fit(const TrainConfig& config, int workers) {
+  const auto per_worker = estimate_worker_bytes(config);
+  const auto available = available_memory();
+  if (!per_worker || !available) return {};
+  const uint64_t needed = *per_worker * static_cast<uint64_t>(workers);
+  if (needed <= *available) return {};
+  return make_error(ErrorKind::kUsage,
+                    "--workers {}: about {} x {} = {} of memory needed, {} available (MemAvailable); use fewer "
+                    "workers, or a smaller model or data set",
+                    workers, workers, human_bytes(*per_worker), human_bytes(needed), human_bytes(*available));
+}
+
+}  // namespace cfmo
