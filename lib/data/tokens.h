@@ -41,8 +41,6 @@ inline constexpr int kGpt2VocabSize = 50257;
 /// One token per byte.
 inline constexpr int kByteVocabSize = 256;
 
-class MappedFile;  // tokens.cpp: an mmap'ed file, unmapped when the last view goes
-
 /// A read-only sequence of token ids over one or more mapped files (or parts
 /// of them). Cheap to copy: views share the mappings.
 class TokenStream {
@@ -60,12 +58,13 @@ class TokenStream {
   /// One contiguous run of tokens inside one file. Public so tokens.cpp's
   /// loaders can build streams; users need only the members above.
   struct Segment {
-    std::shared_ptr<const MappedFile> file;  ///< keeps the mapping alive
-    const void* data = nullptr;              ///< the first token of this segment
-    int width = 1;                           ///< bytes per token: 1 (text) or 2 (uint16)
+    std::shared_ptr<const void> owner;  ///< keeps the mapping (or the bytes) alive
+    const void* data = nullptr;         ///< the first token of this segment
+    int width = 1;                      ///< bytes per token: 1 (text) or 2 (uint16)
     int64_t count = 0;
   };
-  explicit TokenStream(std::vector<Segment> segments = {});
+  TokenStream() = default;
+  explicit TokenStream(std::vector<Segment> segments);
 
  private:
   std::vector<Segment> segments_;
@@ -86,7 +85,7 @@ struct TokenSplit {
   TokenStream train;
   TokenStream val;
   int vocab_size = 0;
-  std::string source;  ///< what was read, for the summary ("text: 431 files", "tokens: 3 shards")
+  std::string source;  ///< what was read, for the summary: "SPEC (N files, M tokens; ...)"
 };
 
 /// True where `spec` names token data ("text:" or "tokens:"), so the caller
@@ -122,6 +121,8 @@ class WindowSampler {
  private:
   WindowSampler(int64_t begin, int64_t end, int context, int rank, uint64_t seed)
       : begin_(begin), end_(end), context_(context), rank_(rank), seed_(seed) {}
+  /// Starts s with s + context < end_: the window's last token is inside the part.
+  uint64_t start_choices() const { return static_cast<uint64_t>(end_ - begin_ - context_); }
   int64_t begin_ = 0;  ///< this rank's part of the training tokens: [begin_, end_)
   int64_t end_ = 0;
   int context_ = 0;
