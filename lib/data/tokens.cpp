@@ -36,26 +36,25 @@ class MappedFile {
   static Result<std::shared_ptr<const MappedFile>> open(const fs::path& path) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) return make_error(ErrorKind::kInput, "'{}': cannot open: {}", path.string(), std::strerror(errno));
+    const std::unique_ptr<const int, void (*)(const int*)> closer(&fd, [](const int* f) { ::close(*f); });
     struct stat st {};
     if (fstat(fd, &st) != 0) {
-      const int errnum = errno;
-      ::close(fd);
-      return make_error(ErrorKind::kInput, "'{}': cannot stat: {}", path.string(), std::strerror(errnum));
+      return make_error(ErrorKind::kInput, "'{}': cannot stat: {}", path.string(), std::strerror(errno));
     }
-    auto file = std::shared_ptr<MappedFile>(new MappedFile(path, static_cast<size_t>(st.st_size)));
-    if (file->size_ > 0) {
-      void* map = mmap(nullptr, file->size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    const auto size = static_cast<size_t>(st.st_size);
+    void* map = nullptr;  // mmap refuses a length of 0: an empty file maps nothing
+    if (size > 0) {
+      map = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
       if (map == MAP_FAILED) {
-        const int errnum = errno;
-        ::close(fd);
-        return make_error(ErrorKind::kInput, "'{}': cannot map: {}", path.string(), std::strerror(errnum));
+        return make_error(ErrorKind::kInput, "'{}': cannot map: {}", path.string(), std::strerror(errno));
       }
-      file->data_ = static_cast<const uint8_t*>(map);
     }
-    ::close(fd);  // the mapping stays valid without the descriptor
-    return std::shared_ptr<const MappedFile>(std::move(file));
+    // The mapping stays valid once the descriptor is closed.
+    return std::shared_ptr<const MappedFile>(std::make_shared<MappedFile>(static_cast<const uint8_t*>(map), size));
   }
 
+  /// Takes ownership of the mapping [data, data + size) (nullptr for an empty file).
+  MappedFile(const uint8_t* data, size_t size) : data_(data), size_(size) {}
   ~MappedFile() {
     if (data_ != nullptr) munmap(const_cast<uint8_t*>(data_), size_);
   }
@@ -64,13 +63,10 @@ class MappedFile {
 
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
-  const fs::path& path() const { return path_; }
 
  private:
-  MappedFile(fs::path path, size_t size) : path_(std::move(path)), size_(size) {}
-  fs::path path_;
-  const uint8_t* data_ = nullptr;
-  size_t size_ = 0;
+  const uint8_t* data_;
+  size_t size_;
 };
 
 struct GlobResult {
