@@ -15,11 +15,13 @@
 # (N parameters, wpe a lookup; attention's full T x T square, the masked half
 # included), so both peers are counted alike; cfmo-train's own gflops_per_s
 # (its formula, in cfmo-train(1)) is shown beside it.
-# Then val_loss at equal tokens: the small config for QUALITY_STEPS steps,
-# each peer once.
+# The timed runs validate on the first SPEED_VAL_TOKENS validation tokens only
+# (the full split would cost the large config minutes of evaluation a run,
+# outside the timed steps); then val_loss at equal tokens on the whole
+# validation split: the small config for QUALITY_STEPS steps, each peer once.
 #
 #   bench/gpt_vs_pytorch.sh [--record]
-#     REPS=3 SMALL_STEPS=300 LARGE_STEPS=20 QUALITY_STEPS=2000 CONFIGS="small large"
+#     REPS=3 SMALL_STEPS=300 LARGE_STEPS=20 QUALITY_STEPS=2000 SPEED_VAL_TOKENS=8192 CONFIGS="small large"
 #     DATA=text:/usr/share/games/fortunes VOCAB=256 LR=1e-3 WD=0.1 to change
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +30,7 @@ REPS=${REPS:-3}
 SMALL_STEPS=${SMALL_STEPS:-300}
 LARGE_STEPS=${LARGE_STEPS:-20}
 QUALITY_STEPS=${QUALITY_STEPS:-2000}
+SPEED_VAL_TOKENS=${SPEED_VAL_TOKENS:-8192}
 CONFIGS=${CONFIGS:-small large}
 DATA=${DATA:-text:/usr/share/games/fortunes}
 VOCAB=${VOCAB:-$([[ $DATA == tokens:* ]] && echo 50257 || echo 256)}
@@ -76,15 +79,17 @@ config() {
     'BEGIN {printf "%.0f", 6 * (v * c + l * (12 * c * c + 13 * c) + 2 * c) + 12 * l * t * c}')
 }
 
-# cfmo_run STEPS OUT and torch_run STEPS OUT: one run of the current config.
+# cfmo_run STEPS VAL_TOKENS OUT and torch_run STEPS VAL_TOKENS OUT: one run of
+# the current config (VAL_TOKENS 0: the whole validation split).
 cfmo_run() {
   "$TRAIN" --model "$model" --data "$DATA" --vocab-size "$VOCAB" --optimizer adamw --lr "$LR" --weight-decay "$WD" \
-    --beta1 0.9 --beta2 0.95 --batch-size "$batch" --threads 1 --steps "$1" --epochs 0 --quiet --json > "$2"
+    --beta1 0.9 --beta2 0.95 --batch-size "$batch" --threads 1 --steps "$1" --epochs 0 --val-tokens "$2" \
+    --quiet --json > "$3"
 }
 torch_run() {
   OMP_NUM_THREADS=1 "$PY" bench/pytorch_gpt.py --data "$DATA" --vocab-size "$VOCAB" --layers "$layers" \
     --heads "$heads" --dim "$dim" --context "$context" --batch-size "$batch" --lr "$LR" --weight-decay "$WD" \
-    --threads 1 --steps "$1" > "$2"
+    --threads 1 --steps "$1" --val-tokens "$2" > "$3"
 }
 gflops() { awk -v r="$1" -v f="$flops_per_token" 'BEGIN {printf "%.1f", r * f / 1e9}'; }
 share() { awk -v g="$1" -v p="$2" 'BEGIN {printf "%.0f%%", 100 * g / p}'; }
@@ -96,16 +101,16 @@ for name in $CONFIGS; do
   config "$name"
   cfmo_rates=(); cfmo_own=(); torch_rates=()
   for i in $(seq 1 "$REPS"); do
-    cfmo_run "$steps" "$tmp/cfmo.json"
+    cfmo_run "$steps" "$SPEED_VAL_TOKENS" "$tmp/cfmo.json"
     cfmo_rates+=("$(json_field "$tmp/cfmo.json" tokens_per_s)"); cfmo_own+=("$(json_field "$tmp/cfmo.json" gflops_per_s)")
     if $have_torch; then
-      torch_run "$steps" "$tmp/torch.json"
+      torch_run "$steps" "$SPEED_VAL_TOKENS" "$tmp/torch.json"
       torch_rates+=("$(json_field "$tmp/torch.json" tokens_per_s)")
     fi
     echo "$name rep $i: cfmo ${cfmo_rates[-1]} tokens/s${torch_rates:+, pytorch ${torch_rates[-1]} tokens/s}" >&2
   done
   cfmo_med=$(median "${cfmo_rates[@]}")
-  row="| $name: $model, batch $batch, $steps steps | $(printf '%.0f' "$cfmo_med") | $(gflops "$cfmo_med") ($(median "${cfmo_own[@]}") own)"
+  row="| $name: $model, batch $batch, $steps steps | $(printf '%.0f' "$cfmo_med") | $(gflops "$cfmo_med") ($(printf '%.1f' "$(median "${cfmo_own[@]}")") own)"
   if $have_torch; then
     torch_med=$(median "${torch_rates[@]}")
     row+=" | $(printf '%.0f' "$torch_med") | $(gflops "$torch_med") | **$(ratio "$cfmo_med" "$torch_med")x** |"
@@ -129,12 +134,12 @@ quality=""
 if [ "$QUALITY_STEPS" -gt 0 ]; then
   config small
   echo "val_loss at equal tokens: the small config, $QUALITY_STEPS steps each..." >&2
-  cfmo_run "$QUALITY_STEPS" "$tmp/cfmo_q.json"
-  cfmo_val=$(json_field "$tmp/cfmo_q.json" val_loss)
+  cfmo_run "$QUALITY_STEPS" 0 "$tmp/cfmo_q.json"
+  cfmo_val=$(printf '%.4f' "$(json_field "$tmp/cfmo_q.json" val_loss)")
   quality="val_loss after $QUALITY_STEPS steps of the small config ($((QUALITY_STEPS * batch * context)) tokens): cfmo-train $cfmo_val"
   if $have_torch; then
-    torch_run "$QUALITY_STEPS" "$tmp/torch_q.json"
-    torch_val=$(json_field "$tmp/torch_q.json" val_loss)
+    torch_run "$QUALITY_STEPS" 0 "$tmp/torch_q.json"
+    torch_val=$(printf '%.4f' "$(json_field "$tmp/torch_q.json" val_loss)")
     quality+=", PyTorch $torch_val, cfmo / PyTorch $(awk -v a="$cfmo_val" -v b="$torch_val" 'BEGIN {printf "%.4f", a / b}') (target within 2%)"
   fi
   quality+="."
@@ -151,7 +156,7 @@ if $record; then
     echo "### cfmo-train's GPT vs PyTorch, one thread ($(date -u +%Y-%m-%d))"
     echo
     echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $blas; OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE for both; data $DATA (vocabulary $VOCAB); AdamW lr $LR, weight decay $WD, betas (0.9, 0.95)."
-    echo "Command: \`REPS=$REPS SMALL_STEPS=$SMALL_STEPS LARGE_STEPS=$LARGE_STEPS QUALITY_STEPS=$QUALITY_STEPS CONFIGS=\"$CONFIGS\" bench/gpt_vs_pytorch.sh --record\`"
+    echo "Command: \`REPS=$REPS SMALL_STEPS=$SMALL_STEPS LARGE_STEPS=$LARGE_STEPS QUALITY_STEPS=$QUALITY_STEPS SPEED_VAL_TOKENS=$SPEED_VAL_TOKENS CONFIGS=\"$CONFIGS\" bench/gpt_vs_pytorch.sh --record\`"
     echo
     echo "$report"
   } >> bench/RESULTS.md
