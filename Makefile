@@ -4,7 +4,7 @@ BUILD ?= build
 MESON_FLAGS ?= -Dwerror=true
 NINJA_JOBS ?=
 
-.PHONY: all deps configure build test test-unit demo bench bench-diverge bench-moe bench-pull clean
+.PHONY: all deps configure build test test-unit demo bench bench-gpt bench-diverge bench-moe bench-pull clean
 
 all: build
 
@@ -31,6 +31,10 @@ demo: build
 bench: build
 	scripts/install-deps.sh --bench
 	bench/train_vs_pytorch.sh
+
+bench-gpt: build
+	scripts/install-deps.sh --bench
+	bench/gpt_vs_pytorch.sh
 
 bench-diverge: build
 	scripts/install-deps.sh --bench

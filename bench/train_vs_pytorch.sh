@@ -12,33 +12,26 @@
 # does; the peer script calls torch.set_flush_denormal(True)).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/common.sh
 REPS=${REPS:-5}
 STEPS=${STEPS:-3000}
 EPOCHS=${EPOCHS:-10}
 DATA=${DATA:-/usr/share/datasets/fashion-mnist}
 TRAIN=${TRAIN:-build/tools/cfmo-train}
-PY=/usr/bin/python3
 record=false
 [ "${1:-}" = "--record" ] && record=true
 
 [ -x "$TRAIN" ] || { echo "build first: make build" >&2; exit 2; }
 [ -d "$DATA" ] || { echo "no data set at $DATA: scripts/install-deps.sh installs dataset-fashion-mnist" >&2; exit 2; }
 have_torch=true
-if ! "$PY" -c 'import torch, numpy' 2>/dev/null; then
-  have_torch=false
-  echo "PyTorch is not installed (Debian python3-torch: scripts/install-deps.sh --bench); measuring cfmo-train alone" >&2
-fi
+torch_available || have_torch=false
 [ -x /usr/bin/time ] || { echo "/usr/bin/time missing (Debian package time)" >&2; exit 2; }
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-json_field() { "$PY" -c "import json,sys; print(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])[sys.argv[2]])" "$1" "$2"; }
-peak_mb() { awk '/Maximum resident set size/ {printf "%.0f", $NF/1024}' "$1"; }
 
-blas=$("$TRAIN" --data synthetic:64:64 --steps 1 --quiet --json > "$tmp/probe.json" && json_field "$tmp/probe.json" blas)
-core=${blas##* }
-export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-$core}
-echo "BLAS: $blas; both peers run with OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE" >&2
+"$TRAIN" --data synthetic:64:64 --steps 1 --quiet --json > "$tmp/probe.json"
+pin_blas_coretype "$tmp/probe.json"
 
 cfmo_cmd=("$TRAIN" --data "$DATA" --model mlp:256,128 --optimizer adamw --lr 1e-3 --weight-decay 0.01
           --batch-size 64 --threads 1 --steps "$STEPS" --epochs 0 --quiet --json)
@@ -55,14 +48,13 @@ for i in $(seq 1 "$REPS"); do
   fi
   echo "rep $i: cfmo ${cfmo_rates[-1]} samples/s${torch_rates:+, pytorch ${torch_rates[-1]} samples/s}" >&2
 done
-median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 cfmo_med=$(median "${cfmo_rates[@]}")
 table="| peer | samples/s (median of $REPS, $STEPS steps) | peak RSS MB |
 | --- | --- | --- |
 | cfmo-train | $(printf '%.0f' "$cfmo_med") | $(median "${cfmo_rss[@]}") |"
 if $have_torch; then
   torch_med=$(median "${torch_rates[@]}")
-  ratio=$(awk -v a="$cfmo_med" -v b="$torch_med" 'BEGIN {printf "%.2f", a / b}')
+  ratio=$(ratio "$cfmo_med" "$torch_med")
   table+="
 | PyTorch $("$PY" -c 'import torch; print(torch.__version__)') | $(printf '%.0f' "$torch_med") | $(median "${torch_rss[@]}") |
 | **ratio cfmo / PyTorch** | **${ratio}x** (target 1.8x) | |"
