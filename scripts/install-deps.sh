@@ -20,6 +20,7 @@ packages=(
   libgtest-dev googletest                                         # tests
   scdoc                                                           # man pages from source
   dataset-fashion-mnist                                           # the demo's data set
+  fortunes                                                        # the GPT demo's text: fortune(6)'s files
 )
 
 case "${1:-}" in
