@@ -132,6 +132,7 @@ int compare_modes(int argc, char** argv, const cfmo::TrainConfig& config, bool j
   }
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
   std::vector<std::string> rows;
+  bool language_model = false;
   for (const char* mode : {"sync", "localsgd", "asgd", "cfmo"}) {
     if (g_stop.load()) return kInterruptedStatus;
     std::vector<std::string> args = base;
@@ -154,16 +155,19 @@ int compare_modes(int argc, char** argv, const cfmo::TrainConfig& config, bool j
     }
     double wait = 0;
     for (const auto& w : summary["per_worker"]) wait = std::max(wait, w["wait_s"].get<double>());
+    // A language model's column is its val_loss; the MLP's, its test accuracy.
+    language_model = summary["val_loss"].is_number();
     rows.push_back(fmt::format("{:<9} {:>12.0f} {:>10.2f} {:>9.2f} {:>12} {:>9.4f}", mode,
                                summary["samples_per_s"].get<double>(), summary["efficiency"].get<double>(), wait,
-                               summary["bytes_sent"].get<uint64_t>(), summary["test_accuracy"].get<double>()));
+                               summary["bytes_sent"].get<uint64_t>(),
+                               summary[language_model ? "val_loss" : "test_accuracy"].get<double>()));
     results.push_back(summary);
   }
   if (json) {
     fmt::print("{}\n", nlohmann::ordered_json{{"compare", results}}.dump());
   } else {
     fmt::print("{:<9} {:>12} {:>10} {:>9} {:>12} {:>9}\n", "mode", "samples/s", "efficiency", "max wait", "bytes sent",
-               "test acc");
+               language_model ? "val loss" : "test acc");
     for (const auto& row : rows) fmt::print("{}\n", row);
   }
   return 0;
