@@ -399,12 +399,18 @@ namespace {
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluCubic = 0.044715f;
 
-/// e^x in float without a library call, so that the GELU loops vectorise
-/// (libm's tanhf was a quarter of a step): Cody-Waite reduction by ln 2 and a
-/// degree-6 Taylor polynomial on |r| <= ln(2)/2, within about 2 ulp on [-87, 88].
-inline float exp_inline(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+/// e^x for x <= 0 in float without a library call or a float comparison,
+/// so that the GELU loops vectorise on every ISA (libm's tanhf was a quarter
+/// of a step): the clamp at -87 is an integer min on the bits (a negative
+/// float's magnitude grows with its bits), then Cody-Waite reduction by ln 2
+/// and a degree-6 Taylor polynomial on |r| <= ln(2)/2, within about 2 ulp.
+inline float exp_nonpositive(float x) {
+  constexpr uint32_t kLowest = std::bit_cast<uint32_t>(-87.0f);
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  x = std::bit_cast<float>(bits < kLowest ? bits : kLowest);
+  // Round to nearest by adding and subtracting 1.5 * 2^23.
+  constexpr float kRound = 12582912.0f;
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
   float r = x - n * 0.693145751953125f;  // ln 2, high bits
   r -= n * 1.428606765330187e-06f;       // ln 2, the rest
   float p = 1.0f / 720.0f;
@@ -417,8 +423,11 @@ inline float exp_inline(float x) {
   return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
-/// tanh(u) = 1 - 2 / (e^(2u) + 1): absolute error below 1e-7, which is what GELU needs.
-inline float tanh_inline(float u) { return 1.0f - 2.0f / (exp_inline(2.0f * u) + 1.0f); }
+/// tanh(u) = sign(u) (1 - e) / (1 + e), e = e^(-2|u|): absolute error below 1e-7, what GELU needs.
+inline float tanh_inline(float u) {
+  const float e = exp_nonpositive(-2.0f * std::fabs(u));
+  return std::copysign((1.0f - e) / (1.0f + e), u);
+}
 
 CFMO_SIMD_CLONES
 void gelu_forward_kernel(float* __restrict y, const float* __restrict x, size_t n) {
