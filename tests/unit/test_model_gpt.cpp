@@ -180,15 +180,17 @@ TEST(TestModelGpt, AttentionGradientsMatchFiniteDifferences) {
   expect_matches_finite_differences(qkv, dqkv, loss, "qkv", 1e-2f, 3, 3e-3);
 }
 
-GptSpec tiny_spec() {
+GptSpec make_spec(int layers, int heads, int dim, int context, int vocab) {
   GptSpec spec;
-  spec.layers = 2;
-  spec.heads = 2;
-  spec.dim = 8;
-  spec.context = 5;
-  spec.vocab = 11;
+  spec.layers = layers;
+  spec.heads = heads;
+  spec.dim = dim;
+  spec.context = context;
+  spec.vocab = vocab;
   return spec;
 }
+
+GptSpec tiny_spec() { return make_spec(2, 2, 8, 5, 11); }
 
 std::vector<int32_t> random_tokens(const GptSpec& spec, int batch, uint64_t seed) {
   Rng rng(seed, /*stream=*/5);
@@ -267,12 +269,7 @@ TEST(TestModelGpt, TensorsCarryHuggingFaceNamesAndConv1DShapes) {
 }
 
 TEST(TestModelGpt, InitFollowsGpt2) {
-  GptSpec spec;
-  spec.layers = 4;
-  spec.heads = 4;
-  spec.dim = 64;
-  spec.context = 32;
-  spec.vocab = 256;
+  const GptSpec spec = make_spec(4, 4, 64, 32, 256);
   Gpt model(spec);
   model.init(5);
   for (const auto& info : model.params()) {
@@ -400,12 +397,7 @@ TEST(TestModelGpt, LearnsAPeriodicSequence) {
 }
 
 TEST(TestModelGpt, FlopsFollowTheDocumentedFormula) {
-  GptSpec spec;
-  spec.layers = 6;
-  spec.heads = 6;
-  spec.dim = 384;
-  spec.context = 256;
-  spec.vocab = 256;
+  const GptSpec spec = make_spec(6, 6, 384, 256, 256);
   Gpt model(spec);
   const double n = 12.0 * 6 * 384 * 384 + 256.0 * 384;
   EXPECT_DOUBLE_EQ(model.flops_per_example(), 256.0 * (6 * n + 12.0 * 6 * 256 * 384));
@@ -443,12 +435,7 @@ TEST(TestModelGpt, SpecParseRejectsMalformedText) {
 // GPT on fixed tokens, computed in float64 by bench/pytorch_gpt.py --golden
 // (the model and tokens are defined by formula there).
 TEST(TestModelGpt, GoldenLossMatchesPyTorch) {
-  GptSpec spec;
-  spec.layers = 2;
-  spec.heads = 2;
-  spec.dim = 8;
-  spec.context = 4;
-  spec.vocab = 16;
+  const GptSpec spec = make_spec(2, 2, 8, 4, 16);
   Gpt model(spec);
   ASSERT_EQ(model.num_trainable(), 1920u);
   size_t k = 0;
