@@ -91,6 +91,14 @@ class Communicator {
   virtual std::vector<int> lost_ranks() const = 0;
   /// kPeer error naming the first lost rank, if any.
   virtual Status health() const = 0;
+  /// Why `rank` is lost ("no message for 10.0s"); empty while it is not.
+  virtual std::string lost_reason(int /*rank*/) const { return {}; }
+
+  /// This rank is about to leave because of its own failure (not the
+  /// network's): the goodbye it sends on leaving carries `error`, so that a
+  /// peer that cannot go on without it fails with this root cause, its kind
+  /// and its message, rather than with "rank K left the run".
+  virtual void leave_with(const Error& /*error*/) {}
 
   virtual CommStats stats() const = 0;
 };

@@ -27,6 +27,8 @@ using Clock = std::chrono::steady_clock;
 constexpr uint8_t kCollective = 0;
 constexpr uint8_t kHeartbeat = 0xFF;
 constexpr uint8_t kGoodbye = 0xFE;  // a rank is leaving on purpose: its disconnect is not a failure
+// In a goodbye's first byte, beside the failure's kind: the leaving rank's run failed.
+constexpr uint8_t kFailedLeaving = 0x80;
 constexpr ucp_tag_t kChannelMask = ucp_tag_t{0xFF} << 56;
 constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
 // Collective messages up to this size are sent eagerly (see post_send).
@@ -213,13 +215,29 @@ class UcxCommunicator final : public Communicator {
 
   Status health() const override {
     std::lock_guard lock(lost_mutex_);
-    if (!first_failure_.empty()) return make_error(ErrorKind::kPeer, "{}", first_failure_);
+    if (!first_failure_.empty()) return Error{first_failure_kind_, first_failure_};
     for (int r = 0; r < size_; ++r) {
       if (!lost_[static_cast<size_t>(r)].empty()) {
         return make_error(ErrorKind::kPeer, "rank {} lost: {}", r, lost_[static_cast<size_t>(r)]);
       }
     }
     return {};
+  }
+
+  std::string lost_reason(int rank) const override {
+    std::lock_guard lock(lost_mutex_);
+    return rank >= 0 && rank < size_ ? lost_[static_cast<size_t>(rank)] : std::string();
+  }
+
+  Error left_with() const {
+    std::lock_guard lock(lost_mutex_);
+    return left_with_;
+  }
+
+  void leave_with(const Error& error) override {
+    std::lock_guard lock(lost_mutex_);
+    if (!left_with_.message.empty()) return;
+    left_with_ = Error{error.kind, fmt::format("rank {} failed: {}", rank_, error.message)};
   }
 
   CommStats stats() const override {
@@ -258,24 +276,29 @@ class UcxCommunicator final : public Communicator {
     if (reason.empty()) reason = std::move(why);
   }
 
-  /// Why waiting on `peer` cannot succeed, naming the root cause when another rank reported it.
-  std::string failure_of(int peer) const {
+  /// Why waiting on `peer` cannot succeed (`what` failed), with the root
+  /// cause's kind and message when another rank reported one.
+  Error failure_of(std::string_view what, int peer) const {
     std::lock_guard lock(lost_mutex_);
-    if (!first_failure_.empty()) return first_failure_;
+    if (!first_failure_.empty()) return make_error(first_failure_kind_, "{}: {}", what, first_failure_);
     const auto& reason = lost_[static_cast<size_t>(peer)];
-    if (!reason.empty()) return fmt::format("rank {} lost: {}", peer, reason);
-    return fmt::format("rank {} left the run", peer);
+    if (!reason.empty()) return make_error(ErrorKind::kPeer, "{}: rank {} lost: {}", what, peer, reason);
+    return make_error(ErrorKind::kPeer, "{}: rank {} left the run", what, peer);
   }
 
-  /// The failure this rank saw first, to pass on in its goodbye.
-  std::string own_failure() const {
+  /// The failure this rank saw first, to pass on in its goodbye: a root
+  /// cause another rank reported, else its own (leave_with), else a lost
+  /// peer. An empty message: none.
+  Error own_failure() const {
     std::lock_guard lock(lost_mutex_);
-    if (!first_failure_.empty()) return first_failure_;
+    if (!first_failure_.empty()) return Error{first_failure_kind_, first_failure_};
+    if (!left_with_.message.empty() && left_with_.kind != ErrorKind::kPeer) return left_with_;
     for (int r = 0; r < size_; ++r) {
-      if (!lost_[static_cast<size_t>(r)].empty())
-        return fmt::format("rank {} lost: {}", r, lost_[static_cast<size_t>(r)]);
+      if (!lost_[static_cast<size_t>(r)].empty()) {
+        return make_error(ErrorKind::kPeer, "rank {} lost: {}", r, lost_[static_cast<size_t>(r)]);
+      }
     }
-    return {};
+    return left_with_;
   }
 
   bool departed(int peer) const {
@@ -429,8 +452,20 @@ class UcxCommunicator final : public Communicator {
       // A goodbye may carry why the rank is leaving: the failure it saw first.
       std::lock_guard lock(lost_mutex_);
       departed_[static_cast<size_t>(p.peer)] = true;
-      if (!p.payload.empty() && first_failure_.empty()) {
-        first_failure_.assign(reinterpret_cast<const char*>(p.payload.data()), p.payload.size());
+      if (p.payload.size() > 1) {
+        const auto flags = static_cast<uint8_t>(p.payload[0]);
+        const int kind = flags & ~kFailedLeaving;
+        std::string message(reinterpret_cast<const char*>(p.payload.data()) + 1, p.payload.size() - 1);
+        // A rank whose run failed is gone for the others: lost, so that
+        // nobody waits for its answers (asgd's owners), with the failure as
+        // the reason. One that finished its work and merely saw a failure
+        // (another rank lost) just left.
+        const bool lost = (flags & kFailedLeaving) != 0 && !stopping_;
+        if (lost && lost_[static_cast<size_t>(p.peer)].empty()) lost_[static_cast<size_t>(p.peer)] = message;
+        if (first_failure_.empty()) {
+          first_failure_kind_ = kind >= 1 && kind <= 5 ? static_cast<ErrorKind>(kind) : ErrorKind::kPeer;
+          first_failure_ = std::move(message);
+        }
       }
     } else if (p.channel != kHeartbeat) {
       deliver(p.peer, p.channel, p.payload);
@@ -617,7 +652,7 @@ class UcxCommunicator final : public Communicator {
       if (done) break;
       if (lost_peer >= 0) {
         abandon(requests, lost_peer);
-        return make_error(ErrorKind::kPeer, "{}: {}", what, failure_of(lost_peer));
+        return failure_of(what, lost_peer);
       }
       // Spin while the peers answer promptly, then sleep until UCX has
       // news (or 200 us pass), for the reason given in progress_loop.
@@ -763,12 +798,17 @@ class UcxCommunicator final : public Communicator {
     // Goodbye first, on the same endpoints as everything this rank sent, so
     // peers see it after the last real message and before the disconnect.
     enqueue([this] {
-      const std::string reason = own_failure();
+      // [u8 kind | kFailedLeaving][message], or nothing when this rank saw no failure.
+      const Error reason = own_failure();
+      const bool failing = !left_with().message.empty();
+      std::vector<std::byte> payload;
+      if (!reason.message.empty()) {
+        payload.push_back(static_cast<std::byte>(static_cast<uint8_t>(reason.kind) | (failing ? kFailedLeaving : 0)));
+        const auto* text = reinterpret_cast<const std::byte*>(reason.message.data());
+        payload.insert(payload.end(), text, text + reason.message.size());
+      }
       for (int peer = 0; peer < size_; ++peer) {
-        if (peer == rank_) continue;
-        send_now(peer, kGoodbye, 0,
-                 std::vector<std::byte>(reinterpret_cast<const std::byte*>(reason.data()),
-                                        reinterpret_cast<const std::byte*>(reason.data()) + reason.size()));
+        if (peer != rank_) send_now(peer, kGoodbye, 0, payload);
       }
     });
     const auto goodbye_deadline = Clock::now() + std::chrono::milliseconds(200);
@@ -791,6 +831,9 @@ class UcxCommunicator final : public Communicator {
       ucp_worker_progress(worker_);
       retire_pending();
     }
+    // Requests that did not finish (a peer that left without reading them)
+    // are cancelled; their endpoints may still hold them: see release().
+    if (!pending_.empty()) unclosed_endpoints_ = true;
     for (Pending& p : pending_) {
       ucp_request_cancel(worker_, p.request);
       ucp_request_free(p.request);
@@ -844,7 +887,7 @@ class UcxCommunicator final : public Communicator {
     // After a failure UCX (1.13) can keep a force-closed endpoint, with
     // requests a dead peer will never answer, even once every close here
     // reported done: seen in cfmo-train's kill tests.
-    bool unfinished = unclosed_endpoints_ || !own_failure().empty();
+    bool unfinished = unclosed_endpoints_ || !own_failure().message.empty();
     for (void* r : closing) {
       if (ucp_request_check_status(r) == UCS_INPROGRESS) {
         ucp_request_cancel(worker_, r);
@@ -898,10 +941,12 @@ class UcxCommunicator final : public Communicator {
   std::array<ChannelHandler, 256> handlers_;
   std::atomic<uint64_t> handlers_generation_{1};  ///< bumped by every change of handlers_
 
-  mutable std::mutex lost_mutex_;  ///< guards lost_
-  std::vector<std::string> lost_;  ///< per rank: why it is lost, empty while alive
-  std::vector<bool> departed_;     ///< per rank: said goodbye, so its disconnect is expected
-  std::string first_failure_;      ///< the first failure any rank reported, e.g. "rank 2 lost: .."
+  mutable std::mutex lost_mutex_;                    ///< guards lost_
+  std::vector<std::string> lost_;                    ///< per rank: why it is lost, empty while alive
+  std::vector<bool> departed_;                       ///< per rank: said goodbye, so its disconnect is expected
+  std::string first_failure_;                        ///< the first failure any rank reported, e.g. "rank 2 lost: .."
+  ErrorKind first_failure_kind_ = ErrorKind::kPeer;  ///< and its kind: the status the run ends with
+  Error left_with_{ErrorKind::kPeer, {}};            ///< this rank's own failure (leave_with)
 
   // State of the thread that holds worker_mutex_.
   std::vector<Pending> pending_;

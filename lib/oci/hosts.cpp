@@ -1,7 +1,6 @@
 #include "oci/hosts.h"
 
 #include <algorithm>
-#include <regex>
 
 namespace cfmo::oci {
 namespace {
@@ -28,7 +27,6 @@ bool listed_insecure(const std::string& host, const std::vector<std::string>& in
 std::string Endpoint::describe() const { return (mirror ? "mirror " : "registry ") + host; }
 
 Result<std::vector<Endpoint>> endpoints_for(const Reference& ref, const HostSettings& hosts) {
-  static const std::regex kHost(R"((?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?)");
   std::vector<Endpoint> out;
   for (const auto& given : hosts.mirrors) {
     Endpoint e;
@@ -42,17 +40,17 @@ Result<std::vector<Endpoint>> endpoints_for(const Reference& ref, const HostSett
       host = host.substr(8);
     }
     while (host.ends_with('/')) host.pop_back();
-    if (!std::regex_match(host, kHost)) {
-      return make_error(ErrorKind::kUsage, "--mirror '{}': expected HOST[:PORT], optionally with http:// or https://",
-                        given);
+    if (const std::string problem = host_problem(host); !problem.empty()) {
+      return make_error(ErrorKind::kUsage,
+                        "--mirror '{}': {}; expected HOST[:PORT], optionally with http:// or https://", given, problem);
     }
     e.host = host;
     e.plain_http = hosts.plain_http || scheme_http || listed_insecure(host, hosts.insecure);
     out.push_back(std::move(e));
   }
   for (const auto& entry : hosts.insecure) {
-    if (!std::regex_match(entry, kHost)) {
-      return make_error(ErrorKind::kUsage, "--insecure-registry '{}': expected HOST or HOST:PORT", entry);
+    if (const std::string problem = host_problem(entry); !problem.empty()) {
+      return make_error(ErrorKind::kUsage, "--insecure-registry '{}': {}; expected HOST or HOST:PORT", entry, problem);
     }
   }
   Endpoint origin;
@@ -94,7 +92,7 @@ Status RegistryPool::each_until_ok(const std::string& what, const std::function<
     if (!last && health_ && health_->down(i)) continue;
     CFMO_ASSIGN_OR_RETURN(RegistryClient * c, client(i));
     auto done = request(*c);
-    if (done || last) return done;
+    if (done || last || options_.stopped()) return done;
     const Error& error = done.error();
     const bool missing = error.kind == ErrorKind::kInput && error.message.find("HTTP 404") != std::string::npos;
     if (error.kind == ErrorKind::kUsage || error.kind == ErrorKind::kInternal) return done;

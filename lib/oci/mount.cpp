@@ -2,6 +2,7 @@
 
 #include "oci/blob.h"
 #include "oci/hot_set.h"
+#include "oci/pull.h"
 #include "oci/pull_state.h"
 #include "oci/registry.h"
 #include "oci/unpack.h"
@@ -10,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -154,6 +156,29 @@ Result<UnpackStats> unpack_into(const fs::path& blob, const fs::path& target, co
   return stats;
 }
 
+/// The directories a container runtime mounts over. A minimal image may
+/// lack them, and on a read-only root the runtime cannot make them
+/// (crun: "cannot mkdir proc").
+constexpr std::array<std::pair<const char*, mode_t>, 3> kRuntimeMountPoints = {
+    {{"proc", 0555}, {"sys", 0555}, {"dev", 0755}}};
+
+/// DIR/layers/runtime: a layer of those directories, empty, for the bottom
+/// of the stack, so that the image's own (with its modes) win where it has them.
+Result<fs::path> runtime_mount_points(const fs::path& dir) {
+  const fs::path base = dir / "layers" / "runtime";
+  std::error_code ec;
+  fs::create_directories(base, ec);
+  if (ec) return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", base.string(), ec.message());
+  for (const auto& [name, mode] : kRuntimeMountPoints) {
+    const fs::path path = base / name;
+    if (::mkdir(path.c_str(), mode) != 0 && errno != EEXIST) {
+      return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", path.string(), std::strerror(errno));
+    }
+    ::chmod(path.c_str(), mode);  // the umask may have narrowed it
+  }
+  return base;
+}
+
 std::string join_indices(const std::vector<size_t>& indices) {
   std::string out;
   for (size_t i = 0; i < indices.size(); ++i) {
@@ -285,6 +310,8 @@ Result<MountReport> mount_image(const fs::path& dir, const fs::path& mountpoint,
     if (ec) return make_error(ErrorKind::kInternal, "'{}': cannot link: {}", link.string(), ec.message());
     lower.push_back(fs::absolute(link));
   }
+  CFMO_ASSIGN_OR_RETURN(const fs::path runtime, runtime_mount_points(dir));
+  lower.push_back(fs::absolute(runtime));
   // An overlay without an upper directory needs two lower ones.
   if (lower.size() < 2 && !options.writable) {
     const fs::path empty = dir / "layers" / "empty";
@@ -306,6 +333,7 @@ Result<MountReport> mount_image(const fs::path& dir, const fs::path& mountpoint,
     std::ofstream(base / kRwMarker) << point.string() << "\n";
     data += ",upperdir=" + (base / "upper").string() + ",workdir=" + (base / "work").string();
     report.upper = base / "upper";
+    report.upper_in_memory = !store.empty() && memory_backed(store);
     flags = 0;
   }
   if (data.size() >= static_cast<size_t>(::getpagesize())) {

@@ -8,7 +8,9 @@
 /// with CAP_SYS_ADMIN) the layers carry overlayfs whiteouts
 /// (WhiteoutMode::kOverlay, in DIR/layers/overlay/); otherwise they keep the
 /// OCI .wh. files (kKeep, in DIR/layers/oci/), and the mount itself is
-/// refused with the reason, the directories staying usable.
+/// refused with the reason, the directories staying usable. Below the
+/// image's layers lies one of empty /proc, /sys and /dev, the mount points a
+/// container runtime needs and a read-only root cannot be given later.
 
 #include "core/error.h"
 
@@ -19,8 +21,10 @@
 namespace cfmo::oci {
 
 struct MountOptions {
-  bool partial = false;   ///< mount though some layers are not fetched (their files are absent)
-  bool writable = false;  ///< an upper directory in the memory store: writes stay in memory until umount
+  bool partial = false;  ///< mount though some layers are not fetched (their files are absent)
+  /// An upper directory, dropped at umount: in the memory store when the
+  /// pull has one (hot layers), else on disk in DIR/layers/rw/.
+  bool writable = false;
 };
 
 struct MountedLayer {
@@ -37,9 +41,10 @@ struct MountReport {
   std::vector<MountedLayer> layers;  ///< in the image's order, base first
   std::vector<std::string> notes;    ///< layers left out, spilled to disk
   bool mounted = false;
-  std::string not_mounted;      ///< why the mount was not made (the directories are there)
-  std::filesystem::path upper;  ///< --writable: the upper directory
-  int64_t memory_bytes = 0;     ///< the memory store's use now: hot blobs and unpacked hot layers
+  std::string not_mounted;       ///< why the mount was not made (the directories are there)
+  std::filesystem::path upper;   ///< --writable: the upper directory
+  bool upper_in_memory = false;  ///< it is on tmpfs: writes take memory, not disk
+  int64_t memory_bytes = 0;      ///< the memory store's use now: hot blobs and unpacked hot layers
 };
 
 /// Why this process cannot mount overlayfs, or empty when it can (it has

@@ -98,14 +98,6 @@ Status link_blob(const fs::path& dir, const fs::path& target, const std::string&
   return {};
 }
 
-/// Whether the memory store is memory: tmpfs or ramfs.
-bool memory_backed(const fs::path& dir) {
-  struct statfs info {};
-  if (::statfs(dir.c_str(), &info) != 0) return false;
-  return static_cast<unsigned long>(info.f_type) == TMPFS_MAGIC ||
-         static_cast<unsigned long>(info.f_type) == RAMFS_MAGIC;
-}
-
 int64_t free_bytes(const fs::path& dir) {
   struct statvfs info {};
   if (::statvfs(dir.c_str(), &info) != 0) return -1;
@@ -353,6 +345,19 @@ bool all_fetched(const PullState& state) {
                      [](const LayerState& l) { return l.status == LayerStatus::kFetched; });
 }
 
+/// After a run: the layers it left "fetching" are pending again; when a
+/// signal stopped it (`stopped`), so are those whose downloads it cut short
+/// (their partial blobs stay for the resume), and the state says so.
+void settle(PullState& state, bool stopped) {
+  for (auto& layer : state.layers) {
+    const bool cut = stopped && layer.status == LayerStatus::kFailed && layer.error.ends_with(": interrupted");
+    if (layer.status == LayerStatus::kFetching || cut) layer.status = LayerStatus::kPending;
+    if (cut) layer.error.clear();
+  }
+  state.interrupted = stopped;
+  state.fetcher_pid = 0;
+}
+
 bool hot_fetched(const PullState& state) {
   return std::all_of(state.layers.begin(), state.layers.end(),
                      [](const LayerState& l) { return !l.hot || l.status == LayerStatus::kFetched; });
@@ -487,6 +492,13 @@ Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& opt
   return image;
 }
 
+bool memory_backed(const fs::path& dir) {
+  struct statfs info {};
+  if (::statfs(dir.c_str(), &info) != 0) return false;
+  return static_cast<unsigned long>(info.f_type) == TMPFS_MAGIC ||
+         static_cast<unsigned long>(info.f_type) == RAMFS_MAGIC;
+}
+
 fs::path memory_store_for(const fs::path& dir, const fs::path& memory_dir) {
   std::error_code ec;
   fs::path absolute = fs::weakly_canonical(fs::absolute(dir, ec), ec);
@@ -511,9 +523,12 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   std::optional<StateLock> lock;
   if (options.state_file) {
     CFMO_ASSIGN_OR_RETURN(
-        lock, StateLock::acquire(dir, options.registry.deadline, [&](int pid) {
-          transfer.note(fmt::format("waiting for another cfmo-pull (pid {}) using '{}'", pid, dir.string()));
-        }));
+        lock, StateLock::acquire(
+                  dir, options.registry.deadline,
+                  [&](int pid) {
+                    transfer.note(fmt::format("waiting for another cfmo-pull (pid {}) using '{}'", pid, dir.string()));
+                  },
+                  options.registry.stop));
   }
   CFMO_ASSIGN_OR_RETURN(transfer.endpoints, endpoints_for(ref, options.hosts));
   transfer.ref = ref;
@@ -649,7 +664,14 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
     }
   }
   const auto done = recorder(save, state, report, options.observer);
-  CFMO_TRY(run_jobs(first, options.jobs, transfer, done));
+  // A stop leaves a state that says so (a failure otherwise keeps this process as the fetcher, gone).
+  const auto unless_stopped = [&](Status status) -> Status {
+    if (status || !options.registry.stopped()) return status;
+    settle(state, true);
+    CFMO_TRY(save(state));
+    return status;
+  };
+  CFMO_TRY(unless_stopped(run_jobs(first, options.jobs, transfer, done)));
 
   const bool any_hot = std::any_of(hot.begin(), hot.end(), [](bool h) { return h; });
   const bool cold_now = options.cold == ColdStrategy::kEager && !options.background;
@@ -660,7 +682,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
     for (size_t i = 0; i < layers.size(); ++i) {
       if (state.layers[i].status != LayerStatus::kFetched) add_layer_job(rest, dir, state, i);
     }
-    CFMO_TRY(run_jobs(rest, options.jobs, transfer, done));
+    CFMO_TRY(unless_stopped(run_jobs(rest, options.jobs, transfer, done)));
     if (!any_hot) CFMO_TRY(mark_ready(state, save, seconds_since(start), options.observer));
   }
 
@@ -681,9 +703,13 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
   transfer.observer = options.observer;
   if (!fs::exists(state_path(dir))) CFMO_TRY(read_state(dir));  // the "not a cfmo-pull directory" error
   CFMO_ASSIGN_OR_RETURN(
-      auto lock, StateLock::acquire(dir, options.registry.deadline, [&](int pid) {
-        transfer.note(fmt::format("waiting for another cfmo-pull (pid {}) fetching into '{}'", pid, dir.string()));
-      }));
+      auto lock,
+      StateLock::acquire(
+          dir, options.registry.deadline,
+          [&](int pid) {
+            transfer.note(fmt::format("waiting for another cfmo-pull (pid {}) fetching into '{}'", pid, dir.string()));
+          },
+          options.registry.stop));
   CFMO_ASSIGN_OR_RETURN(auto state, read_state(dir));
   const StateSaver save{dir, true};
   const fs::path manifest_path = blob_path(dir, state.manifest_digest);
@@ -764,9 +790,7 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
   const auto done = recorder(save, state, report, options.observer);
   Status fetched = run_jobs(jobs, options.jobs, transfer, done);
   // A layer this run did not get to is pending again, not "fetching" by nobody.
-  for (auto& layer : state.layers) {
-    if (layer.status == LayerStatus::kFetching) layer.status = LayerStatus::kPending;
-  }
+  settle(state, !fetched && options.registry.stopped());
   if (fetched && !state.ready && hot_fetched(state)) {
     fetched = mark_ready(state, save, state.ready_s >= 0 ? state.ready_s : seconds_since(start), nullptr);
   }

@@ -133,6 +133,9 @@ Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& opt
 /// MEMORY_DIR/cfmo-pull-<name>-<hash of DIR's absolute path>.
 std::filesystem::path memory_store_for(const std::filesystem::path& dir, const std::filesystem::path& memory_dir);
 
+/// Whether `dir` is in memory: on tmpfs or ramfs.
+bool memory_backed(const std::filesystem::path& dir);
+
 /// What a caller may attach to a pull to see its layers while they download
 /// (the rootfs unpacker does). `observer` and `done` are called on download
 /// threads; layers a lazy or skipping pull leaves out see neither.

@@ -11,8 +11,9 @@
 namespace cfmo::oci {
 namespace {
 
-constexpr std::array<PullCommand, 6> kCommands = {PullCommand::kPull,   PullCommand::kInspect, PullCommand::kFetch,
-                                                  PullCommand::kStatus, PullCommand::kMount,   PullCommand::kUmount};
+constexpr std::array<PullCommand, 7> kCommands = {PullCommand::kPull,   PullCommand::kInspect, PullCommand::kFetch,
+                                                  PullCommand::kStatus, PullCommand::kMount,   PullCommand::kUmount,
+                                                  PullCommand::kIndex};
 
 bool among(PullCommand c, std::initializer_list<PullCommand> set) {
   return std::find(set.begin(), set.end(), c) != set.end();
@@ -48,6 +49,8 @@ std::string_view to_string(PullCommand command) {
       return "mount";
     case PullCommand::kUmount:
       return "umount";
+    case PullCommand::kIndex:
+      return "index";
   }
   return "?";
 }
@@ -115,12 +118,18 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
   if (s == kMount) {
     const std::string mounting = "Mounting";
     t.add("partial", &c.partial, "mount though some layers are not fetched yet (their files are missing)", mounting);
-    t.add("writable", &c.writable, "add an upper directory in the memory store: writes stay in memory and go at umount",
-          mounting);
+    t.add("writable", &c.writable,
+          "add an upper directory, dropped at umount: in the memory store if the pull has one, else on disk", mounting);
+  }
+  if (s == kIndex) {
+    const std::string indexing = "Indexing";
+    t.add("span", &c.span, "uncompressed bytes between two checkpoints of a gzip layer's index (at least 64K)",
+          indexing);
+    t.add("list", &c.list, "print the file tables of the indexes already made instead of making them", indexing);
   }
   const std::string output = "Output";
   if (s != kUmount) t.add("json", &c.json, "print a JSON report on stdout", output);
-  if (among(s, {kPull, kFetch, kMount, kUmount})) {
+  if (among(s, {kPull, kFetch, kMount, kUmount, kIndex})) {
     t.add("quiet", &c.quiet, "print nothing but errors (and the JSON report)", output, "-q");
   }
   if (among(s, {kPull, kFetch})) {
@@ -253,6 +262,9 @@ Result<PullPlan> validate(const PullConfig& c, PullCommand s) {
   if (!c.authfile.empty()) f.auth_file = c.authfile;
   f.jobs = c.jobs;
   f.buffer_memory = buffers;
+  CFMO_ASSIGN_OR_RETURN(const int64_t span, size_flag(c.span, "span"));
+  if (span < (64 << 10)) return make_error(ErrorKind::kUsage, "--span '{}': at least 64K", c.span);
+  plan.span = static_cast<uint64_t>(span);
   return plan;
 }
 

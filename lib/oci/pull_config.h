@@ -16,7 +16,7 @@
 
 namespace cfmo::oci {
 
-enum class PullCommand { kPull, kInspect, kFetch, kStatus, kMount, kUmount };
+enum class PullCommand { kPull, kInspect, kFetch, kStatus, kMount, kUmount, kIndex };
 
 std::string_view to_string(PullCommand command);
 
@@ -51,6 +51,9 @@ struct PullConfig {
   // Mounting.
   bool partial = false;
   bool writable = false;
+  // Indexing.
+  std::string span = "4M";
+  bool list = false;
   // Output.
   bool json = false;
   bool quiet = false;
@@ -72,6 +75,7 @@ struct PullPlan {
   PullOptions pull;    ///< pull and inspect
   FetchOptions fetch;  ///< fetch
   ProgressMode progress = ProgressMode::kAuto;
+  uint64_t span = uint64_t{4} << 20;  ///< index: uncompressed bytes between checkpoints
 };
 Result<PullPlan> validate(const PullConfig& config, PullCommand command);
 

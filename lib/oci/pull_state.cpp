@@ -120,6 +120,7 @@ std::string state_to_json(const PullState& s) {
   j["ready_file"] = s.ready_file;
   j["complete"] = s.complete;
   j["fetcher_pid"] = s.fetcher_pid;
+  j["interrupted"] = s.interrupted;
   j["updated"] = s.updated;
   j["layers"] = Json::array();
   for (size_t i = 0; i < s.layers.size(); ++i) {
@@ -175,6 +176,7 @@ Result<PullState> state_from_json(std::string_view text, const std::string& sour
   CFMO_TRY(r.get(j, "ready_file", s.ready_file));
   CFMO_TRY(r.get(j, "complete", s.complete));
   CFMO_TRY(r.get(j, "fetcher_pid", s.fetcher_pid));
+  if (j.contains("interrupted")) CFMO_TRY(r.get(j, "interrupted", s.interrupted));  // absent before it was added
   CFMO_TRY(r.get(j, "updated", s.updated));
   if (!is_sha256_digest(s.manifest_digest)) return r.bad("manifest.digest", "not a sha256 digest");
   if (!is_sha256_digest(s.config.digest)) return r.bad("config.digest", "not a sha256 digest");
@@ -237,7 +239,7 @@ void StateLock::release() {
 }
 
 Result<StateLock> StateLock::acquire(const fs::path& dir, std::optional<std::chrono::steady_clock::time_point> deadline,
-                                     const std::function<void(int pid)>& on_wait) {
+                                     const std::function<void(int pid)>& on_wait, const std::atomic<bool>* stop) {
   const fs::path path = dir / kLockFile;
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) {
@@ -259,6 +261,7 @@ Result<StateLock> StateLock::acquire(const fs::path& dir, std::optional<std::chr
       return make_error(ErrorKind::kPeer, "'{}': another cfmo-pull still holds it when the timeout ran out",
                         dir.string());
     }
+    if (stop != nullptr && stop->load()) return interrupted(fmt::format("waiting for the lock on '{}'", dir.string()));
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   // The holder's pid, for whoever waits next (informational: the lock is the flock).

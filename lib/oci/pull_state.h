@@ -11,6 +11,7 @@
 #include "oci/hot_set.h"
 #include "oci/manifest.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -65,7 +66,10 @@ struct PullState {
   std::string ready_file;
   bool complete = false;  ///< every layer fetched and index.json written
   int fetcher_pid = 0;    ///< the process fetching now (0: none)
-  std::string updated;    ///< UTC, ISO 8601
+  /// The last run was stopped by a signal before it finished: its partial
+  /// blobs are kept, and the layers it did not finish are pending again.
+  bool interrupted = false;
+  std::string updated;  ///< UTC, ISO 8601
   std::vector<LayerState> layers;
 };
 
@@ -85,9 +89,11 @@ Result<PullState> state_from_json(std::string_view text, const std::string& sour
 /// the holder's pid when it has to, and the wait ends with kPeer at `deadline`.
 class StateLock {
  public:
+  /// The wait also ends, as interrupted, when `stop` is set.
   static Result<StateLock> acquire(const std::filesystem::path& dir,
                                    std::optional<std::chrono::steady_clock::time_point> deadline,
-                                   const std::function<void(int pid)>& on_wait = nullptr);
+                                   const std::function<void(int pid)>& on_wait = nullptr,
+                                   const std::atomic<bool>* stop = nullptr);
   StateLock(StateLock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
   StateLock& operator=(StateLock&& other) noexcept;
   StateLock(const StateLock&) = delete;

@@ -1,6 +1,7 @@
 #include "oci/reference.h"
 
 #include <algorithm>
+#include <optional>
 #include <regex>
 
 namespace cfmo::oci {
@@ -26,6 +27,39 @@ bool valid_tag(const std::string& tag) {
 }
 
 }  // namespace
+
+std::string host_problem(std::string_view host) {
+  if (host.empty()) return "no host";
+  std::string_view name = host;
+  std::optional<std::string_view> port;
+  if (host.starts_with('[')) {
+    const auto close = host.find(']');
+    if (close == std::string_view::npos) return "an IPv6 address without its ']'";
+    name = host.substr(0, close + 1);
+    const std::string_view rest = host.substr(close + 1);
+    if (!rest.empty() && rest.front() != ':') return fmt::format("'{}' after the IPv6 address", rest);
+    if (!rest.empty()) port = rest.substr(1);
+    static const std::regex kIpv6(R"(\[[0-9A-Fa-f:.]+\])");
+    if (!std::regex_match(name.begin(), name.end(), kIpv6)) return fmt::format("'{}' is not an IPv6 address", name);
+  } else {
+    if (const auto colon = host.find(':'); colon != std::string_view::npos) {
+      name = host.substr(0, colon);
+      port = host.substr(colon + 1);
+    }
+    if (name.empty()) return "no host before the port";
+    static const std::regex kName(R"([A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)");
+    if (!std::regex_match(name.begin(), name.end(), kName)) return fmt::format("'{}' is not a host name", name);
+  }
+  if (port) {
+    if (port->empty() || port->size() > 5 ||
+        !std::all_of(port->begin(), port->end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      return fmt::format("port '{}' is not a number", *port);
+    }
+    const long value = std::stol(std::string(*port));
+    if (value < 1 || value > 65535) return fmt::format("port {} is out of range (1-65535)", value);
+  }
+  return "";
+}
 
 bool is_sha256_digest(std::string_view digest) {
   if (digest.size() != 71 || !digest.starts_with("sha256:")) return false;
@@ -68,6 +102,9 @@ Result<Reference> parse_reference(std::string_view text) {
   } else {
     ref.registry = std::string(kDockerHub);
     ref.repository = rest;
+  }
+  if (const std::string problem = host_problem(ref.registry); !problem.empty()) {
+    return make_error(ErrorKind::kUsage, "image reference '{}': registry '{}': {}", text, ref.registry, problem);
   }
   if (ref.registry == "index.docker.io" || ref.registry == "registry-1.docker.io") ref.registry = kDockerHub;
   if (ref.registry == kDockerHub && ref.repository.find('/') == std::string::npos) {

@@ -29,6 +29,12 @@ struct Reference {
 
 Result<Reference> parse_reference(std::string_view text);
 
+/// What is wrong with `host` as a registry's address, HOST[:PORT] (a DNS
+/// name or IPv4 address, or an IPv6 one in brackets; a port from 1 to
+/// 65535), or empty when nothing is: what can never be connected to is a
+/// usage error at once, not a network failure after the retries.
+std::string host_problem(std::string_view host);
+
 /// True for "sha256:" followed by 64 lowercase hex digits (the only algorithm
 /// cfmo verifies).
 bool is_sha256_digest(std::string_view digest);

@@ -119,6 +119,8 @@ Status StringSink::write(std::string_view chunk) {
   return {};
 }
 
+Error interrupted(const std::string& what) { return make_error(ErrorKind::kPeer, "{}: interrupted", what); }
+
 std::string ResponseInfo::header(const std::string& lowercase_name) const {
   const auto it = headers.find(lowercase_name);
   return it == headers.end() ? std::string() : it->second;
@@ -253,6 +255,15 @@ RegistryClient::Attempt RegistryClient::perform(const std::string& url, const st
   if (limit_s > 0 || options_.deadline) {
     curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, std::max(1L, static_cast<long>(limit_s * 1000)));
   }
+  if (options_.stop != nullptr) {
+    // curl calls this at least once a second, also while a transfer stalls.
+    curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
+    curl_easy_setopt(curl, CURLOPT_XFERINFODATA, options_.stop);
+    curl_easy_setopt(
+        curl, CURLOPT_XFERINFOFUNCTION, +[](void* stop, curl_off_t, curl_off_t, curl_off_t, curl_off_t) -> int {
+          return static_cast<const std::atomic<bool>*>(stop)->load(std::memory_order_relaxed) ? 1 : 0;
+        });
+  }
   curl_easy_setopt(curl, CURLOPT_USERAGENT, "cfmo-pull/0.1");
   curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, error_buffer);
   curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, on_header);
@@ -359,6 +370,7 @@ Result<ResponseInfo> RegistryClient::get(const std::string& api_path, const std:
   bool authenticated_after_401 = false;
   std::string last_reason;
   for (int attempt_index = 0;; ++attempt_index) {
+    if (options_.stopped()) return interrupted(what);
     if (!bearer_challenge_.empty() && std::chrono::steady_clock::now() >= token_expiry_) {
       tokens_.clear();
       authorization_.clear();
@@ -366,7 +378,12 @@ Result<ResponseInfo> RegistryClient::get(const std::string& api_path, const std:
     }
     Attempt attempt = perform(url, headers, sink, head, true);
     if (attempt.sink_error) return *attempt.sink_error;
+    if (options_.stopped()) return interrupted(what);
     double retry_after = -1;
+    if (attempt.code == CURLE_URL_MALFORMAT || attempt.code == CURLE_UNSUPPORTED_PROTOCOL) {
+      // No retry can mend a URL that cannot be spoken to.
+      return make_error(ErrorKind::kUsage, "{}: registry {}: {}", what, ref_.api_host(), attempt.curl_error);
+    }
     if (attempt.code != CURLE_OK) {
       last_reason = attempt.curl_error;
     } else if (attempt.info.status == 401 && !authenticated_after_401) {
@@ -415,7 +432,14 @@ Result<ResponseInfo> RegistryClient::get(const std::string& api_path, const std:
       const double left = std::chrono::duration<double>(*options_.deadline - std::chrono::steady_clock::now()).count();
       delay = std::max(0.0, std::min(delay, left));
     }
-    std::this_thread::sleep_for(std::chrono::duration<double>(delay));
+    // In slices, so that a stop does not wait out a long backoff.
+    const auto wake =
+        std::chrono::steady_clock::now() +
+        std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(delay));
+    while (!options_.stopped() && std::chrono::steady_clock::now() < wake) {
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(wake - std::chrono::steady_clock::now(),
+                                                                                std::chrono::milliseconds(50)));
+    }
   }
 }
 

@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "oci/reference.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -34,7 +35,15 @@ struct RegistryOptions {
   /// The whole pull's deadline, shared by every request and retry; none when unset.
   std::optional<std::chrono::steady_clock::time_point> deadline;
   double timeout_s = 0;  ///< what `deadline` was made from, for messages
+  /// Set (by a signal handler) to stop: a transfer in flight is aborted within
+  /// about a second, a backoff cut short, and the request fails as interrupted.
+  const std::atomic<bool>* stop = nullptr;
+
+  bool stopped() const { return stop != nullptr && stop->load(std::memory_order_relaxed); }
 };
+
+/// The error of a request that `RegistryOptions::stop` ended.
+Error interrupted(const std::string& what);
 
 /// Receives a response body. begin() is called once per attempt with a 2xx
 /// status before the first byte; a sink that resumes (Range) adds headers

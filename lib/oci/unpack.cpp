@@ -229,18 +229,22 @@ class Extractor {
             fmt::format("{}: entry '{}': {} failed: {}", what_, shown(raw), doing, std::strerror(errno))};
   }
 
-  /// Lexical cleaning: no absolute paths, no `..`; `.` and empty components dropped.
-  Result<std::string> clean(const char* raw, const char* role) const {
+  /// Lexical cleaning: no absolute paths, no `..`; `.` and empty components
+  /// dropped. `raw` is the name cleaned; `entry` the entry it belongs to
+  /// (itself unless `raw` is a hard link's target), which a refusal names.
+  Result<std::string> clean(const char* raw, const char* role, const char* entry = nullptr) const {
     if (raw == nullptr) return make_error(ErrorKind::kInput, "{}: an entry has no {}", what_, role);
+    if (entry == nullptr) entry = raw;
     const std::string_view name(raw);
-    if (name.starts_with('/')) return input_error(raw, fmt::format("absolute {}; refused", role));
+    const std::string named = entry == raw ? std::string(role) : fmt::format("{} '{}'", role, shown(raw));
+    if (name.starts_with('/')) return input_error(entry, fmt::format("absolute {}; refused", named));
     std::string out;
     size_t start = 0;
     while (start <= name.size()) {
       size_t slash = name.find('/', start);
       if (slash == std::string_view::npos) slash = name.size();
       const std::string_view component = name.substr(start, slash - start);
-      if (component == "..") return input_error(raw, fmt::format("'..' in the {}; refused", role));
+      if (component == "..") return input_error(entry, fmt::format("'..' in the {}; refused", named));
       if (!component.empty() && component != ".") {
         if (!out.empty()) out.push_back('/');
         out.append(component);
@@ -566,12 +570,18 @@ class Extractor {
     entry_times(e, times);
 
     if (link_raw != nullptr) {
-      CFMO_ASSIGN_OR_RETURN(const std::string target, clean(link_raw, "hard link target"));
+      CFMO_ASSIGN_OR_RETURN(const std::string target, clean(link_raw, "hard link target", raw));
       if (target.empty()) return input_error(raw, "a hard link to the root; refused");
       if (target == path) return {};
       Fd target_dir(open_beneath(root_, std::string(dirname_of(target)), O_PATH | O_DIRECTORY));
       if (!target_dir) {
-        CFMO_ASSIGN_OR_RETURN(target_dir, walk(std::string(dirname_of(target)), link_raw, false));
+        auto walked = walk(std::string(dirname_of(target)), raw, false);
+        if (!walked) {
+          Error error = std::move(walked).error();
+          error.message += fmt::format(" (on the way to its hard link target '{}')", shown(target));
+          return error;
+        }
+        target_dir = std::move(*walked);
       }
       const std::string target_name(basename_of(target));
       struct stat st;

@@ -9,9 +9,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -47,9 +52,56 @@ struct Child {
   std::string out_partial;
   std::string err_partial;
   int status = -1;
-  bool killed = false;  ///< ended by a signal rather than an exit
+  bool killed = false;      ///< ended by a signal rather than an exit
+  bool ended_here = false;  ///< the launcher ended it: it outlived the others
+  bool sigkilled = false;
+  std::chrono::steady_clock::time_point ended_at{};
+  bool stopped = false;  ///< as last looked at
   bool reaped = false;
   int wstatus = 0;
+};
+
+/// The run's status from its ranks': an interrupted run reports 130;
+/// otherwise the root cause decides, the first rank's failure that is not
+/// a peer failure. A rank killed by a signal or ended by the launcher counts
+/// as a peer failure (4), and so does the status of the ranks that saw it go.
+int run_status(const std::vector<Child>& children, bool interrupted) {
+  for (const auto& c : children) {
+    if (c.status == 130 && interrupted) return 130;
+  }
+  constexpr int kPeer = static_cast<int>(ErrorKind::kPeer);
+  int result = 0;
+  for (const auto& c : children) {
+    if (c.status == 0) continue;
+    const int status = c.killed || c.ended_here ? kPeer : c.status;
+    if (result == 0 || (result == kPeer && status != kPeer)) result = status;
+  }
+  return result;
+}
+
+/// True when the process is stopped (state T in /proc/PID/stat).
+bool is_stopped(pid_t pid) {
+  std::ifstream in(fmt::format("/proc/{}/stat", pid));
+  std::string stat;
+  std::getline(in, stat);
+  const size_t close = stat.rfind(')');  // the command name may hold spaces and parentheses
+  return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] == 'T';
+}
+
+/// A directory of this run's own under /dev/shm (empty when it cannot be
+/// made: then UCX uses /dev/shm as usual), removed with what it holds.
+struct ShmDir {
+  std::string path;
+  ShmDir() {
+    std::string pattern = fmt::format("/dev/shm/cfmo-ucx-{}-XXXXXX", ::getpid());
+    if (::mkdtemp(pattern.data()) != nullptr) path = pattern;
+  }
+  ~ShmDir() {
+    std::error_code ignored;
+    if (!path.empty()) std::filesystem::remove_all(path, ignored);
+  }
+  ShmDir(const ShmDir&) = delete;
+  ShmDir& operator=(const ShmDir&) = delete;
 };
 
 }  // namespace
@@ -74,9 +126,15 @@ Result<std::optional<WorldInfo>> world_from_environment() {
   return std::optional<WorldInfo>();
 }
 
-Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* interrupt, int out_fd, int err_fd) {
+Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* interrupt, int out_fd, int err_fd,
+                         double grace_s) {
   CFMO_ASSIGN_OR_RETURN(auto listener, listen_tcp("127.0.0.1", 0));
   const std::string rendezvous = fmt::format("127.0.0.1:{}", listener.second);
+  // UCX's POSIX shared memory normally lives in /dev/shm itself, each file
+  // unlinked once made; a rank killed or aborting in between leaves its file
+  // (2-4 MB) there for good. In a directory of the run's own, the launcher
+  // removes whatever is left when the ranks are gone.
+  const ShmDir shm_dir;
   std::vector<Child> children(static_cast<size_t>(workers));
   for (int rank = 0; rank < workers; ++rank) {
     int out_pipe[2];
@@ -100,6 +158,7 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
       ::setenv("CFMO_RENDEZVOUS", rendezvous.c_str(), 1);
       ::setenv("CFMO_LAUNCHED", "1", 1);
       ::setenv("UCX_LOG_LEVEL", "error", 0);  // UCX logs to stdout, which carries --json
+      if (!shm_dir.path.empty()) ::setenv("UCX_POSIX_DIR", shm_dir.path.c_str(), 0);  // the user's choice wins
       if (rank == 0) {
         const int fd = ::dup(listener.first);  // without O_CLOEXEC: it survives exec
         ::setenv("CFMO_RENDEZVOUS_FD", std::to_string(fd).c_str(), 1);
@@ -109,7 +168,11 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
     }
     ::close(out_pipe[1]);
     ::close(err_pipe[1]);
-    children[static_cast<size_t>(rank)] = Child{pid, rank, out_pipe[0], err_pipe[0], {}, {}, -1};
+    Child& c = children[static_cast<size_t>(rank)];
+    c.pid = pid;
+    c.rank = rank;
+    c.out = out_pipe[0];
+    c.err = err_pipe[0];
   }
   ::close(listener.first);
 
@@ -131,6 +194,45 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
     partial.erase(0, start);
   };
 
+  // A rank that outlives all the others is silent when it is stopped
+  // (SIGSTOP, a terminal's Ctrl-Z) for grace_s, or, running, for much longer:
+  // one still at work (the final evaluation, a checkpoint) or waiting for
+  // peers that are gone ends by itself within a few of its peer timeouts.
+  // A silent rank is ended, in two steps.
+  using Clock = std::chrono::steady_clock;
+  std::optional<Clock::time_point> others_ended;
+  constexpr auto kKillGrace = std::chrono::seconds(5);
+  const double running_grace_s = std::max(60.0, 10 * grace_s);
+  auto end_silent = [&] {
+    int alive = 0;
+    int stopped = 0;
+    for (auto& c : children) {
+      c.stopped = !c.reaped && is_stopped(c.pid);
+      alive += c.reaped ? 0 : 1;
+      stopped += c.stopped ? 1 : 0;
+    }
+    // The clock starts once some rank ended and the rest is one rank, or only stopped ones.
+    if (!others_ended && (alive == workers || alive == 0 || (alive > 1 && stopped < alive))) return;
+    const auto now = Clock::now();
+    if (!others_ended) others_ended = now;
+    const double outlived = std::chrono::duration<double>(now - *others_ended).count();
+    for (auto& c : children) {
+      if (c.reaped) continue;
+      if (!c.ended_here) {
+        if (outlived < (c.stopped ? grace_s : running_grace_s)) continue;
+        c.ended_here = true;
+        c.ended_at = now;
+        write_all(err_fd, fmt::format("[launcher] rank {} was {} {:.1f} s after the other ranks ended: ending it\n",
+                                      c.rank, c.stopped ? "stopped" : "still running", outlived));
+        ::kill(c.pid, SIGTERM);
+        ::kill(c.pid, SIGCONT);  // a stopped process acts on the SIGTERM only once continued
+      } else if (!c.sigkilled && now - c.ended_at >= kKillGrace) {
+        c.sigkilled = true;
+        ::kill(c.pid, SIGKILL);
+      }
+    }
+  };
+
   for (;;) {
     if (interrupt != nullptr && interrupt->load() && !forwarded) {
       forwarded = true;
@@ -138,6 +240,15 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
         if (c.status < 0) ::kill(c.pid, SIGINT);
       }
     }
+    // Reap a rank as soon as it is gone: until then it is a zombie, which
+    // the others' transport (UCX's keepalive between ranks of one host)
+    // takes for a live process, so they would wait for the peer timeout.
+    // One whose output is still open is looked at too: a process it started
+    // may hold its pipes.
+    for (auto& c : children) {
+      if (!c.reaped) c.reaped = ::waitpid(c.pid, &c.wstatus, WNOHANG) == c.pid;
+    }
+    end_silent();
     std::vector<pollfd> fds;
     std::vector<std::pair<Child*, bool>> owners;
     for (auto& c : children) {
@@ -151,12 +262,6 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
       }
     }
     if (fds.empty()) break;
-    // Reap a rank as soon as it is gone: until then it is a zombie, which
-    // the others' transport (UCX's keepalive between ranks of one host)
-    // takes for a live process, so they would wait for the peer timeout.
-    for (auto& c : children) {
-      if (!c.reaped && c.out < 0 && c.err < 0) c.reaped = ::waitpid(c.pid, &c.wstatus, WNOHANG) == c.pid;
-    }
     if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
     for (size_t i = 0; i < fds.size(); ++i) {
       if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
@@ -175,32 +280,22 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
     }
   }
 
-  int result = 0;
   for (auto& c : children) {
-    int wstatus = c.wstatus;
-    while (!c.reaped && ::waitpid(c.pid, &wstatus, 0) < 0 && errno == EINTR) {
+    while (!c.reaped && ::waitpid(c.pid, &c.wstatus, 0) < 0 && errno == EINTR) {
     }
-    if (WIFEXITED(wstatus)) {
-      c.status = WEXITSTATUS(wstatus);
+    c.reaped = true;
+    if (WIFEXITED(c.wstatus)) {
+      c.status = WEXITSTATUS(c.wstatus);
     } else {
-      c.status = 128 + WTERMSIG(wstatus);
+      c.status = 128 + WTERMSIG(c.wstatus);
       c.killed = true;
-      write_all(err_fd, fmt::format("[launcher] rank {} was killed by signal {} ({})\n", c.rank, WTERMSIG(wstatus),
-                                    ::strsignal(WTERMSIG(wstatus))));
+      if (!c.ended_here) {
+        write_all(err_fd, fmt::format("[launcher] rank {} was killed by signal {} ({})\n", c.rank, WTERMSIG(c.wstatus),
+                                      ::strsignal(WTERMSIG(c.wstatus))));
+      }
     }
   }
-  // The run's status: an interrupted run reports 130; otherwise the first
-  // rank that failed decides, and a rank killed by a signal counts as a
-  // peer failure (4) for the run.
-  for (const auto& c : children) {
-    if (c.status == 130 && forwarded) return 130;
-  }
-  for (const auto& c : children) {
-    if (c.status == 0) continue;
-    result = c.killed ? static_cast<int>(ErrorKind::kPeer) : c.status;
-    break;
-  }
-  return result;
+  return run_status(children, forwarded);
 }
 
 Result<std::pair<int, std::string>> run_self(const std::vector<std::string>& args) {

@@ -30,9 +30,20 @@ Result<std::optional<WorldInfo>> world_from_environment();
 /// WORLD_SIZE and a rendezvous on 127.0.0.1 whose listening socket rank 0
 /// inherits. Their stderr (and the stdout of ranks above 0) goes to `err_fd`
 /// line by line, prefixed "[rank K] "; rank 0's stdout goes to `out_fd`.
-/// When `interrupt` becomes true each worker gets one SIGINT. Returns the
-/// run's exit status: 0 when every worker succeeded, else the first failure.
-Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* interrupt, int out_fd, int err_fd);
+/// When `interrupt` becomes true each worker gets one SIGINT.
+///
+/// A rank still there `grace_s` after every other rank ended (stopped, or
+/// hung) is ended: SIGTERM (and SIGCONT, so a stopped one can act on it),
+/// then SIGKILL 5 s later, and named in one line on `err_fd`. UCX's
+/// shared-memory files go to a directory of this run under /dev/shm, removed
+/// once every rank ended: a rank that aborts or is killed leaves none behind.
+///
+/// Returns the run's exit status: 0 when every worker succeeded; else the
+/// root cause's: the first rank's failure that is not a peer failure (4), or
+/// 4 when there is none (a rank killed, or ended here, counts as 4); 130
+/// when interrupted.
+Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* interrupt, int out_fd, int err_fd,
+                         double grace_s = 10);
 
 /// Runs this program again with `args` (args[0] is ignored), its stderr passed
 /// through; returns its exit status and what it wrote on stdout.

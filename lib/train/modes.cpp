@@ -246,6 +246,8 @@ class AsyncMode : public Mode {
     owned_.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
                   initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
     if (resume.ranks.size() == progress_.size()) progress_ = resume.ranks;
+    for (const auto& p : progress_) start_samples_.push_back(p.samples);
+    reconciled_samples_.assign(progress_.size(), 0);
     gather_ = Assembly(comm.size());
     stats_.staleness_histogram.assign(static_cast<size_t>(settings.max_staleness) + 2, 0);
     comm.on_message(Channel::kFreshShard, [this](int from, std::span<const std::byte> m) { on_fresh(from, m); });
@@ -299,6 +301,11 @@ class AsyncMode : public Mode {
     return out;
   }
 
+  int64_t reconciled_samples(int rank) const override {
+    std::lock_guard lock(mutex_);
+    return rank >= 0 && rank < comm_.size() ? reconciled_samples_[static_cast<size_t>(rank)] : 0;
+  }
+
   std::optional<GlobalState> final_state() override {
     std::lock_guard lock(mutex_);
     std::optional<GlobalState> out;
@@ -343,6 +350,15 @@ class AsyncMode : public Mode {
     const size_t bucket = std::min(static_cast<size_t>(std::max<int64_t>(0, s)), stats_.staleness_histogram.size() - 1);
     ++stats_.staleness_histogram[bucket];
     if (dropped) ++stats_.contributions_dropped;
+  }
+
+  /// Rank 0 as an owner, under mutex_: a contribution of `from` arrived. Its
+  /// position then is its last progress report: sent before the contribution
+  /// on the same link (cfmo), or with the step before (asgd).
+  void note_reconciled(int from) {
+    if (comm_.rank() != 0) return;
+    const auto r = static_cast<size_t>(from);
+    reconciled_samples_[r] = progress_[r].samples - start_samples_[r];
   }
 
   /// True while fresh shards wait to be applied.
@@ -443,7 +459,9 @@ class AsyncMode : public Mode {
     }
     const auto lost = comm_.lost_ranks();
     if (comm_.rank() != 0 && std::find(lost.begin(), lost.end(), 0) != lost.end()) {
-      return make_error(ErrorKind::kPeer, "rank 0 was lost before it gathered the global parameters");
+      const Status health = comm_.health();  // a rank 0 that failed on its own said why: its kind counts
+      return make_error(health ? ErrorKind::kPeer : health.error().kind,
+                        "rank 0 was lost before it gathered the global parameters");
     }
     return {};
   }
@@ -611,14 +629,16 @@ class AsyncMode : public Mode {
 
   std::atomic<bool> stop_{false};
   std::vector<bool> done_from_;
-  std::vector<TrainPosition> progress_;  ///< rank 0: each rank's last reported position
-  bool stop_sent_ = false;               ///< rank 0, progress thread
-  uint64_t snapshot_id_ = 0;             ///< rank 0: the request being answered
-  Clock::time_point snapshot_asked_;     ///< rank 0: when it was sent
-  Assembly snapshot_;                    ///< rank 0: its answers so far
-  std::optional<GlobalState> ready_;     ///< rank 0: the last complete snapshot, until taken
-  Assembly gather_;                      ///< rank 0: the end's gather
-  std::optional<GlobalState> final_;     ///< rank 0: the end's state, until taken
+  std::vector<TrainPosition> progress_;      ///< rank 0: each rank's last reported position
+  std::vector<int64_t> start_samples_;       ///< rank 0: each rank's samples when this run started
+  std::vector<int64_t> reconciled_samples_;  ///< rank 0: see reconciled_samples()
+  bool stop_sent_ = false;                   ///< rank 0, progress thread
+  uint64_t snapshot_id_ = 0;                 ///< rank 0: the request being answered
+  Clock::time_point snapshot_asked_;         ///< rank 0: when it was sent
+  Assembly snapshot_;                        ///< rank 0: its answers so far
+  std::optional<GlobalState> ready_;         ///< rank 0: the last complete snapshot, until taken
+  Assembly gather_;                          ///< rank 0: the end's gather
+  std::optional<GlobalState> final_;         ///< rank 0: the end's state, until taken
 };
 
 /// Communication-free: see ALGORITHM.md, mode 3.
@@ -772,6 +792,7 @@ class CfmoMode final : public AsyncMode {
     {
       std::lock_guard lock(mutex_);
       ++stats_.contributions_received;
+      note_reconciled(from);
     }
     reply_fresh(from, s, dropped, /*with_shard=*/!last);
   }
@@ -913,6 +934,7 @@ class AsgdMode final : public AsyncMode {
       ++version_;
       ++stats_.contributions_applied;
       ++stats_.contributions_received;
+      note_reconciled(from);
     }
     reply_fresh(from, s, false);
   }

@@ -139,6 +139,9 @@ class Mode {
   /// ranks' final positions).
   virtual std::optional<GlobalState> final_state() { return std::nullopt; }
   virtual ModeStats stats() const { return {}; }
+  /// cfmo and asgd, rank 0: the samples `rank` trained in this run up to its
+  /// last contribution that reached rank 0 (what a lost rank adds to the run).
+  virtual int64_t reconciled_samples(int /*rank*/) const { return 0; }
 };
 
 /// The outer step on (a range of) the global parameters, fed with weighted

@@ -167,7 +167,9 @@ Result<Heterogeneity> heterogeneity_for(const TrainConfig& c, int rank) {
       return make_error(ErrorKind::kUsage, "--slowdown '{}': expected RANK=FACTOR with FACTOR >= 1", item);
     }
     if (static_cast<int>(r) >= c.workers && c.workers > 1) {
-      return make_error(ErrorKind::kUsage, "--slowdown '{}': there are only {} workers", item, c.workers);
+      // Ranks, not workers: cfmo-moe reads --slowdown here too.
+      return make_error(ErrorKind::kUsage, "--slowdown '{}': there is no rank {} in a run of {} ranks", item,
+                        static_cast<int>(r), c.workers);
     }
     if (static_cast<int>(r) == rank) h.slowdown = factor;
   }

@@ -470,8 +470,20 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   if (world > 1) CFMO_TRY(comm->barrier());
   const auto loop_start = Clock::now();
 
+  // Asynchronous workers train on without a lost peer: each says so, once a peer.
+  std::vector<bool> announced(static_cast<size_t>(world), false);
+  auto announce_lost = [&] {
+    if (!async || options.observer == nullptr) return;
+    for (const int r : comm->lost_ranks()) {
+      if (announced[static_cast<size_t>(r)]) continue;
+      announced[static_cast<size_t>(r)] = true;
+      options.observer->on_warning(fmt::format("rank {} lost ({})", r, comm->lost_reason(r)));
+    }
+  };
+
   std::string stopped_by;
   for (;;) {
+    announce_lost();
     if (pos.step >= step_limit) {
       stopped_by = config.steps > 0 && pos.step >= config.steps ? "steps"
                    : token_steps > 0 && pos.step >= token_steps ? "tokens"
@@ -504,8 +516,9 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     if (async && rank != 0 && comm->health().has_value() == false) {
       const auto lost = comm->lost_ranks();
       if (std::find(lost.begin(), lost.end(), 0) != lost.end()) {
-        return make_error(ErrorKind::kPeer, "rank 0, which keeps the run's budget, is lost: {}",
-                          comm->health().error().message);
+        // With the root cause's kind: a rank 0 that failed on its own passed it on as it left.
+        const Error cause = comm->health().error();
+        return make_error(cause.kind, "rank 0, which keeps the run's budget, is lost: {}", cause.message);
       }
     }
     // An indexed set is walked in each epoch's shuffled order; sampled windows come from the step.
@@ -661,7 +674,9 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   // The last reconciliation; afterwards rank 0 holds the global parameters.
   {
     CFMO_ASSIGN_OR_RETURN(auto params, engine->host_parameters());
-    CFMO_TRY(mode->finish(params, engine->mode_optimizer()));
+    const Status finished = mode->finish(params, engine->mode_optimizer());
+    announce_lost();
+    CFMO_TRY(finished);
     CFMO_TRY(engine->parameters_changed());  // the evaluation below runs where the engine is
     CFMO_TRY(sync_host());
   }
@@ -736,6 +751,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
                                         reinterpret_cast<const std::byte*>(text.data()) + text.size()));
     }
     summary.lost_ranks = comm->lost_ranks();
+    announce_lost();
     if (!async) CFMO_TRY(comm->health());
   }
 
@@ -770,6 +786,13 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   double solo_sum = 0;
   double longest_loop = 0;
   uint64_t bytes = 0;
+  // A lost rank sent no report: its samples count up to its last contribution.
+  for (const int r : summary.lost_ranks) {
+    const auto& reported = summary.per_worker;
+    if (std::none_of(reported.begin(), reported.end(), [r](const WorkerReport& w) { return w.rank == r; })) {
+      total_samples += mode->reconciled_samples(r);
+    }
+  }
   for (const auto& w : summary.per_worker) {
     total_samples += w.samples;
     total_steps += w.steps;

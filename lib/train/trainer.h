@@ -48,6 +48,9 @@ class TrainObserver {
   virtual void on_step(const StepEvent& /*event*/) {}
   virtual void on_eval(const EvalEvent& /*event*/) {}
   virtual void on_note(std::string_view /*text*/) {}
+  /// Something the user must hear of even when progress is quiet (a peer lost
+  /// while the run goes on).
+  virtual void on_warning(std::string_view text) { on_note(text); }
 };
 
 struct TrainOptions {

@@ -41,9 +41,11 @@ inline constexpr const char* kRegistryBinary = "/usr/bin/docker-registry";
 inline std::string binary() { return testing::env_or("CFMO_PULL", "build/tools/cfmo-pull"); }
 inline fs::path source_root() { return testing::env_or("CFMO_SOURCE_ROOT", "."); }
 
-inline RunResult pull(std::vector<std::string> args, double timeout_s = 120) {
+/// Runs cfmo-pull; `while_running` is called every 50 ms with its pid (for signals).
+inline RunResult pull(std::vector<std::string> args, double timeout_s = 120,
+                      const std::function<void(pid_t, double)>& while_running = nullptr) {
   args.insert(args.begin(), binary());
-  return run(args, timeout_s);
+  return run(args, timeout_s, {}, while_running);
 }
 
 inline std::string slurp(const fs::path& path) {

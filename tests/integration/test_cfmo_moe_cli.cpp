@@ -119,6 +119,10 @@ TEST(CfmoMoeCli, BadFlagsAndValuesExitTwoWithOneLine) {
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
     EXPECT_TRUE(r.out.empty()) << r.out;
   }
+  // cfmo-moe has ranks, not workers (issue 19).
+  const RunResult beyond = run(quick({"--ranks", "2", "--slowdown", "5=2"}));
+  EXPECT_NE(beyond.err.find("no rank 5 in a run of 2 ranks"), std::string::npos) << beyond.err;
+  EXPECT_EQ(beyond.err.find("worker"), std::string::npos) << beyond.err;
   EXPECT_EQ(run(quick({"--tokens", "lots"})).status, 2);
   EXPECT_EQ(run(quick({"--no-such-flag"})).status, 2);
   const RunResult world = run(quick({}), 60, {"RANK=0", "WORLD_SIZE=2"});

@@ -4,6 +4,8 @@
 // server for what a well-behaved registry never does (wrong bytes, 503s).
 #include "integration/man_page.h"
 #include "integration/registry_fixture.h"
+#include "oci/gzip_index.h"
+#include "support/expect_error.h"
 
 #include <gtest/gtest.h>
 #include <sys/mount.h>
@@ -23,7 +25,7 @@ TEST(CfmoPullCli, HelpManPageAndConfigListTheSameOptions) {
   std::set<std::string> help_flags = matches(top.out, long_flag);
   std::set<std::string> printed_keys;
   const std::regex key(R"((?:^|\n)([a-z_0-9]+) = )");
-  for (const char* sub : {"pull", "inspect", "fetch", "status", "mount", "umount"}) {
+  for (const char* sub : {"pull", "inspect", "fetch", "status", "mount", "umount", "index"}) {
     const RunResult help = pull({sub, "--help"});
     ASSERT_EQ(help.status, 0) << sub;
     for (const auto& f : matches(help.out, long_flag)) help_flags.insert(f);
@@ -189,6 +191,180 @@ TEST(CfmoPullCli, RegistryDownIsExitFourAfterRetries) {
                             "oci:" + (out / "x").string(), "--plain-http", "--retries", "2", "--retry-delay", "0.01"});
   EXPECT_EQ(r.status, 4) << r.err;
   EXPECT_NE(r.err.find("after 3 attempts"), std::string::npos) << r.err;
+}
+
+// What no retry can mend (a registry without a host, a port outside
+// 1-65535) is a usage error at once: one line, nothing tried, nothing written.
+TEST(CfmoPullCli, AMalformedRegistryIsExitTwoAtOnceNotRetried) {
+  TempDir out;
+  for (const std::string ref : {":5055/x", "127.0.0.1:99999/x:v1", "127.0.0.1:0/x", "localhost:5x/x", "[::1/x"}) {
+    SCOPED_TRACE(ref);
+    for (const char* sub : {"pull", "inspect"}) {
+      std::vector<std::string> args = {sub, ref, "--plain-http", "--retries", "5"};
+      if (std::string(sub) == "pull") {
+        args.insert(args.end(), {"--output", "oci:" + (out / "x").string()});
+      }
+      const RunResult r = pull(args, 60);
+      EXPECT_EQ(r.status, 2) << r.err;
+      EXPECT_EQ(testing::lines(r.err).size(), 1u) << r.err;
+      EXPECT_NE(r.err.find("image reference '" + ref + "': registry"), std::string::npos) << r.err;
+      EXPECT_EQ(r.err.find("attempt"), std::string::npos) << r.err;
+    }
+  }
+  EXPECT_FALSE(fs::exists(out / "x"));
+  // The same rule for the other hosts a pull names.
+  const RunResult mirror =
+      pull({"pull", "127.0.0.1:5000/x", "--output", "oci:" + (out / "x").string(), "--mirror", "127.0.0.1:70000"});
+  EXPECT_EQ(mirror.status, 2) << mirror.err;
+  EXPECT_NE(mirror.err.find("--mirror '127.0.0.1:70000': port 70000 is out of range"), std::string::npos) << mirror.err;
+}
+
+// cfmo-pull index on a pulled image of a gzip, a zstd and a plain layer:
+// the gzip and plain ones indexed (their files listed with their offsets),
+// the zstd one named as not lazily loadable; a damaged index is exit 3.
+TEST_F(PullFixture, IndexMakesASeekableIndexOfEachGzipLayer) {
+  using namespace cfmo::testing;
+  const std::vector<TarEntry> files = {dir("etc"), file("etc/os-release", "ID=fixture\n"),
+                                       file("big", random_bytes(300001, 11)), symlink("link", "big")};
+  const std::string gz = make_tar(files);
+  const std::string plain = make_tar({file("plain", random_bytes(70000, 12))});
+  const FixtureImage image = make_real_image({{gz, "tar+gzip"}, {plain, "tar+zstd"}, {plain, "tar"}});
+  ASSERT_TRUE(push_image(*registry_, "fixtures/indexed", "v1", image));
+  TempDir out;
+  const auto dir = out / "image";
+  ASSERT_EQ(pull({"pull", registry_->host() + "/fixtures/indexed:v1", "--output", "oci:" + dir.string(), "--plain-http",
+                  "-q"})
+                .status,
+            0);
+  const RunResult r = pull({"index", dir.string(), "--span", "64K", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const Json j = Json::parse(r.out);
+  ASSERT_EQ(j["layers"].size(), 3u);
+  EXPECT_EQ(j["layers"][0]["indexed"], true);
+  EXPECT_EQ(j["layers"][0]["entries"], files.size());
+  EXPECT_GE(j["layers"][0]["checkpoints"].get<int>(), 2);
+  EXPECT_EQ(j["layers"][1]["indexed"], false);
+  EXPECT_NE(j["layers"][1]["note"].get<std::string>().find("not lazily loadable"), std::string::npos);
+  EXPECT_EQ(j["layers"][2]["indexed"], true);
+  // The layers are unchanged, and the index is beside them, in DIR/cfmo-index/.
+  for (const auto& layer : image.layers) expect_blob(dir, layer);
+  const fs::path index = dir / "cfmo-index" / oci::sha256_digest(image.layers[0]).substr(7);
+  EXPECT_EQ(j["layers"][0]["index"], index.string());
+
+  const RunResult listed = pull({"index", dir.string(), "--list", "--json"});
+  ASSERT_EQ(listed.status, 0) << listed.err;
+  const Json l = Json::parse(listed.out);
+  ASSERT_EQ(l["layers"].size(), 2u);
+  const Json& entries = l["layers"][0]["entries"];
+  ASSERT_EQ(entries.size(), files.size());
+  EXPECT_EQ(entries[2]["path"], "big");
+  EXPECT_EQ(entries[2]["size"], 300001);
+  // The offset is where the file's bytes are in the uncompressed tar.
+  const uint64_t offset = entries[2]["offset"].get<uint64_t>();
+  EXPECT_TRUE(gz.substr(offset, 300001) == files[2].data);
+  EXPECT_EQ(entries[3]["type"], "symlink");
+  EXPECT_EQ(entries[3]["link"], "big");
+  const RunResult text = pull({"index", dir.string(), "--list"});
+  EXPECT_NE(text.out.find("etc/os-release"), std::string::npos) << text.out;
+
+  // A damaged index: one line naming it, exit 3.
+  std::string bytes = pulltest::slurp(index);
+  bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x40);
+  ASSERT_TRUE(write_file_atomic(index, bytes));
+  const RunResult damaged = pull({"index", dir.string(), "--list"});
+  EXPECT_EQ(damaged.status, 3) << damaged.err;
+  EXPECT_EQ(testing::lines(damaged.err).size(), 1u) << damaged.err;
+  EXPECT_NE(damaged.err.find("index '" + index.string() + "'"), std::string::npos) << damaged.err;
+  fs::remove(index);
+  const RunResult missing = pull({"index", dir.string(), "--list"});
+  EXPECT_EQ(missing.status, 3) << missing.err;
+  EXPECT_NE(missing.err.find("has no index"), std::string::npos) << missing.err;
+  // Indexing again makes it anew.
+  ASSERT_EQ(pull({"index", dir.string(), "-q"}).status, 0);
+  EXPECT_EQ(pull({"index", dir.string(), "--list"}).status, 0);
+
+  EXPECT_EQ(pull({"index", (out / "nowhere").string()}).status, 2);
+  EXPECT_EQ(pull({"index", dir.string(), "--span", "1K"}).status, 2);
+  const RunResult not_a_pull = pull({"index", out.path().string()});
+  EXPECT_EQ(not_a_pull.status, 3) << not_a_pull.err;
+}
+
+/// "bytes=A-B" of a request's Range header, or {-1, -1}.
+std::pair<long, long> range_of(const std::string& request) {
+  const auto at = request.find("Range: bytes=");
+  if (at == std::string::npos) return {-1, -1};
+  const auto dash = request.find('-', at + 13);
+  return {std::stol(request.substr(at + 13)), std::stol(request.substr(dash + 1))};
+}
+
+// A file of a layer that is not on disk, read through its index with HTTP
+// Range requests for the spans holding it (the real registry serves them),
+// each span verified by its SHA-256; a registry that ignores Range, and one
+// that sends wrong bytes, are refused clearly.
+TEST_F(PullFixture, AFileIsReadThroughItsIndexWithRangeRequests) {
+  using namespace cfmo::testing;
+  const std::vector<TarEntry> files = {file("small", "the first file\n"), file("big", random_bytes(400003, 21)),
+                                       file("log", std::string(200000, 'l')), file("last", random_bytes(90001, 22))};
+  const std::string tar = make_tar(files);
+  const FixtureImage image = make_real_image({{tar, "tar+gzip"}});
+  ASSERT_TRUE(push_image(*registry_, "fixtures/ranged", "v1", image));
+  TempDir out;
+  const auto dir = out / "image";
+  ASSERT_EQ(
+      pull({"pull", registry_->host() + "/fixtures/ranged:v1", "--output", "oci:" + dir.string(), "--plain-http", "-q"})
+          .status,
+      0);
+  ASSERT_EQ(pull({"index", dir.string(), "--span", "64K", "-q"}).status, 0);
+  const std::string digest = oci::sha256_digest(image.layers[0]);
+  auto index = oci::read_index(oci::index_path(dir, digest));
+  ASSERT_TRUE(index) << index.error().message;
+  ASSERT_GE(index->checkpoints.size(), 3u);
+
+  oci::RegistryOptions options;
+  options.plain_http = true;
+  options.retries = 0;
+  auto ref = oci::parse_reference(registry_->host() + "/fixtures/ranged:v1");
+  ASSERT_TRUE(ref);
+  oci::RegistryClient client(*ref, options, std::nullopt);
+  // The first file needs the first span only: a fraction of the layer.
+  oci::RegistrySource first(client, digest, "layer 0");
+  auto small = oci::read_entry(*index, first, *index->find("small"), "layer 0");
+  ASSERT_TRUE(small) << small.error().message;
+  EXPECT_EQ(*small, files[0].data);
+  EXPECT_EQ(first.bytes_fetched(), index->span_range(0).second - index->span_range(0).first);
+  EXPECT_LT(first.bytes_fetched(), image.layers[0].size());
+  // Every file, through ranges, equals the tar's.
+  for (const auto& f : files) {
+    oci::RegistrySource source(client, digest, "layer 0");
+    auto bytes = oci::read_entry(*index, source, *index->find(f.path), "layer 0");
+    ASSERT_TRUE(bytes) << f.path << ": " << bytes.error().message;
+    EXPECT_TRUE(*bytes == f.data) << f.path;
+  }
+
+  const std::string blob_path = "/v2/fixtures/ranged/blobs/" + digest;
+  {
+    TinyServer whole({{blob_path, [&](const std::string&) { return TinyServer::response(200, image.layers[0]); }}});
+    auto r = oci::parse_reference(whole.host() + "/fixtures/ranged:v1");
+    oci::RegistryClient c(*r, options, std::nullopt);
+    oci::RegistrySource source(c, digest, "layer 0");
+    const auto got = oci::read_entry(*index, source, *index->find("last"), "layer 0");
+    EXPECT_TRUE(fails_with(got, ErrorKind::kPeer, {"layer 0", "does not serve parts of a blob"}));
+  }
+  {
+    TinyServer corrupt({{blob_path, [&](const std::string& request) {
+                           const auto [a, b] = range_of(request);
+                           std::string part = image.layers[0].substr(a, b - a + 1);
+                           part[part.size() / 2] = static_cast<char>(part[part.size() / 2] ^ 1);
+                           return TinyServer::response(
+                               206, part,
+                               fmt::format("Content-Range: bytes {}-{}/{}\r\n", a, b, image.layers[0].size()));
+                         }}});
+    auto r = oci::parse_reference(corrupt.host() + "/fixtures/ranged:v1");
+    oci::RegistryClient c(*r, options, std::nullopt);
+    oci::RegistrySource source(c, digest, "layer 0");
+    const auto got = oci::read_entry(*index, source, *index->find("big"), "layer 0");
+    EXPECT_TRUE(fails_with(got, ErrorKind::kInput, {"layer 0", "span", "SHA-256 mismatch"}));
+  }
 }
 
 TEST(CfmoPullCli, DigestMismatchIsExitThreeAndKeepsNothing) {

@@ -44,18 +44,28 @@ class HotCold : public ::testing::Test {
   /// `cfmo-pull pull HOST/hc/app:v1 --output oci:DIR --plain-http ...`, its
   /// memory store in the test's own directory under /dev/shm.
   RunResult pull_image(const std::string& host, const fs::path& dir, std::vector<std::string> extra,
-                       double timeout_s = 120) {
+                       double timeout_s = 120, const std::function<void(pid_t, double)>& while_running = nullptr) {
     std::vector<std::string> args = {"pull",         host + "/" + kImage + ":v1",
                                      "--output",     "oci:" + dir.string(),
                                      "--plain-http", "--memory-dir",
                                      shm_.string(),  "--retry-delay",
                                      "0.01"};
     args.insert(args.end(), extra.begin(), extra.end());
-    return pull(args, timeout_s);
+    return pull(args, timeout_s, while_running);
   }
 
   static std::string layer_digest(size_t i) { return oci::sha256_digest(image_->layers[i]); }
   static std::string blob_url_part(size_t i) { return "/blobs/" + layer_digest(i); }
+
+  /// A run that completed the image, asking for layer 1 from the `kept` bytes of its partial blob.
+  static void expect_resumed(const RunResult& resumed, const fs::path& dir, const FaultProxy& proxy, int64_t kept) {
+    ASSERT_EQ(resumed.status, 0) << resumed.err;
+    EXPECT_EQ(Json::parse(resumed.out, nullptr, false).value("complete", false), true) << resumed.out;
+    for (const auto& layer : image_->layers) expect_blob(dir, layer);
+    const auto asked = proxy.requests(blob_url_part(1));
+    ASSERT_GE(asked.size(), 2u);
+    EXPECT_EQ(asked.back().range_start, kept);
+  }
 
   /// A directory on tmpfs for this test's memory stores, removed at the end.
   struct ShmDir {
@@ -334,13 +344,58 @@ TEST_F(HotCold, AnInterruptedBackgroundFetchIsResumedFromItsPartialBlob) {
   const int64_t kept = interrupted["layers"][1]["bytes_on_disk"].get<int64_t>();
   EXPECT_GT(kept, 0);
   EXPECT_LE(kept, 280000);
-  const RunResult resumed = pull({"fetch", dir.string(), "--json", "--retry-delay", "0.01"});
-  ASSERT_EQ(resumed.status, 0) << resumed.err;
-  EXPECT_EQ(parse_json(resumed)["complete"], true);
-  for (const auto& layer : image_->layers) expect_blob(dir, layer);
-  const auto asked = proxy.requests(blob_url_part(1));
-  ASSERT_GE(asked.size(), 2u);
-  EXPECT_EQ(asked.back().range_start, kept);
+  expect_resumed(pull({"fetch", dir.string(), "--json", "--retry-delay", "0.01"}), dir, proxy, kept);
+}
+
+// SIGINT and SIGTERM stop a pull cleanly, as they stop cfmo-train: the
+// download in flight ends, its partial blob stays, the state file says the
+// run was interrupted, the status is 128 + the signal, and the same command
+// resumes from the partial blob.
+TEST_F(HotCold, ASignalStopsThePullCleanlyAndTheSameCommandResumes) {
+  for (const int signal_number : {SIGINT, SIGTERM}) {
+    const std::string name = signal_number == SIGINT ? "SIGINT" : "SIGTERM";
+    SCOPED_TRACE(name);
+    TempDir out;
+    const auto dir = out / "image";
+    FaultProxy proxy(registry_->host());
+    proxy.add(FaultProxy::stall_after(blob_url_part(1), 280000));
+    const auto partial = dir / "blobs" / "sha256" / (layer_digest(1).substr(7) + ".partial");
+    bool sent = false;
+    const RunResult r =
+        pull_image(proxy.host(), dir, {"--hot", "0", "--jobs", "1", "--buffer-memory", "256K", "--json"}, 120,
+                   [&](pid_t pid, double) {
+                     std::error_code ec;
+                     // Stalled, with some of the layer's bytes in its partial file.
+                     if (!sent && proxy.stalled() && fs::exists(partial, ec) && fs::file_size(partial, ec) > 0) {
+                       ::kill(pid, signal_number);
+                       sent = true;
+                     }
+                   });
+    ASSERT_TRUE(sent) << r.err;
+    ASSERT_FALSE(r.timed_out);
+    EXPECT_EQ(r.status, 128 + signal_number) << r.err;
+    EXPECT_EQ(testing::lines(r.err).size(), 1u) << r.err;
+    EXPECT_NE(r.err.find("stopped by " + name), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("resumes"), std::string::npos) << r.err;
+    std::error_code ec;
+    const int64_t kept = static_cast<int64_t>(fs::file_size(partial, ec));
+    ASSERT_FALSE(ec) << "the partial blob is gone";
+    EXPECT_GT(kept, 0);
+    const Json state = Json::parse(slurp(dir / "cfmo-pull-state.json"));
+    EXPECT_EQ(state["interrupted"], true) << state.dump(2);
+    EXPECT_EQ(state["fetcher_pid"], 0);
+    EXPECT_EQ(state["complete"], false);
+    EXPECT_EQ(state["layers"][0]["state"], "fetched");
+    EXPECT_EQ(state["layers"][1]["state"], "pending");
+    EXPECT_FALSE(state["layers"][1].contains("error")) << state.dump(2);
+    EXPECT_EQ(state["layers"][2]["state"], "pending");
+    const RunResult shown = pull({"status", dir.string()});
+    EXPECT_NE(shown.out.find("stopped   by a signal"), std::string::npos) << shown.out;
+
+    proxy.release();
+    expect_resumed(pull_image(proxy.host(), dir, {"--hot", "0", "--json"}), dir, proxy, kept);
+    EXPECT_EQ(Json::parse(slurp(dir / "cfmo-pull-state.json"))["interrupted"], false);
+  }
 }
 
 TEST_F(HotCold, DroppedConnectionsAreResumedThroughTheProxy) {
@@ -576,6 +631,25 @@ struct Unmount {
   }
 };
 
+/// The tree at a mount point without the empty proc, sys and dev that every
+/// mount supplies, after checking that they are there.
+std::string without_runtime_mount_points(const fs::path& point) {
+  std::string kept;
+  for (const auto& line : testing::lines(testing::list_tree(point))) {
+    bool supplied = false;
+    for (const char* name : {"dev", "proc", "sys"}) {
+      supplied = supplied || line.rfind(std::string(name) + " dir ", 0) == 0;
+    }
+    if (!supplied) kept += line + "\n";
+  }
+  for (const char* name : {"dev", "proc", "sys"}) {
+    EXPECT_TRUE(fs::is_directory(point / name)) << name;
+    std::error_code ec;
+    EXPECT_TRUE(fs::is_empty(point / name, ec)) << name;
+  }
+  return kept;
+}
+
 TEST_F(HotCold, MountPresentsTheImageAsOneOverlayHotFromMemory) {
   const FixtureImage image = whiteout_image();
   ASSERT_TRUE(push_image(*registry_, "hc/layered", "v1", image));
@@ -611,7 +685,8 @@ TEST_F(HotCold, MountPresentsTheImageAsOneOverlayHotFromMemory) {
   const RunResult rootfs = pull({"pull", ref, "--output", "rootfs:" + (out / "rootfs").string(), "--cache",
                                  (out / "cache").string(), "--plain-http", "-q"});
   ASSERT_EQ(rootfs.status, 0) << rootfs.err;
-  EXPECT_EQ(testing::list_tree(point), testing::list_tree(out / "rootfs"));
+  // The image has no /proc, /sys or /dev: the mount supplies them, empty, for a container runtime.
+  EXPECT_EQ(without_runtime_mount_points(point), testing::list_tree(out / "rootfs"));
   EXPECT_FALSE(fs::exists(point / "old"));
   EXPECT_TRUE(fs::exists(point / "opt" / "app"));
   EXPECT_FALSE(fs::exists(point / "opt" / "lower"));
@@ -636,6 +711,7 @@ TEST_F(HotCold, MountPresentsTheImageAsOneOverlayHotFromMemory) {
   guard.point = point;
   const Json w = parse_json(rw);
   EXPECT_EQ(w["layers"][0]["unpacked_now"], false);
+  EXPECT_EQ(w["upper_in_memory"], true);
   const fs::path upper = w["upper"].get<std::string>();
   EXPECT_EQ(upper.string().rfind(shm_.string(), 0), 0u) << upper;
   { std::ofstream(point / "written") << "kept in memory"; }
@@ -643,6 +719,35 @@ TEST_F(HotCold, MountPresentsTheImageAsOneOverlayHotFromMemory) {
   ASSERT_EQ(pull({"umount", point.string()}).status, 0);
   guard.point.clear();
   EXPECT_FALSE(fs::exists(upper));
+}
+
+// Without hot layers there is no memory store: a --writable mount's writes
+// go to disk, and the line it prints says so and where.
+TEST_F(HotCold, AWritableMountWithoutHotLayersSaysItsWritesGoToDisk) {
+  ASSERT_TRUE(push_image(*registry_, "hc/layered3", "v1", whiteout_image()));
+  TempDir out;
+  const auto dir = out / "image";
+  const auto point = out / "mnt";
+  fs::create_directories(point);
+  ASSERT_EQ(pull({"pull", registry_->host() + "/hc/layered3:v1", "--output", "oci:" + dir.string(), "--plain-http",
+                  "--memory-dir", shm_.string(), "-q"})
+                .status,
+            0);
+  const RunResult r = pull({"mount", dir.string(), point.string(), "--writable"});
+  SKIP_UNLESS_MOUNTED(r);
+  ASSERT_EQ(r.status, 0) << r.err;
+  Unmount guard{point};
+  EXPECT_NE(r.out.find("writes kept on disk in " + (dir / "layers" / "rw").string()), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("memory until"), std::string::npos) << r.out;
+  { std::ofstream(point / "written") << "kept on disk"; }
+  bool found = false;
+  for (const auto& entry : fs::recursive_directory_iterator(dir / "layers" / "rw")) {
+    found = found || entry.path().filename() == "written";
+  }
+  EXPECT_TRUE(found) << "the write is not under " << dir / "layers" / "rw";
+  without_runtime_mount_points(point);
+  ASSERT_EQ(pull({"umount", point.string()}).status, 0);
+  guard.point.clear();
 }
 
 TEST_F(HotCold, SkippedLayersAreLeftOutAndPartialMountsWhatIsThere) {

@@ -337,6 +337,29 @@ TEST_P(UcxTransports, ALostRankFailsTheCollectiveNamingIt) {
   for (int code : codes) EXPECT_EQ(code, 0);
 }
 
+// Issue 19: a rank that fails on its own (a file it cannot write) made the
+// others fail with "barrier: rank 1 left the run", a peer failure (4). Its
+// goodbye carries the root cause: the others fail with its kind and message,
+// and find it lost, so that nobody waits for its answers.
+TEST_P(UcxTransports, ARankLeavingOnAFailurePassesItsRootCauseOn) {
+  auto codes = run_ranks(3, GetParam(), [](Communicator& comm) {
+    if (!comm.barrier()) return false;
+    if (comm.rank() == 1) {
+      comm.leave_with(Error{ErrorKind::kInternal, "metrics.jsonl: No space left on device"});
+      return true;  // run_ranks destroys the communicator: the goodbye
+    }
+    Status status;
+    for (int i = 0; i < 100000 && status; ++i) status = comm.barrier();
+    if (status) return false;
+    fprintf(stderr, "rank %d: %s\n", comm.rank(), status.error().message.c_str());
+    const auto lost = comm.lost_ranks();
+    return status.error().kind == ErrorKind::kInternal &&
+           status.error().message.find("rank 1 failed: metrics.jsonl: No space left on device") != std::string::npos &&
+           std::find(lost.begin(), lost.end(), 1) != lost.end();
+  });
+  for (int code : codes) EXPECT_EQ(code, 0);
+}
+
 TEST_P(UcxTransports, ALostRankFailsLargeAllToAllsInFlightNamingIt) {
   // Rendezvous-sized messages (read in place over CMA between ranks of one
   // host): the survivors' requests to and from the dead rank must end in an

@@ -74,6 +74,25 @@ TEST(OciReference, RejectsMalformedReferences) {
   }
 }
 
+TEST(OciReference, RegistryHostsThatCanNeverBeReachedAreUsageErrors) {
+  for (const char* bad : {":5055/x", "127.0.0.1:99999/x:v1", "127.0.0.1:0/x", "localhost:/x", "localhost:5x/x",
+                          "[::1/x", "[::1]x/y", "-bad.io/x", "bad..:5000/x"}) {
+    auto r = parse_reference(bad);
+    EXPECT_FALSE(r) << bad;
+    if (!r) {
+      EXPECT_EQ(r.error().kind, ErrorKind::kUsage) << bad;
+      EXPECT_NE(r.error().message.find("registry '"), std::string::npos) << r.error().message;
+    }
+  }
+  for (const char* good : {"127.0.0.1:65535/x", "localhost:1/x", "[::1]:5000/x", "[::1]/x", "my-registry.io/x"}) {
+    EXPECT_TRUE(parse_reference(good)) << good;
+  }
+  EXPECT_EQ(host_problem(":5055"), "no host before the port");
+  EXPECT_EQ(host_problem("h:99999"), "port 99999 is out of range (1-65535)");
+  EXPECT_EQ(host_problem("h:"), "port '' is not a number");
+  EXPECT_EQ(host_problem("registry.example.com:443"), "");
+}
+
 TEST(OciReference, Sha256DigestFormat) {
   EXPECT_TRUE(is_sha256_digest(kDigest));
   EXPECT_FALSE(is_sha256_digest("sha256:" + std::string(64, 'A')));

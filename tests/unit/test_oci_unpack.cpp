@@ -366,6 +366,30 @@ TEST(OciUnpack, EscapesAreRefused) {
   }
 }
 
+// A refused hard link is named by its own entry; its target is named as the target.
+TEST(OciUnpack, RefusedHardLinkNamesTheEntryAndItsTarget) {
+  struct Case {
+    std::vector<TarEntry> entries;
+    std::string target;
+    const char* problem;
+  };
+  const std::vector<Case> cases = {
+      {{hardlink("h", "../outside/secret")}, "hard link target '../outside/secret'", "'..'"},
+      {{hardlink("h", "/etc/passwd")}, "hard link target '/etc/passwd'", "absolute"},
+      {{symlink("s", "../outside"), hardlink("h", "s/secret")}, "hard link target 's/secret'", "symlink"},
+      {{hardlink("h", "absent")}, "hard link to 'absent'", "not in the root"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.target);
+    Scratch s;
+    auto stats = unpack(s, c.entries);
+    EXPECT_TRUE(fails_with(stats, ErrorKind::kInput, {"entry 'h': ", c.target, c.problem}));
+    if (!stats) {
+      EXPECT_EQ(stats.error().message.find("entry '" + c.entries.back().hardlink), std::string::npos);
+    }
+  }
+}
+
 TEST(OciUnpack, EscapesAreRefusedWithoutOpenat2Too) {
   detail::use_openat2(false);
   struct Restore {

@@ -1,6 +1,7 @@
 // cfmo-diverge: how far each worker's parameters drifted from the global ones,
 // from a training run's compressed deltas. Parses flags, calls lib/diverge,
 // prints, and maps the result to the shared exit status.
+#include "../common/stop_signals.h"
 #include "../common/tool_main.h"
 #include "core/atomic_file.h"
 #include "core/config.h"
@@ -19,7 +20,6 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <thread>
 
@@ -31,12 +31,7 @@ namespace fs = std::filesystem;
 constexpr const char* kTool = "cfmo-diverge";
 constexpr int kInterruptedStatus = 130;  // 128 + SIGINT, as shells report it
 
-std::atomic<bool> g_stop{false};
-
-void on_signal(int signal_number) {
-  g_stop.store(true);
-  std::signal(signal_number, SIG_DFL);  // a second signal ends the process at once
-}
+std::atomic<bool>& g_stop = cfmo::tool::stop_requested();
 
 int fail(const cfmo::Error& error) { return cfmo::tool::fail(kTool, error); }
 
@@ -246,8 +241,7 @@ int run_watch(Invocation& inv, const cfmo::DivergePlan& plan) {
   if (inv.run_dir.empty()) return fail(cfmo::make_error(cfmo::ErrorKind::kUsage, "watch: which run directory?"));
   auto watcher = cfmo::RunWatcher::open(inv.run_dir);
   if (!watcher) return fail(watcher.error());
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGTERM, on_signal);
+  cfmo::tool::catch_stop_signals();
 
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();

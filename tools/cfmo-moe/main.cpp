@@ -74,7 +74,7 @@ static int run(int argc, char** argv) {
     // One host, no launcher: start the ranks here and relay their output.
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
-    auto status = cfmo::launch_local(config.ranks, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO);
+    auto status = cfmo::launch_local(config.ranks, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
     if (!status) return fail(status.error());
     return *status;
   }
@@ -116,6 +116,8 @@ static int run(int argc, char** argv) {
   options.simulation = *simulation;
   if (rank == 0 && !config.quiet) options.note = [](const std::string& text) { fmt::print(stderr, "{}\n", text); };
   auto summaries = cfmo::moe::run_benchmark(config, *plan, options);
+  // The goodbye carries why this rank leaves: the others fail with this root cause.
+  if (!summaries) comm->leave_with(summaries.error());
   comm.reset();  // say goodbye to the other ranks before reporting
   if (!summaries) return fail(summaries.error());
   bool failed = false;

@@ -2,10 +2,12 @@
 // bounded memory, hot layers first, cold ones now, later or never. Parses
 // flags and config, calls lib/oci, prints, and maps the result to the
 // shared exit status.
+#include "../common/stop_signals.h"
 #include "../common/tool_main.h"
 #include "background.h"
 #include "console_progress.h"
 #include "core/config.h"
+#include "oci/gzip_index.h"
 #include "oci/manifest.h"
 #include "oci/memory_budget.h"
 #include "oci/mount.h"
@@ -36,7 +38,16 @@ using Json = nlohmann::ordered_json;
 
 constexpr const char* kTool = "cfmo-pull";
 
-int fail(const cfmo::Error& error) { return cfmo::tool::fail(kTool, error); }
+/// A failure is reported as itself, unless a signal caused it: then one line
+/// says the run stopped and that nothing fetched is lost.
+int fail(const cfmo::Error& error) {
+  if (cfmo::tool::stop_requested().load()) {
+    fmt::print(stderr, "{}: stopped by {}; what was fetched is kept, partial blobs too: the same command resumes\n",
+               kTool, cfmo::tool::stop_signal_name());
+    return cfmo::tool::stop_status();
+  }
+  return cfmo::tool::fail(kTool, error);
+}
 
 /// Everything one subcommand parsed; it stays in place because CLI11 and the
 /// option table hold pointers into it.
@@ -359,6 +370,10 @@ int run_status(Invocation& inv, const oci::PullPlan&) {
                                           kTool, dir.string());
   }
   out += fmt::format("cold      {}; fetcher: {}\n", state->cold, fetcher);
+  if (state->interrupted) {
+    out += fmt::format("stopped   by a signal before it finished; its partial blobs are kept: '{} fetch {}' resumes\n",
+                       kTool, dir.string());
+  }
   if (!state->memory_dir.empty()) {
     int64_t in_memory = 0;
     for (size_t i = 0; i < state->layers.size(); ++i) {
@@ -399,6 +414,7 @@ int run_mount(Invocation& inv, const oci::PullPlan&) {
     j["mountpoint"] = inv.args[1];
     j["not_mounted"] = report->not_mounted.empty() ? Json(nullptr) : Json(report->not_mounted);
     j["upper"] = report->upper.empty() ? Json(nullptr) : Json(report->upper.string());
+    j["upper_in_memory"] = report->upper_in_memory;
     j["memory_bytes"] = report->memory_bytes;
     j["layers"] = Json::array();
     for (const auto& l : report->layers) {
@@ -429,9 +445,13 @@ int run_mount(Invocation& inv, const oci::PullPlan&) {
   if (!inv.config.json && !inv.config.quiet) {
     size_t in_memory = 0;
     for (const auto& l : report->layers) in_memory += l.memory ? 1 : 0;
+    std::string writes = " read-only";
+    if (!report->upper.empty()) {
+      writes = fmt::format(", writes kept {} in {} until umount", report->upper_in_memory ? "in memory" : "on disk",
+                           report->upper.string());
+    }
     print(fmt::format("{}: mounted {} layer(s) of {} at {} ({} from memory){}\n", kTool, report->layers.size(),
-                      inv.args[0], inv.args[1], in_memory,
-                      report->upper.empty() ? " read-only" : ", writes kept in memory until umount"));
+                      inv.args[0], inv.args[1], in_memory, writes));
   }
   return 0;
 }
@@ -440,6 +460,79 @@ int run_umount(Invocation& inv, const oci::PullPlan&) {
   if (inv.args.size() != 1) return fail({cfmo::ErrorKind::kUsage, "umount: give the MOUNTPOINT"});
   if (auto done = oci::unmount_image(inv.args[0]); !done) return fail(done.error());
   if (!inv.config.quiet) print(fmt::format("{}: unmounted {}\n", kTool, inv.args[0]));
+  return 0;
+}
+
+int list_indexes(Invocation& inv, const fs::path& dir) {
+  auto indexes = oci::read_pull_indexes(dir);
+  if (!indexes) return fail(indexes.error());
+  Json layers = Json::array();
+  std::string out;
+  for (const auto& [layer, index] : *indexes) {
+    Json entries = Json::array();
+    out += fmt::format("layer {} {} ({} entries)\n", layer, index.layer_digest, index.entries.size());
+    for (const auto& e : index.entries) {
+      const char* whiteout = e.whiteout == oci::IndexWhiteout::kOpaque ? "opaque"
+                             : e.whiteout == oci::IndexWhiteout::kFile ? "whiteout"
+                                                                       : "";
+      entries.push_back({{"path", e.path},
+                         {"type", oci::entry_type_name(e.type)},
+                         {"mode", e.mode},
+                         {"uid", e.uid},
+                         {"gid", e.gid},
+                         {"size", e.size},
+                         {"offset", e.offset},
+                         {"link", e.link},
+                         {"whiteout", *whiteout != '\0' ? Json(whiteout) : Json(nullptr)}});
+      out += fmt::format("  {:<8} {:04o} {}:{} {:>12} {:>12}  {}{}{}\n", oci::entry_type_name(e.type), e.mode, e.uid,
+                         e.gid, e.size, e.offset, e.path, e.link.empty() ? "" : " -> " + e.link,
+                         *whiteout != '\0' ? fmt::format(" ({})", whiteout) : "");
+    }
+    layers.push_back({{"layer", layer}, {"digest", index.layer_digest}, {"entries", entries}});
+  }
+  print(inv.config.json ? Json{{"layers", layers}}.dump(2) + "\n" : out);
+  return 0;
+}
+
+int run_index(Invocation& inv, const oci::PullPlan& plan) {
+  if (inv.args.size() != 1) return fail({cfmo::ErrorKind::kUsage, "index: give the pull's DIR"});
+  const fs::path dir = inv.args[0];
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return fail({cfmo::ErrorKind::kUsage,
+                 fmt::format("index: '{}' is not a directory; give the DIR of a pull (an image is indexed once it "
+                             "is pulled: 'cfmo-pull pull REF --output oci:DIR')",
+                             dir.string())});
+  }
+  if (inv.config.list) return list_indexes(inv, dir);
+  auto reports = oci::index_pull(dir, plan.span);
+  if (!reports) return fail(reports.error());
+  Json layers = Json::array();
+  std::string out;
+  for (const auto& r : *reports) {
+    layers.push_back({{"layer", r.layer},
+                      {"digest", r.digest},
+                      {"mediaType", r.media_type},
+                      {"indexed", r.indexed},
+                      {"note", r.note.empty() ? Json(nullptr) : Json(r.note)},
+                      {"index", r.indexed ? Json(r.path.string()) : Json(nullptr)},
+                      {"entries", r.entries},
+                      {"checkpoints", r.checkpoints},
+                      {"members", r.members},
+                      {"uncompressed_size", r.uncompressed_size},
+                      {"index_bytes", r.index_bytes}});
+    out += r.indexed
+               ? fmt::format("{}: layer {} {}: {} entries, {} checkpoint(s), {} uncompressed; index {} ({})\n", kTool,
+                             r.layer, r.digest.substr(0, 19), r.entries, r.checkpoints,
+                             oci::human_bytes(static_cast<int64_t>(r.uncompressed_size)), r.path.string(),
+                             oci::human_bytes(static_cast<int64_t>(r.index_bytes)))
+               : fmt::format("{}: layer {} {}: not indexed: {}\n", kTool, r.layer, r.digest.substr(0, 19), r.note);
+  }
+  if (inv.config.json) {
+    print(Json{{"dir", dir.string()}, {"span", plan.span}, {"layers", layers}}.dump(2) + "\n");
+  } else if (!inv.config.quiet) {
+    print(out);
+  }
   return 0;
 }
 
@@ -452,7 +545,7 @@ struct SubcommandEntry {
   int (*run)(Invocation&, const oci::PullPlan&);
 };
 
-constexpr std::array<SubcommandEntry, 6> kSubcommands = {{
+constexpr std::array<SubcommandEntry, 7> kSubcommands = {{
     {PullCommand::kPull, "pull an image: hot layers first, cold ones now, later or never", "REF",
      "image reference: [registry[:port]/]name[:tag|@digest]", run_pull},
     {PullCommand::kInspect, "print the manifest, config and layers, fetching no layer", "REF",
@@ -465,6 +558,8 @@ constexpr std::array<SubcommandEntry, 6> kSubcommands = {{
      "DIR MOUNTPOINT", "the pull's directory and where to mount it", run_mount},
     {PullCommand::kUmount, "unmount what cfmo-pull mount mounted (and drop its writes)", "MOUNTPOINT",
      "where it is mounted", run_umount},
+    {PullCommand::kIndex, "index a pull's gzip layers for seeking: file table, inflate checkpoints, span digests",
+     "DIR", "the pull's directory", run_index},
 }};
 
 int run(int argc, char** argv) {
@@ -524,6 +619,12 @@ int run(int argc, char** argv) {
     }
     if (inv.id == PullCommand::kInspect && inv.config.image.empty()) {
       return fail({cfmo::ErrorKind::kUsage, "inspect: which image? give REF (or image in the --config file)"});
+    }
+    // What talks to a registry stops cleanly on SIGINT/SIGTERM; the rest is quick or must not stop halfway.
+    if (inv.id == PullCommand::kPull || inv.id == PullCommand::kFetch || inv.id == PullCommand::kInspect) {
+      plan->pull.registry.stop = &cfmo::tool::stop_requested();
+      plan->fetch.registry.stop = &cfmo::tool::stop_requested();
+      cfmo::tool::catch_stop_signals();
     }
     return kSubcommands[i].run(inv, *plan);
   }

@@ -1,4 +1,5 @@
 // cfmo-train: parse flags and config, run the library's trainer, report.
+#include "../common/stop_signals.h"
 #include "../common/tool_main.h"
 #include "comm/rendezvous.h"
 #include "comm/ucx_communicator.h"
@@ -17,7 +18,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -27,14 +27,8 @@
 namespace {
 
 constexpr int kInterruptedStatus = 130;  // 128 + SIGINT, as shells report it
-std::atomic<bool> g_stop{false};
-
-// The first SIGINT/SIGTERM asks the trainer to stop cleanly (checkpoint, summary);
-// a second one gets the default action and ends the process at once.
-void on_signal(int signal_number) {
-  g_stop.store(true);
-  std::signal(signal_number, SIG_DFL);
-}
+// The first SIGINT/SIGTERM asks the trainer to stop cleanly (checkpoint, summary).
+std::atomic<bool>& g_stop = cfmo::tool::stop_requested();
 
 int fail(const cfmo::Error& error) { return cfmo::tool::fail("cfmo-train", error); }
 
@@ -69,6 +63,11 @@ class ConsoleObserver final : public cfmo::TrainObserver {
 
   void on_note(std::string_view text) override {
     if (quiet_) return;
+    clear_line();
+    fmt::print(stderr, "{}\n", text);
+  }
+
+  void on_warning(std::string_view text) override {
     clear_line();
     fmt::print(stderr, "{}\n", text);
   }
@@ -273,8 +272,10 @@ static int run(int argc, char** argv) {
     return fail(usable.error());
   }
 
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGTERM, on_signal);
+  cfmo::tool::catch_stop_signals();
+  // A file-size limit (ulimit -f) makes a write fail with EFBIG, reported as
+  // any failed write (exit 5, naming the file), not a crash by SIGXFSZ.
+  std::signal(SIGXFSZ, SIG_IGN);
   if (compare) return compare_modes(argc, argv, config, json);
 
   auto world = cfmo::world_from_environment();
@@ -282,7 +283,7 @@ static int run(int argc, char** argv) {
   const bool launched = std::getenv("CFMO_LAUNCHED") != nullptr;  // a worker of our own launcher
   if (config.workers > 1 && !launched && (!world->has_value() || (*world)->size == 1)) {
     // One host, no launcher: start the workers here and relay their output.
-    auto status = cfmo::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO);
+    auto status = cfmo::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
     if (!status) return fail(status.error());
     return *status;
   }
@@ -315,6 +316,9 @@ static int run(int argc, char** argv) {
 
   auto summary = cfmo::train(config, options);
   observer.clear_line();
+  // The goodbye tells the other ranks why this one leaves: they then fail
+  // with this root cause, and the run ends with its status.
+  if (!summary && comm) comm->leave_with(summary.error());
   comm.reset();  // say goodbye to the other ranks before reporting
   if (!summary) return fail(summary.error());
   if (summary->rank != 0) return summary->stopped_by == "interrupt" ? kInterruptedStatus : 0;

@@ -1,0 +1,167 @@
+#pragma once
+/// A seekable index of one layer (`cfmo-pull index`; the format is in
+/// docs/FORMATS.md), made by reading the layer once and leaving it as it is:
+/// the tar's file table (path, type, mode, owner, size, link target, and
+/// where a file's contents start in the uncompressed stream, whiteouts
+/// marked), and, for a gzip layer, inflate checkpoints every `span` bytes of
+/// output as zlib's zran example makes them (the compressed offset, the bits
+/// of the byte before it that belong to the next deflate block, and the 32
+/// KiB of output before it, deflated), each with the SHA-256 of the
+/// compressed span up to the next checkpoint, so that a span fetched on its
+/// own is verified on its own. A file's bytes are inflated from the nearest
+/// checkpoint before them (inflatePrime and inflateSetDictionary), crossing
+/// gzip member boundaries. An uncompressed tar is indexed by its own offsets
+/// (checkpoints without windows); a zstd layer is not indexed here.
+
+#include "core/error.h"
+#include "oci/manifest.h"
+#include "oci/registry.h"
+
+#include <array>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cfmo::oci {
+
+inline constexpr uint64_t kDefaultIndexSpan = uint64_t{4} << 20;
+inline constexpr const char* kIndexDir = "cfmo-index";
+
+enum class IndexedCompression : uint8_t { kNone = 0, kGzip = 1 };
+enum class IndexWhiteout : uint8_t { kNone = 0, kFile = 1, kOpaque = 2 };
+
+struct IndexEntry {
+  std::string path;  ///< as in the tar, without a leading "./" or a trailing "/"
+  /// The tar typeflag: '0' file, '1' hard link, '2' symlink, '3' character
+  /// device, '4' block device, '5' directory, '6' FIFO.
+  char type = '0';
+  uint32_t mode = 0;  ///< permission bits (07777)
+  uint64_t uid = 0;
+  uint64_t gid = 0;
+  uint64_t size = 0;    ///< a regular file's size
+  uint64_t offset = 0;  ///< where its contents start in the uncompressed stream
+  std::string link;     ///< a symlink's or hard link's target
+  IndexWhiteout whiteout = IndexWhiteout::kNone;
+  bool sparse = false;  ///< a GNU sparse file: its contents are not one range (read the layer whole)
+};
+
+struct IndexCheckpoint {
+  uint64_t out = 0;    ///< offset in the uncompressed stream
+  uint64_t in = 0;     ///< offset of the first compressed byte to feed from here
+  uint8_t bits = 0;    ///< bits (0-7) of the byte before `in` that belong after the checkpoint
+  uint8_t byte = 0;    ///< that byte, so the span before is not needed
+  std::string window;  ///< the (up to) 32 KiB of output before `out`, zlib-compressed; empty for kNone
+  std::array<uint8_t, 32> span_sha256{};  ///< of compressed [in, the next checkpoint's in, or the layer's end)
+};
+
+struct LayerIndex {
+  IndexedCompression compression = IndexedCompression::kGzip;
+  uint64_t span = kDefaultIndexSpan;
+  std::string layer_digest;
+  uint64_t compressed_size = 0;
+  uint64_t uncompressed_size = 0;
+  uint32_t members = 0;  ///< gzip members (1 for most layers; several for concatenated streams)
+  std::vector<IndexCheckpoint> checkpoints;
+  std::vector<IndexEntry> entries;
+
+  /// The entry of that path (the last one, as a tar's later entries win), or null.
+  const IndexEntry* find(std::string_view path) const;
+  /// The checkpoints [first, last] whose spans hold uncompressed [offset, offset + length).
+  std::pair<size_t, size_t> spans_for(uint64_t offset, uint64_t length) const;
+  /// Checkpoint k's span in the compressed layer: [begin, end).
+  std::pair<uint64_t, uint64_t> span_range(size_t k) const;
+};
+
+/// Reads the layer blob at `blob` once and indexes it. A zstd layer, or a
+/// tar the index cannot describe, is kInput naming it; `span` below 64 KiB
+/// is kUsage.
+Result<LayerIndex> build_layer_index(const std::filesystem::path& blob, const Descriptor& layer, uint64_t span,
+                                     const std::string& what);
+
+/// The index as bytes, and back; a damaged, truncated or foreign file is kInput naming `what`.
+std::string serialize_index(const LayerIndex& index);
+Result<LayerIndex> parse_index(std::string_view bytes, const std::string& what);
+Result<LayerIndex> read_index(const std::filesystem::path& path);
+
+/// Where the index of `digest` lives in a pull's directory: DIR/cfmo-index/<hex>.
+std::filesystem::path index_path(const std::filesystem::path& dir, const std::string& digest);
+
+/// The compressed layer's bytes by offset: a local blob, or ranges fetched from a registry.
+class CompressedSource {
+ public:
+  virtual ~CompressedSource() = default;
+  virtual Result<std::string> read(uint64_t offset, uint64_t length) = 0;
+};
+
+/// A local file.
+class FileSource : public CompressedSource {
+ public:
+  explicit FileSource(std::filesystem::path path) : path_(std::move(path)) {}
+  ~FileSource() override;
+  Result<std::string> read(uint64_t offset, uint64_t length) override;
+
+ private:
+  std::filesystem::path path_;
+  int fd_ = -1;
+};
+
+/// Ranges of the layer blob fetched from its registry with HTTP Range
+/// requests (one a read, retried as the client retries), for a layer that
+/// is not on disk; read_range checks each span against its digest. A
+/// registry that answers a Range request with the whole blob (200) is
+/// kPeer, said as such: a caller can fetch the layer whole instead.
+class RegistrySource : public CompressedSource {
+ public:
+  RegistrySource(RegistryClient& client, std::string digest, std::string what)
+      : client_(client), digest_(std::move(digest)), what_(std::move(what)) {}
+  Result<std::string> read(uint64_t offset, uint64_t length) override;
+  uint64_t bytes_fetched() const { return fetched_; }
+  int requests() const { return requests_; }
+
+ private:
+  RegistryClient& client_;
+  std::string digest_;
+  std::string what_;
+  uint64_t fetched_ = 0;
+  int requests_ = 0;
+};
+
+/// Uncompressed bytes [offset, offset + length) of the layer, inflated from
+/// the nearest checkpoint before them; each span is checked against its
+/// SHA-256 before it is used (a mismatch is kInput naming the span).
+Result<std::string> read_range(const LayerIndex& index, CompressedSource& source, uint64_t offset, uint64_t length,
+                               const std::string& what);
+
+/// A regular file's contents (a hard link: its target's).
+Result<std::string> read_entry(const LayerIndex& index, CompressedSource& source, const IndexEntry& entry,
+                               const std::string& what);
+
+/// One layer of `index_pull`'s work.
+struct LayerIndexReport {
+  size_t layer = 0;
+  std::string digest;
+  std::string media_type;
+  bool indexed = false;
+  std::string note;  ///< why not (zstd, not fetched), empty when indexed
+  std::filesystem::path path;
+  size_t entries = 0;
+  size_t checkpoints = 0;
+  uint32_t members = 0;
+  uint64_t uncompressed_size = 0;
+  uint64_t index_bytes = 0;
+};
+
+/// Indexes every fetched gzip or uncompressed layer of the pull in `dir`
+/// into DIR/cfmo-index/; the others are reported with the reason.
+Result<std::vector<LayerIndexReport>> index_pull(const std::filesystem::path& dir, uint64_t span);
+
+/// The indexes `index_pull` made for the pull in `dir`, with their layer
+/// numbers; a fetched gzip or plain layer without one is kInput.
+Result<std::vector<std::pair<size_t, LayerIndex>>> read_pull_indexes(const std::filesystem::path& dir);
+
+/// "file", "hardlink", "symlink", "char", "block", "dir", "fifo".
+const char* entry_type_name(char type);
+
+}  // namespace cfmo::oci

@@ -1,0 +1,231 @@
+// The layer index against the layer: every file's bytes read through the
+// index equal the tar's, for gzip streams of one member and of several
+// (split at odd places), plain tars, pax and GNU headers, and spans small
+// enough that files cross them; damaged indexes and spans are kInput.
+#include "oci/gzip_index.h"
+
+#include "core/atomic_file.h"
+#include "oci/registry.h"
+#include "support/expect_error.h"
+#include "support/layer_builder.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <random>
+
+namespace cfmo::oci {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace cfmo::testing;
+
+constexpr uint64_t kSpan = 64 << 10;
+constexpr const char* kGzip = "application/vnd.oci.image.layer.v1.tar+gzip";
+constexpr const char* kTar = "application/vnd.oci.image.layer.v1.tar";
+
+struct Scratch {
+  Scratch() {
+    std::string pattern = (fs::temp_directory_path() / "cfmo-index-XXXXXX").string();
+    if (mkdtemp(pattern.data()) != nullptr) path = pattern;
+  }
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  fs::path path;
+};
+
+std::string text(size_t size) {
+  std::string out;
+  for (size_t i = 0; out.size() < size; ++i) out += "line " + std::to_string(i * 7919 % 1000) + " of a log\n";
+  out.resize(size);
+  return out;
+}
+
+/// Files of odd sizes (around the 512-byte blocks, and larger than a span,
+/// random and compressible), long names, links and whiteouts.
+std::vector<TarEntry> entries() {
+  std::vector<TarEntry> e = {dir("etc"),
+                             file("etc/empty", ""),
+                             file("etc/one", "x"),
+                             file("etc/511", random_bytes(511, 1)),
+                             file("etc/512", random_bytes(512, 2)),
+                             file("etc/513", random_bytes(513, 3)),
+                             dir("usr"),
+                             dir("usr/lib"),
+                             file("usr/lib/big.so", random_bytes(300007, 4)),
+                             file("usr/lib/log.txt", text(250001)),
+                             file("usr/lib/" + std::string(150, 'n') + "/deep", random_bytes(70001, 5)),
+                             symlink("lib", "usr/lib"),
+                             hardlink("usr/lib/again.so", "usr/lib/big.so"),
+                             whiteout("etc", "gone"),
+                             opaque("usr"),
+                             file("tail", random_bytes(131073, 6), 0755)};
+  e[10].path = "usr/lib/" + std::string(150, 'n') + "/deep";
+  return e;
+}
+
+/// A gzip stream of several members: the tar cut at odd places, each piece compressed on its own.
+std::string multi_member(const std::string& tar) {
+  std::string out;
+  size_t at = 0;
+  int level = 1;
+  for (const size_t cut : {size_t{7777}, size_t{123457}, size_t{600001}, tar.size()}) {
+    out += gzip(tar.substr(at, cut - at), level);
+    at = cut;
+    level = level % 9 + 2;
+  }
+  return out;
+}
+
+struct Layer {
+  std::string blob;
+  Descriptor descriptor;
+  fs::path path;
+};
+
+Layer write_layer(const Scratch& s, const std::string& blob, const char* media_type, const std::string& name) {
+  Layer layer{blob, {media_type, sha256_digest(blob), static_cast<int64_t>(blob.size()), {}}, s.path / name};
+  EXPECT_TRUE(write_file_atomic(layer.path, blob));
+  return layer;
+}
+
+void expect_every_file_equal(const LayerIndex& index, const Layer& layer, const std::vector<TarEntry>& tar_entries) {
+  FileSource source(layer.path);
+  for (const auto& t : tar_entries) {
+    SCOPED_TRACE(t.path);
+    const IndexEntry* e = index.find(t.path);
+    ASSERT_NE(e, nullptr);
+    if (!t.hardlink.empty()) {
+      EXPECT_EQ(e->type, '1');
+      EXPECT_EQ(e->link, t.hardlink);
+    } else if (t.type == AE_IFREG) {
+      EXPECT_EQ(e->type, '0');
+      EXPECT_EQ(e->size, t.data.size());
+      EXPECT_EQ(e->mode, t.perm);
+    } else if (t.type == AE_IFDIR) {
+      EXPECT_EQ(e->type, '5');
+    } else if (t.type == AE_IFLNK) {
+      EXPECT_EQ(e->type, '2');
+      EXPECT_EQ(e->link, t.link);
+    }
+    if (t.type != AE_IFREG) continue;
+    auto bytes = read_entry(index, source, *e, "layer");
+    ASSERT_TRUE(bytes) << bytes.error().message;
+    const std::string& expected =
+        t.hardlink.empty() ? t.data : std::find_if(tar_entries.begin(), tar_entries.end(), [&](const TarEntry& o) {
+                                        return o.path == t.hardlink;
+                                      })->data;
+    EXPECT_TRUE(*bytes == expected) << bytes->size() << " bytes, expected " << expected.size();
+  }
+}
+
+TEST(OciGzipIndex, EveryFileThroughTheIndexEqualsTheTar) {
+  const auto tar_entries = entries();
+  for (const TarFormat format : {TarFormat::kPax, TarFormat::kGnu}) {
+    const std::string tar = make_tar(tar_entries, format);
+    Scratch s;
+    struct Case {
+      const char* name;
+      std::string blob;
+      const char* media_type;
+      uint32_t members;
+    };
+    for (const Case& c : {Case{"one member", gzip(tar), kGzip, 1}, Case{"four members", multi_member(tar), kGzip, 4},
+                          Case{"uncompressed", tar, kTar, 0}}) {
+      SCOPED_TRACE(std::string(c.name) + (format == TarFormat::kPax ? ", pax" : ", gnu"));
+      const Layer layer = write_layer(s, c.blob, c.media_type, c.name);
+      auto index = build_layer_index(layer.path, layer.descriptor, kSpan, "layer");
+      ASSERT_TRUE(index) << index.error().message;
+      EXPECT_EQ(index->uncompressed_size, tar.size());
+      EXPECT_EQ(index->compressed_size, c.blob.size());
+      EXPECT_EQ(index->members, c.members);
+      // Spans small enough that large files cross their boundaries (a
+      // checkpoint waits for a deflate block's end, so spans may be longer).
+      ASSERT_GE(index->checkpoints.size(), 4u);
+      ASSERT_EQ(index->entries.size(), tar_entries.size());
+      size_t crossing = 0;
+      for (const auto& e : index->entries) {
+        for (const auto& c : index->checkpoints) crossing += c.out > e.offset && c.out < e.offset + e.size ? 1 : 0;
+      }
+      EXPECT_GE(crossing, 3u);
+      expect_every_file_equal(*index, layer, tar_entries);
+      // Whiteouts are marked; so is an opaque directory.
+      EXPECT_EQ(index->find("etc/.wh.gone")->whiteout, IndexWhiteout::kFile);
+      EXPECT_EQ(index->find("usr/.wh..wh..opq")->whiteout, IndexWhiteout::kOpaque);
+      EXPECT_EQ(index->find("etc/one")->whiteout, IndexWhiteout::kNone);
+      // Any range of the stream, across spans and members, equals the tar's.
+      FileSource source(layer.path);
+      std::mt19937_64 rng(7);
+      for (int i = 0; i < 40; ++i) {
+        const uint64_t offset = rng() % tar.size();
+        const uint64_t length = std::min<uint64_t>(rng() % (3 * kSpan), tar.size() - offset);
+        auto range = read_range(*index, source, offset, length, "layer");
+        ASSERT_TRUE(range) << range.error().message;
+        EXPECT_TRUE(*range == tar.substr(offset, length)) << offset << "+" << length;
+      }
+      // The index survives its own format.
+      auto parsed = parse_index(serialize_index(*index), "index");
+      ASSERT_TRUE(parsed) << parsed.error().message;
+      EXPECT_EQ(parsed->checkpoints.size(), index->checkpoints.size());
+      expect_every_file_equal(*parsed, layer, tar_entries);
+    }
+  }
+}
+
+TEST(OciGzipIndex, ADamagedIndexIsBadInputNamingIt) {
+  const std::string tar = make_tar(entries());
+  Scratch s;
+  const Layer layer = write_layer(s, gzip(tar), kGzip, "layer");
+  auto index = build_layer_index(layer.path, layer.descriptor, kSpan, "layer");
+  ASSERT_TRUE(index) << index.error().message;
+  const std::string bytes = serialize_index(*index);
+  for (const size_t at : {size_t{0}, size_t{9}, size_t{40}, bytes.size() / 2, bytes.size() - 1}) {
+    std::string damaged = bytes;
+    damaged[at] = static_cast<char>(damaged[at] ^ 0x20);
+    EXPECT_TRUE(fails_with(parse_index(damaged, "x.idx"), ErrorKind::kInput, {"index 'x.idx'"})) << at;
+  }
+  EXPECT_TRUE(
+      fails_with(parse_index(bytes.substr(0, bytes.size() - 100), "x.idx"), ErrorKind::kInput, {"index 'x.idx'"}));
+  EXPECT_TRUE(fails_with(parse_index("", "x.idx"), ErrorKind::kInput, {"not a cfmo layer index"}));
+  EXPECT_TRUE(fails_with(read_index(s.path / "absent"), ErrorKind::kInput, {"no such file"}));
+}
+
+TEST(OciGzipIndex, ASpanWhoseBytesChangedIsRefused) {
+  const std::string tar = make_tar(entries());
+  Scratch s;
+  std::string blob = gzip(tar);
+  const Layer layer = write_layer(s, blob, kGzip, "layer");
+  auto index = build_layer_index(layer.path, layer.descriptor, kSpan, "layer");
+  ASSERT_TRUE(index) << index.error().message;
+  ASSERT_GE(index->checkpoints.size(), 3u);
+  const auto [begin, end] = index->span_range(1);
+  blob[(begin + end) / 2] = static_cast<char>(blob[(begin + end) / 2] ^ 1);
+  ASSERT_TRUE(write_file_atomic(layer.path, blob));
+  FileSource source(layer.path);
+  EXPECT_TRUE(fails_with(read_range(*index, source, index->checkpoints[1].out, 10, "layer 0"), ErrorKind::kInput,
+                         {"layer 0", "span 1", "SHA-256 mismatch"}));
+  // Other spans are still read.
+  EXPECT_TRUE(read_range(*index, source, 0, 100, "layer 0").has_value());
+}
+
+TEST(OciGzipIndex, WhatCannotBeIndexedSaysSo) {
+  const std::string tar = make_tar(entries());
+  Scratch s;
+  const Layer zst = write_layer(s, zstd(tar), "application/vnd.oci.image.layer.v1.tar+zstd", "zst");
+  EXPECT_TRUE(fails_with(build_layer_index(zst.path, zst.descriptor, kSpan, "layer 2"), ErrorKind::kInput,
+                         {"layer 2", "not lazily loadable"}));
+  const Layer gz = write_layer(s, gzip(tar), kGzip, "gz");
+  EXPECT_TRUE(fails_with(build_layer_index(gz.path, gz.descriptor, 4096, "layer"), ErrorKind::kUsage, {"--span"}));
+  const Layer cut = write_layer(s, gzip(tar).substr(0, 5000), kGzip, "cut");
+  EXPECT_TRUE(fails_with(build_layer_index(cut.path, cut.descriptor, kSpan, "layer 1"), ErrorKind::kInput,
+                         {"layer 1", "truncated"}));
+  const Layer junk = write_layer(s, gzip(random_bytes(100000, 9)), kGzip, "junk");
+  EXPECT_TRUE(fails_with(build_layer_index(junk.path, junk.descriptor, kSpan, "layer 3"), ErrorKind::kInput,
+                         {"layer 3", "tar header"}));
+}
+
+}  // namespace
+}  // namespace cfmo::oci
