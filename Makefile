@@ -4,7 +4,7 @@ BUILD ?= build
 MESON_FLAGS ?= -Dwerror=true
 NINJA_JOBS ?=
 
-.PHONY: all deps configure build test test-unit demo bench bench-gpt bench-diverge bench-moe bench-pull clean
+.PHONY: all deps configure build test test-unit demo demo-gpt bench bench-gpt bench-diverge bench-moe bench-pull clean
 
 all: build
 
@@ -27,6 +27,10 @@ test-unit: build
 
 demo: build
 	$(BUILD)/tools/cfmo-train --config conf/demo.toml $(if $(COMPARE),--compare)
+
+demo-gpt: build
+	$(BUILD)/tools/cfmo-train --config conf/gpt.toml
+	$(BUILD)/tools/cfmo-train sample runs/gpt --prompt 'Q: ' --tokens 300 --top-k 40 --temperature 0.8
 
 bench: build
 	scripts/install-deps.sh --bench

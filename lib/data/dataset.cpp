@@ -277,8 +277,8 @@ Result<DataSplit> load_data(const std::string& spec, uint64_t seed) {
   return make_synthetic(seed, sizes[0], sizes[1]);
 }
 
-Result<DataShape> data_shape(const std::string& spec) {
-  DataShape shape;
+Result<DatasetSize> data_shape(const std::string& spec) {
+  DatasetSize shape;
   if (spec.starts_with(kSynthetic)) {
     CFMO_ASSIGN_OR_RETURN(const auto sizes, synthetic_sizes(spec));
     shape.train = sizes[0];

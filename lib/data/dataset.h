@@ -55,13 +55,13 @@ Result<DataSplit> load_data(const std::string& spec, uint64_t seed);
 
 /// How big the data set `spec` names is, without loading it: from the IDX
 /// images' headers, or the synthetic sizes. For estimates (memory).
-struct DataShape {
+struct DatasetSize {
   int64_t train = 0;
   int64_t test = 0;
   int features = 0;
   int classes = 10;
 };
-Result<DataShape> data_shape(const std::string& spec);
+Result<DatasetSize> data_shape(const std::string& spec);
 
 /// The order of examples in each epoch: a permutation of [0, count) that
 /// depends only on (seed, epoch), so a resumed run sees the same batches.

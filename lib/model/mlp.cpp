@@ -49,27 +49,33 @@ Mlp::Mlp(MlpSpec spec) : spec_(std::move(spec)) {
   widths_.push_back(spec_.inputs);
   for (int h : spec_.hidden) widths_.push_back(h);
   widths_.push_back(spec_.classes);
-  size_t offset = 0;
+  std::vector<ParamInfo> layout;
+  LayoutBuilder builder;
   for (int l = 0; l < layers(); ++l) {
-    const auto in = static_cast<size_t>(widths_[l]);
-    const auto out = static_cast<size_t>(widths_[l + 1]);
-    // Tensors start on 16-float (64-byte) boundaries so SIMD loops and BLAS see aligned rows.
-    auto align = [](size_t n) { return (n + 15) / 16 * 16; };
-    params_.push_back(
-        {fmt::format("layers.{}.weight", l), {static_cast<int64_t>(out), static_cast<int64_t>(in)}, offset, out * in});
-    offset = align(offset + out * in);
-    params_.push_back({fmt::format("layers.{}.bias", l), {static_cast<int64_t>(out)}, offset, out});
-    offset = align(offset + out);
+    const int64_t in = widths_[l];
+    const int64_t out = widths_[l + 1];
+    // torch.optim decays every tensor it is given: so does the MLP, to stay comparable.
+    builder.add(layout, fmt::format("layers.{}.weight", l), {out, in}, ParamKind::kMatrix, true);
+    builder.add(layout, fmt::format("layers.{}.bias", l), {out}, ParamKind::kBias, true);
   }
-  parameters_.assign(offset, 0.0f);
-  gradients_.assign(offset, 0.0f);
+  set_layout(std::move(layout), builder.size());
 }
 
-size_t Mlp::num_trainable() const {
-  size_t n = 0;
-  for (const auto& p : params_) n += p.size;
-  return n;
+double Mlp::flops_per_example() const {
+  // Forward 2*in*out per layer; backward twice that (weights and inputs), less the first layer's input gradient.
+  double flops = 0;
+  for (int l = 0; l < layers(); ++l) {
+    const double mac = static_cast<double>(widths_[l]) * widths_[l + 1];
+    flops += (l == 0 ? 4.0 : 6.0) * mac;
+  }
+  return flops;
 }
+
+float Mlp::forward_backward(const Examples& batch) {
+  return forward_backward(batch.features, batch.labels, batch.count);
+}
+
+EvalResult Mlp::evaluate(const Examples& batch) { return evaluate(batch.features, batch.labels, batch.count); }
 
 void Mlp::init(uint64_t seed) {
   Rng rng(seed, /*stream=*/0x1417);
@@ -81,6 +87,17 @@ void Mlp::init(uint64_t seed) {
       for (size_t i = 0; i < p.size; ++i) parameters_[p.offset + i] = rng.uniform(-bound, bound);
     }
   }
+}
+
+size_t Mlp::workspace_floats(int batch) const {
+  // What ensure_workspace allocates: every layer's outputs and two rows of the widest.
+  size_t floats = 0;
+  int widest = 0;
+  for (size_t l = 1; l < widths_.size(); ++l) {
+    floats += static_cast<size_t>(widths_[l]);
+    widest = std::max(widest, widths_[l]);
+  }
+  return static_cast<size_t>(batch) * (floats + static_cast<size_t>(spec_.classes) + 2 * static_cast<size_t>(widest));
 }
 
 void Mlp::ensure_workspace(int batch) {
@@ -148,33 +165,6 @@ EvalResult Mlp::evaluate(const float* inputs, const int32_t* labels, int64_t cou
     result.count += n;
   }
   return result;
-}
-
-double softmax_cross_entropy(const float* logits, const int32_t* labels, int batch, int classes, float* dlogits,
-                             float grad_scale, int64_t* correct) {
-  double total = 0;
-  for (int r = 0; r < batch; ++r) {
-    const float* row = logits + static_cast<size_t>(r) * classes;
-    int argmax = 0;
-    for (int j = 1; j < classes; ++j) {
-      if (row[j] > row[argmax]) argmax = j;
-    }
-    const float max = row[argmax];
-    double sum = 0;
-    for (int j = 0; j < classes; ++j) sum += std::exp(static_cast<double>(row[j] - max));
-    const int label = labels[r];
-    const double log_sum = std::log(sum);
-    total += log_sum - static_cast<double>(row[label] - max);
-    if (correct != nullptr && argmax == label) ++*correct;
-    if (dlogits != nullptr) {
-      float* drow = dlogits + static_cast<size_t>(r) * classes;
-      for (int j = 0; j < classes; ++j) {
-        const double p = std::exp(static_cast<double>(row[j] - max) - log_sum);
-        drow[j] = static_cast<float>(p - (j == label ? 1.0 : 0.0)) * grad_scale;
-      }
-    }
-  }
-  return total;
 }
 
 }  // namespace cfmo

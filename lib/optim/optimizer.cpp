@@ -59,14 +59,29 @@ void scale_range(FloatBuffer& buffer, float factor, size_t offset, size_t count)
   scale_kernel(buffer.data() + offset, std::min(count, buffer.size() - offset), factor);
 }
 
+/// Calls f(offset, count, weight_decay) for each tensor of `layout`, the
+/// decay `wd` only where the tensor takes it (a GPT's matrices, not its
+/// biases, norms and embeddings); the whole buffer when `layout` is empty.
+template <typename F>
+void for_each_tensor(const std::vector<ParamInfo>& layout, size_t size, double wd, F&& f) {
+  if (layout.empty()) {
+    f(size_t{0}, size, static_cast<float>(wd));
+    return;
+  }
+  for (const auto& info : layout) f(info.offset, info.size, info.decays ? static_cast<float>(wd) : 0.0f);
+}
+
 class Sgd final : public Optimizer {
  public:
-  Sgd(const OptimizerConfig& config, size_t size) : config_(config), buffer_(size, 0.0f) {}
+  Sgd(const OptimizerConfig& config, std::vector<ParamInfo> layout, size_t size)
+      : config_(config), layout_(std::move(layout)), buffer_(size, 0.0f) {}
   std::string_view name() const override { return "sgd"; }
 
   void step(std::span<float> params, std::span<const float> grads, float lr) override {
-    sgd_kernel(params.data(), grads.data(), buffer_.data(), params.size(), lr, static_cast<float>(config_.momentum),
-               static_cast<float>(config_.weight_decay), config_.nesterov, steps_ == 0);
+    for_each_tensor(layout_, params.size(), config_.weight_decay, [&](size_t offset, size_t count, float wd) {
+      sgd_kernel(params.data() + offset, grads.data() + offset, buffer_.data() + offset, count, lr,
+                 static_cast<float>(config_.momentum), wd, config_.nesterov, steps_ == 0);
+    });
     ++steps_;
   }
   void scale_first_moment(float factor, size_t offset, size_t count) override {
@@ -76,22 +91,29 @@ class Sgd final : public Optimizer {
 
  private:
   OptimizerConfig config_;
+  std::vector<ParamInfo> layout_;
   FloatBuffer buffer_;
 };
 
 class Adam final : public Optimizer {
  public:
-  Adam(const OptimizerConfig& config, size_t size, bool decoupled)
-      : config_(config), decoupled_(decoupled), exp_avg_(size, 0.0f), exp_avg_sq_(size, 0.0f) {}
+  Adam(const OptimizerConfig& config, std::vector<ParamInfo> layout, size_t size, bool decoupled)
+      : config_(config),
+        layout_(std::move(layout)),
+        decoupled_(decoupled),
+        exp_avg_(size, 0.0f),
+        exp_avg_sq_(size, 0.0f) {}
   std::string_view name() const override { return decoupled_ ? "adamw" : "adam"; }
 
   void step(std::span<float> params, std::span<const float> grads, float lr) override {
     ++steps_;
     const auto k = adam_coefficients(config_, steps_, lr);
-    const auto wd = static_cast<float>(config_.weight_decay);
-    adam_kernel(params.data(), grads.data(), exp_avg_.data(), exp_avg_sq_.data(), params.size(),
-                static_cast<float>(config_.beta1), static_cast<float>(config_.beta2), k.step_size, k.inv_sqrt_bc2,
-                static_cast<float>(config_.eps), decoupled_ ? 0.0f : wd, decoupled_ ? 1.0f - lr * wd : 1.0f);
+    for_each_tensor(layout_, params.size(), config_.weight_decay, [&](size_t offset, size_t count, float wd) {
+      adam_kernel(params.data() + offset, grads.data() + offset, exp_avg_.data() + offset, exp_avg_sq_.data() + offset,
+                  count, static_cast<float>(config_.beta1), static_cast<float>(config_.beta2), k.step_size,
+                  k.inv_sqrt_bc2, static_cast<float>(config_.eps), decoupled_ ? 0.0f : wd,
+                  decoupled_ ? 1.0f - lr * wd : 1.0f);
+    });
   }
   void scale_first_moment(float factor, size_t offset, size_t count) override {
     scale_range(exp_avg_, factor, offset, count);
@@ -100,12 +122,14 @@ class Adam final : public Optimizer {
 
  private:
   OptimizerConfig config_;
+  std::vector<ParamInfo> layout_;
   bool decoupled_;
   FloatBuffer exp_avg_;
   FloatBuffer exp_avg_sq_;
 };
 
-/// Muon for 2-D weights, AdamW for everything else (biases). The update of a
+/// Muon for the matrices (ParamInfo::is_matrix: a GPT's blocks' hidden
+/// weights, not its embeddings), AdamW for everything else (biases, norms, embeddings). The update of a
 /// weight is scaled by 0.2 * sqrt(max(rows, cols)) so its RMS matches AdamW's
 /// (Moonshot AI, "Muon is Scalable for LLM Training", 2025): one --lr serves both.
 class Muon final : public Optimizer {
@@ -125,9 +149,9 @@ class Muon final : public Optimizer {
   void step(std::span<float> params, std::span<const float> grads, float lr) override {
     ++steps_;
     const auto k = adam_coefficients(config_, steps_, lr);
-    const auto wd = static_cast<float>(config_.weight_decay);
     const auto mu = static_cast<float>(config_.momentum);
     for (const auto& info : layout_) {
+      const auto wd = info.decays ? static_cast<float>(config_.weight_decay) : 0.0f;
       float* p = params.data() + info.offset;
       const float* g = grads.data() + info.offset;
       if (!info.is_matrix()) {
@@ -232,9 +256,9 @@ double clip_grad_norm(std::span<float> grads, double max_norm) {
 
 Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config, const std::vector<ParamInfo>& layout,
                                                   size_t size) {
-  if (config.name == "sgd") return std::unique_ptr<Optimizer>(std::make_unique<Sgd>(config, size));
-  if (config.name == "adam") return std::unique_ptr<Optimizer>(std::make_unique<Adam>(config, size, false));
-  if (config.name == "adamw") return std::unique_ptr<Optimizer>(std::make_unique<Adam>(config, size, true));
+  if (config.name == "sgd") return std::unique_ptr<Optimizer>(std::make_unique<Sgd>(config, layout, size));
+  if (config.name == "adam") return std::unique_ptr<Optimizer>(std::make_unique<Adam>(config, layout, size, false));
+  if (config.name == "adamw") return std::unique_ptr<Optimizer>(std::make_unique<Adam>(config, layout, size, true));
   if (config.name == "muon") return std::unique_ptr<Optimizer>(std::make_unique<Muon>(config, layout, size));
   return make_error(ErrorKind::kUsage, "--optimizer '{}': expected sgd, adam, adamw or muon", config.name);
 }

@@ -5,7 +5,7 @@
 /// value by value. State buffers share the parameters' flat layout.
 
 #include "core/error.h"
-#include "model/mlp.h"
+#include "model/model.h"
 #include "tensor/buffer.h"
 
 #include <memory>

@@ -68,7 +68,7 @@ void prune_checkpoints(const fs::path& root, int64_t current, int keep) {
 
 }  // namespace
 
-Status save_model(const fs::path& path, const Mlp& model, const std::map<std::string, std::string>& metadata) {
+Status save_model(const fs::path& path, const Model& model, const std::map<std::string, std::string>& metadata) {
   std::vector<TensorRef> tensors;
   for (const auto& p : model.params()) {
     tensors.push_back({p.name, "F32", p.shape, as_bytes(model.parameters().data() + p.offset, p.size)});
@@ -76,7 +76,7 @@ Status save_model(const fs::path& path, const Mlp& model, const std::map<std::st
   return write_safetensors(path, tensors, metadata);
 }
 
-CheckpointData checkpoint_data(const Mlp& model, Optimizer& optimizer, const TrainPosition& position) {
+CheckpointData checkpoint_data(const Model& model, Optimizer& optimizer, const TrainPosition& position) {
   CheckpointData data;
   data.position = position;
   data.params.assign(model.parameters().begin(), model.parameters().end());
@@ -117,8 +117,9 @@ Status put_in_place(const fs::path& temp_dir, const fs::path& final_dir) {
 
 }  // namespace
 
-Result<fs::path> write_checkpoint(const fs::path& run_dir, const MlpSpec& spec, const std::vector<ParamInfo>& layout,
-                                  const CheckpointData& data, const std::string& config_toml, int keep) {
+Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& model_spec,
+                                  const std::vector<ParamInfo>& layout, const CheckpointData& data,
+                                  const std::string& config_toml, int keep) {
   const fs::path root = run_dir / "checkpoints";
   std::error_code ec;
   fs::create_directories(root, ec);
@@ -149,7 +150,7 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const MlpSpec& spec, 
     return tensors;
   };
   const std::map<std::string, std::string> model_meta = {
-      {"format", "pt"}, {"cfmo.model", spec.to_string()}, {"cfmo.step", std::to_string(position.step)}};
+      {"format", "pt"}, {"cfmo.model", model_spec}, {"cfmo.step", std::to_string(position.step)}};
   CFMO_TRY(write_safetensors(temp_dir / "model.safetensors", tensors_of(data.params, ""), model_meta));
 
   std::vector<TensorRef> state_tensors;
@@ -171,7 +172,7 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const MlpSpec& spec, 
                                   {"batch_in_epoch", position.batch_in_epoch},
                                   {"samples", position.samples},
                                   {"train_s", position.train_s},
-                                  {"model", spec.to_string()},
+                                  {"model", model_spec},
                                   {"optimizer", data.optimizer_name},
                                   {"optimizer_steps", data.optimizer_steps},
                                   {"workers", data.world.workers}};
@@ -196,16 +197,16 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const MlpSpec& spec, 
   return final_dir;
 }
 
-Result<fs::path> save_checkpoint(const fs::path& run_dir, const Mlp& model, Optimizer& optimizer,
+Result<fs::path> save_checkpoint(const fs::path& run_dir, const Model& model, Optimizer& optimizer,
                                  const TrainPosition& position, const std::string& config_toml, int keep) {
-  return write_checkpoint(run_dir, model.spec(), model.params(), checkpoint_data(model, optimizer, position),
+  return write_checkpoint(run_dir, model.spec_string(), model.params(), checkpoint_data(model, optimizer, position),
                           config_toml, keep);
 }
 
-CheckpointWriter::CheckpointWriter(fs::path run_dir, MlpSpec spec, std::vector<ParamInfo> layout,
+CheckpointWriter::CheckpointWriter(fs::path run_dir, std::string model_spec, std::vector<ParamInfo> layout,
                                    std::string config_toml, int keep)
     : run_dir_(std::move(run_dir)),
-      spec_(std::move(spec)),
+      spec_(std::move(model_spec)),
       layout_(std::move(layout)),
       config_toml_(std::move(config_toml)),
       keep_(keep),
@@ -324,7 +325,7 @@ bool negative(const TrainPosition& p) { return p.step < 0 || p.epoch < 0 || p.ba
 
 }  // namespace
 
-Result<TrainPosition> load_checkpoint(const fs::path& dir, Mlp& model, Optimizer& optimizer, CheckpointWorld* world,
+Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimizer& optimizer, CheckpointWorld* world,
                                       FloatBuffer* outer_momentum) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
@@ -383,9 +384,9 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Mlp& model, Optimizer
     CFMO_TRY(params.read_f32(p.name, p.shape, model.parameters().subspan(p.offset, p.size)));
   }
   // Tensors of the right shapes under another model's name: state.json is not this checkpoint's.
-  if (!model_name.empty() && model_name != model.spec().to_string()) {
+  if (!model_name.empty() && model_name != model.spec_string()) {
     return make_error(ErrorKind::kInput, "'{}': model '{}' is not the one its tensors hold ({})", state_path.string(),
-                      model_name, model.spec().to_string());
+                      model_name, model.spec_string());
   }
   CFMO_ASSIGN_OR_RETURN(auto state_file, SafetensorsFile::read(dir / "optimizer.safetensors"));
   for (const auto& s : optimizer.state()) {

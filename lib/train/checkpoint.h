@@ -15,7 +15,7 @@
 
 #include "core/dir_lock.h"
 #include "core/error.h"
-#include "model/mlp.h"
+#include "model/model.h"
 #include "optim/optimizer.h"
 #include "tensor/buffer.h"
 #include "train/writer_counters.h"
@@ -64,16 +64,16 @@ struct CheckpointData {
 };
 
 /// Copies the model's parameters and the optimizer's state.
-CheckpointData checkpoint_data(const Mlp& model, Optimizer& optimizer, const TrainPosition& position);
+CheckpointData checkpoint_data(const Model& model, Optimizer& optimizer, const TrainPosition& position);
 
-/// Writes a checkpoint of a model of this layout and keeps only the newest
-/// `keep`; returns its directory.
-Result<std::filesystem::path> write_checkpoint(const std::filesystem::path& run_dir, const MlpSpec& spec,
+/// Writes a checkpoint of a model of this spec ("mlp:256,128") and layout and
+/// keeps only the newest `keep`; returns its directory.
+Result<std::filesystem::path> write_checkpoint(const std::filesystem::path& run_dir, const std::string& model_spec,
                                                const std::vector<ParamInfo>& layout, const CheckpointData& data,
                                                const std::string& config_toml, int keep);
 
 /// Writes a checkpoint of one worker's model and optimizer (write_checkpoint of checkpoint_data).
-Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_dir, const Mlp& model,
+Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_dir, const Model& model,
                                               Optimizer& optimizer, const TrainPosition& position,
                                               const std::string& config_toml, int keep);
 
@@ -82,8 +82,8 @@ Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_d
 /// more waits; a newer one replaces it (the replaced one counts as skipped).
 class CheckpointWriter : public WriterCounters {
  public:
-  CheckpointWriter(std::filesystem::path run_dir, MlpSpec spec, std::vector<ParamInfo> layout, std::string config_toml,
-                   int keep);
+  CheckpointWriter(std::filesystem::path run_dir, std::string model_spec, std::vector<ParamInfo> layout,
+                   std::string config_toml, int keep);
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
   ~CheckpointWriter();
@@ -99,7 +99,7 @@ class CheckpointWriter : public WriterCounters {
   void run();
 
   const std::filesystem::path run_dir_;
-  const MlpSpec spec_;
+  const std::string spec_;
   const std::vector<ParamInfo> layout_;
   const std::string config_toml_;
   const int keep_;
@@ -114,7 +114,7 @@ class CheckpointWriter : public WriterCounters {
 };
 
 /// Writes the parameters alone as a safetensors file (the run's final model).
-Status save_model(const std::filesystem::path& path, const Mlp& model,
+Status save_model(const std::filesystem::path& path, const Model& model,
                   const std::map<std::string, std::string>& metadata);
 
 /// `path` is a checkpoint directory or a run directory (its latest checkpoint);
@@ -133,7 +133,7 @@ Result<DirLock> lock_run_dir(const std::filesystem::path& run_dir);
 /// optimizer's name must match; errors name the file and tensor. `world` and
 /// `outer_momentum` (the model's layout; left empty when the checkpoint has
 /// none), when given, receive the rest.
-Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, Mlp& model, Optimizer& optimizer,
+Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, Model& model, Optimizer& optimizer,
                                       CheckpointWorld* world = nullptr, FloatBuffer* outer_momentum = nullptr);
 
 /// A loaded checkpoint's positions (`position` and each of `world.ranks`)

@@ -5,7 +5,7 @@
 /// behind, a round is skipped and counted rather than waited for.
 
 #include "core/error.h"
-#include "model/mlp.h"
+#include "model/model.h"
 #include "tensor/buffer.h"
 #include "train/writer_counters.h"
 

@@ -19,23 +19,13 @@ namespace {
 /// The model and optimizer in host memory, OpenBLAS for the GEMMs.
 class CpuEngine final : public Engine {
  public:
-  CpuEngine(Mlp& model, Optimizer& optimizer, const DataSplit& data)
-      : model_(model), optimizer_(optimizer), data_(data) {}
+  CpuEngine(Model& model, Optimizer& optimizer, DataSource& data) : model_(model), optimizer_(optimizer), data_(data) {}
 
   std::string description() const override { return "cpu (" + ops::blas_info() + ")"; }
   bool host_resident() const override { return true; }
 
-  Result<float> forward_backward(std::span<const int64_t> indices) override {
-    const Dataset& train = data_.train;
-    const auto n = static_cast<int>(indices.size());
-    const auto features = static_cast<size_t>(train.features);
-    inputs_.resize(indices.size() * features);
-    labels_.resize(indices.size());
-    for (size_t i = 0; i < indices.size(); ++i) {
-      train.rows_to_float(indices[i], 1, inputs_.data() + i * features);
-      labels_[i] = train.labels[static_cast<size_t>(indices[i])];
-    }
-    return model_.forward_backward(inputs_.data(), labels_.data(), n);
+  Result<float> forward_backward(const BatchRequest& request) override {
+    return model_.forward_backward(data_.train_batch(request));
   }
   Status zero_gradients() override {
     std::fill(model_.gradients().begin(), model_.gradients().end(), 0.0f);
@@ -57,29 +47,18 @@ class CpuEngine final : public Engine {
   Result<Optimizer*> host_optimizer() override { return &optimizer_; }
   Status optimizer_changed() override { return {}; }
 
-  Result<EvalResult> evaluate_test() override {
-    // Converted to floats a chunk at a time, so the set itself stays in bytes.
-    const Dataset& test = data_.test;
-    constexpr int64_t kChunk = 1000;
-    FloatBuffer chunk(static_cast<size_t>(std::min(kChunk, test.count)) * static_cast<size_t>(test.features));
+  Result<EvalResult> evaluate() override {
+    // Token windows are large (context x vocabulary logits each): a few at a time.
+    const int chunk = model_.context() > 0 ? 8 : 1000;
     EvalResult total;
-    for (int64_t first = 0; first < test.count; first += kChunk) {
-      const int64_t n = std::min(kChunk, test.count - first);
-      test.rows_to_float(first, n, chunk.data());
-      const EvalResult r = model_.evaluate(chunk.data(), test.labels.data() + first, n, static_cast<int>(kChunk));
-      total.loss_sum += r.loss_sum;
-      total.correct += r.correct;
-      total.count += r.count;
-    }
+    data_.for_each_eval_batch(chunk, [&](const Examples& batch) { total.add(model_.evaluate(batch)); });
     return total;
   }
 
  private:
-  Mlp& model_;
+  Model& model_;
   Optimizer& optimizer_;
-  const DataSplit& data_;
-  FloatBuffer inputs_;
-  std::vector<int32_t> labels_;
+  DataSource& data_;
 };
 
 #if CFMO_HAVE_CUDA
@@ -108,8 +87,16 @@ class DeviceOptimizerView final : public Optimizer {
 /// set uploaded once; NCCL for the lockstep modes' collectives.
 class CudaEngine final : public Engine {
  public:
-  static Result<std::unique_ptr<Engine>> create(const EngineOptions& options, Mlp& model, Optimizer& optimizer,
-                                                const OptimizerConfig& optimizer_config, const DataSplit& data) {
+  static Result<std::unique_ptr<Engine>> create(const EngineOptions& options, Model& host, Optimizer& optimizer,
+                                                const OptimizerConfig& optimizer_config, DataSource& source) {
+    // The device model is the MLP's; any other is refused before the device is touched.
+    auto* mlp = dynamic_cast<Mlp*>(&host);
+    if (mlp == nullptr || source.images() == nullptr) {
+      return make_error(ErrorKind::kUsage, "--device {}: the CUDA engine does not run this model yet ({})",
+                        options.device.to_string(), host.spec_string());
+    }
+    Mlp& model = *mlp;
+    const DataSplit& data = *source.images();
     std::unique_ptr<CudaEngine> e(new CudaEngine(model, optimizer));
     const Device device = device_for_rank(options.device, options.comm != nullptr ? options.comm->rank() : 0);
     CFMO_ASSIGN_OR_RETURN(e->ctx_, cuda::Context::create(device.index));
@@ -138,9 +125,9 @@ class CudaEngine final : public Engine {
   std::string description() const override { return description_; }
   bool host_resident() const override { return false; }
 
-  Result<float> forward_backward(std::span<const int64_t> indices) override {
+  Result<float> forward_backward(const BatchRequest& request) override {
     host_params_current_ = false;
-    return model_->forward_backward(*train_, indices);
+    return model_->forward_backward(*train_, request.indices);
   }
   Status zero_gradients() override { return model_->zero_gradients(); }
   Result<std::span<float>> host_gradients() override {
@@ -175,7 +162,7 @@ class CudaEngine final : public Engine {
   }
   Status optimizer_changed() override { return optimizer_->upload_state(host_optimizer_); }
 
-  Result<EvalResult> evaluate_test() override { return model_->evaluate(*test_); }
+  Result<EvalResult> evaluate() override { return model_->evaluate(*test_); }
 
   bool has_device_all_reduce() const override { return nccl_ != nullptr; }
   Status device_all_reduce_gradients(std::span<float> extras) override {
@@ -225,8 +212,12 @@ class CudaEngine final : public Engine {
 
 }  // namespace
 
-Result<std::unique_ptr<Engine>> make_engine(const EngineOptions& options, Mlp& model, Optimizer& optimizer,
-                                            const OptimizerConfig& optimizer_config, const DataSplit& data) {
+Result<std::unique_ptr<Engine>> make_engine(const EngineOptions& options, Model& model, Optimizer& optimizer,
+                                            const OptimizerConfig& optimizer_config, DataSource& data) {
+  if (options.device.is_cuda() && model.input_kind() != InputKind::kFeatures) {
+    return make_error(ErrorKind::kUsage, "--device {}: the CUDA engine does not run this model yet ({})",
+                      options.device.to_string(), model.spec_string());
+  }
   CFMO_TRY(check_device(options.device));
   if (!options.device.is_cuda()) return std::unique_ptr<Engine>(std::make_unique<CpuEngine>(model, optimizer, data));
 #if CFMO_HAVE_CUDA

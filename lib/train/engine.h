@@ -1,8 +1,9 @@
 #pragma once
 /// Where a worker's model lives and its arithmetic runs (`--device`). The CPU
-/// engine works on the host Mlp and Optimizer in place. The CUDA engine keeps
+/// engine works on the host Model and Optimizer in place, any model. The CUDA
+/// engine (the MLP only, so far) keeps
 /// parameters, gradients and optimizer state on the device, and copies them
-/// to the host Mlp and Optimizer only when the host asks (a reconciliation, a
+/// to the host Model and Optimizer only when the host asks (a reconciliation, a
 /// checkpoint, an evaluation's report), so the modes, the checkpoints and the
 /// deltas are the same code on both.
 ///
@@ -13,10 +14,10 @@
 
 #include "comm/communicator.h"
 #include "core/error.h"
-#include "data/dataset.h"
-#include "model/mlp.h"
+#include "model/model.h"
 #include "optim/optimizer.h"
 #include "tensor/device.h"
+#include "train/data_source.h"
 
 #include <cstdint>
 #include <memory>
@@ -33,9 +34,9 @@ class Engine {
   /// True when the host views are the engine's own memory (the CPU): no copies, always current.
   virtual bool host_resident() const = 0;
 
-  /// Forward and backward over the training examples `indices`; the
+  /// Forward and backward over the request's training examples; the
   /// gradients become d(mean loss)/d(params); returns the mean loss.
-  virtual Result<float> forward_backward(std::span<const int64_t> indices) = 0;
+  virtual Result<float> forward_backward(const BatchRequest& request) = 0;
   virtual Status zero_gradients() = 0;
   virtual Result<std::span<float>> host_gradients() = 0;
   virtual Status gradients_changed() = 0;
@@ -55,8 +56,8 @@ class Engine {
   /// The host optimizer's state was loaded (a resume): the engine takes it.
   virtual Status optimizer_changed() = 0;
 
-  /// Loss and accuracy over the test set.
-  virtual Result<EvalResult> evaluate_test() = 0;
+  /// Loss and accuracy over the evaluation data (the test set, the validation windows).
+  virtual Result<EvalResult> evaluate() = 0;
 
   /// Sums `extras` (host floats) over ranks together with the gradients each
   /// weighted by extras[0] (this rank's example count), on the device, and
@@ -79,8 +80,9 @@ struct EngineOptions {
 };
 
 /// The engine for `options.device`, over `model` and `optimizer` (which it
-/// keeps using as the host mirror) and the data split (uploaded once on CUDA).
-Result<std::unique_ptr<Engine>> make_engine(const EngineOptions& options, Mlp& model, Optimizer& optimizer,
-                                            const OptimizerConfig& optimizer_config, const DataSplit& data);
+/// keeps using as the host mirror) and the data (an image set is uploaded
+/// once on CUDA). kUsage when the device does not run this model.
+Result<std::unique_ptr<Engine>> make_engine(const EngineOptions& options, Model& model, Optimizer& optimizer,
+                                            const OptimizerConfig& optimizer_config, DataSource& data);
 
 }  // namespace cfmo

@@ -1,7 +1,8 @@
 #include "train/memory_estimate.h"
 
 #include "data/dataset.h"
-#include "model/mlp.h"
+#include "data/tokens.h"
+#include "model/factory.h"
 #include "optim/optimizer.h"
 
 #include <fmt/format.h>
@@ -29,36 +30,32 @@ std::string human_bytes(uint64_t bytes) {
 }  // namespace
 
 Result<uint64_t> estimate_worker_bytes(const TrainConfig& config) {
-  CFMO_ASSIGN_OR_RETURN(const DataShape data, data_shape(config.data));
-  CFMO_ASSIGN_OR_RETURN(const MlpSpec spec, MlpSpec::parse(config.model, data.features, data.classes));
-  // Parameters, counted from the layer widths (no model is built for this).
-  uint64_t params = 0;
-  uint64_t activations = 0;  // floats per example: every layer's outputs
-  int in = spec.inputs;
-  std::vector<int> outs = spec.hidden;
-  outs.push_back(spec.classes);
-  for (int out : outs) {
-    params += static_cast<uint64_t>(in) * static_cast<uint64_t>(out) + static_cast<uint64_t>(out);
-    activations += static_cast<uint64_t>(out);
-    in = out;
+  // The model is built (its parameters, not its data or workspaces) for its
+  // sizes; token data is memory-mapped and shared, an image set is held.
+  DataShape shape;
+  uint64_t data_bytes = 0;
+  if (is_token_spec(config.data)) {
+    const bool text = config.data.starts_with("text:");
+    shape = {InputKind::kTokens, 0, config.vocab_size > 0 ? config.vocab_size : text ? 256 : kGpt2VocabSize};
+  } else {
+    CFMO_ASSIGN_OR_RETURN(const DatasetSize data, data_shape(config.data));
+    shape = {InputKind::kFeatures, data.features, data.classes};
+    // A byte a pixel and an int32 label an example.
+    data_bytes = static_cast<uint64_t>(data.train + data.test) * (static_cast<uint64_t>(data.features) + 4);
   }
-  // The optimizer's state buffers, each of the parameters' size: as many as
-  // the optimizer keeps, asked of one built for a tiny model.
+  CFMO_ASSIGN_OR_RETURN(const auto model, make_model(config.model, shape));
+  const uint64_t params = model->num_params();
+  // The optimizer's state buffers, each of the parameters' size.
   OptimizerConfig optim_config;
   optim_config.name = config.optimizer;
   optim_config.momentum = config.momentum;
-  const Mlp tiny(MlpSpec{2, {}, 2});
-  CFMO_ASSIGN_OR_RETURN(auto optimizer, make_optimizer(optim_config, tiny.params(), tiny.num_params()));
+  CFMO_ASSIGN_OR_RETURN(auto optimizer, make_optimizer(optim_config, model->params(), model->num_params()));
   const uint64_t optimizer_copies = optimizer->state().size();
   // The mode's own copies of the parameters: a reduce buffer (sync), the
   // round's anchor, delta and outer momentum (localsgd, cfmo), the owners'
   // shards and their state (asgd).
   const uint64_t mode_copies = config.workers <= 1 ? 0 : config.mode == "sync" ? 1 : 3;
-  const uint64_t floats = params * (2 + optimizer_copies + mode_copies) +
-                          static_cast<uint64_t>(config.batch_size) * (activations * 2 + spec.inputs);
-  // The data set as bytes: a byte a pixel and an int32 label an example.
-  const uint64_t data_bytes =
-      static_cast<uint64_t>(data.train + data.test) * (static_cast<uint64_t>(data.features) + 4);
+  const uint64_t floats = params * (2 + optimizer_copies + mode_copies) + model->workspace_floats(config.batch_size);
   return kProcessBaseBytes + floats * sizeof(float) + data_bytes;
 }
 

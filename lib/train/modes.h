@@ -14,7 +14,7 @@
 #include "comm/codec.h"
 #include "comm/communicator.h"
 #include "core/error.h"
-#include "model/mlp.h"
+#include "model/model.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
 

@@ -1,6 +1,6 @@
 #include "train/train_config.h"
 
-#include "model/mlp.h"
+#include "model/factory.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "tensor/device.h"
@@ -12,8 +12,19 @@ namespace cfmo {
 
 void add_train_options(OptionTable& t, TrainConfig& c) {
   const std::string data = "Data and model";
-  t.add("data", &c.data, "Fashion-MNIST directory (IDX files, gzip or raw), or synthetic[:TRAIN[:TEST]]", data);
-  t.add("model", &c.model, "model: mlp:H1,H2,... (hidden layer widths; ReLU between layers)", data);
+  t.add("data", &c.data,
+        "Fashion-MNIST directory (IDX files, gzip or raw), synthetic[:TRAIN[:TEST]], text:FILE[,FILE...] (one token "
+        "per byte) or tokens:GLOB (llm.c token shards)",
+        data);
+  t.add("val_data", &c.val_data, "token data: validation files, text:... or tokens:... (default: split --data)", data);
+  t.add("val_split", &c.val_split, "token data: the last share of the tokens that validates, without --val-data",
+        data);
+  t.add("vocab_size", &c.vocab_size, "token data: the vocabulary (0: 256 for text, 50257 for token files)", data);
+  t.add("val_tokens", &c.val_tokens, "token data: validate on the first N validation tokens only (0: all)", data);
+  t.add("model", &c.model,
+        "model: mlp:H1,H2,... (hidden layer widths; ReLU between layers) or gpt:layers=L,heads=H,dim=C,context=T "
+        "(GPT-2)",
+        data);
   t.add("seed", &c.seed, "seed for initialisation, data order and synthetic data", data);
 
   const std::string optim = "Optimizer";
@@ -34,6 +45,8 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
   const std::string length = "Length";
   t.add("epochs", &c.epochs, "stop after this many epochs (0: no epoch limit)", length);
   t.add("steps", &c.steps, "stop after this many steps in total (0: no step limit)", length);
+  t.add("tokens", &c.tokens, "token data: stop after this many training tokens, all workers together (0: no limit)",
+        length);
   t.add("time_limit", &c.time_limit, "stop after this long, e.g. 90s, 5m (empty: no time limit)", length);
   t.add("batch_size", &c.batch_size, "examples per step", length);
   t.add("threads", &c.threads, "BLAS threads", length);
@@ -75,8 +88,11 @@ Status validate(const TrainConfig& c) {
   auto usage = [](std::string_view flag, std::string_view why) {
     return make_error(ErrorKind::kUsage, "--{}: {}", flag, why);
   };
-  CFMO_TRY(MlpSpec::parse(c.model, 784, 10));
-  CFMO_TRY(parse_device(c.device));
+  CFMO_TRY(check_model_spec(c.model));
+  CFMO_ASSIGN_OR_RETURN(const Device device, parse_device(c.device));
+  if (device.is_cuda() && model_context(c.model) > 0) {
+    return usage("device", fmt::format("{}: the CUDA engine does not run this model yet ({})", c.device, c.model));
+  }
   if (c.optimizer != "sgd" && c.optimizer != "adam" && c.optimizer != "adamw" && c.optimizer != "muon") {
     return usage("optimizer", fmt::format("'{}' is not sgd, adam, adamw or muon", c.optimizer));
   }
@@ -93,16 +109,20 @@ Status validate(const TrainConfig& c) {
   if (!(c.min_lr >= 0 && c.min_lr <= c.lr)) return usage("min-lr", "must be in [0, lr]");
   if (c.epochs < 0) return usage("epochs", "must be >= 0");
   if (c.steps < 0) return usage("steps", "must be >= 0");
+  if (c.tokens < 0) return usage("tokens", "must be >= 0");
+  if (!(c.val_split > 0 && c.val_split < 1)) return usage("val-split", "must be in (0, 1)");
+  if (c.vocab_size < 0 || c.vocab_size > 1 << 24) return usage("vocab-size", "must be in 0..16777216");
+  if (c.val_tokens < 0) return usage("val-tokens", "must be >= 0");
   if (!c.time_limit.empty()) {
     auto seconds = parse_duration(c.time_limit);
     if (!seconds) return usage("time-limit", seconds.error().message);
     if (!(*seconds > 0)) return usage("time-limit", "must be positive (leave it empty for no limit)");
   }
-  if (c.epochs == 0 && c.steps == 0 && c.time_limit.empty()) {
-    return usage("epochs", "give --epochs, --steps or --time-limit so the run ends");
+  if (c.epochs == 0 && c.steps == 0 && c.tokens == 0 && c.time_limit.empty()) {
+    return usage("epochs", "give --epochs, --steps, --tokens or --time-limit so the run ends");
   }
-  if (kind == Schedule::Kind::kCosine && c.epochs == 0 && c.steps == 0) {
-    return usage("schedule", "cosine needs a known length: --epochs or --steps");
+  if (kind == Schedule::Kind::kCosine && c.epochs == 0 && c.steps == 0 && c.tokens == 0) {
+    return usage("schedule", "cosine needs a known length: --epochs, --steps or --tokens");
   }
   if (c.batch_size < 1 || c.batch_size > 1 << 20) return usage("batch-size", "must be in 1..1048576");
   if (c.threads < 1 || c.threads > 1024) return usage("threads", "must be in 1..1024");

@@ -15,6 +15,10 @@ namespace cfmo {
 struct TrainConfig {
   // data and model
   std::string data = kDefaultFashionMnistDir;
+  std::string val_data;     ///< token data: validation from other files ("" = the last val_split of --data)
+  double val_split = 0.1;   ///< token data: the share of the tokens that validates
+  int vocab_size = 0;       ///< token data: 0 = 256 for text, 50257 for llm.c token files
+  int64_t val_tokens = 0;   ///< token data: validate on the first N validation tokens (0: all)
   std::string model = "mlp:256,128";
   int64_t seed = 1;
   // inner optimizer
@@ -34,6 +38,7 @@ struct TrainConfig {
   // length
   int64_t epochs = 10;
   int64_t steps = 0;
+  int64_t tokens = 0;  ///< token data: a budget of training tokens shared by all workers (0: none)
   std::string time_limit;
   int batch_size = 64;
   int threads = 1;

@@ -6,8 +6,10 @@
 #include "core/atomic_file.h"
 #include "core/rng.h"
 #include "data/dataset.h"
+#include "model/factory.h"
 #include "optim/schedule.h"
 #include "tensor/ops.h"
+#include "train/data_source.h"
 
 #include <nlohmann/json.hpp>
 #if defined(__x86_64__)
@@ -172,6 +174,13 @@ std::string TrainSummary::to_json() const {
       {"test_accuracy", test_accuracy},
       {"test_loss", test_loss},
       {"final_train_loss", final_train_loss},
+      {"train_loss", train_loss},
+      {"val_loss", context > 0 ? nlohmann::ordered_json(val_loss) : nlohmann::ordered_json(nullptr)},
+      {"tokens", tokens},
+      {"tokens_per_s", tokens_per_s},
+      {"gflops_per_s", gflops_per_s},
+      {"flops_per_example", flops_per_example},
+      {"flops_formula", flops_formula},
       {"bytes_sent", bytes_sent},
       {"stopped_by", stopped_by},
       {"lost_ranks", lost_ranks},
@@ -190,6 +199,7 @@ std::string TrainSummary::to_json() const {
       {"run_dir", null_or(run_dir)},
       {"resumed_from", null_or(resumed_from)},
       {"per_worker", workers_json}};
+  if (!muon_tensors.empty()) j["optimizer_split"] = {{"muon", muon_tensors}, {"adamw", adamw_tensors}};
   return j.dump();
 }
 
@@ -233,11 +243,12 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   // torch.set_flush_denormal(True) does the same.
   _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ | DAZ
 #endif
-  CFMO_ASSIGN_OR_RETURN(DataSplit data, load_data(config.data, static_cast<uint64_t>(config.seed)));
-  const Dataset& train_set = data.train;
-  CFMO_ASSIGN_OR_RETURN(MlpSpec spec, MlpSpec::parse(config.model, train_set.features, train_set.classes));
-  Mlp model(spec);
+  CFMO_ASSIGN_OR_RETURN(auto source, load_data_source(config, rank, world, model_context(config.model)));
+  CFMO_ASSIGN_OR_RETURN(auto model_ptr, make_model(config.model, source->shape()));
+  Model& model = *model_ptr;
   model.init(static_cast<uint64_t>(config.seed));  // the same on every rank
+  const std::string model_spec = model.spec_string();
+  const int64_t train_examples = source->train_examples();
 
   OptimizerConfig optim_config;
   optim_config.name = config.optimizer;
@@ -257,7 +268,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     FloatBuffer outer;
     CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model, *optimizer, &saved, &outer));
     CFMO_TRY(check_resumable(options.resume, saved, config, world));
-    CFMO_TRY(check_positions(options.resume, pos, saved, optimizer->step_count(), train_set.count, config.batch_size));
+    CFMO_TRY(check_positions(options.resume, pos, saved, optimizer->step_count(), train_examples, config.batch_size));
     // Every rank starts from the global parameters; in cfmo and asgd each at its own position.
     if (!saved.ranks.empty()) pos = saved.ranks[static_cast<size_t>(rank)];
     resume.outer_momentum.assign(outer.begin(), outer.end());
@@ -275,11 +286,16 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   // a step of W workers therefore sees exactly one worker's batch of W x B.
   const int batch = config.batch_size;
   const int64_t global_batch = static_cast<int64_t>(batch) * world;
-  const int64_t batches_per_epoch = (train_set.count + global_batch - 1) / global_batch;
+  const int64_t batches_per_epoch = (train_examples + global_batch - 1) / global_batch;
   // A rank's saved position at the very end of an epoch continues with the next one.
   if (!options.resume.empty()) pos = resume_position(pos, batches_per_epoch);
   int64_t step_limit = config.steps > 0 ? config.steps : INT64_MAX;
   if (config.epochs > 0) step_limit = std::min(step_limit, config.epochs * batches_per_epoch);
+  // --tokens: a budget of training tokens, as windows of the model's context (rounded up).
+  const int context = model.context();
+  const int64_t token_windows = config.tokens > 0 && context > 0 ? (config.tokens + context - 1) / context : 0;
+  const int64_t token_steps = token_windows > 0 ? (token_windows + global_batch - 1) / global_batch : 0;
+  if (token_steps > 0) step_limit = std::min(step_limit, token_steps);
   ModeSettings settings;
   settings.name = config.mode;
   settings.sync_interval = config.sync_interval;
@@ -296,7 +312,8 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     // worker takes more steps than a slow one. The same budget as sync's.
     int64_t budget = INT64_MAX;
     if (config.steps > 0) budget = config.steps * global_batch;
-    if (config.epochs > 0) budget = std::min(budget, config.epochs * train_set.count);
+    if (config.epochs > 0) budget = std::min(budget, config.epochs * train_examples);
+    if (token_windows > 0) budget = std::min(budget, token_windows);
     settings.sample_budget = budget == INT64_MAX ? 0 : budget;
     schedule_steps = settings.sample_budget > 0 ? settings.sample_budget / global_batch : 0;
     step_limit = INT64_MAX;
@@ -335,7 +352,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   engine_options.comm = comm;
   engine_options.device_collectives = world > 1 && config.mode == "sync";
   engine_options.peer_timeout_s = config.peer_timeout;
-  CFMO_ASSIGN_OR_RETURN(auto engine, make_engine(engine_options, model, *optimizer, optim_config, data));
+  CFMO_ASSIGN_OR_RETURN(auto engine, make_engine(engine_options, model, *optimizer, optim_config, *source));
   CFMO_TRY(engine->optimizer_changed());  // a resumed optimizer's state, where the engine keeps it
   if (engine->has_device_all_reduce()) {
     mode->use_device_reduce([&engine](std::span<float> extras) { return engine->device_all_reduce_gradients(extras); });
@@ -360,12 +377,19 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   summary.mode = config.mode;
   summary.workers = world;
   summary.rank = rank;
-  summary.model = spec.to_string();
+  summary.model = model_spec;
   summary.optimizer = config.optimizer;
-  summary.data = data.source;
+  summary.data = source->description();
   summary.blas = ops::blas_info();
   summary.device = engine->description();
   summary.parameters = model.num_trainable();
+  summary.context = context;
+  summary.flops_per_example = model.flops_per_example();
+  summary.flops_formula = model.flops_formula();
+  if (config.optimizer == "muon") {
+    for (const auto& p : model.params())
+      (p.is_matrix() ? summary.muon_tensors : summary.adamw_tensors).push_back(p.name);
+  }
   summary.run_dir = run_dir.string();
   summary.resumed_from = options.resume.string();
   summary.mode_settings = settings;
@@ -379,9 +403,10 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   };
   auto evaluate = [&](bool final) -> Status {
     const auto t0 = Clock::now();
-    CFMO_ASSIGN_OR_RETURN(const EvalResult r, engine->evaluate_test());
+    CFMO_ASSIGN_OR_RETURN(const EvalResult r, engine->evaluate());
     EvalEvent event{pos.step, epochs_done(), r.loss(), r.accuracy(), seconds_since(run_start), final};
     summary.test_loss = event.test_loss;
+    if (context > 0) summary.val_loss = event.test_loss;
     summary.test_accuracy = event.test_accuracy;
     summary.eval_s += seconds_since(t0);
     observer.on_eval(event);
@@ -401,8 +426,8 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   int64_t last_checkpoint_step = options.resume.empty() ? -1 : pos.step;
   std::unique_ptr<CheckpointWriter> checkpoint_writer;
   if (checkpoints && async) {
-    checkpoint_writer =
-        std::make_unique<CheckpointWriter>(run_dir, spec, model.params(), options.config_toml, config.keep_checkpoints);
+    checkpoint_writer = std::make_unique<CheckpointWriter>(run_dir, model_spec, model.params(), options.config_toml,
+                                                           config.keep_checkpoints);
   }
   // What a checkpoint of this run holds; `global` is the owners' state (cfmo, asgd).
   auto checkpoint_of = [&](std::span<const float> params, const GlobalState* global) {
@@ -429,7 +454,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   auto checkpoint = [&]() -> Status {
     if (!checkpoints) return {};
     CFMO_TRY(sync_host());
-    CFMO_TRY(write_checkpoint(run_dir, spec, model.params(), checkpoint_of(model.parameters(), nullptr),
+    CFMO_TRY(write_checkpoint(run_dir, model_spec, model.params(), checkpoint_of(model.parameters(), nullptr),
                               options.config_toml, config.keep_checkpoints));
     last_checkpoint_step = pos.step;
     return {};
@@ -472,7 +497,9 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   for (;;) {
     announce_lost();
     if (pos.step >= step_limit) {
-      stopped_by = config.steps > 0 && pos.step >= config.steps ? "steps" : "epochs";
+      stopped_by = config.steps > 0 && pos.step >= config.steps ? "steps"
+                   : token_steps > 0 && pos.step >= token_steps ? "tokens"
+                                                                : "epochs";
       break;
     }
     std::string wish;
@@ -487,11 +514,14 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     if (mode->stop_requested()) {
       if (mode->lockstep()) stopped_by = mode->agreed_reason();  // the same on every rank
       if (stopped_by.empty()) {
-        stopped_by =
-            !async ? "peer"
-            : config.epochs > 0 && (config.steps == 0 || config.epochs * train_set.count <= config.steps * global_batch)
-                ? "epochs"
-                : "steps";
+        // The budget that was spent: the smallest of those given, in examples of all workers.
+        const int64_t by_steps = config.steps > 0 ? config.steps * global_batch : INT64_MAX;
+        const int64_t by_epochs = config.epochs > 0 ? config.epochs * train_examples : INT64_MAX;
+        const int64_t by_tokens = token_windows > 0 ? token_windows : INT64_MAX;
+        stopped_by = !async                                                              ? "peer"
+                     : by_tokens < std::min(by_steps, by_epochs)                         ? "tokens"
+                     : config.epochs > 0 && (config.steps == 0 || by_epochs <= by_steps) ? "epochs"
+                                                                                         : "steps";
       }
       break;
     }
@@ -503,18 +533,28 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
         return make_error(cause.kind, "rank 0, which keeps the run's budget, is lost: {}", cause.message);
       }
     }
-    if (order_epoch != pos.epoch) {
-      order = epoch_order(static_cast<uint64_t>(config.seed), pos.epoch, train_set.count);
-      order_epoch = pos.epoch;
+    // An indexed set is walked in each epoch's shuffled order; sampled windows come from the step.
+    BatchRequest request;
+    request.step = pos.step;
+    request.count = batch;
+    if (source->indexed()) {
+      if (order_epoch != pos.epoch) {
+        order = epoch_order(static_cast<uint64_t>(config.seed), pos.epoch, train_examples);
+        order_epoch = pos.epoch;
+      }
+      const int64_t first = pos.batch_in_epoch * global_batch + static_cast<int64_t>(rank) * batch;
+      request.count = static_cast<int>(std::clamp<int64_t>(train_examples - first, 0, batch));
+      if (request.count > 0) {
+        request.indices =
+            std::span<const int64_t>(order).subspan(static_cast<size_t>(first), static_cast<size_t>(request.count));
+      }
     }
 
     const auto step_start = Clock::now();
-    const int64_t first = pos.batch_in_epoch * global_batch + static_cast<int64_t>(rank) * batch;
-    const int n = static_cast<int>(std::clamp<int64_t>(train_set.count - first, 0, batch));
+    const int n = request.count;
     float loss = 0;
     if (n > 0) {
-      CFMO_ASSIGN_OR_RETURN(loss, engine->forward_backward(std::span<const int64_t>(order).subspan(
-                                      static_cast<size_t>(first), static_cast<size_t>(n))));
+      CFMO_ASSIGN_OR_RETURN(loss, engine->forward_backward(request));
       if (!std::isfinite(loss)) {
         return make_error(ErrorKind::kCheckFailed,
                           "training diverged: loss is {} at step {} (lower --lr or set --clip-grad-norm)", loss,
@@ -574,6 +614,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     window_samples += n;
     window_s += step_s;
     summary.final_train_loss = loss;
+    summary.train_loss = window_steps > 0 ? window_loss / static_cast<double>(window_steps) : loss;
 
     StepEvent event;
     event.step = pos.step;
@@ -735,7 +776,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
       CFMO_TRY(checkpoint_writer->status());
       if (checkpoints) {
         const auto global = mode->final_state();
-        CFMO_TRY(write_checkpoint(run_dir, spec, model.params(),
+        CFMO_TRY(write_checkpoint(run_dir, model_spec, model.params(),
                                   checkpoint_of(model.parameters(), global ? &*global : nullptr), options.config_toml,
                                   config.keep_checkpoints));
       }
@@ -743,9 +784,12 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
       CFMO_TRY(checkpoint());
     }
     if (!run_dir.empty()) {
-      CFMO_TRY(
-          save_model(run_dir / "model.safetensors", model,
-                     {{"format", "pt"}, {"cfmo.model", spec.to_string()}, {"cfmo.step", std::to_string(pos.step)}}));
+      CFMO_TRY(save_model(run_dir / "model.safetensors", model,
+                          {{"format", "pt"}, {"cfmo.model", model_spec}, {"cfmo.step", std::to_string(pos.step)}}));
+      // Beside it, the Hugging Face config that makes RUN a model directory (the GPT's).
+      if (const std::string hf = model.hf_config_json(); !hf.empty()) {
+        CFMO_TRY(write_file_atomic(run_dir / "config.json", hf));
+      }
     }
   }
 
@@ -770,12 +814,15 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   }
   summary.steps = world == 1 ? pos.step : total_steps;
   summary.samples = world == 1 ? pos.samples : total_samples;
-  summary.epochs_completed = world == 1 || !async ? pos.epoch : total_samples / train_set.count;
+  summary.epochs_completed = world == 1 || !async ? pos.epoch : total_samples / train_examples;
   summary.wall_s = seconds_since(run_start);
   summary.train_s = world == 1 ? train_s : longest_loop;
   summary.samples_per_s = world == 1 ? (train_s > 0 ? static_cast<double>(samples_this_run) / train_s : 0)
                                      : (longest_loop > 0 ? static_cast<double>(total_samples) / longest_loop : 0);
   summary.efficiency = solo_sum > 0 ? summary.samples_per_s / solo_sum : 0;
+  summary.tokens = summary.samples * context;
+  summary.tokens_per_s = summary.samples_per_s * context;
+  summary.gflops_per_s = summary.samples_per_s * summary.flops_per_example / 1e9;
   summary.stopped_by = stopped_by;
   summary.bytes_sent = bytes;
   return summary;

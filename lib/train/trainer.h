@@ -4,7 +4,7 @@
 
 #include "comm/communicator.h"
 #include "core/error.h"
-#include "model/mlp.h"
+#include "model/model.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
 #include "train/modes.h"
@@ -107,6 +107,18 @@ struct TrainSummary {
   double test_accuracy = 0;
   double test_loss = 0;
   double final_train_loss = 0;
+  double train_loss = 0;  ///< rank 0's mean loss over the steps of its last log window (--log-every)
+  // A language model's figures (context > 0): tokens are samples x context.
+  int context = 0;
+  int64_t tokens = 0;       ///< training tokens, all workers, including before a resume
+  double tokens_per_s = 0;  ///< this invocation's, as samples_per_s
+  double val_loss = 0;      ///< mean cross-entropy (nats) over the validation windows' predicted tokens
+  double flops_per_example = 0;
+  double gflops_per_s = 0;  ///< samples_per_s x flops_per_example / 1e9
+  std::string flops_formula;
+  /// With --optimizer muon: the tensors Muon updates; AdamW updates the rest.
+  std::vector<std::string> muon_tensors;
+  std::vector<std::string> adamw_tensors;
   uint64_t bytes_sent = 0;
   std::string stopped_by;  ///< "epochs", "steps", "time-limit" or "interrupt"
   std::string run_dir;

@@ -74,7 +74,7 @@ TEST(CfmoTrainCli, HelpManPageAndConfigListTheSameOptions) {
   const std::string conf = slurp(source_root() / "conf/train.toml");
   const std::set<std::string> conf_keys = flags_in(conf, std::regex(R"((?:^|\n)([a-z_0-9]+) = )"));
   EXPECT_EQ(keys, conf_keys);
-  for (const char* file : {"conf/train.toml", "conf/demo.toml"}) {
+  for (const char* file : {"conf/train.toml", "conf/demo.toml", "conf/gpt.toml"}) {
     const RunResult loaded = run({binary(), "--config", (source_root() / file).string(), "--print-config"});
     EXPECT_EQ(loaded.status, 0) << file << ": " << loaded.err;
   }

@@ -5,6 +5,7 @@
 #include "core/atomic_file.h"
 #include "integration/harness.h"
 #include "support/expect_error.h"
+#include "model/mlp.h"
 
 #include <gtest/gtest.h>
 #include <sys/resource.h>
@@ -118,7 +119,7 @@ TEST(Checkpoint, KeepsTheWorldAndTheOuterMomentumOfSeveralWorkers) {
   data.world.shard_optimizer_steps = {20, 24};
   data.outer_momentum.assign(f.model.num_params(), 0.0f);
   for (size_t i = 0; i < data.outer_momentum.size(); ++i) data.outer_momentum[i] = static_cast<float>(i) * 0.5f;
-  auto path = write_checkpoint(dir.path(), f.model.spec(), f.model.params(), data, "", 3);
+  auto path = write_checkpoint(dir.path(), f.model.spec_string(), f.model.params(), data, "", 3);
   ASSERT_TRUE(path) << path.error().message;
   EXPECT_TRUE(fs::exists(*path / "outer.safetensors"));
 
@@ -171,7 +172,7 @@ TEST(CheckpointWriter, WritesInTheBackgroundAndANewerOneReplacesOneWaiting) {
   Fixture f("adamw");
   int64_t accepted = 0;
   {
-    CheckpointWriter writer(dir.path(), f.model.spec(), f.model.params(), "", 100);
+    CheckpointWriter writer(dir.path(), f.model.spec_string(), f.model.params(), "", 100);
     for (int64_t step = 1; step <= 20; ++step) {
       if (writer.submit(checkpoint_data(f.model, *f.optimizer, {step, 0, step, step, 0}))) ++accepted;
     }

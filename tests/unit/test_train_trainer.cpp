@@ -2,10 +2,17 @@
 // through the observer, and it fails cleanly.
 #include "train/trainer.h"
 
+#include "ckpt/safetensors.h"
+#include "train/checkpoint.h"
+#include "train/sample.h"
+
 #include "integration/harness.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <fstream>
 
 namespace cfmo {
 namespace {
@@ -156,6 +163,116 @@ TEST(Trainer, RunDirectoryGetsMetricsAndModel) {
   EXPECT_TRUE(std::filesystem::exists(dir / "run/metrics.jsonl"));
   EXPECT_TRUE(std::filesystem::exists(dir / "run/model.safetensors"));
   EXPECT_TRUE(std::filesystem::exists(dir / "run/checkpoints/step-00000032/state.json"));
+}
+
+/// A byte-level corpus for the GPT: a few thousand bytes of text with structure.
+std::filesystem::path write_corpus(const std::filesystem::path& dir) {
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "the quick brown fox " + std::to_string(i % 13) + " jumps over the lazy dog\n";
+  const auto path = dir / "corpus.txt";
+  std::ofstream(path) << text;
+  return path;
+}
+
+TrainConfig gpt_config(const std::filesystem::path& corpus) {
+  TrainConfig c;
+  c.data = "text:" + corpus.string();
+  c.model = "gpt:layers=2,heads=2,dim=16,context=16";
+  c.epochs = 0;
+  c.steps = 30;
+  c.batch_size = 4;
+  c.lr = 3e-3;
+  c.weight_decay = 0.1;
+  c.quiet = true;
+  return c;
+}
+
+TEST(Trainer, TrainsTheGptOnTextWithEveryOptimizer) {
+  TempDir dir;
+  const auto corpus = write_corpus(dir.path());
+  for (const char* optimizer : {"sgd", "adam", "adamw", "muon"}) {
+    SCOPED_TRACE(optimizer);
+    TrainConfig c = gpt_config(corpus);
+    c.optimizer = optimizer;
+    c.lr = std::string(optimizer) == "sgd" ? 0.1 : 3e-3;
+    c.clip_grad_norm = 1.0;
+    c.schedule = "cosine";
+    c.warmup_steps = 5;
+    auto summary = train(c, {});
+    ASSERT_TRUE(summary) << summary.error().message;
+    EXPECT_EQ(summary->context, 16);
+    EXPECT_EQ(summary->tokens, 30 * 4 * 16);
+    EXPECT_LT(summary->val_loss, std::log(256.0));  // below uniform over the bytes
+    EXPECT_GT(summary->tokens_per_s, 0);
+    EXPECT_GT(summary->gflops_per_s, 0);
+    const bool muon = std::string(optimizer) == "muon";
+    EXPECT_EQ(summary->muon_tensors.size(), muon ? 8u : 0u);  // 4 matrices x 2 blocks
+    auto json = nlohmann::json::parse(summary->to_json());
+    EXPECT_TRUE(json["val_loss"].is_number());
+    EXPECT_EQ(json["tokens"], 30 * 4 * 16);
+  }
+}
+
+TEST(Trainer, GptTokensBudgetAndResumeExactness) {
+  TempDir dir;
+  const auto corpus = write_corpus(dir.path());
+  TrainConfig c = gpt_config(corpus);
+  c.steps = 0;
+  c.tokens = 20 * 4 * 16 - 5;  // rounds up to 20 steps
+  c.out = (dir.path() / "whole").string();
+  auto whole = train(c, {});
+  ASSERT_TRUE(whole) << whole.error().message;
+  EXPECT_EQ(whole->steps, 20);
+  EXPECT_EQ(whole->stopped_by, "tokens");
+  // The run directory loads as a Hugging Face GPT-2: names, Conv1D shapes and config.json.
+  auto file = SafetensorsFile::read(dir.path() / "whole" / "model.safetensors");
+  ASSERT_TRUE(file) << file.error().message;
+  ASSERT_NE(file->find("h.1.attn.c_attn.weight"), nullptr);
+  EXPECT_EQ(file->find("h.1.attn.c_attn.weight")->shape, (std::vector<int64_t>{16, 48}));
+  EXPECT_EQ(file->find("h.0.mlp.c_proj.weight")->shape, (std::vector<int64_t>{64, 16}));
+  EXPECT_EQ(file->find("wte.weight")->shape, (std::vector<int64_t>{256, 16}));
+  const auto config = nlohmann::json::parse(std::ifstream(dir.path() / "whole" / "config.json"));
+  EXPECT_EQ(config["model_type"], "gpt2");
+  EXPECT_EQ(config["n_embd"], 16);
+  EXPECT_EQ(config["vocab_size"], 256);
+  EXPECT_EQ(config["activation_function"], "gelu_new");
+  // Stopped at step 10 and resumed: the same parameters at the end.
+  TrainConfig first = c;
+  first.tokens = 0;
+  first.steps = 10;
+  first.out = (dir.path() / "split").string();
+  ASSERT_TRUE(train(first, {}));
+  TrainConfig rest = c;
+  rest.out = first.out;
+  TrainOptions options;
+  options.resume = resolve_checkpoint(first.out).value();
+  auto resumed = train(rest, options);
+  ASSERT_TRUE(resumed) << resumed.error().message;
+  EXPECT_EQ(resumed->steps, 20);
+  EXPECT_EQ(resumed->val_loss, whole->val_loss);
+  // And a sample from it is text of the asked length.
+  auto model = load_saved_model(dir.path() / "split");
+  ASSERT_TRUE(model) << model.error().message;
+  SampleOptions so;
+  so.tokens = 25;
+  auto sampled = sample_tokens(**model, {'t', 'h'}, so);
+  ASSERT_TRUE(sampled);
+  EXPECT_EQ(sampled->size(), 25u);
+}
+
+TEST(Trainer, GptRefusesImagesAndTheMlpRefusesText) {
+  TempDir dir;
+  const auto corpus = write_corpus(dir.path());
+  TrainConfig c = gpt_config(corpus);
+  c.data = "synthetic:100:10";
+  auto gpt_on_images = train(c, {});
+  ASSERT_FALSE(gpt_on_images);
+  EXPECT_EQ(gpt_on_images.error().kind, ErrorKind::kUsage);
+  TrainConfig m = gpt_config(corpus);
+  m.model = "mlp:8";
+  auto mlp_on_text = train(m, {});
+  ASSERT_FALSE(mlp_on_text);
+  EXPECT_EQ(mlp_on_text.error().kind, ErrorKind::kUsage);
 }
 
 }  // namespace

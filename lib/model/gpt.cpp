@@ -1,0 +1,554 @@
+#include "model/gpt.h"
+
+#include "core/rng.h"
+#include "tensor/ops.h"
+#include "tensor/simd.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <charconv>
+#include <cmath>
+
+namespace cfmo {
+
+using ops::Trans;
+
+Result<GptSpec> GptSpec::parse(std::string_view text, int vocab) {
+  constexpr std::string_view kPrefix = "gpt:";
+  auto bad = [&](std::string_view why) {
+    return make_error(ErrorKind::kUsage, "--model '{}': {} (expected e.g. gpt:layers=2,heads=4,dim=128,context=64)",
+                      text, why);
+  };
+  if (!text.starts_with(kPrefix)) return bad("unknown model");
+  GptSpec spec;
+  spec.vocab = vocab;
+  struct Field {
+    std::string_view key;
+    int* value;
+    int max;
+    bool seen = false;
+  };
+  Field fields[] = {{"layers", &spec.layers, 256},
+                    {"heads", &spec.heads, 1024},
+                    {"dim", &spec.dim, 65536},
+                    {"context", &spec.context, 1 << 20}};
+  std::string_view rest = text.substr(kPrefix.size());
+  while (!rest.empty()) {
+    const auto comma = rest.find(',');
+    const std::string_view item = rest.substr(0, comma);
+    const auto eq = item.find('=');
+    if (eq == std::string_view::npos) return bad(fmt::format("'{}' is not KEY=VALUE", item));
+    const std::string_view key = item.substr(0, eq);
+    const std::string_view value = item.substr(eq + 1);
+    auto field = std::find_if(std::begin(fields), std::end(fields), [&](const Field& f) { return f.key == key; });
+    if (field == std::end(fields)) return bad(fmt::format("unknown key '{}'", key));
+    if (field->seen) return bad(fmt::format("'{}' given twice", key));
+    int n = 0;
+    auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), n);
+    if (ec != std::errc() || end != value.data() + value.size() || n <= 0 || n > field->max) {
+      return bad(fmt::format("{} must be an integer in 1..{}", key, field->max));
+    }
+    *field->value = n;
+    field->seen = true;
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+    if (rest.empty()) return bad("trailing comma");
+  }
+  for (const Field& f : fields) {
+    if (!f.seen) return bad(fmt::format("'{}' is missing", f.key));
+  }
+  if (spec.dim % spec.heads != 0) return bad(fmt::format("dim {} is not a multiple of heads {}", spec.dim, spec.heads));
+  if (vocab <= 0) return bad("the data has no vocabulary");
+  return spec;
+}
+
+std::string GptSpec::to_string() const {
+  return fmt::format("gpt:layers={},heads={},dim={},context={}", layers, heads, dim, context);
+}
+
+Gpt::Gpt(GptSpec spec) : spec_(spec) {
+  const int64_t c = spec_.dim;
+  std::vector<ParamInfo> layout;
+  LayoutBuilder b;
+  // GPT-2 practice: weight decay on the matrices only.
+  b.add(layout, "wte.weight", {spec_.vocab, c}, ParamKind::kEmbedding, false);
+  b.add(layout, "wpe.weight", {spec_.context, c}, ParamKind::kEmbedding, false);
+  for (int l = 0; l < spec_.layers; ++l) {
+    const std::string h = fmt::format("h.{}.", l);
+    b.add(layout, h + "ln_1.weight", {c}, ParamKind::kNorm, false);
+    b.add(layout, h + "ln_1.bias", {c}, ParamKind::kNorm, false);
+    b.add(layout, h + "attn.c_attn.weight", {c, 3 * c}, ParamKind::kMatrix, true);
+    b.add(layout, h + "attn.c_attn.bias", {3 * c}, ParamKind::kBias, false);
+    b.add(layout, h + "attn.c_proj.weight", {c, c}, ParamKind::kMatrix, true);
+    b.add(layout, h + "attn.c_proj.bias", {c}, ParamKind::kBias, false);
+    b.add(layout, h + "ln_2.weight", {c}, ParamKind::kNorm, false);
+    b.add(layout, h + "ln_2.bias", {c}, ParamKind::kNorm, false);
+    b.add(layout, h + "mlp.c_fc.weight", {c, 4 * c}, ParamKind::kMatrix, true);
+    b.add(layout, h + "mlp.c_fc.bias", {4 * c}, ParamKind::kBias, false);
+    b.add(layout, h + "mlp.c_proj.weight", {4 * c, c}, ParamKind::kMatrix, true);
+    b.add(layout, h + "mlp.c_proj.bias", {c}, ParamKind::kBias, false);
+  }
+  b.add(layout, "ln_f.weight", {c}, ParamKind::kNorm, false);
+  b.add(layout, "ln_f.bias", {c}, ParamKind::kNorm, false);
+  set_layout(std::move(layout), b.size());
+}
+
+void Gpt::init(uint64_t seed) {
+  Rng rng(seed, /*stream=*/0x6e7);
+  std::fill(parameters_.begin(), parameters_.end(), 0.0f);
+  const float proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(spec_.layers));
+  for (const ParamInfo& p : params_) {
+    float* w = parameters_.data() + p.offset;
+    if (p.kind == ParamKind::kNorm) {
+      if (p.name.ends_with(".weight")) std::fill(w, w + p.size, 1.0f);
+      continue;
+    }
+    if (p.kind == ParamKind::kBias) continue;
+    const float std = p.name.ends_with("c_proj.weight") ? proj_std : 0.02f;
+    for (size_t i = 0; i < p.size; ++i) w[i] = std * rng.normal();
+  }
+}
+
+double Gpt::flops_per_example() const {
+  const double c = spec_.dim;
+  const double l = spec_.layers;
+  const double t = spec_.context;
+  const double matmul_weights = 12.0 * l * c * c + static_cast<double>(spec_.vocab) * c;
+  return t * (6.0 * matmul_weights + 12.0 * l * t * c);
+}
+
+std::string Gpt::hf_config_json() const {
+  // Dropout 0: the model trained without it. GPT-2's <|endoftext|> is its last token.
+  const nlohmann::ordered_json config = {{"model_type", "gpt2"},
+                                         {"architectures", {"GPT2LMHeadModel"}},
+                                         {"n_layer", spec_.layers},
+                                         {"n_head", spec_.heads},
+                                         {"n_embd", spec_.dim},
+                                         {"n_positions", spec_.context},
+                                         {"n_ctx", spec_.context},
+                                         {"vocab_size", spec_.vocab},
+                                         {"layer_norm_epsilon", 1e-5},
+                                         {"activation_function", "gelu_new"},
+                                         {"tie_word_embeddings", true},
+                                         {"resid_pdrop", 0.0},
+                                         {"embd_pdrop", 0.0},
+                                         {"attn_pdrop", 0.0},
+                                         {"bos_token_id", spec_.vocab - 1},
+                                         {"eos_token_id", spec_.vocab - 1},
+                                         {"torch_dtype", "float32"}};
+  return config.dump(2) + "\n";
+}
+
+size_t Gpt::workspace_floats(int batch) const {
+  // What ensure_workspace allocates, buffer by buffer.
+  const auto n = static_cast<size_t>(batch) * static_cast<size_t>(spec_.context);
+  const auto c = static_cast<size_t>(spec_.dim);
+  const auto layers = static_cast<size_t>(spec_.layers);
+  const auto t = static_cast<size_t>(spec_.context);
+  const size_t per_layer = n * c * 16 + n * 4 + static_cast<size_t>(batch) * static_cast<size_t>(spec_.heads) * t * t;
+  return layers * per_layer + n * c * 11 + n * 3 + n * static_cast<size_t>(spec_.vocab) +
+         static_cast<size_t>(gpt::kAttentionBlock) * t;
+}
+
+void Gpt::ensure_workspace(int batch) {
+  if (batch <= workspace_batch_) return;
+  workspace_batch_ = batch;
+  const auto n = static_cast<size_t>(batch) * static_cast<size_t>(spec_.context);
+  const auto c = static_cast<size_t>(spec_.dim);
+  const auto layers = static_cast<size_t>(spec_.layers);
+  const auto t = static_cast<size_t>(spec_.context);
+  residual_.resize((layers + 1) * n * c);
+  residual2_.resize(layers * n * c);
+  ln1_.resize(layers * n * c);
+  ln2_.resize(layers * n * c);
+  ln1_stats_.resize(layers * n * 2);
+  ln2_stats_.resize(layers * n * 2);
+  qkv_.resize(layers * n * 3 * c);
+  probs_.resize(layers * static_cast<size_t>(batch) * static_cast<size_t>(spec_.heads) * t * t);
+  attn_.resize(layers * n * c);
+  fc_.resize(layers * n * 4 * c);
+  gelu_.resize(layers * n * 4 * c);
+  lnf_.resize(n * c);
+  lnf_stats_.resize(n * 2);
+  logits_.resize(n * static_cast<size_t>(spec_.vocab));
+  d_stream_.resize(n * c);
+  d_norm_.resize(n * c);
+  d_attn_.resize(n * c);
+  d_qkv_.resize(n * 3 * c);
+  d_wide_.resize(n * 4 * c);
+  d_scores_.resize(static_cast<size_t>(gpt::kAttentionBlock) * t);
+  targets_.resize(n);
+}
+
+void Gpt::forward_rows(const int32_t* tokens, int batch, int t, int stride) {
+  ensure_workspace(batch);
+  const int c = spec_.dim;
+  const int rows = batch * t;
+  const auto n = static_cast<size_t>(workspace_batch_) * static_cast<size_t>(spec_.context);  // a layer's slot
+  const auto uc = static_cast<size_t>(c);
+  const float* wte = param(0);
+  const float* wpe = param(1);
+  float* x = residual_.data();
+  for (int b = 0; b < batch; ++b) {
+    for (int i = 0; i < t; ++i) {
+      const int32_t token = tokens[static_cast<size_t>(b) * static_cast<size_t>(stride) + static_cast<size_t>(i)];
+      const float* te = wte + static_cast<size_t>(token) * uc;
+      const float* pe = wpe + static_cast<size_t>(i) * uc;
+      float* out = x + (static_cast<size_t>(b) * static_cast<size_t>(t) + static_cast<size_t>(i)) * uc;
+      for (int j = 0; j < c; ++j) out[j] = te[j] + pe[j];
+    }
+  }
+  const size_t probs_slot = static_cast<size_t>(workspace_batch_) * static_cast<size_t>(spec_.heads) *
+                            static_cast<size_t>(spec_.context) * static_cast<size_t>(spec_.context);
+  for (int l = 0; l < spec_.layers; ++l) {
+    const auto ul = static_cast<size_t>(l);
+    const float* in = residual_.data() + ul * n * uc;
+    float* ln1 = ln1_.data() + ul * n * uc;
+    float* qkv = qkv_.data() + ul * n * 3 * uc;
+    float* attn = attn_.data() + ul * n * uc;
+    float* mid = residual2_.data() + ul * n * uc;
+    float* ln2 = ln2_.data() + ul * n * uc;
+    float* fc = fc_.data() + ul * n * 4 * uc;
+    float* gelu = gelu_.data() + ul * n * 4 * uc;
+    float* out = residual_.data() + (ul + 1) * n * uc;
+    gpt::layernorm_forward(ln1, ln1_stats_.data() + ul * n * 2, in, param(block_tensor(l, kLn1W)),
+                           param(block_tensor(l, kLn1B)), rows, c);
+    gpt::linear_forward(qkv, ln1, param(block_tensor(l, kAttnW)), param(block_tensor(l, kAttnB)), rows, c, 3 * c);
+    gpt::attention_forward(attn, probs_.data() + ul * probs_slot, qkv, batch, t, c, spec_.heads);
+    // mid = in + attn c_proj: the residual added by a GEMM with beta 1.
+    std::copy(in, in + static_cast<size_t>(rows) * uc, mid);
+    ops::gemm(Trans::kNo, Trans::kNo, rows, c, c, 1.0f, attn, c, param(block_tensor(l, kAttnProjW)), c, 1.0f, mid, c);
+    ops::add_bias_rows(mid, param(block_tensor(l, kAttnProjB)), rows, c, false);
+    gpt::layernorm_forward(ln2, ln2_stats_.data() + ul * n * 2, mid, param(block_tensor(l, kLn2W)),
+                           param(block_tensor(l, kLn2B)), rows, c);
+    gpt::linear_forward(fc, ln2, param(block_tensor(l, kFcW)), param(block_tensor(l, kFcB)), rows, c, 4 * c);
+    gpt::gelu_forward(gelu, fc, static_cast<size_t>(rows) * 4 * uc);
+    std::copy(mid, mid + static_cast<size_t>(rows) * uc, out);
+    ops::gemm(Trans::kNo, Trans::kNo, rows, c, 4 * c, 1.0f, gelu, 4 * c, param(block_tensor(l, kFcProjW)), c, 1.0f, out,
+              c);
+    ops::add_bias_rows(out, param(block_tensor(l, kFcProjB)), rows, c, false);
+  }
+  const float* last = residual_.data() + static_cast<size_t>(spec_.layers) * n * uc;
+  gpt::layernorm_forward(lnf_.data(), lnf_stats_.data(), last, param(ln_f()), param(ln_f() + 1), rows, c);
+  // Tied head: logits = ln_f(x) wte^T.
+  ops::gemm(Trans::kNo, Trans::kYes, rows, spec_.vocab, c, 1.0f, lnf_.data(), c, wte, c, 0.0f, logits_.data(),
+            spec_.vocab);
+}
+
+double Gpt::forward(const int32_t* tokens, int batch, int64_t* correct) {
+  const int t = spec_.context;
+  forward_rows(tokens, batch, t, t + 1);
+  for (int b = 0; b < batch; ++b) {
+    const int32_t* window = tokens + static_cast<size_t>(b) * static_cast<size_t>(t + 1);
+    std::copy(window + 1, window + 1 + t, targets_.begin() + static_cast<ptrdiff_t>(b) * t);
+  }
+  return softmax_cross_entropy(logits_.data(), targets_.data(), batch * t, spec_.vocab, nullptr, 0.0f, correct);
+}
+
+EvalResult Gpt::evaluate(const Examples& batch) {
+  EvalResult r;
+  r.loss_sum = forward(batch.tokens, batch.count, &r.correct);
+  r.count = static_cast<int64_t>(batch.count) * spec_.context;
+  return r;
+}
+
+std::span<const float> Gpt::next_token_logits(std::span<const int32_t> tokens) {
+  const int t = static_cast<int>(tokens.size());
+  forward_rows(tokens.data(), 1, t, t);
+  return {logits_.data() + static_cast<size_t>(t - 1) * static_cast<size_t>(spec_.vocab),
+          static_cast<size_t>(spec_.vocab)};
+}
+
+float Gpt::forward_backward(const Examples& batch) {
+  const int t = spec_.context;
+  const int c = spec_.dim;
+  const int rows = batch.count * t;
+  const auto uc = static_cast<size_t>(c);
+  const auto urows = static_cast<size_t>(rows);
+  forward_rows(batch.tokens, batch.count, t, t + 1);
+  for (int b = 0; b < batch.count; ++b) {
+    const int32_t* window = batch.tokens + static_cast<size_t>(b) * static_cast<size_t>(t + 1);
+    std::copy(window + 1, window + 1 + t, targets_.begin() + static_cast<ptrdiff_t>(b) * t);
+  }
+  const double loss = softmax_cross_entropy(logits_.data(), targets_.data(), rows, spec_.vocab, logits_.data(),
+                                            1.0f / static_cast<float>(rows), nullptr);
+  std::fill(gradients_.begin(), gradients_.end(), 0.0f);
+  const auto n = static_cast<size_t>(workspace_batch_) * static_cast<size_t>(spec_.context);
+  const size_t probs_slot = static_cast<size_t>(workspace_batch_) * static_cast<size_t>(spec_.heads) *
+                            static_cast<size_t>(t) * static_cast<size_t>(t);
+  const float* dlogits = logits_.data();
+  // Head: d ln_f = dlogits wte; d wte += dlogits^T ln_f.
+  ops::gemm(Trans::kNo, Trans::kNo, rows, c, spec_.vocab, 1.0f, dlogits, spec_.vocab, param(0), c, 0.0f, d_norm_.data(),
+            c);
+  ops::gemm(Trans::kYes, Trans::kNo, spec_.vocab, c, rows, 1.0f, dlogits, spec_.vocab, lnf_.data(), c, 1.0f, grad(0),
+            c);
+  float* dx = d_stream_.data();  // d loss / d the residual stream, walking down
+  std::fill(dx, dx + urows * uc, 0.0f);
+  gpt::layernorm_backward(dx, grad(ln_f()), grad(ln_f() + 1), d_norm_.data(),
+                          residual_.data() + static_cast<size_t>(spec_.layers) * n * uc, param(ln_f()),
+                          lnf_stats_.data(), rows, c);
+  for (int l = spec_.layers - 1; l >= 0; --l) {
+    const auto ul = static_cast<size_t>(l);
+    const float* in = residual_.data() + ul * n * uc;
+    const float* ln1 = ln1_.data() + ul * n * uc;
+    const float* qkv = qkv_.data() + ul * n * 3 * uc;
+    const float* attn = attn_.data() + ul * n * uc;
+    const float* mid = residual2_.data() + ul * n * uc;
+    const float* ln2 = ln2_.data() + ul * n * uc;
+    const float* fc = fc_.data() + ul * n * 4 * uc;
+    const float* gelu = gelu_.data() + ul * n * 4 * uc;
+    // MLP: out = mid + gelu(ln2(mid) W_fc + b) W_proj + b; dx is d out and becomes d mid.
+    gpt::linear_backward(d_wide_.data(), grad(block_tensor(l, kFcProjW)), grad(block_tensor(l, kFcProjB)), dx, gelu,
+                         param(block_tensor(l, kFcProjW)), rows, 4 * c, c);
+    gpt::gelu_backward(d_wide_.data(), d_wide_.data(), fc, urows * 4 * uc);
+    gpt::linear_backward(d_norm_.data(), grad(block_tensor(l, kFcW)), grad(block_tensor(l, kFcB)), d_wide_.data(), ln2,
+                         param(block_tensor(l, kFcW)), rows, c, 4 * c);
+    gpt::layernorm_backward(dx, grad(block_tensor(l, kLn2W)), grad(block_tensor(l, kLn2B)), d_norm_.data(), mid,
+                            param(block_tensor(l, kLn2W)), ln2_stats_.data() + ul * n * 2, rows, c);
+    // Attention: mid = in + attn(ln1(in)) W_proj + b; dx becomes d in.
+    gpt::linear_backward(d_attn_.data(), grad(block_tensor(l, kAttnProjW)), grad(block_tensor(l, kAttnProjB)), dx, attn,
+                         param(block_tensor(l, kAttnProjW)), rows, c, c);
+    gpt::attention_backward(d_qkv_.data(), d_scores_.data(), d_attn_.data(), qkv, probs_.data() + ul * probs_slot,
+                            batch.count, t, c, spec_.heads);
+    gpt::linear_backward(d_norm_.data(), grad(block_tensor(l, kAttnW)), grad(block_tensor(l, kAttnB)), d_qkv_.data(),
+                         ln1, param(block_tensor(l, kAttnW)), rows, c, 3 * c);
+    gpt::layernorm_backward(dx, grad(block_tensor(l, kLn1W)), grad(block_tensor(l, kLn1B)), d_norm_.data(), in,
+                            param(block_tensor(l, kLn1W)), ln1_stats_.data() + ul * n * 2, rows, c);
+  }
+  // Embeddings: each position's gradient to its token's row and its position's row.
+  float* dwte = grad(0);
+  float* dwpe = grad(1);
+  for (int b = 0; b < batch.count; ++b) {
+    for (int i = 0; i < t; ++i) {
+      const int32_t token = batch.tokens[static_cast<size_t>(b) * static_cast<size_t>(t + 1) + static_cast<size_t>(i)];
+      const float* d = dx + (static_cast<size_t>(b) * static_cast<size_t>(t) + static_cast<size_t>(i)) * uc;
+      float* te = dwte + static_cast<size_t>(token) * uc;
+      float* pe = dwpe + static_cast<size_t>(i) * uc;
+      for (int j = 0; j < c; ++j) {
+        te[j] += d[j];
+        pe[j] += d[j];
+      }
+    }
+  }
+  return static_cast<float>(loss / rows);
+}
+
+namespace gpt {
+
+namespace {
+constexpr float kLayerNormEps = 1e-5f;
+}  // namespace
+
+void layernorm_forward(float* y, float* stats, const float* x, const float* w, const float* b, int n, int c) {
+  for (int r = 0; r < n; ++r) {
+    const float* xr = x + static_cast<size_t>(r) * static_cast<size_t>(c);
+    float* yr = y + static_cast<size_t>(r) * static_cast<size_t>(c);
+    float sum = 0;
+    for (int j = 0; j < c; ++j) sum += xr[j];
+    const float mean = sum / static_cast<float>(c);
+    float var = 0;
+    for (int j = 0; j < c; ++j) {
+      const float d = xr[j] - mean;
+      var += d * d;
+    }
+    const float rstd = 1.0f / std::sqrt(var / static_cast<float>(c) + kLayerNormEps);
+    for (int j = 0; j < c; ++j) yr[j] = (xr[j] - mean) * rstd * w[j] + b[j];
+    stats[2 * r] = mean;
+    stats[2 * r + 1] = rstd;
+  }
+}
+
+void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
+                        const float* stats, int n, int c) {
+  const float inv_c = 1.0f / static_cast<float>(c);
+  for (int r = 0; r < n; ++r) {
+    const float* xr = x + static_cast<size_t>(r) * static_cast<size_t>(c);
+    const float* dyr = dy + static_cast<size_t>(r) * static_cast<size_t>(c);
+    float* dxr = dx + static_cast<size_t>(r) * static_cast<size_t>(c);
+    const float mean = stats[2 * r];
+    const float rstd = stats[2 * r + 1];
+    // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w.
+    float sum_d = 0;
+    float sum_dx = 0;
+    for (int j = 0; j < c; ++j) {
+      const float xhat = (xr[j] - mean) * rstd;
+      const float d = dyr[j] * w[j];
+      sum_d += d;
+      sum_dx += d * xhat;
+      dw[j] += dyr[j] * xhat;
+      db[j] += dyr[j];
+    }
+    const float mean_d = sum_d * inv_c;
+    const float mean_dx = sum_dx * inv_c;
+    for (int j = 0; j < c; ++j) {
+      const float xhat = (xr[j] - mean) * rstd;
+      dxr[j] += rstd * (dyr[j] * w[j] - mean_d - xhat * mean_dx);
+    }
+  }
+}
+
+void linear_forward(float* y, const float* x, const float* w, const float* bias, int n, int in, int out) {
+  ops::gemm(Trans::kNo, Trans::kNo, n, out, in, 1.0f, x, in, w, out, 0.0f, y, out);
+  if (bias != nullptr) ops::add_bias_rows(y, bias, n, out, false);
+}
+
+void linear_backward(float* dx, float* dw, float* dbias, const float* dy, const float* x, const float* w, int n, int in,
+                     int out) {
+  if (dx != nullptr) ops::gemm(Trans::kNo, Trans::kYes, n, in, out, 1.0f, dy, out, w, out, 0.0f, dx, in);
+  ops::gemm(Trans::kYes, Trans::kNo, in, out, n, 1.0f, x, in, dy, out, 1.0f, dw, out);
+  if (dbias != nullptr) {
+    for (int r = 0; r < n; ++r) {
+      const float* row = dy + static_cast<size_t>(r) * static_cast<size_t>(out);
+      for (int j = 0; j < out; ++j) dbias[j] += row[j];
+    }
+  }
+}
+
+namespace {
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+
+/// e^x for x <= 0 in float without a library call or a float comparison,
+/// so that the GELU loops vectorise on every ISA (libm's tanhf was a quarter
+/// of a step): the clamp at -87 is an integer min on the bits (a negative
+/// float's magnitude grows with its bits), then Cody-Waite reduction by ln 2
+/// and a degree-6 Taylor polynomial on |r| <= ln(2)/2, within about 2 ulp.
+inline float exp_nonpositive(float x) {
+  constexpr uint32_t kLowest = std::bit_cast<uint32_t>(-87.0f);
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  x = std::bit_cast<float>(bits < kLowest ? bits : kLowest);
+  // Round to nearest by adding and subtracting 1.5 * 2^23.
+  constexpr float kRound = 12582912.0f;
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
+  float r = x - n * 0.693145751953125f;  // ln 2, high bits
+  r -= n * 1.428606765330187e-06f;       // ln 2, the rest
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+/// tanh(u) = sign(u) (1 - e) / (1 + e), e = e^(-2|u|): absolute error below 1e-7, what GELU needs.
+inline float tanh_inline(float u) {
+  const float e = exp_nonpositive(-2.0f * std::fabs(u));
+  return std::copysign((1.0f - e) / (1.0f + e), u);
+}
+
+CFMO_SIMD_CLONES
+void gelu_forward_kernel(float* __restrict y, const float* __restrict x, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    y[i] = 0.5f * v * (1.0f + tanh_inline(kGeluScale * (v + kGeluCubic * v * v * v)));
+  }
+}
+
+CFMO_SIMD_CLONES
+void gelu_backward_kernel(float* dx, const float* dy, const float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float th = tanh_inline(kGeluScale * (v + kGeluCubic * v * v * v));
+    const float dth = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v) * (1.0f - th * th);
+    dx[i] = dy[i] * (0.5f * (1.0f + th) + 0.5f * v * dth);
+  }
+}
+}  // namespace
+
+void gelu_forward(float* y, const float* x, size_t n) { gelu_forward_kernel(y, x, n); }
+void gelu_backward(float* dx, const float* dy, const float* x, size_t n) { gelu_backward_kernel(dx, dy, x, n); }
+
+void attention_forward(float* out, float* probs, const float* qkv, int batch, int t, int c, int heads) {
+  const int hs = c / heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const int ld = 3 * c;
+  const auto ut = static_cast<size_t>(t);
+  for (int b = 0; b < batch; ++b) {
+    for (int h = 0; h < heads; ++h) {
+      const float* q = qkv + static_cast<size_t>(b) * ut * static_cast<size_t>(ld) + static_cast<size_t>(h * hs);
+      const float* k = q + c;
+      const float* v = q + 2 * c;
+      float* p = probs + (static_cast<size_t>(b) * static_cast<size_t>(heads) + static_cast<size_t>(h)) * ut * ut;
+      float* o = out + static_cast<size_t>(b) * ut * static_cast<size_t>(c) + static_cast<size_t>(h * hs);
+      for (int i0 = 0; i0 < t; i0 += kAttentionBlock) {
+        const int i1 = std::min(t, i0 + kAttentionBlock);
+        const int rb = i1 - i0;
+        float* s = p + static_cast<size_t>(i0) * ut;
+        // Scores of the block's queries against the keys up to its last row only.
+        ops::gemm(Trans::kNo, Trans::kYes, rb, i1, hs, scale, q + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld,
+                  k, ld, 0.0f, s, t);
+        for (int r = 0; r < rb; ++r) {
+          float* row = s + static_cast<size_t>(r) * ut;
+          const int last = i0 + r;  // keys 0..last are visible
+          float max = row[0];
+          for (int j = 1; j <= last; ++j) max = std::max(max, row[j]);
+          float sum = 0;
+          for (int j = 0; j <= last; ++j) {
+            row[j] = std::exp(row[j] - max);
+            sum += row[j];
+          }
+          const float inv = 1.0f / sum;
+          for (int j = 0; j <= last; ++j) row[j] *= inv;
+          for (int j = last + 1; j < i1; ++j) row[j] = 0.0f;
+        }
+        ops::gemm(Trans::kNo, Trans::kNo, rb, hs, i1, 1.0f, s, t, v, ld, 0.0f,
+                  o + static_cast<size_t>(i0) * static_cast<size_t>(c), c);
+      }
+    }
+  }
+}
+
+void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* probs, int batch,
+                        int t, int c, int heads) {
+  const int hs = c / heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const int ld = 3 * c;
+  const auto ut = static_cast<size_t>(t);
+  std::fill(dqkv, dqkv + static_cast<size_t>(batch) * ut * static_cast<size_t>(ld), 0.0f);
+  for (int b = 0; b < batch; ++b) {
+    for (int h = 0; h < heads; ++h) {
+      const size_t base = static_cast<size_t>(b) * ut * static_cast<size_t>(ld) + static_cast<size_t>(h * hs);
+      const float* q = qkv + base;
+      const float* k = q + c;
+      const float* v = q + 2 * c;
+      float* dq = dqkv + base;
+      float* dk = dq + c;
+      float* dv = dq + 2 * c;
+      const float* p = probs + (static_cast<size_t>(b) * static_cast<size_t>(heads) + static_cast<size_t>(h)) * ut * ut;
+      const float* d_o = dout + static_cast<size_t>(b) * ut * static_cast<size_t>(c) + static_cast<size_t>(h * hs);
+      for (int i0 = 0; i0 < t; i0 += kAttentionBlock) {
+        const int i1 = std::min(t, i0 + kAttentionBlock);
+        const int rb = i1 - i0;
+        const float* pb = p + static_cast<size_t>(i0) * ut;
+        const float* dob = d_o + static_cast<size_t>(i0) * static_cast<size_t>(c);
+        float* ds = scratch;
+        // dP = dO V^T; dV += P^T dO (keys up to the block's last row).
+        ops::gemm(Trans::kNo, Trans::kYes, rb, i1, hs, 1.0f, dob, c, v, ld, 0.0f, ds, t);
+        ops::gemm(Trans::kYes, Trans::kNo, i1, hs, rb, 1.0f, pb, t, dob, c, 1.0f, dv, ld);
+        // Softmax backward: dS = P * (dP - sum_j P dP).
+        for (int r = 0; r < rb; ++r) {
+          const float* prow = pb + static_cast<size_t>(r) * ut;
+          float* row = ds + static_cast<size_t>(r) * ut;
+          const int last = i0 + r;
+          float dot = 0;
+          for (int j = 0; j <= last; ++j) dot += prow[j] * row[j];
+          for (int j = 0; j <= last; ++j) row[j] = prow[j] * (row[j] - dot);
+          for (int j = last + 1; j < i1; ++j) row[j] = 0.0f;
+        }
+        // dQ = scale dS K; dK += scale dS^T Q.
+        ops::gemm(Trans::kNo, Trans::kNo, rb, hs, i1, scale, ds, t, k, ld, 0.0f,
+                  dq + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld);
+        ops::gemm(Trans::kYes, Trans::kNo, i1, hs, rb, scale, ds, t,
+                  q + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld, 1.0f, dk, ld);
+      }
+    }
+  }
+}
+
+}  // namespace gpt
+
+}  // namespace cfmo
