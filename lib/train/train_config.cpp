@@ -17,8 +17,7 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         "per byte) or tokens:GLOB (llm.c token shards)",
         data);
   t.add("val_data", &c.val_data, "token data: validation files, text:... or tokens:... (default: split --data)", data);
-  t.add("val_split", &c.val_split, "token data: the last share of the tokens that validates, without --val-data",
-        data);
+  t.add("val_split", &c.val_split, "token data: the last share of the tokens that validates, without --val-data", data);
   t.add("vocab_size", &c.vocab_size, "token data: the vocabulary (0: 256 for text, 50257 for token files)", data);
   t.add("val_tokens", &c.val_tokens, "token data: validate on the first N validation tokens only (0: all)", data);
   t.add("model", &c.model,
@@ -77,6 +76,8 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
 
   const std::string output = "Output";
   t.add("log_every", &c.log_every, "log a metrics line every N steps", output);
+  t.add("sample_every", &c.sample_every, "a language model: print a short sample of its text every N steps (0: never)",
+        output);
   t.add("out", &c.out, "run directory for metrics.jsonl, checkpoints and the final model (empty: none)", output);
   t.add("checkpoint_every", &c.checkpoint_every, "also checkpoint every N steps (0: at epoch ends and the end only)",
         output);
@@ -147,6 +148,7 @@ Status validate(const TrainConfig& c) {
   if (!(c.peer_timeout > 0)) return usage("peer-timeout", "must be positive");
   CFMO_TRY(heterogeneity_for(c, 0));
   if (c.log_every < 1) return usage("log-every", "must be >= 1");
+  if (c.sample_every < 0) return usage("sample-every", "must be >= 0");
   if (c.checkpoint_every < 0) return usage("checkpoint-every", "must be >= 0");
   if (c.keep_checkpoints < 1) return usage("keep-checkpoints", "must be >= 1");
   return {};

@@ -15,10 +15,10 @@ namespace cfmo {
 struct TrainConfig {
   // data and model
   std::string data = kDefaultFashionMnistDir;
-  std::string val_data;     ///< token data: validation from other files ("" = the last val_split of --data)
-  double val_split = 0.1;   ///< token data: the share of the tokens that validates
-  int vocab_size = 0;       ///< token data: 0 = 256 for text, 50257 for llm.c token files
-  int64_t val_tokens = 0;   ///< token data: validate on the first N validation tokens (0: all)
+  std::string val_data;    ///< token data: validation from other files ("" = the last val_split of --data)
+  double val_split = 0.1;  ///< token data: the share of the tokens that validates
+  int vocab_size = 0;      ///< token data: 0 = 256 for text, 50257 for llm.c token files
+  int64_t val_tokens = 0;  ///< token data: validate on the first N validation tokens (0: all)
   std::string model = "mlp:256,128";
   int64_t seed = 1;
   // inner optimizer
@@ -59,6 +59,7 @@ struct TrainConfig {
   double peer_timeout = 10;
   // output
   int64_t log_every = 100;
+  int64_t sample_every = 0;  ///< a language model: print a short sample every N steps (0: never)
   std::string out;
   int64_t checkpoint_every = 0;
   int keep_checkpoints = 3;

@@ -10,6 +10,7 @@
 #include "optim/schedule.h"
 #include "tensor/ops.h"
 #include "train/data_source.h"
+#include "train/sample.h"
 
 #include <nlohmann/json.hpp>
 #if defined(__x86_64__)
@@ -205,6 +206,20 @@ std::string TrainSummary::to_json() const {
 
 namespace {
 
+/// A sample's text on one line of a log: newlines as \\n, other control bytes as spaces.
+std::string one_line(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char ch : text) {
+    if (ch == '\n') {
+      out += "\\n";
+    } else {
+      out += static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f ? ' ' : ch;
+    }
+  }
+  return out;
+}
+
 /// A checkpoint resumes in a world like the one that wrote it: the position
 /// counts global batches of workers x batch size, and cfmo's and asgd's
 /// checkpoints hold a position per rank.
@@ -249,6 +264,12 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   model.init(static_cast<uint64_t>(config.seed));  // the same on every rank
   const std::string model_spec = model.spec_string();
   const int64_t train_examples = source->train_examples();
+  const int vocab = source->shape().classes;
+  int64_t sample_every = rank == 0 ? config.sample_every : 0;
+  if (sample_every > 0 && model.context() == 0) {
+    observer.on_note(fmt::format("--sample-every: {} is not a language model; no samples", model_spec));
+    sample_every = 0;
+  }
 
   OptimizerConfig optim_config;
   optim_config.name = config.optimizer;
@@ -656,6 +677,14 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
       progress_steps = 0;
     }
     observer.on_step(event);
+    if (sample_every > 0 && pos.step % sample_every == 0) {
+      // Rank 0's own parameters, sampled between steps: the workspaces are free then.
+      SampleOptions sample;
+      sample.tokens = 64;
+      sample.seed = static_cast<uint64_t>(pos.step);
+      CFMO_ASSIGN_OR_RETURN(const auto text, sample_tokens(model, {}, sample));
+      observer.on_note(fmt::format("step {} sample: {}", pos.step, one_line(tokens_to_text(text, vocab))));
+    }
 
     if (pos.batch_in_epoch == batches_per_epoch) {
       ++pos.epoch;

@@ -439,5 +439,40 @@ TEST(CfmoTrainCli, TheSummaryLineChecksOut) {
   }
 }
 
+TEST(CfmoTrainCli, SampleEveryPrintsALanguageModelsTextOnOneLine) {
+  TempDir dir;
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "the quick brown fox\njumps over the lazy dog\n";
+  ASSERT_TRUE(write_file_atomic(dir / "corpus.txt", text));
+  const std::vector<std::string> gpt = {binary(),
+                                        "--data",
+                                        "text:" + (dir / "corpus.txt").string(),
+                                        "--model",
+                                        "gpt:layers=1,heads=2,dim=16,context=16",
+                                        "--steps",
+                                        "4",
+                                        "--epochs",
+                                        "0",
+                                        "--sample-every",
+                                        "2"};
+  const RunResult r = run(gpt);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("step 2 sample: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("step 4 sample: "), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("step 3 sample: "), std::string::npos) << r.err;
+  // One line each, its 64 bytes at least (a sampled newline shows as \\n), no control byte in it.
+  const auto at = r.err.find("step 2 sample: ");
+  const std::string line = r.err.substr(at, r.err.find('\n', at) - at);
+  EXPECT_GE(line.size(), std::string("step 2 sample: ").size() + 64) << line;
+  EXPECT_TRUE(std::none_of(line.begin(), line.end(), [](char ch) { return static_cast<unsigned char>(ch) < 0x20; }));
+
+  // Not a language model: one note, no samples, and the run goes on.
+  const RunResult mlp =
+      run({binary(), "--data", "synthetic:512:128", "--model", "mlp:32", "--epochs", "1", "--sample-every", "2"});
+  ASSERT_EQ(mlp.status, 0) << mlp.err;
+  EXPECT_NE(mlp.err.find("--sample-every: mlp:32 is not a language model"), std::string::npos) << mlp.err;
+  expect_one_line_error(run(quick_args({"--sample-every", "-1"})), 2, "--sample-every");
+}
+
 }  // namespace
 }  // namespace cfmo
