@@ -56,6 +56,26 @@ void expect_one_line_error(const RunResult& r, int status, const std::string& ne
   EXPECT_TRUE(r.out.empty()) << r.out;
 }
 
+TEST(CfmoTrainCli, EveryToolSaysTheProjectsVersionAsItsManPageDoes) {
+  // One version for the four tools, from meson.build; each man page's title line names it.
+  const RunResult train = run({binary(), "--version"});
+  ASSERT_EQ(train.status, 0) << train.err;
+  const std::regex pattern(R"(^cfmo-train (\d+\.\d+\.\d+)\n$)");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_match(train.out, m, pattern)) << train.out;
+  const std::string version = m[1];
+  const fs::path tools = fs::path(binary()).parent_path();
+  for (const char* tool : {"cfmo-diverge", "cfmo-pull", "cfmo-moe"}) {
+    const RunResult r = run({(tools / tool).string(), "--version"});
+    EXPECT_EQ(r.status, 0) << tool << ": " << r.err;
+    EXPECT_EQ(r.out, fmt::format("{} {}\n", tool, version));
+  }
+  for (const char* page : {"cfmo-train", "cfmo-diverge", "cfmo-pull", "cfmo-moe"}) {
+    const std::string scd = slurp(source_root() / "man" / fmt::format("{}.1.scd", page));
+    EXPECT_NE(scd.find(fmt::format("\"cfmo {}\"", version)), std::string::npos) << page;
+  }
+}
+
 TEST(CfmoTrainCli, HelpManPageAndConfigListTheSameOptions) {
   const RunResult help = run({binary(), "--help"});
   ASSERT_EQ(help.status, 0);

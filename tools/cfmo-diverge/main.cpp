@@ -330,7 +330,7 @@ int run(int argc, char** argv) {
       "Inspect the parameter deltas of a cfmo training run: how far each worker's parameters drifted from the\n"
       "global ones. Every option can also be set in a TOML file (--config); flags override the file."};
   app.name(kTool);
-  app.set_version_flag("--version", "cfmo-diverge 0.1.0");
+  app.set_version_flag("--version", "cfmo-diverge " CFMO_VERSION);
   app.require_subcommand(1);
   app.get_formatter()->column_width(34);
 

@@ -40,7 +40,7 @@ static int run(int argc, char** argv) {
       "Benchmark Mixture-of-Experts token dispatch and combine across ranks, synchronous and asynchronous.\n"
       "Every option can also be set in a TOML file (--config); flags override the file."};
   app.name("cfmo-moe");
-  app.set_version_flag("--version", "cfmo-moe 0.1.0");
+  app.set_version_flag("--version", "cfmo-moe " CFMO_VERSION);
   app.get_formatter()->column_width(34);
 
   cfmo::moe::MoeConfig config;

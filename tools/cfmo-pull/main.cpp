@@ -568,7 +568,7 @@ int run(int argc, char** argv) {
       "memory-backed store, cold layers now, later or never. Every option can also be set in a TOML file\n"
       "(--config); flags override the file."};
   app.name(kTool);
-  app.set_version_flag("--version", "cfmo-pull 0.2.0");
+  app.set_version_flag("--version", "cfmo-pull " CFMO_VERSION);
   app.require_subcommand(1);
   app.get_formatter()->column_width(34);
 

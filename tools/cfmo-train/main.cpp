@@ -230,7 +230,7 @@ static int run(int argc, char** argv) {
       "cfmo-train sample RUN [--prompt TEXT] [--tokens N] [--temperature X] [--top-k K] [--seed S]\n"
       "prints text from a run's language model."};
   app.name("cfmo-train");
-  app.set_version_flag("--version", "cfmo-train 0.1.0");
+  app.set_version_flag("--version", "cfmo-train " CFMO_VERSION);
   app.get_formatter()->column_width(34);
 
   cfmo::TrainConfig config;
