@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <sstream>
 
 namespace cfmo {
 
@@ -77,6 +78,18 @@ Result<std::unique_ptr<Model>> load_saved_model(const std::filesystem::path& dir
     CFMO_TRY(file.read_f32(p.name, p.shape, model->parameters().subspan(p.offset, p.size)));
   }
   return model;
+}
+
+Result<std::vector<int32_t>> text_to_tokens(const std::string& text, int vocab) {
+  std::vector<int32_t> tokens;
+  if (vocab == 256) {
+    for (const char ch : text) tokens.push_back(static_cast<unsigned char>(ch));
+    return tokens;
+  }
+  std::istringstream ids(text);
+  for (int64_t id = 0; ids >> id;) tokens.push_back(static_cast<int32_t>(id));
+  if (!ids.eof()) return make_error(ErrorKind::kUsage, "--prompt: give token ids separated by spaces");
+  return tokens;
 }
 
 std::string tokens_to_text(const std::vector<int32_t>& tokens, int vocab) {

@@ -33,4 +33,8 @@ Result<std::unique_ptr<Model>> load_saved_model(const std::filesystem::path& dir
 /// Token ids as text: bytes for a byte-level vocabulary, else ids separated by spaces.
 std::string tokens_to_text(const std::vector<int32_t>& tokens, int vocab);
 
+/// The inverse, for a prompt: bytes for a byte-level vocabulary, else ids
+/// separated by spaces (kUsage naming --prompt when they are not).
+Result<std::vector<int32_t>> text_to_tokens(const std::string& text, int vocab);
+
 }  // namespace cfmo

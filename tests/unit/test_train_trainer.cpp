@@ -260,6 +260,24 @@ TEST(Trainer, GptTokensBudgetAndResumeExactness) {
   EXPECT_EQ(sampled->size(), 25u);
 }
 
+TEST(Sample, APromptIsBytesOrTokenIdsAndComesBackAsItWent) {
+  // Bytes, high ones included, for a byte-level vocabulary.
+  const std::string bytes = "the \xff\n";
+  auto as_bytes = text_to_tokens(bytes, 256);
+  ASSERT_TRUE(as_bytes);
+  EXPECT_EQ(*as_bytes, (std::vector<int32_t>{'t', 'h', 'e', ' ', 255, '\n'}));
+  EXPECT_EQ(tokens_to_text(*as_bytes, 256), bytes);
+  // Ids separated by spaces for any other vocabulary.
+  auto as_ids = text_to_tokens("464 3290  50256", 50257);
+  ASSERT_TRUE(as_ids);
+  EXPECT_EQ(*as_ids, (std::vector<int32_t>{464, 3290, 50256}));
+  EXPECT_EQ(tokens_to_text(*as_ids, 50257), "464 3290 50256");
+  auto words = text_to_tokens("464 dog", 50257);
+  ASSERT_FALSE(words);
+  EXPECT_EQ(words.error().kind, ErrorKind::kUsage);
+  EXPECT_NE(words.error().message.find("--prompt"), std::string::npos);
+}
+
 TEST(Trainer, GptRefusesImagesAndTheMlpRefusesText) {
   TempDir dir;
   const auto corpus = write_corpus(dir.path());

@@ -24,7 +24,6 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
-#include <sstream>
 
 namespace {
 
@@ -203,18 +202,9 @@ int run_sample(int argc, char** argv) {
   auto model = cfmo::load_saved_model(dir);
   if (!model) return fail(model.error());
   const int vocab = static_cast<int>((*model)->params().front().shape[0]);
-  std::vector<int32_t> tokens;
-  if (vocab == 256) {
-    tokens.assign(prompt.begin(), prompt.end());
-    for (int32_t& t : tokens) t &= 0xff;
-  } else {
-    std::istringstream ids(prompt);
-    for (int64_t id = 0; ids >> id;) tokens.push_back(static_cast<int32_t>(id));
-    if (!ids.eof()) {
-      return fail(cfmo::make_error(cfmo::ErrorKind::kUsage, "--prompt: give token ids separated by spaces"));
-    }
-  }
-  auto sampled = cfmo::sample_tokens(**model, tokens, options);
+  auto tokens = cfmo::text_to_tokens(prompt, vocab);
+  if (!tokens) return fail(tokens.error());
+  auto sampled = cfmo::sample_tokens(**model, *tokens, options);
   if (!sampled) return fail(sampled.error());
   fmt::print("{}{}\n", prompt, cfmo::tokens_to_text(*sampled, vocab));
   return 0;
