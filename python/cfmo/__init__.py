@@ -29,6 +29,7 @@ from ._cfmo import (  # noqa: F401  (the public names)
     World as _World,
     _Reconciler,
     launch_local,
+    load_data,
 )
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "InternalError",
     "PeerLostWarning",
     "MODES",
+    "load_data",
 ]
 
 MODES = ("sync", "localsgd", "cfmo", "asgd")
@@ -71,6 +73,13 @@ class World(_World):
         super().__init__(rendezvous, peer_timeout)
         _live_worlds.add(self)
 
+    def close(self):
+        # A finished Reconciler is released with its world; an unfinished one keeps it (ConfigError).
+        for rec in list(_live_reconcilers):
+            if rec.world is self and rec._core is not None and rec._core.finished:
+                rec.close()
+        super().close()
+
     def __enter__(self):
         return self
 
@@ -83,7 +92,7 @@ def _release():
     for rec in list(_live_reconcilers):
         rec.close()
     for world in list(_live_worlds):
-        world.close()
+        _World.close(world)
 
 
 def _torch_tensor_type():
@@ -150,11 +159,13 @@ class Reconciler:
     update (pass optimizer= here, for their settings). Collective: every rank
     makes its Reconciler together, over parameters of the same names and shapes.
     With out=RUN the deltas (localsgd, cfmo) go to RUN/deltas/rank-K/*.cfd.
+    sample_budget (cfmo, asgd): the examples all workers together train;
+    rank 0 keeps the count (step's samples) and stop_requested turns true.
     """
 
     def __init__(self, params, world=None, mode="cfmo", sync_interval=10, outer="nesterov", outer_lr=0.5,
                  outer_momentum=0.8, delta_dtype="bf16", staleness_beta=0.9, max_staleness=4, out=None,
-                 optimizer=None):
+                 optimizer=None, sample_budget=0):
         if mode not in MODES:
             raise ConfigError(f"mode '{mode}': expected sync, localsgd, cfmo or asgd")
         if mode == "asgd" and optimizer is None and world is not None and world.size > 1:
@@ -169,7 +180,7 @@ class Reconciler:
         self._core = _Reconciler(self.world, names, self._buffers, mode, sync_interval, staleness_beta,
                                  max_staleness, outer, outer_lr, outer_momentum, delta_dtype,
                                  _optimizer_config(optimizer if mode == "asgd" else None),
-                                 "" if out is None else str(out))
+                                 "" if out is None else str(out), int(sample_budget))
         self._no_moments = [None] * len(tensors)
         self._uses_gradients = self._core.uses_gradients
         self._reduced = False
@@ -245,6 +256,11 @@ class Reconciler:
 
     def lost_ranks(self):
         return self._core.lost_ranks()
+
+    @property
+    def stop_requested(self):
+        """cfmo and asgd with a sample_budget: the workers together have trained it."""
+        return self._core.stop_requested
 
     @property
     def rank(self):

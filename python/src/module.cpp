@@ -4,6 +4,7 @@
 /// message; a call that may wait on other ranks releases the GIL.
 
 #include "comm/codec.h"
+#include "data/dataset.h"
 #include "reconciler.h"
 #include "train/launcher.h"
 #include "world.h"
@@ -186,6 +187,15 @@ py::dict stats_of(const Reconciler& r) {
   return d;
 }
 
+/// A data set as numpy arrays: (features uint8 [count, features], labels int32 [count]).
+py::tuple dataset_arrays(cfmo::Dataset d) {
+  auto* held = new cfmo::Dataset(std::move(d));
+  py::capsule owner(held, [](void* p) { delete static_cast<cfmo::Dataset*>(p); });
+  const std::vector<py::ssize_t> shape = {held->count, held->features};
+  return py::make_tuple(py::array_t<uint8_t>(shape, held->pixels.data(), owner),
+                        py::array_t<int32_t>({held->count}, held->labels.data(), owner));
+}
+
 std::atomic<bool> g_launch_stop{false};
 
 /// The local launcher of cfmo-train --workers, for `python3 -m cfmo.launch`:
@@ -216,7 +226,7 @@ std::unique_ptr<Reconciler> make_reconciler(std::shared_ptr<World> world, const 
                                             const py::list& buffers, const std::string& mode, int sync_interval,
                                             double staleness_beta, int max_staleness, const std::string& outer,
                                             double outer_lr, double outer_momentum, const std::string& delta_dtype,
-                                            const py::dict& optimizer, const std::string& out) {
+                                            const py::dict& optimizer, const std::string& out, int64_t sample_budget) {
   if (!world->comm && world->size() != 1) raise(ErrorKind::kUsage, "this World was closed");
   std::vector<TensorView> tensors;
   for (size_t t = 0; t < buffers.size(); ++t) {
@@ -237,6 +247,8 @@ std::unique_ptr<Reconciler> make_reconciler(std::shared_ptr<World> world, const 
   if (!dtype) throw ErrorException(as_keyword_error(dtype.error()));
   s.mode.delta_dtype = *dtype;
   s.mode.peer_timeout_s = world->options.peer_timeout_s;
+  if (sample_budget < 0) raise(ErrorKind::kUsage, "sample_budget: must be >= 0");
+  s.mode.sample_budget = sample_budget;
   auto get = [&](const char* key, auto fallback) {
     return optimizer.contains(key) ? optimizer[key].cast<decltype(fallback)>() : fallback;
   };
@@ -308,6 +320,15 @@ PYBIND11_MODULE(_cfmo, m) {
       .def_property_readonly("peer_timeout", [](const World& w) { return w.options.peer_timeout_s; })
       .def("lost_ranks", [](const World& w) { return w.comm ? w.comm->lost_ranks() : std::vector<int>{}; })
       .def(
+          "all_reduce",
+          [](World& w, const py::buffer& data) {
+            const TensorView v = view_of(data, "all_reduce");
+            if (!w.comm) return;
+            py::gil_scoped_release release;
+            check(w.comm->all_reduce_sum({v.data, v.size}));
+          },
+          "Collective: the element-wise sum over the ranks of a float32 buffer, in place.")
+      .def(
           "close",
           [](World& w) {
             if (w.in_use) raise(ErrorKind::kUsage, "World.close(): its Reconciler is not finished");
@@ -319,7 +340,8 @@ PYBIND11_MODULE(_cfmo, m) {
   py::class_<Reconciler>(m, "_Reconciler")
       .def(py::init(&make_reconciler), py::arg("world"), py::arg("names"), py::arg("buffers"), py::arg("mode"),
            py::arg("sync_interval"), py::arg("staleness_beta"), py::arg("max_staleness"), py::arg("outer"),
-           py::arg("outer_lr"), py::arg("outer_momentum"), py::arg("delta_dtype"), py::arg("optimizer"), py::arg("out"))
+           py::arg("outer_lr"), py::arg("outer_momentum"), py::arg("delta_dtype"), py::arg("optimizer"), py::arg("out"),
+           py::arg("sample_budget"))
       .def(
           "tick",
           [](Reconciler& r, int64_t samples) {
@@ -346,6 +368,7 @@ PYBIND11_MODULE(_cfmo, m) {
              check(r.finish(b));
            })
       .def_property_readonly("finished", &Reconciler::finished)
+      .def_property_readonly("stop_requested", &Reconciler::stop_requested)
       .def_property_readonly("mode", &Reconciler::mode_name)
       .def_property_readonly("owns_update", &Reconciler::owns_update)
       .def_property_readonly("uses_gradients", &Reconciler::uses_gradients)
@@ -376,6 +399,15 @@ PYBIND11_MODULE(_cfmo, m) {
         check(r.load_state_dict(s));
       });
 
+  m.def(
+      "load_data",
+      [](const std::string& spec, uint64_t seed) {
+        auto split = check(cfmo::load_data(spec, seed));
+        return py::make_tuple(dataset_arrays(std::move(split.train)), dataset_arrays(std::move(split.test)));
+      },
+      py::arg("spec") = cfmo::kDefaultFashionMnistDir, py::arg("seed") = 1,
+      "cfmo-train's --data: Fashion-MNIST's IDX files in a directory (Debian's dataset-fashion-mnist by default) "
+      "or 'synthetic[:TRAIN[:TEST]]'; ((train_x, train_y), (test_x, test_y)), pixels as uint8.");
   m.def("launch_local", &launch, py::arg("workers"), py::arg("argv"), py::arg("grace_s") = 10.0,
         "Runs argv (this interpreter's arguments) as `workers` local ranks; returns the run's exit status.");
 }

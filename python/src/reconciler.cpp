@@ -208,6 +208,17 @@ bool Reconciler::tick(int64_t samples) {
 }
 
 Status Reconciler::reconcile(const Buffers& moments) {
+  const bool async = settings_.mode.name == "cfmo" || settings_.mode.name == "asgd";
+  if (async && rank() != 0) {
+    // The others train on without a lost peer, but not without the budget keeper and gatherer.
+    const auto lost = lost_ranks();
+    if (std::find(lost.begin(), lost.end(), 0) != lost.end()) {
+      const Status health = world_->comm->health();
+      return make_error(health ? ErrorKind::kPeer : health.error().kind,
+                        "rank 0, which keeps the run's budget, is lost: {}",
+                        health ? std::string("it left") : health.error().message);
+    }
+  }
   gather();
   FirstMoments optimizer(layout_, moments);
   CFMO_TRY(failed(mode_->after_step(position_, flat_, optimizer)));

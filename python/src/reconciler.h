@@ -85,6 +85,9 @@ class Reconciler {
   /// rank 0 holds the global parameters (every rank does in sync and localsgd).
   Status finish(const Buffers& moments);
   bool finished() const { return finished_; }
+  /// cfmo and asgd with a sample budget: the budget keeper (rank 0) says the
+  /// workers together have seen it.
+  bool stop_requested() const { return mode_->stop_requested(); }
 
   const std::string& mode_name() const { return settings_.mode.name; }
   bool owns_update() const { return mode_->owns_update(); }

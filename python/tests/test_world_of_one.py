@@ -165,3 +165,25 @@ def test_exceptions_form_one_family():
                          (cfmo.InternalError, 5)):
         assert issubclass(kind, cfmo.Error) and issubclass(kind, RuntimeError)
         assert kind.exit_status == status
+
+
+def test_load_data_and_all_reduce(world):
+    (x, y), (tx, ty) = cfmo.load_data("synthetic:300:50")
+    assert x.shape == (300, 784) and x.dtype == np.uint8 and y.dtype == np.int32 and tx.shape == (50, 784)
+    assert set(np.unique(y)) <= set(range(10))
+    with pytest.raises(cfmo.InputError, match="data directory '/nonexistent': not found"):
+        cfmo.load_data("/nonexistent")
+    a = np.arange(4, dtype=np.float32)
+    world.all_reduce(a)  # a world of one: the sum is itself
+    assert a.tolist() == [0, 1, 2, 3]
+    with pytest.raises(cfmo.ConfigError, match="all_reduce: float64, expected float32"):
+        world.all_reduce(np.zeros(3))
+
+
+def test_sample_budget_is_the_async_modes(world):
+    rec = cfmo.Reconciler([np.zeros(4, np.float32)], world, mode="cfmo", sample_budget=100)
+    rec.step(samples=200)
+    assert not rec.stop_requested  # alone there is no budget keeper: the caller's loop decides
+    rec.close()
+    with pytest.raises(cfmo.ConfigError, match="sample_budget: must be >= 0"):
+        cfmo.Reconciler([np.zeros(4, np.float32)], world, sample_budget=-1)

@@ -1,7 +1,9 @@
 """Worlds of 2 and 4 real processes, started by python3 -m cfmo.launch."""
 
+import json
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -119,3 +121,18 @@ def test_deltas_are_cfd_files_cfmo_diverge_reads(run_world, workdir):
     check = subprocess.run([diverge, "report", run, "--format", "json"], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stderr
     assert '"rank": 1' in check.stdout.replace('"rank":1', '"rank": 1')
+
+
+def test_the_example_trains_under_the_launcher(workdir):
+    # examples/torch_mlp.py as docs/PYTHON.md runs it, on synthetic data: the
+    # shared sample budget (mode cfmo) ends both workers; rank 0 prints the JSON.
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "torch_mlp.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "cfmo.launch", "-n", "2", example, "--data", "synthetic:2000:500",
+                          "--samples", "4000", "--hidden", "32", "--json", "--out", os.path.join(workdir, "run")],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["workers"] == 2 and result["samples"] >= 4000
+    assert result["bytes_sent"] > 0 and 0 < result["efficiency"] <= 1.01
+    assert os.listdir(os.path.join(workdir, "run", "deltas"))
