@@ -9,10 +9,10 @@
 # bench/RESULTS.md with the command.
 #
 #   bench/torch_cfmo.sh [--record]
-#   SAMPLES=60000 WORKERS=2 SCENARIOS="homogeneous slow" (the defaults)
+#   SAMPLES=40000 WORKERS=2 SCENARIOS="homogeneous slow" (the defaults)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SAMPLES=${SAMPLES:-60000}
+SAMPLES=${SAMPLES:-40000}
 WORKERS=${WORKERS:-2}
 SCENARIOS=${SCENARIOS:-"homogeneous slow"}
 DATA=${DATA:-/usr/share/datasets/fashion-mnist}
@@ -70,7 +70,7 @@ if $record; then
     echo
     echo "### PyTorch DDP vs cfmo.Reconciler (mode cfmo), the Python module ($(date -u +%Y-%m-%d))"
     echo
-    echo "Machine: $(nproc) cores, load average $load_before before and $load_after after (other builds ran)."
+    echo "Machine: $(getconf _NPROCESSORS_ONLN) cores, load average $load_before before and $load_after after (other builds ran)."
     echo "Command: \`SAMPLES=$SAMPLES WORKERS=$WORKERS bench/torch_cfmo.sh --record\`"
     echo
     echo "$table"

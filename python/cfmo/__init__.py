@@ -168,9 +168,9 @@ class Reconciler:
                  optimizer=None, sample_budget=0):
         if mode not in MODES:
             raise ConfigError(f"mode '{mode}': expected sync, localsgd, cfmo or asgd")
-        if mode == "asgd" and optimizer is None and world is not None and world.size > 1:
-            raise ConfigError("mode asgd: pass optimizer= (the owners run its update on their shards)")
         self.world = world if world is not None else World()
+        if mode == "asgd" and optimizer is None and self.world.size > 1:
+            raise ConfigError("mode asgd: pass optimizer= (the owners run its update on their shards)")
         names, tensors = _named(params)
         self._tensors = tensors
         self._names = names
@@ -235,7 +235,8 @@ class Reconciler:
         return self.rank == 0 or self._core.mode in ("sync", "localsgd")
 
     def close(self):
-        """Releases the mode without finishing (the other ranks see this one as lost)."""
+        """Releases the mode, finished or not (unfinished: the other ranks see this one
+        go when its World closes, and treat it as a lost peer)."""
         _live_reconcilers.discard(self)
         core, self._core = getattr(self, "_core", None), None
         del core
