@@ -31,14 +31,15 @@ def workdir():
         yield d
 
 
-def shm_entries():
-    return set(glob.glob("/dev/shm/cfmo-ucx-*"))
+def shm_entries(launcher_pid):
+    # The launcher's own directory for UCX's shared memory (other runs on this host have theirs).
+    return glob.glob(f"/dev/shm/cfmo-ucx-{launcher_pid}-*")
 
 
 @pytest.fixture
 def run_world(workdir):
     """run_world(n, scenario, **config): n ranks of worker.py; their results."""
-    shm_before = shm_entries()
+    launchers = []
 
     def run(n, scenario, timeout=240, **config):
         config.update(scenario=scenario, out=workdir)
@@ -50,15 +51,27 @@ def run_world(workdir):
         env = dict(os.environ, PYTHONWARNINGS="ignore::DeprecationWarning", OMP_NUM_THREADS="1")
         for name in ("RANK", "WORLD_SIZE", "CFMO_RENDEZVOUS", "CFMO_LAUNCHED"):
             env.pop(name, None)
-        done = subprocess.run([sys.executable, "-m", "cfmo.launch", "-n", str(n), os.path.join(HERE, "worker.py"),
-                               path], capture_output=True, text=True, timeout=timeout, env=env)
+        with subprocess.Popen([sys.executable, "-m", "cfmo.launch", "-n", str(n), os.path.join(HERE, "worker.py"),
+                               path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as launcher:
+            launchers.append(launcher.pid)
+            try:
+                stdout, stderr = launcher.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                launcher.terminate()  # passed on to the ranks as one SIGINT; the launcher then cleans up
+                try:
+                    stdout, stderr = launcher.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    launcher.kill()  # its ranks die with it (PR_SET_PDEATHSIG)
+                    stdout, stderr = launcher.communicate()
+                stderr += f"\n(the test killed the launcher after {timeout} s)"
         results = {}
         for rank in range(n):
             p = os.path.join(workdir, f"rank-{rank}.json")
             if os.path.exists(p):
                 with open(p) as f:
                     results[rank] = json.load(f)
-        return World(done.returncode, done.stdout, done.stderr, results)
+        return World(launcher.returncode, stdout, stderr, results)
 
     yield run
-    assert shm_entries() <= shm_before, "UCX shared memory left in /dev/shm"
+    for pid in launchers:
+        assert not shm_entries(pid), "UCX shared memory left in /dev/shm"

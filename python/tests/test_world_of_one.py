@@ -187,3 +187,24 @@ def test_sample_budget_is_the_async_modes(world):
     rec.close()
     with pytest.raises(cfmo.ConfigError, match="sample_budget: must be >= 0"):
         cfmo.Reconciler([np.zeros(4, np.float32)], world, sample_budget=-1)
+
+
+def test_the_wrapper_is_an_optimizer_with_a_state_dict(world):
+    model = torch.nn.Linear(4, 2)
+    opt = cfmo.CommunicationFreeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), world,
+                                          mode="localsgd", sync_interval=1)
+    assert opt.param_groups is opt.optimizer.param_groups
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+    state = opt.state_dict()
+    assert state["reconciler"]["position"]["step"] == 3 and "state" in state["optimizer"]
+    opt.finish()
+    opt.reconciler.close()
+    again = cfmo.CommunicationFreeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), world,
+                                            mode="localsgd", sync_interval=1)
+    again.load_state_dict(state)
+    assert again.reconciler.stats()["step"] == 3
+    with again:
+        pass  # finishes and closes
