@@ -136,3 +136,24 @@ def test_the_example_trains_under_the_launcher(workdir):
     assert result["workers"] == 2 and result["samples"] >= 4000
     assert result["bytes_sent"] > 0 and 0 < result["efficiency"] <= 1.01
     assert os.listdir(os.path.join(workdir, "run", "deltas"))
+
+
+@pytest.mark.parametrize("mode", ["sync", "cfmo"])
+def test_ctrl_c_reaches_every_rank_once_and_the_run_exits_130(workdir, mode):
+    import glob
+    import signal
+    import time
+
+    config = os.path.join(workdir, "config.json")
+    with open(config, "w") as f:
+        json.dump({"scenario": "forever", "out": workdir, "mode": mode}, f)
+    worker = os.path.join(os.path.dirname(__file__), "worker.py")
+    with subprocess.Popen([sys.executable, "-m", "cfmo.launch", "-n", "2", worker, config], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as launcher:
+        deadline = time.monotonic() + 120
+        while len(glob.glob(os.path.join(workdir, "started-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, stderr
+    assert not glob.glob(f"/dev/shm/cfmo-ucx-{launcher.pid}-*")

@@ -291,6 +291,18 @@ def scenario_deltas(config, world):
     return {"written": stats["deltas_written"], "skipped": stats["deltas_skipped"]}
 
 
+def scenario_forever(config, world):
+    """Trains until interrupted (the test sends the launcher SIGINT once every rank has started)."""
+    params = [np.zeros(100, np.float32)]
+    rec = cfmo.Reconciler(params, world, mode=config["mode"], sync_interval=2)
+    open(os.path.join(config["out"], f"started-{world.rank}"), "w").close()
+    while True:
+        params[0] += 0.01
+        rec.reduce_gradients(grads=[np.zeros(100, np.float32)])
+        rec.step(samples=1)
+        time.sleep(0.001)
+
+
 def main():
     with open(sys.argv[1]) as f:
         config = json.load(f)
