@@ -227,7 +227,7 @@ std::unique_ptr<Reconciler> make_reconciler(std::shared_ptr<World> world, const 
                                             double staleness_beta, int max_staleness, const std::string& outer,
                                             double outer_lr, double outer_momentum, const std::string& delta_dtype,
                                             const py::dict& optimizer, const std::string& out, int64_t sample_budget) {
-  if (!world->comm && world->size() != 1) raise(ErrorKind::kUsage, "this World was closed");
+  if (world->closed) raise(ErrorKind::kUsage, "this World was closed");
   std::vector<TensorView> tensors;
   for (size_t t = 0; t < buffers.size(); ++t) {
     const std::string name = t < names.size() ? names[t] : std::to_string(t);
@@ -310,8 +310,14 @@ PYBIND11_MODULE(_cfmo, m) {
              w->options.rendezvous = rendezvous;
              w->options.peer_timeout_s = peer_timeout;
              if (!(peer_timeout > 0)) raise(ErrorKind::kUsage, "peer_timeout: must be positive");
-             py::gil_scoped_release release;
-             w->comm = check(connect_world(w->options));
+             {
+               py::gil_scoped_release release;
+               w->comm = check(connect_world(w->options));
+             }
+             if (w->comm) {
+               w->rank_ = w->comm->rank();
+               w->size_ = w->comm->size();
+             }
              return w;
            }),
            py::arg("rendezvous") = "", py::arg("peer_timeout") = 10.0)
@@ -323,6 +329,7 @@ PYBIND11_MODULE(_cfmo, m) {
           "all_reduce",
           [](World& w, const py::buffer& data) {
             const TensorView v = view_of(data, "all_reduce");
+            if (w.closed) raise(ErrorKind::kUsage, "all_reduce: this World was closed");
             if (!w.comm) return;
             py::gil_scoped_release release;
             check(w.comm->all_reduce_sum({v.data, v.size}));
@@ -332,6 +339,7 @@ PYBIND11_MODULE(_cfmo, m) {
           "close",
           [](World& w) {
             if (w.in_use) raise(ErrorKind::kUsage, "World.close(): its Reconciler is not finished");
+            w.closed = true;
             py::gil_scoped_release release;
             w.comm.reset();  // the goodbye to the other ranks
           },

@@ -25,12 +25,15 @@ Result<std::unique_ptr<Communicator>> connect_world(const WorldOptions& options)
 /// A connected world, shared by the objects that use it. One Reconciler at
 /// a time owns the modes' channels.
 struct World {
-  std::unique_ptr<Communicator> comm;  ///< null: a world of one
+  std::unique_ptr<Communicator> comm;  ///< null: a world of one, or closed
   WorldOptions options;
   bool in_use = false;
+  bool closed = false;
+  int rank_ = 0;
+  int size_ = 1;
 
-  int rank() const { return comm ? comm->rank() : 0; }
-  int size() const { return comm ? comm->size() : 1; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
 };
 
 }  // namespace cfmo::python

@@ -208,3 +208,13 @@ def test_the_wrapper_is_an_optimizer_with_a_state_dict(world):
     assert again.reconciler.stats()["step"] == 3
     with again:
         pass  # finishes and closes
+
+
+def test_a_closed_world_is_refused():
+    w = cfmo.World()
+    w.close()
+    w.close()  # idempotent
+    with pytest.raises(cfmo.ConfigError, match="this World was closed"):
+        cfmo.Reconciler([np.zeros(4, np.float32)], w)
+    with pytest.raises(cfmo.ConfigError, match="this World was closed"):
+        w.all_reduce(np.zeros(4, np.float32))
