@@ -93,119 +93,6 @@ class MetricsLog {
 
 namespace {
 
-/// Every field of a WorkerReport with its JSON key, once: `f(key, member)`
-/// for a const or a mutable report, so to_json and from_json stay in step.
-template <typename Report, typename F>
-void visit_fields(Report& w, F&& f) {
-  f("rank", w.rank);
-  f("steps", w.steps);
-  f("samples", w.samples);
-  f("samples_per_s", w.samples_per_s);
-  f("solo_samples_per_s", w.solo_samples_per_s);
-  f("wait_s", w.wait_s);
-  f("finish_wait_s", w.finish_wait_s);
-  f("loop_s", w.loop_s);
-  f("bytes_sent", w.bytes_sent);
-  f("bytes_received", w.bytes_received);
-  f("contributions_dropped", w.contributions_dropped);
-  f("contributions_sent", w.contributions_sent);
-  f("contributions_applied", w.contributions_applied);
-  f("contributions_received", w.contributions_received);
-  f("rounds", w.rounds);
-  f("deferred", w.deferred);
-  f("staleness_histogram", w.staleness_histogram);
-  f("slowdown", w.slowdown);
-  f("deltas_written", w.deltas_written);
-  f("deltas_skipped", w.deltas_skipped);
-  f("stopped_by", w.stopped_by);
-}
-
-nlohmann::ordered_json worker_json(const WorkerReport& w) {
-  nlohmann::ordered_json j = nlohmann::ordered_json::object();
-  visit_fields(w, [&](const char* key, const auto& value) { j[key] = value; });
-  return j;
-}
-
-}  // namespace
-
-std::string WorkerReport::to_json() const { return worker_json(*this).dump(); }
-
-Result<WorkerReport> WorkerReport::from_json(std::string_view text) {
-  WorkerReport w;
-  try {
-    const auto j = nlohmann::json::parse(text);
-    visit_fields(w, [&](const char* key, auto& value) { j.at(key).get_to(value); });
-  } catch (const nlohmann::json::exception& e) {
-    return make_error(ErrorKind::kPeer, "a worker report is malformed: {}", e.what());
-  }
-  return w;
-}
-
-std::string TrainSummary::to_json() const {
-  nlohmann::ordered_json workers_json = nlohmann::ordered_json::array();
-  for (const auto& w : per_worker) workers_json.push_back(worker_json(w));
-  auto null_or = [](const std::string& v) {
-    return v.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v);
-  };
-  nlohmann::ordered_json slowdowns = nlohmann::ordered_json::object();
-  for (const auto& item : slowdown) {
-    const auto eq = item.find('=');
-    if (eq != std::string::npos) slowdowns[item.substr(0, eq)] = std::stod(item.substr(eq + 1));
-  }
-  nlohmann::ordered_json j = {
-      {"mode", mode},
-      {"workers", workers},
-      {"model", model},
-      {"optimizer", optimizer},
-      {"data", data},
-      {"blas", blas},
-      {"device", device},
-      {"parameters", parameters},
-      {"steps", steps},
-      {"samples", samples},
-      {"epochs_completed", epochs_completed},
-      {"wall_s", wall_s},
-      {"train_s", train_s},
-      {"eval_s", eval_s},
-      {"samples_per_s", samples_per_s},
-      {"efficiency", efficiency},
-      {"efficiency_basis",
-       "total samples/s over the sum of each worker's solo samples/s, measured during this run "
-       "as its samples over its own compute time (simulated slowness included, waits excluded)"},
-      {"test_accuracy", test_accuracy},
-      {"test_loss", test_loss},
-      {"final_train_loss", final_train_loss},
-      {"train_loss", train_loss},
-      {"val_loss", context > 0 ? nlohmann::ordered_json(val_loss) : nlohmann::ordered_json(nullptr)},
-      {"tokens", tokens},
-      {"tokens_per_s", tokens_per_s},
-      {"gflops_per_s", gflops_per_s},
-      {"flops_per_example", flops_per_example},
-      {"flops_formula", flops_formula},
-      {"bytes_sent", bytes_sent},
-      {"stopped_by", stopped_by},
-      {"lost_ranks", lost_ranks},
-      {"settings",
-       {{"sync_interval", mode_settings.sync_interval},
-        {"staleness_discount", mode_settings.staleness_discount},
-        {"max_staleness", mode_settings.max_staleness},
-        {"outer_optimizer", mode_settings.outer_optimizer},
-        {"outer_lr", mode_settings.outer_lr},
-        {"outer_momentum", mode_settings.outer_momentum},
-        {"delta_dtype", std::string(to_string(mode_settings.delta_dtype))}}},
-      {"simulation",
-       {{"simulated", !slowdown.empty() || !straggler.empty()},
-        {"slowdown", slowdowns},
-        {"straggler", null_or(straggler)}}},
-      {"run_dir", null_or(run_dir)},
-      {"resumed_from", null_or(resumed_from)},
-      {"per_worker", workers_json}};
-  if (!muon_tensors.empty()) j["optimizer_split"] = {{"muon", muon_tensors}, {"adamw", adamw_tensors}};
-  return j.dump();
-}
-
-namespace {
-
 /// A sample's text on one line of a log: newlines as \\n, other control bytes as spaces.
 std::string one_line(const std::string& text) {
   std::string out;
@@ -243,13 +130,14 @@ Status check_resumable(const fs::path& dir, const CheckpointWorld& saved, const 
 
 Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& options) {
   const auto run_start = Clock::now();
-  CFMO_TRY(validate(config));
+  CFMO_ASSIGN_OR_RETURN(const TrainPlan plan, make_plan(config));
   TrainObserver null_observer;
   TrainObserver& observer = options.observer != nullptr ? *options.observer : null_observer;
   Communicator* comm = options.comm;
   const int rank = comm != nullptr ? comm->rank() : 0;
   const int world = comm != nullptr ? comm->size() : 1;
-  const bool async = world > 1 && (config.mode == "cfmo" || config.mode == "asgd");
+  const ModeTraits& traits = plan.traits();
+  const bool async = world > 1 && traits.asynchronous;
   ops::set_num_threads(config.threads);
 #if defined(__x86_64__)
   // Flush denormals to zero on this thread: Adam's first moment of a weight
@@ -258,7 +146,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   // torch.set_flush_denormal(True) does the same.
   _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ | DAZ
 #endif
-  CFMO_ASSIGN_OR_RETURN(auto source, load_data_source(config, rank, world, model_context(config.model)));
+  CFMO_ASSIGN_OR_RETURN(auto source, load_data_source(config, rank, world, plan.context));
   CFMO_ASSIGN_OR_RETURN(auto model_ptr, make_model(config.model, source->shape()));
   Model& model = *model_ptr;
   model.init(static_cast<uint64_t>(config.seed));  // the same on every rank
@@ -294,7 +182,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     if (!saved.ranks.empty()) pos = saved.ranks[static_cast<size_t>(rank)];
     resume.outer_momentum.assign(outer.begin(), outer.end());
     resume.ranks = saved.ranks;
-    if (config.mode == "asgd" && world > 1) {
+    if (traits.owners_optimize && world > 1) {
       // An asgd checkpoint's optimizer state is the owners'.
       for (const auto& s : optimizer->state()) resume.owner_state.emplace_back(s.buffer->begin(), s.buffer->end());
       resume.owner_steps = saved.shard_optimizer_steps;
@@ -318,14 +206,14 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   const int64_t token_steps = token_windows > 0 ? (token_windows + global_batch - 1) / global_batch : 0;
   if (token_steps > 0) step_limit = std::min(step_limit, token_steps);
   ModeSettings settings;
-  settings.name = config.mode;
+  settings.kind = plan.mode;
   settings.sync_interval = config.sync_interval;
   settings.staleness_discount = config.staleness_discount;
   settings.max_staleness = config.max_staleness;
-  settings.outer_optimizer = config.outer_optimizer;
+  settings.outer_optimizer = plan.outer_optimizer;
   settings.outer_lr = config.outer_lr;
   settings.outer_momentum = config.outer_momentum;
-  CFMO_ASSIGN_OR_RETURN(settings.delta_dtype, parse_wire_dtype(config.delta_dtype));
+  settings.delta_dtype = plan.delta_dtype;
   settings.peer_timeout_s = config.peer_timeout;
   int64_t schedule_steps = step_limit == INT64_MAX ? 0 : step_limit;
   if (async) {
@@ -340,13 +228,10 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     step_limit = INT64_MAX;
   }
   CFMO_ASSIGN_OR_RETURN(const Heterogeneity simulated, heterogeneity_for(config, rank));
-  double time_limit_s = 0;
-  if (!config.time_limit.empty()) {
-    CFMO_ASSIGN_OR_RETURN(time_limit_s, parse_duration(config.time_limit));
-  }
+  const double time_limit_s = plan.time_limit_s;
 
   Schedule schedule;
-  CFMO_ASSIGN_OR_RETURN(schedule.kind, Schedule::parse_kind(config.schedule));
+  schedule.kind = plan.schedule;
   schedule.base_lr = config.lr;
   schedule.min_lr = config.min_lr;
   schedule.warmup_steps = config.warmup_steps;
@@ -355,7 +240,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   const fs::path run_dir = config.out;
   // Each reconciliation's delta goes to RUN/deltas/rank-K/, for cfmo-diverge.
   std::unique_ptr<DeltaWriter> delta_writer;
-  if (!run_dir.empty() && world > 1 && (config.mode == "localsgd" || config.mode == "cfmo")) {
+  if (!run_dir.empty() && world > 1 && traits.writes_deltas) {
     const int64_t offset = options.resume.empty() ? 0 : DeltaWriter::last_round(run_dir, rank);
     delta_writer = std::make_unique<DeltaWriter>(run_dir, rank, model.params(), offset);
     settings.delta_sink = [&delta_writer](int64_t round, int64_t step, int64_t base_version,
@@ -369,9 +254,9 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   // mirror the modes, checkpoints and deltas use; a CUDA engine copies to them
   // only when asked. Every rank makes its engine together (NCCL connects here).
   EngineOptions engine_options;
-  CFMO_ASSIGN_OR_RETURN(engine_options.device, parse_device(config.device));
+  engine_options.device = plan.device;
   engine_options.comm = comm;
-  engine_options.device_collectives = world > 1 && config.mode == "sync";
+  engine_options.device_collectives = world > 1 && traits.reduces_gradients;
   engine_options.peer_timeout_s = config.peer_timeout;
   CFMO_ASSIGN_OR_RETURN(auto engine, make_engine(engine_options, model, *optimizer, optim_config, *source));
   CFMO_TRY(engine->optimizer_changed());  // a resumed optimizer's state, where the engine keeps it
@@ -395,7 +280,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   }
 
   TrainSummary summary;
-  summary.mode = config.mode;
+  summary.mode = plan.mode_entry().name;
   summary.workers = world;
   summary.rank = rank;
   summary.model = model_spec;
@@ -599,7 +484,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
       if (on_host && !mode->owns_update()) CFMO_TRY(engine->gradients_changed());
     }
     if (!mode->owns_update() && config.clip_grad_norm > 0) CFMO_TRY(engine->clip_gradients(config.clip_grad_norm));
-    if (!mode->owns_update() && (n > 0 || config.mode == "sync")) CFMO_TRY(engine->step(static_cast<float>(lr)));
+    if (!mode->owns_update() && (n > 0 || traits.reduces_gradients)) CFMO_TRY(engine->step(static_cast<float>(lr)));
     ++pos.step;
     ++steps_this_run;
     pos.samples += n;
@@ -689,7 +574,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     if (pos.batch_in_epoch == batches_per_epoch) {
       ++pos.epoch;
       pos.batch_in_epoch = 0;
-      if (rank == 0 && (world == 1 || config.mode == "sync")) {
+      if (rank == 0 && (world == 1 || traits.reduces_gradients)) {
         CFMO_TRY(evaluate(false));
         last_eval_step = pos.step;
       }
@@ -798,7 +683,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
 
   if (rank == 0) {
     // The final parameters are those of the last evaluation when the run ended on an epoch boundary.
-    if (last_eval_step != pos.step || (world > 1 && config.mode != "sync")) CFMO_TRY(evaluate(true));
+    if (last_eval_step != pos.step || (world > 1 && !traits.reduces_gradients)) CFMO_TRY(evaluate(true));
     if (checkpoint_writer) {
       // Mid-run checkpoints first, then the end's, which holds the final global state.
       checkpoint_writer->close();

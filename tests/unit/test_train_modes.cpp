@@ -1,6 +1,7 @@
 // The outer step the reconciling modes share: a cfmo owner's W contributions
 // of a round move its shard as localsgd's one step on their mean does.
 #include "train/modes.h"
+#include "train/modes/outer_optimizer.h"
 
 #include <gtest/gtest.h>
 
@@ -12,7 +13,7 @@ namespace {
 
 ModeSettings outer(const char* name, double lr, double mu) {
   ModeSettings s;
-  s.outer_optimizer = name;
+  s.outer_optimizer = *parse_outer_kind(name);
   s.outer_lr = lr;
   s.outer_momentum = mu;
   return s;
@@ -27,7 +28,7 @@ TEST(OuterOptimizer, ARoundOfWContributionsIsOneStepOnTheirMean) {
   constexpr int kWorkers = 4;
   constexpr size_t kSize = 5;
   for (const auto& settings : {outer("avg", 1.0, 0.9), outer("nesterov", 0.5, 0.8), outer("nesterov", 0.7, 0.9)}) {
-    SCOPED_TRACE(settings.outer_optimizer + " " + std::to_string(settings.outer_lr));
+    SCOPED_TRACE(std::string(to_string(settings.outer_optimizer)) + " " + std::to_string(settings.outer_lr));
     OuterOptimizer per_round(settings, kSize, 1);                // localsgd: the sum, weighted 1/W
     OuterOptimizer per_contribution(settings, kSize, kWorkers);  // a cfmo owner
     std::vector<float> a(kSize, 0.5f);
