@@ -179,9 +179,14 @@ struct ModeTraits {
   /// Each reconciliation has a delta against a global base worth writing for cfmo-diverge (localsgd, cfmo).
   bool writes_deltas = false;
   /// The update is the all-reduced gradient's: every worker steps every step,
-  /// even on an empty batch, and a device engine may reduce on the device;
-  /// rank 0's parameters are the global ones at every epoch end (sync).
+  /// even on an empty batch (sync).
   bool reduces_gradients = false;
+  /// A device engine may reduce the gradients where they live (NCCL), through
+  /// Mode::use_device_reduce (sync).
+  bool device_reduce = false;
+  /// Rank 0's parameters are the global ones at every epoch end, so it
+  /// evaluates them there, and the end's evaluation may be the last epoch's (sync).
+  bool evaluates_mid_run = false;
   /// The owners run the inner optimizer on their flat shards: element-wise
   /// optimizers only, and a checkpoint's optimizer state is the owners' (asgd).
   bool owners_optimize = false;

@@ -70,5 +70,40 @@ TEST(OuterOptimizer, NesterovIsDiLoCosStepAndAvgKeepsNoState) {
   EXPECT_TRUE(avg.momentum().empty());
 }
 
+TEST(ModeTable, RowsAreInModeKindOrderAndTheirNamesParseBack) {
+  const auto table = mode_table();
+  ASSERT_EQ(table.size(), 4u);
+  for (size_t i = 0; i < table.size(); ++i) {
+    EXPECT_EQ(static_cast<size_t>(table[i].kind), i) << table[i].name;
+    EXPECT_EQ(&mode_entry(table[i].kind), &table[i]);
+    auto parsed = parse_mode(table[i].name);
+    ASSERT_TRUE(parsed) << table[i].name;
+    EXPECT_EQ(*parsed, table[i].kind);
+    EXPECT_FALSE(table[i].summary.empty());
+    EXPECT_NE(table[i].make, nullptr);
+    // Asynchronous modes decide their stops alone; lockstep ones together.
+    EXPECT_NE(table[i].traits.lockstep, table[i].traits.asynchronous) << table[i].name;
+  }
+  EXPECT_EQ(mode_names(), "sync, localsgd, asgd or cfmo");
+  auto bad = parse_mode("nope");
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.error().kind, ErrorKind::kUsage);
+  EXPECT_EQ(bad.error().message, "--mode: 'nope' is not sync, localsgd, asgd or cfmo");
+}
+
+TEST(ModeTable, OneWorkerTrainsAloneWhateverTheMode) {
+  const std::vector<float> initial(40, 0.5f);
+  OptimizerConfig optimizer;
+  for (const auto& entry : mode_table()) {
+    ModeSettings settings;
+    settings.kind = entry.kind;
+    auto mode = make_mode(settings, nullptr, {}, initial, optimizer);
+    ASSERT_TRUE(mode) << entry.name;
+    EXPECT_EQ((*mode)->name(), entry.name);
+    EXPECT_FALSE((*mode)->lockstep());
+    EXPECT_TRUE((*mode)->params_are_global());
+  }
+}
+
 }  // namespace
 }  // namespace cfmo

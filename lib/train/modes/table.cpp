@@ -22,24 +22,34 @@ Result<std::unique_ptr<Mode>> make_cfmo(const ModeContext& context);
 
 namespace {
 
-ModeTraits traits(bool lockstep, bool asynchronous, bool writes_deltas, bool reduces_gradients, bool owners_optimize,
-                  int parameter_copies) {
-  return {lockstep, asynchronous, writes_deltas, reduces_gradients, owners_optimize, parameter_copies};
-}
-
-// In ModeKind order. Traits: lockstep, asynchronous, writes deltas, reduces
-// gradients, owners optimize, parameter copies (a reduce buffer for sync; the
-// round's anchor, delta and outer momentum for localsgd and cfmo; the owners'
-// shards and their state for asgd).
+// In ModeKind order. Parameter copies: a reduce buffer for sync; the round's
+// anchor, delta and outer momentum for localsgd and cfmo; the owners' shards
+// and their state for asgd.
 const std::array<ModeEntry, 4> kModes = {{
-    {ModeKind::kSync, "sync", "gradients averaged every step", traits(true, false, false, true, false, 1),
+    {ModeKind::kSync,
+     "sync",
+     "gradients averaged every step",
+     {.lockstep = true,
+      .reduces_gradients = true,
+      .device_reduce = true,
+      .evaluates_mid_run = true,
+      .parameter_copies = 1},
      modes::make_sync},
-    {ModeKind::kLocalSgd, "localsgd", "deltas averaged every H steps, Local SGD or DiLoCo",
-     traits(true, false, true, false, false, 3), modes::make_localsgd},
-    {ModeKind::kAsgd, "asgd", "gradient shards to their owners every step, asynchronous SGD",
-     traits(false, true, false, false, true, 3), modes::make_asgd},
-    {ModeKind::kCfmo, "cfmo", "delta shards to their owners every H steps, nobody waits",
-     traits(false, true, true, false, false, 3), modes::make_cfmo},
+    {ModeKind::kLocalSgd,
+     "localsgd",
+     "deltas averaged every H steps, Local SGD or DiLoCo",
+     {.lockstep = true, .writes_deltas = true, .parameter_copies = 3},
+     modes::make_localsgd},
+    {ModeKind::kAsgd,
+     "asgd",
+     "gradient shards to their owners every step, asynchronous SGD",
+     {.asynchronous = true, .owners_optimize = true, .parameter_copies = 3},
+     modes::make_asgd},
+    {ModeKind::kCfmo,
+     "cfmo",
+     "delta shards to their owners every H steps, nobody waits",
+     {.asynchronous = true, .writes_deltas = true, .parameter_copies = 3},
+     modes::make_cfmo},
 }};
 
 }  // namespace
