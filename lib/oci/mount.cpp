@@ -1,6 +1,8 @@
 #include "oci/mount.h"
 
+#include "core/dir_lock.h"
 #include "oci/blob.h"
+#include "oci/cleanup.h"
 #include "oci/hot_set.h"
 #include "oci/pull.h"
 #include "oci/pull_state.h"
@@ -25,31 +27,6 @@ namespace fs = std::filesystem;
 constexpr const char* kMountSource = "cfmo-pull";  ///< how umount tells our mounts from others
 constexpr const char* kRwMarker = ".cfmo-pull-rw";
 constexpr int kCapSysAdmin = 21;
-
-/// A tree's use of its file system, in bytes (what du counts).
-int64_t tree_bytes(const fs::path& root) {
-  int64_t total = 0;
-  std::error_code ec;
-  for (auto it = fs::recursive_directory_iterator(root, fs::directory_options::skip_permission_denied, ec);
-       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-    struct stat st {};
-    if (::lstat(it->path().c_str(), &st) == 0) total += static_cast<int64_t>(st.st_blocks) * 512;
-  }
-  return total;
-}
-
-void remove_tree(const fs::path& path) {
-  std::error_code ec;
-  fs::remove_all(path, ec);
-  if (!ec) return;
-  // A layer may leave directories without write permission.
-  for (auto it = fs::recursive_directory_iterator(path, fs::directory_options::skip_permission_denied, ec);
-       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-    if (it->is_directory(ec) && !it->is_symlink(ec)) ::chmod(it->path().c_str(), 0700);
-  }
-  ::chmod(path.c_str(), 0700);
-  fs::remove_all(path, ec);
-}
 
 /// /proc/self/mountinfo's escapes (\040 for a space...) undone.
 std::string unescape(const std::string& field) {
@@ -351,6 +328,29 @@ Result<MountReport> mount_image(const fs::path& dir, const fs::path& mountpoint,
   }
   report.mounted = true;
   return report;
+}
+
+std::vector<std::string> mounts_using(const fs::path& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  const fs::path absolute = fs::weakly_canonical(fs::absolute(dir, ec), ec);
+  const std::string layers = (absolute / "layers").string() + "/";
+  for (const auto& m : mounts()) {
+    if (m.source == kMountSource && m.super_options.find(layers) != std::string::npos) out.push_back(m.point.string());
+  }
+  for (const auto& record : fs::directory_iterator(absolute / kMountRecordDir, ec)) {
+    int pid = 0;
+    try {
+      pid = std::stoi(record.path().filename().string());
+    } catch (const std::exception&) {
+      continue;
+    }
+    std::ifstream in(record.path());
+    std::string point;
+    std::getline(in, point);
+    if (pid > 0 && process_alive(pid) && mount_at(point)) out.push_back(point);
+  }
+  return out;
 }
 
 Status unmount_image(const fs::path& mountpoint) {

@@ -11,9 +11,9 @@
 namespace cfmo::oci {
 namespace {
 
-constexpr std::array<PullCommand, 7> kCommands = {PullCommand::kPull,   PullCommand::kInspect, PullCommand::kFetch,
+constexpr std::array<PullCommand, 9> kCommands = {PullCommand::kPull,   PullCommand::kInspect, PullCommand::kFetch,
                                                   PullCommand::kStatus, PullCommand::kMount,   PullCommand::kUmount,
-                                                  PullCommand::kIndex};
+                                                  PullCommand::kIndex,  PullCommand::kRm,      PullCommand::kPrune};
 
 bool among(PullCommand c, std::initializer_list<PullCommand> set) {
   return std::find(set.begin(), set.end(), c) != set.end();
@@ -51,6 +51,10 @@ std::string_view to_string(PullCommand command) {
       return "umount";
     case PullCommand::kIndex:
       return "index";
+    case PullCommand::kRm:
+      return "rm";
+    case PullCommand::kPrune:
+      return "prune";
   }
   return "?";
 }
@@ -114,6 +118,9 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
     t.add("ready_file", &c.ready_file, "file written the moment the hot layers are complete (empty: none)", layers);
     t.add("memory_dir", &c.memory_dir, "memory-backed directory (tmpfs) the memory store is made in", layers);
   }
+  if (s == kPrune) {
+    t.add("memory_dir", &c.memory_dir, "memory-backed directory whose cfmo-pull-* stores are pruned", "Cleaning up");
+  }
 
   if (s == kMount) {
     const std::string mounting = "Mounting";
@@ -129,7 +136,7 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
   }
   const std::string output = "Output";
   if (s != kUmount) t.add("json", &c.json, "print a JSON report on stdout", output);
-  if (among(s, {kPull, kFetch, kMount, kUmount, kIndex})) {
+  if (among(s, {kPull, kFetch, kMount, kUmount, kIndex, kRm, kPrune})) {
     t.add("quiet", &c.quiet, "print nothing but errors (and the JSON report)", output, "-q");
   }
   if (among(s, {kPull, kFetch})) {

@@ -16,7 +16,7 @@
 
 namespace cfmo::oci {
 
-enum class PullCommand { kPull, kInspect, kFetch, kStatus, kMount, kUmount, kIndex };
+enum class PullCommand { kPull, kInspect, kFetch, kStatus, kMount, kUmount, kIndex, kRm, kPrune };
 
 std::string_view to_string(PullCommand command);
 

@@ -7,6 +7,7 @@
 #include "background.h"
 #include "console_progress.h"
 #include "core/config.h"
+#include "oci/cleanup.h"
 #include "oci/gzip_index.h"
 #include "oci/manifest.h"
 #include "oci/memory_budget.h"
@@ -536,6 +537,38 @@ int run_index(Invocation& inv, const oci::PullPlan& plan) {
   return 0;
 }
 
+int print_cleanup(Invocation& inv, const oci::CleanupReport& report, const std::string& verb) {
+  if (inv.config.json) {
+    Json removed = Json::array();
+    for (const auto& r : report.removed) removed.push_back({{"path", r.path.string()}, {"bytes", r.bytes}});
+    print(Json{{"removed", removed}, {"bytes", report.bytes}, {"kept", report.kept}}.dump(2) + "\n");
+    return 0;
+  }
+  if (inv.config.quiet) return 0;
+  std::string out;
+  for (const auto& r : report.removed) {
+    out += fmt::format("{}: {} {} ({})\n", kTool, verb, r.path.string(), oci::human_bytes(r.bytes));
+  }
+  for (const auto& k : report.kept) out += fmt::format("{}: kept {}\n", kTool, k);
+  if (report.removed.empty()) out += fmt::format("{}: nothing to {}\n", kTool, verb == "removed" ? "remove" : "prune");
+  print(out);
+  return 0;
+}
+
+int run_rm(Invocation& inv, const oci::PullPlan&) {
+  if (inv.args.size() != 1) return fail({cfmo::ErrorKind::kUsage, "rm: give the pull's DIR"});
+  auto report = oci::remove_pull(inv.args[0]);
+  if (!report) return fail(report.error());
+  return print_cleanup(inv, *report, "removed");
+}
+
+int run_prune(Invocation& inv, const oci::PullPlan&) {
+  if (!inv.args.empty()) return fail({cfmo::ErrorKind::kUsage, "prune: takes no argument (--memory-dir DIR)"});
+  auto report = oci::prune_stores(inv.config.memory_dir);
+  if (!report) return fail(report.error());
+  return print_cleanup(inv, *report, "pruned");
+}
+
 /// The subcommands, as a table (ninja's way): name, one line of help, positional arguments, body.
 struct SubcommandEntry {
   PullCommand id;
@@ -545,7 +578,7 @@ struct SubcommandEntry {
   int (*run)(Invocation&, const oci::PullPlan&);
 };
 
-constexpr std::array<SubcommandEntry, 7> kSubcommands = {{
+constexpr std::array<SubcommandEntry, 9> kSubcommands = {{
     {PullCommand::kPull, "pull an image: hot layers first, cold ones now, later or never", "REF",
      "image reference: [registry[:port]/]name[:tag|@digest]", run_pull},
     {PullCommand::kInspect, "print the manifest, config and layers, fetching no layer", "REF",
@@ -560,6 +593,9 @@ constexpr std::array<SubcommandEntry, 7> kSubcommands = {{
      "where it is mounted", run_umount},
     {PullCommand::kIndex, "index a pull's gzip layers for seeking: file table, inflate checkpoints, span digests",
      "DIR", "the pull's directory", run_index},
+    {PullCommand::kRm, "remove a pull: its layout, its memory store in /dev/shm, its unpacked layers and cache", "DIR",
+     "the pull's directory", run_rm},
+    {PullCommand::kPrune, "remove the memory stores whose layout is gone", "", "", run_prune},
 }};
 
 int run(int argc, char** argv) {
@@ -581,7 +617,7 @@ int run(int argc, char** argv) {
     inv.app = app.add_subcommand(std::string(oci::to_string(entry.id)), entry.description);
     inv.app->get_formatter()->column_width(34);
     // Checked by the subcommand, not CLI11, so that --print-config needs no argument.
-    inv.app->add_option(entry.args_name, inv.args, entry.args_help);
+    if (*entry.args_name != '\0') inv.app->add_option(entry.args_name, inv.args, entry.args_help);
     inv.app->add_option("--config", inv.config_file, "TOML file with any of the options below")->group("General");
     inv.app->add_flag("--print-config", inv.print_config, "print the merged configuration as TOML and exit")
         ->group("General");
