@@ -4,11 +4,13 @@
 #include "oci/blob.h"
 #include "oci/cleanup.h"
 #include "oci/hot_set.h"
+#include "oci/lazy_mount.h"
 #include "oci/pull.h"
 #include "oci/pull_state.h"
 #include "oci/registry.h"
 #include "oci/unpack.h"
 
+#include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -163,6 +165,27 @@ std::string join_indices(const std::vector<size_t>& indices) {
     out += std::to_string(indices[i]);
   }
   return out;
+}
+
+/// A lazy mount ends by its daemon: SIGTERM, then the mount is gone at once
+/// and the daemon within its grace period. A daemon that died left a mount
+/// that only answers ENOTCONN: detached here.
+Status unmount_lazy(const fs::path& point, const std::string& source) {
+  const int pid = lazy_mount_pid(source);
+  if (pid <= 0 || !process_alive(pid) || ::kill(pid, SIGTERM) != 0) {
+    if (::umount2(point.c_str(), MNT_DETACH) != 0) {
+      return make_error(errno == EPERM ? ErrorKind::kUsage : ErrorKind::kInternal, "'{}': umount failed: {}",
+                        point.string(), std::strerror(errno));
+    }
+    return {};
+  }
+  for (int i = 0; i < 600 && process_alive(pid); ++i) ::usleep(50000);
+  if (process_alive(pid)) {
+    return make_error(ErrorKind::kInternal, "'{}': the mount's daemon (pid {}) did not end within 30 s", point.string(),
+                      pid);
+  }
+  if (const auto still = mount_at(point); still && still->source == source) ::umount2(point.c_str(), MNT_DETACH);
+  return {};
 }
 
 }  // namespace
@@ -330,6 +353,11 @@ Result<MountReport> mount_image(const fs::path& dir, const fs::path& mountpoint,
   return report;
 }
 
+std::string mounted_source(const fs::path& point) {
+  const auto entry = mount_at(point);
+  return entry ? entry->source : std::string();
+}
+
 std::vector<std::string> mounts_using(const fs::path& dir) {
   std::vector<std::string> out;
   std::error_code ec;
@@ -358,6 +386,7 @@ Status unmount_image(const fs::path& mountpoint) {
   const fs::path point = fs::weakly_canonical(fs::absolute(mountpoint, ec), ec);
   const auto entry = mount_at(point);
   if (!entry) return make_error(ErrorKind::kUsage, "'{}': nothing is mounted there", mountpoint.string());
+  if (entry->fstype == std::string("fuse.") + kLazySubtype) return unmount_lazy(point, entry->source);
   if (entry->source != kMountSource || entry->fstype != "overlay") {
     return make_error(ErrorKind::kUsage, "'{}': not a cfmo-pull mount ({} from {})", mountpoint.string(), entry->fstype,
                       entry->source);

@@ -66,6 +66,9 @@ std::vector<std::string> mounts_using(const std::filesystem::path& dir);
 
 inline constexpr const char* kMountRecordDir = "cfmo-mounts";
 
+/// The source of what is mounted at `point` (the mount a lookup sees), or empty.
+std::string mounted_source(const std::filesystem::path& point);
+
 /// Unmounts a cfmo-pull overlay at `mountpoint` and removes its upper
 /// directory; anything else mounted there is kUsage.
 Status unmount_image(const std::filesystem::path& mountpoint);

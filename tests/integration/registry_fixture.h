@@ -273,6 +273,14 @@ inline bool push_image(Registry& registry, const std::string& repository, const 
   return registry.push_manifest(repository, tag, image.manifest, "application/vnd.oci.image.manifest.v1+json");
 }
 
+/// A suite's registry, started, with `image` pushed as REPOSITORY:v1; the error, or empty.
+inline std::string start_suite_registry(Registry*& registry, const std::string& repository, const FixtureImage& image) {
+  registry = new Registry();
+  if (!registry->start()) return "docker-registry did not start: " + registry->log();
+  if (!push_image(*registry, repository, "v1", image)) return "pushing the fixture failed: " + registry->log();
+  return "";
+}
+
 /// One registry for the whole suite, with "fixtures/small:v1" (three layers,
 /// one of 3 MiB) and "fixtures/multi:latest", an index of amd64 and arm64.
 class PullFixture : public ::testing::Test {

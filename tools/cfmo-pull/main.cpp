@@ -9,6 +9,7 @@
 #include "core/config.h"
 #include "oci/cleanup.h"
 #include "oci/gzip_index.h"
+#include "oci/lazy_mount.h"
 #include "oci/manifest.h"
 #include "oci/memory_budget.h"
 #include "oci/mount.h"
@@ -18,7 +19,9 @@
 #include "oci/reference.h"
 #include "oci/rootfs.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -397,10 +400,97 @@ int run_status(Invocation& inv, const oci::PullPlan&) {
   return 0;
 }
 
-int run_mount(Invocation& inv, const oci::PullPlan&) {
+/// The lazy mount: prepared here (where errors can still be told), then
+/// served by a child that stays, detached, with its output in the log; the
+/// child says through a pipe whether the mount itself worked.
+int run_lazy_mount(Invocation& inv, const oci::PullPlan& plan) {
+  oci::LazyMountOptions options;
+  options.cache_bytes = plan.cache_bytes;
+  options.max_memory = plan.pull.max_memory;
+  options.jobs = plan.fetch.jobs;
+  options.registry = plan.fetch.registry;
+  options.hosts = plan.fetch.hosts;
+  options.auth_file = plan.fetch.auth_file;
+  auto mount = oci::LazyMount::prepare(inv.args[0], inv.args[1], options);
+  if (!mount) return fail(mount.error());
+  int pipe_fds[2];
+  if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return fail({cfmo::ErrorKind::kInternal, "mount: pipe failed"});
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  if (pid < 0) return fail({cfmo::ErrorKind::kInternal, "mount: fork failed"});
+  if (pid == 0) {
+    ::close(pipe_fds[0]);
+    ::setsid();
+    const int null = ::open("/dev/null", O_RDWR);
+    const int log = ::open((*mount)->report().log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    ::dup2(null, STDIN_FILENO);
+    ::dup2(log >= 0 ? log : null, STDOUT_FILENO);
+    ::dup2(log >= 0 ? log : null, STDERR_FILENO);
+    auto mounted = (*mount)->mount();
+    const std::string answer =
+        mounted ? std::string("ok")
+                : fmt::format("{} {}", static_cast<int>(mounted.error().kind), mounted.error().message);
+    (void)!::write(pipe_fds[1], answer.data(), answer.size());
+    ::close(pipe_fds[1]);
+    if (!mounted) std::_Exit(static_cast<int>(mounted.error().kind));
+    const auto served = (*mount)->serve();
+    std::_Exit(served ? 0 : static_cast<int>(served.error().kind));
+  }
+  ::close(pipe_fds[1]);
+  std::string answer;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof buffer)) > 0;) answer.append(buffer, static_cast<size_t>(n));
+  ::close(pipe_fds[0]);
+  if (answer != "ok") {
+    ::waitpid(pid, nullptr, 0);
+    const auto space = answer.find(' ');
+    if (space == std::string::npos) return fail({cfmo::ErrorKind::kInternal, "mount: the mount's process ended"});
+    return fail({static_cast<cfmo::ErrorKind>(std::stoi(answer.substr(0, space))), answer.substr(space + 1)});
+  }
+  const auto& report = (*mount)->report();
+  if (!inv.config.quiet && !inv.config.json) {
+    for (const auto& note : report.notes) fmt::print(stderr, "{}: {}\n", kTool, note);
+  }
+  if (inv.config.json) {
+    Json layers = Json::array();
+    for (const auto& l : report.layers) {
+      layers.push_back({{"index", l.index},
+                        {"digest", l.digest},
+                        {"hot", l.hot},
+                        {"local", l.local},
+                        {"index_from", l.index_from},
+                        {"note", l.whole_note.empty() ? Json(nullptr) : Json(l.whole_note)}});
+    }
+    print(Json{{"mounted", true},
+               {"lazy", true},
+               {"mountpoint", inv.args[1]},
+               {"pid", pid},
+               {"entries", report.entries},
+               {"index_bytes", report.index_bytes},
+               {"cache", report.cache.string()},
+               {"cache_size", plan.cache_bytes},
+               {"log", report.log.string()},
+               {"layers", layers},
+               {"notes", report.notes}}
+              .dump(2) +
+          "\n");
+  } else if (!inv.config.quiet) {
+    size_t cold = 0;
+    for (const auto& l : report.layers) cold += l.local ? 0 : 1;
+    print(
+        fmt::format("{}: mounted {} lazily at {} ({} layer(s), {} of them read from the registry on first access; "
+                    "pid {}, log {})\n",
+                    kTool, inv.args[0], inv.args[1], report.layers.size(), cold, pid, report.log.string()));
+  }
+  return 0;
+}
+
+int run_mount(Invocation& inv, const oci::PullPlan& plan) {
   if (inv.args.size() != 2) {
     return fail({cfmo::ErrorKind::kUsage, "mount: give the pull's DIR and the MOUNTPOINT"});
   }
+  if (inv.config.lazy) return run_lazy_mount(inv, plan);
   oci::MountOptions options;
   options.partial = inv.config.partial;
   options.writable = inv.config.writable;
