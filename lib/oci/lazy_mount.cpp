@@ -66,6 +66,12 @@ size_t LazyTree::resolve(std::string_view path) const {
   return ino;
 }
 
+std::string LazyTree::path(size_t ino) const {
+  std::string out;
+  for (size_t at = ino; at != 1 && !node(at).name.empty(); at = node(at).parent) out = "/" + node(at).name + out;
+  return out.empty() ? "/" : out;
+}
+
 namespace {
 
 constexpr double kForever = 3600;  ///< seconds the kernel may cache what never changes
@@ -116,7 +122,10 @@ class TreeBuilder {
         std::lower_bound(kids.begin(), kids.end(), name,
                          [](const std::pair<std::string, size_t>& k, const std::string& n) { return k.first < n; });
     kids.insert(it, {name, ino});
-    if (at(ino).type == '5') at(ino).parent = dir;
+    if (at(ino).type == '5' || at(ino).name.empty()) {
+      at(ino).parent = dir;
+      at(ino).name = name;
+    }
   }
 
   /// Takes `name` out of `dir`; what it named loses a link (a directory, all it holds).
@@ -289,6 +298,9 @@ struct LazyMount::Impl {
   std::unique_ptr<MemoryBudget> budget;
   FILE* log = nullptr;
 
+  std::set<size_t> recorded;  ///< under mu
+  FILE* record_file = nullptr;
+
   std::mutex queue_mu;
   std::condition_variable queue_cv;
   std::deque<ReadJob> queue;
@@ -296,6 +308,37 @@ struct LazyMount::Impl {
 
   ~Impl() {
     if (log != nullptr) std::fclose(log);
+    if (record_file != nullptr) std::fclose(record_file);
+  }
+
+  void record_open(size_t ino) {
+    if (record_file == nullptr) return;
+    std::lock_guard lock(mu);
+    if (!recorded.insert(ino).second) return;
+    const std::string line = tree.path(ino) + "\n";
+    std::fwrite(line.data(), 1, line.size(), record_file);
+    std::fflush(record_file);
+  }
+
+  /// Fetches the spans of the files listed in options.prefetch, in order.
+  void prefetch() {
+    std::ifstream in(options.prefetch);
+    RegistryOptions registry = options.registry;
+    registry.stop = &registry_stop;
+    RegistryPool pool(ref, endpoints, registry, auth_file, std::make_shared<EndpointHealth>(endpoints.size()));
+    size_t files = 0;
+    for (std::string line; std::getline(in, line) && !stopping;) {
+      const size_t ino = tree.resolve(line);
+      if (ino == 0 || tree.node(ino).type != '0' || tree.node(ino).size == 0) continue;
+      const LazyNode& n = tree.node(ino);
+      const auto& cps = layers[static_cast<size_t>(n.layer)].index.checkpoints;
+      const auto [first, last] = layers[static_cast<size_t>(n.layer)].index.spans_for(n.offset, n.size);
+      for (size_t k = first; k <= last && k < cps.size() && !stopping; ++k) {
+        if (auto got = chunk({static_cast<size_t>(n.layer), k}, pool); !got) note(got.error().message);
+      }
+      ++files;
+    }
+    note(fmt::format("prefetched the spans of {} file(s) listed in {}", files, options.prefetch.string()));
   }
 
   fs::path cache_dir() const { return dir / kLazyCacheDir; }
@@ -587,6 +630,7 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   if (!m->valid(ino)) return (void)fuse_reply_err(req, ENOENT);
   if ((fi->flags & O_ACCMODE) != O_RDONLY) return (void)fuse_reply_err(req, EROFS);
   fi->keep_cache = 1;
+  m->record_open(ino);
   fuse_reply_open(req, fi);
 }
 
@@ -703,6 +747,9 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
   m->options = options;
   CFMO_ASSIGN_OR_RETURN(const PullState state, read_state(dir));
   std::error_code ec;
+  if (!options.prefetch.empty() && !fs::is_regular_file(options.prefetch, ec)) {
+    return make_error(ErrorKind::kUsage, "--prefetch '{}': no such file", options.prefetch.string());
+  }
   m->point = fs::weakly_canonical(fs::absolute(mountpoint, ec), ec);
   if (!fs::is_directory(m->point, ec)) {
     return make_error(ErrorKind::kUsage, "mount point '{}': not a directory", mountpoint.string());
@@ -833,6 +880,13 @@ Status LazyMount::mount() {
   const sigset_t signals = stop_signals();
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   m.log = std::fopen(m.report.log.c_str(), "ae");
+  if (!m.options.record.empty()) {
+    m.record_file = std::fopen(m.options.record.c_str(), "ae");
+    if (m.record_file == nullptr) {
+      return make_error(ErrorKind::kUsage, "--record '{}': cannot open: {}", m.options.record.string(),
+                        std::strerror(errno));
+    }
+  }
   std::string opts =
       fmt::format("ro,default_permissions,fsname={}@{},subtype={}", kLazySubtype, ::getpid(), kLazySubtype);
   if (running_as_root()) opts += ",allow_other";
@@ -866,6 +920,7 @@ Status LazyMount::serve() {
   const sigset_t signals = stop_signals();
   const int sfd = ::signalfd(-1, &signals, SFD_CLOEXEC);
   for (int i = 0; i < std::max(1, m.options.jobs); ++i) m.workers.emplace_back([&m] { m.worker(); });
+  if (!m.options.prefetch.empty()) m.workers.emplace_back([&m] { m.prefetch(); });
   const int fd = fuse_session_fd(m.se);
   fuse_buf buf{};
   std::chrono::steady_clock::time_point deadline{};

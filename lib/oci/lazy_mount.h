@@ -53,7 +53,8 @@ struct LazyNode {
   uint64_t offset = 0;
   bool sparse = false;
   uint32_t nlink = 1;
-  size_t parent = 0;                                 ///< the parent's inode (the root's is itself)
+  size_t parent = 0;  ///< a directory's parent, a file's first directory (the root's is itself)
+  std::string name;   ///< its first name there
   std::vector<std::pair<std::string, size_t>> kids;  ///< a directory's entries, sorted by name
   int added_by = -1;                                 ///< the layer that made it (whiteouts remove only lower ones)
 };
@@ -66,6 +67,8 @@ struct LazyTree {
   size_t child(size_t ino, std::string_view name) const;
   /// The inode of a path ("" or "/" is the root), or 0.
   size_t resolve(std::string_view path) const;
+  /// A path of `ino` ("/usr/bin/tool"): its first name, up to the root.
+  std::string path(size_t ino) const;
 };
 
 /// Merges the indexes, base layer first, as unpacking them in order into one
@@ -81,6 +84,8 @@ struct LazyMountOptions {
   RegistryOptions registry;
   std::optional<HostSettings> hosts;  ///< empty: the pull's
   std::optional<std::string> auth_file;
+  std::filesystem::path record;    ///< appends each file's path at its first open; empty: none
+  std::filesystem::path prefetch;  ///< paths whose spans are fetched right after the mount; empty: none
   double grace_s = 2;  ///< after SIGTERM: how long processes holding files open get EIO before the daemon ends
 };
 

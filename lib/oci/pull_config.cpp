@@ -136,6 +136,14 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
     t.add("cache_size", &c.cache_size, "--lazy: the on-disk cache of inflated spans, least recently used first out",
           mounting);
     t.add("max_memory", &c.max_memory, "--lazy: memory the mount's process may use, its indexes included", mounting);
+    t.add("background", &c.background,
+          "--lazy: fetch the layers not fetched yet in a detached process meanwhile (the mount reads them locally "
+          "once there)",
+          mounting);
+    t.add("record", &c.record, "--lazy: append the path of each file the mount serves, once, in order, to this file",
+          mounting);
+    t.add("prefetch", &c.prefetch,
+          "--lazy: a file of paths (one a line, as --record writes) whose spans are fetched first", mounting);
     t.add("partial", &c.partial, "mount though some layers are not fetched yet (their files are missing)", mounting);
     t.add("writable", &c.writable,
           "add an upper directory, dropped at umount: in the memory store if the pull has one, else on disk", mounting);

@@ -53,6 +53,8 @@ struct PullConfig {
   bool writable = false;
   bool lazy = false;
   std::string cache_size = "1G";
+  std::string record;
+  std::string prefetch;
   // Indexing.
   std::string span = "4M";
   bool list = false;

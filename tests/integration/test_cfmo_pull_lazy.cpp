@@ -291,6 +291,45 @@ TEST_F(Lazy, ARegistryWithoutRangeSupportFallsBackToWholeLayers) {
   umount();
 }
 
+// --record writes what a mount served; --prefetch fetches those first on the
+// next one; --background turns the mount into a full local copy meanwhile.
+TEST_F(Lazy, RecordPrefetchAndBackgroundFetch) {
+  prepare(registry_->host());
+  const fs::path recorded = out_ / "served.txt";
+  MOUNT_OR_SKIP(first, {"--record", recorded.string()});
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  EXPECT_EQ(slurp(point() / "usr" / "bin" / "tool"), "#!/bin/sh\necho tool\n");
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  umount();
+  EXPECT_EQ(slurp(recorded), "/etc/os-release\n/usr/bin/tool\n");
+
+  fs::remove_all(lazy_dir() / oci::kLazyCacheDir);
+  MOUNT_OR_SKIP(second, {"--prefetch", recorded.string()});
+  for (int i = 0; i < 200 && log().find("prefetched the spans of 2 file(s)") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const auto prefetched = stats();
+  EXPECT_GT(prefetched.bytes_fetched, 0) << log();
+  EXPECT_EQ(slurp(point() / "usr" / "bin" / "tool"), "#!/bin/sh\necho tool\n");
+  EXPECT_EQ(stats().bytes_fetched, prefetched.bytes_fetched) << "a prefetched file was fetched again";
+  umount();
+
+  MOUNT_OR_SKIP(third, {"--background"});
+  ASSERT_TRUE(third["background_pid"].is_number()) << third;
+  const int fetcher = third["background_pid"].get<int>();
+  for (int i = 0; i < 600 && alive(fetcher); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(alive(fetcher));
+  const RunResult status = pull({"status", lazy_dir().string()});
+  EXPECT_NE(status.out.find("layers    3 of 3 fetched"), std::string::npos) << status.out;
+  EXPECT_NE(status.out.find("lazy      "), std::string::npos) << status.out;
+  EXPECT_NE(status.out.find("mounted at " + fs::canonical(point()).string()), std::string::npos) << status.out;
+  // Fetched whole now: read from the local blobs, nothing by ranges.
+  const int64_t before = stats().bytes_fetched;
+  EXPECT_EQ(slurp(point() / "lib" / "text"), std::string(200000, 'x'));
+  EXPECT_EQ(stats().bytes_fetched, before);
+  umount();
+}
+
 TEST_F(Lazy, AMemoryCapTooSmallForOneSpanIsRefusedBeforeMounting) {
   prepare(registry_->host());
   const RunResult r = pull({"mount", lazy_dir().string(), point().string(), "--lazy", "--max-memory", "20M"});

@@ -350,6 +350,7 @@ int run_status(Invocation& inv, const oci::PullPlan&) {
     if (l.status == oci::LayerStatus::kFetching && !fetcher_alive) return "interrupted";
     return oci::to_string(l.status);
   };
+  const auto lazy = oci::read_lazy_stats(dir);
   if (inv.config.json) {
     Json j = Json::parse(oci::state_to_json(*state));
     j["fetcher_alive"] = fetcher_alive;
@@ -359,6 +360,13 @@ int run_status(Invocation& inv, const oci::PullPlan&) {
     for (size_t i = 0; i < state->layers.size(); ++i) {
       j["layers"][i]["state"] = state_of(state->layers[i]);
       j["layers"][i]["bytes_on_disk"] = on_disk[i];
+    }
+    j["lazy"] = nullptr;
+    if (lazy) {
+      j["lazy"] = {{"bytes_fetched", lazy->bytes_fetched},   {"requests", lazy->requests},
+                   {"spans_inflated", lazy->spans_inflated}, {"cache_bytes", lazy->cache_bytes},
+                   {"cache_capacity", lazy->cache_capacity}, {"errors", lazy->errors},
+                   {"mounted_at", oci::mounts_using(dir)}};
     }
     print(j.dump(2) + "\n");
     return 0;
@@ -386,6 +394,17 @@ int run_status(Invocation& inv, const oci::PullPlan&) {
     out += fmt::format("memory    {}: {} of {}\n", state->memory_dir, oci::human_bytes(in_memory),
                        oci::human_bytes(state->memory_capacity));
   }
+  if (lazy) {
+    std::string points;
+    for (const auto& p : oci::mounts_using(dir)) points += (points.empty() ? "" : ", ") + p;
+    out += fmt::format(
+        "lazy      {} fetched by {} range request(s) ({:.1f}% of the image), {} span(s) inflated; cache {} "
+        "of {}; {} error(s); {}\n",
+        oci::human_bytes(lazy->bytes_fetched), lazy->requests,
+        total > 0 ? 100.0 * static_cast<double>(lazy->bytes_fetched) / static_cast<double>(total) : 0.0,
+        lazy->spans_inflated, oci::human_bytes(lazy->cache_bytes), oci::human_bytes(lazy->cache_capacity), lazy->errors,
+        points.empty() ? std::string("not mounted") : "mounted at " + points);
+  }
   for (size_t i = 0; i < state->layers.size(); ++i) {
     const auto& l = state->layers[i];
     const std::string bytes = l.status == oci::LayerStatus::kFetched
@@ -411,6 +430,9 @@ int run_lazy_mount(Invocation& inv, const oci::PullPlan& plan) {
   options.registry = plan.fetch.registry;
   options.hosts = plan.fetch.hosts;
   options.auth_file = plan.fetch.auth_file;
+  std::error_code ec;
+  if (!inv.config.record.empty()) options.record = fs::absolute(inv.config.record, ec);
+  if (!inv.config.prefetch.empty()) options.prefetch = fs::absolute(inv.config.prefetch, ec);
   auto mount = oci::LazyMount::prepare(inv.args[0], inv.args[1], options);
   if (!mount) return fail(mount.error());
   int pipe_fds[2];
@@ -449,6 +471,17 @@ int run_lazy_mount(Invocation& inv, const oci::PullPlan& plan) {
     return fail({static_cast<cfmo::ErrorKind>(std::stoi(answer.substr(0, space))), answer.substr(space + 1)});
   }
   const auto& report = (*mount)->report();
+  int background_pid = 0;
+  const bool pending =
+      std::any_of(report.layers.begin(), report.layers.end(), [](const oci::LazyLayer& l) { return !l.local; });
+  if (inv.config.background && pending) {
+    const std::string absolute = fs::absolute(inv.args[0], ec).string();
+    std::vector<std::string> args = {kTool, "fetch", absolute, "--progress", "plain"};
+    for (auto& a : oci::fetch_arguments(inv.config, plan.fetch.buffer_memory)) args.push_back(std::move(a));
+    auto started = cfmo::pulltool::start_detached(args, (fs::path(absolute) / oci::kLogFile).string());
+    if (!started) return fail(started.error());
+    background_pid = *started;
+  }
   if (!inv.config.quiet && !inv.config.json) {
     for (const auto& note : report.notes) fmt::print(stderr, "{}: {}\n", kTool, note);
   }
@@ -466,6 +499,7 @@ int run_lazy_mount(Invocation& inv, const oci::PullPlan& plan) {
                {"lazy", true},
                {"mountpoint", inv.args[1]},
                {"pid", pid},
+               {"background_pid", background_pid > 0 ? Json(background_pid) : Json(nullptr)},
                {"entries", report.entries},
                {"index_bytes", report.index_bytes},
                {"cache", report.cache.string()},
