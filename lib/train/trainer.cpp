@@ -201,6 +201,7 @@ std::string TrainSummary::to_json() const {
       {"resumed_from", null_or(resumed_from)},
       {"per_worker", workers_json}};
   if (!muon_tensors.empty()) j["optimizer_split"] = {{"muon", muon_tensors}, {"adamw", adamw_tensors}};
+  if (!model_metrics.is_null()) j["moe"] = model_metrics;
   return j.dump();
 }
 
@@ -259,7 +260,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ | DAZ
 #endif
   CFMO_ASSIGN_OR_RETURN(auto source, load_data_source(config, rank, world, model_context(config.model)));
-  CFMO_ASSIGN_OR_RETURN(auto model_ptr, make_model(config.model, source->shape()));
+  CFMO_ASSIGN_OR_RETURN(auto model_ptr, make_model(config.model, source->shape(), moe_options(config)));
   Model& model = *model_ptr;
   model.init(static_cast<uint64_t>(config.seed));  // the same on every rank
   const std::string model_spec = model.spec_string();
@@ -660,15 +661,13 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
     if (event.logged) {
       event.loss = window_loss / static_cast<double>(window_steps);
       event.samples_per_s = static_cast<double>(window_samples) / std::max(window_s, 1e-9);
-      CFMO_TRY(metrics.write({{"type", "step"},
-                              {"rank", rank},
-                              {"step", pos.step},
-                              {"epoch", epochs_done()},
-                              {"loss", event.loss},
-                              {"lr", lr},
-                              {"samples", pos.samples},
-                              {"samples_per_s", event.samples_per_s},
-                              {"wall_s", event.elapsed_s}}));
+      nlohmann::ordered_json line = {
+          {"type", "step"},           {"rank", rank}, {"step", pos.step},       {"epoch", epochs_done()},
+          {"loss", event.loss},       {"lr", lr},     {"samples", pos.samples}, {"samples_per_s", event.samples_per_s},
+          {"wall_s", event.elapsed_s}};
+      // The model's own figures of the window (a MoE's auxiliary losses and expert load).
+      if (auto extra = model.take_metrics(); !extra.is_null()) line["moe"] = std::move(extra);
+      CFMO_TRY(metrics.write(line));
       window_loss = 0;
       window_steps = 0;
       window_samples = 0;
@@ -854,6 +853,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   summary.gflops_per_s = summary.samples_per_s * summary.flops_per_example / 1e9;
   summary.stopped_by = stopped_by;
   summary.bytes_sent = bytes;
+  summary.model_metrics = model.run_metrics();
   return summary;
 }
 

@@ -130,6 +130,9 @@ struct TrainSummary {
   ModeSettings mode_settings;
   std::vector<std::string> slowdown;
   std::string straggler;
+  /// Model::run_metrics of this rank's training passes (a MoE's auxiliary
+  /// losses and expert load); null for a model without any.
+  nlohmann::ordered_json model_metrics;
 
   std::string to_json() const;
 };

@@ -126,6 +126,15 @@ void print_human_summary(const cfmo::TrainSummary& s) {
   } else {
     fmt::print("test accuracy {:.4f}, test loss {:.4f}\n", s.test_accuracy, s.test_loss);
   }
+  if (const auto& m = s.model_metrics; m.is_object()) {
+    fmt::print("experts (rank 0): aux loss {:.4f}, z loss {:.4f}, dropped {:.2f}% of assignments\n",
+               m["aux_loss"].get<double>(), m["z_loss"].get<double>(), 100 * m["dropped_share"].get<double>());
+    for (const auto& l : m["layers"]) {
+      fmt::print("  block {}: tokens per expert min {:.1f} mean {:.1f} max {:.1f} (cv {:.3f}), dropped {:.2f}%\n",
+                 l["layer"].get<int>(), l["load_min"].get<double>(), l["load_mean"].get<double>(),
+                 l["load_max"].get<double>(), l["load_cv"].get<double>(), 100 * l["dropped_share"].get<double>());
+    }
+  }
   if (!s.muon_tensors.empty()) {
     fmt::print("muon updates {}; adamw updates {}\n", fmt::join(s.muon_tensors, ", "),
                fmt::join(s.adamw_tensors, ", "));
