@@ -202,12 +202,7 @@ void MoeMlp::backward(const float* dy, const float* x, const float* router, floa
 
 void MoeStats::add(std::span<const MoeMlp* const> layers, std::span<const int> index) {
   if (layers_.empty()) {
-    for (size_t i = 0; i < layers.size(); ++i) {
-      Layer l;
-      l.index = index[i];
-      l.load.assign(static_cast<size_t>(layers[i]->experts()), 0.0);
-      layers_.push_back(std::move(l));
-    }
+    for (size_t i = 0; i < layers.size(); ++i) layers_.push_back(Layer{index[i]});
   }
   for (size_t i = 0; i < layers.size() && i < layers_.size(); ++i) {
     const moe::Routing& routing = layers[i]->routing();
@@ -216,9 +211,17 @@ void MoeStats::add(std::span<const MoeMlp* const> layers, std::span<const int> i
     l.z += layers[i]->z_loss();
     l.assignments += static_cast<int64_t>(routing.expert.size());
     l.dropped += routing.dropped;
-    for (size_t e = 0; e < l.load.size() && e < routing.load.size(); ++e) {
-      l.load[e] += static_cast<double>(routing.load[e]);
-    }
+    const std::vector<int64_t>& load = routing.load;
+    if (load.empty()) continue;
+    const double mean =
+        static_cast<double>(std::accumulate(load.begin(), load.end(), int64_t{0})) / static_cast<double>(load.size());
+    double var = 0;
+    for (const int64_t v : load) var += (static_cast<double>(v) - mean) * (static_cast<double>(v) - mean);
+    var /= static_cast<double>(load.size());
+    l.load_min += static_cast<double>(*std::min_element(load.begin(), load.end()));
+    l.load_max += static_cast<double>(*std::max_element(load.begin(), load.end()));
+    l.load_mean += mean;
+    l.load_cv += mean > 0 ? std::sqrt(var) / mean : 0;
   }
   ++passes_;
 }
@@ -230,21 +233,14 @@ nlohmann::ordered_json MoeStats::to_json() const {
   double aux = 0, z = 0;
   int64_t assignments = 0, dropped = 0;
   for (const Layer& l : layers_) {
-    // Assignments per expert and pass.
-    std::vector<double> load(l.load.size());
-    std::transform(l.load.begin(), l.load.end(), load.begin(), [&](double v) { return v / passes; });
-    const double mean = load.empty() ? 0 : std::accumulate(load.begin(), load.end(), 0.0) / double(load.size());
-    double var = 0;
-    for (double v : load) var += (v - mean) * (v - mean);
-    var = load.empty() ? 0 : var / double(load.size());
     const double share = l.assignments > 0 ? static_cast<double>(l.dropped) / static_cast<double>(l.assignments) : 0;
     layers.push_back({{"layer", l.index},
                       {"aux_loss", l.aux / passes},
                       {"z_loss", l.z / passes},
-                      {"load_min", load.empty() ? 0 : *std::min_element(load.begin(), load.end())},
-                      {"load_mean", mean},
-                      {"load_max", load.empty() ? 0 : *std::max_element(load.begin(), load.end())},
-                      {"load_cv", mean > 0 ? std::sqrt(var) / mean : 0},
+                      {"load_min", l.load_min / passes},
+                      {"load_mean", l.load_mean / passes},
+                      {"load_max", l.load_max / passes},
+                      {"load_cv", l.load_cv / passes},
                       {"dropped_share", share}});
     aux += l.aux / passes;
     z += l.z / passes;

@@ -101,9 +101,11 @@ void expert_backward(const float* dy, int n, const float* x, const float* fc, co
                      const ExpertTensors& g, int c, int d, float* d_act, float* dx);
 
 /// What the MoE layers of a run did over a window of training passes, for
-/// metrics.jsonl and the summary: per layer the auxiliary losses and the
-/// expert load (assignments per expert and pass, before capacity: min, mean,
-/// max, coefficient of variation) and the dropped share.
+/// metrics.jsonl and the summary: per layer the auxiliary losses, the expert
+/// load (assignments per expert in a pass, before capacity: each pass's
+/// min, mean, max and coefficient of variation, averaged over the passes,
+/// so that a pass that sends everything to two experts shows even when the
+/// favourites change from pass to pass) and the dropped share.
 class MoeStats {
  public:
   /// One training pass over `layers` (the model's MoE layers, in order; `index` their block numbers).
@@ -117,7 +119,7 @@ class MoeStats {
     int index = 0;
     double aux = 0, z = 0;
     int64_t assignments = 0, dropped = 0;
-    std::vector<double> load;  ///< per expert, summed over passes
+    double load_min = 0, load_mean = 0, load_max = 0, load_cv = 0;  ///< summed over passes
   };
   std::vector<Layer> layers_;
   int64_t passes_ = 0;
