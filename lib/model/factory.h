@@ -4,7 +4,7 @@
 
 #include "core/error.h"
 #include "model/model.h"
-#include "model/moe_mlp.h"
+#include "model/moe_options.h"
 
 #include <memory>
 #include <string_view>

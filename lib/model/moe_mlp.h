@@ -21,6 +21,7 @@
 /// Top-k and capacity are piecewise constant: gradients flow through the
 /// gates, the router probabilities and the experts.
 
+#include "model/moe_options.h"
 #include "moe/dispatch.h"
 #include "moe/router.h"
 
@@ -31,14 +32,6 @@
 #include <vector>
 
 namespace cfmo {
-
-/// How the MoE layers of a model train: flags, not the model's shape.
-struct MoeOptions {
-  double aux_loss = 0.01;  ///< coefficient of the load-balancing loss
-  double z_loss = 0.001;   ///< coefficient of the router z-loss
-  double capacity_factor = 1.25;
-  moe::DropPolicy drop_policy = moe::DropPolicy::kResidual;
-};
 
 /// One expert's tensors in a flat buffer (parameters or their gradients).
 struct ExpertTensors {

@@ -5,7 +5,7 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "data/dataset.h"
-#include "model/moe_mlp.h"
+#include "model/moe_options.h"
 
 #include <cstdint>
 #include <string>

