@@ -13,8 +13,8 @@
 #include <archive_entry.h>
 #include <curl/curl.h>
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 #include <sys/socket.h>
+#include <nlohmann/json.hpp>
 
 #include <atomic>
 #include <filesystem>
