@@ -329,21 +329,37 @@ TEST(CfmoTrainCli, BadCheckpointsExitThree) {
   expect_one_line_error(run({binary(), "--resume", out.string(), "--quiet"}), 3, "step-00000099");
 }
 
+/// A run of unbounded length into `out`, sent `signal` once it has logged a step.
+RunResult signalled_run(const fs::path& out, int signal) {
+  bool sent = false;
+  RunResult r = run({binary(), "--data", "synthetic:4096:128", "--model", "mlp:64", "--epochs", "0", "--time-limit",
+                     "5m", "--log-every", "1", "--quiet", "--json", "--out", out.string()},
+                    120, {}, [&](pid_t pid, double elapsed) {
+                      std::error_code ec;
+                      const auto size = fs::file_size(out / "metrics.jsonl", ec);
+                      if (!sent && ((!ec && size > 0) || elapsed > 60)) {
+                        kill(pid, signal);
+                        sent = true;
+                      }
+                    });
+  EXPECT_TRUE(sent);
+  return r;
+}
+
+TEST(CfmoTrainCli, SigtermStopsCleanlyAndExits143) {
+  TempDir dir;
+  const fs::path out = dir / "run";
+  const RunResult r = signalled_run(out, SIGTERM);
+  EXPECT_EQ(r.status, 143) << r.err;
+  ASSERT_FALSE(r.out.empty());
+  EXPECT_EQ(nlohmann::json::parse(r.out)["stopped_by"], "interrupt");
+  EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+}
+
 TEST(CfmoTrainCli, InterruptWritesACheckpointAndExits130) {
   TempDir dir;
   const fs::path out = dir / "run";
-  bool sent = false;
-  const RunResult r = run({binary(), "--data", "synthetic:4096:128", "--model", "mlp:64", "--epochs", "0",
-                           "--time-limit", "5m", "--log-every", "1", "--quiet", "--json", "--out", out.string()},
-                          120, {}, [&](pid_t pid, double elapsed) {
-                            std::error_code ec;
-                            const auto size = fs::file_size(out / "metrics.jsonl", ec);
-                            if (!sent && ((!ec && size > 0) || elapsed > 60)) {
-                              kill(pid, SIGINT);
-                              sent = true;
-                            }
-                          });
-  ASSERT_TRUE(sent);
+  const RunResult r = signalled_run(out, SIGINT);
   EXPECT_EQ(r.status, 130) << r.err;
   ASSERT_FALSE(r.out.empty());
   const auto j = nlohmann::json::parse(r.out);

@@ -25,7 +25,6 @@ namespace {
 using cfmo::train_tool::CommandLine;
 using cfmo::train_tool::ConsoleObserver;
 using cfmo::train_tool::fail;
-using cfmo::train_tool::kInterruptedStatus;
 
 // The first SIGINT/SIGTERM asks the trainer to stop cleanly (checkpoint, summary).
 std::atomic<bool>& g_stop = cfmo::tool::stop_requested();
@@ -104,9 +103,9 @@ static int run(int argc, char** argv) {
   if (!summary && comm) comm->leave_with(summary.error());
   comm.reset();  // say goodbye to the other ranks before reporting
   if (!summary) return fail(summary.error());
-  if (summary->rank != 0) return summary->stopped_by == "interrupt" ? kInterruptedStatus : 0;
+  if (summary->rank != 0) return summary->stopped_by == "interrupt" ? cfmo::tool::stop_status() : 0;
   fmt::print("{}", json ? summary->to_json() + "\n" : cfmo::summary_text(*summary));
-  return summary->stopped_by == "interrupt" ? kInterruptedStatus : 0;
+  return summary->stopped_by == "interrupt" ? cfmo::tool::stop_status() : 0;
 }
 
 int main(int argc, char** argv) {
