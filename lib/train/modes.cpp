@@ -250,19 +250,19 @@ class AsyncMode : public Mode {
     reconciled_samples_.assign(progress_.size(), 0);
     gather_ = Assembly(comm.size());
     stats_.staleness_histogram.assign(static_cast<size_t>(settings.max_staleness) + 2, 0);
-    comm.on_message(Channel::kFreshShard, [this](int from, std::span<const std::byte> m) { on_fresh(from, m); });
-    comm.on_message(Channel::kProgress, [this](int from, std::span<const std::byte> m) { on_progress(from, m); });
-    comm.on_message(Channel::kStop, [this](int, std::span<const std::byte>) { stop_ = true; });
-    comm.on_message(Channel::kDone, [this](int from, std::span<const std::byte>) {
+    comm.on_message(channels::kFreshShard, [this](int from, std::span<const std::byte> m) { on_fresh(from, m); });
+    comm.on_message(channels::kProgress, [this](int from, std::span<const std::byte> m) { on_progress(from, m); });
+    comm.on_message(channels::kStop, [this](int, std::span<const std::byte>) { stop_ = true; });
+    comm.on_message(channels::kDone, [this](int from, std::span<const std::byte>) {
       std::lock_guard lock(mutex_);
       done_from_[static_cast<size_t>(from)] = true;
     });
-    comm.on_message(Channel::kGather, [this](int from, std::span<const std::byte> m) { on_gather(from, m); });
+    comm.on_message(channels::kGather, [this](int from, std::span<const std::byte> m) { on_gather(from, m); });
   }
 
   ~AsyncMode() override {
-    for (Channel c : {Channel::kFreshShard, Channel::kProgress, Channel::kStop, Channel::kDone, Channel::kGather,
-                      Channel::kCheckpoint}) {
+    for (Channel c : {channels::kFreshShard, channels::kProgress, channels::kStop, channels::kDone, channels::kGather,
+                      channels::kCheckpoint}) {
       comm_.on_message(c, nullptr);
     }
   }
@@ -290,7 +290,7 @@ class AsyncMode : public Mode {
       put(out, kSnapshotRequest);
       put(out, snapshot_id_);
     }
-    for (int r = 0; r < comm_.size(); ++r) comm_.post(r, Channel::kCheckpoint, out);
+    for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kCheckpoint, out);
     return true;
   }
 
@@ -337,7 +337,7 @@ class AsyncMode : public Mode {
     put(out, version_);
     put(out, staleness);
     if (with_shard) put_floats(out, owned_);
-    comm_.post(to, Channel::kFreshShard, std::move(out));
+    comm_.post(to, channels::kFreshShard, std::move(out));
   }
 
   /// The owner's staleness of a contribution based on `base_version`, in rounds of W.
@@ -390,7 +390,7 @@ class AsyncMode : public Mode {
     position_ = position;
     std::vector<std::byte> out;
     put_position(out, position);
-    comm_.post(0, Channel::kProgress, std::move(out));
+    comm_.post(0, channels::kProgress, std::move(out));
   }
 
   /// Waits (draining the inbox through `apply`) until no reply is owed or the deadline passes.
@@ -412,7 +412,7 @@ class AsyncMode : public Mode {
   Status end_handshake(std::span<float> params) {
     const auto start = Clock::now();
     const auto deadline = start + seconds(settings_.peer_timeout_s * 3);
-    for (int r = 0; r < comm_.size(); ++r) comm_.post(r, Channel::kDone, {});
+    for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kDone, {});
     auto everyone_done = [&] {
       const auto lost = comm_.lost_ranks();
       std::lock_guard lock(mutex_);
@@ -426,7 +426,7 @@ class AsyncMode : public Mode {
     std::vector<std::byte> out;
     put_position(out, position_);
     put_owner_shard(out);
-    comm_.post(0, Channel::kGather, std::move(out));
+    comm_.post(0, channels::kGather, std::move(out));
     if (comm_.rank() == 0) {
       auto gathered_all = [&] {
         const auto lost = comm_.lost_ranks();
@@ -470,9 +470,9 @@ class AsyncMode : public Mode {
   /// that calls owner_state() may run only while the derived members it reads
   /// exist (a request that comes before waits, unread, for the handler).
   void start_serving_owner_state() {
-    comm_.on_message(Channel::kCheckpoint, [this](int from, std::span<const std::byte> m) { on_checkpoint(from, m); });
+    comm_.on_message(channels::kCheckpoint, [this](int from, std::span<const std::byte> m) { on_checkpoint(from, m); });
   }
-  void stop_serving_owner_state() { comm_.on_message(Channel::kCheckpoint, nullptr); }
+  void stop_serving_owner_state() { comm_.on_message(channels::kCheckpoint, nullptr); }
 
   /// Owner side, under mutex_: the state of the outer or shard optimizer for
   /// my shard, each buffer the shard's size (cfmo: the outer momentum, if any;
@@ -592,7 +592,7 @@ class AsyncMode : public Mode {
       if (stop) stop_sent_ = true;
     }
     if (stop) {
-      for (int r = 0; r < comm_.size(); ++r) comm_.post(r, Channel::kStop, {});
+      for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kStop, {});
     }
   }
 
@@ -614,7 +614,7 @@ class AsyncMode : public Mode {
       put(out, kSnapshotShard);
       put(out, id);
       put_owner_shard(out);
-      comm_.post(from, Channel::kCheckpoint, std::move(out));
+      comm_.post(from, channels::kCheckpoint, std::move(out));
       return;
     }
     if (kind != kSnapshotShard || comm_.rank() != 0) return;
@@ -652,12 +652,12 @@ class CfmoMode final : public AsyncMode {
       const auto first = static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(comm.rank())]);
       std::copy_n(resume.outer_momentum.begin() + first, owned_.size(), outer_.momentum().begin());
     }
-    comm.on_message(Channel::kDeltaShard, [this](int from, std::span<const std::byte> m) { on_delta(from, m); });
+    comm.on_message(channels::kDeltaShard, [this](int from, std::span<const std::byte> m) { on_delta(from, m); });
     start_serving_owner_state();
   }
   // Unregistered here, before this class's members go: the base's destructor would be too late.
   ~CfmoMode() override {
-    comm_.on_message(Channel::kDeltaShard, nullptr);
+    comm_.on_message(channels::kDeltaShard, nullptr);
     stop_serving_owner_state();
   }
   std::string_view name() const override { return "cfmo"; }
@@ -725,7 +725,7 @@ class CfmoMode final : public AsyncMode {
       put(out, base_version_[static_cast<size_t>(j)]);
       encode_floats(settings_.delta_dtype, delta_,
                     residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count), out);
-      comm_.post(j, Channel::kDeltaShard, std::move(out));
+      comm_.post(j, channels::kDeltaShard, std::move(out));
       ++awaiting_[static_cast<size_t>(j)];
       ++sent;
     }
@@ -831,11 +831,11 @@ class AsgdMode final : public AsyncMode {
       }
       optimizer_->set_step_count(resume.owner_steps[static_cast<size_t>(comm.rank())]);
     }
-    comm.on_message(Channel::kGradShard, [this](int from, std::span<const std::byte> m) { on_grad(from, m); });
+    comm.on_message(channels::kGradShard, [this](int from, std::span<const std::byte> m) { on_grad(from, m); });
     start_serving_owner_state();
   }
   ~AsgdMode() override {
-    comm_.on_message(Channel::kGradShard, nullptr);
+    comm_.on_message(channels::kGradShard, nullptr);
     stop_serving_owner_state();
   }
   std::string_view name() const override { return "asgd"; }
@@ -856,7 +856,7 @@ class AsgdMode final : public AsyncMode {
       put(out, lr);
       encode_floats(settings_.delta_dtype, grads.subspan(first, n),
                     residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, n), out);
-      comm_.post(j, Channel::kGradShard, std::move(out));
+      comm_.post(j, channels::kGradShard, std::move(out));
       ++awaiting_[static_cast<size_t>(j)];
       std::lock_guard lock(mutex_);
       ++stats_.contributions_sent;
