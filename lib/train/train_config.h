@@ -4,6 +4,7 @@
 
 #include "core/config.h"
 #include "core/error.h"
+#include "core/heterogeneity.h"
 #include "data/dataset.h"
 
 #include <cstdint>
@@ -72,15 +73,7 @@ void add_train_options(OptionTable& table, TrainConfig& config);
 /// Range and consistency checks; errors name the flag.
 Status validate(const TrainConfig& config);
 
-/// The simulated heterogeneity of one rank: its step takes `slowdown` times
-/// its natural time, and with probability `straggler_p` `straggler_factor` times.
-struct Heterogeneity {
-  double slowdown = 1.0;
-  double straggler_p = 0.0;
-  double straggler_factor = 1.0;
-};
-
-/// Parses --slowdown RANK=FACTOR (repeatable) and --straggler P:FACTOR for `rank`.
+/// parse_heterogeneity (core/heterogeneity.h) of the config's --slowdown and --straggler for `rank`.
 Result<Heterogeneity> heterogeneity_for(const TrainConfig& config, int rank);
 
 }  // namespace cfmo

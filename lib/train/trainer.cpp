@@ -374,6 +374,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   engine_options.comm = comm;
   engine_options.device_collectives = world > 1 && config.mode == "sync";
   engine_options.peer_timeout_s = config.peer_timeout;
+  engine_options.local_rank = options.local_rank;
   CFMO_ASSIGN_OR_RETURN(auto engine, make_engine(engine_options, model, *optimizer, optim_config, *source));
   CFMO_TRY(engine->optimizer_changed());  // a resumed optimizer's state, where the engine keeps it
   if (engine->has_device_all_reduce()) {

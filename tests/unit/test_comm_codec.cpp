@@ -1,7 +1,7 @@
 // Wire encodings of float vectors: exactness of fp32, rounding of bf16, int8
 // scales per chunk, and error feedback carrying what rounding lost.
 #include "comm/codec.h"
-#include "train/launcher.h"
+#include "comm/world.h"
 #include "train/modes.h"
 
 #include <gtest/gtest.h>
@@ -116,6 +116,10 @@ TEST(World, ReadsTheLaunchersVariables) {
   ASSERT_TRUE(slurm && slurm->has_value());
   EXPECT_EQ((*slurm)->rank, 3);
   EXPECT_EQ((*slurm)->size, 8);
+  EXPECT_EQ((*slurm)->local_rank, 3);  // no local rank given: the rank
+  setenv("SLURM_LOCALID", "1", 1);
+  EXPECT_EQ((*world_from_environment())->local_rank, 1);
+  unsetenv("SLURM_LOCALID");
   setenv("OMPI_COMM_WORLD_RANK", "1", 1);
   setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
   EXPECT_EQ((*world_from_environment())->size, 2);  // Open MPI's variables come before Slurm's
