@@ -18,6 +18,8 @@ packages=(
   docker-registry umoci                                           # cfmo-pull tests: a real local registry, a layout reader
   time                                                            # cfmo-pull's peak-RSS test: /usr/bin/time
   libgtest-dev googletest                                         # tests
+  python3-dev pybind11-dev python3-numpy                          # the cfmo Python module (python/)
+  python3-pytest python3-torch                                    # its tests (PyTorch models and optimizers)
   scdoc                                                           # man pages from source
   dataset-fashion-mnist                                           # the demo's data set
   fortunes                                                        # the GPT demo's text: fortune(6)'s files

@@ -349,11 +349,10 @@ Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInf
   std::string address = world->launched ? "" : options.rendezvous;
   if (address.empty() && std::getenv("CFMO_RENDEZVOUS") != nullptr) address = std::getenv("CFMO_RENDEZVOUS");
   if (address.empty()) {
-    return make_error(ErrorKind::kUsage, "{} says {} ranks: set --rendezvous or CFMO_RENDEZVOUS", world->source,
-                      world->size);
+    return make_error(ErrorKind::kUsage, "{} says {} ranks: {}", world->source, world->size, options.rendezvous_hint);
   }
   CFMO_ASSIGN_OR_RETURN(RendezvousConfig rendezvous, parse_rendezvous(address));
-  if (const char* fd = std::getenv("CFMO_RENDEZVOUS_FD"); fd != nullptr && world->rank == 0) {
+  if (const char* fd = std::getenv("CFMO_RENDEZVOUS_FD"); fd != nullptr && world->launched && world->rank == 0) {
     rendezvous.listen_fd = std::atoi(fd);
   }
   rendezvous.timeout_s = std::max(60.0, options.peer_timeout_s);

@@ -39,6 +39,8 @@ Result<std::optional<WorldInfo>> world_from_environment();
 struct WorldOptions {
   std::string rendezvous;  ///< host:port of rank 0 (--rendezvous); empty: CFMO_RENDEZVOUS. Our launcher's wins.
   double peer_timeout_s = 10;
+  /// What the error says to do when several ranks have no rendezvous address.
+  std::string rendezvous_hint = "set --rendezvous or CFMO_RENDEZVOUS";
 };
 
 /// This rank's Communicator in `world` (from world_from_environment): over

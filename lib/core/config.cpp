@@ -140,6 +140,57 @@ bool OptionTable::given_on_cli(const std::string& key) const {
   return false;
 }
 
+bool OptionTable::has(std::string_view key) const {
+  return std::any_of(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.key == key; });
+}
+
+Status load_shared_config(OptionTable& table, const std::filesystem::path& file, const SharedConfigShape& shape,
+                          size_t subcommand) {
+  const std::string source = file.string();
+  CFMO_ASSIGN_OR_RETURN(const std::string contents, read_config_file(file));
+  toml::table parsed;
+  try {
+    parsed = toml::parse(contents, source);
+  } catch (const toml::parse_error& e) {
+    return make_error(ErrorKind::kUsage, "config '{}': line {}: {}", source, e.source().begin.line, e.description());
+  }
+  const size_t count = shape.subcommands.size();
+  auto known_by_any = [&](std::string_view key) {
+    for (size_t s = 0; s < count; ++s) {
+      if (shape.knows(s, key)) return true;
+    }
+    return false;
+  };
+  toml::table mine;
+  const toml::table* own_section = nullptr;
+  for (const auto& [key, node] : parsed) {
+    const std::string name(key.str());
+    const auto section = std::find(shape.subcommands.begin(), shape.subcommands.end(), name);
+    if (shape.sections && section != shape.subcommands.end()) {
+      if (!node.is_table()) return make_error(ErrorKind::kUsage, "config '{}': '{}' must be a table", source, name);
+      const auto index = static_cast<size_t>(section - shape.subcommands.begin());
+      for (const auto& [inner, value] : *node.as_table()) {
+        if (!shape.knows(index, inner.str())) {
+          return make_error(ErrorKind::kUsage, "config '{}': unknown key '{}.{}'", source, name, inner.str());
+        }
+      }
+      if (index == subcommand) own_section = node.as_table();
+      continue;
+    }
+    if (shape.knows(subcommand, name)) {
+      mine.insert_or_assign(name, node);
+    } else if (!known_by_any(name)) {
+      return make_error(ErrorKind::kUsage, "config '{}': unknown key '{}'", source, name);
+    }
+  }
+  if (own_section != nullptr) {
+    for (const auto& [key, node] : *own_section) mine.insert_or_assign(std::string(key.str()), node);
+  }
+  std::ostringstream text;
+  text << mine;
+  return table.load_toml_text(text.str(), source);
+}
+
 Result<std::string> read_config_file(const std::filesystem::path& file) {
   namespace fs = std::filesystem;
   std::error_code ec;

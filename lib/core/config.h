@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -45,6 +46,9 @@ class OptionTable {
   /// True when the flag for `key` was given on the command line.
   bool given_on_cli(const std::string& key) const;
 
+  /// True when `key` is one of the table's options.
+  bool has(std::string_view key) const;
+
   static std::string flag_for(const std::string& key);
 
  private:
@@ -63,6 +67,24 @@ class OptionTable {
 /// kUsage saying what it is (missing, a directory, a FIFO, ...); a FIFO or
 /// a device is never opened, so it cannot block the reader.
 Result<std::string> read_config_file(const std::filesystem::path& file);
+
+/// The shape of a configuration file shared by a tool's subcommands: which
+/// subcommands there are, and which keys each one knows.
+struct SharedConfigShape {
+  std::vector<std::string> subcommands;
+  std::function<bool(size_t subcommand, std::string_view key)> knows;
+  /// Whether the file may hold a table per subcommand ([check]) whose keys
+  /// only that subcommand reads, after (and over) the top-level ones.
+  bool sections = false;
+};
+
+/// Loads into `table` what subcommand number `subcommand` takes from `file`:
+/// the top-level keys it knows (a key only another subcommand knows is passed
+/// over, so one file serves them all; a key none knows is kUsage), then its
+/// own section's. Every section is checked whichever subcommand reads the
+/// file, so a mistake shows at once, not when that subcommand first runs.
+Status load_shared_config(OptionTable& table, const std::filesystem::path& file, const SharedConfigShape& shape,
+                          size_t subcommand);
 
 /// "30", "30s", "1.5m", "2h", "250ms" -> seconds.
 Result<double> parse_duration(std::string_view text);

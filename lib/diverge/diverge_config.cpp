@@ -87,51 +87,18 @@ void add_diverge_options(OptionTable& t, DivergeConfig& c, Subcommand s) {
 }
 
 Status load_diverge_config(OptionTable& table, const std::filesystem::path& file, Subcommand subcommand) {
-  const std::string source = file.string();
-  CFMO_ASSIGN_OR_RETURN(const std::string contents, read_config_file(file));
-  toml::table parsed;
-  try {
-    parsed = toml::parse(contents, source);
-  } catch (const toml::parse_error& e) {
-    return make_error(ErrorKind::kUsage, "config '{}': line {}: {}", source, e.source().begin.line, e.description());
-  }
-  // Keys each subcommand knows, to skip (not refuse) those meant for another one.
-  auto known = [](Subcommand s, const std::string& key) {
+  SharedConfigShape shape;
+  for (const Subcommand s : kSubcommands) shape.subcommands.emplace_back(to_string(s));
+  shape.knows = [](size_t s, std::string_view key) {
     DivergeConfig scratch;
     OptionTable t;
-    add_diverge_options(t, scratch, s);
-    return t.to_toml().find("\n" + key + " = ") != std::string::npos;
+    add_diverge_options(t, scratch, kSubcommands[s]);
+    return t.has(key);
   };
-  toml::table mine;
-  const toml::table* own_section = nullptr;
-  for (const auto& [key, node] : parsed) {
-    const std::string name(key.str());
-    const auto section =
-        std::find_if(kSubcommands.begin(), kSubcommands.end(), [&](Subcommand s) { return to_string(s) == name; });
-    if (section != kSubcommands.end()) {
-      if (!node.is_table()) return make_error(ErrorKind::kUsage, "config '{}': '{}' must be a table", source, name);
-      // Every table is checked, whichever subcommand reads the file: a mistake in
-      // [plot] shows in `check` too, not only when `plot` runs.
-      for (const auto& [inner, value] : *node.as_table()) {
-        if (!known(*section, std::string(inner.str()))) {
-          return make_error(ErrorKind::kUsage, "config '{}': unknown key '{}.{}'", source, name, inner.str());
-        }
-      }
-      if (*section == subcommand) own_section = node.as_table();
-      continue;
-    }
-    if (known(subcommand, name)) {
-      mine.insert_or_assign(name, node);
-    } else if (std::none_of(kSubcommands.begin(), kSubcommands.end(), [&](Subcommand s) { return known(s, name); })) {
-      return make_error(ErrorKind::kUsage, "config '{}': unknown key '{}'", source, name);
-    }
-  }
-  if (own_section != nullptr) {
-    for (const auto& [key, node] : *own_section) mine.insert_or_assign(std::string(key.str()), node);
-  }
-  std::ostringstream text;
-  text << mine;
-  return table.load_toml_text(text.str(), source);
+  shape.sections = true;
+  const auto index =
+      static_cast<size_t>(std::find(kSubcommands.begin(), kSubcommands.end(), subcommand) - kSubcommands.begin());
+  return load_shared_config(table, file, shape, index);
 }
 
 std::string diverge_config_toml(const OptionTable& table, Subcommand subcommand) {

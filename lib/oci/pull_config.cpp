@@ -139,35 +139,16 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
 }
 
 Status load_pull_config(OptionTable& table, const std::filesystem::path& file, PullCommand command) {
-  std::error_code ec;
-  const std::string source = file.string();
-  if (!std::filesystem::is_regular_file(file, ec)) {
-    return make_error(ErrorKind::kUsage, "config '{}': no such file", source);
-  }
-  toml::table parsed;
-  try {
-    parsed = toml::parse_file(source);
-  } catch (const toml::parse_error& e) {
-    return make_error(ErrorKind::kUsage, "config '{}': line {}: {}", source, e.source().begin.line, e.description());
-  }
-  auto known = [](PullCommand c, const std::string& key) {
+  SharedConfigShape shape;
+  for (const PullCommand c : kCommands) shape.subcommands.emplace_back(to_string(c));
+  shape.knows = [](size_t c, std::string_view key) {
     PullConfig scratch;
     OptionTable t;
-    add_pull_options(t, scratch, c);
-    return t.to_toml().find("\n" + key + " = ") != std::string::npos;
+    add_pull_options(t, scratch, kCommands[c]);
+    return t.has(key);
   };
-  toml::table mine;
-  for (const auto& [key, node] : parsed) {
-    const std::string name(key.str());
-    if (known(command, name)) {
-      mine.insert_or_assign(name, node);
-    } else if (std::none_of(kCommands.begin(), kCommands.end(), [&](PullCommand c) { return known(c, name); })) {
-      return make_error(ErrorKind::kUsage, "config '{}': unknown key '{}'", source, name);
-    }
-  }
-  std::ostringstream text;
-  text << mine;
-  return table.load_toml_text(text.str(), source);
+  const auto index = static_cast<size_t>(std::find(kCommands.begin(), kCommands.end(), command) - kCommands.begin());
+  return load_shared_config(table, file, shape, index);
 }
 
 Result<PullPlan> validate(const PullConfig& c, PullCommand s) {

@@ -135,5 +135,17 @@ TEST(World, ReadsTheLaunchersVariables) {
   }
 }
 
+TEST(World, OneRankIsSoloAndSeveralNeedARendezvous) {
+  unsetenv("CFMO_RENDEZVOUS");
+  auto solo = connect_world(std::nullopt, {});
+  ASSERT_TRUE(solo) << solo.error().message;
+  EXPECT_EQ((*solo)->size(), 1);
+  WorldInfo two{1, 2, "RANK/WORLD_SIZE", false, 1};
+  auto none = connect_world(two, {});
+  ASSERT_FALSE(none);
+  EXPECT_EQ(none.error().kind, ErrorKind::kUsage);
+  EXPECT_EQ(none.error().message, "RANK/WORLD_SIZE says 2 ranks: set --rendezvous or CFMO_RENDEZVOUS");
+}
+
 }  // namespace
 }  // namespace cfmo

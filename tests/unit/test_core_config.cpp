@@ -489,6 +489,53 @@ TEST(ParseSizeTest, AcceptsBinaryMultiples) {
   }
 }
 
+// Two subcommands: "a" knows epochs, "b" knows name; both know lr.
+SharedConfigShape two_subcommands(bool sections) {
+  SharedConfigShape shape;
+  shape.subcommands = {"a", "b"};
+  shape.knows = [](size_t s, std::string_view key) {
+    return key == "lr" || (s == 0 && key == "epochs") || (s == 1 && key == "name");
+  };
+  shape.sections = sections;
+  return shape;
+}
+
+TEST_F(OptionTableFileTest, ASharedFileGivesEachSubcommandItsKeys) {
+  const auto path = dir_ / "tool.toml";
+  std::ofstream(path) << "epochs = 7\nname = \"shared\"\n";
+  Options o;
+  ASSERT_TRUE(load_shared_config(o.table, path, two_subcommands(false), 0));
+  EXPECT_EQ(o.epochs, 7);
+  EXPECT_EQ(o.name, "default");  // only "b" takes it
+}
+
+TEST_F(OptionTableFileTest, ASectionOverridesTheTopLevelForItsSubcommandOnly) {
+  const auto path = dir_ / "tool.toml";
+  std::ofstream(path) << "epochs = 7\n[a]\nepochs = 8\n[b]\nname = \"b's\"\n";
+  Options a;
+  ASSERT_TRUE(load_shared_config(a.table, path, two_subcommands(true), 0));
+  EXPECT_EQ(a.epochs, 8);
+  EXPECT_EQ(a.name, "default");
+}
+
+TEST_F(OptionTableFileTest, ASharedFileRefusesWhatNoSubcommandKnows) {
+  const auto path = dir_ / "tool.toml";
+  std::ofstream(path) << "epochs = 7\nwat = 1\n";
+  Options o;
+  EXPECT_TRUE(fails_with(load_shared_config(o.table, path, two_subcommands(false), 0), ErrorKind::kUsage,
+                         {path.string(), "unknown key 'wat'"}));
+  // A mistake in another subcommand's section shows too.
+  std::ofstream(path) << "[b]\nepochs = 1\n";
+  EXPECT_TRUE(fails_with(load_shared_config(o.table, path, two_subcommands(true), 0), ErrorKind::kUsage,
+                         {"unknown key 'b.epochs'"}));
+  // Without sections, a table named after a subcommand is just an unknown key.
+  std::ofstream(path) << "[a]\nepochs = 1\n";
+  EXPECT_TRUE(
+      fails_with(load_shared_config(o.table, path, two_subcommands(false), 0), ErrorKind::kUsage, {"unknown key 'a'"}));
+  EXPECT_TRUE(fails_with(load_shared_config(o.table, dir_ / "missing.toml", two_subcommands(false), 0),
+                         ErrorKind::kUsage, {"no such file"}));
+}
+
 TEST(ParseSizeTest, RejectsBadText) {
   for (const char* text :
        {"", "12Q", "-3", "-1K", "K", "KB", "12 K", "12KK", "12KiBB", "12P", "inf", "nan", "x12", "1e999"}) {

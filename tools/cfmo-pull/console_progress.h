@@ -3,12 +3,12 @@
 // in place (as docker pull does); elsewhere a plain line per event, so a log
 // or CI output reads top to bottom. Notes (a spilled layer, a mirror given
 // up) are printed in both modes unless quiet.
+#include "../common/terminal.h"
 #include "core/progress.h"
 #include "oci/hot_set.h"
 #include "oci/pull.h"
 
 #include <fmt/format.h>
-#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -111,15 +111,7 @@ class ConsoleProgress final : public oci::PullObserver {
     std::string status;  ///< empty while it downloads
   };
 
-  static int columns() {
-    if (const char* env = std::getenv("COLUMNS")) {
-      const int n = std::atoi(env);
-      if (n > 20) return n;
-    }
-    winsize size{};
-    if (::ioctl(STDERR_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 20) return size.ws_col;
-    return 100;
-  }
+  static int columns() { return tool::terminal_columns(STDERR_FILENO); }
 
   /// Redraws the block (tty only), at most ten times a second unless `force`.
   void draw(bool force) {

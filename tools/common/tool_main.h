@@ -10,11 +10,15 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <new>
 #include <optional>
+#include <span>
+#include <string>
+#include <string_view>
 
 namespace cfmo::tool {
 
@@ -63,6 +67,27 @@ inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** arg
     } else {
       fmt::print(stderr, "{}: {}\nRun '{} --help' for the options.\n", tool, e.what(), tool);
     }
+    return static_cast<int>(ErrorKind::kUsage);
+  }
+  return std::nullopt;
+}
+
+/// For a tool whose top level has no options that take a value: the first
+/// word that is not an option names the subcommand, and a word that names
+/// none is one line listing them and exit 2 (CLI11 alone would say only that
+/// a subcommand is required, not which word it took for one).
+inline std::optional<int> check_subcommand_word(int argc, char** argv, std::span<const std::string_view> names,
+                                                const char* tool) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view word(argv[i]);
+    if (word.starts_with("-")) continue;
+    if (std::find(names.begin(), names.end(), word) != names.end()) return std::nullopt;
+    std::string list;
+    for (size_t k = 0; k < names.size(); ++k) {
+      list += k == 0 ? "" : k + 1 == names.size() ? " or " : ", ";
+      list += names[k];
+    }
+    fmt::print(stderr, "{}: unknown subcommand '{}': expected {} (see --help)\n", tool, word, list);
     return static_cast<int>(ErrorKind::kUsage);
   }
   return std::nullopt;
