@@ -15,6 +15,7 @@ packages=(
   libucx-dev                                                      # transport between workers
   libcurl4-openssl-dev libssl-dev                                 # cfmo-pull: registry client, SHA-256
   libarchive-dev libisal-dev                                      # cfmo-pull: unpacking layers, igzip (zlib is the fallback)
+  libfuse3-dev fuse3                                              # cfmo-pull mount --lazy: FUSE (libfuse3, fusermount3)
   docker-registry umoci                                           # cfmo-pull tests: a real local registry, a layout reader
   time                                                            # cfmo-pull's peak-RSS test: /usr/bin/time
   libgtest-dev googletest                                         # tests

@@ -625,6 +625,7 @@ class RangeSink : public BodySink {
  public:
   RangeSink(const std::string& what, uint64_t length) : what_(what), length_(length) {}
   Status begin(long status) override {
+    refused = status == 200;
     if (status != 206) {
       return make_error(ErrorKind::kPeer,
                         "{}: the registry answered HTTP {} to a Range request: it does not serve parts of a blob "
@@ -642,6 +643,7 @@ class RangeSink : public BodySink {
     return {};
   }
   std::string body;
+  bool refused = false;
 
  private:
   const std::string& what_;
@@ -654,8 +656,10 @@ Result<std::string> RegistrySource::read(uint64_t offset, uint64_t length) {
   if (length == 0) return std::string();
   RangeSink sink(what_, length);
   ++requests_;
-  CFMO_TRY(client_.get("/v2/" + client_.reference().repository + "/blobs/" + digest_,
-                       {fmt::format("Range: bytes={}-{}", offset, offset + length - 1)}, sink, what_));
+  auto got = client_.get("/v2/" + client_.reference().repository + "/blobs/" + digest_,
+                         {fmt::format("Range: bytes={}-{}", offset, offset + length - 1)}, sink, what_);
+  ranges_refused_ = ranges_refused_ || sink.refused;
+  if (!got) return got.error();
   fetched_ += sink.body.size();
   return std::move(sink.body);
 }

@@ -119,6 +119,8 @@ class RegistrySource : public CompressedSource {
   Result<std::string> read(uint64_t offset, uint64_t length) override;
   uint64_t bytes_fetched() const { return fetched_; }
   int requests() const { return requests_; }
+  /// The registry answered a Range request with the whole blob.
+  bool ranges_refused() const { return ranges_refused_; }
 
  private:
   RegistryClient& client_;
@@ -126,6 +128,7 @@ class RegistrySource : public CompressedSource {
   std::string what_;
   uint64_t fetched_ = 0;
   int requests_ = 0;
+  bool ranges_refused_ = false;
 };
 
 /// Uncompressed bytes [offset, offset + length) of the layer, inflated from

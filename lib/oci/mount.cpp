@@ -1,12 +1,16 @@
 #include "oci/mount.h"
 
+#include "core/dir_lock.h"
 #include "oci/blob.h"
+#include "oci/cleanup.h"
 #include "oci/hot_set.h"
+#include "oci/lazy_mount.h"
 #include "oci/pull.h"
 #include "oci/pull_state.h"
 #include "oci/registry.h"
 #include "oci/unpack.h"
 
+#include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -25,31 +29,6 @@ namespace fs = std::filesystem;
 constexpr const char* kMountSource = "cfmo-pull";  ///< how umount tells our mounts from others
 constexpr const char* kRwMarker = ".cfmo-pull-rw";
 constexpr int kCapSysAdmin = 21;
-
-/// A tree's use of its file system, in bytes (what du counts).
-int64_t tree_bytes(const fs::path& root) {
-  int64_t total = 0;
-  std::error_code ec;
-  for (auto it = fs::recursive_directory_iterator(root, fs::directory_options::skip_permission_denied, ec);
-       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-    struct stat st {};
-    if (::lstat(it->path().c_str(), &st) == 0) total += static_cast<int64_t>(st.st_blocks) * 512;
-  }
-  return total;
-}
-
-void remove_tree(const fs::path& path) {
-  std::error_code ec;
-  fs::remove_all(path, ec);
-  if (!ec) return;
-  // A layer may leave directories without write permission.
-  for (auto it = fs::recursive_directory_iterator(path, fs::directory_options::skip_permission_denied, ec);
-       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-    if (it->is_directory(ec) && !it->is_symlink(ec)) ::chmod(it->path().c_str(), 0700);
-  }
-  ::chmod(path.c_str(), 0700);
-  fs::remove_all(path, ec);
-}
 
 /// /proc/self/mountinfo's escapes (\040 for a space...) undone.
 std::string unescape(const std::string& field) {
@@ -186,6 +165,27 @@ std::string join_indices(const std::vector<size_t>& indices) {
     out += std::to_string(indices[i]);
   }
   return out;
+}
+
+/// A lazy mount ends by its daemon: SIGTERM, then the mount is gone at once
+/// and the daemon within its grace period. A daemon that died left a mount
+/// that only answers ENOTCONN: detached here.
+Status unmount_lazy(const fs::path& point, const std::string& source) {
+  const int pid = lazy_mount_pid(source);
+  if (pid <= 0 || !process_alive(pid) || ::kill(pid, SIGTERM) != 0) {
+    if (::umount2(point.c_str(), MNT_DETACH) != 0) {
+      return make_error(errno == EPERM ? ErrorKind::kUsage : ErrorKind::kInternal, "'{}': umount failed: {}",
+                        point.string(), std::strerror(errno));
+    }
+    return {};
+  }
+  for (int i = 0; i < 600 && process_alive(pid); ++i) ::usleep(50000);
+  if (process_alive(pid)) {
+    return make_error(ErrorKind::kInternal, "'{}': the mount's daemon (pid {}) did not end within 30 s", point.string(),
+                      pid);
+  }
+  if (const auto still = mount_at(point); still && still->source == source) ::umount2(point.c_str(), MNT_DETACH);
+  return {};
 }
 
 }  // namespace
@@ -353,11 +353,40 @@ Result<MountReport> mount_image(const fs::path& dir, const fs::path& mountpoint,
   return report;
 }
 
+std::string mounted_source(const fs::path& point) {
+  const auto entry = mount_at(point);
+  return entry ? entry->source : std::string();
+}
+
+std::vector<std::string> mounts_using(const fs::path& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  const fs::path absolute = fs::weakly_canonical(fs::absolute(dir, ec), ec);
+  const std::string layers = (absolute / "layers").string() + "/";
+  for (const auto& m : mounts()) {
+    if (m.source == kMountSource && m.super_options.find(layers) != std::string::npos) out.push_back(m.point.string());
+  }
+  for (const auto& record : fs::directory_iterator(absolute / kMountRecordDir, ec)) {
+    int pid = 0;
+    try {
+      pid = std::stoi(record.path().filename().string());
+    } catch (const std::exception&) {
+      continue;
+    }
+    std::ifstream in(record.path());
+    std::string point;
+    std::getline(in, point);
+    if (pid > 0 && process_alive(pid) && mount_at(point)) out.push_back(point);
+  }
+  return out;
+}
+
 Status unmount_image(const fs::path& mountpoint) {
   std::error_code ec;
   const fs::path point = fs::weakly_canonical(fs::absolute(mountpoint, ec), ec);
   const auto entry = mount_at(point);
   if (!entry) return make_error(ErrorKind::kUsage, "'{}': nothing is mounted there", mountpoint.string());
+  if (entry->fstype == std::string("fuse.") + kLazySubtype) return unmount_lazy(point, entry->source);
   if (entry->source != kMountSource || entry->fstype != "overlay") {
     return make_error(ErrorKind::kUsage, "'{}': not a cfmo-pull mount ({} from {})", mountpoint.string(), entry->fstype,
                       entry->source);

@@ -59,6 +59,16 @@ std::string mount_unavailable_reason();
 Result<MountReport> mount_image(const std::filesystem::path& dir, const std::filesystem::path& mountpoint,
                                 const MountOptions& options);
 
+/// Where an image of the pull in `dir` is mounted now: overlays over its
+/// layers, and lazy mounts (whose daemons record themselves in
+/// DIR/cfmo-mounts/PID).
+std::vector<std::string> mounts_using(const std::filesystem::path& dir);
+
+inline constexpr const char* kMountRecordDir = "cfmo-mounts";
+
+/// The source of what is mounted at `point` (the mount a lookup sees), or empty.
+std::string mounted_source(const std::filesystem::path& point);
+
 /// Unmounts a cfmo-pull overlay at `mountpoint` and removes its upper
 /// directory; anything else mounted there is kUsage.
 Status unmount_image(const std::filesystem::path& mountpoint);

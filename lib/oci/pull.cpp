@@ -3,6 +3,7 @@
 #include "core/atomic_file.h"
 #include "core/parallel.h"
 #include "oci/blob.h"
+#include "oci/cleanup.h"
 #include "oci/memory_budget.h"
 
 #include <linux/magic.h>
@@ -583,6 +584,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
       return make_error(ErrorKind::kUsage, "--memory-dir '{}': cannot create the memory store '{}': {}",
                         options.memory_dir.string(), store.string(), ec.message());
     }
+    CFMO_TRY(mark_memory_store(store, dir));
     if (!memory_backed(store)) {
       transfer.note(
           fmt::format("the memory store '{}' is not on tmpfs: hot layers are kept on its disk", store.string()));
@@ -763,9 +765,10 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
   if (!state.memory_dir.empty()) {
     std::error_code ec;
     fs::create_directories(fs::path(state.memory_dir) / "blobs" / "sha256", ec);
-    if (ec) {
+    const Status marked = ec ? Status{} : mark_memory_store(state.memory_dir, dir);
+    if (ec || !marked) {
       transfer.note(fmt::format("the memory store '{}' cannot be made again ({}); hot layers go to disk",
-                                state.memory_dir, ec.message()));
+                                state.memory_dir, ec ? ec.message() : marked.error().message));
       state.memory_dir.clear();
       for (auto& layer : state.layers) layer.location = Placement::kDisk;
     }

@@ -11,9 +11,9 @@
 namespace cfmo::oci {
 namespace {
 
-constexpr std::array<PullCommand, 7> kCommands = {PullCommand::kPull,   PullCommand::kInspect, PullCommand::kFetch,
+constexpr std::array<PullCommand, 9> kCommands = {PullCommand::kPull,   PullCommand::kInspect, PullCommand::kFetch,
                                                   PullCommand::kStatus, PullCommand::kMount,   PullCommand::kUmount,
-                                                  PullCommand::kIndex};
+                                                  PullCommand::kIndex,  PullCommand::kRm,      PullCommand::kPrune};
 
 bool among(PullCommand c, std::initializer_list<PullCommand> set) {
   return std::find(set.begin(), set.end(), c) != set.end();
@@ -51,6 +51,10 @@ std::string_view to_string(PullCommand command) {
       return "umount";
     case PullCommand::kIndex:
       return "index";
+    case PullCommand::kRm:
+      return "rm";
+    case PullCommand::kPrune:
+      return "prune";
   }
   return "?";
 }
@@ -72,7 +76,7 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
   }
 
   const std::string registry = "Registry";
-  if (among(s, {kPull, kInspect, kFetch})) {
+  if (among(s, {kPull, kInspect, kFetch, kMount})) {
     t.add("plain_http", &c.plain_http, "speak HTTP, not HTTPS, to every registry and mirror", registry);
     t.add("insecure_registry", &c.insecure_registry,
           "speak plain HTTP to this host (HOST or HOST:PORT; repeatable), HTTPS to the others", registry);
@@ -81,15 +85,21 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
           registry);
     t.add("authfile", &c.authfile,
           "docker config.json with credentials (empty: $DOCKER_CONFIG/config.json, ~/.docker/config.json)", registry);
-    if (s != kInspect) t.add("jobs", &c.jobs, "blobs downloaded in parallel (1 to 64)", registry);
+    if (s == kMount) {
+      t.add("jobs", &c.jobs, "--lazy: reads of cold files served in parallel (1 to 64)", registry);
+    } else if (s != kInspect) {
+      t.add("jobs", &c.jobs, "blobs downloaded in parallel (1 to 64)", registry);
+    }
     t.add("retries", &c.retries, "attempts after the first on connection errors, 408, 429 and 5xx (0 to 100)",
           registry);
     t.add("retry_delay", &c.retry_delay, "first backoff (e.g. 0.5s); doubles per attempt, with jitter", registry);
     t.add("retry_max_delay", &c.retry_max_delay, "longest backoff, Retry-After included (e.g. 30s)", registry);
     t.add("stall_timeout", &c.stall_timeout, "abort and retry a transfer slower than 1 KiB/s for this long", registry);
     t.add("request_timeout", &c.request_timeout, "longest one request may take, body included (0: no limit)", registry);
-    t.add("timeout", &c.timeout, "longest the whole command may take, retries included (0: no limit; e.g. 30s)",
-          registry);
+    if (s != kMount) {
+      t.add("timeout", &c.timeout, "longest the whole command may take, retries included (0: no limit; e.g. 30s)",
+            registry);
+    }
   }
 
   const std::string layers = "Hot and cold layers";
@@ -114,9 +124,26 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
     t.add("ready_file", &c.ready_file, "file written the moment the hot layers are complete (empty: none)", layers);
     t.add("memory_dir", &c.memory_dir, "memory-backed directory (tmpfs) the memory store is made in", layers);
   }
+  if (s == kPrune) {
+    t.add("memory_dir", &c.memory_dir, "memory-backed directory whose cfmo-pull-* stores are pruned", "Cleaning up");
+  }
 
   if (s == kMount) {
     const std::string mounting = "Mounting";
+    t.add("lazy", &c.lazy,
+          "a FUSE mount whose files are fetched on first read (HTTP Range, by the layers' indexes) into a cache",
+          mounting);
+    t.add("cache_size", &c.cache_size, "--lazy: the on-disk cache of inflated spans, least recently used first out",
+          mounting);
+    t.add("max_memory", &c.max_memory, "--lazy: memory the mount's process may use, its indexes included", mounting);
+    t.add("background", &c.background,
+          "--lazy: fetch the layers not fetched yet in a detached process meanwhile (the mount reads them locally "
+          "once there)",
+          mounting);
+    t.add("record", &c.record, "--lazy: append the path of each file the mount serves, once, in order, to this file",
+          mounting);
+    t.add("prefetch", &c.prefetch,
+          "--lazy: a file of paths (one a line, as --record writes) whose spans are fetched first", mounting);
     t.add("partial", &c.partial, "mount though some layers are not fetched yet (their files are missing)", mounting);
     t.add("writable", &c.writable,
           "add an upper directory, dropped at umount: in the memory store if the pull has one, else on disk", mounting);
@@ -129,7 +156,7 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
   }
   const std::string output = "Output";
   if (s != kUmount) t.add("json", &c.json, "print a JSON report on stdout", output);
-  if (among(s, {kPull, kFetch, kMount, kUmount, kIndex})) {
+  if (among(s, {kPull, kFetch, kMount, kUmount, kIndex, kRm, kPrune})) {
     t.add("quiet", &c.quiet, "print nothing but errors (and the JSON report)", output, "-q");
   }
   if (among(s, {kPull, kFetch})) {
@@ -246,6 +273,13 @@ Result<PullPlan> validate(const PullConfig& c, PullCommand s) {
   CFMO_ASSIGN_OR_RETURN(const int64_t span, size_flag(c.span, "span"));
   if (span < (64 << 10)) return make_error(ErrorKind::kUsage, "--span '{}': at least 64K", c.span);
   plan.span = static_cast<uint64_t>(span);
+  CFMO_ASSIGN_OR_RETURN(const int64_t cache, size_flag(c.cache_size, "cache-size"));
+  if (cache < (int64_t{16} << 20))
+    return make_error(ErrorKind::kUsage, "--cache-size '{}': at least 16M", c.cache_size);
+  plan.cache_bytes = static_cast<uint64_t>(cache);
+  if (s == kMount && (c.partial || c.writable) && c.lazy) {
+    return make_error(ErrorKind::kUsage, "--lazy: a lazy mount is read-only and whole (no --partial, no --writable)");
+  }
   return plan;
 }
 

@@ -16,7 +16,7 @@
 
 namespace cfmo::oci {
 
-enum class PullCommand { kPull, kInspect, kFetch, kStatus, kMount, kUmount, kIndex };
+enum class PullCommand { kPull, kInspect, kFetch, kStatus, kMount, kUmount, kIndex, kRm, kPrune };
 
 std::string_view to_string(PullCommand command);
 
@@ -51,6 +51,10 @@ struct PullConfig {
   // Mounting.
   bool partial = false;
   bool writable = false;
+  bool lazy = false;
+  std::string cache_size = "1G";
+  std::string record;
+  std::string prefetch;
   // Indexing.
   std::string span = "4M";
   bool list = false;
@@ -75,7 +79,8 @@ struct PullPlan {
   PullOptions pull;    ///< pull and inspect
   FetchOptions fetch;  ///< fetch
   ProgressMode progress = ProgressMode::kAuto;
-  uint64_t span = uint64_t{4} << 20;  ///< index: uncompressed bytes between checkpoints
+  uint64_t span = uint64_t{4} << 20;         ///< index: uncompressed bytes between checkpoints
+  uint64_t cache_bytes = uint64_t{1} << 30;  ///< mount --lazy: the chunk cache on disk
 };
 Result<PullPlan> validate(const PullConfig& config, PullCommand command);
 

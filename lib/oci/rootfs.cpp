@@ -14,6 +14,7 @@
 #include "core/atomic_file.h"
 
 #include "oci/blob.h"
+#include "oci/cleanup.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -38,20 +39,6 @@ namespace fs = std::filesystem;
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-/// Removes a tree, making its directories writable first (a layer may leave 0555 ones).
-void remove_tree(const fs::path& path) {
-  std::error_code ec;
-  if (!fs::exists(fs::symlink_status(path, ec))) return;
-  fs::remove_all(path, ec);
-  if (!ec) return;
-  for (auto it = fs::recursive_directory_iterator(path, fs::directory_options::skip_permission_denied, ec);
-       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-    if (it->is_directory(ec) && !it->is_symlink(ec)) ::chmod(it->path().c_str(), 0700);
-  }
-  ::chmod(path.c_str(), 0700);
-  fs::remove_all(path, ec);
 }
 
 /// The staging directory's name for DIR and a process: DIR's parent/.NAME.partial-PID.

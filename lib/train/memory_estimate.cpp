@@ -4,6 +4,7 @@
 #include "data/tokens.h"
 #include "model/factory.h"
 #include "optim/optimizer.h"
+#include "train/modes.h"
 
 #include <fmt/format.h>
 
@@ -54,7 +55,9 @@ Result<uint64_t> estimate_worker_bytes(const TrainConfig& config) {
   // The mode's own copies of the parameters: a reduce buffer (sync), the
   // round's anchor, delta and outer momentum (localsgd, cfmo), the owners'
   // shards and their state (asgd).
-  const uint64_t mode_copies = config.workers <= 1 ? 0 : config.mode == "sync" ? 1 : 3;
+  CFMO_ASSIGN_OR_RETURN(const ModeKind mode, parse_mode(config.mode));
+  const uint64_t mode_copies =
+      config.workers <= 1 ? 0 : static_cast<uint64_t>(mode_entry(mode).traits.parameter_copies);
   const uint64_t floats = params * (2 + optimizer_copies + mode_copies) + model->workspace_floats(config.batch_size);
   return kProcessBaseBytes + floats * sizeof(float) + data_bytes;
 }

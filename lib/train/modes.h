@@ -1,15 +1,30 @@
 #pragma once
-/// How workers reconcile: the four modes of ALGORITHM.md behind the seam the
+/// How workers reconcile: the modes of ALGORITHM.md behind the seam the
 /// training loop calls after every step.
 ///
 ///   sync      gradients averaged by a blocking ring all-reduce every step
 ///   localsgd  H local steps, then a blocking all-reduce of the deltas and an
 ///             outer step (plain averaging, or Nesterov as DiLoCo)
+///   asgd      every step's gradient shards go to their owners, which apply
+///             them at once (parameter server, no staleness correction)
 ///   cfmo      H local steps, then each delta shard goes to its owner without
 ///             waiting; the owner applies it weighted by beta^staleness and
 ///             sends the fresh shard back; the worker rebases when it arrives
-///   asgd      every step's gradient shards go to their owners, which apply
-///             them at once (parameter server, no staleness correction)
+///
+/// The modes are one table (mode_table()): its rows give each mode's name,
+/// its line of help, its traits (what the trainer needs to know of it before
+/// and without asking it) and its factory. Each mode lives in a file of its
+/// own under train/modes/ (async_base.h for what cfmo and asgd share, wire.h
+/// for their messages). Adding a mode: a ModeKind, a file with its class and
+/// factory, and a row in train/modes/table.cpp.
+///
+/// The protocol, as the trainer drives it each step: on_gradients (if
+/// uses_gradients) between backward and the update, the local update unless
+/// owns_update, then after_step (with the parameters if needs_params); stop
+/// requests through want_stop/stop_requested; after the loop finish, then
+/// stats and, for modes with owners, final_state. Checkpoints: rank 0 writes
+/// its own parameters when params_are_global, else request_snapshot and later
+/// take_snapshot.
 
 #include "comm/codec.h"
 #include "comm/communicator.h"
@@ -30,12 +45,20 @@
 
 namespace cfmo {
 
+/// The modes, in the order of mode_table() (and of --compare).
+enum class ModeKind : uint8_t { kSync, kLocalSgd, kAsgd, kCfmo };
+
+/// The outer step of localsgd and cfmo on the deltas (see OuterOptimizer).
+enum class OuterKind : uint8_t { kAvg, kNesterov };
+Result<OuterKind> parse_outer_kind(std::string_view text);  ///< errors name --outer-optimizer
+std::string_view to_string(OuterKind kind);
+
 struct ModeSettings {
-  std::string name = "sync";
+  ModeKind kind = ModeKind::kSync;
   int sync_interval = 10;           ///< H: local steps between reconciliations
   double staleness_discount = 0.9;  ///< beta
   int max_staleness = 4;            ///< rounds; older contributions are dropped
-  std::string outer_optimizer = "nesterov";
+  OuterKind outer_optimizer = OuterKind::kNesterov;
   double outer_lr = 0.5;
   double outer_momentum = 0.8;
   WireDtype delta_dtype = WireDtype::kBf16;
@@ -145,40 +168,60 @@ class Mode {
   virtual int64_t reconciled_samples(int /*rank*/) const { return 0; }
 };
 
-/// The outer step on (a range of) the global parameters, fed with weighted
-/// deltas. localsgd feeds it once per round with the sum of the W deltas
-/// weighted 1/W (`contributions_per_round` 1); a cfmo owner feeds it each
-/// contribution to its shard as it arrives, weighted beta^s / W
-/// (`contributions_per_round` W), so that a round of W fresh contributions
-/// moves the shard exactly as localsgd's step on their mean.
-///
-///   avg       global += lr * weight * delta
-///   nesterov  global += lr * weight * delta at once, and, once per round,
-///             m = mu * m + (the round's weighted deltas); global += lr * mu * m.
-///             Per round: DiLoCo's Nesterov step on the mean delta. For cfmo this
-///             is the delayed Nesterov update of Async Local-SGD (arXiv
-///             2401.09135, without momentum between the updates); a momentum
-///             step per contribution would amplify the mean by ~W / (1 - mu).
-class OuterOptimizer {
- public:
-  OuterOptimizer(const ModeSettings& settings, size_t size, int contributions_per_round);
-  void apply(std::span<float> global, std::span<const float> delta, float weight);
-  /// m, in the deltas' sign (empty for avg): what a checkpoint keeps, and
-  /// where a resumed run puts it back.
-  std::span<float> momentum() { return momentum_; }
-  std::span<const float> momentum() const { return momentum_; }
-
- private:
-  bool nesterov_;
-  float lr_;
-  float mu_;
-  int per_round_;
-  int in_round_ = 0;
-  FloatBuffer momentum_;
-  FloatBuffer round_sum_;
+/// What the trainer needs to know of a mode with several workers, before
+/// it is made and without asking its name. (With one worker every mode trains
+/// alone: make_mode gives the solo mode whatever the kind.)
+struct ModeTraits {
+  /// Every worker takes the same steps and the stop is decided together (sync, localsgd).
+  bool lockstep = false;
+  /// Owners hold the global parameters and workers share a sample budget kept
+  /// by rank 0, each at its own pace; checkpoints assemble the owners' shards (cfmo, asgd).
+  bool asynchronous = false;
+  /// Each reconciliation has a delta against a global base worth writing for cfmo-diverge (localsgd, cfmo).
+  bool writes_deltas = false;
+  /// The update is the all-reduced gradient's: every worker steps every step,
+  /// even on an empty batch (sync).
+  bool reduces_gradients = false;
+  /// A device engine may reduce the gradients where they live (NCCL), through
+  /// Mode::use_device_reduce (sync).
+  bool device_reduce = false;
+  /// Rank 0's parameters are the global ones at every epoch end, so it
+  /// evaluates them there, and the end's evaluation may be the last epoch's (sync).
+  bool evaluates_mid_run = false;
+  /// The owners run the inner optimizer on their flat shards: element-wise
+  /// optimizers only, and a checkpoint's optimizer state is the owners' (asgd).
+  bool owners_optimize = false;
+  /// Copies of the parameter vector the mode keeps besides the model's (the memory estimate).
+  int parameter_copies = 0;
 };
 
-/// The mode for `settings.name`; `comm` is null for a single worker.
+/// Everything a mode's factory is given; `comm` has two ranks or more.
+struct ModeContext {
+  const ModeSettings& settings;
+  Communicator& comm;
+  std::span<const float> initial;  ///< the parameters every rank starts from (the same everywhere)
+  const OptimizerConfig& optimizer_config;
+  const ModeResume& resume;
+};
+
+/// One row of the modes' table.
+struct ModeEntry {
+  ModeKind kind;
+  std::string_view name;     ///< --mode's value, the summary's "mode"
+  std::string_view summary;  ///< a few words for --help
+  ModeTraits traits;
+  Result<std::unique_ptr<Mode>> (*make)(const ModeContext& context);
+};
+
+/// Every mode, in ModeKind order.
+std::span<const ModeEntry> mode_table();
+const ModeEntry& mode_entry(ModeKind kind);
+/// The mode called `name`; an error naming --mode and the modes otherwise.
+Result<ModeKind> parse_mode(std::string_view name);
+/// "sync, localsgd, asgd or cfmo", from the table.
+std::string mode_names();
+
+/// The mode for `settings.kind`; `comm` is null for a single worker.
 /// `initial` is the parameters every rank starts from (the same everywhere).
 Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, Communicator* comm,
                                         const std::vector<ParamInfo>& layout, std::span<const float> initial,

@@ -4,6 +4,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "tensor/device.h"
+#include "train/modes.h"
 
 #include <charconv>
 #include <cmath>
@@ -53,7 +54,9 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
 
   const std::string dist = "Workers and modes";
   t.add("workers", &c.workers, "worker processes to start on this host (1: train in this process)", dist);
-  t.add("mode", &c.mode, "how workers reconcile: sync, localsgd, cfmo or asgd", dist);
+  std::string modes;
+  for (const auto& m : mode_table()) modes += fmt::format("{}{} ({})", modes.empty() ? "" : ", ", m.name, m.summary);
+  t.add("mode", &c.mode, "how workers reconcile: " + modes, dist);
   t.add("sync_interval", &c.sync_interval, "H: local steps between reconciliations (localsgd, cfmo)", dist);
   t.add("staleness_discount", &c.staleness_discount,
         "beta: a contribution s rounds stale is weighted beta^s; momentum after a rebase likewise (cfmo)", dist);
@@ -86,12 +89,19 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
 }
 
 Status validate(const TrainConfig& c) {
+  CFMO_TRY(make_plan(c));
+  return {};
+}
+
+Result<TrainPlan> make_plan(const TrainConfig& c) {
+  TrainPlan plan;
   auto usage = [](std::string_view flag, std::string_view why) {
     return make_error(ErrorKind::kUsage, "--{}: {}", flag, why);
   };
   CFMO_TRY(check_model_spec(c.model));
-  CFMO_ASSIGN_OR_RETURN(const Device device, parse_device(c.device));
-  if (device.is_cuda() && model_context(c.model) > 0) {
+  CFMO_ASSIGN_OR_RETURN(plan.device, parse_device(c.device));
+  plan.context = model_context(c.model);
+  if (plan.device.is_cuda() && plan.context > 0) {
     return usage("device", fmt::format("{}: the CUDA engine does not run this model yet ({})", c.device, c.model));
   }
   if (c.optimizer != "sgd" && c.optimizer != "adam" && c.optimizer != "adamw" && c.optimizer != "muon") {
@@ -105,7 +115,7 @@ Status validate(const TrainConfig& c) {
   if (!(c.weight_decay >= 0) || !std::isfinite(c.weight_decay)) return usage("weight-decay", "must be >= 0");
   if (c.ns_steps < 1 || c.ns_steps > 100) return usage("ns-steps", "must be in 1..100");
   if (!(c.clip_grad_norm >= 0)) return usage("clip-grad-norm", "must be >= 0");
-  CFMO_ASSIGN_OR_RETURN(auto kind, Schedule::parse_kind(c.schedule));
+  CFMO_ASSIGN_OR_RETURN(plan.schedule, Schedule::parse_kind(c.schedule));
   if (c.warmup_steps < 0) return usage("warmup-steps", "must be >= 0");
   if (!(c.min_lr >= 0 && c.min_lr <= c.lr)) return usage("min-lr", "must be in [0, lr]");
   if (c.epochs < 0) return usage("epochs", "must be >= 0");
@@ -118,40 +128,37 @@ Status validate(const TrainConfig& c) {
     auto seconds = parse_duration(c.time_limit);
     if (!seconds) return usage("time-limit", seconds.error().message);
     if (!(*seconds > 0)) return usage("time-limit", "must be positive (leave it empty for no limit)");
+    plan.time_limit_s = *seconds;
   }
   if (c.epochs == 0 && c.steps == 0 && c.tokens == 0 && c.time_limit.empty()) {
     return usage("epochs", "give --epochs, --steps, --tokens or --time-limit so the run ends");
   }
-  if (kind == Schedule::Kind::kCosine && c.epochs == 0 && c.steps == 0 && c.tokens == 0) {
+  if (plan.schedule == Schedule::Kind::kCosine && c.epochs == 0 && c.steps == 0 && c.tokens == 0) {
     return usage("schedule", "cosine needs a known length: --epochs, --steps or --tokens");
   }
   if (c.batch_size < 1 || c.batch_size > 1 << 20) return usage("batch-size", "must be in 1..1048576");
   if (c.threads < 1 || c.threads > 1024) return usage("threads", "must be in 1..1024");
   if (c.workers < 1 || c.workers > 1024) return usage("workers", "must be in 1..1024");
-  if (c.mode != "sync" && c.mode != "localsgd" && c.mode != "cfmo" && c.mode != "asgd") {
-    return usage("mode", fmt::format("'{}' is not sync, localsgd, cfmo or asgd", c.mode));
-  }
-  if (c.mode == "asgd" && c.optimizer == "muon") {
+  CFMO_ASSIGN_OR_RETURN(plan.mode, parse_mode(c.mode));
+  if (plan.traits().owners_optimize && c.optimizer == "muon") {
     return usage("optimizer", "muon needs whole matrices; asgd's owners update shards: use sgd, adam or adamw");
   }
   if (c.sync_interval < 1) return usage("sync-interval", "must be >= 1");
   if (!(c.staleness_discount > 0 && c.staleness_discount <= 1)) return usage("staleness-discount", "must be in (0, 1]");
   if (c.max_staleness < 0) return usage("max-staleness", "must be >= 0");
-  if (c.outer_optimizer != "avg" && c.outer_optimizer != "nesterov") {
-    return usage("outer-optimizer", fmt::format("'{}' is not avg or nesterov", c.outer_optimizer));
-  }
+  CFMO_ASSIGN_OR_RETURN(plan.outer_optimizer, parse_outer_kind(c.outer_optimizer));
   if (!(c.outer_lr > 0)) return usage("outer-lr", "must be positive");
   if (!(c.outer_momentum >= 0 && c.outer_momentum < 1)) return usage("outer-momentum", "must be in [0, 1)");
-  if (c.delta_dtype != "fp32" && c.delta_dtype != "bf16" && c.delta_dtype != "int8") {
-    return usage("delta-dtype", fmt::format("'{}' is not fp32, bf16 or int8", c.delta_dtype));
-  }
+  auto dtype = parse_wire_dtype(c.delta_dtype);
+  if (!dtype) return usage("delta-dtype", fmt::format("'{}' is not fp32, bf16 or int8", c.delta_dtype));
+  plan.delta_dtype = *dtype;
   if (!(c.peer_timeout > 0)) return usage("peer-timeout", "must be positive");
   CFMO_TRY(heterogeneity_for(c, 0));
   if (c.log_every < 1) return usage("log-every", "must be >= 1");
   if (c.sample_every < 0) return usage("sample-every", "must be >= 0");
   if (c.checkpoint_every < 0) return usage("checkpoint-every", "must be >= 0");
   if (c.keep_checkpoints < 1) return usage("keep-checkpoints", "must be >= 1");
-  return {};
+  return plan;
 }
 
 Result<Heterogeneity> heterogeneity_for(const TrainConfig& c, int rank) {

@@ -1,11 +1,17 @@
 #pragma once
 /// Everything a training run is configured by, as one struct whose fields
-/// are both flags and TOML keys (see core/config.h).
+/// are both flags and TOML keys (see core/config.h), and the plan it is
+/// checked into once (make_plan): the same settings as typed values, which
+/// is what the trainer reads.
 
+#include "comm/codec.h"
 #include "core/config.h"
 #include "core/error.h"
 #include "core/heterogeneity.h"
 #include "data/dataset.h"
+#include "optim/schedule.h"
+#include "tensor/device.h"
+#include "train/modes.h"
 
 #include <cstdint>
 #include <string>
@@ -70,7 +76,25 @@ struct TrainConfig {
 /// Registers every field of `config` in `table` with its help text.
 void add_train_options(OptionTable& table, TrainConfig& config);
 
-/// Range and consistency checks; errors name the flag.
+/// A TrainConfig checked, with its words parsed into what they name.
+struct TrainPlan {
+  ModeKind mode = ModeKind::kSync;
+  OuterKind outer_optimizer = OuterKind::kNesterov;
+  WireDtype delta_dtype = WireDtype::kBf16;
+  Schedule::Kind schedule = Schedule::Kind::kConstant;
+  Device device;
+  double time_limit_s = 0;  ///< 0: no time limit
+  int context = 0;          ///< the model's context (a language model); 0 for the MLP
+
+  const ModeEntry& mode_entry() const { return cfmo::mode_entry(mode); }
+  const ModeTraits& traits() const { return mode_entry().traits; }
+};
+
+/// Range and consistency checks, and the plan; errors are kUsage, one line
+/// naming the flag.
+Result<TrainPlan> make_plan(const TrainConfig& config);
+
+/// make_plan's checks alone.
 Status validate(const TrainConfig& config);
 
 /// parse_heterogeneity (core/heterogeneity.h) of the config's --slowdown and --straggler for `rank`.

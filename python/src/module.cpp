@@ -236,11 +236,15 @@ std::unique_ptr<Reconciler> make_reconciler(std::shared_ptr<World> world, const 
     tensors.push_back(std::move(v));
   }
   ReconcilerSettings s;
-  s.mode.name = mode;
+  auto kind = parse_mode(mode);
+  if (!kind) throw ErrorException(as_keyword_error(kind.error()));
+  s.mode.kind = *kind;
   s.mode.sync_interval = sync_interval;
   s.mode.staleness_discount = staleness_beta;
   s.mode.max_staleness = max_staleness;
-  s.mode.outer_optimizer = outer;
+  auto outer_kind = parse_outer_kind(outer);
+  if (!outer_kind) throw ErrorException(as_keyword_error(outer_kind.error()));
+  s.mode.outer_optimizer = *outer_kind;
   s.mode.outer_lr = outer_lr;
   s.mode.outer_momentum = outer_momentum;
   auto dtype = parse_wire_dtype(delta_dtype);

@@ -56,17 +56,17 @@ namespace {
 /// The settings checked by cfmo-train's own rules, so both accept the same values.
 Status validate_settings(const ReconcilerSettings& s) {
   TrainConfig c;
-  c.mode = s.mode.name;
+  c.mode = std::string(mode_entry(s.mode.kind).name);
   c.sync_interval = s.mode.sync_interval;
   c.staleness_discount = s.mode.staleness_discount;
   c.max_staleness = s.mode.max_staleness;
-  c.outer_optimizer = s.mode.outer_optimizer;
+  c.outer_optimizer = std::string(to_string(s.mode.outer_optimizer));
   c.outer_lr = s.mode.outer_lr;
   c.outer_momentum = s.mode.outer_momentum;
   c.delta_dtype = std::string(to_string(s.mode.delta_dtype));
   c.peer_timeout = s.mode.peer_timeout_s;
   c.steps = 1;
-  if (s.mode.name == "asgd") {  // only asgd runs an optimizer of libcfmo's
+  if (s.mode.kind == ModeKind::kAsgd) {  // only asgd runs an optimizer of libcfmo's
     c.optimizer = s.optimizer.name;
     c.momentum = s.optimizer.momentum;
     c.beta1 = s.optimizer.beta1;
@@ -161,7 +161,7 @@ Status Reconciler::start_mode(std::span<const float> initial, const ModeResume& 
   mode_.reset();
   delta_writer_.reset();
   ModeSettings mode = settings_.mode;
-  const bool writes_deltas = mode.name == "localsgd" || mode.name == "cfmo";
+  const bool writes_deltas = mode_entry(mode.kind).traits.writes_deltas;
   if (!settings_.out.empty() && size() > 1 && writes_deltas) {
     // A resumed run continues after its deltas, as cfmo-train's does.
     const int64_t offset = position_.step > 0 ? DeltaWriter::last_round(settings_.out, rank()) : 0;
@@ -208,7 +208,7 @@ bool Reconciler::tick(int64_t samples) {
 }
 
 Status Reconciler::reconcile(const Buffers& moments) {
-  const bool async = settings_.mode.name == "cfmo" || settings_.mode.name == "asgd";
+  const bool async = mode_entry(settings_.mode.kind).traits.asynchronous;
   if (async && rank() != 0) {
     // The others train on without a lost peer, but not without the budget keeper and gatherer.
     const auto lost = lost_ranks();

@@ -89,7 +89,7 @@ class Reconciler {
   /// workers together have seen it.
   bool stop_requested() const { return mode_->stop_requested(); }
 
-  const std::string& mode_name() const { return settings_.mode.name; }
+  std::string mode_name() const { return std::string(mode_entry(settings_.mode.kind).name); }
   bool owns_update() const { return mode_->owns_update(); }
   bool uses_gradients() const { return size() > 1 && mode_->uses_gradients(); }
   int rank() const { return world_->rank(); }

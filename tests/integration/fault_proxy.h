@@ -108,6 +108,12 @@ class FaultProxy {
     rules_.push_back(std::move(rule));
   }
 
+  /// Drops every rule: what comes next is proxied as it is.
+  void clear() {
+    std::lock_guard lock(mutex_);
+    rules_.clear();
+  }
+
   /// Ends every stall: the stalled connections are closed.
   void release() {
     {

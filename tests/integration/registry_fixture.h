@@ -108,6 +108,32 @@ inline HttpResponse http(const std::string& method, const std::string& url, cons
   return response;
 }
 
+/// What the pull tests must leave in /dev/shm: the memory stores that were
+/// there before them (the tests' own directories there are removed by
+/// their owners; another binary may be making one now).
+class ShmUnchanged : public ::testing::Environment {
+ public:
+  void SetUp() override { before_ = listing(); }
+  void TearDown() override {
+    for (const auto& name : listing()) {
+      if (before_.count(name) == 0) ADD_FAILURE() << "left behind in /dev/shm: " << name;
+    }
+  }
+
+ private:
+  static std::set<std::string> listing() {
+    std::set<std::string> out;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator("/dev/shm", ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("cfmo-pull-", 0) == 0) out.insert(name);
+    }
+    return out;
+  }
+  std::set<std::string> before_;
+};
+inline ::testing::Environment* const shm_unchanged = ::testing::AddGlobalTestEnvironment(new ShmUnchanged);
+
 /// Deterministic bytes: a layer for a pull-only test need not be a real tar.
 inline std::string fixture_bytes(size_t size, unsigned seed) {
   std::string out(size, '\0');
@@ -245,6 +271,14 @@ inline bool push_image(Registry& registry, const std::string& repository, const 
     if (!registry.push_blob(repository, layer)) return false;
   }
   return registry.push_manifest(repository, tag, image.manifest, "application/vnd.oci.image.manifest.v1+json");
+}
+
+/// A suite's registry, started, with `image` pushed as REPOSITORY:v1; the error, or empty.
+inline std::string start_suite_registry(Registry*& registry, const std::string& repository, const FixtureImage& image) {
+  registry = new Registry();
+  if (!registry->start()) return "docker-registry did not start: " + registry->log();
+  if (!push_image(*registry, repository, "v1", image)) return "pushing the fixture failed: " + registry->log();
+  return "";
 }
 
 /// One registry for the whole suite, with "fixtures/small:v1" (three layers,

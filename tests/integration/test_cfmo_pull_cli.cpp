@@ -25,7 +25,7 @@ TEST(CfmoPullCli, HelpManPageAndConfigListTheSameOptions) {
   std::set<std::string> help_flags = matches(top.out, long_flag);
   std::set<std::string> printed_keys;
   const std::regex key(R"((?:^|\n)([a-z_0-9]+) = )");
-  for (const char* sub : {"pull", "inspect", "fetch", "status", "mount", "umount", "index"}) {
+  for (const char* sub : {"pull", "inspect", "fetch", "status", "mount", "umount", "index", "rm", "prune"}) {
     const RunResult help = pull({sub, "--help"});
     ASSERT_EQ(help.status, 0) << sub;
     for (const auto& f : matches(help.out, long_flag)) help_flags.insert(f);

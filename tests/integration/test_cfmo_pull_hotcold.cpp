@@ -4,6 +4,8 @@
 // a flaky link or a busy registry.
 #include "integration/fault_proxy.h"
 #include "integration/registry_fixture.h"
+#include "oci/cleanup.h"
+#include "oci/pull.h"
 #include "support/tree_listing.h"
 
 #include <signal.h>
@@ -833,6 +835,46 @@ TEST_F(HotCold, ALazyRootfsCannotStayLazyAndSaysSo) {
     EXPECT_FALSE(fs::exists(out / "rootfs"));
     EXPECT_FALSE(fs::exists(out / "cache" / "blobs")) << "fetched before refusing";
   }
+}
+
+// rm takes the layout and its memory store; prune takes the stores whose
+// layout went some other way, and leaves a store that names no layout.
+TEST_F(HotCold, RmAndPruneLeaveNothingOfAPullInMemory) {
+  TempDir out;
+  const auto first = out / "first";
+  ASSERT_EQ(pull_image(registry_->host(), first, {"--hot", "1", "-q"}).status, 0);
+  const fs::path store = oci::memory_store_for(first, shm_.path);
+  ASSERT_TRUE(fs::exists(store / "blobs"));
+  EXPECT_EQ(slurp(store / oci::kStoreOwnerFile), fs::canonical(first).string() + "\n");
+  const RunResult removed = pull({"rm", first.string(), "--json"});
+  ASSERT_EQ(removed.status, 0) << removed.err;
+  EXPECT_FALSE(fs::exists(first));
+  EXPECT_FALSE(fs::exists(store));
+  EXPECT_GT(parse_json(removed)["bytes"].get<int64_t>(), 300000);
+  const RunResult again = pull({"rm", first.string()});
+  EXPECT_EQ(again.status, 3) << again.err;
+  EXPECT_NE(again.err.find("no such directory"), std::string::npos) << again.err;
+
+  const auto second = out / "second";
+  const auto kept = out / "kept";
+  ASSERT_EQ(pull_image(registry_->host(), second, {"--hot", "1", "-q"}).status, 0);
+  ASSERT_EQ(pull_image(registry_->host(), kept, {"--hot", "1", "-q"}).status, 0);
+  const fs::path orphan = oci::memory_store_for(second, shm_.path);
+  fs::remove_all(second);
+  fs::create_directories(shm_.path / "cfmo-pull-unknown-000000000000");
+  const RunResult pruned = pull({"prune", "--memory-dir", shm_.string()});
+  ASSERT_EQ(pruned.status, 0) << pruned.err;
+  EXPECT_NE(pruned.out.find("pruned " + orphan.string()), std::string::npos) << pruned.out;
+  EXPECT_NE(pruned.out.find("names no layout"), std::string::npos) << pruned.out;
+  EXPECT_FALSE(fs::exists(orphan));
+  EXPECT_TRUE(fs::exists(oci::memory_store_for(kept, shm_.path)));
+  EXPECT_TRUE(fs::exists(shm_.path / "cfmo-pull-unknown-000000000000"));
+  ASSERT_EQ(pull({"rm", kept.string(), "-q"}).status, 0);
+  EXPECT_FALSE(fs::exists(oci::memory_store_for(kept, shm_.path)));
+  // Not a pull: refused, nothing removed.
+  fs::create_directories(out / "plain");
+  EXPECT_EQ(pull({"rm", (out / "plain").string()}).status, 3);
+  EXPECT_TRUE(fs::exists(out / "plain"));
 }
 
 TEST(CfmoPullConfig, FlagsWinOverTheFileAndTheFileOverDefaults) {

@@ -100,6 +100,33 @@ TEST(CfmoTrainCli, HelpManPageAndConfigListTheSameOptions) {
   }
 }
 
+TEST(CfmoTrainCli, HelpAndManPageListTheModesOfTheTable) {
+  // --help's --mode line is made from the modes' table (train/modes/table.cpp):
+  // the man page's synopsis and --mode entry list the same modes, in its order,
+  // each with a paragraph of its own, and --compare runs them in that order.
+  const RunResult help = run({binary(), "--help"});
+  ASSERT_EQ(help.status, 0);
+  std::smatch line;
+  ASSERT_TRUE(std::regex_search(help.out, line, std::regex(R"(--mode \S+ +how workers reconcile: ([^\n]*))")))
+      << help.out;
+  std::vector<std::string> modes;
+  const std::string listed = line[1];
+  const std::regex item(R"((?:^|, )([a-z]+) \()");
+  for (auto it = std::sregex_iterator(listed.begin(), listed.end(), item); it != std::sregex_iterator(); ++it) {
+    modes.push_back((*it)[1]);
+  }
+  ASSERT_GE(modes.size(), 4u) << listed;
+  std::string joined;
+  for (const auto& m : modes) joined += (joined.empty() ? "" : "|") + m;
+  const std::string man = slurp(source_root() / "man/cfmo-train.1.scd");
+  EXPECT_NE(man.find("*--mode* " + joined + " [_OPTIONS_]"), std::string::npos) << joined;
+  EXPECT_NE(man.find("*--mode* " + joined + " [sync]"), std::string::npos) << joined;
+  for (const auto& m : modes) EXPECT_NE(man.find("\t*" + m + "*: "), std::string::npos) << m;
+  std::string order;
+  for (const auto& m : modes) order += (order.empty() ? "" : ", ") + m;
+  EXPECT_NE(help.out.find("in every mode (" + order + ")"), std::string::npos);
+}
+
 TEST(CfmoTrainCli, GeneratedManPageIsCurrent) {
   testing::expect_generated_man_page_current(source_root(), "cfmo-train");
 }

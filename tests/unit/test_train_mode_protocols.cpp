@@ -79,9 +79,9 @@ struct Cluster {
 
 ModeSettings settings_for(const char* name, int sync_interval = 1) {
   ModeSettings s;
-  s.name = name;
+  s.kind = *parse_mode(name);
   s.sync_interval = sync_interval;
-  s.outer_optimizer = "avg";  // plain averaging: the global is the mean of what arrived
+  s.outer_optimizer = OuterKind::kAvg;  // plain averaging: the global is the mean of what arrived
   s.outer_lr = 1.0;
   s.peer_timeout_s = 5;  // only the finish's deadlines: nothing here waits that long
   return s;

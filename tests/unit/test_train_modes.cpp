@@ -1,6 +1,7 @@
 // The outer step the reconciling modes share: a cfmo owner's W contributions
 // of a round move its shard as localsgd's one step on their mean does.
 #include "train/modes.h"
+#include "train/modes/outer_optimizer.h"
 
 #include <gtest/gtest.h>
 
@@ -12,7 +13,7 @@ namespace {
 
 ModeSettings outer(const char* name, double lr, double mu) {
   ModeSettings s;
-  s.outer_optimizer = name;
+  s.outer_optimizer = *parse_outer_kind(name);
   s.outer_lr = lr;
   s.outer_momentum = mu;
   return s;
@@ -27,7 +28,7 @@ TEST(OuterOptimizer, ARoundOfWContributionsIsOneStepOnTheirMean) {
   constexpr int kWorkers = 4;
   constexpr size_t kSize = 5;
   for (const auto& settings : {outer("avg", 1.0, 0.9), outer("nesterov", 0.5, 0.8), outer("nesterov", 0.7, 0.9)}) {
-    SCOPED_TRACE(settings.outer_optimizer + " " + std::to_string(settings.outer_lr));
+    SCOPED_TRACE(std::string(to_string(settings.outer_optimizer)) + " " + std::to_string(settings.outer_lr));
     OuterOptimizer per_round(settings, kSize, 1);                // localsgd: the sum, weighted 1/W
     OuterOptimizer per_contribution(settings, kSize, kWorkers);  // a cfmo owner
     std::vector<float> a(kSize, 0.5f);
@@ -67,6 +68,41 @@ TEST(OuterOptimizer, NesterovIsDiLoCosStepAndAvgKeepsNoState) {
   EXPECT_LT(m, 1.0 / (1 - mu));
   OuterOptimizer avg(outer("avg", 1.0, 0.9), 3, 3);
   EXPECT_TRUE(avg.momentum().empty());
+}
+
+TEST(ModeTable, RowsAreInModeKindOrderAndTheirNamesParseBack) {
+  const auto table = mode_table();
+  ASSERT_EQ(table.size(), 4u);
+  for (size_t i = 0; i < table.size(); ++i) {
+    EXPECT_EQ(static_cast<size_t>(table[i].kind), i) << table[i].name;
+    EXPECT_EQ(&mode_entry(table[i].kind), &table[i]);
+    auto parsed = parse_mode(table[i].name);
+    ASSERT_TRUE(parsed) << table[i].name;
+    EXPECT_EQ(*parsed, table[i].kind);
+    EXPECT_FALSE(table[i].summary.empty());
+    EXPECT_NE(table[i].make, nullptr);
+    // Asynchronous modes decide their stops alone; lockstep ones together.
+    EXPECT_NE(table[i].traits.lockstep, table[i].traits.asynchronous) << table[i].name;
+  }
+  EXPECT_EQ(mode_names(), "sync, localsgd, asgd or cfmo");
+  auto bad = parse_mode("nope");
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.error().kind, ErrorKind::kUsage);
+  EXPECT_EQ(bad.error().message, "--mode: 'nope' is not sync, localsgd, asgd or cfmo");
+}
+
+TEST(ModeTable, OneWorkerTrainsAloneWhateverTheMode) {
+  const std::vector<float> initial(40, 0.5f);
+  OptimizerConfig optimizer;
+  for (const auto& entry : mode_table()) {
+    ModeSettings settings;
+    settings.kind = entry.kind;
+    auto mode = make_mode(settings, nullptr, {}, initial, optimizer);
+    ASSERT_TRUE(mode) << entry.name;
+    EXPECT_EQ((*mode)->name(), entry.name);
+    EXPECT_FALSE((*mode)->lockstep());
+    EXPECT_TRUE((*mode)->params_are_global());
+  }
 }
 
 }  // namespace

@@ -7,7 +7,9 @@
 #include "background.h"
 #include "console_progress.h"
 #include "core/config.h"
+#include "oci/cleanup.h"
 #include "oci/gzip_index.h"
+#include "oci/lazy_mount.h"
 #include "oci/manifest.h"
 #include "oci/memory_budget.h"
 #include "oci/mount.h"
@@ -17,7 +19,9 @@
 #include "oci/reference.h"
 #include "oci/rootfs.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -346,6 +350,7 @@ int run_status(Invocation& inv, const oci::PullPlan&) {
     if (l.status == oci::LayerStatus::kFetching && !fetcher_alive) return "interrupted";
     return oci::to_string(l.status);
   };
+  const auto lazy = oci::read_lazy_stats(dir);
   if (inv.config.json) {
     Json j = Json::parse(oci::state_to_json(*state));
     j["fetcher_alive"] = fetcher_alive;
@@ -355,6 +360,13 @@ int run_status(Invocation& inv, const oci::PullPlan&) {
     for (size_t i = 0; i < state->layers.size(); ++i) {
       j["layers"][i]["state"] = state_of(state->layers[i]);
       j["layers"][i]["bytes_on_disk"] = on_disk[i];
+    }
+    j["lazy"] = nullptr;
+    if (lazy) {
+      j["lazy"] = {{"bytes_fetched", lazy->bytes_fetched},   {"requests", lazy->requests},
+                   {"spans_inflated", lazy->spans_inflated}, {"cache_bytes", lazy->cache_bytes},
+                   {"cache_capacity", lazy->cache_capacity}, {"errors", lazy->errors},
+                   {"mounted_at", oci::mounts_using(dir)}};
     }
     print(j.dump(2) + "\n");
     return 0;
@@ -382,6 +394,17 @@ int run_status(Invocation& inv, const oci::PullPlan&) {
     out += fmt::format("memory    {}: {} of {}\n", state->memory_dir, oci::human_bytes(in_memory),
                        oci::human_bytes(state->memory_capacity));
   }
+  if (lazy) {
+    std::string points;
+    for (const auto& p : oci::mounts_using(dir)) points += (points.empty() ? "" : ", ") + p;
+    out += fmt::format(
+        "lazy      {} fetched by {} range request(s) ({:.1f}% of the image), {} span(s) inflated; cache {} "
+        "of {}; {} error(s); {}\n",
+        oci::human_bytes(lazy->bytes_fetched), lazy->requests,
+        total > 0 ? 100.0 * static_cast<double>(lazy->bytes_fetched) / static_cast<double>(total) : 0.0,
+        lazy->spans_inflated, oci::human_bytes(lazy->cache_bytes), oci::human_bytes(lazy->cache_capacity), lazy->errors,
+        points.empty() ? std::string("not mounted") : "mounted at " + points);
+  }
   for (size_t i = 0; i < state->layers.size(); ++i) {
     const auto& l = state->layers[i];
     const std::string bytes = l.status == oci::LayerStatus::kFetched
@@ -396,10 +419,112 @@ int run_status(Invocation& inv, const oci::PullPlan&) {
   return 0;
 }
 
-int run_mount(Invocation& inv, const oci::PullPlan&) {
+/// The lazy mount: prepared here (where errors can still be told), then
+/// served by a child that stays, detached, with its output in the log; the
+/// child says through a pipe whether the mount itself worked.
+int run_lazy_mount(Invocation& inv, const oci::PullPlan& plan) {
+  oci::LazyMountOptions options;
+  options.cache_bytes = plan.cache_bytes;
+  options.max_memory = plan.pull.max_memory;
+  options.jobs = plan.fetch.jobs;
+  options.registry = plan.fetch.registry;
+  options.hosts = plan.fetch.hosts;
+  options.auth_file = plan.fetch.auth_file;
+  std::error_code ec;
+  if (!inv.config.record.empty()) options.record = fs::absolute(inv.config.record, ec);
+  if (!inv.config.prefetch.empty()) options.prefetch = fs::absolute(inv.config.prefetch, ec);
+  auto mount = oci::LazyMount::prepare(inv.args[0], inv.args[1], options);
+  if (!mount) return fail(mount.error());
+  int pipe_fds[2];
+  if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return fail({cfmo::ErrorKind::kInternal, "mount: pipe failed"});
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  if (pid < 0) return fail({cfmo::ErrorKind::kInternal, "mount: fork failed"});
+  if (pid == 0) {
+    ::close(pipe_fds[0]);
+    ::setsid();
+    const int null = ::open("/dev/null", O_RDWR);
+    const int log = ::open((*mount)->report().log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    ::dup2(null, STDIN_FILENO);
+    ::dup2(log >= 0 ? log : null, STDOUT_FILENO);
+    ::dup2(log >= 0 ? log : null, STDERR_FILENO);
+    auto mounted = (*mount)->mount();
+    const std::string answer =
+        mounted ? std::string("ok")
+                : fmt::format("{} {}", static_cast<int>(mounted.error().kind), mounted.error().message);
+    (void)!::write(pipe_fds[1], answer.data(), answer.size());
+    ::close(pipe_fds[1]);
+    if (!mounted) std::_Exit(static_cast<int>(mounted.error().kind));
+    const auto served = (*mount)->serve();
+    std::_Exit(served ? 0 : static_cast<int>(served.error().kind));
+  }
+  ::close(pipe_fds[1]);
+  std::string answer;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof buffer)) > 0;) answer.append(buffer, static_cast<size_t>(n));
+  ::close(pipe_fds[0]);
+  if (answer != "ok") {
+    ::waitpid(pid, nullptr, 0);
+    const auto space = answer.find(' ');
+    if (space == std::string::npos) return fail({cfmo::ErrorKind::kInternal, "mount: the mount's process ended"});
+    return fail({static_cast<cfmo::ErrorKind>(std::stoi(answer.substr(0, space))), answer.substr(space + 1)});
+  }
+  const auto& report = (*mount)->report();
+  int background_pid = 0;
+  const bool pending =
+      std::any_of(report.layers.begin(), report.layers.end(), [](const oci::LazyLayer& l) { return !l.local; });
+  if (inv.config.background && pending) {
+    const std::string absolute = fs::absolute(inv.args[0], ec).string();
+    std::vector<std::string> args = {kTool, "fetch", absolute, "--progress", "plain"};
+    for (auto& a : oci::fetch_arguments(inv.config, plan.fetch.buffer_memory)) args.push_back(std::move(a));
+    auto started = cfmo::pulltool::start_detached(args, (fs::path(absolute) / oci::kLogFile).string());
+    if (!started) return fail(started.error());
+    background_pid = *started;
+  }
+  if (!inv.config.quiet && !inv.config.json) {
+    for (const auto& note : report.notes) fmt::print(stderr, "{}: {}\n", kTool, note);
+  }
+  if (inv.config.json) {
+    Json layers = Json::array();
+    for (const auto& l : report.layers) {
+      layers.push_back({{"index", l.index},
+                        {"digest", l.digest},
+                        {"hot", l.hot},
+                        {"local", l.local},
+                        {"index_from", l.index_from},
+                        {"note", l.whole_note.empty() ? Json(nullptr) : Json(l.whole_note)}});
+    }
+    print(Json{{"mounted", true},
+               {"lazy", true},
+               {"mountpoint", inv.args[1]},
+               {"pid", pid},
+               {"background_pid", background_pid > 0 ? Json(background_pid) : Json(nullptr)},
+               {"entries", report.entries},
+               {"index_bytes", report.index_bytes},
+               {"cache", report.cache.string()},
+               {"cache_size", plan.cache_bytes},
+               {"log", report.log.string()},
+               {"layers", layers},
+               {"notes", report.notes}}
+              .dump(2) +
+          "\n");
+  } else if (!inv.config.quiet) {
+    size_t cold = 0;
+    for (const auto& l : report.layers) cold += l.local ? 0 : 1;
+    print(
+        fmt::format("{}: mounted {} lazily at {} ({} layer(s), {} of them read from the registry on first access; "
+                    "pid {}, log {})\n",
+                    kTool, inv.args[0], inv.args[1], report.layers.size(), cold, pid, report.log.string()));
+  }
+  return 0;
+}
+
+int run_mount(Invocation& inv, const oci::PullPlan& plan) {
   if (inv.args.size() != 2) {
     return fail({cfmo::ErrorKind::kUsage, "mount: give the pull's DIR and the MOUNTPOINT"});
   }
+  if (inv.config.lazy) return run_lazy_mount(inv, plan);
   oci::MountOptions options;
   options.partial = inv.config.partial;
   options.writable = inv.config.writable;
@@ -536,6 +661,38 @@ int run_index(Invocation& inv, const oci::PullPlan& plan) {
   return 0;
 }
 
+int print_cleanup(Invocation& inv, const oci::CleanupReport& report, const std::string& verb) {
+  if (inv.config.json) {
+    Json removed = Json::array();
+    for (const auto& r : report.removed) removed.push_back({{"path", r.path.string()}, {"bytes", r.bytes}});
+    print(Json{{"removed", removed}, {"bytes", report.bytes}, {"kept", report.kept}}.dump(2) + "\n");
+    return 0;
+  }
+  if (inv.config.quiet) return 0;
+  std::string out;
+  for (const auto& r : report.removed) {
+    out += fmt::format("{}: {} {} ({})\n", kTool, verb, r.path.string(), oci::human_bytes(r.bytes));
+  }
+  for (const auto& k : report.kept) out += fmt::format("{}: kept {}\n", kTool, k);
+  if (report.removed.empty()) out += fmt::format("{}: nothing to {}\n", kTool, verb == "removed" ? "remove" : "prune");
+  print(out);
+  return 0;
+}
+
+int run_rm(Invocation& inv, const oci::PullPlan&) {
+  if (inv.args.size() != 1) return fail({cfmo::ErrorKind::kUsage, "rm: give the pull's DIR"});
+  auto report = oci::remove_pull(inv.args[0]);
+  if (!report) return fail(report.error());
+  return print_cleanup(inv, *report, "removed");
+}
+
+int run_prune(Invocation& inv, const oci::PullPlan&) {
+  if (!inv.args.empty()) return fail({cfmo::ErrorKind::kUsage, "prune: takes no argument (--memory-dir DIR)"});
+  auto report = oci::prune_stores(inv.config.memory_dir);
+  if (!report) return fail(report.error());
+  return print_cleanup(inv, *report, "pruned");
+}
+
 /// The subcommands, as a table (ninja's way): name, one line of help, positional arguments, body.
 struct SubcommandEntry {
   PullCommand id;
@@ -545,7 +702,7 @@ struct SubcommandEntry {
   int (*run)(Invocation&, const oci::PullPlan&);
 };
 
-constexpr std::array<SubcommandEntry, 7> kSubcommands = {{
+constexpr std::array<SubcommandEntry, 9> kSubcommands = {{
     {PullCommand::kPull, "pull an image: hot layers first, cold ones now, later or never", "REF",
      "image reference: [registry[:port]/]name[:tag|@digest]", run_pull},
     {PullCommand::kInspect, "print the manifest, config and layers, fetching no layer", "REF",
@@ -560,6 +717,9 @@ constexpr std::array<SubcommandEntry, 7> kSubcommands = {{
      "where it is mounted", run_umount},
     {PullCommand::kIndex, "index a pull's gzip layers for seeking: file table, inflate checkpoints, span digests",
      "DIR", "the pull's directory", run_index},
+    {PullCommand::kRm, "remove a pull: its layout, its memory store in /dev/shm, its unpacked layers and cache", "DIR",
+     "the pull's directory", run_rm},
+    {PullCommand::kPrune, "remove the memory stores whose layout is gone", "", "", run_prune},
 }};
 
 int run(int argc, char** argv) {
@@ -581,7 +741,7 @@ int run(int argc, char** argv) {
     inv.app = app.add_subcommand(std::string(oci::to_string(entry.id)), entry.description);
     inv.app->get_formatter()->column_width(34);
     // Checked by the subcommand, not CLI11, so that --print-config needs no argument.
-    inv.app->add_option(entry.args_name, inv.args, entry.args_help);
+    if (*entry.args_name != '\0') inv.app->add_option(entry.args_name, inv.args, entry.args_help);
     inv.app->add_option("--config", inv.config_file, "TOML file with any of the options below")->group("General");
     inv.app->add_flag("--print-config", inv.print_config, "print the merged configuration as TOML and exit")
         ->group("General");

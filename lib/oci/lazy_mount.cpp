@@ -1,0 +1,998 @@
+// The lazy mount. The tree is built once from the indexes and never
+// changes, so every answer the kernel gets about it is cached for an hour
+// (entries, attributes, and file pages: keep_cache). Chunks are the
+// uncompressed spans between two checkpoints: the unit a Range request
+// fetches and one SHA-256 verifies, so a chunk on disk is always whole and
+// checked (written to a temporary file, renamed into place).
+#define FUSE_USE_VERSION 35
+#include "oci/lazy_mount.h"
+
+#include "core/atomic_file.h"
+#include "core/dir_lock.h"
+#include "oci/blob.h"
+#include "oci/cleanup.h"
+#include "oci/memory_budget.h"
+#include "oci/mount.h"
+#include "oci/pull.h"
+#include "oci/pull_state.h"
+#include "oci/unpack.h"
+
+#include <fcntl.h>
+#include <fuse_lowlevel.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <list>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+namespace cfmo::oci {
+
+namespace fs = std::filesystem;
+
+size_t LazyTree::child(size_t ino, std::string_view name) const {
+  const auto& kids = node(ino).kids;
+  const auto it =
+      std::lower_bound(kids.begin(), kids.end(), name,
+                       [](const std::pair<std::string, size_t>& k, std::string_view n) { return k.first < n; });
+  return it != kids.end() && it->first == name ? it->second : 0;
+}
+
+size_t LazyTree::resolve(std::string_view path) const {
+  size_t ino = 1;
+  while (!path.empty()) {
+    const auto slash = path.find('/');
+    const std::string_view part = path.substr(0, slash);
+    path = slash == std::string_view::npos ? std::string_view() : path.substr(slash + 1);
+    if (part.empty() || part == ".") continue;
+    if (node(ino).type != '5') return 0;
+    ino = child(ino, part);
+    if (ino == 0) return 0;
+  }
+  return ino;
+}
+
+std::string LazyTree::path(size_t ino) const {
+  std::string out;
+  for (size_t at = ino; at != 1 && !node(at).name.empty(); at = node(at).parent) out = "/" + node(at).name + out;
+  return out.empty() ? "/" : out;
+}
+
+namespace {
+
+constexpr double kForever = 3600;  ///< seconds the kernel may cache what never changes
+
+class TreeBuilder {
+ public:
+  TreeBuilder() {
+    LazyNode root;
+    root.parent = 1;
+    tree_.nodes.push_back(root);
+  }
+
+  Status add_layer(const LayerIndex& index, int layer) {
+    for (const auto& e : index.entries) CFMO_TRY(add(e, layer, index.layer_digest));
+    return {};
+  }
+
+  LazyTree finish() {
+    for (const auto& [name, mode] : {std::pair{"proc", 0555u}, {"sys", 0555u}, {"dev", 0755u}}) {
+      if (tree_.child(1, name) == 0) {
+        LazyNode d;
+        d.mode = mode;
+        link(1, name, make(std::move(d)));
+      }
+    }
+    // A directory's link count: itself, its entry in the parent, and each subdirectory's "..".
+    std::vector<uint32_t> subdirs(tree_.nodes.size(), 0);
+    for (const auto& n : tree_.nodes) {
+      for (const auto& [name, kid] : n.kids) subdirs[&n - tree_.nodes.data()] += tree_.node(kid).type == '5' ? 1 : 0;
+    }
+    for (size_t i = 0; i < tree_.nodes.size(); ++i) {
+      if (tree_.nodes[i].type == '5') tree_.nodes[i].nlink = 2 + subdirs[i];
+    }
+    return std::move(tree_);
+  }
+
+ private:
+  LazyNode& at(size_t ino) { return tree_.nodes[ino - 1]; }
+
+  size_t make(LazyNode n) {
+    tree_.nodes.push_back(std::move(n));
+    return tree_.nodes.size();
+  }
+
+  void link(size_t dir, const std::string& name, size_t ino) {
+    auto& kids = at(dir).kids;
+    const auto it =
+        std::lower_bound(kids.begin(), kids.end(), name,
+                         [](const std::pair<std::string, size_t>& k, const std::string& n) { return k.first < n; });
+    kids.insert(it, {name, ino});
+    if (at(ino).type == '5' || at(ino).name.empty()) {
+      at(ino).parent = dir;
+      at(ino).name = name;
+    }
+  }
+
+  /// Takes `name` out of `dir`; what it named loses a link (a directory, all it holds).
+  void unlink(size_t dir, std::string_view name) {
+    auto& kids = at(dir).kids;
+    const auto it = std::find_if(kids.begin(), kids.end(), [&](const auto& k) { return k.first == name; });
+    if (it == kids.end()) return;
+    const size_t ino = it->second;
+    kids.erase(it);
+    drop(ino);
+  }
+
+  void drop(size_t ino) {
+    LazyNode& n = at(ino);
+    if (n.type != '5') {
+      if (n.nlink > 0) --n.nlink;
+      return;
+    }
+    for (const auto& [name, kid] : n.kids) drop(kid);
+    n.kids.clear();
+  }
+
+  /// The directory at `parts`, made (0755, root) where missing or not a directory.
+  size_t directory(const std::vector<std::string>& parts, size_t count, int layer) {
+    size_t ino = 1;
+    for (size_t i = 0; i < count; ++i) {
+      size_t next = tree_.child(ino, parts[i]);
+      if (next != 0 && at(next).type != '5') {
+        unlink(ino, parts[i]);
+        next = 0;
+      }
+      if (next == 0) {
+        LazyNode d;
+        d.added_by = layer;
+        next = make(std::move(d));
+        link(ino, parts[i], next);
+      }
+      ino = next;
+    }
+    return ino;
+  }
+
+  Status add(const IndexEntry& e, int layer, const std::string& digest) {
+    std::vector<std::string> parts;
+    for (size_t at = 0; at <= e.path.size();) {
+      const size_t slash = std::min(e.path.find('/', at), e.path.size());
+      std::string part = e.path.substr(at, slash - at);
+      at = slash + 1;
+      if (part.empty() || part == ".") continue;
+      if (part == "..") return make_error(ErrorKind::kInput, "layer {}: '{}' leaves the root", digest, e.path);
+      parts.push_back(std::move(part));
+    }
+    if (parts.empty()) return {};
+    const std::string base = parts.back();
+    const size_t parent = directory(parts, parts.size() - 1, layer);
+    if (e.whiteout == IndexWhiteout::kOpaque) {
+      // The directory keeps what this layer put in it, and loses what lower ones did.
+      std::vector<std::string> lower;
+      for (const auto& [name, kid] : at(parent).kids) {
+        if (at(kid).added_by < layer) lower.push_back(name);
+      }
+      for (const auto& name : lower) unlink(parent, name);
+      return {};
+    }
+    if (e.whiteout == IndexWhiteout::kFile) {
+      const std::string victim = base.substr(4);
+      if (const size_t ino = tree_.child(parent, victim); ino != 0 && at(ino).added_by < layer) unlink(parent, victim);
+      return {};
+    }
+    const size_t existing = tree_.child(parent, base);
+    if (e.type == '5') {
+      if (existing != 0 && at(existing).type == '5') {
+        LazyNode& d = at(existing);
+        d.mode = e.mode;
+        d.uid = e.uid;
+        d.gid = e.gid;
+        d.added_by = layer;
+        return {};
+      }
+    }
+    if (e.type == '1') {
+      const size_t target = tree_.resolve(e.link);
+      if (target == 0 || at(target).type == '5') {
+        return make_error(ErrorKind::kInput, "layer {}: '{}': hard link to '{}', which is not a file before it", digest,
+                          e.path, e.link);
+      }
+      if (existing == target) return {};
+      if (existing != 0) unlink(parent, base);
+      ++at(target).nlink;
+      // Named by this layer now: a whiteout in it does not take it away.
+      at(target).added_by = std::max(at(target).added_by, layer);
+      link(parent, base, target);
+      return {};
+    }
+    if (existing != 0) unlink(parent, base);
+    LazyNode n;
+    n.type = e.type;
+    n.mode = e.mode;
+    n.uid = e.uid;
+    n.gid = e.gid;
+    n.added_by = layer;
+    if (e.type == '0') {
+      n.size = e.size;
+      n.layer = layer;
+      n.offset = e.offset;
+      n.sparse = e.sparse;
+    } else if (e.type == '2') {
+      n.link = e.link;
+      n.size = e.link.size();
+    }
+    link(parent, base, make(std::move(n)));
+    return {};
+  }
+
+  LazyTree tree_;
+};
+
+using ChunkKey = std::pair<size_t, size_t>;  ///< (mount layer, checkpoint)
+
+struct ReadJob {
+  fuse_req_t req;
+  size_t ino;
+  size_t size;
+  off_t offset;
+};
+
+std::string layer_name(size_t index, const std::string& digest) {
+  return fmt::format("layer {} ({})", short_digest(digest), index);
+}
+
+}  // namespace
+
+Result<LazyTree> merge_indexes(const std::vector<const LayerIndex*>& layers) {
+  TreeBuilder builder;
+  for (size_t i = 0; i < layers.size(); ++i) CFMO_TRY(builder.add_layer(*layers[i], static_cast<int>(i)));
+  return builder.finish();
+}
+
+struct LazyMount::Impl {
+  struct Layer {
+    LazyLayer info;
+    LayerIndex index;
+    fs::path blob;
+    std::string what;
+  };
+
+  fs::path dir;
+  fs::path point;
+  LazyMountOptions options;
+  LazyMountReport report;
+  std::vector<Layer> layers;
+  LazyTree tree;
+  Reference ref;
+  std::vector<Endpoint> endpoints;
+  std::string auth_file;
+  fs::path record;
+
+  fuse_session* se = nullptr;
+  std::atomic<bool> stopping{false};
+  std::atomic<bool> registry_stop{false};
+
+  // The chunk cache: what is on disk, least recently used last.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::list<ChunkKey> lru;
+  std::map<ChunkKey, std::pair<std::list<ChunkKey>::iterator, uint64_t>> cached;
+  std::set<ChunkKey> in_flight;
+  uint64_t cache_used = 0;
+  LazyStats stats;
+  std::unique_ptr<MemoryBudget> budget;
+  FILE* log = nullptr;
+
+  std::set<size_t> recorded;  ///< under mu
+  FILE* record_file = nullptr;
+
+  std::mutex queue_mu;
+  std::condition_variable queue_cv;
+  std::deque<ReadJob> queue;
+  std::vector<std::thread> workers;
+
+  ~Impl() {
+    if (log != nullptr) std::fclose(log);
+    if (record_file != nullptr) std::fclose(record_file);
+  }
+
+  void record_open(size_t ino) {
+    if (record_file == nullptr) return;
+    std::lock_guard lock(mu);
+    if (!recorded.insert(ino).second) return;
+    const std::string line = tree.path(ino) + "\n";
+    std::fwrite(line.data(), 1, line.size(), record_file);
+    std::fflush(record_file);
+  }
+
+  /// Fetches the spans of the files listed in options.prefetch, in order.
+  void prefetch() {
+    std::ifstream in(options.prefetch);
+    RegistryOptions registry = options.registry;
+    registry.stop = &registry_stop;
+    RegistryPool pool(ref, endpoints, registry, auth_file, std::make_shared<EndpointHealth>(endpoints.size()));
+    size_t files = 0;
+    for (std::string line; std::getline(in, line) && !stopping;) {
+      const size_t ino = tree.resolve(line);
+      if (ino == 0 || tree.node(ino).type != '0' || tree.node(ino).size == 0) continue;
+      const LazyNode& n = tree.node(ino);
+      const auto& cps = layers[static_cast<size_t>(n.layer)].index.checkpoints;
+      const auto [first, last] = layers[static_cast<size_t>(n.layer)].index.spans_for(n.offset, n.size);
+      for (size_t k = first; k <= last && k < cps.size() && !stopping; ++k) {
+        if (auto got = chunk({static_cast<size_t>(n.layer), k}, pool); !got) note(got.error().message);
+      }
+      ++files;
+    }
+    note(fmt::format("prefetched the spans of {} file(s) listed in {}", files, options.prefetch.string()));
+  }
+
+  fs::path cache_dir() const { return dir / kLazyCacheDir; }
+  fs::path chunk_path(const ChunkKey& key) const {
+    return cache_dir() / layers[key.first].info.digest.substr(7) / std::to_string(key.second);
+  }
+  std::pair<uint64_t, uint64_t> chunk_range(const ChunkKey& key) const {
+    const auto& index = layers[key.first].index;
+    const uint64_t begin = index.checkpoints[key.second].out;
+    const uint64_t end =
+        key.second + 1 < index.checkpoints.size() ? index.checkpoints[key.second + 1].out : index.uncompressed_size;
+    return {begin, end};
+  }
+
+  void note(const std::string& line) {
+    std::lock_guard lock(mu);
+    if (log == nullptr) return;
+    std::fprintf(log, "cfmo-pull mount: %s\n", line.c_str());
+    std::fflush(log);
+  }
+
+  void save_stats() {  // mu held
+    nlohmann::ordered_json j = {{"bytes_fetched", stats.bytes_fetched},   {"requests", stats.requests},
+                                {"spans_inflated", stats.spans_inflated}, {"cache_bytes", cache_used},
+                                {"cache_capacity", options.cache_bytes},  {"errors", stats.errors}};
+    (void)write_file_atomic(cache_dir() / kLazyStatsFile, j.dump() + "\n");
+  }
+
+  /// Puts a chunk in the LRU, then evicts the least recently used until the cache fits.
+  void remember(const ChunkKey& key, uint64_t bytes) {  // mu held
+    lru.push_front(key);
+    cached[key] = {lru.begin(), bytes};
+    cache_used += bytes;
+    while (cache_used > options.cache_bytes && lru.size() > 1) {
+      const ChunkKey victim = lru.back();
+      lru.pop_back();
+      cache_used -= cached[victim].second;
+      cached.erase(victim);
+      ::unlink(chunk_path(victim).c_str());
+    }
+  }
+
+  void scan_cache() {
+    std::error_code ec;
+    std::vector<std::pair<fs::file_time_type, ChunkKey>> found;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const fs::path sub = cache_dir() / layers[l].info.digest.substr(7);
+      for (const auto& f : fs::directory_iterator(sub, ec)) {
+        const std::string name = f.path().filename().string();
+        size_t k = 0;
+        const bool number = !name.empty() && std::all_of(name.begin(), name.end(), ::isdigit);
+        if (number) k = std::stoul(name);
+        const ChunkKey key{l, k};
+        if (!number || k >= layers[l].index.checkpoints.size() ||
+            f.file_size(ec) != chunk_range(key).second - chunk_range(key).first) {
+          fs::remove(f.path(), ec);  // a temporary file of a mount that died, or not ours
+          continue;
+        }
+        found.emplace_back(f.last_write_time(ec), key);
+      }
+    }
+    std::sort(found.begin(), found.end());
+    for (const auto& [time, key] : found) remember(key, chunk_range(key).second - chunk_range(key).first);
+  }
+
+  Result<std::string> inflate_chunk(const ChunkKey& key, RegistryPool& pool) {
+    const Layer& layer = layers[key.first];
+    const auto [begin, end] = chunk_range(key);
+    const auto [in_begin, in_end] = layer.index.span_range(key.second);
+    const std::string what =
+        fmt::format("{} span {} (compressed bytes {}-{})", layer.what, key.second, in_begin, in_end);
+    auto lease = budget->acquire(static_cast<size_t>((end - begin) + (in_end - in_begin) + (256 << 10)));
+    std::error_code ec;
+    if (fs::exists(layer.blob, ec)) {
+      FileSource source(layer.blob);
+      return read_range(layer.index, source, begin, end - begin, what);
+    }
+    std::string out;
+    int64_t fetched = 0;
+    int64_t requests = 0;
+    const Status got = pool.each_until_ok(what, [&](RegistryClient& client) -> Status {
+      RegistrySource source(client, layer.info.digest, what);
+      auto r = read_range(layer.index, source, begin, end - begin, what);
+      fetched += static_cast<int64_t>(source.bytes_fetched());
+      requests += source.requests();
+      if (!r) return r.error();
+      out = std::move(*r);
+      return {};
+    });
+    {
+      std::lock_guard lock(mu);
+      stats.bytes_fetched += fetched;
+      stats.requests += requests;
+    }
+    if (!got) return got.error();
+    return out;
+  }
+
+  /// The chunk's file, there once this returns: from the cache, or made now.
+  Result<fs::path> chunk(const ChunkKey& key, RegistryPool& pool) {
+    {
+      std::unique_lock lock(mu);
+      for (;;) {
+        if (const auto it = cached.find(key); it != cached.end()) {
+          lru.splice(lru.begin(), lru, it->second.first);
+          return chunk_path(key);
+        }
+        if (in_flight.count(key) == 0) break;
+        cv.wait(lock);
+      }
+      in_flight.insert(key);
+    }
+    auto bytes = inflate_chunk(key, pool);
+    Status written{};
+    if (bytes) {
+      const fs::path path = chunk_path(key);
+      std::error_code ec;
+      fs::create_directories(path.parent_path(), ec);
+      written = write_file_atomic(path, *bytes);
+    }
+    std::lock_guard lock(mu);
+    in_flight.erase(key);
+    cv.notify_all();
+    if (!bytes || !written) {
+      ++stats.errors;
+      save_stats();
+      return bytes ? written.error() : bytes.error();
+    }
+    ++stats.spans_inflated;
+    remember(key, bytes->size());
+    save_stats();
+    return chunk_path(key);
+  }
+
+  Result<std::string> read(size_t ino, size_t size, off_t offset, RegistryPool& pool) {
+    const LazyNode& n = tree.node(ino);
+    if (n.type != '0') return make_error(ErrorKind::kUsage, "not a file");
+    const Layer& layer = layers[static_cast<size_t>(n.layer)];
+    if (n.sparse) {
+      return make_error(ErrorKind::kInput, "{}: a sparse file is not lazily readable", layer.what);
+    }
+    if (static_cast<uint64_t>(offset) >= n.size) return std::string();
+    std::string out(std::min<uint64_t>(size, n.size - static_cast<uint64_t>(offset)), '\0');
+    size_t done = 0;
+    int evicted = 0;
+    while (done < out.size()) {
+      const uint64_t position = n.offset + static_cast<uint64_t>(offset) + done;
+      const auto& cps = layer.index.checkpoints;
+      const size_t k =
+          static_cast<size_t>(std::upper_bound(cps.begin(), cps.end(), position,
+                                               [](uint64_t p, const IndexCheckpoint& c) { return p < c.out; }) -
+                              cps.begin() - 1);
+      const ChunkKey key{static_cast<size_t>(n.layer), k};
+      CFMO_ASSIGN_OR_RETURN(const fs::path path, chunk(key, pool));
+      const auto [begin, end] = chunk_range(key);
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0 && errno == ENOENT && ++evicted < 8) continue;  // evicted meanwhile: made again
+      if (fd < 0) return make_error(ErrorKind::kInternal, "'{}': {}", path.string(), std::strerror(errno));
+      const size_t want = std::min<uint64_t>(out.size() - done, end - position);
+      const ssize_t got = ::pread(fd, out.data() + done, want, static_cast<off_t>(position - begin));
+      ::close(fd);
+      if (got <= 0) return make_error(ErrorKind::kInternal, "'{}': short read", path.string());
+      done += static_cast<size_t>(got);
+    }
+    return out;
+  }
+
+  void worker() {
+    RegistryOptions registry = options.registry;
+    registry.stop = &registry_stop;
+    RegistryPool pool(ref, endpoints, registry, auth_file, std::make_shared<EndpointHealth>(endpoints.size()),
+                      [this](const std::string& m) { note(m); });
+    for (;;) {
+      ReadJob job{};
+      {
+        std::unique_lock lock(queue_mu);
+        queue_cv.wait(lock, [&] { return !queue.empty() || (stopping.load() && queue.empty()); });
+        if (queue.empty()) return;
+        job = queue.front();
+        queue.pop_front();
+      }
+      if (stopping.load()) {
+        fuse_reply_err(job.req, EIO);
+        continue;
+      }
+      auto got = read(job.ino, job.size, job.offset, pool);
+      if (!got) {
+        note(got.error().message);
+        fuse_reply_err(job.req, EIO);
+        continue;
+      }
+      fuse_reply_buf(job.req, got->data(), got->size());
+    }
+  }
+
+  struct stat attributes(size_t ino) const {
+    const LazyNode& n = tree.node(ino);
+    struct stat st {};
+    st.st_ino = ino;
+    mode_t type = S_IFREG;
+    switch (n.type) {
+      case '2':
+        type = S_IFLNK;
+        break;
+      case '3':
+        type = S_IFCHR;
+        break;
+      case '4':
+        type = S_IFBLK;
+        break;
+      case '5':
+        type = S_IFDIR;
+        break;
+      case '6':
+        type = S_IFIFO;
+        break;
+      default:
+        break;
+    }
+    st.st_mode = type | (n.mode & 07777);
+    st.st_nlink = n.nlink;
+    st.st_uid = static_cast<uid_t>(n.uid);
+    st.st_gid = static_cast<gid_t>(n.gid);
+    st.st_size = n.type == '5' ? 4096 : static_cast<off_t>(n.size);
+    st.st_blksize = 4096;
+    st.st_blocks = (st.st_size + 511) / 512;
+    return st;
+  }
+
+  bool valid(fuse_ino_t ino) const { return ino >= 1 && ino <= tree.nodes.size(); }
+
+  void begin_stop() {
+    if (stopping.exchange(true)) return;
+    registry_stop = true;
+    queue_cv.notify_all();
+    // Detached, the mount point is free now; the processes that still hold
+    // files get EIO until they close them (then the kernel ends the session).
+    if (::umount2(point.c_str(), MNT_DETACH) != 0)
+      note(fmt::format("umount {}: {}", point.string(), std::strerror(errno)));
+  }
+};
+
+namespace {
+
+LazyMount::Impl* self(fuse_req_t req) { return static_cast<LazyMount::Impl*>(fuse_req_userdata(req)); }
+
+void op_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  auto* m = self(req);
+  if (m->stopping) return (void)fuse_reply_err(req, EIO);
+  if (!m->valid(parent) || m->tree.node(parent).type != '5') return (void)fuse_reply_err(req, ENOTDIR);
+  size_t ino = 0;
+  if (std::strcmp(name, ".") == 0) {
+    ino = parent;
+  } else if (std::strcmp(name, "..") == 0) {
+    ino = m->tree.node(parent).parent;
+  } else {
+    ino = m->tree.child(parent, name);
+  }
+  fuse_entry_param e{};
+  e.attr_timeout = kForever;
+  e.entry_timeout = kForever;
+  if (ino == 0) {
+    fuse_reply_entry(req, &e);  // ino 0: a negative entry the kernel caches
+    return;
+  }
+  e.ino = ino;
+  e.attr = m->attributes(ino);
+  fuse_reply_entry(req, &e);
+}
+
+void op_getattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
+  auto* m = self(req);
+  if (m->stopping) return (void)fuse_reply_err(req, EIO);
+  if (!m->valid(ino)) return (void)fuse_reply_err(req, ENOENT);
+  const struct stat st = m->attributes(ino);
+  fuse_reply_attr(req, &st, kForever);
+}
+
+void op_readlink(fuse_req_t req, fuse_ino_t ino) {
+  auto* m = self(req);
+  if (m->stopping) return (void)fuse_reply_err(req, EIO);
+  if (!m->valid(ino) || m->tree.node(ino).type != '2') return (void)fuse_reply_err(req, EINVAL);
+  fuse_reply_readlink(req, m->tree.node(ino).link.c_str());
+}
+
+void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  auto* m = self(req);
+  if (m->stopping) return (void)fuse_reply_err(req, EIO);
+  if (!m->valid(ino)) return (void)fuse_reply_err(req, ENOENT);
+  if ((fi->flags & O_ACCMODE) != O_RDONLY) return (void)fuse_reply_err(req, EROFS);
+  fi->keep_cache = 1;
+  m->record_open(ino);
+  fuse_reply_open(req, fi);
+}
+
+void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset, fuse_file_info*) {
+  auto* m = self(req);
+  if (m->stopping) return (void)fuse_reply_err(req, EIO);
+  if (!m->valid(ino) || m->tree.node(ino).type != '0') return (void)fuse_reply_err(req, EISDIR);
+  {
+    std::lock_guard lock(m->queue_mu);
+    m->queue.push_back({req, ino, size, offset});
+  }
+  m->queue_cv.notify_one();
+}
+
+void op_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  auto* m = self(req);
+  if (m->stopping) return (void)fuse_reply_err(req, EIO);
+  if (!m->valid(ino) || m->tree.node(ino).type != '5') return (void)fuse_reply_err(req, ENOTDIR);
+  fi->cache_readdir = 1;
+  fi->keep_cache = 1;
+  fuse_reply_open(req, fi);
+}
+
+void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset, fuse_file_info*) {
+  auto* m = self(req);
+  if (m->stopping) return (void)fuse_reply_err(req, EIO);
+  const LazyNode& dir = m->tree.node(ino);
+  std::string buffer(size, '\0');
+  size_t used = 0;
+  const size_t count = dir.kids.size() + 2;
+  for (size_t i = static_cast<size_t>(offset); i < count; ++i) {
+    const size_t target = i == 0 ? ino : i == 1 ? dir.parent : dir.kids[i - 2].second;
+    const char* name = i == 0 ? "." : i == 1 ? ".." : dir.kids[i - 2].first.c_str();
+    struct stat st {};
+    st.st_ino = target;
+    st.st_mode = m->attributes(target).st_mode;
+    const size_t need = fuse_add_direntry(req, buffer.data() + used, size - used, name, &st, static_cast<off_t>(i + 1));
+    if (need > size - used) break;
+    used += need;
+  }
+  fuse_reply_buf(req, buffer.data(), used);
+}
+
+void op_statfs(fuse_req_t req, fuse_ino_t) {
+  auto* m = self(req);
+  struct statvfs st {};
+  st.f_bsize = 4096;
+  st.f_frsize = 4096;
+  st.f_files = m->tree.nodes.size();
+  st.f_namemax = 255;
+  fuse_reply_statfs(req, &st);
+}
+
+sigset_t stop_signals() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  for (const int s : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&signals, s);
+  return signals;
+}
+
+constexpr fuse_lowlevel_ops make_ops() {
+  fuse_lowlevel_ops ops{};
+  ops.lookup = op_lookup;
+  ops.getattr = op_getattr;
+  ops.readlink = op_readlink;
+  ops.open = op_open;
+  ops.read = op_read;
+  ops.opendir = op_opendir;
+  ops.readdir = op_readdir;
+  ops.statfs = op_statfs;
+  return ops;
+}
+constexpr fuse_lowlevel_ops kOps = make_ops();
+
+/// The index of a layer: DIR/cfmo-index/, or made now from its local blob; empty when neither.
+Result<std::optional<LayerIndex>> find_index(const fs::path& dir, const LayerState& layer, bool local, size_t i,
+                                             LazyLayer& info) {
+  const fs::path path = index_path(dir, layer.blob.digest);
+  std::error_code ec;
+  if (fs::exists(path, ec)) {
+    CFMO_ASSIGN_OR_RETURN(LayerIndex index, read_index(path));
+    if (index.layer_digest != layer.blob.digest) {
+      return make_error(ErrorKind::kInput, "index '{}': is the index of {}, not of layer {}", path.string(),
+                        index.layer_digest, i);
+    }
+    info.index_from = "dir";
+    return std::optional<LayerIndex>(std::move(index));
+  }
+  if (!local) return std::optional<LayerIndex>();
+  CFMO_ASSIGN_OR_RETURN(LayerIndex index, build_layer_index(blob_path(dir, layer.blob.digest), layer.blob,
+                                                            kDefaultIndexSpan, layer_name(i, layer.blob.digest)));
+  fs::create_directories(path.parent_path(), ec);
+  CFMO_TRY(write_file_atomic(path, serialize_index(index)));
+  info.index_from = "built";
+  return std::optional<LayerIndex>(std::move(index));
+}
+
+}  // namespace
+
+LazyMount::LazyMount(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+LazyMount::~LazyMount() {
+  if (impl_->se != nullptr) {
+    fuse_session_unmount(impl_->se);
+    fuse_session_destroy(impl_->se);
+  }
+}
+
+const LazyMountReport& LazyMount::report() const { return impl_->report; }
+
+Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const fs::path& mountpoint,
+                                                      const LazyMountOptions& options) {
+  auto m = std::make_unique<Impl>();
+  m->dir = fs::absolute(dir);
+  m->options = options;
+  CFMO_ASSIGN_OR_RETURN(const PullState state, read_state(dir));
+  std::error_code ec;
+  if (!options.prefetch.empty() && !fs::is_regular_file(options.prefetch, ec)) {
+    return make_error(ErrorKind::kUsage, "--prefetch '{}': no such file", options.prefetch.string());
+  }
+  m->point = fs::weakly_canonical(fs::absolute(mountpoint, ec), ec);
+  if (!fs::is_directory(m->point, ec)) {
+    return make_error(ErrorKind::kUsage, "mount point '{}': not a directory", mountpoint.string());
+  }
+  if (mounted_source(m->point).starts_with(kLazySubtype)) {
+    return make_error(ErrorKind::kUsage,
+                      "mount point '{}': a cfmo-pull image is mounted there already (cfmo-pull umount {})",
+                      mountpoint.string(), mountpoint.string());
+  }
+  CFMO_ASSIGN_OR_RETURN(m->ref, parse_reference(state.image));
+  CFMO_ASSIGN_OR_RETURN(m->endpoints, endpoints_for(m->ref, options.hosts.value_or(state.hosts)));
+  m->auth_file = options.auth_file.value_or(state.auth_file);
+
+  // Layers without an index, or in a form an index cannot seek (zstd), are fetched whole first.
+  std::vector<LazyLayer> infos(state.layers.size());
+  std::vector<std::optional<LayerIndex>> indexes(state.layers.size());
+  std::vector<size_t> whole;
+  for (size_t i = 0; i < state.layers.size(); ++i) {
+    const auto& l = state.layers[i];
+    LazyLayer& info = infos[i];
+    info.index = i;
+    info.digest = l.blob.digest;
+    info.hot = l.hot;
+    info.local = l.status == LayerStatus::kFetched && fs::exists(blob_path(dir, l.blob.digest), ec);
+    CFMO_ASSIGN_OR_RETURN(const Compression compression, layer_compression(l.blob.media_type));
+    if (compression == Compression::kZstd) {
+      return make_error(ErrorKind::kUsage,
+                        "layer {} ({}) is zstd: not lazily loadable (mount it without --lazy once fetched)", i,
+                        short_digest(l.blob.digest));
+    }
+    CFMO_ASSIGN_OR_RETURN(indexes[i], find_index(dir, l, info.local, i, info));
+    if (!indexes[i]) {
+      info.whole_note = "no index: fetched whole, then indexed";
+      whole.push_back(i);
+    }
+  }
+  // One Range request of a byte tells whether the registry serves parts of a blob.
+  if (const auto cold = std::find_if(infos.begin(), infos.end(), [](const LazyLayer& l) { return !l.local; });
+      cold != infos.end() && whole.size() < infos.size()) {
+    RegistryPool pool(m->ref, m->endpoints, options.registry, m->auth_file,
+                      std::make_shared<EndpointHealth>(m->endpoints.size()));
+    bool refused = false;
+    const Status probe = pool.each_until_ok("a Range request", [&](RegistryClient& client) -> Status {
+      RegistrySource source(client, cold->digest, "a Range request");
+      auto got = source.read(0, 1);
+      refused = refused || source.ranges_refused();
+      if (!got) return got.error();
+      return {};
+    });
+    if (refused) {
+      for (auto& info : infos) {
+        if (info.local || !info.whole_note.empty()) continue;
+        info.whole_note = "the registry does not serve parts of a blob (HTTP Range): fetched whole";
+        whole.push_back(info.index);
+      }
+    } else if (!probe) {
+      m->report.notes.push_back(
+          fmt::format("the registry does not answer now ({}): reads of cold files retry it", probe.error().message));
+    }
+  }
+  if (!whole.empty()) {
+    FetchOptions fetch;
+    fetch.registry = options.registry;
+    fetch.hosts = options.hosts;
+    fetch.auth_file = options.auth_file;
+    fetch.jobs = std::max(1, options.jobs);
+    for (const size_t i : whole) fetch.layers.push_back({LayerSpec::Kind::kIndex, "", static_cast<int64_t>(i), ""});
+    CFMO_TRY(fetch_layers(dir, fetch));
+    CFMO_ASSIGN_OR_RETURN(const PullState now, read_state(dir));
+    for (const size_t i : whole) {
+      infos[i].local = true;
+      CFMO_ASSIGN_OR_RETURN(indexes[i], find_index(dir, now.layers[i], true, i, infos[i]));
+      m->report.notes.push_back(fmt::format("layer {}: {}", i, infos[i].whole_note));
+    }
+  }
+  std::vector<const LayerIndex*> order;
+  for (size_t i = 0; i < state.layers.size(); ++i) {
+    Impl::Layer layer;
+    layer.info = infos[i];
+    layer.index = std::move(*indexes[i]);
+    layer.blob = blob_path(m->dir, infos[i].digest);
+    layer.what = layer_name(i, infos[i].digest);
+    m->report.index_bytes += static_cast<int64_t>(serialize_index(layer.index).size());
+    m->layers.push_back(std::move(layer));
+  }
+  for (const auto& l : m->layers) order.push_back(&l.index);
+  CFMO_ASSIGN_OR_RETURN(m->tree, merge_indexes(order));
+  for (auto& l : m->layers) {
+    l.index.entries.clear();  // in the tree now
+    l.index.entries.shrink_to_fit();
+  }
+
+  // The memory: the process itself, the indexes and the tree, then the chunks being inflated.
+  constexpr int64_t kBaseline = int64_t{24} << 20;
+  const int64_t tree_bytes = static_cast<int64_t>(m->tree.nodes.size() * (sizeof(LazyNode) + 48));
+  uint64_t largest = 0;
+  for (const auto& l : m->layers) {
+    for (size_t k = 0; k < l.index.checkpoints.size(); ++k) {
+      const auto [b, e] = m->chunk_range({static_cast<size_t>(&l - m->layers.data()), k});
+      const auto [ib, ie] = l.index.span_range(k);
+      largest = std::max<uint64_t>(largest, (e - b) + (ie - ib) + (256 << 10));
+    }
+  }
+  const int64_t left = options.max_memory - kBaseline - m->report.index_bytes - tree_bytes;
+  if (left < static_cast<int64_t>(largest)) {
+    return make_error(ErrorKind::kUsage,
+                      "--max-memory {}: the process takes about {}, the indexes and tree {}, and one span needs {} "
+                      "(index with a smaller --span, or allow more)",
+                      human_bytes(options.max_memory), human_bytes(kBaseline),
+                      human_bytes(m->report.index_bytes + tree_bytes), human_bytes(static_cast<int64_t>(largest)));
+  }
+  m->budget = std::make_unique<MemoryBudget>(static_cast<size_t>(left));
+  m->report.entries = m->tree.nodes.size();
+  m->report.cache = m->cache_dir();
+  m->report.log = m->dir / kLazyLogFile;
+  for (const auto& l : m->layers) m->report.layers.push_back(l.info);
+  fs::create_directories(m->cache_dir(), ec);
+  if (ec) return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", m->cache_dir().string(), ec.message());
+  m->scan_cache();
+  m->stats.cache_capacity = static_cast<int64_t>(options.cache_bytes);
+  return std::unique_ptr<LazyMount>(new LazyMount(std::move(m)));
+}
+
+Status LazyMount::mount() {
+  Impl& m = *impl_;
+  // Blocked from before the mount is there (a SIGTERM then waits for serve's
+  // signalfd) and before any thread, so that only the signalfd sees them.
+  const sigset_t signals = stop_signals();
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  m.log = std::fopen(m.report.log.c_str(), "ae");
+  if (!m.options.record.empty()) {
+    m.record_file = std::fopen(m.options.record.c_str(), "ae");
+    if (m.record_file == nullptr) {
+      return make_error(ErrorKind::kUsage, "--record '{}': cannot open: {}", m.options.record.string(),
+                        std::strerror(errno));
+    }
+  }
+  std::string opts =
+      fmt::format("ro,default_permissions,fsname={}@{},subtype={}", kLazySubtype, ::getpid(), kLazySubtype);
+  if (running_as_root()) opts += ",allow_other";
+  std::vector<std::string> argv_strings = {"cfmo-pull", "-o", opts};
+  std::vector<char*> argv;
+  for (auto& a : argv_strings) argv.push_back(a.data());
+  fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
+  m.se = fuse_session_new(&args, &kOps, sizeof kOps, &m);
+  if (m.se == nullptr) return make_error(ErrorKind::kInternal, "FUSE: cannot start a session (options '{}')", opts);
+  if (fuse_session_mount(m.se, m.point.c_str()) != 0) {
+    fuse_session_destroy(m.se);
+    m.se = nullptr;
+    return make_error(ErrorKind::kUsage,
+                      "mount point '{}': the FUSE mount failed (is /dev/fuse there, may this user mount?)",
+                      m.point.string());
+  }
+  m.record = m.dir / kMountRecordDir / std::to_string(::getpid());
+  std::error_code ec;
+  fs::create_directories(m.record.parent_path(), ec);
+  (void)write_file_atomic(m.record, m.point.string() + "\n");
+  {
+    std::lock_guard lock(m.mu);
+    m.save_stats();  // this mount's counts, from zero
+  }
+  m.note(fmt::format("mounted {} at {} (pid {})", m.dir.string(), m.point.string(), ::getpid()));
+  return {};
+}
+
+Status LazyMount::serve() {
+  Impl& m = *impl_;
+  const sigset_t signals = stop_signals();
+  const int sfd = ::signalfd(-1, &signals, SFD_CLOEXEC);
+  for (int i = 0; i < std::max(1, m.options.jobs); ++i) m.workers.emplace_back([&m] { m.worker(); });
+  if (!m.options.prefetch.empty()) m.workers.emplace_back([&m] { m.prefetch(); });
+  const int fd = fuse_session_fd(m.se);
+  fuse_buf buf{};
+  std::chrono::steady_clock::time_point deadline{};
+  for (;;) {
+    int timeout = -1;
+    if (m.stopping) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;
+      timeout = static_cast<int>(left.count());
+    }
+    pollfd fds[2] = {{fd, POLLIN, 0}, {sfd, POLLIN, 0}};
+    if (::poll(fds, 2, timeout) < 0 && errno != EINTR) break;
+    if ((fds[1].revents & POLLIN) != 0) {
+      signalfd_siginfo info{};
+      if (::read(sfd, &info, sizeof info) > 0 && !m.stopping) {
+        m.note(fmt::format("signal {}: unmounting {}", info.ssi_signo, m.point.string()));
+        m.begin_stop();
+        deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                          std::chrono::duration<double>(m.options.grace_s));
+      }
+    }
+    if ((fds[0].revents & (POLLIN | POLLERR | POLLHUP)) != 0) {
+      const int got = fuse_session_receive_buf(m.se, &buf);
+      if (got == -EINTR || got == -EAGAIN) continue;
+      if (got <= 0) break;  // -ENODEV: unmounted, and the last file closed
+      fuse_session_process_buf(m.se, &buf);
+    }
+    if (fuse_session_exited(m.se) != 0) break;
+  }
+  std::free(buf.mem);
+  m.stopping = true;
+  m.registry_stop = true;
+  m.queue_cv.notify_all();
+  for (auto& t : m.workers) t.join();
+  m.workers.clear();
+  ::close(sfd);
+  fuse_session_unmount(m.se);
+  fuse_session_destroy(m.se);
+  m.se = nullptr;
+  std::error_code ec;
+  fs::remove(m.record, ec);
+  m.note(fmt::format("unmounted {}", m.point.string()));
+  return {};
+}
+
+int lazy_mount_pid(const std::string& source) {
+  const std::string prefix = std::string(kLazySubtype) + "@";
+  if (!source.starts_with(prefix)) return 0;
+  try {
+    return std::stoi(source.substr(prefix.size()));
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+Result<LazyStats> read_lazy_stats(const fs::path& dir) {
+  const fs::path path = dir / kLazyCacheDir / kLazyStatsFile;
+  std::error_code ec;
+  if (!fs::exists(path, ec))
+    return make_error(ErrorKind::kInput, "'{}': no lazy mount has read anything", path.string());
+  CFMO_ASSIGN_OR_RETURN(const std::string text, read_file(path));
+  const auto j = nlohmann::json::parse(text, nullptr, false);
+  if (!j.is_object()) return make_error(ErrorKind::kInput, "'{}': not JSON", path.string());
+  LazyStats s;
+  s.bytes_fetched = j.value("bytes_fetched", int64_t{0});
+  s.requests = j.value("requests", int64_t{0});
+  s.spans_inflated = j.value("spans_inflated", int64_t{0});
+  s.cache_bytes = j.value("cache_bytes", int64_t{0});
+  s.cache_capacity = j.value("cache_capacity", int64_t{0});
+  s.errors = j.value("errors", int64_t{0});
+  return s;
+}
+
+}  // namespace cfmo::oci

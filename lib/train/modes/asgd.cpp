@@ -1,0 +1,158 @@
+// Mode asgd: classic asynchronous SGD over the shards of async_base.h. Every
+// step a worker sends each gradient shard to its owner, which applies it at
+// once with its own instance of the inner optimizer for that shard (no
+// staleness correction) and sends the shard back.
+//
+// kGradShard [u32 shard][u32 dtype][i64 base version][f32 lr][encoded floats (comm/codec.h)]
+#include "train/modes/async_base.h"
+#include "train/modes/wire.h"
+
+#include <memory>
+
+namespace cfmo::modes {
+namespace {
+
+class AsgdMode final : public AsyncMode {
+ public:
+  AsgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
+           std::unique_ptr<Optimizer> shard_optimizer, const ModeResume& resume)
+      : AsyncMode(settings, comm, initial, resume, OwnerState::kOptimizer), optimizer_(std::move(shard_optimizer)) {
+    // A resumed owner takes up its shard of the saved owners' state.
+    auto state = optimizer_->state();
+    if (resume.owner_state.size() == state.size() && resume.owner_steps.size() == static_cast<size_t>(comm.size())) {
+      const auto first = static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(comm.rank())]);
+      for (size_t i = 0; i < state.size(); ++i) {
+        if (resume.owner_state[i].size() != initial.size()) continue;
+        std::copy_n(resume.owner_state[i].begin() + first, state[i].buffer->size(), state[i].buffer->begin());
+      }
+      optimizer_->set_step_count(resume.owner_steps[static_cast<size_t>(comm.rank())]);
+    }
+    comm.on_message(channels::kGradShard, [this](int from, std::span<const std::byte> m) { on_grad(from, m); });
+    start_serving_owner_state();
+  }
+  ~AsgdMode() override {
+    comm_.on_message(channels::kGradShard, nullptr);
+    stop_serving_owner_state();
+  }
+  std::string_view name() const override { return "asgd"; }
+  bool owns_update() const override { return true; }
+  bool uses_gradients() const override { return true; }
+
+  Status on_gradients(std::span<float> grads, int count, float lr) override {
+    if (count == 0) return {};
+    const auto lost = comm_.lost_ranks();
+    for (int j = 0; j < comm_.size(); ++j) {
+      if (std::find(lost.begin(), lost.end(), j) != lost.end()) continue;
+      const size_t first = bounds_[static_cast<size_t>(j)];
+      const size_t n = bounds_[static_cast<size_t>(j) + 1] - first;
+      std::vector<std::byte> out;
+      put(out, static_cast<uint32_t>(j));
+      put(out, static_cast<uint32_t>(settings_.delta_dtype));
+      put(out, base_version_[static_cast<size_t>(j)]);
+      put(out, lr);
+      encode_floats(settings_.delta_dtype, grads.subspan(first, n),
+                    residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, n), out);
+      comm_.post(j, channels::kGradShard, std::move(out));
+      ++awaiting_[static_cast<size_t>(j)];
+      std::lock_guard lock(mutex_);
+      ++stats_.contributions_sent;
+    }
+    std::lock_guard lock(mutex_);
+    ++stats_.rounds;
+    return {};
+  }
+
+  bool needs_params(const TrainPosition&) const override {
+    return inbox_pending() || outstanding() > settings_.max_staleness * comm_.size();
+  }
+  Status after_step(const TrainPosition& position, std::span<float> params, Optimizer&) override {
+    if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
+      report_progress(position);
+      return {};
+    }
+    for (auto& f : take_inbox()) apply(f, params);
+    // Bounded staleness (SSP): with more than max_staleness rounds of pushes
+    // unanswered, wait before computing the next gradient; 0 waits for each reply.
+    const int limit = settings_.max_staleness * comm_.size();
+    if (outstanding() > limit) {
+      const auto start = Clock::now();
+      while (outstanding() > limit && !stop_requested()) {
+        for (auto& f : take_inbox()) apply(f, params);
+        std::this_thread::yield();
+      }
+      std::lock_guard lock(mutex_);
+      stats_.wait_s += seconds_since(start);
+    }
+    report_progress(position);
+    return {};
+  }
+
+  Status finish(std::span<float> params, Optimizer&) override {
+    const auto start = Clock::now();
+    drain_replies(start + seconds(settings_.peer_timeout_s), [&](Fresh& f) { apply(f, params); });
+    count_finish_wait(start);
+    return end_handshake(params);
+  }
+
+ private:
+  void apply(Fresh& f, std::span<float> params) {
+    auto& waiting = awaiting_[static_cast<size_t>(f.shard)];
+    waiting = std::max(0, waiting - 1);
+    record_staleness(f.staleness, f.dropped);
+    const size_t first = bounds_[static_cast<size_t>(f.shard)];
+    if (params.empty() || f.values.size() != bounds_[static_cast<size_t>(f.shard) + 1] - first) return;
+    // Replies can overtake each other only across owners; a newer version wins.
+    if (f.version < base_version_[static_cast<size_t>(f.shard)]) return;
+    std::copy(f.values.begin(), f.values.end(), params.begin() + static_cast<std::ptrdiff_t>(first));
+    base_version_[static_cast<size_t>(f.shard)] = f.version;
+  }
+
+  void on_grad(int from, std::span<const std::byte> m) {
+    uint32_t shard = 0;
+    uint32_t dtype = 0;
+    int64_t base_version = 0;
+    float lr = 0;
+    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || !take(m, lr) ||
+        shard != static_cast<uint32_t>(comm_.rank()) || dtype > 2) {
+      return;
+    }
+    incoming_.resize(owned_.size());
+    if (!decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
+    // Classic asynchronous SGD applies every gradient, however stale (its
+    // workers wait instead once they are max_staleness rounds ahead).
+    const int64_t s = staleness_of(base_version);
+    {
+      std::lock_guard lock(mutex_);
+      optimizer_->step(owned_, incoming_, lr);
+      ++version_;
+      ++stats_.contributions_applied;
+      ++stats_.contributions_received;
+      note_reconciled(from);
+    }
+    reply_fresh(from, s, false);
+  }
+
+  std::vector<std::span<const float>> owner_state() const override {
+    std::vector<std::span<const float>> out;
+    for (const auto& s : optimizer_->state()) out.emplace_back(*s.buffer);
+    return out;
+  }
+  int64_t owner_steps() const override { return optimizer_->step_count(); }
+
+  std::unique_ptr<Optimizer> optimizer_;  ///< progress thread: the inner optimizer for my shard
+  FloatBuffer incoming_;                  ///< progress thread
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Mode>> make_asgd(const ModeContext& c) {
+  const auto bounds = shard_bounds(c.initial.size(), c.comm.size());
+  const size_t own = bounds[static_cast<size_t>(c.comm.rank()) + 1] - bounds[static_cast<size_t>(c.comm.rank())];
+  // The owner's optimizer sees its shard as one flat tensor: element-wise optimizers only.
+  std::vector<ParamInfo> shard_layout = {{"shard", {static_cast<int64_t>(own)}, 0, own}};
+  CFMO_ASSIGN_OR_RETURN(auto optimizer, make_optimizer(c.optimizer_config, shard_layout, own));
+  return std::unique_ptr<Mode>(
+      std::make_unique<AsgdMode>(c.settings, c.comm, c.initial, std::move(optimizer), c.resume));
+}
+
+}  // namespace cfmo::modes

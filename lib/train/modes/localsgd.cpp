@@ -1,0 +1,80 @@
+// Mode localsgd (Local SGD / DiLoCo): H local steps, then a blocking
+// all-reduce of the deltas against the shared global parameters and an
+// outer step.
+#include "train/modes/lockstep.h"
+#include "train/modes/outer_optimizer.h"
+#include "train/modes/timing.h"
+
+#include <algorithm>
+#include <memory>
+
+namespace cfmo::modes {
+namespace {
+
+class LocalSgdMode final : public LockstepMode {
+ public:
+  LocalSgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
+               const ModeResume& resume)
+      : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), outer_(settings, initial.size(), 1) {
+    if (resume.outer_momentum.size() == outer_.momentum().size()) {
+      std::copy(resume.outer_momentum.begin(), resume.outer_momentum.end(), outer_.momentum().begin());
+    }
+  }
+  std::string_view name() const override { return "localsgd"; }
+
+  bool needs_params(const TrainPosition& position) const override {
+    return position.step % settings_.sync_interval == 0;
+  }
+  Status after_step(const TrainPosition& position, std::span<float> params, Optimizer&) override {
+    last_step_ = position.step;
+    since_sync_ = position.step % settings_.sync_interval;
+    if (since_sync_ != 0) return {};
+    return reconcile(params);
+  }
+  bool params_are_global() const override { return since_sync_ == 0; }
+  std::span<const float> outer_momentum() const override { return outer_.momentum(); }
+  Status finish(std::span<float> params, Optimizer&) override {
+    // Every rank took the same number of steps, so all agree whether one more round is due.
+    return since_sync_ != 0 ? reconcile(params) : Status{};
+  }
+  ModeStats stats() const override { return stats_; }
+
+ private:
+  Status reconcile(std::span<float> params) {
+    // [deltas..., stop votes]: a worker that wants to stop says so at the next round.
+    delta_.resize(params.size() + 2);
+    for (size_t i = 0; i < params.size(); ++i) delta_[i] = params[i] - global_[i];
+    if (settings_.delta_sink) {
+      settings_.delta_sink(stats_.rounds + 1, last_step_, stats_.rounds, global_,
+                           std::span<const float>(delta_).first(params.size()));
+    }
+    vote_.write(delta_.data() + params.size());
+    const auto start = Clock::now();
+    Status status = comm_.all_reduce_sum(delta_);
+    stats_.wait_s += seconds_since(start);
+    CFMO_TRY(status);
+    vote_.read(delta_.data() + params.size());
+    outer_.apply(global_, std::span<const float>(delta_).first(params.size()), 1.0f / static_cast<float>(comm_.size()));
+    std::copy(global_.begin(), global_.end(), params.begin());
+    ++stats_.rounds;
+    since_sync_ = 0;
+    return {};
+  }
+
+  ModeSettings settings_;
+  Communicator& comm_;
+  FloatBuffer global_;
+  OuterOptimizer outer_;
+  FloatBuffer delta_;
+  int64_t since_sync_ = 0;
+  int64_t last_step_ = 0;
+  ModeStats stats_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Mode>> make_localsgd(const ModeContext& c) {
+  return std::unique_ptr<Mode>(std::make_unique<LocalSgdMode>(c.settings, c.comm, c.initial, c.resume));
+}
+
+}  // namespace cfmo::modes

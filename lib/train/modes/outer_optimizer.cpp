@@ -1,0 +1,36 @@
+#include "train/modes/outer_optimizer.h"
+
+#include <algorithm>
+
+namespace cfmo {
+
+OuterOptimizer::OuterOptimizer(const ModeSettings& settings, size_t size, int contributions_per_round)
+    : nesterov_(settings.outer_optimizer == OuterKind::kNesterov),
+      lr_(static_cast<float>(settings.outer_lr)),
+      mu_(static_cast<float>(settings.outer_momentum)),
+      per_round_(std::max(1, contributions_per_round)),
+      momentum_(nesterov_ ? size : 0, 0.0f),
+      round_sum_(nesterov_ && per_round_ > 1 ? size : 0, 0.0f) {}
+
+void OuterOptimizer::apply(std::span<float> global, std::span<const float> delta, float weight) {
+  const size_t n = global.size();
+  for (size_t i = 0; i < n; ++i) global[i] += lr_ * weight * delta[i];
+  if (!nesterov_) return;
+  if (per_round_ > 1) {
+    for (size_t i = 0; i < n; ++i) round_sum_[i] += weight * delta[i];
+    if (++in_round_ < per_round_) return;
+    in_round_ = 0;
+    for (size_t i = 0; i < n; ++i) {
+      momentum_[i] = mu_ * momentum_[i] + round_sum_[i];
+      round_sum_[i] = 0;
+      global[i] += lr_ * mu_ * momentum_[i];
+    }
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    momentum_[i] = mu_ * momentum_[i] + weight * delta[i];
+    global[i] += lr_ * mu_ * momentum_[i];
+  }
+}
+
+}  // namespace cfmo

@@ -1,0 +1,45 @@
+#pragma once
+/// The outer step of localsgd and cfmo on (a range of) the global parameters.
+
+#include "tensor/buffer.h"
+#include "train/modes.h"
+
+#include <cstddef>
+#include <span>
+
+namespace cfmo {
+
+/// The outer step on (a range of) the global parameters, fed with weighted
+/// deltas. localsgd feeds it once per round with the sum of the W deltas
+/// weighted 1/W (`contributions_per_round` 1); a cfmo owner feeds it each
+/// contribution to its shard as it arrives, weighted beta^s / W
+/// (`contributions_per_round` W), so that a round of W fresh contributions
+/// moves the shard exactly as localsgd's step on their mean.
+///
+///   avg       global += lr * weight * delta
+///   nesterov  global += lr * weight * delta at once, and, once per round,
+///             m = mu * m + (the round's weighted deltas); global += lr * mu * m.
+///             Per round: DiLoCo's Nesterov step on the mean delta. For cfmo this
+///             is the delayed Nesterov update of Async Local-SGD (arXiv
+///             2401.09135, without momentum between the updates); a momentum
+///             step per contribution would amplify the mean by ~W / (1 - mu).
+class OuterOptimizer {
+ public:
+  OuterOptimizer(const ModeSettings& settings, size_t size, int contributions_per_round);
+  void apply(std::span<float> global, std::span<const float> delta, float weight);
+  /// m, in the deltas' sign (empty for avg): what a checkpoint keeps, and
+  /// where a resumed run puts it back.
+  std::span<float> momentum() { return momentum_; }
+  std::span<const float> momentum() const { return momentum_; }
+
+ private:
+  bool nesterov_;
+  float lr_;
+  float mu_;
+  int per_round_;
+  int in_round_ = 0;
+  FloatBuffer momentum_;
+  FloatBuffer round_sum_;
+};
+
+}  // namespace cfmo

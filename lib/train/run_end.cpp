@@ -1,0 +1,173 @@
+// train()'s last phase: the end of the modes' work, the reports, the final
+// outputs and the summary.
+#include "train/training_run.h"
+
+#include "core/atomic_file.h"
+
+#include <algorithm>
+#include <mutex>
+#include <thread>
+
+namespace cfmo::detail {
+
+Result<TrainSummary> TrainingRun::finish() {
+  CFMO_TRY(last_reconciliation());
+  const ModeStats mode_stats = mode->stats();
+  int64_t deltas_written = 0;
+  int64_t deltas_skipped = 0;
+  if (delta_writer) {
+    // finish() sent the last round: the sink is not called again.
+    delta_writer->close();  // writes what is queued
+    deltas_written = delta_writer->written();
+    deltas_skipped = delta_writer->skipped();
+    CFMO_TRY(delta_writer->status());
+  }
+  const WorkerReport own = own_report(mode_stats, deltas_written, deltas_skipped);
+  summary.per_worker.push_back(own);
+  CFMO_TRY(gather_reports(own));
+  if (rank == 0) CFMO_TRY(write_final_outputs());
+  add_totals();
+  return summary;
+}
+
+Status TrainingRun::last_reconciliation() {
+  // Afterwards rank 0 holds the global parameters.
+  CFMO_ASSIGN_OR_RETURN(auto params, engine->host_parameters());
+  const Status finished = mode->finish(params, engine->mode_optimizer());
+  announce_lost();
+  CFMO_TRY(finished);
+  CFMO_TRY(engine->parameters_changed());  // the evaluation below runs where the engine is
+  return sync_host();
+}
+
+WorkerReport TrainingRun::own_report(const ModeStats& mode_stats, int64_t deltas_written,
+                                     int64_t deltas_skipped) const {
+  WorkerReport own;
+  own.rank = rank;
+  own.steps = steps_this_run;
+  own.samples = samples_this_run;
+  own.samples_per_s = loop_s > 0 ? static_cast<double>(samples_this_run) / loop_s : 0;
+  own.solo_samples_per_s = compute_s > 0 ? static_cast<double>(samples_this_run) / compute_s : 0;
+  own.wait_s = mode_stats.wait_s;
+  own.finish_wait_s = mode_stats.finish_wait_s;
+  own.loop_s = loop_s;
+  own.contributions_dropped = mode_stats.contributions_dropped;
+  own.contributions_sent = mode_stats.contributions_sent;
+  own.contributions_applied = mode_stats.contributions_applied;
+  own.contributions_received = mode_stats.contributions_received;
+  own.rounds = mode_stats.rounds;
+  own.deferred = mode_stats.deferred;
+  own.staleness_histogram = mode_stats.staleness_histogram;
+  own.slowdown = simulated.slowdown;
+  own.stopped_by = stopped_by;
+  own.deltas_written = deltas_written;
+  own.deltas_skipped = deltas_skipped;
+  if (comm != nullptr) {
+    const CommStats cs = comm->stats();
+    own.bytes_sent = cs.bytes_sent;
+    own.bytes_received = cs.bytes_received;
+  }
+  return own;
+}
+
+Status TrainingRun::gather_reports(const WorkerReport& own) {
+  if (comm == nullptr || world <= 1) return {};
+  std::mutex reports_mutex;
+  std::vector<WorkerReport> reports;
+  if (rank == 0) {
+    comm->on_message(channels::kReport, [&](int, std::span<const std::byte> payload) {
+      auto report =
+          WorkerReport::from_json(std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
+      if (!report) return;
+      std::lock_guard lock(reports_mutex);
+      reports.push_back(std::move(*report));
+    });
+    const auto deadline = Clock::now() + std::chrono::duration<double>(config.peer_timeout * 2);
+    for (;;) {
+      const auto lost = comm->lost_ranks();
+      {
+        std::lock_guard lock(reports_mutex);
+        if (static_cast<int>(reports.size() + lost.size()) >= world - 1 || Clock::now() > deadline) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    comm->on_message(channels::kReport, nullptr);
+    std::lock_guard lock(reports_mutex);
+    for (auto& r : reports) summary.per_worker.push_back(std::move(r));
+    std::sort(summary.per_worker.begin(), summary.per_worker.end(),
+              [](const WorkerReport& a, const WorkerReport& b) { return a.rank < b.rank; });
+  } else {
+    const std::string text = own.to_json();
+    comm->post(0, channels::kReport,
+               std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
+                                      reinterpret_cast<const std::byte*>(text.data()) + text.size()));
+  }
+  summary.lost_ranks = comm->lost_ranks();
+  announce_lost();
+  if (!async) CFMO_TRY(comm->health());
+  return {};
+}
+
+Status TrainingRun::write_final_outputs() {
+  // The final parameters are those of the last evaluation when the run ended on an epoch boundary.
+  if (last_eval_step != pos.step || (world > 1 && !traits.evaluates_mid_run)) CFMO_TRY(evaluate(true));
+  if (checkpoint_writer) {
+    // Mid-run checkpoints first, then the end's, which holds the final global state.
+    checkpoint_writer->close();
+    CFMO_TRY(checkpoint_writer->status());
+    if (checkpoints) {
+      const auto global = mode->final_state();
+      CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(),
+                                checkpoint_of(model().parameters(), global ? &*global : nullptr), options.config_toml,
+                                config.keep_checkpoints));
+    }
+  } else if (last_checkpoint_step != pos.step) {
+    CFMO_TRY(checkpoint());
+  }
+  if (!run_dir.empty()) {
+    CFMO_TRY(save_model(run_dir / "model.safetensors", model(),
+                        {{"format", "pt"}, {"cfmo.model", model_spec}, {"cfmo.step", std::to_string(pos.step)}}));
+    // Beside it, the Hugging Face config that makes RUN a model directory (the GPT's).
+    if (const std::string hf = model().hf_config_json(); !hf.empty()) {
+      CFMO_TRY(write_file_atomic(run_dir / "config.json", hf));
+    }
+  }
+  return {};
+}
+
+void TrainingRun::add_totals() {
+  int64_t total_samples = 0;
+  int64_t total_steps = 0;
+  double solo_sum = 0;
+  double longest_loop = 0;
+  uint64_t bytes = 0;
+  // A lost rank sent no report: its samples count up to its last contribution.
+  for (const int r : summary.lost_ranks) {
+    const auto& reported = summary.per_worker;
+    if (std::none_of(reported.begin(), reported.end(), [r](const WorkerReport& w) { return w.rank == r; })) {
+      total_samples += mode->reconciled_samples(r);
+    }
+  }
+  for (const auto& w : summary.per_worker) {
+    total_samples += w.samples;
+    total_steps += w.steps;
+    solo_sum += w.solo_samples_per_s;
+    longest_loop = std::max(longest_loop, w.loop_s);
+    bytes += w.bytes_sent;
+  }
+  summary.steps = world == 1 ? pos.step : total_steps;
+  summary.samples = world == 1 ? pos.samples : total_samples;
+  summary.epochs_completed = world == 1 || !async ? pos.epoch : total_samples / train_examples;
+  summary.wall_s = seconds_since(run_start);
+  summary.train_s = world == 1 ? train_s : longest_loop;
+  summary.samples_per_s = world == 1 ? (train_s > 0 ? static_cast<double>(samples_this_run) / train_s : 0)
+                                     : (longest_loop > 0 ? static_cast<double>(total_samples) / longest_loop : 0);
+  summary.efficiency = solo_sum > 0 ? summary.samples_per_s / solo_sum : 0;
+  summary.tokens = summary.samples * context;
+  summary.tokens_per_s = summary.samples_per_s * context;
+  summary.gflops_per_s = summary.samples_per_s * summary.flops_per_example / 1e9;
+  summary.stopped_by = stopped_by;
+  summary.bytes_sent = bytes;
+}
+
+}  // namespace cfmo::detail

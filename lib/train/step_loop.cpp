@@ -1,0 +1,257 @@
+// train()'s second phase: the steps, and what each one reports and decides.
+#include "train/training_run.h"
+
+#include "data/dataset.h"
+#include "train/sample.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <thread>
+
+namespace cfmo::detail {
+namespace {
+
+/// A sample's text on one line of a log: newlines as \\n, other control bytes as spaces.
+std::string one_line(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char ch : text) {
+    if (ch == '\n') {
+      out += "\\n";
+    } else {
+      out += static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f ? ' ' : ch;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Status TrainingRun::run_loop() {
+  // Every worker starts its loop together: ranks finish loading data and
+  // connecting at different times, and a loop started alone would count
+  // time in which the others cannot yet run against the run's throughput.
+  if (world > 1) CFMO_TRY(comm->barrier());
+  loop_start = Clock::now();
+  for (;;) {
+    CFMO_ASSIGN_OR_RETURN(const bool stop, should_stop());
+    if (stop) break;
+    CFMO_TRY(train_step());
+  }
+  loop_s = seconds_since(loop_start);
+  return {};
+}
+
+Result<bool> TrainingRun::should_stop() {
+  announce_lost();
+  if (pos.step >= step_limit) {
+    stopped_by = config.steps > 0 && pos.step >= config.steps ? "steps"
+                 : token_steps > 0 && pos.step >= token_steps ? "tokens"
+                                                              : "epochs";
+    return true;
+  }
+  std::string wish;
+  if (time_limit_s > 0 && seconds_since(run_start) >= time_limit_s) wish = "time-limit";
+  if (options.stop != nullptr && options.stop->load(std::memory_order_relaxed)) wish = "interrupt";
+  if (!wish.empty()) {
+    if (stopped_by.empty()) stopped_by = wish;
+    // Lockstep workers stop together: the wish travels with the next collective.
+    if (!mode->lockstep()) return true;
+    mode->want_stop(wish);
+  }
+  if (mode->stop_requested()) {
+    if (mode->lockstep()) stopped_by = mode->agreed_reason();  // the same on every rank
+    if (stopped_by.empty()) {
+      // The budget that was spent: the smallest of those given, in examples of all workers.
+      const int64_t by_steps = config.steps > 0 ? config.steps * global_batch : INT64_MAX;
+      const int64_t by_epochs = config.epochs > 0 ? config.epochs * train_examples : INT64_MAX;
+      const int64_t by_tokens = token_windows > 0 ? token_windows : INT64_MAX;
+      stopped_by = !async                                                              ? "peer"
+                   : by_tokens < std::min(by_steps, by_epochs)                         ? "tokens"
+                   : config.epochs > 0 && (config.steps == 0 || by_epochs <= by_steps) ? "epochs"
+                                                                                       : "steps";
+    }
+    return true;
+  }
+  if (async && rank != 0 && comm->health().has_value() == false) {
+    const auto lost = comm->lost_ranks();
+    if (std::find(lost.begin(), lost.end(), 0) != lost.end()) {
+      // With the root cause's kind: a rank 0 that failed on its own passed it on as it left.
+      const Error cause = comm->health().error();
+      return make_error(cause.kind, "rank 0, which keeps the run's budget, is lost: {}", cause.message);
+    }
+  }
+  return false;
+}
+
+Status TrainingRun::train_step() {
+  // An indexed set is walked in each epoch's shuffled order; sampled windows come from the step.
+  BatchRequest request;
+  request.step = pos.step;
+  request.count = batch;
+  if (source->indexed()) {
+    if (order_epoch != pos.epoch) {
+      order = epoch_order(static_cast<uint64_t>(config.seed), pos.epoch, train_examples);
+      order_epoch = pos.epoch;
+    }
+    const int64_t first = pos.batch_in_epoch * global_batch + static_cast<int64_t>(rank) * batch;
+    request.count = static_cast<int>(std::clamp<int64_t>(train_examples - first, 0, batch));
+    if (request.count > 0) {
+      request.indices =
+          std::span<const int64_t>(order).subspan(static_cast<size_t>(first), static_cast<size_t>(request.count));
+    }
+  }
+
+  const auto step_start = Clock::now();
+  const int n = request.count;
+  float loss = 0;
+  if (n > 0) {
+    CFMO_ASSIGN_OR_RETURN(loss, engine->forward_backward(request));
+    if (!std::isfinite(loss)) {
+      return make_error(ErrorKind::kCheckFailed,
+                        "training diverged: loss is {} at step {} (lower --lr or set --clip-grad-norm)", loss,
+                        pos.step + 1);
+    }
+  } else {
+    CFMO_TRY(engine->zero_gradients());
+  }
+  const double lr = schedule.at(pos.step);
+  const auto wait_before = mode->stats().wait_s;
+  // Clip the gradient that is applied: the all-reduced one in sync, the pushed one in asgd.
+  if (mode->owns_update() && config.clip_grad_norm > 0) CFMO_TRY(engine->clip_gradients(config.clip_grad_norm));
+  if ((n > 0 || !async) && mode->uses_gradients()) {
+    // The gradients come to the host only for a mode that reduces them there.
+    std::span<float> grads;
+    const bool on_host = !engine->has_device_all_reduce();
+    if (on_host) {
+      CFMO_ASSIGN_OR_RETURN(grads, engine->host_gradients());
+    }
+    CFMO_TRY(mode->on_gradients(grads, n, static_cast<float>(lr)));
+    if (on_host && !mode->owns_update()) CFMO_TRY(engine->gradients_changed());
+  }
+  if (!mode->owns_update() && config.clip_grad_norm > 0) CFMO_TRY(engine->clip_gradients(config.clip_grad_norm));
+  if (!mode->owns_update() && (n > 0 || traits.reduces_gradients)) CFMO_TRY(engine->step(static_cast<float>(lr)));
+  ++pos.step;
+  ++steps_this_run;
+  pos.samples += n;
+  samples_this_run += n;
+  ++pos.batch_in_epoch;
+  {
+    // The host copy of the parameters only at the steps where the mode works on them.
+    std::span<float> params;
+    const bool host_params = engine->host_resident() || mode->needs_params(pos);
+    if (host_params) {
+      CFMO_ASSIGN_OR_RETURN(params, engine->host_parameters());
+    }
+    CFMO_TRY(mode->after_step(pos, params, engine->mode_optimizer()));
+    if (host_params) CFMO_TRY(engine->parameters_changed());
+  }
+  // Simulated heterogeneity: sleep so the step takes FACTOR times its natural time.
+  const double natural_s = seconds_since(step_start) - (mode->stats().wait_s - wait_before);
+  double factor = simulated.slowdown;
+  if (simulated.straggler_p > 0 && straggler_rng.uniform() < simulated.straggler_p) {
+    factor *= simulated.straggler_factor;
+  }
+  if (factor > 1) std::this_thread::sleep_for(std::chrono::duration<double>((factor - 1) * natural_s));
+  const double step_s = seconds_since(step_start);
+  // The solo rate: everything this step took except waiting on other workers.
+  compute_s += step_s - (mode->stats().wait_s - wait_before);
+  train_s += step_s;
+  pos.train_s += step_s;
+  CFMO_TRY(report_step(loss, lr, n, step_s));
+  return at_step_end();
+}
+
+Status TrainingRun::report_step(float loss, double lr, int n, double step_s) {
+  window_loss += loss;
+  progress_loss += loss;
+  ++window_steps;
+  ++progress_steps;
+  window_samples += n;
+  window_s += step_s;
+  summary.final_train_loss = loss;
+  summary.train_loss = window_steps > 0 ? window_loss / static_cast<double>(window_steps) : loss;
+
+  StepEvent event;
+  event.step = pos.step;
+  event.epoch = pos.epoch;
+  event.lr = lr;
+  event.elapsed_s = seconds_since(run_start);
+  double fraction = -1;
+  if (step_limit != INT64_MAX) fraction = static_cast<double>(pos.step) / static_cast<double>(step_limit);
+  if (async && settings.sample_budget > 0) {
+    fraction = static_cast<double>(pos.samples * world) / static_cast<double>(settings.sample_budget);
+  }
+  if (time_limit_s > 0) fraction = std::max(fraction, event.elapsed_s / time_limit_s);
+  event.fraction = std::min(fraction, 1.0);
+  if (fraction > 0 && fraction < 1) event.eta_s = train_s * (1 - fraction) / fraction;
+  if (time_limit_s > 0) {
+    const double left = std::max(0.0, time_limit_s - event.elapsed_s);
+    event.eta_s = event.eta_s < 0 ? left : std::min(event.eta_s, left);
+  }
+  event.loss = progress_loss / static_cast<double>(progress_steps);
+  event.samples_per_s = static_cast<double>(samples_this_run) / std::max(train_s, 1e-9);
+  event.logged = pos.step % config.log_every == 0;
+  if (event.logged) {
+    event.loss = window_loss / static_cast<double>(window_steps);
+    event.samples_per_s = static_cast<double>(window_samples) / std::max(window_s, 1e-9);
+    CFMO_TRY(metrics.write({{"type", "step"},
+                            {"rank", rank},
+                            {"step", pos.step},
+                            {"epoch", epochs_done()},
+                            {"loss", event.loss},
+                            {"lr", lr},
+                            {"samples", pos.samples},
+                            {"samples_per_s", event.samples_per_s},
+                            {"wall_s", event.elapsed_s}}));
+    window_loss = 0;
+    window_steps = 0;
+    window_samples = 0;
+    window_s = 0;
+    progress_loss = 0;
+    progress_steps = 0;
+  }
+  observer().on_step(event);
+  if (sample_every > 0 && pos.step % sample_every == 0) {
+    // Rank 0's own parameters, sampled between steps: the workspaces are free then.
+    SampleOptions sample;
+    sample.tokens = 64;
+    sample.seed = static_cast<uint64_t>(pos.step);
+    CFMO_ASSIGN_OR_RETURN(const auto text, sample_tokens(model(), {}, sample));
+    observer().on_note(fmt::format("step {} sample: {}", pos.step, one_line(tokens_to_text(text, vocab))));
+  }
+  return {};
+}
+
+Status TrainingRun::at_step_end() {
+  if (pos.batch_in_epoch == batches_per_epoch) {
+    ++pos.epoch;
+    pos.batch_in_epoch = 0;
+    if (rank == 0 && (world == 1 || traits.evaluates_mid_run)) {
+      CFMO_TRY(evaluate(false));
+      last_eval_step = pos.step;
+    }
+    checkpoint_due = checkpoints;
+  } else if (checkpoints && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
+    checkpoint_due = true;
+  }
+  // The checkpoint policy: at once where this rank's parameters are the
+  // global ones, else a snapshot asked of the owners and written when whole.
+  if (checkpoint_due && mode->params_are_global()) {
+    CFMO_TRY(checkpoint());
+    checkpoint_due = false;
+  } else if (checkpoint_due && mode->request_snapshot()) {
+    checkpoint_due = false;
+  }
+  if (checkpoint_writer) {
+    if (auto global = mode->take_snapshot()) {
+      CFMO_TRY(engine->host_optimizer());  // rank 0's optimizer state goes with the owners' shards
+      checkpoint_writer->submit(checkpoint_of(global->params, &*global));
+    }
+  }
+  return {};
+}
+
+}  // namespace cfmo::detail

@@ -1,0 +1,303 @@
+// train()'s first phase: everything a run needs before its first step.
+#include "train/training_run.h"
+
+#include "model/factory.h"
+#include "tensor/ops.h"
+
+#include <fmt/format.h>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
+#include <algorithm>
+
+namespace cfmo::detail {
+namespace {
+
+/// A checkpoint resumes in a world like the one that wrote it: the position
+/// counts global batches of workers x batch size, and cfmo's and asgd's
+/// checkpoints hold a position per rank.
+Status check_resumable(const std::filesystem::path& dir, const CheckpointWorld& saved, const TrainConfig& config,
+                       int world) {
+  if (saved.workers != world) {
+    return make_error(ErrorKind::kUsage, "--resume '{}': written by a run of {} worker(s); this one has {}",
+                      dir.string(), saved.workers, world);
+  }
+  if (world > 1 && !saved.mode.empty() && saved.mode != config.mode) {
+    return make_error(ErrorKind::kUsage, "--resume '{}': written in --mode {}; resume it with --mode {}", dir.string(),
+                      saved.mode, saved.mode);
+  }
+  if (saved.batch_size > 0 && saved.batch_size != config.batch_size) {
+    return make_error(ErrorKind::kUsage, "--resume '{}': written with --batch-size {}; this run has {}", dir.string(),
+                      saved.batch_size, config.batch_size);
+  }
+  return {};
+}
+
+}  // namespace
+
+TrainingRun::TrainingRun(const TrainConfig& config, const TrainPlan& plan, const TrainOptions& options)
+    : config(config),
+      plan(plan),
+      options(options),
+      comm(options.comm),
+      rank(comm != nullptr ? comm->rank() : 0),
+      world(comm != nullptr ? comm->size() : 1),
+      traits(plan.traits()),
+      async(world > 1 && traits.asynchronous),
+      announced(static_cast<size_t>(world), false) {}
+
+Status TrainingRun::set_up() {
+  ops::set_num_threads(config.threads);
+#if defined(__x86_64__)
+  // Flush denormals to zero on this thread: Adam's first moment of a weight
+  // that stops receiving gradient decays into the denormal range within a
+  // few hundred steps, where every multiply costs ~100 cycles. PyTorch's
+  // torch.set_flush_denormal(True) does the same.
+  _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ | DAZ
+#endif
+  CFMO_TRY(load_model_and_optimizer());
+  CFMO_TRY(resume_from_checkpoint());
+  CFMO_TRY(plan_length());
+  CFMO_TRY(make_mode_and_engine());
+  return open_outputs();
+}
+
+Status TrainingRun::load_model_and_optimizer() {
+  CFMO_ASSIGN_OR_RETURN(source, load_data_source(config, rank, world, plan.context));
+  CFMO_ASSIGN_OR_RETURN(model_ptr, make_model(config.model, source->shape()));
+  model().init(static_cast<uint64_t>(config.seed));  // the same on every rank
+  model_spec = model().spec_string();
+  train_examples = source->train_examples();
+  vocab = source->shape().classes;
+  context = model().context();
+  sample_every = rank == 0 ? config.sample_every : 0;
+  if (sample_every > 0 && context == 0) {
+    observer().on_note(fmt::format("--sample-every: {} is not a language model; no samples", model_spec));
+    sample_every = 0;
+  }
+
+  optim_config.name = config.optimizer;
+  optim_config.momentum = config.momentum;
+  optim_config.nesterov = config.nesterov;
+  optim_config.beta1 = config.beta1;
+  optim_config.beta2 = config.beta2;
+  optim_config.eps = config.eps;
+  optim_config.weight_decay = config.weight_decay;
+  optim_config.ns_steps = config.ns_steps;
+  CFMO_ASSIGN_OR_RETURN(optimizer, make_optimizer(optim_config, model().params(), model().num_params()));
+  return {};
+}
+
+Status TrainingRun::resume_from_checkpoint() {
+  if (options.resume.empty()) return {};
+  CheckpointWorld saved;
+  FloatBuffer outer;
+  CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model(), *optimizer, &saved, &outer));
+  CFMO_TRY(check_resumable(options.resume, saved, config, world));
+  CFMO_TRY(check_positions(options.resume, pos, saved, optimizer->step_count(), train_examples, config.batch_size));
+  // Every rank starts from the global parameters; in cfmo and asgd each at its own position.
+  if (!saved.ranks.empty()) pos = saved.ranks[static_cast<size_t>(rank)];
+  resume.outer_momentum.assign(outer.begin(), outer.end());
+  resume.ranks = saved.ranks;
+  if (traits.owners_optimize && world > 1) {
+    // An asgd checkpoint's optimizer state is the owners'.
+    for (const auto& s : optimizer->state()) resume.owner_state.emplace_back(s.buffer->begin(), s.buffer->end());
+    resume.owner_steps = saved.shard_optimizer_steps;
+  }
+  if (rank == 0) observer().on_note(fmt::format("resumed from {} at step {}", options.resume.string(), pos.step));
+  return {};
+}
+
+Status TrainingRun::plan_length() {
+  // Sharding: the epoch's shuffled order is cut into global batches of
+  // world x batch examples; rank k takes the k-th slice of each. With sync,
+  // a step of W workers therefore sees exactly one worker's batch of W x B.
+  batch = config.batch_size;
+  global_batch = static_cast<int64_t>(batch) * world;
+  batches_per_epoch = (train_examples + global_batch - 1) / global_batch;
+  // A rank's saved position at the very end of an epoch continues with the next one.
+  if (!options.resume.empty()) pos = resume_position(pos, batches_per_epoch);
+  step_limit = config.steps > 0 ? config.steps : INT64_MAX;
+  if (config.epochs > 0) step_limit = std::min(step_limit, config.epochs * batches_per_epoch);
+  // --tokens: a budget of training tokens, as windows of the model's context (rounded up).
+  token_windows = config.tokens > 0 && context > 0 ? (config.tokens + context - 1) / context : 0;
+  token_steps = token_windows > 0 ? (token_windows + global_batch - 1) / global_batch : 0;
+  if (token_steps > 0) step_limit = std::min(step_limit, token_steps);
+  settings.kind = plan.mode;
+  settings.sync_interval = config.sync_interval;
+  settings.staleness_discount = config.staleness_discount;
+  settings.max_staleness = config.max_staleness;
+  settings.outer_optimizer = plan.outer_optimizer;
+  settings.outer_lr = config.outer_lr;
+  settings.outer_momentum = config.outer_momentum;
+  settings.delta_dtype = plan.delta_dtype;
+  settings.peer_timeout_s = config.peer_timeout;
+  int64_t schedule_steps = step_limit == INT64_MAX ? 0 : step_limit;
+  if (async) {
+    // Asynchronous workers share a budget of samples, kept by rank 0: a fast
+    // worker takes more steps than a slow one. The same budget as sync's.
+    int64_t budget = INT64_MAX;
+    if (config.steps > 0) budget = config.steps * global_batch;
+    if (config.epochs > 0) budget = std::min(budget, config.epochs * train_examples);
+    if (token_windows > 0) budget = std::min(budget, token_windows);
+    settings.sample_budget = budget == INT64_MAX ? 0 : budget;
+    schedule_steps = settings.sample_budget > 0 ? settings.sample_budget / global_batch : 0;
+    step_limit = INT64_MAX;
+  }
+  CFMO_ASSIGN_OR_RETURN(simulated, heterogeneity_for(config, rank));
+  time_limit_s = plan.time_limit_s;
+
+  schedule.kind = plan.schedule;
+  schedule.base_lr = config.lr;
+  schedule.min_lr = config.min_lr;
+  schedule.warmup_steps = config.warmup_steps;
+  schedule.total_steps = schedule_steps;
+  return {};
+}
+
+Status TrainingRun::make_mode_and_engine() {
+  run_dir = config.out;
+  // Each reconciliation's delta goes to RUN/deltas/rank-K/, for cfmo-diverge.
+  if (!run_dir.empty() && world > 1 && traits.writes_deltas) {
+    const int64_t offset = options.resume.empty() ? 0 : DeltaWriter::last_round(run_dir, rank);
+    delta_writer = std::make_unique<DeltaWriter>(run_dir, rank, model().params(), offset);
+    settings.delta_sink = [this](int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
+                                 std::span<const float> delta) {
+      delta_writer->submit(round, step, base_version, base, delta);
+    };
+  }
+  CFMO_ASSIGN_OR_RETURN(mode, make_mode(settings, comm, model().params(), model().parameters(), optim_config, resume));
+
+  // Where the arithmetic runs (--device). The host model and optimizer stay the
+  // mirror the modes, checkpoints and deltas use; a CUDA engine copies to them
+  // only when asked. Every rank makes its engine together (NCCL connects here).
+  EngineOptions engine_options;
+  engine_options.device = plan.device;
+  engine_options.comm = comm;
+  engine_options.device_collectives = world > 1 && traits.device_reduce;
+  engine_options.peer_timeout_s = config.peer_timeout;
+  engine_options.local_rank = options.local_rank;
+  CFMO_ASSIGN_OR_RETURN(engine, make_engine(engine_options, model(), *optimizer, optim_config, *source));
+  CFMO_TRY(engine->optimizer_changed());  // a resumed optimizer's state, where the engine keeps it
+  if (engine->has_device_all_reduce()) {
+    mode->use_device_reduce([this](std::span<float> extras) { return engine->device_all_reduce_gradients(extras); });
+  }
+  return {};
+}
+
+Status TrainingRun::open_outputs() {
+  if (!run_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(run_dir, ec);
+    if (ec) return make_error(ErrorKind::kUsage, "--out '{}': {}", run_dir.string(), ec.message());
+    const std::string name = rank == 0 ? "metrics.jsonl" : fmt::format("metrics-rank-{}.jsonl", rank);
+    CFMO_ASSIGN_OR_RETURN(metrics, MetricsLog::open(run_dir / name, options.resume.empty() ? -1 : pos.step));
+  }
+
+  summary.mode = plan.mode_entry().name;
+  summary.workers = world;
+  summary.rank = rank;
+  summary.model = model_spec;
+  summary.optimizer = config.optimizer;
+  summary.data = source->description();
+  summary.blas = ops::blas_info();
+  summary.device = engine->description();
+  summary.parameters = model().num_trainable();
+  summary.context = context;
+  summary.flops_per_example = model().flops_per_example();
+  summary.flops_formula = model().flops_formula();
+  if (config.optimizer == "muon") {
+    for (const auto& p : model().params())
+      (p.is_matrix() ? summary.muon_tensors : summary.adamw_tensors).push_back(p.name);
+  }
+  summary.run_dir = run_dir.string();
+  summary.resumed_from = options.resume.string();
+  summary.mode_settings = settings;
+  summary.slowdown = config.slowdown;
+  summary.straggler = config.straggler;
+
+  // Only rank 0 checkpoints, always the global parameters: where its own are
+  // the global ones (sync, localsgd right after a round) it writes them at
+  // once; in cfmo and asgd it asks the owners for their shards and hands the
+  // assembled state to a writer thread, so that no worker waits.
+  checkpoints = rank == 0 && !run_dir.empty();
+  last_checkpoint_step = options.resume.empty() ? -1 : pos.step;
+  if (checkpoints && async) {
+    checkpoint_writer = std::make_unique<CheckpointWriter>(run_dir, model_spec, model().params(), options.config_toml,
+                                                           config.keep_checkpoints);
+  }
+  straggler_rng = Rng(static_cast<uint64_t>(config.seed), 0x57A6000ULL + static_cast<uint64_t>(rank));
+  return {};
+}
+
+double TrainingRun::epochs_done() const {
+  return static_cast<double>(pos.epoch) +
+         static_cast<double>(pos.batch_in_epoch) / static_cast<double>(batches_per_epoch);
+}
+
+Status TrainingRun::evaluate(bool final) {
+  const auto t0 = Clock::now();
+  CFMO_ASSIGN_OR_RETURN(const EvalResult r, engine->evaluate());
+  EvalEvent event{pos.step, epochs_done(), r.loss(), r.accuracy(), seconds_since(run_start), final};
+  summary.test_loss = event.test_loss;
+  if (context > 0) summary.val_loss = event.test_loss;
+  summary.test_accuracy = event.test_accuracy;
+  summary.eval_s += seconds_since(t0);
+  observer().on_eval(event);
+  return metrics.write({{"type", "eval"},
+                        {"rank", rank},
+                        {"step", pos.step},
+                        {"epoch", event.epochs},
+                        {"test_loss", event.test_loss},
+                        {"test_accuracy", event.test_accuracy},
+                        {"wall_s", event.elapsed_s}});
+}
+
+CheckpointData TrainingRun::checkpoint_of(std::span<const float> params, const GlobalState* global) {
+  CheckpointData data = checkpoint_data(model(), *optimizer, pos);
+  data.params.assign(params.begin(), params.end());
+  data.world.workers = world;
+  data.world.mode = config.mode;
+  data.world.batch_size = config.batch_size;
+  const auto outer = mode->outer_momentum();
+  data.outer_momentum.assign(outer.begin(), outer.end());
+  if (global != nullptr) {
+    data.world.ranks = global->ranks;
+    data.outer_momentum.assign(global->outer_momentum.begin(), global->outer_momentum.end());
+    if (!global->owner_state.empty() && global->owner_state.size() == data.optimizer_state.size()) {
+      // asgd: the owners ran the optimizer; rank 0's own never stepped.
+      for (size_t i = 0; i < data.optimizer_state.size(); ++i) {
+        data.optimizer_state[i].second.assign(global->owner_state[i].begin(), global->owner_state[i].end());
+      }
+      data.world.shard_optimizer_steps = global->owner_steps;
+    }
+  }
+  return data;
+}
+
+Status TrainingRun::checkpoint() {
+  if (!checkpoints) return {};
+  CFMO_TRY(sync_host());
+  CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(), checkpoint_of(model().parameters(), nullptr),
+                            options.config_toml, config.keep_checkpoints));
+  last_checkpoint_step = pos.step;
+  return {};
+}
+
+Status TrainingRun::sync_host() {
+  CFMO_TRY(engine->host_parameters());
+  CFMO_TRY(engine->host_optimizer());
+  return {};
+}
+
+void TrainingRun::announce_lost() {
+  if (!async || options.observer == nullptr) return;
+  for (const int r : comm->lost_ranks()) {
+    if (announced[static_cast<size_t>(r)]) continue;
+    announced[static_cast<size_t>(r)] = true;
+    options.observer->on_warning(fmt::format("rank {} lost ({})", r, comm->lost_reason(r)));
+  }
+}
+
+}  // namespace cfmo::detail

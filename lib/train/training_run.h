@@ -1,0 +1,158 @@
+#pragma once
+/// One worker's training run, the state train() carries from phase to
+/// phase, and the phases as they happen (train() in trainer.cpp calls them
+/// in this order):
+///
+///   set_up        (training_run.cpp) data, model, optimizer, a resumed
+///                 position, the run's length, the mode, the engine, the
+///                 metrics log and the summary's fixed part
+///   run_loop      (step_loop.cpp) the steps, until a limit, the shared
+///                 budget or a stop; each step: the batch, forward and
+///                 backward, the mode, the update, simulated slowness, the
+///                 events, evaluation at epoch ends and the checkpoint policy
+///   finish        (run_end.cpp) the last reconciliation, the workers'
+///                 reports to rank 0, the final evaluation, checkpoint and
+///                 model, and the summary's totals
+///
+/// Internal to train/: tools call train().
+
+#include "core/rng.h"
+#include "optim/schedule.h"
+#include "train/checkpoint.h"
+#include "train/data_source.h"
+#include "train/delta_writer.h"
+#include "train/engine.h"
+#include "train/metrics_log.h"
+#include "train/trainer.h"
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace cfmo::detail {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+struct TrainingRun {
+  TrainingRun(const TrainConfig& config, const TrainPlan& plan, const TrainOptions& options);
+
+  Status set_up();
+  Status run_loop();
+  Result<TrainSummary> finish();
+
+  // set_up's parts
+  Status load_model_and_optimizer();
+  Status resume_from_checkpoint();
+  Status plan_length();
+  Status make_mode_and_engine();
+  Status open_outputs();
+
+  // run_loop's parts
+  /// Whether the loop ends before the next step (and stopped_by says why).
+  Result<bool> should_stop();
+  Status train_step();
+  Status report_step(float loss, double lr, int n, double step_s);
+  Status at_step_end();
+
+  // finish's parts
+  Status last_reconciliation();
+  WorkerReport own_report(const ModeStats& mode_stats, int64_t deltas_written, int64_t deltas_skipped) const;
+  /// Every worker's report goes to rank 0, which waits for the live ones.
+  Status gather_reports(const WorkerReport& own);
+  /// Rank 0: the final evaluation, checkpoint, model and its config.json.
+  Status write_final_outputs();
+  /// The summary's figures over all workers.
+  void add_totals();
+
+  // shared by the phases
+  TrainObserver& observer() { return options.observer != nullptr ? *options.observer : null_observer; }
+  Model& model() { return *model_ptr; }
+  /// metrics.jsonl's "epoch": epochs completed, fractional within an epoch (as step/steps-per-epoch).
+  double epochs_done() const;
+  Status evaluate(bool final);
+  /// What a checkpoint of this run holds; `global` is the owners' state (cfmo, asgd).
+  CheckpointData checkpoint_of(std::span<const float> params, const GlobalState* global);
+  Status checkpoint();
+  /// Brings the host model and optimizer up to date with the engine (a checkpoint, the end).
+  Status sync_host();
+  /// Asynchronous workers train on without a lost peer: each says so, once a peer.
+  void announce_lost();
+
+  const TrainConfig& config;
+  const TrainPlan plan;
+  const TrainOptions& options;
+  const Clock::time_point run_start = Clock::now();
+  TrainObserver null_observer;
+  Communicator* comm;
+  const int rank;
+  const int world;
+  const ModeTraits traits;
+  const bool async;  ///< several workers in an asynchronous mode
+
+  // What the run trains, in the order they must be destroyed backwards (the
+  // engine refers to the model, the optimizer and the data).
+  std::unique_ptr<DataSource> source;
+  std::unique_ptr<Model> model_ptr;
+  std::string model_spec;
+  int64_t train_examples = 0;
+  int vocab = 0;
+  int context = 0;
+  int64_t sample_every = 0;
+  OptimizerConfig optim_config;
+  std::unique_ptr<Optimizer> optimizer;
+  TrainPosition pos;
+  ModeResume resume;
+
+  // The run's length.
+  int batch = 0;
+  int64_t global_batch = 0;
+  int64_t batches_per_epoch = 0;
+  int64_t step_limit = INT64_MAX;
+  int64_t token_windows = 0;
+  int64_t token_steps = 0;
+  ModeSettings settings;
+  Heterogeneity simulated;
+  double time_limit_s = 0;
+  Schedule schedule;
+
+  std::filesystem::path run_dir;
+  std::unique_ptr<DeltaWriter> delta_writer;
+  std::unique_ptr<Mode> mode;
+  std::unique_ptr<Engine> engine;
+  MetricsLog metrics;
+  TrainSummary summary;
+
+  // The checkpoint policy.
+  bool checkpoints = false;  ///< this rank writes them (rank 0 with a run directory)
+  int64_t last_checkpoint_step = -1;
+  std::unique_ptr<CheckpointWriter> checkpoint_writer;
+  bool checkpoint_due = false;  ///< an epoch end or --checkpoint-every asked for one
+
+  // The loop's state.
+  std::vector<int64_t> order;
+  int64_t order_epoch = -1;
+  Rng straggler_rng{0};
+  double window_loss = 0;
+  int64_t window_steps = 0;
+  int64_t window_samples = 0;
+  double window_s = 0;
+  double progress_loss = 0;
+  int64_t progress_steps = 0;
+  double train_s = 0;
+  double compute_s = 0;  ///< computing and simulated slowness, not waiting
+  int64_t samples_this_run = 0;
+  int64_t steps_this_run = 0;
+  int64_t last_eval_step = -1;
+  Clock::time_point loop_start;
+  double loop_s = 0;
+  std::vector<bool> announced;
+  std::string stopped_by;
+};
+
+}  // namespace cfmo::detail

@@ -1,0 +1,342 @@
+// cfmo-pull mount --lazy: a real FUSE mount (skipped where /dev/fuse or the
+// right to mount is missing) of an image whose cold layers are in a real
+// docker-registry, read through a fault-injecting proxy, compared with the
+// rootfs a full pull unpacks.
+#include "integration/fault_proxy.h"
+#include "integration/registry_fixture.h"
+#include "oci/gzip_index.h"
+#include "oci/hot_set.h"
+#include "oci/lazy_mount.h"
+#include "support/tree_listing.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mount.h>
+
+#include <chrono>
+#include <thread>
+
+namespace cfmo::pulltest {
+namespace {
+
+constexpr const char* kImage = "lazy/app";
+constexpr const char* kSpan = "64K";
+
+/// Three layers: a gzip base with a file over many spans, hard and symbolic
+/// links; a gzip layer with a whiteout; an uncompressed one with an opaque directory.
+FixtureImage lazy_image() {
+  using namespace cfmo::testing;
+  const std::string base =
+      make_tar({dir("etc"), file("etc/os-release", "ID=lazy\n"), file("old", "gone soon\n"), dir("opt"),
+                file("opt/lower", "lower\n"), symlink("bin", "usr/bin"), dir("usr"), dir("usr/bin"),
+                file("usr/bin/tool", "#!/bin/sh\necho tool\n", 0755), file("usr/big", random_bytes(700000, 3)),
+                hardlink("usr/big-link", "usr/big"), file("usr/empty", "")});
+  const std::string runtime =
+      make_tar({whiteout("", "old"), dir("lib"), file("lib/runtime.so", random_bytes(150000, 7)),
+                file("lib/text", std::string(200000, 'x'))});
+  const std::string app = make_tar({dir("opt"), opaque("opt"), file("opt/app", "app\n")});
+  return make_real_image({{base, "tar+gzip"}, {runtime, "tar+gzip"}, {app, "tar"}});
+}
+
+class Lazy : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!fs::exists(kRegistryBinary)) return;
+    image_ = new FixtureImage(lazy_image());
+    setup_error_ = start_suite_registry(registry_, kImage, *image_);
+  }
+  static void TearDownTestSuite() { delete registry_; }
+  void SetUp() override {
+    if (!fs::exists(kRegistryBinary) || !fs::exists("/dev/fuse")) GTEST_SKIP() << "no docker-registry or no /dev/fuse";
+    ASSERT_TRUE(setup_error_.empty()) << setup_error_;
+  }
+
+  /// A full pull and its indexes (the reference), its rootfs, and a lazy pull
+  /// through `host` holding nothing but the manifest, config and indexes.
+  void prepare(const std::string& host) {
+    const std::string ref = registry_->host() + "/" + kImage + ":v1";
+    ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+    const RunResult indexed = pull({"index", (out_ / "full").string(), "--span", kSpan, "-q"});
+    ASSERT_EQ(indexed.status, 0) << indexed.err;
+    const RunResult rootfs = pull({"pull", ref, "--output", "rootfs:" + (out_ / "rootfs").string(), "--cache",
+                                   (out_ / "cache").string(), "--plain-http", "-q"});
+    ASSERT_EQ(rootfs.status, 0) << rootfs.err;
+    const RunResult lazy = pull({"pull", host + "/" + kImage + ":v1", "--output", "oci:" + lazy_dir().string(),
+                                 "--plain-http", "--cold", "lazy", "-q"});
+    ASSERT_EQ(lazy.status, 0) << lazy.err;
+    fs::copy(out_ / "full" / oci::kIndexDir, lazy_dir() / oci::kIndexDir);
+    fs::create_directories(point());
+  }
+
+  fs::path lazy_dir() const { return out_ / "lazy"; }
+  fs::path point() const { return out_ / "mnt"; }
+
+  /// `mount DIR MNT --lazy --json`; skips where FUSE mounts are not allowed.
+  Json mount(std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {
+        "mount", lazy_dir().string(), point().string(), "--lazy", "--json", "--retries", "1", "--retry-delay", "0.01"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const RunResult r = pull(args);
+    if (r.status == 2 && r.err.find("FUSE mount failed") != std::string::npos) {
+      skipped_ = true;
+      return Json();
+    }
+    EXPECT_EQ(r.status, 0) << r.err;
+    Json j = Json::parse(r.out, nullptr, false);
+    if (j.is_object()) guard_.pid = j.value("pid", 0);
+    guard_.point = point();
+    return j;
+  }
+
+  std::string log() const { return slurp(lazy_dir() / oci::kLazyLogFile); }
+
+  oci::LazyStats stats() const {
+    auto s = oci::read_lazy_stats(lazy_dir());
+    return s ? *s : oci::LazyStats{};
+  }
+
+  /// Unmounts and ends the daemon whatever the test did.
+  struct Guard {
+    fs::path point;
+    int pid = 0;
+    ~Guard() {
+      if (!point.empty()) ::umount2(point.c_str(), MNT_DETACH);
+      if (pid > 0) ::kill(pid, SIGKILL);
+    }
+  };
+
+  static bool alive(int pid) {
+    return pid > 0 && ::kill(pid, 0) == 0 && !slurp(fmt::format("/proc/{}/stat", pid)).empty() &&
+           slurp(fmt::format("/proc/{}/stat", pid)).find(") Z") == std::string::npos;
+  }
+
+  void umount() {
+    const RunResult r = pull({"umount", point().string()});
+    EXPECT_EQ(r.status, 0) << r.err;
+    EXPECT_FALSE(alive(guard_.pid)) << "the daemon outlived umount";
+    guard_.point.clear();
+    guard_.pid = 0;
+  }
+
+  TempDir out_;
+  Guard guard_;
+  bool skipped_ = false;
+  static inline Registry* registry_ = nullptr;
+  static inline FixtureImage* image_ = nullptr;
+  static inline std::string setup_error_;
+};
+
+#define MOUNT_OR_SKIP(j, ...)                                  \
+  const Json j = mount(__VA_ARGS__);                           \
+  if (skipped_) GTEST_SKIP() << "FUSE mounts are not allowed"; \
+  ASSERT_TRUE(j.is_object())
+
+/// The tree at a mount point, with the proc, sys and dev the mount supplies checked and left out.
+std::string without_runtime_dirs(const fs::path& point) {
+  std::string kept;
+  for (const auto& line : testing::lines(testing::list_tree(point))) {
+    bool supplied = false;
+    for (const char* name : {"dev", "proc", "sys"})
+      supplied = supplied || line.rfind(std::string(name) + " dir ", 0) == 0;
+    if (!supplied) kept += line + "\n";
+  }
+  for (const char* name : {"dev", "proc", "sys"}) EXPECT_TRUE(fs::is_directory(point / name)) << name;
+  return kept;
+}
+
+TEST_F(Lazy, TheMountEqualsTheFullPullsRootfsAndFetchesOnlyWhatIsRead) {
+  prepare(registry_->host());
+  MOUNT_OR_SKIP(j, {"--max-memory", "64M"});
+  EXPECT_EQ(j["layers"].size(), 3u);
+  for (const auto& l : j["layers"]) EXPECT_EQ(l["local"], false) << l;
+  // The tree and metadata come from the indexes: nothing fetched yet.
+  EXPECT_TRUE(fs::exists(point() / "usr" / "big"));
+  EXPECT_EQ(fs::file_size(point() / "usr" / "big"), 700000u);
+  EXPECT_EQ(stats().bytes_fetched, 0);
+  // One small file: a span of its layer, not the layer.
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  const int64_t one = stats().bytes_fetched;
+  EXPECT_GT(one, 0);
+  EXPECT_LT(one, static_cast<int64_t>(image_->layers[0].size()) / 2) << "more than the file's span was fetched";
+  // Whiteouts and opaque directories applied; every file's bytes as the full pull's.
+  EXPECT_EQ(without_runtime_dirs(point()), testing::list_tree(out_ / "rootfs"));
+  EXPECT_FALSE(fs::exists(point() / "old"));
+  EXPECT_FALSE(fs::exists(point() / "opt" / "lower"));
+  EXPECT_EQ(fs::read_symlink(point() / "bin"), "usr/bin");
+  EXPECT_FALSE(std::ofstream(point() / "new").good()) << "the mount is read-only";
+  const auto all = stats();
+  EXPECT_EQ(all.errors, 0);
+  int64_t image_bytes = 0;
+  for (const auto& l : image_->layers) image_bytes += static_cast<int64_t>(l.size());
+  EXPECT_LE(all.bytes_fetched, image_bytes + 4096);
+  // Under --max-memory, the daemon's peak included.
+  const std::string status = slurp(fmt::format("/proc/{}/status", j["pid"].get<int>()));
+  const auto hwm = status.find("VmHWM:");
+  ASSERT_NE(hwm, std::string::npos);
+  EXPECT_LT(std::stoll(status.substr(hwm + 6)) * 1024, int64_t{64} << 20) << status.substr(hwm, 30);
+  umount();
+  EXPECT_TRUE(fs::is_empty(point()));
+
+  // Mounted again, the cache serves: nothing more is fetched.
+  MOUNT_OR_SKIP(again);
+  EXPECT_EQ(slurp(point() / "usr" / "big"), testing::random_bytes(700000, 3));
+  EXPECT_EQ(stats().bytes_fetched, 0) << "the cache was not used";
+  // rm refuses while it is mounted.
+  const RunResult busy = pull({"rm", lazy_dir().string()});
+  EXPECT_EQ(busy.status, 2) << busy.err;
+  EXPECT_NE(busy.err.find("mounted at"), std::string::npos) << busy.err;
+  umount();
+}
+
+TEST_F(Lazy, ACorruptSpanIsEioLoggedNotCachedAndTheNextReadRetries) {
+  FaultProxy proxy(registry_->host());
+  prepare(proxy.host());
+  MOUNT_OR_SKIP(j);
+  const std::string blob = "/blobs/" + oci::sha256_digest(image_->layers[1]);
+  // Every answer corrupt while the file is read (the kernel tries a failed page again itself).
+  proxy.add(FaultProxy::corrupt(blob, 100, 1, 0));
+  std::ifstream first(point() / "lib" / "runtime.so", std::ios::binary);
+  char byte = 0;
+  first.read(&byte, 1);
+  EXPECT_FALSE(first.good()) << "a corrupt span was served";
+  const std::string logged = log();
+  EXPECT_NE(logged.find("layer " + oci::short_digest(oci::sha256_digest(image_->layers[1])) + " (1) span 0"),
+            std::string::npos)
+      << logged;
+  EXPECT_NE(logged.find("SHA-256 mismatch"), std::string::npos) << logged;
+  EXPECT_GE(stats().errors, 1);
+  EXPECT_FALSE(fs::exists(lazy_dir() / oci::kLazyCacheDir / oci::sha256_digest(image_->layers[1]).substr(7) / "0"));
+  // Nothing of it was kept: the next read asks again, and gets the right bytes.
+  proxy.clear();
+  EXPECT_EQ(slurp(point() / "lib" / "runtime.so"), testing::random_bytes(150000, 7));
+  umount();
+}
+
+TEST_F(Lazy, ARegistryThatDiesMidReadIsEioThenTheNextReadWorks) {
+  FaultProxy proxy(registry_->host());
+  prepare(proxy.host());
+  MOUNT_OR_SKIP(j);
+  const std::string blob = "/blobs/" + oci::sha256_digest(image_->layers[0]);
+  proxy.add(FaultProxy::drop_after(blob, 1000, 1, 0));  // every try, the client's retry and the kernel's too
+  const int fd = ::open((point() / "usr" / "big").c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  char buffer[4096];
+  EXPECT_EQ(::pread(fd, buffer, sizeof buffer, 0), -1);
+  EXPECT_EQ(errno, EIO);
+  EXPECT_GE(proxy.requests(blob).size(), 2u) << "the client did not retry";
+  proxy.clear();
+  EXPECT_EQ(::pread(fd, buffer, sizeof buffer, 0), static_cast<ssize_t>(sizeof buffer));
+  ::close(fd);
+  EXPECT_NE(log().find("span 0"), std::string::npos) << log();
+  umount();
+}
+
+TEST_F(Lazy, UnmountWithFilesOpenGivesEioNotAHang) {
+  prepare(registry_->host());
+  MOUNT_OR_SKIP(j);
+  const int pid = j["pid"].get<int>();
+  const int fd = ::open((point() / "usr" / "big").c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  char buffer[4096];
+  ASSERT_EQ(::pread(fd, buffer, sizeof buffer, 0), static_cast<ssize_t>(sizeof buffer));
+  const RunResult down = pull({"umount", point().string()}, 60);
+  EXPECT_EQ(down.status, 0) << down.err;
+  EXPECT_TRUE(fs::is_empty(point())) << "still mounted";
+  const ssize_t after = ::pread(fd, buffer, sizeof buffer, 300000);
+  const int error = errno;
+  EXPECT_EQ(after, -1);
+  EXPECT_TRUE(error == EIO || error == ENOTCONN || error == ECONNABORTED) << std::strerror(error);
+  ::close(fd);
+  for (int i = 0; i < 200 && alive(pid); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(alive(pid));
+  guard_.point.clear();
+  guard_.pid = 0;
+
+  // SIGTERM alone unmounts too.
+  MOUNT_OR_SKIP(again);
+  ::kill(again["pid"].get<int>(), SIGTERM);
+  for (int i = 0; i < 200 && alive(again["pid"].get<int>()); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(alive(again["pid"].get<int>()));
+  EXPECT_TRUE(fs::is_empty(point()));
+  guard_.point.clear();
+  guard_.pid = 0;
+}
+
+// A registry that answers a Range request with the whole blob: the layers
+// are fetched whole before the mount, and it says so.
+TEST_F(Lazy, ARegistryWithoutRangeSupportFallsBackToWholeLayers) {
+  const std::string repository = "norange/app";
+  auto routes = image_routes(repository, *image_, "application/vnd.oci.image.manifest.v1+json");
+  for (const auto& layer : image_->layers) {
+    routes["/v2/" + repository + "/blobs/" + oci::sha256_digest(layer)] = [&layer](const std::string&) {
+      return TinyServer::response(200, layer);  // Range ignored, as some servers do
+    };
+  }
+  TinyServer server(routes);
+  const std::string ref = registry_->host() + "/" + kImage + ":v1";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", kSpan, "-q"}).status, 0);
+  const RunResult lazy = pull({"pull", server.host() + "/" + repository + ":latest", "--output",
+                               "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
+  ASSERT_EQ(lazy.status, 0) << lazy.err;
+  fs::copy(out_ / "full" / oci::kIndexDir, lazy_dir() / oci::kIndexDir);
+  fs::create_directories(point());
+  MOUNT_OR_SKIP(j);
+  ASSERT_EQ(j["notes"].size(), 3u) << j;
+  EXPECT_NE(j["notes"][0].get<std::string>().find("does not serve parts of a blob"), std::string::npos) << j;
+  for (const auto& l : j["layers"]) EXPECT_EQ(l["local"], true) << l;
+  EXPECT_EQ(slurp(point() / "usr" / "big"), testing::random_bytes(700000, 3));
+  EXPECT_EQ(stats().bytes_fetched, 0);
+  umount();
+}
+
+// --record writes what a mount served; --prefetch fetches those first on the
+// next one; --background turns the mount into a full local copy meanwhile.
+TEST_F(Lazy, RecordPrefetchAndBackgroundFetch) {
+  prepare(registry_->host());
+  const fs::path recorded = out_ / "served.txt";
+  MOUNT_OR_SKIP(first, {"--record", recorded.string()});
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  EXPECT_EQ(slurp(point() / "usr" / "bin" / "tool"), "#!/bin/sh\necho tool\n");
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  umount();
+  EXPECT_EQ(slurp(recorded), "/etc/os-release\n/usr/bin/tool\n");
+
+  fs::remove_all(lazy_dir() / oci::kLazyCacheDir);
+  MOUNT_OR_SKIP(second, {"--prefetch", recorded.string()});
+  for (int i = 0; i < 200 && log().find("prefetched the spans of 2 file(s)") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const auto prefetched = stats();
+  EXPECT_GT(prefetched.bytes_fetched, 0) << log();
+  EXPECT_EQ(slurp(point() / "usr" / "bin" / "tool"), "#!/bin/sh\necho tool\n");
+  EXPECT_EQ(stats().bytes_fetched, prefetched.bytes_fetched) << "a prefetched file was fetched again";
+  umount();
+
+  MOUNT_OR_SKIP(third, {"--background"});
+  ASSERT_TRUE(third["background_pid"].is_number()) << third;
+  const int fetcher = third["background_pid"].get<int>();
+  for (int i = 0; i < 600 && alive(fetcher); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(alive(fetcher));
+  const RunResult status = pull({"status", lazy_dir().string()});
+  EXPECT_NE(status.out.find("layers    3 of 3 fetched"), std::string::npos) << status.out;
+  EXPECT_NE(status.out.find("lazy      "), std::string::npos) << status.out;
+  EXPECT_NE(status.out.find("mounted at " + fs::canonical(point()).string()), std::string::npos) << status.out;
+  // Fetched whole now: read from the local blobs, nothing by ranges.
+  const int64_t before = stats().bytes_fetched;
+  EXPECT_EQ(slurp(point() / "lib" / "text"), std::string(200000, 'x'));
+  EXPECT_EQ(stats().bytes_fetched, before);
+  umount();
+}
+
+TEST_F(Lazy, AMemoryCapTooSmallForOneSpanIsRefusedBeforeMounting) {
+  prepare(registry_->host());
+  const RunResult r = pull({"mount", lazy_dir().string(), point().string(), "--lazy", "--max-memory", "20M"});
+  EXPECT_EQ(r.status, 2) << r.err;
+  EXPECT_NE(r.err.find("--max-memory"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::is_empty(point()));
+}
+
+}  // namespace
+}  // namespace cfmo::pulltest
