@@ -177,7 +177,7 @@ TEST_P(CfmoStaleness, AStaleDeltaIsWeightedByBetaToTheStalenessOrDroppedBeyondTh
   settings.max_staleness = GetParam().max_staleness;
   Cluster c(2, settings);
   c.world.network->hold(1, 0);
-  const size_t shard0 = 48;  // shard 0 of two: [0, 48)
+  const size_t shard0 = 48;                                   // shard 0 of two: [0, 48)
   for (size_t i = 0; i < shard0; ++i) c.param(1)[i] += 1.0f;  // rank 1's delta: ones on shard 0
   ASSERT_TRUE(c.step(1, 1));
   for (int step = 1; step <= 4; ++step) {  // rank 0's zero deltas: versions, no values

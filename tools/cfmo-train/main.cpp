@@ -2,8 +2,8 @@
 // library's trainer, report. The parts besides are in commands.h.
 #include "../common/stop_signals.h"
 #include "../common/tool_main.h"
-#include "commands.h"
 #include "comm/world.h"
+#include "commands.h"
 #include "console_observer.h"
 #include "train/checkpoint.h"
 #include "train/memory_estimate.h"
