@@ -5,14 +5,14 @@
 
 namespace cfmo {
 
-Result<std::unique_ptr<Model>> make_model(std::string_view spec, const DataShape& data) {
+Result<std::unique_ptr<Model>> make_model(std::string_view spec, const DataShape& data, const MoeOptions& moe) {
   if (spec.starts_with("gpt:")) {
     CFMO_ASSIGN_OR_RETURN(GptSpec gpt, GptSpec::parse(spec, data.kind == InputKind::kTokens ? data.classes : 1));
     if (data.kind != InputKind::kTokens) {
       return make_error(ErrorKind::kUsage, "--model '{}' trains on token data: give --data text:FILE or tokens:GLOB",
                         spec);
     }
-    return std::unique_ptr<Model>(std::make_unique<Gpt>(gpt));
+    return std::unique_ptr<Model>(std::make_unique<Gpt>(gpt, moe));
   }
   if (spec.starts_with("mlp:") && data.kind != InputKind::kFeatures) {
     return make_error(ErrorKind::kUsage, "--model '{}' trains on images: use --model gpt:... for token data", spec);

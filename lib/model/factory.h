@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "model/model.h"
+#include "model/moe_options.h"
 
 #include <memory>
 #include <string_view>
@@ -18,8 +19,9 @@ struct DataShape {
 };
 
 /// "mlp:..." or "gpt:..."; kUsage for a malformed spec or one that does not
-/// fit the data (a GPT on images, an MLP on tokens).
-Result<std::unique_ptr<Model>> make_model(std::string_view spec, const DataShape& data);
+/// fit the data (a GPT on images, an MLP on tokens). `moe` trains a GPT's
+/// Mixture-of-Experts layers (the other models ignore it).
+Result<std::unique_ptr<Model>> make_model(std::string_view spec, const DataShape& data, const MoeOptions& moe = {});
 
 /// The tokens per example of the model `spec` names (a GPT's context), 0 for
 /// other models or a malformed spec: what token data must know before the model.

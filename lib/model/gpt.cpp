@@ -28,12 +28,17 @@ Result<GptSpec> GptSpec::parse(std::string_view text, int vocab) {
     std::string_view key;
     int* value;
     int max;
+    bool required = true;
     bool seen = false;
   };
   Field fields[] = {{"layers", &spec.layers, 256},
                     {"heads", &spec.heads, 1024},
                     {"dim", &spec.dim, 65536},
-                    {"context", &spec.context, 1 << 20}};
+                    {"context", &spec.context, 1 << 20},
+                    {"experts", &spec.experts, 1024, false},
+                    {"top_k", &spec.top_k, 1024, false},
+                    {"expert_dim", &spec.expert_dim, 1 << 20, false},
+                    {"moe_every", &spec.moe_every, 256, false}};
   std::string_view rest = text.substr(kPrefix.size());
   while (!rest.empty()) {
     const auto comma = rest.find(',');
@@ -57,26 +62,52 @@ Result<GptSpec> GptSpec::parse(std::string_view text, int vocab) {
     if (rest.empty()) return bad("trailing comma");
   }
   for (const Field& f : fields) {
-    if (!f.seen) return bad(fmt::format("'{}' is missing", f.key));
+    if (f.required && !f.seen) return bad(fmt::format("'{}' is missing", f.key));
   }
   if (spec.dim % spec.heads != 0) return bad(fmt::format("dim {} is not a multiple of heads {}", spec.dim, spec.heads));
+  if (spec.experts == 0) {
+    for (const Field& f : fields) {
+      if (!f.required && f.seen) return bad(fmt::format("'{}' needs experts=E", f.key));
+    }
+  } else {
+    if (spec.top_k > spec.experts) {
+      return bad(fmt::format("top_k {} is more than experts {}", spec.top_k, spec.experts));
+    }
+    if (spec.moe_every > spec.layers) {
+      return bad(
+          fmt::format("moe_every {} is more than layers {}: no block would have experts", spec.moe_every, spec.layers));
+    }
+    if (spec.expert_dim == 0) spec.expert_dim = 4 * spec.dim;
+  }
   if (vocab <= 0) return bad("the data has no vocabulary");
   return spec;
 }
 
 std::string GptSpec::to_string() const {
-  return fmt::format("gpt:layers={},heads={},dim={},context={}", layers, heads, dim, context);
+  std::string text = fmt::format("gpt:layers={},heads={},dim={},context={}", layers, heads, dim, context);
+  if (experts > 0) {
+    text += fmt::format(",experts={},top_k={},expert_dim={},moe_every={}", experts, top_k, expert_dim, moe_every);
+  }
+  return text;
 }
 
-Gpt::Gpt(GptSpec spec) : spec_(spec) {
+Gpt::Gpt(GptSpec spec, MoeOptions moe) : spec_(spec), moe_options_(moe) {
   const int64_t c = spec_.dim;
+  const int64_t d = spec_.expert_dim;
   std::vector<ParamInfo> layout;
   LayoutBuilder b;
   // GPT-2 practice: weight decay on the matrices only.
   b.add(layout, "wte.weight", {spec_.vocab, c}, ParamKind::kEmbedding, false);
   b.add(layout, "wpe.weight", {spec_.context, c}, ParamKind::kEmbedding, false);
+  const auto layers = static_cast<size_t>(spec_.layers);
+  block_first_.resize(layers);
+  expert_first_.assign(layers, -1);
+  mlp_slot_.assign(layers, -1);
+  moe_.resize(layers);
+  int dense_mlps = 0;
   for (int l = 0; l < spec_.layers; ++l) {
     const std::string h = fmt::format("h.{}.", l);
+    block_first_[static_cast<size_t>(l)] = static_cast<int>(layout.size());
     b.add(layout, h + "ln_1.weight", {c}, ParamKind::kNorm, false);
     b.add(layout, h + "ln_1.bias", {c}, ParamKind::kNorm, false);
     b.add(layout, h + "attn.c_attn.weight", {c, 3 * c}, ParamKind::kMatrix, true);
@@ -85,14 +116,45 @@ Gpt::Gpt(GptSpec spec) : spec_(spec) {
     b.add(layout, h + "attn.c_proj.bias", {c}, ParamKind::kBias, false);
     b.add(layout, h + "ln_2.weight", {c}, ParamKind::kNorm, false);
     b.add(layout, h + "ln_2.bias", {c}, ParamKind::kNorm, false);
+    if (spec_.is_moe_layer(l)) {
+      b.add(layout, h + "mlp.router.weight", {c, spec_.experts}, ParamKind::kMatrix, true);
+      moe_[static_cast<size_t>(l)] =
+          std::make_unique<MoeMlp>(spec_.dim, spec_.experts, spec_.top_k, spec_.expert_dim, moe_options_);
+      continue;
+    }
+    mlp_slot_[static_cast<size_t>(l)] = dense_mlps++;
     b.add(layout, h + "mlp.c_fc.weight", {c, 4 * c}, ParamKind::kMatrix, true);
     b.add(layout, h + "mlp.c_fc.bias", {4 * c}, ParamKind::kBias, false);
     b.add(layout, h + "mlp.c_proj.weight", {4 * c, c}, ParamKind::kMatrix, true);
     b.add(layout, h + "mlp.c_proj.bias", {c}, ParamKind::kBias, false);
   }
+  ln_f_ = static_cast<int>(layout.size());
   b.add(layout, "ln_f.weight", {c}, ParamKind::kNorm, false);
   b.add(layout, "ln_f.bias", {c}, ParamKind::kNorm, false);
+  dense_size_ = b.size();
+  // The experts last, by block and expert: the prefix before them is what every rank replicates.
+  for (int l = 0; l < spec_.layers; ++l) {
+    if (!spec_.is_moe_layer(l)) continue;
+    expert_first_[static_cast<size_t>(l)] = static_cast<int>(layout.size());
+    for (int e = 0; e < spec_.experts; ++e) {
+      const std::string x = fmt::format("h.{}.mlp.experts.{}.", l, e);
+      b.add(layout, x + "c_fc.weight", {c, d}, ParamKind::kMatrix, true);
+      b.add(layout, x + "c_fc.bias", {d}, ParamKind::kBias, false);
+      b.add(layout, x + "c_proj.weight", {d, c}, ParamKind::kMatrix, true);
+      b.add(layout, x + "c_proj.bias", {c}, ParamKind::kBias, false);
+    }
+  }
   set_layout(std::move(layout), b.size());
+}
+
+std::vector<ExpertTensors> Gpt::expert_tensors(int layer, bool grads) {
+  std::vector<ExpertTensors> out(static_cast<size_t>(spec_.experts));
+  const int first = expert_first_[static_cast<size_t>(layer)];
+  for (int e = 0; e < spec_.experts; ++e) {
+    auto at = [&](int i) { return grads ? grad(first + 4 * e + i) : param(first + 4 * e + i); };
+    out[static_cast<size_t>(e)] = {at(0), at(1), at(2), at(3)};
+  }
+  return out;
 }
 
 void Gpt::init(uint64_t seed) {
@@ -115,11 +177,29 @@ double Gpt::flops_per_example() const {
   const double c = spec_.dim;
   const double l = spec_.layers;
   const double t = spec_.context;
-  const double matmul_weights = 12.0 * l * c * c + static_cast<double>(spec_.vocab) * c;
+  const double moe = spec_.moe_layers();
+  const double mlp = (l - moe) * 8.0 * c * c +
+                     moe * (c * spec_.experts + 2.0 * spec_.top_k * c * static_cast<double>(spec_.expert_dim));
+  const double matmul_weights = 4.0 * l * c * c + mlp + static_cast<double>(spec_.vocab) * c;
   return t * (6.0 * matmul_weights + 12.0 * l * t * c);
 }
 
+std::string Gpt::flops_formula() const {
+  if (!spec_.is_moe()) return "T (6 (12 L C^2 + V C) + 12 L T C), attention as if unmasked";
+  return "T (6 (4 L C^2 + 8 L_dense C^2 + L_moe (C E + 2 K C D) + V C) + 12 L T C), active weights, attention as if "
+         "unmasked";
+}
+
+nlohmann::ordered_json Gpt::take_metrics() {
+  nlohmann::ordered_json j = window_stats_.to_json();
+  window_stats_ = MoeStats{};
+  return j;
+}
+
+nlohmann::ordered_json Gpt::run_metrics() const { return run_stats_.to_json(); }
+
 std::string Gpt::hf_config_json() const {
+  if (spec_.is_moe()) return {};  // GPT2LMHeadModel has no experts
   // Dropout 0: the model trained without it. GPT-2's <|endoftext|> is its last token.
   const nlohmann::ordered_json config = {{"model_type", "gpt2"},
                                          {"architectures", {"GPT2LMHeadModel"}},
@@ -142,14 +222,19 @@ std::string Gpt::hf_config_json() const {
 }
 
 size_t Gpt::workspace_floats(int batch) const {
-  // What ensure_workspace allocates, buffer by buffer.
+  // What ensure_workspace allocates, buffer by buffer, and the MoE layers' own.
   const auto n = static_cast<size_t>(batch) * static_cast<size_t>(spec_.context);
   const auto c = static_cast<size_t>(spec_.dim);
   const auto layers = static_cast<size_t>(spec_.layers);
+  const auto dense = layers - static_cast<size_t>(spec_.moe_layers());
   const auto t = static_cast<size_t>(spec_.context);
-  const size_t per_layer = n * c * 16 + n * 4 + static_cast<size_t>(batch) * static_cast<size_t>(spec_.heads) * t * t;
-  return layers * per_layer + n * c * 11 + n * 3 + n * static_cast<size_t>(spec_.vocab) +
-         static_cast<size_t>(gpt::kAttentionBlock) * t;
+  const size_t per_layer = n * c * 8 + n * 4 + static_cast<size_t>(batch) * static_cast<size_t>(spec_.heads) * t * t;
+  size_t moe = 0;
+  for (const auto& layer : moe_) {
+    if (layer) moe += layer->workspace_floats(static_cast<int>(n));
+  }
+  return layers * per_layer + dense * n * c * 8 + n * c * 11 + n * 3 + n * static_cast<size_t>(spec_.vocab) +
+         static_cast<size_t>(gpt::kAttentionBlock) * t + moe;
 }
 
 void Gpt::ensure_workspace(int batch) {
@@ -158,6 +243,7 @@ void Gpt::ensure_workspace(int batch) {
   const auto n = static_cast<size_t>(batch) * static_cast<size_t>(spec_.context);
   const auto c = static_cast<size_t>(spec_.dim);
   const auto layers = static_cast<size_t>(spec_.layers);
+  const auto dense = layers - static_cast<size_t>(spec_.moe_layers());
   const auto t = static_cast<size_t>(spec_.context);
   residual_.resize((layers + 1) * n * c);
   residual2_.resize(layers * n * c);
@@ -168,8 +254,8 @@ void Gpt::ensure_workspace(int batch) {
   qkv_.resize(layers * n * 3 * c);
   probs_.resize(layers * static_cast<size_t>(batch) * static_cast<size_t>(spec_.heads) * t * t);
   attn_.resize(layers * n * c);
-  fc_.resize(layers * n * 4 * c);
-  gelu_.resize(layers * n * 4 * c);
+  fc_.resize(dense * n * 4 * c);
+  gelu_.resize(dense * n * 4 * c);
   lnf_.resize(n * c);
   lnf_stats_.resize(n * 2);
   logits_.resize(n * static_cast<size_t>(spec_.vocab));
@@ -210,8 +296,6 @@ void Gpt::forward_rows(const int32_t* tokens, int batch, int t, int stride) {
     float* attn = attn_.data() + ul * n * uc;
     float* mid = residual2_.data() + ul * n * uc;
     float* ln2 = ln2_.data() + ul * n * uc;
-    float* fc = fc_.data() + ul * n * 4 * uc;
-    float* gelu = gelu_.data() + ul * n * 4 * uc;
     float* out = residual_.data() + (ul + 1) * n * uc;
     gpt::layernorm_forward(ln1, ln1_stats_.data() + ul * n * 2, in, param(block_tensor(l, kLn1W)),
                            param(block_tensor(l, kLn1B)), rows, c);
@@ -223,6 +307,13 @@ void Gpt::forward_rows(const int32_t* tokens, int batch, int t, int stride) {
     ops::add_bias_rows(mid, param(block_tensor(l, kAttnProjB)), rows, c, false);
     gpt::layernorm_forward(ln2, ln2_stats_.data() + ul * n * 2, mid, param(block_tensor(l, kLn2W)),
                            param(block_tensor(l, kLn2B)), rows, c);
+    if (MoeMlp* moe = moe_[ul].get()) {
+      moe->forward(ln2, mid, rows, param(block_tensor(l, kRouter)), expert_tensors(l, false), out);
+      continue;
+    }
+    const auto slot = static_cast<size_t>(mlp_slot_[ul]);
+    float* fc = fc_.data() + slot * n * 4 * uc;
+    float* gelu = gelu_.data() + slot * n * 4 * uc;
     gpt::linear_forward(fc, ln2, param(block_tensor(l, kFcW)), param(block_tensor(l, kFcB)), rows, c, 4 * c);
     gpt::gelu_forward(gelu, fc, static_cast<size_t>(rows) * 4 * uc);
     std::copy(mid, mid + static_cast<size_t>(rows) * uc, out);
@@ -274,6 +365,24 @@ float Gpt::forward_backward(const Examples& batch) {
   }
   const double loss = softmax_cross_entropy(logits_.data(), targets_.data(), rows, spec_.vocab, logits_.data(),
                                             1.0f / static_cast<float>(rows), nullptr);
+  // The auxiliary losses: each the mean over the MoE layers, times its coefficient.
+  const int moe_layers = spec_.moe_layers();
+  const float aux_weight = moe_layers > 0 ? static_cast<float>(moe_options_.aux_loss / moe_layers) : 0.0f;
+  const float z_weight = moe_layers > 0 ? static_cast<float>(moe_options_.z_loss / moe_layers) : 0.0f;
+  double aux = 0;
+  if (moe_layers > 0) {
+    std::vector<const MoeMlp*> layers;
+    std::vector<int> index;
+    for (int l = 0; l < spec_.layers; ++l) {
+      if (const MoeMlp* moe = moe_[static_cast<size_t>(l)].get()) {
+        aux += aux_weight * moe->aux_loss() + z_weight * moe->z_loss();
+        layers.push_back(moe);
+        index.push_back(l);
+      }
+    }
+    window_stats_.add(layers, index);
+    run_stats_.add(layers, index);
+  }
   std::fill(gradients_.begin(), gradients_.end(), 0.0f);
   const auto n = static_cast<size_t>(workspace_batch_) * static_cast<size_t>(spec_.context);
   const size_t probs_slot = static_cast<size_t>(workspace_batch_) * static_cast<size_t>(spec_.heads) *
@@ -297,14 +406,21 @@ float Gpt::forward_backward(const Examples& batch) {
     const float* attn = attn_.data() + ul * n * uc;
     const float* mid = residual2_.data() + ul * n * uc;
     const float* ln2 = ln2_.data() + ul * n * uc;
-    const float* fc = fc_.data() + ul * n * 4 * uc;
-    const float* gelu = gelu_.data() + ul * n * 4 * uc;
     // MLP: out = mid + gelu(ln2(mid) W_fc + b) W_proj + b; dx is d out and becomes d mid.
-    gpt::linear_backward(d_wide_.data(), grad(block_tensor(l, kFcProjW)), grad(block_tensor(l, kFcProjB)), dx, gelu,
-                         param(block_tensor(l, kFcProjW)), rows, 4 * c, c);
-    gpt::gelu_backward(d_wide_.data(), d_wide_.data(), fc, urows * 4 * uc);
-    gpt::linear_backward(d_norm_.data(), grad(block_tensor(l, kFcW)), grad(block_tensor(l, kFcB)), d_wide_.data(), ln2,
-                         param(block_tensor(l, kFcW)), rows, c, 4 * c);
+    if (MoeMlp* moe = moe_[ul].get()) {
+      std::fill(d_norm_.begin(), d_norm_.begin() + static_cast<ptrdiff_t>(urows * uc), 0.0f);
+      moe->backward(dx, ln2, param(block_tensor(l, kRouter)), grad(block_tensor(l, kRouter)), expert_tensors(l, false),
+                    expert_tensors(l, true), d_norm_.data(), aux_weight, z_weight);
+    } else {
+      const auto slot = static_cast<size_t>(mlp_slot_[ul]);
+      const float* fc = fc_.data() + slot * n * 4 * uc;
+      const float* gelu = gelu_.data() + slot * n * 4 * uc;
+      gpt::linear_backward(d_wide_.data(), grad(block_tensor(l, kFcProjW)), grad(block_tensor(l, kFcProjB)), dx, gelu,
+                           param(block_tensor(l, kFcProjW)), rows, 4 * c, c);
+      gpt::gelu_backward(d_wide_.data(), d_wide_.data(), fc, urows * 4 * uc);
+      gpt::linear_backward(d_norm_.data(), grad(block_tensor(l, kFcW)), grad(block_tensor(l, kFcB)), d_wide_.data(),
+                           ln2, param(block_tensor(l, kFcW)), rows, c, 4 * c);
+    }
     gpt::layernorm_backward(dx, grad(block_tensor(l, kLn2W)), grad(block_tensor(l, kLn2B)), d_norm_.data(), mid,
                             param(block_tensor(l, kLn2W)), ln2_stats_.data() + ul * n * 2, rows, c);
     // Attention: mid = in + attn(ln1(in)) W_proj + b; dx becomes d in.
@@ -332,7 +448,7 @@ float Gpt::forward_backward(const Examples& batch) {
       }
     }
   }
-  return static_cast<float>(loss / rows);
+  return static_cast<float>(loss / rows + aux);
 }
 
 namespace gpt {

@@ -13,13 +13,24 @@
 /// N the weights of the matrix products (the tied head once), 6 = forward 2
 /// plus backward 4 per multiply-add, 12 L T C the attention scores and their
 /// weighted sum as if unmasked. The causal kernel skips most of the masked
-/// half, so the work it does is less than this count.
+/// half, so the work it does is less than this count. With experts N counts
+/// the active weights: a MoE block's MLP is its router C E and k experts of
+/// 2 C D each, instead of 8 C^2.
+///
+/// With `experts=E` every `moe_every`-th block (blocks M-1, 2M-1, ...) has a
+/// Mixture-of-Experts MLP (model/moe_mlp.h). Its router is
+/// h.{i}.mlp.router.weight [C, E]; its experts h.{i}.mlp.experts.{e}.c_fc.*
+/// and .c_proj.* in the Conv1D layout. The expert tensors come after every
+/// other tensor in the flat buffer (dense_size() floats precede them), so an
+/// expert-parallel mode can tell the replicated prefix from the experts.
 
 #include "core/error.h"
 #include "model/model.h"
+#include "model/moe_mlp.h"
 #include "tensor/buffer.h"
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -32,16 +43,24 @@ struct GptSpec {
   int dim = 128;
   int context = 64;
   int vocab = 256;
+  int experts = 0;     ///< 0: a dense GPT
+  int top_k = 2;       ///< experts per token
+  int expert_dim = 0;  ///< D of each expert's MLP (parse sets 4 C when not given)
+  int moe_every = 1;   ///< every M-th block's MLP is a MoE
 
-  /// "gpt:layers=L,heads=H,dim=C,context=T"; the vocabulary comes from the data.
+  /// "gpt:layers=L,heads=H,dim=C,context=T[,experts=E,top_k=K,expert_dim=D,moe_every=M]";
+  /// the vocabulary comes from the data.
   static Result<GptSpec> parse(std::string_view text, int vocab);
   std::string to_string() const;
   int head_dim() const { return dim / heads; }
+  bool is_moe() const { return experts > 0; }
+  bool is_moe_layer(int layer) const { return experts > 0 && layer % moe_every == moe_every - 1; }
+  int moe_layers() const { return experts > 0 ? layers / moe_every : 0; }
 };
 
 class Gpt final : public Model {
  public:
-  explicit Gpt(GptSpec spec);
+  explicit Gpt(GptSpec spec, MoeOptions moe = {});
 
   const GptSpec& spec() const { return spec_; }
   std::string spec_string() const override { return spec_.to_string(); }
@@ -59,7 +78,14 @@ class Gpt final : public Model {
   double flops_per_example() const override;
   /// GPT2Config: the run directory then loads with GPT2LMHeadModel.from_pretrained.
   std::string hf_config_json() const override;
-  std::string flops_formula() const override { return "T (6 (12 L C^2 + V C) + 12 L T C), attention as if unmasked"; }
+  std::string flops_formula() const override;
+  nlohmann::ordered_json take_metrics() override;
+  nlohmann::ordered_json run_metrics() const override;
+
+  /// Floats of the flat buffer before the first expert tensor (all of it for a dense GPT).
+  size_t dense_size() const { return dense_size_; }
+  /// The Mixture-of-Experts MLP of block `layer`, or null for a dense block.
+  const MoeMlp* moe_layer(int layer) const { return moe_[static_cast<size_t>(layer)].get(); }
 
   /// Forward only over `batch` windows of context + 1 tokens; leaves the
   /// logits [batch * context, vocab] in logits() and returns the summed loss.
@@ -70,7 +96,8 @@ class Gpt final : public Model {
   std::span<const float> next_token_logits(std::span<const int32_t> tokens);
 
  private:
-  /// Indices into params_ of one block's tensors, in Hugging Face's order.
+  /// Indices into params_ of one block's tensors, in Hugging Face's order
+  /// (a MoE block: the first eight, then its router in kFcW's place).
   enum Tensor : int {
     kLn1W,
     kLn1B,
@@ -84,17 +111,28 @@ class Gpt final : public Model {
     kFcB,
     kFcProjW,
     kFcProjB,
-    kPerBlock
+    kPerBlock,
+    kRouter = kFcW
   };
   float* param(int index) { return parameters_.data() + params_[static_cast<size_t>(index)].offset; }
   float* grad(int index) { return gradients_.data() + params_[static_cast<size_t>(index)].offset; }
-  static int block_tensor(int layer, Tensor t) { return 2 + layer * kPerBlock + t; }
-  int ln_f() const { return 2 + spec_.layers * kPerBlock; }
+  int block_tensor(int layer, Tensor t) const { return block_first_[static_cast<size_t>(layer)] + t; }
+  int ln_f() const { return ln_f_; }
+  /// A MoE block's experts' tensors in the parameters (or, `grads`, the gradients).
+  std::vector<ExpertTensors> expert_tensors(int layer, bool grads);
   void ensure_workspace(int batch);
   /// Runs the model over `rows` = batch x `t` positions (t <= context) into logits_.
   void forward_rows(const int32_t* tokens, int batch, int t, int stride);
 
   GptSpec spec_;
+  MoeOptions moe_options_;
+  std::vector<int> block_first_;   ///< [layer]: index of its ln_1.weight
+  std::vector<int> expert_first_;  ///< [layer]: index of its expert 0's c_fc.weight (-1: dense block)
+  std::vector<int> mlp_slot_;      ///< [layer]: its slot in fc_ and gelu_ (-1: a MoE block)
+  int ln_f_ = 0;
+  size_t dense_size_ = 0;
+  std::vector<std::unique_ptr<MoeMlp>> moe_;  ///< [layer]; null for a dense block
+  MoeStats window_stats_, run_stats_;
   int workspace_batch_ = 0;
   // Activations, each [batch * context, width] unless noted; per layer where backward needs them.
   FloatBuffer residual_;   ///< [layers + 1] x the stream entering each block (and leaving the last)
@@ -103,7 +141,7 @@ class Gpt final : public Model {
   FloatBuffer qkv_;                                ///< [layers] x [.., 3C]
   FloatBuffer probs_;                              ///< [layers] x [batch, heads, T, T] attention weights
   FloatBuffer attn_;                               ///< [layers] x heads' outputs before c_proj [.., C]
-  FloatBuffer fc_, gelu_;                          ///< [layers] x [.., 4C]
+  FloatBuffer fc_, gelu_;                          ///< [dense layers] x [.., 4C]
   FloatBuffer lnf_, lnf_stats_;
   FloatBuffer logits_;  ///< [.., V]; its gradient in place
   // Backward scratch, one layer's worth.

@@ -13,6 +13,8 @@
 #include "core/error.h"
 #include "tensor/buffer.h"
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <span>
 #include <string>
@@ -132,6 +134,14 @@ class Model {
   /// A Hugging Face config.json for the saved tensors, or empty when the
   /// model has no Hugging Face counterpart (then none is written).
   virtual std::string hf_config_json() const { return {}; }
+
+  /// Figures of the training passes (forward_backward) since the last call,
+  /// beyond the loss: a Mixture of Experts' auxiliary losses and expert load
+  /// (model/moe_mlp.h). A JSON object, then a new window starts; null for a
+  /// model without any. What metrics.jsonl's step lines carry as "moe".
+  virtual nlohmann::ordered_json take_metrics() { return nullptr; }
+  /// The same over every training pass of this process (the summary's).
+  virtual nlohmann::ordered_json run_metrics() const { return nullptr; }
 
  protected:
   /// Allocates the flat buffers for `layout` of `size` floats, zeroed.

@@ -96,13 +96,7 @@ Result<MoePlan> validate(const MoeConfig& c) {
   if (c.ffn < 0 || c.ffn > 262144) return usage("ffn", "must be in 0..262144");
   if (c.top_k < 1 || c.top_k > c.experts) return usage("top-k", fmt::format("must be in 1..{} (--experts)", c.experts));
   if (!(c.capacity_factor > 0) || c.capacity_factor > 1e6) return usage("capacity-factor", "must be > 0");
-  if (c.drop_policy == "residual") {
-    plan.drop_policy = DropPolicy::kResidual;
-  } else if (c.drop_policy == "dropless") {
-    plan.drop_policy = DropPolicy::kDropless;
-  } else {
-    return usage("drop-policy", fmt::format("'{}': expected residual or dropless", c.drop_policy));
-  }
+  CFMO_ASSIGN_OR_RETURN(plan.drop_policy, parse_drop_policy(c.drop_policy));
   CFMO_ASSIGN_OR_RETURN(plan.routing, parse_routing(c.routing));
   if (c.dtype == "fp32") {
     plan.dtype = WireDtype::kFp32;

@@ -29,6 +29,12 @@ Result<RoutingSkew> parse_routing(std::string_view text) {
   return bad();
 }
 
+Result<DropPolicy> parse_drop_policy(std::string_view text) {
+  if (text == "residual") return DropPolicy::kResidual;
+  if (text == "dropless") return DropPolicy::kDropless;
+  return make_error(ErrorKind::kUsage, "--drop-policy '{}': expected residual or dropless", text);
+}
+
 std::string to_string(const RoutingSkew& skew) {
   switch (skew.kind) {
     case RoutingSkew::Kind::kUniform:
@@ -70,6 +76,33 @@ void apply_capacity(Routing& r, int64_t capacity) {
   }
 }
 
+void softmax_row(const float* logits, int experts, float* prob) {
+  const float top = *std::max_element(logits, logits + experts);
+  double sum = 0;
+  for (int e = 0; e < experts; ++e) {
+    prob[e] = std::exp(logits[e] - top);
+    sum += prob[e];
+  }
+  for (int e = 0; e < experts; ++e) prob[e] = static_cast<float>(prob[e] / sum);
+}
+
+float renormalise_gates(const float* prob, const int32_t* expert, int top_k, float* gate) {
+  float chosen = 0;
+  for (int j = 0; j < top_k; ++j) chosen += prob[expert[j]];
+  for (int j = 0; j < top_k; ++j) gate[j] = prob[expert[j]] / chosen;
+  return chosen;
+}
+
+float top_k_row(const float* prob, int experts, int top_k, int32_t* expert, float* gate, std::vector<int32_t>& order) {
+  order.resize(static_cast<size_t>(experts));
+  std::iota(order.begin(), order.end(), 0);
+  // Descending probability; ties to the lower expert, so the choice is deterministic.
+  std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                    [&](int32_t a, int32_t b) { return prob[a] > prob[b] || (prob[a] == prob[b] && a < b); });
+  std::copy(order.begin(), order.begin() + top_k, expert);
+  return renormalise_gates(prob, expert, top_k, gate);
+}
+
 Router::Router(uint64_t seed, int hidden, int experts, int top_k, RoutingSkew skew)
     : hidden_(hidden), experts_(experts), top_k_(top_k), skew_(skew), seed_(seed) {
   Rng rng(seed, 0x524F55544552ULL);  // "ROUTER"
@@ -104,43 +137,26 @@ Routing Router::route(const float* x, int64_t tokens, uint64_t stream, int64_t f
   }
   Rng hot_rng(seed_ ^ 0x484F54ULL, stream);
   std::vector<float> prob(e_count);
-  std::vector<int32_t> order(e_count);
+  std::vector<int32_t> order;
   for (int64_t t = 0; t < tokens; ++t) {
     float* row = logits.data() + static_cast<size_t>(t) * e_count;
     for (size_t e = 0; e < e_count; ++e) row[e] += bias[e];
     if (skew_.kind == RoutingSkew::Kind::kHot && hot_rng.uniform() < skew_.value) {
       row[0] = *std::max_element(row, row + e_count) + 8.0f;  // first choice, by a wide margin
     }
-    const float top = *std::max_element(row, row + e_count);
-    double sum = 0;
-    for (size_t e = 0; e < e_count; ++e) {
-      prob[e] = std::exp(row[e] - top);
-      sum += prob[e];
-    }
-    for (size_t e = 0; e < e_count; ++e) prob[e] = static_cast<float>(prob[e] / sum);
+    softmax_row(row, experts_, prob.data());
+    int32_t* chosen = r.expert.data() + static_cast<size_t>(t) * static_cast<size_t>(top_k_);
+    float* gates = r.gate.data() + static_cast<size_t>(t) * static_cast<size_t>(top_k_);
     if (skew_.kind == RoutingSkew::Kind::kBalanced) {
       // Round-robin over the experts, k distinct ones per token.
       for (int j = 0; j < top_k_; ++j) {
-        order[static_cast<size_t>(j)] =
-            static_cast<int32_t>(((first_token + t) * top_k_ + j) % static_cast<int64_t>(e_count));
+        chosen[j] = static_cast<int32_t>(((first_token + t) * top_k_ + j) % static_cast<int64_t>(e_count));
       }
+      renormalise_gates(prob.data(), chosen, top_k_, gates);
     } else {
-      std::iota(order.begin(), order.end(), 0);
-      // Descending probability; ties to the lower expert, so the choice is deterministic.
-      std::partial_sort(order.begin(), order.begin() + top_k_, order.end(), [&](int32_t a, int32_t b) {
-        return prob[static_cast<size_t>(a)] > prob[static_cast<size_t>(b)] ||
-               (prob[static_cast<size_t>(a)] == prob[static_cast<size_t>(b)] && a < b);
-      });
+      top_k_row(prob.data(), experts_, top_k_, chosen, gates, order);
     }
-    float chosen = 0;
-    for (int j = 0; j < top_k_; ++j) chosen += prob[static_cast<size_t>(order[static_cast<size_t>(j)])];
-    for (int j = 0; j < top_k_; ++j) {
-      const size_t a = static_cast<size_t>(t * top_k_ + j);
-      const int32_t e = order[static_cast<size_t>(j)];
-      r.expert[a] = e;
-      r.gate[a] = prob[static_cast<size_t>(e)] / chosen;
-      ++r.load[static_cast<size_t>(e)];
-    }
+    for (int j = 0; j < top_k_; ++j) ++r.load[static_cast<size_t>(chosen[j])];
   }
   r.kept.assign(assignments, 1);
   return r;

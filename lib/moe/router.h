@@ -21,6 +21,9 @@ namespace cfmo::moe {
 
 enum class DropPolicy : uint8_t { kResidual, kDropless };
 
+/// "residual" or "dropless"; kUsage naming --drop-policy otherwise.
+Result<DropPolicy> parse_drop_policy(std::string_view text);
+
 struct RoutingSkew {
   enum class Kind : uint8_t { kUniform, kBalanced, kZipf, kHot };
   Kind kind = Kind::kUniform;
@@ -52,6 +55,16 @@ struct Routing {
 /// token's first choice in token order, then every second choice, ...).
 /// capacity < 0 keeps everything (dropless).
 void apply_capacity(Routing& routing, int64_t capacity);
+
+/// Softmax of one token's logits [experts] into prob (exponents in float, summed in double).
+void softmax_row(const float* logits, int experts, float* prob);
+/// The `top_k` experts of one token's prob [experts] in descending
+/// probability (ties to the lower expert) into expert[0, top_k), their
+/// probabilities renormalised to sum 1 (Mixtral) into gate; returns the sum
+/// of the chosen probabilities. `order` is scratch.
+float top_k_row(const float* prob, int experts, int top_k, int32_t* expert, float* gate, std::vector<int32_t>& order);
+/// gate[j] = prob[expert[j]] / sum over the token's chosen experts; returns that sum.
+float renormalise_gates(const float* prob, const int32_t* expert, int top_k, float* gate);
 
 class Router {
  public:

@@ -44,7 +44,7 @@ Result<uint64_t> estimate_worker_bytes(const TrainConfig& config) {
     // A byte a pixel and an int32 label an example.
     data_bytes = static_cast<uint64_t>(data.train + data.test) * (static_cast<uint64_t>(data.features) + 4);
   }
-  CFMO_ASSIGN_OR_RETURN(const auto model, make_model(config.model, shape));
+  CFMO_ASSIGN_OR_RETURN(const auto model, make_model(config.model, shape, moe_options(config)));
   const uint64_t params = model->num_params();
   // The optimizer's state buffers, each of the parameters' size.
   OptimizerConfig optim_config;

@@ -120,6 +120,7 @@ std::string TrainSummary::to_json() const {
       {"resumed_from", null_or(resumed_from)},
       {"per_worker", workers_json}};
   if (!muon_tensors.empty()) j["optimizer_split"] = {{"muon", muon_tensors}, {"adamw", adamw_tensors}};
+  if (!model_metrics.is_null()) j["moe"] = model_metrics;
   return j.dump();
 }
 
@@ -160,6 +161,16 @@ std::string summary_text(const TrainSummary& s) {
     fmt::format_to(out, "FLOPs per window: {} = {:.4g}\n", s.flops_formula, s.flops_per_example);
   } else {
     fmt::format_to(out, "test accuracy {:.4f}, test loss {:.4f}\n", s.test_accuracy, s.test_loss);
+  }
+  if (const auto& m = s.model_metrics; m.is_object()) {
+    fmt::format_to(out, "experts (rank 0): aux loss {:.4f}, z loss {:.4f}, dropped {:.2f}% of assignments\n",
+                   m["aux_loss"].get<double>(), m["z_loss"].get<double>(), 100 * m["dropped_share"].get<double>());
+    for (const auto& l : m["layers"]) {
+      fmt::format_to(out,
+                     "  block {}: tokens per expert min {:.1f} mean {:.1f} max {:.1f} (cv {:.3f}), dropped {:.2f}%\n",
+                     l["layer"].get<int>(), l["load_min"].get<double>(), l["load_mean"].get<double>(),
+                     l["load_max"].get<double>(), l["load_cv"].get<double>(), 100 * l["dropped_share"].get<double>());
+    }
   }
   if (!s.muon_tensors.empty()) {
     fmt::format_to(out, "muon updates {}; adamw updates {}\n", fmt::join(s.muon_tensors, ", "),

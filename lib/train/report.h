@@ -6,6 +6,8 @@
 #include "core/error.h"
 #include "train/modes.h"
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -82,6 +84,9 @@ struct TrainSummary {
   ModeSettings mode_settings;
   std::vector<std::string> slowdown;
   std::string straggler;
+  /// Model::run_metrics of this rank's training passes (a MoE's auxiliary
+  /// losses and expert load); null for a model without any.
+  nlohmann::ordered_json model_metrics;
 
   std::string to_json() const;
 };

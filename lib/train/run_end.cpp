@@ -168,6 +168,7 @@ void TrainingRun::add_totals() {
   summary.gflops_per_s = summary.samples_per_s * summary.flops_per_example / 1e9;
   summary.stopped_by = stopped_by;
   summary.bytes_sent = bytes;
+  summary.model_metrics = model().run_metrics();
 }
 
 }  // namespace cfmo::detail

@@ -197,15 +197,13 @@ Status TrainingRun::report_step(float loss, double lr, int n, double step_s) {
   if (event.logged) {
     event.loss = window_loss / static_cast<double>(window_steps);
     event.samples_per_s = static_cast<double>(window_samples) / std::max(window_s, 1e-9);
-    CFMO_TRY(metrics.write({{"type", "step"},
-                            {"rank", rank},
-                            {"step", pos.step},
-                            {"epoch", epochs_done()},
-                            {"loss", event.loss},
-                            {"lr", lr},
-                            {"samples", pos.samples},
-                            {"samples_per_s", event.samples_per_s},
-                            {"wall_s", event.elapsed_s}}));
+    nlohmann::ordered_json line = {
+        {"type", "step"},           {"rank", rank}, {"step", pos.step},       {"epoch", epochs_done()},
+        {"loss", event.loss},       {"lr", lr},     {"samples", pos.samples}, {"samples_per_s", event.samples_per_s},
+        {"wall_s", event.elapsed_s}};
+    // The model's own figures of the window (a MoE's auxiliary losses and expert load).
+    if (auto extra = model().take_metrics(); !extra.is_null()) line["moe"] = std::move(extra);
+    CFMO_TRY(metrics.write(line));
     window_loss = 0;
     window_steps = 0;
     window_samples = 0;

@@ -23,9 +23,17 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
   t.add("val_tokens", &c.val_tokens, "token data: validate on the first N validation tokens only (0: all)", data);
   t.add("model", &c.model,
         "model: mlp:H1,H2,... (hidden layer widths; ReLU between layers) or gpt:layers=L,heads=H,dim=C,context=T "
-        "(GPT-2)",
+        "(GPT-2), with experts=E,top_k=K[,expert_dim=D][,moe_every=M] a Mixture of Experts",
         data);
   t.add("seed", &c.seed, "seed for initialisation, data order and synthetic data", data);
+
+  const std::string moe = "Mixture of Experts";
+  t.add("aux_loss", &c.aux_loss, "coefficient of the load-balancing loss E sum_i f_i P_i (Switch)", moe);
+  t.add("z_loss", &c.z_loss, "coefficient of the router z-loss, mean logsumexp(logits)^2 (ST-MoE)", moe);
+  t.add("capacity_factor", &c.capacity_factor,
+        "slots per expert per batch = ceil(factor * top_k * tokens / experts); assignments beyond take the residual",
+        moe);
+  t.add("drop_policy", &c.drop_policy, "over capacity: residual (the token skips that expert) or dropless", moe);
 
   const std::string optim = "Optimizer";
   t.add("optimizer", &c.optimizer, "inner optimizer: sgd, adam, adamw or muon", optim);
@@ -99,6 +107,10 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
     return make_error(ErrorKind::kUsage, "--{}: {}", flag, why);
   };
   CFMO_TRY(check_model_spec(c.model));
+  if (!(c.aux_loss >= 0) || !std::isfinite(c.aux_loss)) return usage("aux-loss", "must be >= 0");
+  if (!(c.z_loss >= 0) || !std::isfinite(c.z_loss)) return usage("z-loss", "must be >= 0");
+  if (!(c.capacity_factor > 0) || c.capacity_factor > 1e6) return usage("capacity-factor", "must be in (0, 1e6]");
+  CFMO_TRY(moe::parse_drop_policy(c.drop_policy));
   CFMO_ASSIGN_OR_RETURN(plan.device, parse_device(c.device));
   plan.context = model_context(c.model);
   if (plan.device.is_cuda() && plan.context > 0) {
@@ -159,6 +171,16 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.checkpoint_every < 0) return usage("checkpoint-every", "must be >= 0");
   if (c.keep_checkpoints < 1) return usage("keep-checkpoints", "must be >= 1");
   return plan;
+}
+
+MoeOptions moe_options(const TrainConfig& c) {
+  MoeOptions o;
+  o.aux_loss = c.aux_loss;
+  o.z_loss = c.z_loss;
+  o.capacity_factor = c.capacity_factor;
+  const auto policy = moe::parse_drop_policy(c.drop_policy);
+  if (policy) o.drop_policy = *policy;
+  return o;
 }
 
 Result<Heterogeneity> heterogeneity_for(const TrainConfig& c, int rank) {

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/heterogeneity.h"
 #include "data/dataset.h"
+#include "model/moe_options.h"
 #include "optim/schedule.h"
 #include "tensor/device.h"
 #include "train/modes.h"
@@ -28,6 +29,11 @@ struct TrainConfig {
   int64_t val_tokens = 0;  ///< token data: validate on the first N validation tokens (0: all)
   std::string model = "mlp:256,128";
   int64_t seed = 1;
+  // Mixture of Experts (a GPT with experts=E)
+  double aux_loss = 0.01;
+  double z_loss = 0.001;
+  double capacity_factor = 1.25;
+  std::string drop_policy = "residual";
   // inner optimizer
   std::string optimizer = "adamw";
   double lr = 1e-3;
@@ -96,6 +102,10 @@ Result<TrainPlan> make_plan(const TrainConfig& config);
 
 /// make_plan's checks alone.
 Status validate(const TrainConfig& config);
+
+/// How the model's Mixture-of-Experts layers train (--aux-loss, --z-loss,
+/// --capacity-factor, --drop-policy), for make_model; call after validate.
+MoeOptions moe_options(const TrainConfig& config);
 
 /// parse_heterogeneity (core/heterogeneity.h) of the config's --slowdown and --straggler for `rank`.
 Result<Heterogeneity> heterogeneity_for(const TrainConfig& config, int rank);

@@ -65,7 +65,7 @@ Status TrainingRun::set_up() {
 
 Status TrainingRun::load_model_and_optimizer() {
   CFMO_ASSIGN_OR_RETURN(source, load_data_source(config, rank, world, plan.context));
-  CFMO_ASSIGN_OR_RETURN(model_ptr, make_model(config.model, source->shape()));
+  CFMO_ASSIGN_OR_RETURN(model_ptr, make_model(config.model, source->shape(), moe_options(config)));
   model().init(static_cast<uint64_t>(config.seed));  // the same on every rank
   model_spec = model().spec_string();
   train_examples = source->train_examples();

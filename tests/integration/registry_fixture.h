@@ -13,6 +13,7 @@
 #include <archive_entry.h>
 #include <curl/curl.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <nlohmann/json.hpp>
 
 #include <atomic>
@@ -392,7 +393,7 @@ class TinyServer {
       const std::string reply = it == routes_.end() ? response(404, "{}") : it->second(request);
       size_t sent = 0;
       while (sent < reply.size()) {
-        const ssize_t n = write(client, reply.data() + sent, reply.size() - sent);
+        const ssize_t n = ::send(client, reply.data() + sent, reply.size() - sent, MSG_NOSIGNAL);
         if (n <= 0) break;
         sent += static_cast<size_t>(n);
       }

@@ -94,7 +94,7 @@ TEST(CfmoTrainCli, HelpManPageAndConfigListTheSameOptions) {
   const std::string conf = slurp(source_root() / "conf/train.toml");
   const std::set<std::string> conf_keys = flags_in(conf, std::regex(R"((?:^|\n)([a-z_0-9]+) = )"));
   EXPECT_EQ(keys, conf_keys);
-  for (const char* file : {"conf/train.toml", "conf/demo.toml", "conf/gpt.toml"}) {
+  for (const char* file : {"conf/train.toml", "conf/demo.toml", "conf/gpt.toml", "conf/gpt-moe.toml"}) {
     const RunResult loaded = run({binary(), "--config", (source_root() / file).string(), "--print-config"});
     EXPECT_EQ(loaded.status, 0) << file << ": " << loaded.err;
   }
@@ -484,6 +484,18 @@ TEST(CfmoTrainCli, TheSummaryLineChecksOut) {
       EXPECT_NEAR(samples / train_s, rate, rate * (0.005 + 0.0051 / train_s)) << r.out;
     }
   }
+}
+
+TEST(CfmoTrainCli, BadMixtureOfExpertsSpecsAndFlagsAreOneLineUsageErrors) {
+  const std::string gpt = "gpt:layers=2,heads=2,dim=16,context=16";
+  expect_one_line_error(run(quick_args({"--model", gpt + ",experts=2,top_k=3"})), 2, "top_k 3 is more than experts 2");
+  expect_one_line_error(run(quick_args({"--model", gpt + ",experts=4,expert_dim=0"})), 2, "expert_dim");
+  expect_one_line_error(run(quick_args({"--model", gpt + ",top_k=2"})), 2, "needs experts=E");
+  expect_one_line_error(run(quick_args({"--model", gpt + ",experts=4,moe_every=3"})), 2, "moe_every 3");
+  expect_one_line_error(run(quick_args({"--drop-policy", "drop"})), 2, "--drop-policy");
+  expect_one_line_error(run(quick_args({"--capacity-factor", "0"})), 2, "--capacity-factor");
+  expect_one_line_error(run(quick_args({"--aux-loss", "-1"})), 2, "--aux-loss");
+  expect_one_line_error(run(quick_args({"--z-loss", "-0.5"})), 2, "--z-loss");
 }
 
 TEST(CfmoTrainCli, SampleEveryPrintsALanguageModelsTextOnOneLine) {

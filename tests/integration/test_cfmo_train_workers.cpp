@@ -5,6 +5,7 @@
 
 #include "ckpt/cfd.h"
 #include "ckpt/safetensors.h"
+#include "core/atomic_file.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -433,6 +434,99 @@ TEST(CfmoTrainWorkers, CompareRunsEveryMode) {
   ASSERT_EQ(table.status, 0) << table.err;
   EXPECT_NE(table.out.find("efficiency"), std::string::npos) << table.out;
   EXPECT_NE(table.out.find("cfmo"), std::string::npos);
+}
+
+/// A small corpus and the arguments that train a Mixture-of-Experts GPT on it.
+std::vector<std::string> moe_args(const fs::path& corpus, std::vector<std::string> extra) {
+  if (!fs::exists(corpus)) {
+    std::string text;
+    for (int i = 0; i < 300; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
+    EXPECT_TRUE(write_file_atomic(corpus, text));
+  }
+  std::vector<std::string> out = {binary(),
+                                  "--data",
+                                  "text:" + corpus.string(),
+                                  "--model",
+                                  "gpt:layers=2,heads=2,dim=16,context=16,experts=4,top_k=2,expert_dim=16",
+                                  "--quiet",
+                                  "--peer-timeout",
+                                  "5",
+                                  "--batch-size",
+                                  "4",
+                                  "--epochs",
+                                  "0",
+                                  "--lr",
+                                  "0.003"};
+  out.insert(out.end(), extra.begin(), extra.end());
+  return out;
+}
+
+TEST(CfmoTrainWorkers, MixtureOfExpertsTrainsInEveryModeAndReportsItsExperts) {
+  TempDir dir;
+  for (const char* mode : {"sync", "localsgd", "cfmo", "asgd"}) {
+    SCOPED_TRACE(mode);
+    const fs::path run_dir = dir / mode;
+    const RunResult r =
+        run(moe_args(dir / "corpus.txt", {"--workers", "2", "--mode", mode, "--steps", "40", "--sync-interval", "5",
+                                          "--log-every", "10", "--out", run_dir.string(), "--json"}),
+            300);
+    ASSERT_EQ(r.status, 0) << r.err;
+    const auto j = last_json(r.out);
+    ASSERT_TRUE(j.contains("moe")) << r.out;
+    EXPECT_GE(j["moe"]["aux_loss"].get<double>(), 1.0 - 1e-9);  // the balanced minimum
+    ASSERT_EQ(j["moe"]["layers"].size(), 2u);
+    // Every expert of a layer counted: 4 x 16 tokens x top-2 over 4 experts is 32 per expert on average.
+    EXPECT_DOUBLE_EQ(j["moe"]["layers"][0]["load_mean"].get<double>(), 32.0);
+    EXPECT_LT(j["val_loss"].get<double>(), std::log(256.0)) << r.out;  // better than uniform
+    // Each step line carries the window's figures.
+    std::istringstream lines(slurp(run_dir / "metrics.jsonl"));
+    int steps = 0;
+    for (std::string line; std::getline(lines, line);) {
+      const auto m = nlohmann::json::parse(line);
+      if (m["type"] != "step") continue;
+      ++steps;
+      EXPECT_EQ(m["moe"]["passes"], 10) << line;
+      EXPECT_TRUE(m["moe"]["layers"][1].contains("load_cv")) << line;
+      EXPECT_TRUE(m["moe"]["layers"][1].contains("dropped_share")) << line;
+    }
+    // Lockstep modes: 40 steps each; cfmo and asgd share a budget, so rank 0's share varies.
+    const bool lockstep = std::string(mode) == "sync" || std::string(mode) == "localsgd";
+    if (lockstep) {
+      EXPECT_EQ(steps, 4);
+    } else {
+      EXPECT_GE(steps, 1);
+    }
+    // The experts' tensors are in the model, by their names.
+    auto st = SafetensorsFile::read(run_dir / "model.safetensors");
+    ASSERT_TRUE(st) << st.error().message;
+    bool router = false, expert = false;
+    for (const auto& e : st->tensors()) {
+      router = router || e.name == "h.1.mlp.router.weight";
+      expert = expert || e.name == "h.1.mlp.experts.3.c_proj.bias";
+    }
+    EXPECT_TRUE(router && expert);
+    EXPECT_FALSE(fs::exists(run_dir / "config.json"));
+  }
+}
+
+TEST(CfmoTrainWorkers, MixtureOfExpertsCheckpointsAndResumes) {
+  TempDir dir;
+  const fs::path run_dir = dir / "run";
+  const RunResult first =
+      run(moe_args(dir / "corpus.txt", {"--workers", "2", "--mode", "sync", "--steps", "20", "--checkpoint-every", "10",
+                                        "--keep-checkpoints", "10", "--out", run_dir.string(), "--json"}),
+          300);
+  ASSERT_EQ(first.status, 0) << first.err;
+  const auto saved = checkpoints_of(run_dir);
+  ASSERT_GE(saved.size(), 2u);
+  const auto finished = parameters(run_dir / "model.safetensors");
+  ASSERT_FALSE(finished.empty());
+  // Resumed from the step-10 checkpoint, the run repeats steps 11..20 exactly (sync is deterministic).
+  const RunResult resumed =
+      run({binary(), "--resume", saved.front().string(), "--workers", "2", "--steps", "20", "--json"}, 300);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_EQ(parameters(run_dir / "model.safetensors"), finished);
+  EXPECT_EQ(last_json(resumed.out)["model"], last_json(first.out)["model"]);
 }
 
 TEST(CfmoTrainWorkers, BadWorldsAreUsageErrors) {

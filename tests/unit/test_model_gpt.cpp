@@ -2,6 +2,7 @@
 
 #include "core/rng.h"
 #include "optim/optimizer.h"
+#include "support/finite_differences.h"
 
 #include <gtest/gtest.h>
 
@@ -13,37 +14,9 @@
 namespace cfmo {
 namespace {
 
-std::vector<float> random_vector(size_t n, uint64_t seed, float scale = 1.0f) {
-  Rng rng(seed, /*stream=*/3);
-  std::vector<float> v(n);
-  for (float& x : v) x = scale * rng.normal();
-  return v;
-}
-
-double dot(const std::vector<float>& a, const std::vector<float>& b) {
-  double s = 0;
-  for (size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
-  return s;
-}
-
-/// Central differences of `loss` with respect to `x` at every `stride`-th
-/// entry, against `analytic`. The losses are float computations summed in
-/// double, so eps is large enough that rounding stays far below the gradient.
-void expect_matches_finite_differences(std::vector<float>& x, const std::vector<float>& analytic,
-                                       const std::function<double()>& loss, const std::string& what, float eps = 1e-2f,
-                                       size_t stride = 1, double relative = 2e-2) {
-  ASSERT_EQ(x.size(), analytic.size()) << what;
-  for (size_t i = 0; i < x.size(); i += stride) {
-    const float saved = x[i];
-    x[i] = saved + eps;
-    const double up = loss();
-    x[i] = saved - eps;
-    const double down = loss();
-    x[i] = saved;
-    const double numeric = (up - down) / (2.0 * eps);
-    EXPECT_NEAR(analytic[i], numeric, 2e-4 + relative * std::abs(numeric)) << what << "[" << i << "]";
-  }
-}
+using testing::dot;
+using testing::expect_matches_finite_differences;
+using testing::random_vector;
 
 TEST(TestModelGpt, LayerNormGradientsMatchFiniteDifferences) {
   constexpr int kRows = 3;
@@ -217,23 +190,8 @@ TEST(TestModelGpt, WholeModelGradientsMatchFiniteDifferencesForEveryTensor) {
   const auto tokens = random_tokens(spec, kBatch, 23);
   model.forward_backward(windows(tokens, kBatch));
   const std::vector<float> analytic(model.gradients().begin(), model.gradients().end());
-  std::vector<float> params(model.parameters().begin(), model.parameters().end());
-  auto loss = [&] {
-    std::copy(params.begin(), params.end(), model.parameters().begin());
-    return model.evaluate(windows(tokens, kBatch)).loss();
-  };
-  for (const ParamInfo& p : model.params()) {
-    std::vector<float> x(params.begin() + static_cast<ptrdiff_t>(p.offset),
-                         params.begin() + static_cast<ptrdiff_t>(p.offset + p.size));
-    std::vector<float> g(analytic.begin() + static_cast<ptrdiff_t>(p.offset),
-                         analytic.begin() + static_cast<ptrdiff_t>(p.offset + p.size));
-    auto tensor_loss = [&] {
-      std::copy(x.begin(), x.end(), params.begin() + static_cast<ptrdiff_t>(p.offset));
-      return loss();
-    };
-    expect_matches_finite_differences(x, g, tensor_loss, p.name, 1e-2f, p.size > 64 ? 7 : 1);
-    std::copy(x.begin(), x.end(), params.begin() + static_cast<ptrdiff_t>(p.offset));
-  }
+  testing::expect_model_gradients_match(model, analytic,
+                                        [&] { return model.evaluate(windows(tokens, kBatch)).loss(); });
 }
 
 TEST(TestModelGpt, TensorsCarryHuggingFaceNamesAndConv1DShapes) {

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Issue 15's training comparison of a Mixture-of-Experts GPT on this machine:
+# 4 workers, E = 12 experts, top-2 (the article's shape), a GPT of layers=2,
+# heads=4, dim=128, context=64, one worker 1.25x slower, at equal tokens.
+#
+#   moe-sync     every rank holds every expert (data parallel), --mode sync
+#   moe-cfmo     the same, --mode cfmo
+#   dense-sync   the dense GPT of the same active parameters (expert_dim 256:
+#                two experts of 2 C D = the dense MLP's 8 C^2), --mode sync
+#   moe-ep-*     expert parallel (--expert-parallel), where cfmo-train has it
+#
+# The rows run alternately (rep 1 of every row, then rep 2, ...) so that a
+# change in the machine's load spreads over all of them; tokens/s, val_loss
+# and the peak resident memory of the largest process (a rank: /usr/bin/time
+# reports the largest child) are medians over REPS. Prints a Markdown table
+# and the ratios; --record appends them to bench/RESULTS.md.
+#
+#   bench/moe_train.sh [--record]
+#   REPS=3 TOKENS=200000 WORKERS=4 SLOWDOWN=1=1.25 VAL_TOKENS=50000   (the defaults)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=bench/common.sh
+. bench/common.sh
+REPS=${REPS:-3}
+TOKENS=${TOKENS:-200000}
+WORKERS=${WORKERS:-4}
+SLOWDOWN=${SLOWDOWN:-1=1.25}
+VAL_TOKENS=${VAL_TOKENS:-50000}
+DATA=${DATA:-text:/usr/share/games/fortunes}
+TRAIN=${TRAIN:-build/tools/cfmo-train}
+record=false
+[ "${1:-}" = "--record" ] && record=true
+[ -x "$TRAIN" ] || { echo "build first: make build" >&2; exit 2; }
+
+gpt=gpt:layers=2,heads=4,dim=128,context=64
+moe=$gpt,experts=12,top_k=2,expert_dim=256
+rows=("moe-sync|$moe|--mode sync" "moe-cfmo|$moe|--mode cfmo" "dense-sync|$gpt|--mode sync")
+if "$TRAIN" --help 2>/dev/null | grep -q -- '--expert-parallel'; then
+  rows+=("moe-ep-sync|$moe|--mode sync --expert-parallel --dispatch sync"
+    "moe-ep-cfmo|$moe|--mode cfmo --expert-parallel --dispatch async")
+fi
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+command="REPS=$REPS TOKENS=$TOKENS WORKERS=$WORKERS SLOWDOWN=$SLOWDOWN VAL_TOKENS=$VAL_TOKENS bench/moe_train.sh"
+common=(--data "$DATA" --batch-size 16 --workers "$WORKERS" --slowdown "$SLOWDOWN" --tokens "$TOKENS" --epochs 0
+  --val-tokens "$VAL_TOKENS" --lr 0.003 --beta2 0.95 --quiet --json)
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+start=$(date +%s)
+for rep in $(seq 1 "$REPS"); do
+  for row in "${rows[@]}"; do
+    IFS='|' read -r name model flags <<< "$row"
+    # shellcheck disable=SC2086
+    /usr/bin/time -v "$TRAIN" --model "$model" $flags "${common[@]}" > "$tmp/$name.$rep.json" 2> "$tmp/$name.$rep.err" ||
+      { echo "run failed: $name rep $rep" >&2; tail -3 "$tmp/$name.$rep.err" >&2; }
+    echo "$name rep $rep: done" >&2
+  done
+done
+elapsed=$(($(date +%s) - start))
+load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+
+report=$("$PY" - "$tmp" "$REPS" "${rows[@]}" <<'EOF'
+import json, os, re, statistics, sys
+root, reps, rows = sys.argv[1], int(sys.argv[2]), [r.split("|") for r in sys.argv[3:]]
+def median(values):
+    return statistics.median(values) if values else float("nan")
+out = {}
+for name, model, flags in rows:
+    speed, loss, rss = [], [], []
+    for rep in range(1, reps + 1):
+        try:
+            j = json.loads(open(os.path.join(root, f"{name}.{rep}.json")).read().strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError):
+            continue
+        speed.append(j["tokens_per_s"]); loss.append(j["val_loss"])
+        m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", open(os.path.join(root, f"{name}.{rep}.err")).read())
+        if m: rss.append(int(m.group(1)) / 1024)
+        moe = j.get("moe") or {}
+    out[name] = (median(speed), median(loss), median(rss), len(speed), model, flags, moe)
+print("| row | model | flags | runs | tokens/s (median) | val_loss (median) | peak RSS of a rank, MB | aux loss | dropped |")
+print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+for name, (s, l, r, n, model, flags, moe) in out.items():
+    aux = f"{moe['aux_loss']:.3f}" if moe else "-"
+    drop = f"{100 * moe['dropped_share']:.1f}%" if moe else "-"
+    print(f"| {name} | `{model}` | `{flags}` | {n} | {s:.0f} | {l:.4f} | {r:.0f} | {aux} | {drop} |")
+def ratio(a, b, what):
+    if a in out and b in out and out[b][0] > 0:
+        print(f"\n{a} / {b}: tokens/s {out[a][0] / out[b][0]:.2f}x, val_loss {out[a][1] / out[b][1]:.4f}x" +
+              (f", peak RSS {out[a][2] / out[b][2]:.2f}x" if out[b][2] > 0 else "") + f" ({what})")
+ratio("moe-cfmo", "moe-sync", "cfmo against sync, every rank holding every expert")
+ratio("moe-sync", "dense-sync", "the MoE against the dense GPT of the same active parameters")
+ratio("moe-ep-cfmo", "moe-ep-sync", "expert parallel: cfmo with async dispatch against sync with sync dispatch")
+ratio("moe-ep-sync", "moe-sync", "expert parallel against every rank holding every expert")
+EOF
+)
+echo "$report"
+echo
+echo "command: $command; ${elapsed}s; load average before $load_before, after $load_after"
+if $record; then
+  {
+    echo
+    echo "### bench/moe_train.sh ($(date -u +%Y-%m-%d))"
+    echo
+    echo "Command: \`$command\` (${elapsed} s; load average before $load_before, after $load_after)."
+    echo
+    echo "$report"
+  } >> bench/RESULTS.md
+fi

@@ -1,0 +1,258 @@
+#include "model/moe_mlp.h"
+
+#include "model/gpt.h"
+#include "tensor/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace cfmo {
+
+using ops::Trans;
+
+void expert_forward(const float* x, int n, const ExpertTensors& w, int c, int d, float* fc, float* act, float* y) {
+  if (n == 0) return;
+  gpt::linear_forward(fc, x, w.fc_w, w.fc_b, n, c, d);
+  gpt::gelu_forward(act, fc, static_cast<size_t>(n) * static_cast<size_t>(d));
+  gpt::linear_forward(y, act, w.proj_w, w.proj_b, n, d, c);
+}
+
+void expert_backward(const float* dy, int n, const float* x, const float* fc, const float* act, const ExpertTensors& w,
+                     const ExpertTensors& g, int c, int d, float* d_act, float* dx) {
+  if (n == 0) return;
+  gpt::linear_backward(d_act, g.proj_w, g.proj_b, dy, act, w.proj_w, n, d, c);
+  gpt::gelu_backward(d_act, d_act, fc, static_cast<size_t>(n) * static_cast<size_t>(d));
+  gpt::linear_backward(dx, g.fc_w, g.fc_b, d_act, x, w.fc_w, n, c, d);
+}
+
+MoeMlp::MoeMlp(int dim, int experts, int top_k, int expert_dim, const MoeOptions& options)
+    : dim_(dim), experts_(experts), top_k_(top_k), expert_dim_(expert_dim), options_(options) {}
+
+int64_t MoeMlp::capacity(int rows) const {
+  if (options_.drop_policy == moe::DropPolicy::kDropless) return -1;
+  return moe::expert_capacity(rows, top_k_, experts_, options_.capacity_factor);
+}
+
+size_t MoeMlp::workspace_floats(int rows) const {
+  const auto r = static_cast<size_t>(rows);
+  const auto e = static_cast<size_t>(experts_);
+  const size_t a = r * static_cast<size_t>(top_k_);
+  const auto c = static_cast<size_t>(dim_);
+  const auto d = static_cast<size_t>(expert_dim_);
+  // logits, probs, d_logits; lse; in, out, d_out, d_in; fc, act, d_act; the routing's
+  // expert, gate, kept, slot and d_gate per assignment (counted as floats).
+  return 3 * r * e + r + a * (4 * c + 3 * d) + 5 * a;
+}
+
+void MoeMlp::forward(const float* x, const float* residual, int rows, const float* router,
+                     std::span<const ExpertTensors> experts, float* y) {
+  rows_ = rows;
+  const auto r = static_cast<size_t>(rows);
+  const auto e_count = static_cast<size_t>(experts_);
+  const auto c = static_cast<size_t>(dim_);
+  const auto d = static_cast<size_t>(expert_dim_);
+  logits_.resize(r * e_count);
+  probs_.resize(r * e_count);
+  lse_.resize(r);
+  if (rows > 0) {
+    ops::gemm(Trans::kNo, Trans::kNo, rows, experts_, dim_, 1.0f, x, dim_, router, experts_, 0.0f, logits_.data(),
+              experts_);
+  }
+  moe::Routing& routing = routing_;
+  routing.tokens = rows;
+  routing.top_k = top_k_;
+  routing.experts = experts_;
+  routing.expert.resize(r * static_cast<size_t>(top_k_));
+  routing.gate.resize(routing.expert.size());
+  routing.load.assign(e_count, 0);
+  std::vector<double> mean_prob(e_count, 0.0);
+  double z_sum = 0;
+  for (size_t t = 0; t < r; ++t) {
+    const float* row = logits_.data() + t * e_count;
+    float* prob = probs_.data() + t * e_count;
+    moe::softmax_row(row, experts_, prob);
+    const float top = *std::max_element(row, row + e_count);
+    double sum = 0;
+    for (size_t e = 0; e < e_count; ++e) sum += std::exp(static_cast<double>(row[e] - top));
+    const double lse = static_cast<double>(top) + std::log(sum);
+    lse_[t] = static_cast<float>(lse);
+    z_sum += lse * lse;
+    for (size_t e = 0; e < e_count; ++e) mean_prob[e] += prob[e];
+    int32_t* chosen = routing.expert.data() + t * static_cast<size_t>(top_k_);
+    moe::top_k_row(prob, experts_, top_k_, chosen, routing.gate.data() + t * static_cast<size_t>(top_k_), order_);
+    for (int j = 0; j < top_k_; ++j) ++routing.load[static_cast<size_t>(chosen[j])];
+  }
+  moe::apply_capacity(routing, capacity(rows));
+  aux_loss_ = 0;
+  if (rows > 0) {
+    const double assignments = static_cast<double>(routing.expert.size());
+    for (size_t e = 0; e < e_count; ++e) {
+      aux_loss_ += static_cast<double>(routing.load[e]) / assignments * (mean_prob[e] / static_cast<double>(r));
+    }
+    aux_loss_ *= static_cast<double>(experts_);
+  }
+  z_loss_ = rows > 0 ? z_sum / static_cast<double>(r) : 0.0;
+
+  // The kept assignments by expert, as cfmo-moe dispatches them to one rank holding all experts.
+  plan_ = moe::plan_dispatch(routing, moe::Placement{experts_, 1});
+  const auto& slots = plan_.slots[0];
+  const size_t kept = slots.size();
+  in_.resize(kept * c);
+  fc_.resize(kept * d);
+  act_.resize(kept * d);
+  out_.resize(kept * c);
+  for (size_t i = 0; i < kept; ++i) {
+    const float* source = x + static_cast<size_t>(slots[i] / top_k_) * c;
+    std::copy(source, source + c, in_.data() + i * c);
+  }
+  size_t first = 0;
+  for (int e = 0; e < experts_; ++e) {
+    const auto n = static_cast<int>(plan_.counts[0][static_cast<size_t>(e)]);
+    expert_forward(in_.data() + first * c, n, experts[static_cast<size_t>(e)], dim_, expert_dim_,
+                   fc_.data() + first * d, act_.data() + first * d, out_.data() + first * c);
+    first += static_cast<size_t>(n);
+  }
+  std::vector<const float*> result_rows(routing.expert.size(), nullptr);
+  std::vector<float> unused;
+  moe::locate_results(std::as_bytes(std::span<const float>(out_)), slots, WireDtype::kFp32, dim_, unused, result_rows);
+  moe::combine(residual, routing, result_rows, dim_, y);
+}
+
+void MoeMlp::backward(const float* dy, const float* x, const float* router, float* d_router,
+                      std::span<const ExpertTensors> experts, std::span<const ExpertTensors> d_experts, float* dx,
+                      float aux_weight, float z_weight) {
+  const auto r = static_cast<size_t>(rows_);
+  const auto e_count = static_cast<size_t>(experts_);
+  const auto c = static_cast<size_t>(dim_);
+  const auto d = static_cast<size_t>(expert_dim_);
+  const auto k = static_cast<size_t>(top_k_);
+  const auto& slots = plan_.slots[0];
+  const size_t kept = slots.size();
+  // y_t = residual_t + sum_j gate_tj out_a: d out_a = gate_a dy_t, d gate_a = dy_t . out_a.
+  d_out_.resize(kept * c);
+  d_in_.resize(kept * c);
+  d_act_.resize(kept * d);
+  d_gate_.assign(r * k, 0.0f);
+  for (size_t i = 0; i < kept; ++i) {
+    const auto a = static_cast<size_t>(slots[i]);
+    const float* dyt = dy + (a / k) * c;
+    const float* out = out_.data() + i * c;
+    float* dout = d_out_.data() + i * c;
+    const float g = routing_.gate[a];
+    float dot = 0;
+    for (size_t j = 0; j < c; ++j) {
+      dout[j] = g * dyt[j];
+      dot += dyt[j] * out[j];
+    }
+    d_gate_[a] = dot;
+  }
+  size_t first = 0;
+  for (int e = 0; e < experts_; ++e) {
+    const auto n = static_cast<int>(plan_.counts[0][static_cast<size_t>(e)]);
+    expert_backward(d_out_.data() + first * c, n, in_.data() + first * c, fc_.data() + first * d,
+                    act_.data() + first * d, experts[static_cast<size_t>(e)], d_experts[static_cast<size_t>(e)], dim_,
+                    expert_dim_, d_act_.data() + first * d, d_in_.data() + first * c);
+    first += static_cast<size_t>(n);
+  }
+  for (size_t i = 0; i < kept; ++i) {
+    float* target = dx + static_cast<size_t>(slots[i] / top_k_) * c;
+    const float* source = d_in_.data() + i * c;
+    for (size_t j = 0; j < c; ++j) target[j] += source[j];
+  }
+
+  // Back to the router's logits: through the renormalised gates, the
+  // load-balancing loss (d/dP_i = E f_i, P_i a mean over tokens) and the
+  // softmax; the z-loss acts on the logits directly.
+  d_logits_.assign(r * e_count, 0.0f);
+  const double assignments = static_cast<double>(r * k);
+  std::vector<float> aux_grad(e_count);
+  for (size_t e = 0; e < e_count; ++e) {
+    aux_grad[e] = static_cast<float>(aux_weight * static_cast<double>(experts_) *
+                                     (static_cast<double>(routing_.load[e]) / assignments) / static_cast<double>(r));
+  }
+  const float z_scale = 2.0f * z_weight / static_cast<float>(r);
+  std::vector<float> d_prob(e_count);
+  for (size_t t = 0; t < r; ++t) {
+    const float* prob = probs_.data() + t * e_count;
+    std::copy(aux_grad.begin(), aux_grad.end(), d_prob.begin());
+    // gate_j = p_j / S over the chosen: d p_m = (d gate_m - sum_j d gate_j gate_j) / S.
+    float chosen = 0;
+    float weighted = 0;
+    for (size_t j = 0; j < k; ++j) {
+      chosen += prob[routing_.expert[t * k + j]];
+      weighted += d_gate_[t * k + j] * routing_.gate[t * k + j];
+    }
+    for (size_t j = 0; j < k; ++j) {
+      d_prob[static_cast<size_t>(routing_.expert[t * k + j])] += (d_gate_[t * k + j] - weighted) / chosen;
+    }
+    float dot = 0;
+    for (size_t e = 0; e < e_count; ++e) dot += prob[e] * d_prob[e];
+    float* dl = d_logits_.data() + t * e_count;
+    for (size_t e = 0; e < e_count; ++e) dl[e] = prob[e] * (d_prob[e] - dot) + z_scale * lse_[t] * prob[e];
+  }
+  if (rows_ > 0) {
+    // d router += x^T d logits; dx += d logits router^T.
+    ops::gemm(Trans::kYes, Trans::kNo, dim_, experts_, rows_, 1.0f, x, dim_, d_logits_.data(), experts_, 1.0f, d_router,
+              experts_);
+    ops::gemm(Trans::kNo, Trans::kYes, rows_, dim_, experts_, 1.0f, d_logits_.data(), experts_, router, experts_, 1.0f,
+              dx, dim_);
+  }
+}
+
+void MoeStats::add(std::span<const MoeMlp* const> layers, std::span<const int> index) {
+  if (layers_.empty()) {
+    for (size_t i = 0; i < layers.size(); ++i) layers_.push_back(Layer{index[i]});
+  }
+  for (size_t i = 0; i < layers.size() && i < layers_.size(); ++i) {
+    const moe::Routing& routing = layers[i]->routing();
+    Layer& l = layers_[i];
+    l.aux += layers[i]->aux_loss();
+    l.z += layers[i]->z_loss();
+    l.assignments += static_cast<int64_t>(routing.expert.size());
+    l.dropped += routing.dropped;
+    const std::vector<int64_t>& load = routing.load;
+    if (load.empty()) continue;
+    const double mean =
+        static_cast<double>(std::accumulate(load.begin(), load.end(), int64_t{0})) / static_cast<double>(load.size());
+    double var = 0;
+    for (const int64_t v : load) var += (static_cast<double>(v) - mean) * (static_cast<double>(v) - mean);
+    var /= static_cast<double>(load.size());
+    l.load_min += static_cast<double>(*std::min_element(load.begin(), load.end()));
+    l.load_max += static_cast<double>(*std::max_element(load.begin(), load.end()));
+    l.load_mean += mean;
+    l.load_cv += mean > 0 ? std::sqrt(var) / mean : 0;
+  }
+  ++passes_;
+}
+
+nlohmann::ordered_json MoeStats::to_json() const {
+  if (passes_ == 0) return nullptr;
+  const auto passes = static_cast<double>(passes_);
+  nlohmann::ordered_json layers = nlohmann::ordered_json::array();
+  double aux = 0, z = 0;
+  int64_t assignments = 0, dropped = 0;
+  for (const Layer& l : layers_) {
+    const double share = l.assignments > 0 ? static_cast<double>(l.dropped) / static_cast<double>(l.assignments) : 0;
+    layers.push_back({{"layer", l.index},
+                      {"aux_loss", l.aux / passes},
+                      {"z_loss", l.z / passes},
+                      {"load_min", l.load_min / passes},
+                      {"load_mean", l.load_mean / passes},
+                      {"load_max", l.load_max / passes},
+                      {"load_cv", l.load_cv / passes},
+                      {"dropped_share", share}});
+    aux += l.aux / passes;
+    z += l.z / passes;
+    assignments += l.assignments;
+    dropped += l.dropped;
+  }
+  const auto n = static_cast<double>(std::max<size_t>(1, layers_.size()));
+  return {{"aux_loss", aux / n},
+          {"z_loss", z / n},
+          {"dropped_share", assignments > 0 ? static_cast<double>(dropped) / static_cast<double>(assignments) : 0},
+          {"passes", passes_},
+          {"layers", layers}};
+}
+
+}  // namespace cfmo

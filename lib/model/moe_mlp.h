@@ -1,0 +1,121 @@
+#pragma once
+/// The Mixture-of-Experts MLP of a GPT block (`--model gpt:...,experts=E`):
+/// a linear router C -> E (no bias), softmax, each token's top k experts
+/// with their probabilities renormalised to sum 1 (Mixtral), and E expert
+/// MLPs C -> D -> C with GELU (tanh), each the GPT-2 MLP in Conv1D layout.
+///
+///   y_t = x_t + sum_j gate_tj * expert_{e_tj}(ln_2(x)_t)
+///
+/// Capacity as cfmo-moe's (lib/moe: expert_capacity, apply_capacity in
+/// GShard's order, plan_dispatch, combine): an assignment over its expert's
+/// capacity is dropped and its expert output is zero, the residual carries
+/// the token; with dropless nothing is dropped.
+///
+/// Two auxiliary losses are added to the training loss, each the mean over
+/// the model's MoE layers times its coefficient:
+///   load balance (Switch Transformer)  E * sum_i f_i P_i, f_i the share of
+///     the batch's assignments routed to expert i (before capacity, so it
+///     does not depend on drops), P_i the mean router probability of i;
+///     1 when perfectly balanced.
+///   router z-loss (ST-MoE)  mean over tokens of logsumexp(logits_t)^2.
+/// Top-k and capacity are piecewise constant: gradients flow through the
+/// gates, the router probabilities and the experts.
+
+#include "model/moe_options.h"
+#include "moe/dispatch.h"
+#include "moe/router.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace cfmo {
+
+/// One expert's tensors in a flat buffer (parameters or their gradients).
+struct ExpertTensors {
+  float* fc_w = nullptr;    ///< [C, D]
+  float* fc_b = nullptr;    ///< [D]
+  float* proj_w = nullptr;  ///< [D, C]
+  float* proj_b = nullptr;  ///< [C]
+};
+
+class MoeMlp {
+ public:
+  MoeMlp(int dim, int experts, int top_k, int expert_dim, const MoeOptions& options);
+
+  /// y = residual + the layer's output for x [rows, C] (x = ln_2 of the
+  /// residual); keeps what backward needs (until the next forward).
+  void forward(const float* x, const float* residual, int rows, const float* router,
+               std::span<const ExpertTensors> experts, float* y);
+  /// From dy = d loss / d y: dx += d loss / d x, and the router's and the
+  /// experts' gradients +=. The auxiliary losses enter the loss as
+  /// aux_weight * aux_loss() + z_weight * z_loss().
+  void backward(const float* dy, const float* x, const float* router, float* d_router,
+                std::span<const ExpertTensors> experts, std::span<const ExpertTensors> d_experts, float* dx,
+                float aux_weight, float z_weight);
+
+  /// Of the last forward.
+  double aux_loss() const { return aux_loss_; }
+  double z_loss() const { return z_loss_; }
+  const moe::Routing& routing() const { return routing_; }
+  /// Slots per expert in a batch of `rows` tokens (-1: dropless).
+  int64_t capacity(int rows) const;
+
+  int experts() const { return experts_; }
+  int top_k() const { return top_k_; }
+  /// Floats forward and backward keep for `rows` tokens (an upper bound).
+  size_t workspace_floats(int rows) const;
+
+ private:
+  int dim_;
+  int experts_;
+  int top_k_;
+  int expert_dim_;
+  MoeOptions options_;
+  int rows_ = 0;
+  double aux_loss_ = 0;
+  double z_loss_ = 0;
+  moe::Routing routing_;
+  moe::DispatchPlan plan_;                   ///< slots[0]: the kept assignments by expert; counts[0][e]
+  std::vector<float> logits_, probs_, lse_;  ///< [rows, E], [rows, E], [rows]
+  std::vector<float> in_, fc_, act_, out_;   ///< per kept assignment in plan order: [A, C], [A, D], [A, D], [A, C]
+  std::vector<float> d_out_, d_act_, d_in_, d_logits_, d_gate_;
+  std::vector<int32_t> order_;
+};
+
+/// One expert's MLP over `n` rows of x [n, C] (Conv1D layout, GELU tanh),
+/// keeping the pre-activation fc [n, D] and activation act [n, D] for backward.
+void expert_forward(const float* x, int n, const ExpertTensors& w, int c, int d, float* fc, float* act, float* y);
+/// Its backward from dy [n, C]: gradients += into g, dx [n, C] overwritten;
+/// d_act [n, D] is scratch.
+void expert_backward(const float* dy, int n, const float* x, const float* fc, const float* act, const ExpertTensors& w,
+                     const ExpertTensors& g, int c, int d, float* d_act, float* dx);
+
+/// What the MoE layers of a run did over a window of training passes, for
+/// metrics.jsonl and the summary: per layer the auxiliary losses, the expert
+/// load (assignments per expert in a pass, before capacity: each pass's
+/// min, mean, max and coefficient of variation, averaged over the passes,
+/// so that a pass that sends everything to two experts shows even when the
+/// favourites change from pass to pass) and the dropped share.
+class MoeStats {
+ public:
+  /// One training pass over `layers` (the model's MoE layers, in order; `index` their block numbers).
+  void add(std::span<const MoeMlp* const> layers, std::span<const int> index);
+  bool empty() const { return passes_ == 0; }
+  /// {"aux_loss", "z_loss", "dropped_share", "layers": [{"layer", "aux_loss", "z_loss", "load_min", ...}]}.
+  nlohmann::ordered_json to_json() const;
+
+ private:
+  struct Layer {
+    int index = 0;
+    double aux = 0, z = 0;
+    int64_t assignments = 0, dropped = 0;
+    double load_min = 0, load_mean = 0, load_max = 0, load_cv = 0;  ///< summed over passes
+  };
+  std::vector<Layer> layers_;
+  int64_t passes_ = 0;
+};
+
+}  // namespace cfmo

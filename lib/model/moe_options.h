@@ -1,0 +1,17 @@
+#pragma once
+/// How the Mixture-of-Experts layers of a model train (model/moe_mlp.h):
+/// flags, not the model's shape. A header of its own so that configuration
+/// code does not pull in the layer and its dispatch.
+
+#include "moe/router.h"
+
+namespace cfmo {
+
+struct MoeOptions {
+  double aux_loss = 0.01;  ///< coefficient of the load-balancing loss
+  double z_loss = 0.001;   ///< coefficient of the router z-loss
+  double capacity_factor = 1.25;
+  moe::DropPolicy drop_policy = moe::DropPolicy::kResidual;
+};
+
+}  // namespace cfmo
