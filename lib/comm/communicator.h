@@ -19,20 +19,17 @@
 
 namespace cfmo {
 
-/// Independent message streams between ranks; a message is handled by the
-/// handler registered for its channel.
-enum class Channel : uint8_t {
-  kDeltaShard = 1,   ///< cfmo: a delta shard for its owner
-  kFreshShard = 2,   ///< cfmo/asgd: an owner's current shard, back to a worker
-  kGradShard = 3,    ///< asgd: a gradient shard for its owner
-  kProgress = 4,     ///< samples done, to the budget keeper (rank 0)
-  kStop = 5,         ///< the budget keeper's stop signal
-  kDone = 6,         ///< a rank sent its last contribution
-  kGather = 7,       ///< a final shard for rank 0
-  kUser = 8,         ///< free for tools (cfmo-moe)
-  kReport = 9,       ///< a worker's end-of-run report, for rank 0
-  kCheckpoint = 10,  ///< cfmo/asgd: a request for the owners' shards, and the shards, for a checkpoint
+/// An independent message stream between ranks: a message is handled by the
+/// handler registered for its channel. The transport knows no channel by
+/// name; each client declares its own (lib/train/channels.h,
+/// lib/moe/channels.h) with ids from 1 to kLastClientChannel, distinct among
+/// the clients that share a communicator. The ids above are the transports'
+/// own (heartbeats, goodbyes), as is 0 (collectives).
+struct Channel {
+  uint8_t id = 0;
+  friend constexpr bool operator==(Channel, Channel) = default;
 };
+inline constexpr uint8_t kLastClientChannel = 0xEF;
 
 struct CommStats {
   uint64_t bytes_sent = 0;

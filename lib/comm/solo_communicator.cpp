@@ -31,7 +31,7 @@ class SoloCommunicator final : public Communicator {
     ++stats_.messages_sent;
     stats_.bytes_received += payload.size();
     ++stats_.messages_received;
-    auto& handler = handlers_[static_cast<uint8_t>(channel)];
+    auto& handler = handlers_[channel.id];
     if (handler) handler(0, std::move(payload));
   }
 
@@ -46,7 +46,7 @@ class SoloCommunicator final : public Communicator {
 
   void on_message_owned(Channel channel, OwnedHandler handler) override {
     std::lock_guard lock(mutex_);
-    handlers_[static_cast<uint8_t>(channel)] = std::move(handler);
+    handlers_[channel.id] = std::move(handler);
   }
 
   std::vector<int> lost_ranks() const override { return {}; }

@@ -1,5 +1,8 @@
 #include "comm/ucx_communicator.h"
 
+#include "comm/collectives.h"
+#include "comm/communicator_base.h"
+
 #include <poll.h>
 #include <pthread.h>
 #include <sys/eventfd.h>
@@ -27,8 +30,7 @@ using Clock = std::chrono::steady_clock;
 constexpr uint8_t kCollective = 0;
 constexpr uint8_t kHeartbeat = 0xFF;
 constexpr uint8_t kGoodbye = 0xFE;  // a rank is leaving on purpose: its disconnect is not a failure
-// In a goodbye's first byte, beside the failure's kind: the leaving rank's run failed.
-constexpr uint8_t kFailedLeaving = 0x80;
+static_assert(kLastClientChannel < kGoodbye);
 constexpr ucp_tag_t kChannelMask = ucp_tag_t{0xFF} << 56;
 constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
 // Collective messages up to this size are sent eagerly (see post_send).
@@ -59,11 +61,10 @@ struct Pending {
   bool is_receive = false;
 };
 
-class UcxCommunicator final : public Communicator {
+class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
  public:
-  UcxCommunicator(int rank, int size, UcxOptions options) : rank_(rank), size_(size), options_(options) {
-    lost_.resize(static_cast<size_t>(size));
-    departed_.assign(static_cast<size_t>(size), false);
+  UcxCommunicator(int rank, int size, UcxOptions options)
+      : CommunicatorBase(rank, size), rank_(rank), size_(size), options_(options), collectives_(*this) {
     last_heard_.assign(static_cast<size_t>(size), Clock::now());
   }
 
@@ -129,8 +130,8 @@ class UcxCommunicator final : public Communicator {
   /// that ask for peer error handling unless told they may claim it: the
   /// shared-memory FIFOs (sysv, posix) have no failure reporting of their own
   /// and CMA cannot invalidate a registration. Without these, every byte
-  /// between two ranks on one host went over TCP loopback, several times
-  /// slower. Peer failure is still seen: UCX's keepalive checks that a local
+  /// between two ranks on one host goes over TCP loopback (bench/RESULTS.md
+  /// has by how much). Peer failure is still seen: UCX's keepalive checks that a local
   /// peer's process is alive, and the heartbeats here mark a silent peer
   /// lost. CMA's rendezvous has the receiver read the sender's buffer
   /// (get), so a peer found lost can at most read a send buffer of this
@@ -154,100 +155,33 @@ class UcxCommunicator final : public Communicator {
 
   Status all_reduce_sum(std::span<float> data) override {
     if (size_ == 1) return {};
-    return run_collective([this, data] { return ring_all_reduce(data); });
+    return run_collective([this, data] { return collectives_.all_reduce_sum(data); });
   }
 
   Status all_to_all_v(const std::vector<std::span<const std::byte>>& send,
                       const std::vector<std::span<std::byte>>& recv) override {
-    if (static_cast<int>(send.size()) != size_ || static_cast<int>(recv.size()) != size_) {
-      return make_error(ErrorKind::kInternal, "all_to_all_v: {} send and {} receive buffers for {} ranks", send.size(),
-                        recv.size(), size_);
-    }
-    return run_collective([this, &send, &recv] { return exchange_all(send, recv); });
+    return run_collective([this, &send, &recv] { return collectives_.all_to_all_v(send, recv); });
   }
 
   Status barrier() override {
     if (size_ == 1) return {};
-    return run_collective([this] { return dissemination_barrier(); });
+    return run_collective([this] { return collectives_.barrier(); });
   }
 
   void post(int peer, Channel channel, std::vector<std::byte> payload) override {
     if (peer == rank_) {
       // To itself: straight to the handler, on the progress thread like any message.
-      enqueue([this, channel, payload = std::move(payload)]() mutable {
-        deliver(rank_, static_cast<uint8_t>(channel), payload);
-      });
+      enqueue(
+          [this, channel, payload = std::move(payload)]() mutable { handlers_.deliver(rank_, channel.id, payload); });
       return;
     }
     if (std::this_thread::get_id() == progress_thread_.get_id()) {
-      send_now(peer, static_cast<uint8_t>(channel), 0, std::move(payload));
+      send_now(peer, channel.id, 0, std::move(payload));
       return;
     }
     enqueue([this, peer, channel, payload = std::move(payload)]() mutable {
-      send_now(peer, static_cast<uint8_t>(channel), 0, std::move(payload));
+      send_now(peer, channel.id, 0, std::move(payload));
     });
-  }
-
-  void on_message(Channel channel, Handler handler) override {
-    // Waits for a running handler to return, so an owner that unregisters
-    // (with nullptr) before it is destroyed is never called afterwards.
-    std::lock_guard dispatch(dispatch_mutex_);
-    std::lock_guard lock(handlers_mutex_);
-    handlers_[static_cast<uint8_t>(channel)] = ChannelHandler{std::move(handler), nullptr};
-    ++handlers_generation_;
-  }
-
-  void on_message_owned(Channel channel, OwnedHandler handler) override {
-    std::lock_guard dispatch(dispatch_mutex_);
-    std::lock_guard lock(handlers_mutex_);
-    handlers_[static_cast<uint8_t>(channel)] = ChannelHandler{nullptr, std::move(handler)};
-    ++handlers_generation_;
-  }
-
-  std::vector<int> lost_ranks() const override {
-    std::lock_guard lock(lost_mutex_);
-    std::vector<int> out;
-    for (int r = 0; r < size_; ++r) {
-      if (!lost_[static_cast<size_t>(r)].empty()) out.push_back(r);
-    }
-    return out;
-  }
-
-  Status health() const override {
-    std::lock_guard lock(lost_mutex_);
-    if (!first_failure_.empty()) return Error{first_failure_kind_, first_failure_};
-    for (int r = 0; r < size_; ++r) {
-      if (!lost_[static_cast<size_t>(r)].empty()) {
-        return make_error(ErrorKind::kPeer, "rank {} lost: {}", r, lost_[static_cast<size_t>(r)]);
-      }
-    }
-    return {};
-  }
-
-  std::string lost_reason(int rank) const override {
-    std::lock_guard lock(lost_mutex_);
-    return rank >= 0 && rank < size_ ? lost_[static_cast<size_t>(rank)] : std::string();
-  }
-
-  Error left_with() const {
-    std::lock_guard lock(lost_mutex_);
-    return left_with_;
-  }
-
-  void leave_with(const Error& error) override {
-    std::lock_guard lock(lost_mutex_);
-    if (!left_with_.message.empty()) return;
-    left_with_ = Error{error.kind, fmt::format("rank {} failed: {}", rank_, error.message)};
-  }
-
-  CommStats stats() const override {
-    CommStats s;
-    s.bytes_sent = stats_bytes_sent_.load();
-    s.bytes_received = stats_bytes_received_.load();
-    s.messages_sent = stats_messages_sent_.load();
-    s.messages_received = stats_messages_received_.load();
-    s.collective_wait_s = collective_wait_s_;
-    return s;
   }
 
  private:
@@ -256,60 +190,14 @@ class UcxCommunicator final : public Communicator {
     int peer = -1;
   };
 
-  /// A channel's handler: one of the two kinds, or none.
-  struct ChannelHandler {
-    Handler view;
-    OwnedHandler owned;
-    explicit operator bool() const { return view || owned; }
-  };
-
   static void on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto* context = static_cast<ErrorContext*>(arg);
     context->self->mark_lost(context->peer, fmt::format("connection error: {}", ucs_status_string(status)));
   }
 
-  void mark_lost(int peer, std::string why) {
-    if (stopping_) return;  // peers leave at shutdown; that is not a failure
-    std::lock_guard lock(lost_mutex_);
-    if (departed_[static_cast<size_t>(peer)]) return;
-    auto& reason = lost_[static_cast<size_t>(peer)];
-    if (reason.empty()) reason = std::move(why);
-  }
-
-  /// Why waiting on `peer` cannot succeed (`what` failed), with the root
-  /// cause's kind and message when another rank reported one.
-  Error failure_of(std::string_view what, int peer) const {
-    std::lock_guard lock(lost_mutex_);
-    if (!first_failure_.empty()) return make_error(first_failure_kind_, "{}: {}", what, first_failure_);
-    const auto& reason = lost_[static_cast<size_t>(peer)];
-    if (!reason.empty()) return make_error(ErrorKind::kPeer, "{}: rank {} lost: {}", what, peer, reason);
-    return make_error(ErrorKind::kPeer, "{}: rank {} left the run", what, peer);
-  }
-
-  /// The failure this rank saw first, to pass on in its goodbye: a root
-  /// cause another rank reported, else its own (leave_with), else a lost
-  /// peer. An empty message: none.
-  Error own_failure() const {
-    std::lock_guard lock(lost_mutex_);
-    if (!first_failure_.empty()) return Error{first_failure_kind_, first_failure_};
-    if (!left_with_.message.empty() && left_with_.kind != ErrorKind::kPeer) return left_with_;
-    for (int r = 0; r < size_; ++r) {
-      if (!lost_[static_cast<size_t>(r)].empty()) {
-        return make_error(ErrorKind::kPeer, "rank {} lost: {}", r, lost_[static_cast<size_t>(r)]);
-      }
-    }
-    return left_with_;
-  }
-
-  bool departed(int peer) const {
-    std::lock_guard lock(lost_mutex_);
-    return departed_[static_cast<size_t>(peer)];
-  }
-
-  bool is_lost(int peer) const {
-    std::lock_guard lock(lost_mutex_);
-    return !lost_[static_cast<size_t>(peer)].empty();
-  }
+  void mark_lost(int peer, std::string why) { peers_.mark_lost(peer, std::move(why)); }
+  bool departed(int peer) const { return peers_.departed(peer); }
+  bool is_lost(int peer) const { return peers_.is_lost(peer); }
 
   void enqueue(std::function<void()> command) {
     {
@@ -332,10 +220,10 @@ class UcxCommunicator final : public Communicator {
 
   /// Runs `body` on the caller's thread, which takes the worker over from
   /// the progress thread until the collective is done. Handing the
-  /// collective to the progress thread instead cost two wake-ups per call
-  /// (the progress thread's, then the caller's): 20-30 us of a 30-90 us
-  /// all-to-all of 16 bytes with 4 ranks on 2 cores, where Open MPI, whose
-  /// caller progresses its own transfers, took 10-13 us. Meanwhile the
+  /// collective to the progress thread instead costs two wake-ups per call
+  /// (the progress thread's, then the caller's), most of a small
+  /// all-to-all's time (figures in bench/RESULTS.md, "The collectives over
+  /// point-to-point"); Open MPI's caller, too, progresses its own transfers. Meanwhile the
   /// progress thread sleeps, and what it would have done (messages for the
   /// channels' handlers, queued sends, heartbeats) is done by the caller's
   /// waits, so handlers then run on the caller's thread, still one at a time.
@@ -361,7 +249,7 @@ class UcxCommunicator final : public Communicator {
       std::lock_guard worker(worker_mutex_);
       result = body();
     }
-    collective_wait_s_ += std::chrono::duration<double>(Clock::now() - start).count();
+    add_collective_wait(std::chrono::duration<double>(Clock::now() - start).count());
     return result;
   }
 
@@ -384,33 +272,18 @@ class UcxCommunicator final : public Communicator {
     pending_.push_back(Pending{request, peer, std::move(payload), channel, false});
   }
 
-  /// Hands a received payload to its channel's handler; an owned handler takes the buffer.
-  void deliver(int from, uint8_t channel, std::vector<std::byte>& payload) {
-    std::lock_guard dispatch(dispatch_mutex_);
-    ChannelHandler handler;
-    {
-      std::lock_guard lock(handlers_mutex_);
-      handler = handlers_[channel];
-    }
-    if (handler.owned) {
-      handler.owned(from, std::move(payload));
-    } else if (handler.view) {
-      handler.view(from, payload);
-    }
-  }
-
   /// Probes for messages on channels that have a handler, starting their receives.
   bool probe_channels() {
     bool any = false;
     // Which channels to probe: this runs on every turn of the progress loop,
     // also while a collective waits, so the list is rebuilt only after a
     // handler changed.
-    if (const uint64_t generation = handlers_generation_.load(); generation != probed_generation_) {
+    if (const uint64_t generation = handlers_.generation(); generation != probed_generation_) {
       probed_generation_ = generation;
       probed_.clear();
-      std::lock_guard lock(handlers_mutex_);
-      for (size_t c = 1; c < handlers_.size(); ++c) {
-        if (handlers_[c] || c == kHeartbeat || c == kGoodbye) probed_.push_back(static_cast<uint8_t>(c));
+      for (int c = 1; c < 256; ++c) {
+        const auto channel = static_cast<uint8_t>(c);
+        if (handlers_.has(channel) || channel == kHeartbeat || channel == kGoodbye) probed_.push_back(channel);
       }
     }
     for (const uint8_t channel : probed_) {
@@ -449,26 +322,9 @@ class UcxCommunicator final : public Communicator {
       ++stats_messages_received_;
     }
     if (p.channel == kGoodbye) {
-      // A goodbye may carry why the rank is leaving: the failure it saw first.
-      std::lock_guard lock(lost_mutex_);
-      departed_[static_cast<size_t>(p.peer)] = true;
-      if (p.payload.size() > 1) {
-        const auto flags = static_cast<uint8_t>(p.payload[0]);
-        const int kind = flags & ~kFailedLeaving;
-        std::string message(reinterpret_cast<const char*>(p.payload.data()) + 1, p.payload.size() - 1);
-        // A rank whose run failed is gone for the others: lost, so that
-        // nobody waits for its answers (asgd's owners), with the failure as
-        // the reason. One that finished its work and merely saw a failure
-        // (another rank lost) just left.
-        const bool lost = (flags & kFailedLeaving) != 0 && !stopping_;
-        if (lost && lost_[static_cast<size_t>(p.peer)].empty()) lost_[static_cast<size_t>(p.peer)] = message;
-        if (first_failure_.empty()) {
-          first_failure_kind_ = kind >= 1 && kind <= 5 ? static_cast<ErrorKind>(kind) : ErrorKind::kPeer;
-          first_failure_ = std::move(message);
-        }
-      }
+      peers_.on_goodbye(p.peer, p.payload);
     } else if (p.channel != kHeartbeat) {
-      deliver(p.peer, p.channel, p.payload);
+      handlers_.deliver(p.peer, p.channel, p.payload);
     }
   }
 
@@ -652,7 +508,7 @@ class UcxCommunicator final : public Communicator {
       if (done) break;
       if (lost_peer >= 0) {
         abandon(requests, lost_peer);
-        return failure_of(what, lost_peer);
+        return peers_.failure_of(what, lost_peer);
       }
       // Spin while the peers answer promptly, then sleep until UCX has
       // news (or 200 us pass), for the reason given in progress_loop.
@@ -714,80 +570,24 @@ class UcxCommunicator final : public Communicator {
     return request;
   }
 
-  /// Ring all-reduce: reduce-scatter then all-gather, 2(W-1) steps, each rank
-  /// sending and receiving 1/W of the data per step.
-  Status ring_all_reduce(std::span<float> data) {
-    const int w = size_;
-    const int right = (rank_ + 1) % w;
-    const int left = (rank_ + w - 1) % w;
-    const uint32_t sequence = (++collective_sequence_ & 0x1FFFFF) << 11;
-    auto begin = [&](int chunk) { return data.size() * static_cast<size_t>(chunk) / static_cast<size_t>(w); };
-    size_t largest = 0;
-    for (int c = 0; c < w; ++c) largest = std::max(largest, begin(c + 1) - begin(c));
-    scratch_.resize(largest);
-    for (int step = 0; step < 2 * (w - 1); ++step) {
-      const bool reducing = step < w - 1;
-      const int s = reducing ? step : step - (w - 1);
-      const int send_chunk = reducing ? (rank_ - s + w) % w : (rank_ - s + 1 + w) % w;
-      const int recv_chunk = reducing ? (rank_ - s - 1 + 2 * w) % w : (rank_ - s + w) % w;
-      float* recv_into = reducing ? scratch_.data() : data.data() + begin(recv_chunk);
-      const size_t recv_count = begin(recv_chunk + 1) - begin(recv_chunk);
-      const size_t send_count = begin(send_chunk + 1) - begin(send_chunk);
-      std::vector<std::pair<void*, int>> requests = {
-          {post_recv(left, recv_into, recv_count * sizeof(float), sequence | static_cast<uint32_t>(step)), left},
-          {post_send(right, data.data() + begin(send_chunk), send_count * sizeof(float),
-                     sequence | static_cast<uint32_t>(step)),
-           right}};
-      stats_bytes_received_ += recv_count * sizeof(float);
-      CFMO_TRY(wait_all(requests, "all-reduce"));
-      if (reducing) {
-        float* target = data.data() + begin(recv_chunk);
-        for (size_t i = 0; i < recv_count; ++i) target[i] += scratch_[i];
-      }
-    }
-    return {};
-  }
-
-  /// Dissemination barrier: in round k each rank tells rank + 2^k and hears
-  /// from rank - 2^k, ceil(log2 W) rounds (a ring all-reduce of one float
-  /// took 2(W-1) steps, one after the other).
-  Status dissemination_barrier() {
-    const uint32_t sequence = (++collective_sequence_ & 0x1FFFFF) << 11;
-    std::byte token{1};
-    std::byte heard{0};
-    uint32_t step = 0;
-    for (int distance = 1; distance < size_; distance *= 2, ++step) {
-      const int to = (rank_ + distance) % size_;
-      const int from = (rank_ - distance + size_) % size_;
-      std::vector<std::pair<void*, int>> requests = {{post_recv(from, &heard, 1, sequence | step), from},
-                                                     {post_send(to, &token, 1, sequence | step), to}};
-      CFMO_TRY(wait_all(requests, "barrier"));
-    }
-    return {};
-  }
-
-  Status exchange_all(const std::vector<std::span<const std::byte>>& send,
-                      const std::vector<std::span<std::byte>>& recv) {
-    const uint32_t sequence = (++collective_sequence_ & 0x1FFFFF) << 11;
+  /// The point-to-point seam under the collectives: receives and sends
+  /// posted alternately (a receive before the send to the same step's peer).
+  Status exchange(uint32_t tag, std::span<const SendTo> sends, std::span<const ReceiveFrom> receives,
+                  std::string_view what) override {
     std::vector<std::pair<void*, int>> requests;
-    // Peers in pairwise order (rank + 1, rank + 2, ...), so the ranks do not
-    // all start with rank 0's link.
-    for (int step = 0; step < size_; ++step) {
-      const int peer = (rank_ + step) % size_;
-      const auto p = static_cast<size_t>(peer);
-      if (peer == rank_) {
-        if (recv[p].size() != send[p].size()) {
-          return make_error(ErrorKind::kInternal, "all_to_all_v: {} bytes to self, {} expected", send[p].size(),
-                            recv[p].size());
-        }
-        std::memcpy(recv[p].data(), send[p].data(), send[p].size());
-        continue;
+    requests.reserve(sends.size() + receives.size());
+    for (size_t i = 0; i < std::max(sends.size(), receives.size()); ++i) {
+      if (i < receives.size()) {
+        const ReceiveFrom& r = receives[i];
+        requests.emplace_back(post_recv(r.peer, r.into.data(), r.into.size(), tag), r.peer);
+        stats_bytes_received_ += r.into.size();
       }
-      requests.emplace_back(post_recv(peer, recv[p].data(), recv[p].size(), sequence), peer);
-      requests.emplace_back(post_send(peer, send[p].data(), send[p].size(), sequence), peer);
-      stats_bytes_received_ += recv[p].size();
+      if (i < sends.size()) {
+        const SendTo& t = sends[i];
+        requests.emplace_back(post_send(t.peer, t.bytes.data(), t.bytes.size(), tag), t.peer);
+      }
     }
-    return wait_all(requests, "all-to-all");
+    return wait_all(requests, what);
   }
 
   void shutdown() {
@@ -798,15 +598,7 @@ class UcxCommunicator final : public Communicator {
     // Goodbye first, on the same endpoints as everything this rank sent, so
     // peers see it after the last real message and before the disconnect.
     enqueue([this] {
-      // [u8 kind | kFailedLeaving][message], or nothing when this rank saw no failure.
-      const Error reason = own_failure();
-      const bool failing = !left_with().message.empty();
-      std::vector<std::byte> payload;
-      if (!reason.message.empty()) {
-        payload.push_back(static_cast<std::byte>(static_cast<uint8_t>(reason.kind) | (failing ? kFailedLeaving : 0)));
-        const auto* text = reinterpret_cast<const std::byte*>(reason.message.data());
-        payload.insert(payload.end(), text, text + reason.message.size());
-      }
+      const std::vector<std::byte> payload = peers_.goodbye();
       for (int peer = 0; peer < size_; ++peer) {
         if (peer != rank_) send_now(peer, kGoodbye, 0, payload);
       }
@@ -819,7 +611,7 @@ class UcxCommunicator final : public Communicator {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    stopping_ = true;
+    peers_.set_stopping();
     stop_thread_ = true;
     const uint64_t one = 1;
     if (wake_fd_ >= 0) [[maybe_unused]]
@@ -887,7 +679,7 @@ class UcxCommunicator final : public Communicator {
     // After a failure UCX (1.13) can keep a force-closed endpoint, with
     // requests a dead peer will never answer, even once every close here
     // reported done: seen in cfmo-train's kill tests.
-    bool unfinished = unclosed_endpoints_ || !own_failure().message.empty();
+    bool unfinished = unclosed_endpoints_ || peers_.saw_failure();
     for (void* r : closing) {
       if (ucp_request_check_status(r) == UCS_INPROGRESS) {
         ucp_request_cancel(worker_, r);
@@ -925,7 +717,6 @@ class UcxCommunicator final : public Communicator {
 
   std::thread progress_thread_;
   std::atomic<bool> stop_thread_{false};
-  std::atomic<bool> stopping_{false};
 
   std::mutex queue_mutex_;  ///< guards commands_
   std::vector<std::function<void()>> commands_;
@@ -936,18 +727,6 @@ class UcxCommunicator final : public Communicator {
   std::atomic<bool> caller_active_{false};      ///< a collective's caller has or wants the worker
   std::vector<std::function<void()>> running_;  ///< the commands being run
 
-  std::mutex dispatch_mutex_;  ///< held while a handler runs (on the worker's holder) or is replaced
-  std::mutex handlers_mutex_;  ///< guards handlers_
-  std::array<ChannelHandler, 256> handlers_;
-  std::atomic<uint64_t> handlers_generation_{1};  ///< bumped by every change of handlers_
-
-  mutable std::mutex lost_mutex_;                    ///< guards lost_
-  std::vector<std::string> lost_;                    ///< per rank: why it is lost, empty while alive
-  std::vector<bool> departed_;                       ///< per rank: said goodbye, so its disconnect is expected
-  std::string first_failure_;                        ///< the first failure any rank reported, e.g. "rank 2 lost: .."
-  ErrorKind first_failure_kind_ = ErrorKind::kPeer;  ///< and its kind: the status the run ends with
-  Error left_with_{ErrorKind::kPeer, {}};            ///< this rank's own failure (leave_with)
-
   // State of the thread that holds worker_mutex_.
   std::vector<Pending> pending_;
   std::vector<uint8_t> probed_;     ///< the channels probe_channels() looks at
@@ -956,14 +735,7 @@ class UcxCommunicator final : public Communicator {
   std::vector<Clock::time_point> last_heard_;
   Clock::time_point last_heartbeat_{};
   Clock::time_point last_activity_{};
-  uint32_t collective_sequence_ = 0;
-  std::vector<float> scratch_;
-
-  std::atomic<uint64_t> stats_bytes_sent_{0};
-  std::atomic<uint64_t> stats_bytes_received_{0};
-  std::atomic<uint64_t> stats_messages_sent_{0};
-  std::atomic<uint64_t> stats_messages_received_{0};
-  double collective_wait_s_ = 0;  ///< training thread only
+  Collectives collectives_;  ///< on the thread that holds worker_mutex_
 };
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "moe/engine.h"
 
+#include "moe/channels.h"
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -55,11 +57,11 @@ struct Flight {
 }  // namespace
 
 AsyncEngine::AsyncEngine(Communicator& comm) : comm_(comm) {
-  comm_.on_message_owned(Channel::kUser,
+  comm_.on_message_owned(channels::kExperts,
                          [this](int from, std::vector<std::byte> payload) { on_message(from, std::move(payload)); });
 }
 
-AsyncEngine::~AsyncEngine() { comm_.on_message_owned(Channel::kUser, nullptr); }
+AsyncEngine::~AsyncEngine() { comm_.on_message_owned(channels::kExperts, nullptr); }
 
 void AsyncEngine::on_message(int from, std::vector<std::byte> payload) {
   if (payload.size() < sizeof(WireHeader)) return;
@@ -166,7 +168,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
       encode_rows(x, hidden, s.top_k, f.plan.slots[pi], s.dtype, message);
       record.dispatch_bytes += static_cast<double>(message.size() - header);
       record.peer_bytes += static_cast<double>(message.size() - header);
-      comm_.post(p, Channel::kUser, std::move(message));
+      comm_.post(p, channels::kExperts, std::move(message));
       ++f.awaiting;
     }
     flights.push_back(std::move(f));
@@ -299,7 +301,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
                          reply, header, scratch);
           },
           total);
-      comm_.post(m.from, Channel::kUser, std::move(reply));
+      comm_.post(m.from, channels::kExperts, std::move(reply));
       return {};
     }
     // A result: for a flight still waiting, or late.
@@ -385,7 +387,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
 
   // Done: serve the others until each of them is done too.
   for (int p = 0; p < ranks; ++p) {
-    if (p != me) comm_.post(p, Channel::kUser, start_message(Kind::kDone, run_, end, {}));
+    if (p != me) comm_.post(p, channels::kExperts, start_message(Kind::kDone, run_, end, {}));
   }
   while (!std::all_of(done.begin(), done.end(), [](bool d) { return d; })) {
     CFMO_TRY(comm_.health());

@@ -1,6 +1,6 @@
 #include "moe/benchmark.h"
 
-#include "train/train_config.h"
+#include "core/heterogeneity.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,12 +10,7 @@
 namespace cfmo::moe {
 
 Result<Simulation> simulation_for(const MoeConfig& config, int rank, int ranks) {
-  // The trainer's parser, so both tools read RANK=FACTOR and P:FACTOR alike.
-  TrainConfig train;
-  train.workers = ranks;
-  train.slowdown = config.slowdown;
-  train.straggler = config.straggler;
-  CFMO_ASSIGN_OR_RETURN(const Heterogeneity h, heterogeneity_for(train, rank));
+  CFMO_ASSIGN_OR_RETURN(const Heterogeneity h, parse_heterogeneity(config.slowdown, config.straggler, rank, ranks));
   return Simulation{h.slowdown, h.straggler_p, h.straggler_factor};
 }
 
@@ -112,7 +107,7 @@ Result<std::vector<ModeSummary>> run_benchmark(const MoeConfig& config, const Mo
   }
   std::string device = "cpu";
   if (plan.device.is_cuda()) {
-    const Device mine = device_for_rank(plan.device, rank);
+    const Device mine = device_for_rank(plan.device, options.local_rank >= 0 ? options.local_rank : rank);
     CFMO_TRY(attach_cuda(experts, mine.index));
     device = device_description(mine);
   }

@@ -26,6 +26,7 @@ Result<Simulation> simulation_for(const MoeConfig& config, int rank, int ranks);
 
 struct BenchmarkOptions {
   Communicator* comm = nullptr;
+  int local_rank = -1;  ///< the rank's index on its host, for "cuda" (device_for_rank); -1: its rank
   Simulation simulation;
   std::function<void(const std::string&)> note;  ///< progress lines (rank 0 passes one); may be empty
 };

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <charconv>
-#include <cstdlib>
 
 #if CFMO_HAVE_CUDA
 #include "cuda/runtime.h"
@@ -30,21 +29,9 @@ Result<Device> parse_device(std::string_view text, std::string_view flag) {
   return make_error(ErrorKind::kUsage, "{} '{}': expected cpu, cuda or cuda:N", flag, text);
 }
 
-Device device_for_rank(const Device& device, int rank) {
+Device device_for_rank(const Device& device, int local_rank) {
   if (!device.is_cuda() || device.index >= 0) return device;
-  int local = rank;
-  for (const char* name : {"LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"}) {
-    const char* value = std::getenv(name);
-    int parsed = -1;
-    if (value != nullptr) {
-      const std::string_view v(value);
-      const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), parsed);
-      if (ec == std::errc() && end == v.data() + v.size() && parsed >= 0) {
-        local = parsed;
-        break;
-      }
-    }
-  }
+  const int local = std::max(0, local_rank);
   int count = 1;
 #if CFMO_HAVE_CUDA
   count = std::max(1, cuda::device_count());

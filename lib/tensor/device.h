@@ -24,11 +24,10 @@ struct Device {
 /// "cpu", "cuda" (each rank its local GPU) or "cuda:N"; else kUsage naming `flag`.
 Result<Device> parse_device(std::string_view text, std::string_view flag = "--device");
 
-/// The device of one rank: "cuda" becomes cuda:(local rank mod the number of
-/// GPUs), the local rank taken from LOCAL_RANK, SLURM_LOCALID or
-/// OMPI_COMM_WORLD_LOCAL_RANK, else `rank` (the local launcher's ranks are
-/// all on this host). A CPU or a fixed ordinal is returned as it is.
-Device device_for_rank(const Device& device, int rank);
+/// The device of one rank: "cuda" becomes cuda:(local_rank mod the number of
+/// GPUs), `local_rank` being its index among its host's ranks (the world's,
+/// comm/world.h: WorldInfo::local_rank). A CPU or a fixed ordinal is returned as it is.
+Device device_for_rank(const Device& device, int local_rank);
 
 /// True when this build has the CUDA backend.
 bool cuda_built();

@@ -98,7 +98,8 @@ class CudaEngine final : public Engine {
     Mlp& model = *mlp;
     const DataSplit& data = *source.images();
     std::unique_ptr<CudaEngine> e(new CudaEngine(model, optimizer));
-    const Device device = device_for_rank(options.device, options.comm != nullptr ? options.comm->rank() : 0);
+    const int rank = options.comm != nullptr ? options.comm->rank() : 0;
+    const Device device = device_for_rank(options.device, options.local_rank >= 0 ? options.local_rank : rank);
     CFMO_ASSIGN_OR_RETURN(e->ctx_, cuda::Context::create(device.index));
     CFMO_ASSIGN_OR_RETURN(e->model_, cuda::CudaMlp::create(*e->ctx_, model));
     CFMO_ASSIGN_OR_RETURN(e->optimizer_,

@@ -77,6 +77,7 @@ struct EngineOptions {
   Communicator* comm = nullptr;
   bool device_collectives = false;
   double peer_timeout_s = 10;
+  int local_rank = -1;  ///< the rank's index on its host, for "cuda" (device_for_rank); -1: its rank
 };
 
 /// The engine for `options.device`, over `model` and `optimizer` (which it

@@ -31,6 +31,7 @@
 #include "core/error.h"
 #include "model/model.h"
 #include "optim/optimizer.h"
+#include "train/channels.h"
 #include "train/checkpoint.h"
 
 #include <cstdint>

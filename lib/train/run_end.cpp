@@ -75,7 +75,7 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
   std::mutex reports_mutex;
   std::vector<WorkerReport> reports;
   if (rank == 0) {
-    comm->on_message(Channel::kReport, [&](int, std::span<const std::byte> payload) {
+    comm->on_message(channels::kReport, [&](int, std::span<const std::byte> payload) {
       auto report =
           WorkerReport::from_json(std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
       if (!report) return;
@@ -91,14 +91,14 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
-    comm->on_message(Channel::kReport, nullptr);
+    comm->on_message(channels::kReport, nullptr);
     std::lock_guard lock(reports_mutex);
     for (auto& r : reports) summary.per_worker.push_back(std::move(r));
     std::sort(summary.per_worker.begin(), summary.per_worker.end(),
               [](const WorkerReport& a, const WorkerReport& b) { return a.rank < b.rank; });
   } else {
     const std::string text = own.to_json();
-    comm->post(0, Channel::kReport,
+    comm->post(0, channels::kReport,
                std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
                                       reinterpret_cast<const std::byte*>(text.data()) + text.size()));
   }

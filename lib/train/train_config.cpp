@@ -184,36 +184,7 @@ MoeOptions moe_options(const TrainConfig& c) {
 }
 
 Result<Heterogeneity> heterogeneity_for(const TrainConfig& c, int rank) {
-  Heterogeneity h;
-  auto number = [](std::string_view text, double& out) {
-    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out);
-    return ec == std::errc() && end == text.data() + text.size() && std::isfinite(out);
-  };
-  for (const auto& item : c.slowdown) {
-    const auto eq = item.find('=');
-    double r = 0;
-    double factor = 0;
-    if (eq == std::string::npos || !number(std::string_view(item).substr(0, eq), r) ||
-        !number(std::string_view(item).substr(eq + 1), factor) || r < 0 || r != std::floor(r) || factor < 1) {
-      return make_error(ErrorKind::kUsage, "--slowdown '{}': expected RANK=FACTOR with FACTOR >= 1", item);
-    }
-    if (static_cast<int>(r) >= c.workers && c.workers > 1) {
-      // Ranks, not workers: cfmo-moe reads --slowdown here too.
-      return make_error(ErrorKind::kUsage, "--slowdown '{}': there is no rank {} in a run of {} ranks", item,
-                        static_cast<int>(r), c.workers);
-    }
-    if (static_cast<int>(r) == rank) h.slowdown = factor;
-  }
-  if (!c.straggler.empty()) {
-    const auto colon = c.straggler.find(':');
-    if (colon == std::string::npos || !number(std::string_view(c.straggler).substr(0, colon), h.straggler_p) ||
-        !number(std::string_view(c.straggler).substr(colon + 1), h.straggler_factor) || h.straggler_p < 0 ||
-        h.straggler_p > 1 || h.straggler_factor < 1) {
-      return make_error(ErrorKind::kUsage, "--straggler '{}': expected P:FACTOR with P in [0, 1] and FACTOR >= 1",
-                        c.straggler);
-    }
-  }
-  return h;
+  return parse_heterogeneity(c.slowdown, c.straggler, rank, c.workers);
 }
 
 }  // namespace cfmo

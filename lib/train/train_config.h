@@ -7,6 +7,7 @@
 #include "comm/codec.h"
 #include "core/config.h"
 #include "core/error.h"
+#include "core/heterogeneity.h"
 #include "data/dataset.h"
 #include "model/moe_options.h"
 #include "optim/schedule.h"
@@ -102,19 +103,11 @@ Result<TrainPlan> make_plan(const TrainConfig& config);
 /// make_plan's checks alone.
 Status validate(const TrainConfig& config);
 
-/// The simulated heterogeneity of one rank: its step takes `slowdown` times
-/// its natural time, and with probability `straggler_p` `straggler_factor` times.
-struct Heterogeneity {
-  double slowdown = 1.0;
-  double straggler_p = 0.0;
-  double straggler_factor = 1.0;
-};
-
 /// How the model's Mixture-of-Experts layers train (--aux-loss, --z-loss,
 /// --capacity-factor, --drop-policy), for make_model; call after validate.
 MoeOptions moe_options(const TrainConfig& config);
 
-/// Parses --slowdown RANK=FACTOR (repeatable) and --straggler P:FACTOR for `rank`.
+/// parse_heterogeneity (core/heterogeneity.h) of the config's --slowdown and --straggler for `rank`.
 Result<Heterogeneity> heterogeneity_for(const TrainConfig& config, int rank);
 
 }  // namespace cfmo

@@ -60,6 +60,7 @@ struct TrainOptions {
   const std::atomic<bool>* stop = nullptr;  ///< set by a signal handler: stop cleanly
   TrainObserver* observer = nullptr;
   Communicator* comm = nullptr;  ///< the other workers; null for a single worker
+  int local_rank = -1;           ///< this worker's index on its host (comm/world.h); -1: its rank
 };
 
 /// Trains as configured. Errors: kUsage for bad configuration, kInput for

@@ -177,6 +177,7 @@ Status TrainingRun::make_mode_and_engine() {
   engine_options.comm = comm;
   engine_options.device_collectives = world > 1 && traits.device_reduce;
   engine_options.peer_timeout_s = config.peer_timeout;
+  engine_options.local_rank = options.local_rank;
   CFMO_ASSIGN_OR_RETURN(engine, make_engine(engine_options, model(), *optimizer, optim_config, *source));
   CFMO_TRY(engine->optimizer_changed());  // a resumed optimizer's state, where the engine keeps it
   if (engine->has_device_all_reduce()) {

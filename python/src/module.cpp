@@ -4,9 +4,9 @@
 /// message; a call that may wait on other ranks releases the GIL.
 
 #include "comm/codec.h"
+#include "comm/world.h"
 #include "data/dataset.h"
 #include "reconciler.h"
-#include "train/launcher.h"
 #include "world.h"
 
 #include <pybind11/numpy.h>

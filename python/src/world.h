@@ -17,9 +17,8 @@ struct WorldOptions {
   double peer_timeout_s = 10;
 };
 
-/// Connects this process to its world; null for a world of one. The one
-/// place the module builds a communicator (lib/comm's world detection, once
-/// it has one, replaces its body).
+/// Connects this process to its world (lib/comm's connect_world); null for
+/// a world of one. The one place the module builds a communicator.
 Result<std::unique_ptr<Communicator>> connect_world(const WorldOptions& options);
 
 /// A connected world, shared by the objects that use it. One Reconciler at

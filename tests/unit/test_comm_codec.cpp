@@ -1,7 +1,7 @@
 // Wire encodings of float vectors: exactness of fp32, rounding of bf16, int8
 // scales per chunk, and error feedback carrying what rounding lost.
 #include "comm/codec.h"
-#include "train/launcher.h"
+#include "comm/world.h"
 #include "train/modes.h"
 
 #include <gtest/gtest.h>
@@ -116,6 +116,10 @@ TEST(World, ReadsTheLaunchersVariables) {
   ASSERT_TRUE(slurm && slurm->has_value());
   EXPECT_EQ((*slurm)->rank, 3);
   EXPECT_EQ((*slurm)->size, 8);
+  EXPECT_EQ((*slurm)->local_rank, 3);  // no local rank given: the rank
+  setenv("SLURM_LOCALID", "1", 1);
+  EXPECT_EQ((*world_from_environment())->local_rank, 1);
+  unsetenv("SLURM_LOCALID");
   setenv("OMPI_COMM_WORLD_RANK", "1", 1);
   setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
   EXPECT_EQ((*world_from_environment())->size, 2);  // Open MPI's variables come before Slurm's
@@ -129,6 +133,18 @@ TEST(World, ReadsTheLaunchersVariables) {
        {"RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"}) {
     unsetenv(name);
   }
+}
+
+TEST(World, OneRankIsSoloAndSeveralNeedARendezvous) {
+  unsetenv("CFMO_RENDEZVOUS");
+  auto solo = connect_world(std::nullopt, {});
+  ASSERT_TRUE(solo) << solo.error().message;
+  EXPECT_EQ((*solo)->size(), 1);
+  WorldInfo two{1, 2, "RANK/WORLD_SIZE", false, 1};
+  auto none = connect_world(two, {});
+  ASSERT_FALSE(none);
+  EXPECT_EQ(none.error().kind, ErrorKind::kUsage);
+  EXPECT_EQ(none.error().message, "RANK/WORLD_SIZE says 2 ranks: set --rendezvous or CFMO_RENDEZVOUS");
 }
 
 }  // namespace

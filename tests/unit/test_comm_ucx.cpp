@@ -1,5 +1,7 @@
 // The UCX transport for real: several processes on this machine, over shared
-// memory and over TCP on loopback, exchanging through the rendezvous.
+// memory and over TCP on loopback, exchanging through the rendezvous; and
+// the same contract over the in-process loopback transport (threads).
+#include "comm/loopback.h"
 #include "comm/rendezvous.h"
 #include "comm/solo_communicator.h"
 #include "comm/ucx_communicator.h"
@@ -20,10 +22,47 @@
 namespace cfmo {
 namespace {
 
-// Runs `body(comm)` in `size` forked processes and returns their exit codes.
+constexpr Channel kTestChannel{8};
+
+// How a rank of the loopback world dies mid-test (kill -9 for a process):
+// set by run_ranks on each rank's thread.
+thread_local std::function<void()> die_here;
+
+// Ends the calling rank at once, without a word to the others.
+bool die() {
+  if (die_here) {
+    die_here();
+    return true;  // the rank's thread ends; its peers see a dead peer
+  }
+  _exit(0);
+}
+
+// The same bodies over the in-process loopback transport, a thread per rank.
+std::vector<int> run_loopback_ranks(int size, const std::function<bool(Communicator&)>& body, UcxOptions options) {
+  LoopbackOptions loopback;
+  loopback.peer_timeout_s = options.peer_timeout_s;
+  auto world = make_loopback_world(size, loopback);
+  std::vector<int> codes(static_cast<size_t>(size), 0);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      auto& comm = world.ranks[static_cast<size_t>(rank)];
+      die_here = [&] { world.network->kill(rank); };
+      const bool ok = body(*comm);
+      comm.reset();  // leave properly: goodbye
+      codes[static_cast<size_t>(rank)] = ok ? 0 : 11;
+    });
+  }
+  for (auto& t : threads) t.join();
+  return codes;
+}
+
+// Runs `body(comm)` in `size` forked processes and returns their exit codes
+// ("loopback": in threads over the loopback transport, with exit codes alike).
 // A child exits 0 when body returns true; failures print their reason.
 std::vector<int> run_ranks(int size, const std::string& tls, const std::function<bool(Communicator&)>& body,
                            UcxOptions options = {}, const std::function<void(int)>& before = nullptr) {
+  if (tls == "loopback") return run_loopback_ranks(size, body, options);
   auto listener = listen_tcp("127.0.0.1", 0);
   EXPECT_TRUE(listener) << listener.error().message;
   std::vector<pid_t> children;
@@ -195,7 +234,7 @@ TEST_P(UcxTransports, OwnedHandlersTakeTheReceivedBuffers) {
   auto codes = run_ranks(3, GetParam(), [](Communicator& comm) {
     std::mutex mutex;
     std::vector<std::vector<std::byte>> got;
-    comm.on_message_owned(Channel::kUser, [&](int from, std::vector<std::byte> payload) {
+    comm.on_message_owned(kTestChannel, [&](int from, std::vector<std::byte> payload) {
       if (payload.empty() || payload[0] != static_cast<std::byte>(from)) return;
       std::lock_guard lock(mutex);
       got.push_back(std::move(payload));
@@ -205,7 +244,7 @@ TEST_P(UcxTransports, OwnedHandlersTakeTheReceivedBuffers) {
     for (size_t n : sizes) {
       for (int p = 0; p < comm.size(); ++p) {
         std::vector<std::byte> payload(n, static_cast<std::byte>(comm.rank()));
-        comm.post(p, Channel::kUser, std::move(payload));
+        comm.post(p, kTestChannel, std::move(payload));
       }
     }
     const size_t expected = sizes.size() * static_cast<size_t>(comm.size());
@@ -219,7 +258,7 @@ TEST_P(UcxTransports, OwnedHandlersTakeTheReceivedBuffers) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     if (!comm.barrier()) return false;
-    comm.on_message_owned(Channel::kUser, nullptr);
+    comm.on_message_owned(kTestChannel, nullptr);
     std::lock_guard lock(mutex);
     size_t bytes = 0;
     for (const auto& g : got) {
@@ -238,7 +277,7 @@ TEST_P(UcxTransports, AsyncMessagesArriveExactlyOnce) {
   auto codes = run_ranks(3, GetParam(), [](Communicator& comm) {
     std::mutex mutex;
     std::vector<std::vector<int>> seen(static_cast<size_t>(comm.size()));
-    comm.on_message(Channel::kUser, [&](int from, std::span<const std::byte> payload) {
+    comm.on_message(kTestChannel, [&](int from, std::span<const std::byte> payload) {
       int value = 0;
       std::memcpy(&value, payload.data(), sizeof value);
       std::lock_guard lock(mutex);
@@ -250,7 +289,7 @@ TEST_P(UcxTransports, AsyncMessagesArriveExactlyOnce) {
         // Sizes up to 64 KiB so both eager and rendezvous protocols are used.
         std::vector<std::byte> payload(sizeof(int) + static_cast<size_t>(i % 5) * 16000);
         std::memcpy(payload.data(), &i, sizeof i);
-        comm.post(p, Channel::kUser, std::move(payload));
+        comm.post(p, kTestChannel, std::move(payload));
       }
     }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
@@ -288,18 +327,18 @@ TEST_P(UcxTransports, HandlersRunAndPostWhileTheirRankWaitsInACollective) {
   auto codes = run_ranks(3, GetParam(), [](Communicator& comm) {
     std::atomic<int> pongs{0};
     std::atomic<bool> go{false};
-    comm.on_message(Channel::kUser, [&](int from, std::span<const std::byte> payload) {
+    comm.on_message(kTestChannel, [&](int from, std::span<const std::byte> payload) {
       if (comm.rank() == 1 && from == 0) {
-        comm.post(0, Channel::kUser, std::vector<std::byte>(payload.begin(), payload.end()));  // the pong
+        comm.post(0, kTestChannel, std::vector<std::byte>(payload.begin(), payload.end()));  // the pong
       } else if (comm.rank() == 0 && from == 1) {
-        if (++pongs == kPings) comm.post(2, Channel::kUser, std::vector<std::byte>(1));
+        if (++pongs == kPings) comm.post(2, kTestChannel, std::vector<std::byte>(1));
       } else if (comm.rank() == 2 && from == 0) {
         go = true;
       }
     });
     if (!comm.barrier()) return false;  // every handler is registered before anyone posts
     if (comm.rank() == 0) {
-      for (int i = 0; i < kPings; ++i) comm.post(1, Channel::kUser, std::vector<std::byte>(64));
+      for (int i = 0; i < kPings; ++i) comm.post(1, kTestChannel, std::vector<std::byte>(64));
     }
     if (comm.rank() == 2) {
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
@@ -309,7 +348,7 @@ TEST_P(UcxTransports, HandlersRunAndPostWhileTheirRankWaitsInACollective) {
       if (!go) fprintf(stderr, "rank 2: no go from rank 0 within 30 s\n");
     }
     const bool passed = static_cast<bool>(comm.barrier());
-    comm.on_message(Channel::kUser, nullptr);
+    comm.on_message(kTestChannel, nullptr);
     if (comm.rank() == 0) return passed && pongs == kPings;
     return passed && (comm.rank() != 2 || go);
   });
@@ -323,7 +362,7 @@ TEST_P(UcxTransports, ALostRankFailsTheCollectiveNamingIt) {
       3, GetParam(),
       [](Communicator& comm) {
         if (!comm.barrier()) return false;
-        if (comm.rank() == 2) _exit(0);  // gone without a word, like kill -9
+        if (comm.rank() == 2) return die();  // gone without a word, like kill -9
         std::vector<float> data(1000, 1.0f);
         const auto start = std::chrono::steady_clock::now();
         Status status;
@@ -377,7 +416,7 @@ TEST_P(UcxTransports, ALostRankFailsLargeAllToAllsInFlightNamingIt) {
         if (!comm.all_to_all_v(send, recv)) return false;
         Status status;
         for (int i = 0; i < 100000 && status; ++i) {
-          if (comm.rank() == 2 && i == 3) _exit(0);  // gone mid-run, like kill -9
+          if (comm.rank() == 2 && i == 3) return die();  // gone mid-run, like kill -9
           status = comm.all_to_all_v(send, recv);
         }
         if (status) return false;
@@ -392,8 +431,10 @@ TEST_P(UcxTransports, ALostRankFailsLargeAllToAllsInFlightNamingIt) {
 // the communicator must get them even though its endpoints ask for peer
 // error handling (UCX withholds them unless told they may claim it).
 INSTANTIATE_TEST_SUITE_P(Transports, UcxTransports,
-                         ::testing::Values("", "tcp", "posix,cma,self,tcp", "posix,cma,self"), [](const auto& info) {
+                         ::testing::Values("", "tcp", "posix,cma,self,tcp", "posix,cma,self", "loopback"),
+                         [](const auto& info) {
                            return info.param.empty()                   ? std::string("Default")
+                                  : info.param == "loopback"           ? std::string("Loopback")
                                   : info.param == "tcp"                ? std::string("Tcp")
                                   : info.param == "posix,cma,self,tcp" ? std::string("SharedMemory")
                                                                        : std::string("SharedMemoryOnly");
@@ -413,11 +454,11 @@ TEST(SoloCommunicator, CollectivesAreCopiesAndMessagesReachTheHandler) {
   std::vector<std::byte> wrong(4);
   EXPECT_FALSE(comm->all_to_all_v({std::span<const std::byte>(out)}, {std::span<std::byte>(wrong)}));
   size_t seen = 0;
-  comm->on_message(Channel::kUser, [&](int from, std::span<const std::byte> payload) {
+  comm->on_message(kTestChannel, [&](int from, std::span<const std::byte> payload) {
     EXPECT_EQ(from, 0);
     seen += payload.size();
   });
-  comm->post(0, Channel::kUser, std::vector<std::byte>(3));
+  comm->post(0, kTestChannel, std::vector<std::byte>(3));
   EXPECT_EQ(seen, 3u);
   EXPECT_TRUE(comm->health());
   EXPECT_TRUE(comm->lost_ranks().empty());

@@ -1,14 +1,11 @@
 // cfmo-moe: parse flags and config, find or start the ranks, run the
 // library's MoE dispatch benchmark, print the report.
 #include "../common/tool_main.h"
-#include "comm/rendezvous.h"
-#include "comm/solo_communicator.h"
-#include "comm/ucx_communicator.h"
+#include "comm/world.h"
 #include "core/config.h"
 #include "moe/benchmark.h"
 #include "moe/moe_config.h"
 #include "tensor/ops.h"
-#include "train/launcher.h"
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -69,7 +66,7 @@ static int run(int argc, char** argv) {
 
   auto world = cfmo::world_from_environment();
   if (!world) return fail(world.error());
-  const bool launched = std::getenv("CFMO_LAUNCHED") != nullptr;  // a rank of our own launcher
+  const bool launched = world->has_value() && (*world)->launched;  // a rank of our own launcher
   if (config.ranks > 1 && !launched && (!world->has_value() || (*world)->size == 1)) {
     // One host, no launcher: start the ranks here and relay their output.
     std::signal(SIGINT, on_signal);
@@ -79,33 +76,11 @@ static int run(int argc, char** argv) {
     return *status;
   }
 
-  std::unique_ptr<cfmo::Communicator> comm;
-  int rank = 0;
-  int ranks = 1;
-  if (world->has_value() && (*world)->size > 1) {
-    rank = (*world)->rank;
-    ranks = (*world)->size;
-    // Our own launcher's address wins: its rank 0 listens on the socket it inherited.
-    std::string address = launched ? "" : config.rendezvous;
-    if (address.empty() && std::getenv("CFMO_RENDEZVOUS") != nullptr) address = std::getenv("CFMO_RENDEZVOUS");
-    if (address.empty()) {
-      return fail(cfmo::make_error(cfmo::ErrorKind::kUsage, "{} says {} ranks: set --rendezvous or CFMO_RENDEZVOUS",
-                                   (*world)->source, ranks));
-    }
-    auto rendezvous = cfmo::parse_rendezvous(address);
-    if (!rendezvous) return fail(rendezvous.error());
-    if (const char* fd = std::getenv("CFMO_RENDEZVOUS_FD"); fd != nullptr && rank == 0) {
-      rendezvous->listen_fd = std::atoi(fd);
-    }
-    rendezvous->timeout_s = std::max(60.0, config.peer_timeout);
-    cfmo::UcxOptions ucx;
-    ucx.peer_timeout_s = config.peer_timeout;
-    auto connected = cfmo::connect_ucx(rank, ranks, *rendezvous, ucx);
-    if (!connected) return fail(connected.error());
-    comm = std::move(*connected);
-  } else {
-    comm = cfmo::make_solo_communicator();
-  }
+  auto connected = cfmo::connect_world(*world, {config.rendezvous, config.peer_timeout});
+  if (!connected) return fail(connected.error());
+  std::unique_ptr<cfmo::Communicator> comm = std::move(*connected);
+  const int rank = comm->rank();
+  const int ranks = comm->size();
 
   auto simulation = cfmo::moe::simulation_for(config, rank, ranks);
   if (!simulation) return fail(simulation.error());
@@ -113,6 +88,7 @@ static int run(int argc, char** argv) {
 
   cfmo::moe::BenchmarkOptions options;
   options.comm = comm.get();
+  if (world->has_value()) options.local_rank = (*world)->local_rank;
   options.simulation = *simulation;
   if (rank == 0 && !config.quiet) options.note = [](const std::string& text) { fmt::print(stderr, "{}\n", text); };
   auto summaries = cfmo::moe::run_benchmark(config, *plan, options);

@@ -2,12 +2,10 @@
 // library's trainer, report. The parts besides are in commands.h.
 #include "../common/stop_signals.h"
 #include "../common/tool_main.h"
-#include "comm/rendezvous.h"
-#include "comm/ucx_communicator.h"
+#include "comm/world.h"
 #include "commands.h"
 #include "console_observer.h"
 #include "train/checkpoint.h"
-#include "train/launcher.h"
 #include "train/memory_estimate.h"
 #include "train/trainer.h"
 
@@ -52,7 +50,7 @@ static int run(int argc, char** argv) {
 
   auto world = cfmo::world_from_environment();
   if (!world) return fail(world.error());
-  const bool launched = std::getenv("CFMO_LAUNCHED") != nullptr;  // a worker of our own launcher
+  const bool launched = world->has_value() && (*world)->launched;  // a worker of our own launcher
   // One run at a time in a run directory. The process that owns the run holds the lock for
   // all its ranks: this one alone, our launcher (its workers share the directory), or rank 0
   // under another launcher, before the rendezvous, so no rank of a second run gets to write.
@@ -71,25 +69,11 @@ static int run(int argc, char** argv) {
   }
   std::unique_ptr<cfmo::Communicator> comm;
   if (world->has_value() && (*world)->size > 1) {
-    // Our own launcher's address wins: its rank 0 listens on the socket it inherited.
-    std::string address = launched ? "" : config.rendezvous;
-    if (address.empty() && std::getenv("CFMO_RENDEZVOUS") != nullptr) address = std::getenv("CFMO_RENDEZVOUS");
-    if (address.empty()) {
-      return fail(cfmo::make_error(cfmo::ErrorKind::kUsage, "{} says {} ranks: set --rendezvous or CFMO_RENDEZVOUS",
-                                   (*world)->source, (*world)->size));
-    }
-    auto rendezvous = cfmo::parse_rendezvous(address);
-    if (!rendezvous) return fail(rendezvous.error());
-    if (const char* fd = std::getenv("CFMO_RENDEZVOUS_FD"); fd != nullptr && (*world)->rank == 0) {
-      rendezvous->listen_fd = std::atoi(fd);
-    }
-    rendezvous->timeout_s = std::max(60.0, config.peer_timeout);
-    cfmo::UcxOptions ucx;
-    ucx.peer_timeout_s = config.peer_timeout;
-    auto connected = cfmo::connect_ucx((*world)->rank, (*world)->size, *rendezvous, ucx);
+    auto connected = cfmo::connect_world(*world, {config.rendezvous, config.peer_timeout});
     if (!connected) return fail(connected.error());
     comm = std::move(*connected);
     options.comm = comm.get();
+    options.local_rank = (*world)->local_rank;
   }
 
   ConsoleObserver observer(::isatty(STDERR_FILENO) != 0, config.quiet);

@@ -27,11 +27,11 @@ class AsgdMode final : public AsyncMode {
       }
       optimizer_->set_step_count(resume.owner_steps[static_cast<size_t>(comm.rank())]);
     }
-    comm.on_message(Channel::kGradShard, [this](int from, std::span<const std::byte> m) { on_grad(from, m); });
+    comm.on_message(channels::kGradShard, [this](int from, std::span<const std::byte> m) { on_grad(from, m); });
     start_serving_owner_state();
   }
   ~AsgdMode() override {
-    comm_.on_message(Channel::kGradShard, nullptr);
+    comm_.on_message(channels::kGradShard, nullptr);
     stop_serving_owner_state();
   }
   std::string_view name() const override { return "asgd"; }
@@ -52,7 +52,7 @@ class AsgdMode final : public AsyncMode {
       put(out, lr);
       encode_floats(settings_.delta_dtype, grads.subspan(first, n),
                     residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, n), out);
-      comm_.post(j, Channel::kGradShard, std::move(out));
+      comm_.post(j, channels::kGradShard, std::move(out));
       ++awaiting_[static_cast<size_t>(j)];
       std::lock_guard lock(mutex_);
       ++stats_.contributions_sent;

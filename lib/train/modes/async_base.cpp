@@ -23,19 +23,19 @@ AsyncMode::AsyncMode(const ModeSettings& settings, Communicator& comm, std::span
   reconciled_samples_.assign(progress_.size(), 0);
   gather_ = Assembly(comm.size());
   stats_.staleness_histogram.assign(static_cast<size_t>(settings.max_staleness) + 2, 0);
-  comm.on_message(Channel::kFreshShard, [this](int from, std::span<const std::byte> m) { on_fresh(from, m); });
-  comm.on_message(Channel::kProgress, [this](int from, std::span<const std::byte> m) { on_progress(from, m); });
-  comm.on_message(Channel::kStop, [this](int, std::span<const std::byte>) { stop_ = true; });
-  comm.on_message(Channel::kDone, [this](int from, std::span<const std::byte>) {
+  comm.on_message(channels::kFreshShard, [this](int from, std::span<const std::byte> m) { on_fresh(from, m); });
+  comm.on_message(channels::kProgress, [this](int from, std::span<const std::byte> m) { on_progress(from, m); });
+  comm.on_message(channels::kStop, [this](int, std::span<const std::byte>) { stop_ = true; });
+  comm.on_message(channels::kDone, [this](int from, std::span<const std::byte>) {
     std::lock_guard lock(mutex_);
     done_from_[static_cast<size_t>(from)] = true;
   });
-  comm.on_message(Channel::kGather, [this](int from, std::span<const std::byte> m) { on_gather(from, m); });
+  comm.on_message(channels::kGather, [this](int from, std::span<const std::byte> m) { on_gather(from, m); });
 }
 
 AsyncMode::~AsyncMode() {
-  for (Channel c : {Channel::kFreshShard, Channel::kProgress, Channel::kStop, Channel::kDone, Channel::kGather,
-                    Channel::kCheckpoint}) {
+  for (Channel c : {channels::kFreshShard, channels::kProgress, channels::kStop, channels::kDone, channels::kGather,
+                    channels::kCheckpoint}) {
     comm_.on_message(c, nullptr);
   }
 }
@@ -56,7 +56,7 @@ bool AsyncMode::request_snapshot() {
     put(out, kSnapshotRequest);
     put(out, snapshot_id_);
   }
-  for (int r = 0; r < comm_.size(); ++r) comm_.post(r, Channel::kCheckpoint, out);
+  for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kCheckpoint, out);
   return true;
 }
 
@@ -67,7 +67,7 @@ void AsyncMode::reply_fresh(int to, int64_t staleness, bool dropped, bool with_s
   put(out, version_);
   put(out, staleness);
   if (with_shard) put_floats(out, owned_);
-  comm_.post(to, Channel::kFreshShard, std::move(out));
+  comm_.post(to, channels::kFreshShard, std::move(out));
 }
 
 int AsyncMode::outstanding() const {
@@ -83,7 +83,7 @@ void AsyncMode::report_progress(const TrainPosition& position) {
   position_ = position;
   std::vector<std::byte> out;
   put_position(out, position);
-  comm_.post(0, Channel::kProgress, std::move(out));
+  comm_.post(0, channels::kProgress, std::move(out));
 }
 
 bool AsyncMode::all_live(const std::vector<bool>& flags) const {
@@ -98,13 +98,13 @@ bool AsyncMode::all_live(const std::vector<bool>& flags) const {
 Status AsyncMode::end_handshake(std::span<float> params) {
   const auto start = Clock::now();
   const auto deadline = start + seconds(settings_.peer_timeout_s * 3);
-  for (int r = 0; r < comm_.size(); ++r) comm_.post(r, Channel::kDone, {});
+  for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kDone, {});
   while (!all_live(done_from_) && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   // Owners' shards now include every contribution: send mine to rank 0.
   std::vector<std::byte> out;
   put_position(out, position_);
   put_owner_shard(out);
-  comm_.post(0, Channel::kGather, std::move(out));
+  comm_.post(0, channels::kGather, std::move(out));
   if (comm_.rank() == 0) {
     while (!all_live(gather_.received) && Clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -134,10 +134,10 @@ Status AsyncMode::end_handshake(std::span<float> params) {
 }
 
 void AsyncMode::start_serving_owner_state() {
-  comm_.on_message(Channel::kCheckpoint, [this](int from, std::span<const std::byte> m) { on_checkpoint(from, m); });
+  comm_.on_message(channels::kCheckpoint, [this](int from, std::span<const std::byte> m) { on_checkpoint(from, m); });
 }
 
-void AsyncMode::stop_serving_owner_state() { comm_.on_message(Channel::kCheckpoint, nullptr); }
+void AsyncMode::stop_serving_owner_state() { comm_.on_message(channels::kCheckpoint, nullptr); }
 
 /// [u32 shard][i64 version][i64 owner steps][u32 buffers][params][owner state...], under mutex_.
 void AsyncMode::put_owner_shard(std::vector<std::byte>& out) {
@@ -213,7 +213,7 @@ void AsyncMode::on_progress(int from, std::span<const std::byte> m) {
     if (stop) stop_sent_ = true;
   }
   if (stop) {
-    for (int r = 0; r < comm_.size(); ++r) comm_.post(r, Channel::kStop, {});
+    for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kStop, {});
   }
 }
 
@@ -235,7 +235,7 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
     put(out, kSnapshotShard);
     put(out, id);
     put_owner_shard(out);
-    comm_.post(from, Channel::kCheckpoint, std::move(out));
+    comm_.post(from, channels::kCheckpoint, std::move(out));
     return;
   }
   if (kind != kSnapshotShard || comm_.rank() != 0) return;

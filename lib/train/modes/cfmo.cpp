@@ -24,12 +24,12 @@ class CfmoMode final : public AsyncMode {
       const auto first = static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(comm.rank())]);
       std::copy_n(resume.outer_momentum.begin() + first, owned_.size(), outer_.momentum().begin());
     }
-    comm.on_message(Channel::kDeltaShard, [this](int from, std::span<const std::byte> m) { on_delta(from, m); });
+    comm.on_message(channels::kDeltaShard, [this](int from, std::span<const std::byte> m) { on_delta(from, m); });
     start_serving_owner_state();
   }
   // Unregistered here, before this class's members go: the base's destructor would be too late.
   ~CfmoMode() override {
-    comm_.on_message(Channel::kDeltaShard, nullptr);
+    comm_.on_message(channels::kDeltaShard, nullptr);
     stop_serving_owner_state();
   }
   std::string_view name() const override { return "cfmo"; }
@@ -94,7 +94,7 @@ class CfmoMode final : public AsyncMode {
       put(out, base_version_[static_cast<size_t>(j)]);
       encode_floats(settings_.delta_dtype, delta_,
                     residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count), out);
-      comm_.post(j, Channel::kDeltaShard, std::move(out));
+      comm_.post(j, channels::kDeltaShard, std::move(out));
       ++awaiting_[static_cast<size_t>(j)];
       ++sent;
     }

@@ -1,6 +1,8 @@
-#include "train/launcher.h"
+#include "comm/world.h"
 
 #include "comm/rendezvous.h"
+#include "comm/solo_communicator.h"
+#include "comm/ucx_communicator.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -121,7 +123,14 @@ Result<std::optional<WorldInfo>> world_from_environment() {
                         std::getenv(p.rank) ? std::getenv(p.rank) : "(unset)", p.size,
                         std::getenv(p.size) ? std::getenv(p.size) : "(unset)");
     }
-    return std::optional<WorldInfo>(WorldInfo{*rank, *size, fmt::format("{}/{}", p.rank, p.size)});
+    WorldInfo world{*rank, *size, fmt::format("{}/{}", p.rank, p.size), std::getenv("CFMO_LAUNCHED") != nullptr, *rank};
+    for (const char* name : {"LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"}) {
+      if (const auto local = env_int(name); local && *local >= 0) {
+        world.local_rank = *local;
+        break;
+      }
+    }
+    return std::optional<WorldInfo>(std::move(world));
   }
   return std::optional<WorldInfo>();
 }
@@ -331,6 +340,25 @@ Result<std::pair<int, std::string>> run_self(const std::vector<std::string>& arg
   }
   const int status = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
   return std::pair<int, std::string>{status, std::move(out)};
+}
+
+Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInfo>& world,
+                                                    const WorldOptions& options) {
+  if (!world || world->size <= 1) return make_solo_communicator();
+  // Our own launcher's address wins: its rank 0 listens on the socket it inherited.
+  std::string address = world->launched ? "" : options.rendezvous;
+  if (address.empty() && std::getenv("CFMO_RENDEZVOUS") != nullptr) address = std::getenv("CFMO_RENDEZVOUS");
+  if (address.empty()) {
+    return make_error(ErrorKind::kUsage, "{} says {} ranks: {}", world->source, world->size, options.rendezvous_hint);
+  }
+  CFMO_ASSIGN_OR_RETURN(RendezvousConfig rendezvous, parse_rendezvous(address));
+  if (const char* fd = std::getenv("CFMO_RENDEZVOUS_FD"); fd != nullptr && world->launched && world->rank == 0) {
+    rendezvous.listen_fd = std::atoi(fd);
+  }
+  rendezvous.timeout_s = std::max(60.0, options.peer_timeout_s);
+  UcxOptions ucx;
+  ucx.peer_timeout_s = options.peer_timeout_s;
+  return connect_ucx(world->rank, world->size, rendezvous, ucx);
 }
 
 }  // namespace cfmo

@@ -1,14 +1,20 @@
 #pragma once
-/// Where a worker is in the world, and the embedded launcher for one host.
+/// Where a process is in the world, and how it joins it: the one place that
+/// reads the launchers' variables, starts the ranks on one host, and
+/// connects a rank to the others.
 ///
 /// Under an existing launcher each process is one rank: RANK/WORLD_SIZE,
 /// Slurm's SLURM_PROCID/SLURM_NTASKS or Open MPI's OMPI_COMM_WORLD_RANK/SIZE,
 /// with the rendezvous in CFMO_RENDEZVOUS. On one host without a launcher,
-/// launch_local() starts the ranks itself.
+/// launch_local() starts the ranks itself (they find CFMO_LAUNCHED, and rank
+/// 0 the listening socket in CFMO_RENDEZVOUS_FD). connect_world() then gives
+/// the rank its Communicator: UCX through the rendezvous, or the solo one.
 
+#include "comm/communicator.h"
 #include "core/error.h"
 
 #include <atomic>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -19,12 +25,29 @@ namespace cfmo {
 struct WorldInfo {
   int rank = 0;
   int size = 1;
-  std::string source;  ///< which variables said so, for messages
+  std::string source;     ///< which variables said so, for messages
+  bool launched = false;  ///< a rank of our own launcher (launch_local; CFMO_LAUNCHED)
+  /// This rank's index among its host's ranks: LOCAL_RANK, SLURM_LOCALID or
+  /// OMPI_COMM_WORLD_LOCAL_RANK, else the rank (our launcher's ranks are all on one host).
+  int local_rank = 0;
 };
 
 /// The rank and world size the environment gives, if any; an error when the
 /// variables are present but make no sense (naming them).
 Result<std::optional<WorldInfo>> world_from_environment();
+
+struct WorldOptions {
+  std::string rendezvous;  ///< host:port of rank 0 (--rendezvous); empty: CFMO_RENDEZVOUS. Our launcher's wins.
+  double peer_timeout_s = 10;
+  /// What the error says to do when several ranks have no rendezvous address.
+  std::string rendezvous_hint = "set --rendezvous or CFMO_RENDEZVOUS";
+};
+
+/// This rank's Communicator in `world` (from world_from_environment): over
+/// UCX for a world of several ranks, after the rendezvous (which waits for
+/// the others at least 60 s), else the solo one. kUsage when several ranks
+/// have no rendezvous address, naming the variables that said how many.
+Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInfo>& world, const WorldOptions& options);
 
 /// Starts `workers` copies of this program (argv as given) with RANK,
 /// WORLD_SIZE and a rendezvous on 127.0.0.1 whose listening socket rank 0

@@ -1,0 +1,318 @@
+// The modes' protocols over the in-process loopback transport: W ranks in
+// one process, a tiny parameter vector, no model. The asynchronous modes are
+// driven step by step from one thread, with the network drained between
+// steps (and links held to make a contribution stale), so every figure is
+// exact; the blocking ones (sync, localsgd, every finish) run a thread per
+// rank. No assertion on timing.
+#include "comm/loopback.h"
+#include "train/modes.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <optional>
+#include <thread>
+
+namespace cfmo {
+namespace {
+
+constexpr size_t kSize = 96;  // shards of 48 floats for 2 workers, 32 for 3 (16-float boundaries)
+
+struct Cluster {
+  Cluster(int workers, ModeSettings settings, LoopbackOptions options = {})
+      : world(make_loopback_world(workers, options)) {
+    settings.delta_dtype = WireDtype::kFp32;  // exact sums
+    OptimizerConfig sgd;
+    sgd.name = "sgd";
+    sgd.momentum = 0.9;
+    const std::vector<ParamInfo> layout = {{"w", {static_cast<int64_t>(kSize)}, 0, kSize}};
+    for (int r = 0; r < workers; ++r) {
+      auto mode = make_mode(settings, world.ranks[static_cast<size_t>(r)].get(), layout, initial, sgd);
+      EXPECT_TRUE(mode) << mode.error().message;
+      modes.push_back(std::move(*mode));
+      params.push_back(initial);
+      optimizers.push_back(std::move(*make_optimizer(sgd, layout, kSize)));
+    }
+  }
+  ~Cluster() { modes.clear(); }  // before the communicators their handlers are on
+
+  Mode& mode(int r) { return *modes[static_cast<size_t>(r)]; }
+  std::vector<float>& param(int r) { return params[static_cast<size_t>(r)]; }
+
+  /// after_step of rank r at `step`, with `samples` examples so far.
+  Status step(int r, int64_t step, int64_t samples = 0) {
+    TrainPosition position;
+    position.step = step;
+    position.samples = samples;
+    return mode(r).after_step(position, param(r), *optimizers[static_cast<size_t>(r)]);
+  }
+
+  /// Runs body(r) on a thread per rank (for what blocks: collectives, finish).
+  std::vector<Status> on_every_rank(const std::function<Status(int)>& body, const std::vector<int>& ranks = {}) {
+    std::vector<int> who = ranks;
+    if (who.empty()) {
+      for (int r = 0; r < static_cast<int>(modes.size()); ++r) who.push_back(r);
+    }
+    std::vector<Status> out(modes.size());
+    std::vector<std::thread> threads;
+    for (int r : who) threads.emplace_back([&, r] { out[static_cast<size_t>(r)] = body(r); });
+    for (auto& t : threads) t.join();
+    return out;
+  }
+
+  Status finish(int r) { return mode(r).finish(param(r), *optimizers[static_cast<size_t>(r)]); }
+
+  /// Rank 0's snapshot of the owners' shards, after the network is quiet.
+  std::optional<GlobalState> snapshot() {
+    EXPECT_TRUE(mode(0).request_snapshot());
+    EXPECT_TRUE(world.network->drain());
+    return mode(0).take_snapshot();
+  }
+
+  std::vector<float> initial = std::vector<float>(kSize, 1.0f);
+  LoopbackWorld world;
+  std::vector<std::unique_ptr<Mode>> modes;
+  std::vector<std::vector<float>> params;
+  std::vector<std::unique_ptr<Optimizer>> optimizers;
+};
+
+ModeSettings settings_for(const char* name, int sync_interval = 1) {
+  ModeSettings s;
+  s.kind = *parse_mode(name);
+  s.sync_interval = sync_interval;
+  s.outer_optimizer = OuterKind::kAvg;  // plain averaging: the global is the mean of what arrived
+  s.outer_lr = 1.0;
+  s.peer_timeout_s = 5;  // only the finish's deadlines: nothing here waits that long
+  return s;
+}
+
+// A delta of worker k, element i: anything that differs.
+float delta_of(int k, size_t i) { return 0.25f * static_cast<float>(k + 1) + 0.01f * static_cast<float>(i); }
+
+TEST(SyncProtocol, GradientsBecomeTheirExampleWeightedMeanAndAStopVoteIsAgreed) {
+  Cluster c(3, settings_for("sync"));
+  std::vector<std::vector<float>> grads(3, std::vector<float>(kSize));
+  for (int k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < kSize; ++i) grads[static_cast<size_t>(k)][i] = delta_of(k, i);
+  }
+  const auto expected = [&](size_t i) {  // counts 1, 2, 3
+    return (1 * delta_of(0, i) + 2 * delta_of(1, i) + 3 * delta_of(2, i)) / 6;
+  };
+  c.mode(1).want_stop("interrupt");
+  auto results =
+      c.on_every_rank([&](int r) { return c.mode(r).on_gradients(grads[static_cast<size_t>(r)], r + 1, 0.1f); });
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
+    for (size_t i = 0; i < kSize; ++i) EXPECT_FLOAT_EQ(grads[static_cast<size_t>(r)][i], expected(i));
+    EXPECT_TRUE(c.mode(r).stop_requested());
+    EXPECT_EQ(c.mode(r).agreed_reason(), "interrupt");
+  }
+}
+
+TEST(LocalSgdProtocol, ARoundOfAveragingLeavesEveryRankOnTheMean) {
+  constexpr int kH = 3;
+  Cluster c(3, settings_for("localsgd", kH));
+  c.mode(2).want_stop("time-limit");
+  auto results = c.on_every_rank([&](int r) -> Status {
+    for (int step = 1; step <= kH; ++step) {
+      for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += delta_of(r, i);
+      CFMO_TRY(c.step(r, step));
+      // Between rounds the parameters are the rank's own; at a round's end, the global ones.
+      if (c.mode(r).params_are_global() != (step == kH)) return make_error(ErrorKind::kInternal, "params_are_global");
+    }
+    return {};
+  });
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
+    for (size_t i = 0; i < kSize; ++i) {
+      const float mean = kH * (delta_of(0, i) + delta_of(1, i) + delta_of(2, i)) / 3;
+      EXPECT_NEAR(c.param(r)[i], 1.0f + mean, 1e-5f) << "rank " << r << " element " << i;
+    }
+    EXPECT_EQ(c.mode(r).stats().rounds, 1);
+    EXPECT_TRUE(c.mode(r).stop_requested());
+    EXPECT_EQ(c.mode(r).agreed_reason(), "time-limit");
+  }
+}
+
+TEST(CfmoProtocol, DeltasReachTheirOwnersAndFreshShardsRebaseTheWorkers) {
+  Cluster c(2, settings_for("cfmo"));
+  for (int k = 0; k < 2; ++k) {
+    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
+    ASSERT_TRUE(c.step(k, 1));
+  }
+  ASSERT_TRUE(c.world.network->drain());
+  // Both deltas are in, fresh (staleness 0): each owner's shard is the mean.
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  for (size_t i = 0; i < kSize; ++i) {
+    EXPECT_NEAR(global->params[i], 1.0f + (delta_of(0, i) + delta_of(1, i)) / 2, 1e-6f) << i;
+  }
+  EXPECT_EQ(global->versions, (std::vector<int64_t>{2, 2}));
+  EXPECT_FALSE(c.mode(0).take_snapshot().has_value());  // a snapshot is taken once
+  // Rank 1 trains on (adds E) before the replies are applied: the rebase
+  // keeps that progress on top of the fresh shards.
+  for (size_t i = 0; i < kSize; ++i) c.param(1)[i] += 0.5f;
+  ASSERT_TRUE(c.mode(1).needs_params(TrainPosition{}));  // replies wait: the parameters are needed
+  ASSERT_TRUE(c.step(1, 2));
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(c.param(1)[i], global->params[i] + 0.5f, 1e-6f) << i;
+  const auto stats = c.mode(1).stats();
+  EXPECT_EQ(stats.contributions_sent, 4u);  // two rounds, two owners
+  EXPECT_EQ(stats.staleness_histogram[0], 2u);
+  ASSERT_TRUE(c.world.network->drain());
+  EXPECT_EQ(c.mode(0).stats().contributions_applied, 3u);  // as owner of shard 0: round 1's two, rank 1's second
+}
+
+// Rank 1's delta to owner 0 is held while rank 0 makes four contributions
+// to that shard: it arrives 4 / W = 2 rounds stale.
+struct Stale {
+  int max_staleness;
+  bool applied;
+};
+class CfmoStaleness : public ::testing::TestWithParam<Stale> {};
+
+TEST_P(CfmoStaleness, AStaleDeltaIsWeightedByBetaToTheStalenessOrDroppedBeyondTheLimit) {
+  auto settings = settings_for("cfmo");
+  settings.staleness_discount = 0.5;
+  settings.max_staleness = GetParam().max_staleness;
+  Cluster c(2, settings);
+  c.world.network->hold(1, 0);
+  const size_t shard0 = 48;                                   // shard 0 of two: [0, 48)
+  for (size_t i = 0; i < shard0; ++i) c.param(1)[i] += 1.0f;  // rank 1's delta: ones on shard 0
+  ASSERT_TRUE(c.step(1, 1));
+  for (int step = 1; step <= 4; ++step) {  // rank 0's zero deltas: versions, no values
+    ASSERT_TRUE(c.step(0, step));
+    ASSERT_TRUE(c.world.network->drain());
+  }
+  // Rank 1's optimizer momentum on shard 0, to see it discounted by the rebase.
+  auto& momentum = *c.optimizers[1]->state()[0].buffer;
+  std::fill(momentum.begin(), momentum.end(), 1.0f);
+  c.world.network->release(1, 0);
+  ASSERT_TRUE(c.world.network->drain());
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  const float weight = GetParam().applied ? 0.25f / 2 : 0.0f;  // beta^2 / W
+  for (size_t i = 0; i < shard0; ++i) EXPECT_FLOAT_EQ(global->params[i], 1.0f + weight) << i;
+  ASSERT_TRUE(c.step(1, 2));  // takes the reply
+  const auto stats = c.mode(1).stats();
+  EXPECT_EQ(stats.staleness_histogram[std::min<size_t>(2, stats.staleness_histogram.size() - 1)], 1u);
+  EXPECT_EQ(stats.contributions_dropped, GetParam().applied ? 0u : 1u);
+  if (GetParam().applied) {
+    // The reply is version 5, rank 1's base 0: (5 - 0 - 1) / W = 2 rounds behind, beta^2.
+    EXPECT_FLOAT_EQ(momentum[0], 0.25f);
+    EXPECT_FLOAT_EQ(c.param(1)[0], 1.0f + weight);  // the fresh shard; no progress since the send
+  }
+  EXPECT_FLOAT_EQ(momentum[shard0], 1.0f);  // shard 1 was fresh
+}
+
+INSTANTIATE_TEST_SUITE_P(Limits, CfmoStaleness, ::testing::Values(Stale{4, true}, Stale{1, false}),
+                         [](const auto& info) { return info.param.applied ? "Applied" : "Dropped"; });
+
+TEST(CfmoProtocol, ASnapshotRequestSupersedesNoneStillBeingAnswered) {
+  Cluster c(2, settings_for("cfmo"));
+  c.world.network->hold(1, 0);  // owner 1's answer waits
+  ASSERT_TRUE(c.mode(0).request_snapshot());
+  ASSERT_TRUE(c.world.network->drain());
+  EXPECT_FALSE(c.mode(0).take_snapshot().has_value());  // not complete: owner 1 has not answered
+  ASSERT_TRUE(c.mode(0).request_snapshot());            // covered by the one in progress
+  c.world.network->release(1, 0);
+  ASSERT_TRUE(c.world.network->drain());
+  auto global = c.mode(0).take_snapshot();
+  ASSERT_TRUE(global);
+  EXPECT_EQ(global->params, c.initial);
+  EXPECT_FALSE(c.mode(1).request_snapshot());  // only rank 0 asks
+}
+
+TEST(CfmoProtocol, TheBudgetKeeperStopsEveryRankOnceTheSamplesAreDone) {
+  auto settings = settings_for("cfmo", 100);
+  settings.sample_budget = 30;
+  Cluster c(3, settings);
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(c.step(r, 1, 8));
+  ASSERT_TRUE(c.world.network->drain());
+  for (int r = 0; r < 3; ++r) EXPECT_FALSE(c.mode(r).stop_requested()) << r;  // 24 of 30
+  ASSERT_TRUE(c.step(1, 2, 16));
+  ASSERT_TRUE(c.world.network->drain());
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(c.mode(r).stop_requested()) << r;  // 32
+}
+
+TEST(CfmoProtocol, FinishSendsTheLastProgressAndLeavesTheGlobalParametersOnRankZero) {
+  constexpr int kH = 4;
+  Cluster c(3, settings_for("cfmo", kH));
+  // Two steps of progress, no round yet (H = 4): finish's last round carries it.
+  for (int r = 0; r < 3; ++r) {
+    for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += delta_of(r, i);
+    ASSERT_TRUE(c.step(r, 2));
+  }
+  auto results = c.on_every_rank([&](int r) { return c.finish(r); });
+  for (int r = 0; r < 3; ++r)
+    ASSERT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
+  for (size_t i = 0; i < kSize; ++i) {
+    EXPECT_NEAR(c.param(0)[i], 1.0f + (delta_of(0, i) + delta_of(1, i) + delta_of(2, i)) / 3, 1e-6f) << i;
+  }
+  auto final_state = c.mode(0).final_state();
+  ASSERT_TRUE(final_state);
+  EXPECT_EQ(final_state->params, c.param(0));
+  EXPECT_EQ(final_state->ranks.size(), 3u);
+  EXPECT_EQ(final_state->ranks[2].step, 2);
+  EXPECT_FALSE(c.mode(1).final_state());
+}
+
+TEST(CfmoProtocol, ALostRankDoesNotStopTheOthers) {
+  auto settings = settings_for("cfmo");
+  settings.peer_timeout_s = 1;
+  Cluster c(3, settings, {.peer_timeout_s = 0.05});
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(c.step(r, 1));
+  ASSERT_TRUE(c.world.network->drain());
+  c.world.network->silence(2);
+  for (int r : {0, 1}) {
+    while (c.world.ranks[static_cast<size_t>(r)]->lost_ranks().empty()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  // The survivors go on: their rounds skip the lost owner, and their deltas to the others still arrive.
+  for (int step = 2; step <= 4; ++step) {
+    for (int r : {0, 1}) {
+      for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += 0.125f;
+      ASSERT_TRUE(c.step(r, step));
+    }
+    ASSERT_TRUE(c.world.network->drain());
+  }
+  auto results = c.on_every_rank([&](int r) { return c.finish(r); }, {0, 1});
+  ASSERT_TRUE(results[0]) << results[0].error().message;
+  ASSERT_TRUE(results[1]) << results[1].error().message;
+  auto final_state = c.mode(0).final_state();
+  ASSERT_TRUE(final_state);
+  // Shards 0 and 1 took three rounds of both survivors' +0.125 (averaged over W = 3).
+  EXPECT_NEAR(final_state->params[0], 1.0f + 3 * 2 * 0.125f / 3, 1e-5f);
+  EXPECT_NEAR(final_state->params[40], 1.0f + 3 * 2 * 0.125f / 3, 1e-5f);
+  EXPECT_GT(c.mode(0).stats().contributions_sent, 0u);
+}
+
+TEST(AsgdProtocol, OwnersApplyEveryGradientAndWorkersTakeTheFreshShards) {
+  Cluster c(2, settings_for("asgd"));
+  std::vector<std::vector<float>> grads(2, std::vector<float>(kSize));
+  for (int k = 0; k < 2; ++k) {
+    for (size_t i = 0; i < kSize; ++i) grads[static_cast<size_t>(k)][i] = delta_of(k, i);
+  }
+  EXPECT_TRUE(c.mode(0).owns_update());
+  // Rank 0 pushes first, and its replies arrive before rank 1 pushes.
+  ASSERT_TRUE(c.mode(0).on_gradients(grads[0], 4, 0.1f));
+  ASSERT_TRUE(c.world.network->drain());
+  ASSERT_TRUE(c.mode(1).on_gradients(grads[1], 4, 0.1f));
+  ASSERT_TRUE(c.world.network->drain());
+  ASSERT_TRUE(c.mode(0).needs_params(TrainPosition{}));
+  ASSERT_TRUE(c.step(0, 1));
+  ASSERT_TRUE(c.step(1, 1));
+  // The owners' SGD (momentum 0.9, first step: the gradient itself) saw rank
+  // 0's gradient, then rank 1's: rank 0 holds the first, rank 1 both.
+  for (size_t i = 0; i < kSize; ++i) {
+    EXPECT_NEAR(c.param(0)[i], 1.0f - 0.1f * delta_of(0, i), 1e-6f) << i;
+  }
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  for (size_t i = 0; i < kSize; ++i) EXPECT_FLOAT_EQ(c.param(1)[i], global->params[i]) << i;
+  EXPECT_EQ(c.mode(0).stats().contributions_applied, 2u);  // as owner of shard 0: both gradients
+}
+
+}  // namespace
+}  // namespace cfmo
