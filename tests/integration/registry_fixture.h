@@ -166,8 +166,11 @@ class Registry {
         "http:\n  addr: 127.0.0.1:" +
         std::to_string(port_) + "\n";
     if (!write_file_atomic(dir_ / "config.yml", config)) return false;
-    process_ = testing::spawn({kRegistryBinary, "serve", (dir_ / "config.yml").string()}, {},
-                              (dir_ / "stdout").string(), (dir_ / "stderr").string());
+    // setpriv execs the registry in its own process with a parent-death signal,
+    // so a test binary that crashes cannot leave a registry running.
+    process_ = testing::spawn(
+        {"/usr/bin/setpriv", "--pdeathsig", "KILL", kRegistryBinary, "serve", (dir_ / "config.yml").string()}, {},
+        (dir_ / "stdout").string(), (dir_ / "stderr").string());
     for (int i = 0; i < 200; ++i) {
       if (http("GET", url() + "/v2/").status == 200) return true;
       if (process_.wait(0.05)) return false;
