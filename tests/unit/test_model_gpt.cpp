@@ -3,6 +3,7 @@
 #include "core/rng.h"
 #include "optim/optimizer.h"
 #include "support/finite_differences.h"
+#include "support/token_windows.h"
 
 #include <gtest/gtest.h>
 
@@ -16,7 +17,9 @@ namespace {
 
 using testing::dot;
 using testing::expect_matches_finite_differences;
+using testing::random_tokens;
 using testing::random_vector;
+using testing::windows;
 
 TEST(TestModelGpt, LayerNormGradientsMatchFiniteDifferences) {
   constexpr int kRows = 3;
@@ -164,20 +167,6 @@ GptSpec make_spec(int layers, int heads, int dim, int context, int vocab) {
 }
 
 GptSpec tiny_spec() { return make_spec(2, 2, 8, 5, 11); }
-
-std::vector<int32_t> random_tokens(const GptSpec& spec, int batch, uint64_t seed) {
-  Rng rng(seed, /*stream=*/5);
-  std::vector<int32_t> tokens(static_cast<size_t>(batch) * static_cast<size_t>(spec.context + 1));
-  for (int32_t& t : tokens) t = static_cast<int32_t>(rng.below(static_cast<uint64_t>(spec.vocab)));
-  return tokens;
-}
-
-Examples windows(const std::vector<int32_t>& tokens, int batch) {
-  Examples e;
-  e.count = batch;
-  e.tokens = tokens.data();
-  return e;
-}
 
 TEST(TestModelGpt, WholeModelGradientsMatchFiniteDifferencesForEveryTensor) {
   const GptSpec spec = tiny_spec();

@@ -3,6 +3,7 @@
 
 #include "core/rng.h"
 #include "support/finite_differences.h"
+#include "support/token_windows.h"
 
 #include <gtest/gtest.h>
 
@@ -24,6 +25,8 @@ std::vector<float> random_vector(size_t n, uint64_t seed, float scale = 1.0f) {
 /// Central differences. Top-k and capacity are piecewise constant: the seeds
 /// below keep every perturbation inside one piece (no routing decision flips).
 using testing::expect_matches_finite_differences;
+using testing::random_tokens;
+using testing::windows;
 
 constexpr int kDim = 6;
 constexpr int kExperts = 4;
@@ -177,20 +180,6 @@ GptSpec moe_spec() {
   auto spec = GptSpec::parse("gpt:layers=2,heads=2,dim=8,context=5,experts=3,top_k=2,expert_dim=6", 11);
   EXPECT_TRUE(spec.has_value());
   return *spec;
-}
-
-std::vector<int32_t> random_tokens(const GptSpec& spec, int batch, uint64_t seed) {
-  Rng rng(seed, /*stream=*/5);
-  std::vector<int32_t> tokens(static_cast<size_t>(batch) * static_cast<size_t>(spec.context + 1));
-  for (int32_t& t : tokens) t = static_cast<int32_t>(rng.below(static_cast<uint64_t>(spec.vocab)));
-  return tokens;
-}
-
-Examples windows(const std::vector<int32_t>& tokens, int batch) {
-  Examples e;
-  e.count = batch;
-  e.tokens = tokens.data();
-  return e;
 }
 
 TEST(TestModelMoe, WholeModelGradientsMatchFiniteDifferencesForEveryTensor) {
