@@ -1,4 +1,5 @@
 #include "oci/pull.h"
+#include "core/clock.h"
 
 #include "core/atomic_file.h"
 #include "core/parallel.h"
@@ -27,8 +28,6 @@ using Json = nlohmann::ordered_json;
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kConfig = static_cast<size_t>(-1);  ///< a job's layer index for the config blob
-
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 /// index.json with this image's entry added (or replacing one of the same name).
 Result<std::string> updated_index(const fs::path& dir, const Descriptor& manifest, const std::string& name) {

@@ -10,6 +10,7 @@
 // from its first byte (re-applying a prefix of the same layer leaves the
 // same tree).
 #include "oci/rootfs.h"
+#include "core/clock.h"
 
 #include "core/atomic_file.h"
 
@@ -36,10 +37,6 @@ namespace cfmo::oci {
 namespace {
 
 namespace fs = std::filesystem;
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 /// The staging directory's name for DIR and a process: DIR's parent/.NAME.partial-PID.
 fs::path staging_path(const fs::path& dir, pid_t pid) {

@@ -16,6 +16,7 @@
 ///
 /// Internal to train/: tools call train().
 
+#include "core/clock.h"
 #include "core/rng.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
@@ -35,9 +36,7 @@ namespace cfmo::detail {
 
 using Clock = std::chrono::steady_clock;
 
-inline double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+using cfmo::seconds_since;
 
 struct TrainingRun {
   TrainingRun(const TrainConfig& config, const TrainPlan& plan, const TrainOptions& options);
