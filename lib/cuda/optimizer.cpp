@@ -10,14 +10,17 @@ namespace cfmo::cuda {
 Result<std::unique_ptr<CudaOptimizer>> CudaOptimizer::create(Context& ctx, const OptimizerConfig& config,
                                                              const std::vector<ParamInfo>& layout, size_t size) {
   std::vector<std::string> names;
-  if (config.name == "sgd") {
-    names = {"momentum_buffer"};
-  } else if (config.name == "adam" || config.name == "adamw") {
-    names = {"exp_avg", "exp_avg_sq"};
-  } else if (config.name == "muon") {
-    names = {"momentum_buffer", "exp_avg", "exp_avg_sq"};
-  } else {
-    return make_error(ErrorKind::kUsage, "--optimizer '{}': expected sgd, adam, adamw or muon", config.name);
+  switch (config.kind) {
+    case OptimizerKind::kSgd:
+      names = {"momentum_buffer"};
+      break;
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW:
+      names = {"exp_avg", "exp_avg_sq"};
+      break;
+    case OptimizerKind::kMuon:
+      names = {"momentum_buffer", "exp_avg", "exp_avg_sq"};
+      break;
   }
   std::unique_ptr<CudaOptimizer> opt(new CudaOptimizer(ctx, config, layout));
   for (const auto& name : names) {
@@ -26,7 +29,7 @@ Result<std::unique_ptr<CudaOptimizer>> CudaOptimizer::create(Context& ctx, const
     CFMO_TRY(state.buffer.zero(ctx.stream(), "allocating optimizer state"));
     opt->state_.push_back(std::move(state));
   }
-  if (config.name == "muon") {
+  if (config.kind == OptimizerKind::kMuon) {
     size_t largest = 0;
     for (const auto& p : layout) largest = std::max(largest, p.size);
     size_t gram = 0;
@@ -57,7 +60,7 @@ Status CudaOptimizer::step(float* params, const float* grads, float lr) {
   const cudaStream_t stream = ctx_.stream();
   const auto wd = static_cast<float>(config_.weight_decay);
   const size_t n = state_.front().buffer.size();
-  if (config_.name == "sgd") {
+  if (config_.kind == OptimizerKind::kSgd) {
     CFMO_CUDA_TRY(kernels::sgd_step(params, grads, find("momentum_buffer")->data(), n, lr,
                                     static_cast<float>(config_.momentum), wd, config_.nesterov, steps_ == 0, stream),
                   "SGD step");
@@ -68,8 +71,8 @@ Status CudaOptimizer::step(float* params, const float* grads, float lr) {
   const auto k = adam_coefficients(config_, steps_, lr);
   float* m = find("exp_avg")->data();
   float* v = find("exp_avg_sq")->data();
-  if (config_.name == "adam" || config_.name == "adamw") {
-    const bool decoupled = config_.name == "adamw";
+  if (config_.kind == OptimizerKind::kAdam || config_.kind == OptimizerKind::kAdamW) {
+    const bool decoupled = config_.kind == OptimizerKind::kAdamW;
     CFMO_CUDA_TRY(
         kernels::adam_step(params, grads, m, v, n, static_cast<float>(config_.beta1), static_cast<float>(config_.beta2),
                            k.step_size, k.inv_sqrt_bc2, static_cast<float>(config_.eps), decoupled ? 0.0f : wd,

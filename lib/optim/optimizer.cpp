@@ -254,13 +254,40 @@ double clip_grad_norm(std::span<float> grads, double max_norm) {
   return norm;
 }
 
+Result<OptimizerKind> parse_optimizer_kind(std::string_view name) {
+  for (auto kind : {OptimizerKind::kSgd, OptimizerKind::kAdam, OptimizerKind::kAdamW, OptimizerKind::kMuon}) {
+    if (name == optimizer_kind_name(kind)) return kind;
+  }
+  return make_error(ErrorKind::kUsage, "--optimizer: '{}' is not sgd, adam, adamw or muon", name);
+}
+
+std::string_view optimizer_kind_name(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kSgd:
+      return "sgd";
+    case OptimizerKind::kAdam:
+      return "adam";
+    case OptimizerKind::kAdamW:
+      return "adamw";
+    case OptimizerKind::kMuon:
+      return "muon";
+  }
+  return "?";
+}
+
 Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config, const std::vector<ParamInfo>& layout,
                                                   size_t size) {
-  if (config.name == "sgd") return std::unique_ptr<Optimizer>(std::make_unique<Sgd>(config, layout, size));
-  if (config.name == "adam") return std::unique_ptr<Optimizer>(std::make_unique<Adam>(config, layout, size, false));
-  if (config.name == "adamw") return std::unique_ptr<Optimizer>(std::make_unique<Adam>(config, layout, size, true));
-  if (config.name == "muon") return std::unique_ptr<Optimizer>(std::make_unique<Muon>(config, layout, size));
-  return make_error(ErrorKind::kUsage, "--optimizer '{}': expected sgd, adam, adamw or muon", config.name);
+  switch (config.kind) {
+    case OptimizerKind::kSgd:
+      return std::unique_ptr<Optimizer>(std::make_unique<Sgd>(config, layout, size));
+    case OptimizerKind::kAdam:
+      return std::unique_ptr<Optimizer>(std::make_unique<Adam>(config, layout, size, false));
+    case OptimizerKind::kAdamW:
+      return std::unique_ptr<Optimizer>(std::make_unique<Adam>(config, layout, size, true));
+    case OptimizerKind::kMuon:
+      return std::unique_ptr<Optimizer>(std::make_unique<Muon>(config, layout, size));
+  }
+  return make_error(ErrorKind::kInternal, "unknown optimizer kind");
 }
 
 }  // namespace cfmo

@@ -16,12 +16,18 @@
 
 namespace cfmo {
 
+enum class OptimizerKind { kSgd, kAdam, kAdamW, kMuon };
+
+/// "sgd", "adam", "adamw" or "muon"; anything else is kUsage naming --optimizer.
+Result<OptimizerKind> parse_optimizer_kind(std::string_view name);
+std::string_view optimizer_kind_name(OptimizerKind kind);
+
 struct OptimizerConfig {
-  std::string name = "adamw";  ///< sgd | adam | adamw | muon
-  double momentum = 0.9;       ///< SGD and Muon momentum
-  bool nesterov = false;       ///< Nesterov momentum for SGD and Muon
-  double beta1 = 0.9;          ///< Adam(W) first-moment decay (also Muon's AdamW part)
-  double beta2 = 0.999;        ///< Adam(W) second-moment decay
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  double momentum = 0.9;  ///< SGD and Muon momentum
+  bool nesterov = false;  ///< Nesterov momentum for SGD and Muon
+  double beta1 = 0.9;     ///< Adam(W) first-moment decay (also Muon's AdamW part)
+  double beta2 = 0.999;   ///< Adam(W) second-moment decay
   double eps = 1e-8;
   double weight_decay = 0.0;  ///< L2 for sgd/adam, decoupled for adamw/muon
   int ns_steps = 5;           ///< Newton-Schulz iterations for Muon

@@ -116,9 +116,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (plan.device.is_cuda() && plan.context > 0) {
     return usage("device", fmt::format("{}: the CUDA engine does not run this model yet ({})", c.device, c.model));
   }
-  if (c.optimizer != "sgd" && c.optimizer != "adam" && c.optimizer != "adamw" && c.optimizer != "muon") {
-    return usage("optimizer", fmt::format("'{}' is not sgd, adam, adamw or muon", c.optimizer));
-  }
+  CFMO_ASSIGN_OR_RETURN(plan.optimizer, parse_optimizer_kind(c.optimizer));
   if (!(c.lr > 0) || !std::isfinite(c.lr)) return usage("lr", "must be a positive number");
   if (!(c.momentum >= 0 && c.momentum < 1)) return usage("momentum", "must be in [0, 1)");
   if (!(c.beta1 >= 0 && c.beta1 < 1)) return usage("beta1", "must be in [0, 1)");
@@ -152,7 +150,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.threads < 1 || c.threads > 1024) return usage("threads", "must be in 1..1024");
   if (c.workers < 1 || c.workers > 1024) return usage("workers", "must be in 1..1024");
   CFMO_ASSIGN_OR_RETURN(plan.mode, parse_mode(c.mode));
-  if (plan.traits().owners_optimize && c.optimizer == "muon") {
+  if (plan.traits().owners_optimize && plan.optimizer == OptimizerKind::kMuon) {
     return usage("optimizer", "muon needs whole matrices; asgd's owners update shards: use sgd, adam or adamw");
   }
   if (c.sync_interval < 1) return usage("sync-interval", "must be >= 1");
@@ -171,6 +169,19 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.checkpoint_every < 0) return usage("checkpoint-every", "must be >= 0");
   if (c.keep_checkpoints < 1) return usage("keep-checkpoints", "must be >= 1");
   return plan;
+}
+
+OptimizerConfig optimizer_config(const TrainConfig& c, OptimizerKind kind) {
+  OptimizerConfig o;
+  o.kind = kind;
+  o.momentum = c.momentum;
+  o.nesterov = c.nesterov;
+  o.beta1 = c.beta1;
+  o.beta2 = c.beta2;
+  o.eps = c.eps;
+  o.weight_decay = c.weight_decay;
+  o.ns_steps = c.ns_steps;
+  return o;
 }
 
 MoeOptions moe_options(const TrainConfig& c) {

@@ -10,6 +10,7 @@
 #include "core/heterogeneity.h"
 #include "data/dataset.h"
 #include "model/moe_options.h"
+#include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "tensor/device.h"
 #include "train/modes.h"
@@ -86,6 +87,7 @@ void add_train_options(OptionTable& table, TrainConfig& config);
 struct TrainPlan {
   ModeKind mode = ModeKind::kSync;
   OuterKind outer_optimizer = OuterKind::kNesterov;
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
   WireDtype delta_dtype = WireDtype::kBf16;
   Schedule::Kind schedule = Schedule::Kind::kConstant;
   Device device;
@@ -102,6 +104,9 @@ Result<TrainPlan> make_plan(const TrainConfig& config);
 
 /// make_plan's checks alone.
 Status validate(const TrainConfig& config);
+
+/// The inner optimizer's settings from the config's flags.
+OptimizerConfig optimizer_config(const TrainConfig& config, OptimizerKind kind);
 
 /// How the model's Mixture-of-Experts layers train (--aux-loss, --z-loss,
 /// --capacity-factor, --drop-policy), for make_model; call after validate.

@@ -77,14 +77,7 @@ Status TrainingRun::load_model_and_optimizer() {
     sample_every = 0;
   }
 
-  optim_config.name = config.optimizer;
-  optim_config.momentum = config.momentum;
-  optim_config.nesterov = config.nesterov;
-  optim_config.beta1 = config.beta1;
-  optim_config.beta2 = config.beta2;
-  optim_config.eps = config.eps;
-  optim_config.weight_decay = config.weight_decay;
-  optim_config.ns_steps = config.ns_steps;
+  optim_config = optimizer_config(config, plan.optimizer);
   CFMO_ASSIGN_OR_RETURN(optimizer, make_optimizer(optim_config, model().params(), model().num_params()));
   return {};
 }
@@ -207,7 +200,7 @@ Status TrainingRun::open_outputs() {
   summary.context = context;
   summary.flops_per_example = model().flops_per_example();
   summary.flops_formula = model().flops_formula();
-  if (config.optimizer == "muon") {
+  if (plan.optimizer == OptimizerKind::kMuon) {
     for (const auto& p : model().params())
       (p.is_matrix() ? summary.muon_tensors : summary.adamw_tensors).push_back(p.name);
   }

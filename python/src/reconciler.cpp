@@ -67,7 +67,7 @@ Status validate_settings(const ReconcilerSettings& s) {
   c.peer_timeout = s.mode.peer_timeout_s;
   c.steps = 1;
   if (s.mode.kind == ModeKind::kAsgd) {  // only asgd runs an optimizer of libcfmo's
-    c.optimizer = s.optimizer.name;
+    c.optimizer = std::string(optimizer_kind_name(s.optimizer.kind));
     c.momentum = s.optimizer.momentum;
     c.beta1 = s.optimizer.beta1;
     c.beta2 = s.optimizer.beta2;

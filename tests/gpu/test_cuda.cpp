@@ -157,9 +157,9 @@ TEST_P(CudaOptimizers, StepsMatchTheCpu) {
   Mlp model(*spec);
   model.init(2);
   OptimizerConfig config;
-  config.name = GetParam();
+  config.kind = parse_optimizer_kind(GetParam()).value();
   config.weight_decay = 0.01;
-  config.nesterov = config.name == "sgd";
+  config.nesterov = config.kind == OptimizerKind::kSgd;
   auto cpu = make_optimizer(config, model.params(), model.num_params());
   ASSERT_TRUE(cpu);
   auto gpu = CudaOptimizer::create(*ctx_, config, model.params(), model.num_params());
@@ -176,7 +176,7 @@ TEST_P(CudaOptimizers, StepsMatchTheCpu) {
       ASSERT_TRUE((*gpu)->scale_first_moment(0.5f, 16, 500));
     }
   }
-  EXPECT_LT(relative_error(to_host(params), cpu_params), 1e-4) << config.name;
+  EXPECT_LT(relative_error(to_host(params), cpu_params), 1e-4) << GetParam();
   auto mirror = make_optimizer(config, model.params(), model.num_params());
   ASSERT_TRUE(mirror);
   ASSERT_TRUE((*gpu)->download_state(**mirror));

@@ -282,7 +282,7 @@ TEST(TestModelGpt, LaterTokensDoNotChangeEarlierLogits) {
 TEST(TestModelGpt, TrainingIsDeterministicAndResumesExactly) {
   const GptSpec spec = tiny_spec();
   OptimizerConfig oc;
-  oc.name = "adamw";
+  oc.kind = OptimizerKind::kAdamW;
   oc.weight_decay = 0.1;
   auto run = [&](Gpt& model, Optimizer& opt, int first, int last) {
     for (int s = first; s < last; ++s) {
@@ -321,7 +321,7 @@ TEST(TestModelGpt, LearnsAPeriodicSequence) {
   Gpt model(spec);
   model.init(4);
   OptimizerConfig oc;
-  oc.name = "adamw";
+  oc.kind = OptimizerKind::kAdamW;
   auto opt = make_optimizer(oc, model.params(), model.num_params());
   ASSERT_TRUE(opt.has_value());
   constexpr int kBatch = 4;

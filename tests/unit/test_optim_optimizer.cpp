@@ -215,7 +215,7 @@ void expect_trajectory(const OptimizerConfig& config, const std::vector<ParamInf
 
 OptimizerConfig sgd_config(double momentum, bool nesterov, double weight_decay) {
   OptimizerConfig config;
-  config.name = "sgd";
+  config.kind = OptimizerKind::kSgd;
   config.momentum = momentum;
   config.nesterov = nesterov;
   config.weight_decay = weight_decay;
@@ -224,7 +224,7 @@ OptimizerConfig sgd_config(double momentum, bool nesterov, double weight_decay) 
 
 OptimizerConfig muon_nesterov_config() {
   OptimizerConfig config;
-  config.name = "muon";
+  config.kind = OptimizerKind::kMuon;
   config.nesterov = true;
   config.momentum = 0.95;
   config.beta1 = 0.9;
@@ -264,14 +264,14 @@ TEST(TestOptimOptimizer, SgdWithoutMomentumMatchesTorch) {
 
 TEST(TestOptimOptimizer, AdamL2WeightDecayMatchesTorch) {
   OptimizerConfig config;
-  config.name = "adam";
+  config.kind = OptimizerKind::kAdam;
   config.weight_decay = 0.1;
   expect_trajectory(config, flat_layout(kParams.size()), kParams, kGrads, kAdamLrs, kAdamL2, kTorchTolerance);
 }
 
 TEST(TestOptimOptimizer, AdamWDecoupledWeightDecayMatchesTorch) {
   OptimizerConfig config;
-  config.name = "adamw";
+  config.kind = OptimizerKind::kAdamW;
   config.beta1 = 0.85;
   config.beta2 = 0.995;
   config.eps = 1e-6;
@@ -286,7 +286,7 @@ TEST(TestOptimOptimizer, MuonNesterovMatchesReference) {
 
 TEST(TestOptimOptimizer, MuonWithoutNesterovMatchesReference) {
   OptimizerConfig config;
-  config.name = "muon";
+  config.kind = OptimizerKind::kMuon;
   config.nesterov = false;
   config.momentum = 0.9;
   config.beta1 = 0.9;
@@ -300,7 +300,7 @@ TEST(TestOptimOptimizer, MuonWithoutNesterovMatchesReference) {
 TEST(TestOptimOptimizer, MuonBiasesFollowAdamW) {
   auto config = muon_nesterov_config();
   auto muon = make(config, muon_layout(), kMuonSize);
-  config.name = "adamw";
+  config.kind = OptimizerKind::kAdamW;
   auto adamw = make(config, muon_layout(), kMuonSize);
   ASSERT_NE(muon, nullptr);
   ASSERT_NE(adamw, nullptr);
@@ -351,14 +351,14 @@ TEST(TestOptimOptimizer, ResumedStateContinuesTrajectory) {
     const Trajectory* expected;
   };
   OptimizerConfig adamw;
-  adamw.name = "adamw";
+  adamw.kind = OptimizerKind::kAdamW;
   adamw.beta1 = 0.85;
   adamw.beta2 = 0.995;
   adamw.eps = 1e-6;
   adamw.weight_decay = 0.1;
   const Case cases[] = {{sgd_config(0.9, true, 0.0), &kSgdLrs, &kSgdNesterov}, {adamw, &kAdamLrs, &kAdamW}};
   for (const auto& c : cases) {
-    SCOPED_TRACE(c.config.name);
+    SCOPED_TRACE(std::string(optimizer_kind_name(c.config.kind)));
     const auto layout = flat_layout(kParams.size());
     auto first = make(c.config, layout, kParams.size());
     auto resumed = make(c.config, layout, kParams.size());
@@ -400,7 +400,7 @@ TEST(TestOptimOptimizer, ScaleFirstMomentSgdDiscountsMomentumBuffer) {
 
 TEST(TestOptimOptimizer, ScaleFirstMomentAdamLeavesSecondMoment) {
   OptimizerConfig config;
-  config.name = "adam";
+  config.kind = OptimizerKind::kAdam;
   auto opt = make(config, flat_layout(kParams.size()), kParams.size());
   ASSERT_NE(opt, nullptr);
   auto params = kParams;
@@ -440,7 +440,10 @@ TEST(TestOptimOptimizer, NamesStateAndStepCount) {
   };
   for (const auto& [name, states] : expected) {
     OptimizerConfig config;
-    config.name = name;
+    auto kind = parse_optimizer_kind(name);
+    ASSERT_TRUE(kind) << name;
+    config.kind = *kind;
+    EXPECT_EQ(optimizer_kind_name(*kind), name);
     auto opt = make(config, layout, 4);
     ASSERT_NE(opt, nullptr) << name;
     EXPECT_EQ(opt->name(), name);
@@ -461,17 +464,13 @@ TEST(TestOptimOptimizer, NamesStateAndStepCount) {
   }
 }
 
-TEST(TestOptimOptimizer, MakeOptimizerRejectsUnknownName) {
-  OptimizerConfig config;
-  config.name = "rmsprop";
-  auto made = make_optimizer(config, flat_layout(4), 4);
-  ASSERT_FALSE(made);
-  EXPECT_EQ(made.error().kind, ErrorKind::kUsage);
-  EXPECT_NE(made.error().message.find("'rmsprop'"), std::string::npos) << made.error().message;
-  config.name = "";
-  EXPECT_FALSE(make_optimizer(config, flat_layout(4), 4));
-  config.name = "SGD";  // names are case-sensitive, like the CLI's other choices
-  EXPECT_FALSE(make_optimizer(config, flat_layout(4), 4));
+TEST(TestOptimOptimizer, ParseOptimizerKindRejectsUnknownName) {
+  auto parsed = parse_optimizer_kind("rmsprop");
+  ASSERT_FALSE(parsed);
+  EXPECT_EQ(parsed.error().kind, ErrorKind::kUsage);
+  EXPECT_NE(parsed.error().message.find("--optimizer: 'rmsprop'"), std::string::npos) << parsed.error().message;
+  EXPECT_FALSE(parse_optimizer_kind(""));
+  EXPECT_FALSE(parse_optimizer_kind("SGD"));  // names are case-sensitive, like the CLI's other choices
 }
 
 std::vector<float> random_matrix(int rows, int cols, uint64_t seed) {

@@ -4,8 +4,8 @@
 
 #include "core/atomic_file.h"
 #include "integration/harness.h"
-#include "support/expect_error.h"
 #include "model/mlp.h"
+#include "support/expect_error.h"
 
 #include <gtest/gtest.h>
 #include <sys/resource.h>
@@ -25,7 +25,7 @@ struct Fixture {
   explicit Fixture(const std::string& optimizer_name) : model(MlpSpec{6, {5}, 3}) {
     model.init(7);
     OptimizerConfig config;
-    config.name = optimizer_name;
+    config.kind = parse_optimizer_kind(optimizer_name).value();
     optimizer = std::move(make_optimizer(config, model.params(), model.num_params())).value();
     // Give the state non-trivial values by taking two steps.
     std::vector<float> inputs(4 * 6);

@@ -24,7 +24,7 @@ struct Cluster {
       : world(make_loopback_world(workers, options)) {
     settings.delta_dtype = WireDtype::kFp32;  // exact sums
     OptimizerConfig sgd;
-    sgd.name = "sgd";
+    sgd.kind = OptimizerKind::kSgd;
     sgd.momentum = 0.9;
     const std::vector<ParamInfo> layout = {{"w", {static_cast<int64_t>(kSize)}, 0, kSize}};
     for (int r = 0; r < workers; ++r) {
