@@ -15,6 +15,7 @@ namespace cfmo {
 
 struct PlotSeries {
   int rank = 0;
+  std::string label{};  ///< the legend's name (empty: "rank N"); cfmo-train simulate names a mode
   std::vector<std::pair<int64_t, double>> points;  ///< (round, relative L2), by round; NaN where undefined
 };
 
@@ -27,6 +28,9 @@ struct SvgOptions {
   int height = 450;
   std::string title = "Relative L2 divergence per rank";
   std::string subtitle{};  ///< e.g. the run directory
+  std::string x_label = "round";
+  std::string y_label = "relative L2 (%)";  ///< values are fractions, shown as percents
+  bool log2_x = false;                      ///< x on a log2 scale, ticks at powers of two (x > 0)
 };
 
 std::string render_svg(std::span<const PlotSeries> series, const SvgOptions& options);
