@@ -165,6 +165,9 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
 
 Result<std::vector<SimulateRow>> simulate(const SimulateOptions& options,
                                           const std::function<void(std::string_view, int)>& on_start) {
+  // Every flag is checked before the first simulation starts.
+  if (options.workers.empty()) return make_error(ErrorKind::kUsage, "--workers: no size given");
+  CFMO_TRY(StepTimes::make(options.step_times, *std::max_element(options.workers.begin(), options.workers.end())));
   std::vector<SimulateRow> rows;
   for (int workers : options.workers) {
     for (ModeKind kind : options.modes) {
