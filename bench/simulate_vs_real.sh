@@ -7,9 +7,13 @@
 # Markdown table of samples/s and efficiency, real and simulated, and their
 # ratio; --record appends it to bench/RESULTS.md.
 #
+# This host's network is UCX over shared memory, not a switch of known
+# links: for each size, the homogeneous sync run's all-reduce time per step
+# (its workers' mean wait_s / steps) gives an effective link bandwidth, used
+# for every simulation of that size; the other rows are predictions.
+#
 #   bench/simulate_vs_real.sh [--record]
 #   WORKERS="2 4" MODES="sync cfmo" STEPS=400 BATCH=64 MODEL=mlp:512,512   (the defaults)
-#   LINK="--link-bandwidth 40 --link-latency 5"   the network model of this host (shared memory)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORKERS=${WORKERS:-"2 4"}
@@ -18,7 +22,6 @@ STEPS=${STEPS:-400}
 BATCH=${BATCH:-64}
 MODEL=${MODEL:-mlp:512,512}
 DATA=${DATA:-synthetic:8192:784}
-LINK=${LINK:-"--link-bandwidth 40 --link-latency 5"}
 TRAIN=${TRAIN:-build/tools/cfmo-train}
 . bench/common.sh
 record=false
@@ -30,9 +33,11 @@ trap 'rm -rf "$tmp"' EXIT
 field() { "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {}, {'d': d}))" "$1" "$2"; }
 pct() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%+.0f%%", 100 * (a / b - 1)}'; }
 
+links=""
 table="| workers | scenario | mode | real samples/s | sim samples/s | diff | real efficiency | sim efficiency | diff |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 for w in $WORKERS; do
+  link=""
   for scenario in homogeneous slow; do
     slow=()
     [ "$scenario" = slow ] && slow=(--slowdown 1=2)
@@ -41,9 +46,17 @@ for w in $WORKERS; do
       "$TRAIN" --workers "$w" --mode "$mode" --data "$DATA" --model "$MODEL" --steps "$STEPS" --batch-size "$BATCH" \
         --log-every 1 --out "$run" --quiet --json "${slow[@]}" > "$tmp/real.json"
       params=$(field "$tmp/real.json" 'd["parameters"]')
+      if [ -z "$link" ]; then
+        # sync runs first: a ring of W sends 2 (W-1)/W of (params + 3) floats per step in wait_s / steps.
+        [ "$mode" = sync ] && [ "$scenario" = homogeneous ] || { echo "MODES must start with sync" >&2; exit 2; }
+        gbit=$(field "$tmp/real.json" "8 * 2 * ($w - 1) / $w * (d['parameters'] + 3) * 4 / max(sum(x['wait_s'] for x in d['per_worker']) / $w / $STEPS, 1e-6) / 1e9")
+        link="--link-bandwidth $gbit --link-latency 0"
+        echo "$w workers: effective link bandwidth $gbit Gb/s" >&2
+        links+="$w workers: $gbit Gb/s; "
+      fi
       # shellcheck disable=SC2086
       "$TRAIN" simulate --workers "$w" --mode "$mode" --steps "$STEPS" --batch-size "$BATCH" --params "$params" \
-        --step-times "$run/metrics.jsonl" $LINK "${slow[@]}" --json > "$tmp/sim.json"
+        --step-times "$run/metrics.jsonl" $link "${slow[@]}" --json > "$tmp/sim.json"
       real_sps=$(field "$tmp/real.json" 'd["samples_per_s"]')
       real_eff=$(field "$tmp/real.json" 'd["efficiency"]')
       sim_sps=$(field "$tmp/sim.json" 'd["simulate"]["runs"][0]["samples_per_s"]')
@@ -61,8 +74,8 @@ if $record; then
     echo
     echo "## cfmo-train simulate against real runs ($(date -u +%Y-%m-%d), $(nproc) cores, load $(cut -d' ' -f1 /proc/loadavg))"
     echo
-    echo "bench/simulate_vs_real.sh: $MODEL on $DATA, $STEPS steps of $BATCH per worker, simulated with $LINK"
-    echo "from each real run's own metrics.jsonl."
+    echo "bench/simulate_vs_real.sh: $MODEL on $DATA, $STEPS steps of $BATCH per worker, simulated from each"
+    echo "real run's own metrics.jsonl, with the effective link bandwidth of the homogeneous sync run ($links)."
     echo
     echo "$table"
   } >> bench/RESULTS.md
