@@ -174,7 +174,7 @@ std::string render_svg(std::span<const PlotSeries> series, const SvgOptions& opt
   const bool dots = most_points <= 200;
   for (size_t i = 0; i < series.size(); ++i) {
     const auto& s = series[i];
-    const std::string name = s.label.empty() ? fmt::format("rank {}", s.rank) : xml_escape(s.label);
+    const std::string name = i < options.names.size() ? xml_escape(options.names[i]) : fmt::format("rank {}", s.rank);
     const char* color = kPalette[i % kPalette.size()];
     // Past ten ranks the colours repeat; a dash pattern tells the cycles apart.
     const std::string dash =

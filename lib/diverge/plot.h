@@ -15,7 +15,6 @@ namespace cfmo {
 
 struct PlotSeries {
   int rank = 0;
-  std::string label{};  ///< the legend's name (empty: "rank N"); cfmo-train simulate names a mode
   std::vector<std::pair<int64_t, double>> points;  ///< (round, relative L2), by round; NaN where undefined
 };
 
@@ -31,6 +30,7 @@ struct SvgOptions {
   std::string x_label = "round";
   std::string y_label = "relative L2 (%)";  ///< values are fractions, shown as percents
   bool log2_x = false;                      ///< x on a log2 scale, ticks at powers of two (x > 0)
+  std::vector<std::string> names{};         ///< the legend's name of each series (none: "rank N")
 };
 
 std::string render_svg(std::span<const PlotSeries> series, const SvgOptions& options);

@@ -94,12 +94,12 @@ std::string simulate_svg(const std::vector<SimulateRow>& rows) {
   for (const auto& r : rows) {
     auto [it, fresh] = by_mode.try_emplace(r.mode);
     if (fresh) order.push_back(r.mode);
-    it->second.label = r.mode;
     it->second.points.emplace_back(r.workers, r.efficiency);
   }
   std::vector<PlotSeries> series;
   for (const auto& m : order) series.push_back(by_mode[m]);
   SvgOptions options;
+  options.names = order;
   options.title = "Simulated efficiency against workers";
   options.subtitle = "cfmo-train simulate: total samples/s over the sum of the workers' solo samples/s";
   options.x_label = "workers";
