@@ -38,6 +38,8 @@ std::string simulate_table(const std::vector<SimulateRow>& rows) {
   std::string out = fmt::format("{:>7} {:<9} {:>12} {:>10} {:>9} {:>9} {:>10} {:>10} {:>9} {:>7} {:>10} {:>8}\n",
                                 "workers", "mode", "samples/s", "efficiency", "mean wait", "max wait", "host link",
                                 "spine link", "owner max", "stale", "virtual s", "wall s");
+  const bool math = !rows.empty() && rows.front().test_loss >= 0;
+  if (math) out.insert(out.size() - 1, fmt::format(" {:>9} {:>8}", "test loss", "test acc"));
   for (const auto& r : rows) {
     out += fmt::format(
         "{:>7} {:<9} {:>12.0f} {:>10.3f} {:>9.2f} {:>9.2f} {:>10} {:>10} {:>9} {:>6.1f}% {:>10.1f} {:>8.2f}\n",
@@ -45,6 +47,7 @@ std::string simulate_table(const std::vector<SimulateRow>& rows) {
         bytes_text(static_cast<double>(r.host_uplinks.max_bytes)),
         bytes_text(static_cast<double>(r.spine_uplinks.max_bytes)), r.owner_received_max,
         100 * stale_share(r.staleness_histogram), r.virtual_s, r.wall_s);
+    if (math) out.insert(out.size() - 1, fmt::format(" {:>9.4f} {:>8.4f}", r.test_loss, r.test_accuracy));
   }
   return out;
 }
@@ -72,6 +75,8 @@ nlohmann::ordered_json simulate_json(const std::vector<SimulateRow>& rows, const
                     {"keeper_messages", r.keeper_messages},
                     {"contributions_dropped", r.contributions_dropped},
                     {"staleness_histogram", r.staleness_histogram},
+                    {"test_loss", r.test_loss >= 0 ? nlohmann::ordered_json(r.test_loss) : nullptr},
+                    {"test_accuracy", r.test_accuracy >= 0 ? nlohmann::ordered_json(r.test_accuracy) : nullptr},
                     {"wall_s", r.wall_s},
                     {"events", r.events}});
   }
@@ -79,7 +84,8 @@ nlohmann::ordered_json simulate_json(const std::vector<SimulateRow>& rows, const
   return {{"simulate",
            {{"steps", options.steps},
             {"batch", options.batch},
-            {"params", options.params},
+            {"params", options.math ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(options.params)},
+            {"math", options.math},
             {"step_time_s", options.step_times.measured.empty() ? options.step_times.step_time_s : -1},
             {"measured_steps", options.step_times.measured.size()},
             {"link_bandwidth", n.bandwidth},

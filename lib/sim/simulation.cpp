@@ -1,6 +1,8 @@
 #include "sim/simulation.h"
 
 #include "comm/codec.h"
+#include "data/dataset.h"
+#include "model/factory.h"
 #include "sim/scheduler.h"
 #include "sim/sim_communicator.h"
 #include "train/channels.h"
@@ -8,12 +10,15 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <optional>
 
 namespace cfmo::sim {
 namespace {
 
 /// One simulated worker: the mode and what the trainer keeps around it.
 struct Worker {
+  std::unique_ptr<Model> model;  ///< --math only
+  std::vector<float> batch;      ///< --math: this step's rows
   std::unique_ptr<Mode> mode;
   std::vector<float> params;
   std::vector<float> grads;
@@ -30,6 +35,7 @@ struct Worker {
 constexpr size_t kStandIn = 1;
 
 Sizer make_sizer(const SimulateOptions& options, int workers) {
+  if (options.math) return nullptr;  // the messages carry the model's own floats
   const auto params = static_cast<size_t>(options.params);
   auto bounds = std::make_shared<std::vector<size_t>>(shard_bounds(params, workers));
   const WireDtype dtype = options.settings.delta_dtype;
@@ -48,34 +54,44 @@ Sizer make_sizer(const SimulateOptions& options, int workers) {
 }
 
 /// The trainer's loop (train/step_loop.cpp) on a virtual clock.
-void run_worker(Worker& w, int rank, const SimulateOptions& options, bool lockstep, Scheduler& scheduler,
-                StepTimes& times) {
+void run_worker(Worker& w, int rank, int workers, const SimulateOptions& options, bool lockstep, Scheduler& scheduler,
+                StepTimes& times, const Dataset* train) {
   Mode& mode = *w.mode;
+  const std::span<float> params = w.model ? w.model->parameters() : std::span<float>(w.params);
+  const std::span<float> grads = w.model ? w.model->gradients() : std::span<float>(w.grads);
   TrainPosition position;
   // Asynchronous workers stop when the budget keeper says; this bound only
   // keeps a broken protocol from running forever.
-  const int64_t cap = lockstep ? options.steps : options.steps * static_cast<int64_t>(options.workers.back()) * 4;
-  constexpr float kLr = 0.1f;
+  const int64_t cap = lockstep ? options.steps : options.steps * static_cast<int64_t>(workers) * 4;
+  const auto lr = static_cast<float>(options.lr);
   while (w.steps < cap && !mode.stop_requested()) {
     const double compute = times.draw(rank, scheduler.time());
     scheduler.sleep(compute);
     w.compute_s += compute;
+    if (w.model) {
+      // The rows of this worker's share of the global batch, round and round the data.
+      const int64_t room = std::max<int64_t>(1, train->count - options.batch + 1);
+      const int64_t first = ((w.steps * workers + rank) * options.batch) % room;
+      const int n = static_cast<int>(std::min<int64_t>(options.batch, train->count - first));
+      train->rows_to_float(first, n, w.batch.data());
+      w.model->forward_backward({n, w.batch.data(), train->labels.data() + first, nullptr});
+    }
     if (mode.uses_gradients()) {
-      w.status = mode.on_gradients(w.grads, options.batch, kLr);
+      w.status = mode.on_gradients(grads, options.batch, lr);
       if (!w.status) return;
     }
+    if (w.model && !mode.owns_update()) w.optimizer->step(params, grads, lr);
     ++position.step;
     ++position.batch_in_epoch;
     position.samples += options.batch;
     position.train_s = scheduler.time();
     ++w.steps;
     w.samples += options.batch;
-    const std::span<float> params = mode.needs_params(position) ? std::span<float>(w.params) : std::span<float>();
-    w.status = mode.after_step(position, params, *w.optimizer);
+    w.status = mode.after_step(position, mode.needs_params(position) ? params : std::span<float>(), *w.optimizer);
     if (!w.status) return;
   }
   w.loop_s = scheduler.time();
-  w.status = mode.finish(w.params, *w.optimizer);
+  w.status = mode.finish(params, *w.optimizer);
 }
 
 }  // namespace
@@ -95,22 +111,43 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   settings.sample_budget = entry.traits.asynchronous ? options.steps * options.batch * workers : 0;
   OptimizerConfig optimizer;
   optimizer.name = "sgd";
-  const std::vector<ParamInfo> layout = {{"stand-in", {static_cast<int64_t>(kStandIn)}, 0, kStandIn}};
-  const std::vector<float> initial(kStandIn, 0.0f);
+  optimizer.momentum = 0.9;
+  std::vector<ParamInfo> layout = {{"stand-in", {static_cast<int64_t>(kStandIn)}, 0, kStandIn}};
+  std::vector<float> initial(kStandIn, 0.0f);
+  std::optional<DataSplit> data;
+  DataShape shape;
+  if (options.math) {
+    if (workers > kMaxMathWorkers) {
+      return make_error(ErrorKind::kUsage, "--math: at most {} workers ({} asked): every worker trains its model",
+                        kMaxMathWorkers, workers);
+    }
+    CFMO_ASSIGN_OR_RETURN(data, load_data(options.data, options.step_times.seed));
+    shape = {InputKind::kFeatures, data->train.features, data->train.classes};
+    CFMO_ASSIGN_OR_RETURN(auto first, make_model(options.model, shape));
+    first->init(options.step_times.seed);
+    layout = first->params();
+    initial.assign(first->parameters().begin(), first->parameters().end());
+  }
 
   std::vector<Worker> crew(static_cast<size_t>(workers));
   for (int r = 0; r < workers; ++r) {
     Worker& w = crew[static_cast<size_t>(r)];
-    w.params = initial;
-    w.grads.assign(kStandIn, 0.0f);
-    CFMO_ASSIGN_OR_RETURN(w.optimizer, make_optimizer(optimizer, layout, kStandIn));
+    if (options.math) {
+      CFMO_ASSIGN_OR_RETURN(w.model, make_model(options.model, shape));
+      w.model->init(options.step_times.seed);  // the same start everywhere
+      w.batch.resize(static_cast<size_t>(options.batch) * static_cast<size_t>(shape.features));
+    } else {
+      w.params = initial;
+      w.grads.assign(kStandIn, 0.0f);
+    }
+    CFMO_ASSIGN_OR_RETURN(w.optimizer, make_optimizer(optimizer, layout, initial.size()));
     CFMO_ASSIGN_OR_RETURN(w.mode, make_mode(settings, &world.rank(r), layout, initial, optimizer));
   }
-  SimulateOptions one = options;
-  one.workers = {workers};
+  const Dataset* train = data ? &data->train : nullptr;
   for (int r = 0; r < workers; ++r) {
-    scheduler.spawn(
-        [&, r] { run_worker(crew[static_cast<size_t>(r)], r, one, entry.traits.lockstep, scheduler, times); });
+    scheduler.spawn([&, r] {
+      run_worker(crew[static_cast<size_t>(r)], r, workers, options, entry.traits.lockstep, scheduler, times, train);
+    });
   }
   const Status ran = scheduler.run();
   for (int r = 0; r < workers; ++r) {
@@ -158,6 +195,16 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   row.host_downlinks = network.host_downlinks();
   row.spine_uplinks = network.spine_uplinks();
   row.events = scheduler.events_run();
+  if (data) {
+    // finish left the global parameters on rank 0 (on every rank in the lockstep modes).
+    const Dataset& test = data->test;
+    std::vector<float> rows(static_cast<size_t>(test.count) * static_cast<size_t>(test.features));
+    test.rows_to_float(0, test.count, rows.data());
+    const EvalResult eval =
+        crew[0].model->evaluate({static_cast<int>(test.count), rows.data(), test.labels.data(), nullptr});
+    row.test_loss = eval.loss();
+    row.test_accuracy = eval.accuracy();
+  }
   crew.clear();  // the modes unregister their handlers before the world goes
   row.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
   return row;

@@ -34,7 +34,16 @@ struct SimulateOptions {
   ModeSettings settings;         ///< H, beta, max staleness, the outer step, the wire dtype
   StepTimeOptions step_times;
   NetworkOptions network;
+  /// --math: every worker trains a real model (its parameters travel and
+  /// are charged as they are; --params is ignored), so staleness's effect
+  /// on the loss shows; small worlds only (kMaxMathWorkers).
+  bool math = false;
+  std::string data = "synthetic:4096:1024";
+  std::string model = "mlp:32";
+  double lr = 0.05;  ///< SGD with momentum 0.9
 };
+
+inline constexpr int kMaxMathWorkers = 64;
 
 /// One simulation: a mode on a number of workers.
 struct SimulateRow {
@@ -59,7 +68,9 @@ struct SimulateRow {
   uint64_t keeper_messages = 0;  ///< messages rank 0 (the budget keeper) received
   uint64_t contributions_dropped = 0;
   std::vector<uint64_t> staleness_histogram;  ///< all workers' replies, [s] = s rounds stale (the last: more)
-  double wall_s = 0;                          ///< real seconds the simulation took
+  double test_loss = -1;      ///< --math: the global parameters' loss on the test set (-1: not computed)
+  double test_accuracy = -1;  ///< --math
+  double wall_s = 0;          ///< real seconds the simulation took
   uint64_t events = 0;
 };
 

@@ -184,3 +184,28 @@ TEST(SimStepTimes, BadFlagsAreNamed) {
 
 }  // namespace
 }  // namespace cfmo::sim
+
+namespace cfmo::sim {
+namespace {
+
+TEST(SimMath, WithMathTheWorkersTrainAndTheGlobalParametersAreEvaluated) {
+  auto o = quiet(ModeKind::kSync, 4, 60);
+  o.math = true;
+  o.data = "synthetic:1024:256";
+  o.model = "mlp:16";
+  for (ModeKind kind : {ModeKind::kSync, ModeKind::kCfmo}) {
+    o.modes = {kind};
+    const auto row = run(o);
+    EXPECT_GT(row.test_accuracy, 0.3) << row.mode;  // 10 classes: chance is 0.1
+    EXPECT_GT(row.test_loss, 0) << row.mode;
+    EXPECT_GT(row.host_uplinks.max_bytes, 0u) << row.mode;  // the model's own floats
+  }
+  o.workers = {kMaxMathWorkers + 1};
+  auto refused = simulate_one(o, ModeKind::kSync, kMaxMathWorkers + 1);
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().kind, ErrorKind::kUsage);
+  EXPECT_NE(refused.error().message.find("--math"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace cfmo::sim

@@ -25,7 +25,7 @@ std::optional<int> parse_train_command_line(int argc, char** argv, TrainConfig& 
       "cfmo-train simulate --workers N[,N...] [--mode M | --compare] [--steps N] [--params N]\n"
       "  [--step-time S | --step-times RUN/metrics.jsonl] [--slowdown R=F] [--straggler P:F] [--thermal P:X:S]\n"
       "  [--speeds SHARE:SPEED,...] [--link-bandwidth GBIT] [--link-latency US] [--topology switch|racks:R:OVER]\n"
-      "  [--json] [--plot FILE] simulates the modes on N workers (cfmo-train simulate --help)."};
+      "  [--math] [--json] [--plot FILE] simulates the modes on N workers (cfmo-train simulate --help)."};
   app.name("cfmo-train");
   app.set_version_flag("--version", "cfmo-train " CFMO_VERSION);
   app.get_formatter()->column_width(34);

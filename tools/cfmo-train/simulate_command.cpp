@@ -83,6 +83,12 @@ int run_simulate(int argc, char** argv) {
   app.add_option("--delta-dtype", delta_dtype, "how deltas and gradient shards travel: fp32, bf16 or int8");
   app.add_option("--outer-optimizer", outer, "the outer step of localsgd and cfmo: avg or nesterov");
   app.add_option("--seed", t.seed, "seed of the drawn step times");
+  app.add_flag("--math", options.math,
+               "train for real: every worker computes its model, so staleness's effect on the loss shows (at most 64 "
+               "workers)");
+  app.add_option("--data", options.data, "--math: the data set (synthetic:TRAIN[:TEST] or a Fashion-MNIST directory)");
+  app.add_option("--model", options.model, "--math: the model, an MLP (mlp:H1,H2,...)");
+  app.add_option("--lr", options.lr, "--math: SGD's learning rate (momentum 0.9)")->check(CLI::PositiveNumber);
   app.add_flag("--json", json, "print one JSON object");
   app.add_option("--plot", plot, "write an SVG of efficiency against workers to FILE");
   if (auto done = tool::parse_command_line(app, argc, argv, "cfmo-train simulate")) return *done;
