@@ -2,6 +2,7 @@
 // plot, and its figures against the real runs it simulates. No timing is
 // asserted: the simulation and the real run are compared with each other.
 #include "integration/harness.h"
+#include "integration/one_line_error.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -14,6 +15,7 @@
 namespace cfmo {
 namespace {
 
+using testing::expect_one_line_error;
 using testing::lines;
 using testing::run;
 using testing::RunResult;
@@ -26,13 +28,6 @@ RunResult simulate(std::vector<std::string> extra) {
   std::vector<std::string> args = {binary(), "simulate"};
   args.insert(args.end(), extra.begin(), extra.end());
   return run(args);
-}
-
-void expect_one_line_error(const RunResult& r, int status, const std::string& needle) {
-  EXPECT_EQ(r.status, status) << r.err;
-  EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
-  EXPECT_EQ(lines(r.err).size(), 1u) << r.err;
-  EXPECT_TRUE(r.out.empty()) << r.out;
 }
 
 TEST(CfmoTrainSimulate, BadFlagsExitTwoWithOneLineNamingTheFlag) {
