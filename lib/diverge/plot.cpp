@@ -103,8 +103,12 @@ std::string render_svg(std::span<const PlotSeries> series, const SvgOptions& opt
     x_min -= 1;
     x_max += 1;
   }
-  const double x_span = static_cast<double>(x_max - x_min);
-  auto px = [&](double round) { return left + (round - static_cast<double>(x_min)) / x_span * plot_w; };
+  const bool log_x = options.log2_x && x_min > 0;
+  auto scale_x = [&](double x) { return log_x ? std::log2(x) : x; };
+  const double x_span = scale_x(static_cast<double>(x_max)) - scale_x(static_cast<double>(x_min));
+  auto px = [&](double round) {
+    return left + (scale_x(round) - scale_x(static_cast<double>(x_min))) / x_span * plot_w;
+  };
   auto py = [&](double value) { return top + plot_h - value / y_max * plot_h; };
 
   std::string svg;
@@ -132,9 +136,11 @@ std::string render_svg(std::span<const PlotSeries> series, const SvgOptions& opt
     labels += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n", left - 6, py(y) + 4,
                           tick_label(y * 100, y_step * 100));
   }
-  const double x_step = std::max(1.0, nice_step(x_span, 8));
-  for (double x = std::ceil(static_cast<double>(x_min) / x_step) * x_step; x <= static_cast<double>(x_max);
-       x += x_step) {
+  const double x_step = log_x ? 1.0 : std::max(1.0, nice_step(x_span, 8));
+  // On a log2 axis the ticks are the powers of two in range, each a factor 2 apart.
+  for (double x = log_x ? std::exp2(std::ceil(std::log2(static_cast<double>(x_min))))
+                        : std::ceil(static_cast<double>(x_min) / x_step) * x_step;
+       x <= static_cast<double>(x_max); x = log_x ? 2 * x : x + x_step) {
     svg += fmt::format("<line x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\"/>\n", px(x), top, px(x),
                        top + plot_h);
     labels += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n", px(x),
@@ -147,12 +153,11 @@ std::string render_svg(std::span<const PlotSeries> series, const SvgOptions& opt
       "<g stroke=\"black\" stroke-width=\"1\"><line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{0:.1f}\" y2=\"{2:.1f}\"/>"
       "<line x1=\"{0:.1f}\" y1=\"{2:.1f}\" x2=\"{3:.1f}\" y2=\"{2:.1f}\"/></g>\n",
       left, top, top + plot_h, left + plot_w);
-  svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">round</text>\n", left + plot_w / 2,
-                     height - 12);
+  svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n", left + plot_w / 2,
+                     height - 12, xml_escape(options.x_label));
   svg += fmt::format(
-      "<text x=\"16\" y=\"{0:.1f}\" text-anchor=\"middle\" transform=\"rotate(-90 16 {0:.1f})\">relative L2 "
-      "(%)</text>\n",
-      top + plot_h / 2);
+      "<text x=\"16\" y=\"{0:.1f}\" text-anchor=\"middle\" transform=\"rotate(-90 16 {0:.1f})\">{1}</text>\n",
+      top + plot_h / 2, xml_escape(options.y_label));
 
   // The threshold.
   if (options.threshold) {
@@ -169,6 +174,7 @@ std::string render_svg(std::span<const PlotSeries> series, const SvgOptions& opt
   const bool dots = most_points <= 200;
   for (size_t i = 0; i < series.size(); ++i) {
     const auto& s = series[i];
+    const std::string name = i < options.names.size() ? xml_escape(options.names[i]) : fmt::format("rank {}", s.rank);
     const char* color = kPalette[i % kPalette.size()];
     // Past ten ranks the colours repeat; a dash pattern tells the cycles apart.
     const std::string dash =
@@ -192,9 +198,9 @@ std::string render_svg(std::span<const PlotSeries> series, const SvgOptions& opt
       svg += fmt::format("<g fill=\"{}\">\n", color);
       for (const auto& [round, value] : s.points) {
         if (!std::isfinite(value)) continue;
-        svg +=
-            fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.5\"><title>rank {} round {}: {}</title></circle>\n",
-                        px(static_cast<double>(round)), py(value), s.rank, round, format_percent(value));
+        svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.5\"><title>{} {} {}: {}</title></circle>\n",
+                           px(static_cast<double>(round)), py(value), name, xml_escape(options.x_label), round,
+                           format_percent(value));
       }
       svg += "</g>\n";
     }
@@ -202,8 +208,8 @@ std::string render_svg(std::span<const PlotSeries> series, const SvgOptions& opt
     const double ly = top + 10 + 18 * static_cast<double>(i);
     svg += fmt::format(
         "<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{2:.1f}\" y2=\"{1:.1f}\" stroke=\"{3}\" stroke-width=\"2\"{4}/>"
-        "<text x=\"{5:.1f}\" y=\"{6:.1f}\">rank {7}</text>\n",
-        left + plot_w + 6, ly, left + plot_w + 30, color, dash, left + plot_w + 36, ly + 4, s.rank);
+        "<text x=\"{5:.1f}\" y=\"{6:.1f}\">{7}</text>\n",
+        left + plot_w + 6, ly, left + plot_w + 30, color, dash, left + plot_w + 36, ly + 4, name);
   }
   if (!any) {
     svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" fill=\"#555\">no rounds</text>\n",

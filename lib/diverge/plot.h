@@ -27,6 +27,10 @@ struct SvgOptions {
   int height = 450;
   std::string title = "Relative L2 divergence per rank";
   std::string subtitle{};  ///< e.g. the run directory
+  std::string x_label = "round";
+  std::string y_label = "relative L2 (%)";  ///< values are fractions, shown as percents
+  bool log2_x = false;                      ///< x on a log2 scale, ticks at powers of two (x > 0)
+  std::vector<std::string> names{};         ///< the legend's name of each series (none: "rank N")
 };
 
 std::string render_svg(std::span<const PlotSeries> series, const SvgOptions& options);

@@ -157,14 +157,15 @@ Status TrainingRun::train_step() {
   if (factor > 1) std::this_thread::sleep_for(std::chrono::duration<double>((factor - 1) * natural_s));
   const double step_s = seconds_since(step_start);
   // The solo rate: everything this step took except waiting on other workers.
-  compute_s += step_s - (mode->stats().wait_s - wait_before);
+  const double step_compute_s = step_s - (mode->stats().wait_s - wait_before);
+  compute_s += step_compute_s;
   train_s += step_s;
   pos.train_s += step_s;
-  CFMO_TRY(report_step(loss, lr, n, step_s));
+  CFMO_TRY(report_step(loss, lr, n, step_s, step_compute_s));
   return at_step_end();
 }
 
-Status TrainingRun::report_step(float loss, double lr, int n, double step_s) {
+Status TrainingRun::report_step(float loss, double lr, int n, double step_s, double step_compute_s) {
   window_loss += loss;
   progress_loss += loss;
   ++window_steps;
@@ -197,10 +198,16 @@ Status TrainingRun::report_step(float loss, double lr, int n, double step_s) {
   if (event.logged) {
     event.loss = window_loss / static_cast<double>(window_steps);
     event.samples_per_s = static_cast<double>(window_samples) / std::max(window_s, 1e-9);
-    nlohmann::ordered_json line = {
-        {"type", "step"},           {"rank", rank}, {"step", pos.step},       {"epoch", epochs_done()},
-        {"loss", event.loss},       {"lr", lr},     {"samples", pos.samples}, {"samples_per_s", event.samples_per_s},
-        {"wall_s", event.elapsed_s}};
+    nlohmann::ordered_json line = {{"type", "step"},
+                                   {"rank", rank},
+                                   {"step", pos.step},
+                                   {"epoch", epochs_done()},
+                                   {"loss", event.loss},
+                                   {"lr", lr},
+                                   {"samples", pos.samples},
+                                   {"samples_per_s", event.samples_per_s},
+                                   {"compute_s", step_compute_s},
+                                   {"wall_s", event.elapsed_s}};
     // The model's own figures of the window (a MoE's auxiliary losses and expert load).
     if (auto extra = model().take_metrics(); !extra.is_null()) line["moe"] = std::move(extra);
     CFMO_TRY(metrics.write(line));

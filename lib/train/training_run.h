@@ -56,7 +56,7 @@ struct TrainingRun {
   /// Whether the loop ends before the next step (and stopped_by says why).
   Result<bool> should_stop();
   Status train_step();
-  Status report_step(float loss, double lr, int n, double step_s);
+  Status report_step(float loss, double lr, int n, double step_s, double step_compute_s);
   Status at_step_end();
 
   // finish's parts

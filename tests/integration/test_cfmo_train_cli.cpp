@@ -234,7 +234,8 @@ TEST(CfmoTrainCli, RunDirectoryHoldsMetricsCheckpointsAndModel) {
     const auto j = nlohmann::json::parse(line);
     if (j["type"] == "step") {
       ++steps;
-      for (const char* key : {"step", "epoch", "loss", "lr", "samples_per_s", "wall_s"}) EXPECT_TRUE(j.contains(key));
+      for (const char* key : {"step", "epoch", "loss", "lr", "samples_per_s", "compute_s", "wall_s"})
+        EXPECT_TRUE(j.contains(key));
     } else if (j["type"] == "eval") {
       ++evals;
       EXPECT_TRUE(j.contains("test_accuracy"));

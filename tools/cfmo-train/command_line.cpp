@@ -21,7 +21,11 @@ std::optional<int> parse_train_command_line(int argc, char** argv, TrainConfig& 
       "Train a model (an MLP on Fashion-MNIST, a GPT-2 on text or token files) with local-update optimizers.\n"
       "Every option can also be set in a TOML file (--config); flags override the file.\n"
       "cfmo-train sample RUN [--prompt TEXT] [--tokens N] [--temperature X] [--top-k K] [--seed S]\n"
-      "prints text from a run's language model."};
+      "prints text from a run's language model.\n"
+      "cfmo-train simulate --workers N[,N...] [--mode M | --compare] [--steps N] [--params N]\n"
+      "  [--step-time S | --step-times RUN/metrics.jsonl] [--slowdown R=F] [--straggler P:F] [--thermal P:X:S]\n"
+      "  [--speeds SHARE:SPEED,...] [--link-bandwidth GBIT] [--link-latency US] [--topology switch|racks:R:OVER]\n"
+      "  [--math] [--json] [--plot FILE] simulates the modes on N workers (cfmo-train simulate --help)."};
   app.name("cfmo-train");
   app.set_version_flag("--version", "cfmo-train " CFMO_VERSION);
   app.get_formatter()->column_width(34);

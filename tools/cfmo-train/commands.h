@@ -1,7 +1,7 @@
 #pragma once
 // cfmo-train's parts besides the run itself, one file each: the command
-// line (command_line.cpp), --compare (compare.cpp) and the sample
-// subcommand (sample_command.cpp).
+// line (command_line.cpp), --compare (compare.cpp) and the sample and
+// simulate subcommands (sample_command.cpp, simulate_command.cpp).
 
 #include "../common/tool_main.h"
 #include "train/trainer.h"
@@ -35,5 +35,8 @@ int compare_modes(int argc, char** argv, const TrainConfig& config, bool json, c
 
 /// `cfmo-train sample RUN ...`: text from a run's (or a checkpoint's) model.
 int run_sample(int argc, char** argv);
+
+/// `cfmo-train simulate --workers N ...`: the modes on N simulated workers (lib/sim).
+int run_simulate(int argc, char** argv);
 
 }  // namespace cfmo::train_tool

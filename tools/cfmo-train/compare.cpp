@@ -1,7 +1,7 @@
 // cfmo-train --compare: the same job once per mode, in the modes' table's
 // order, each a run of its own (run_self), then a table or one JSON object.
-#include "commands.h"
 #include "comm/world.h"
+#include "commands.h"
 #include "train/modes.h"
 
 #include <fmt/format.h>

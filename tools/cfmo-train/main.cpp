@@ -35,6 +35,7 @@ int compare_modes(int argc, char** argv, const cfmo::TrainConfig& config, bool j
 
 static int run(int argc, char** argv) {
   if (argc >= 2 && std::string_view(argv[1]) == "sample") return cfmo::train_tool::run_sample(argc - 1, argv + 1);
+  if (argc >= 2 && std::string_view(argv[1]) == "simulate") return cfmo::train_tool::run_simulate(argc - 1, argv + 1);
   cfmo::TrainConfig config;
   cfmo::TrainOptions options;
   CommandLine line;

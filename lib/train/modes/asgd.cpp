@@ -78,7 +78,7 @@ class AsgdMode final : public AsyncMode {
       const auto start = Clock::now();
       while (outstanding() > limit && !stop_requested()) {
         for (auto& f : take_inbox()) apply(f, params);
-        std::this_thread::yield();
+        seam_yield();
       }
       std::lock_guard lock(mutex_);
       stats_.wait_s += seconds_since(start);

@@ -99,7 +99,7 @@ Status AsyncMode::end_handshake(std::span<float> params) {
   const auto start = Clock::now();
   const auto deadline = start + seconds(settings_.peer_timeout_s * 3);
   for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kDone, {});
-  while (!all_live(done_from_) && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  while (!all_live(done_from_) && Clock::now() < deadline) seam_sleep_for(std::chrono::milliseconds(1));
   // Owners' shards now include every contribution: send mine to rank 0.
   std::vector<std::byte> out;
   put_position(out, position_);
@@ -107,7 +107,7 @@ Status AsyncMode::end_handshake(std::span<float> params) {
   comm_.post(0, channels::kGather, std::move(out));
   if (comm_.rank() == 0) {
     while (!all_live(gather_.received) && Clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      seam_sleep_for(std::chrono::milliseconds(1));
     }
     std::lock_guard lock(mutex_);
     GlobalState& g = gather_.state;

@@ -135,7 +135,7 @@ class AsyncMode : public Mode {
     while (outstanding() > 0 && Clock::now() < deadline) {
       auto fresh = take_inbox();
       if (fresh.empty()) {
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        seam_sleep_for(std::chrono::microseconds(200));
         continue;
       }
       for (auto& f : fresh) apply(f);

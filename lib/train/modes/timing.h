@@ -1,5 +1,6 @@
 #pragma once
-/// The clock the modes measure their waits and deadlines with.
+/// The clock the modes measure their waits and deadlines with: steady_clock
+/// in a real run, the simulator's virtual clock under lib/sim (core/clock.h).
 
 #include "core/clock.h"
 
@@ -7,7 +8,10 @@
 
 namespace cfmo::modes {
 
-using Clock = std::chrono::steady_clock;
+using Clock = cfmo::SeamClock;
+
+using cfmo::seam_sleep_for;
+using cfmo::seam_yield;
 
 using cfmo::seconds_since;
 

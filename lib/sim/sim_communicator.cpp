@@ -1,0 +1,147 @@
+#include "sim/sim_communicator.h"
+
+#include "comm/communicator_base.h"
+
+#include <algorithm>
+
+namespace cfmo::sim {
+
+class SimWorld::Rank final : public Communicator {
+ public:
+  Rank(SimWorld& world, int rank) : world_(world), rank_(rank) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return world_.size(); }
+
+  Status all_reduce_sum(std::span<float> data) override {
+    double waited = 0;
+    Status s = world_.all_reduce(rank_, data, waited);
+    stats_.collective_wait_s += waited;
+    return s;
+  }
+  Status all_to_all_v(const std::vector<std::span<const std::byte>>&,
+                      const std::vector<std::span<std::byte>>&) override {
+    return make_error(ErrorKind::kInternal, "the simulated transport has no all-to-all (no mode uses one)");
+  }
+  Status barrier() override {
+    double waited = 0;
+    Status s = world_.barrier(rank_, waited);
+    stats_.collective_wait_s += waited;
+    return s;
+  }
+  void post(int peer, Channel channel, std::vector<std::byte> payload) override {
+    if (peer < 0 || peer >= world_.size()) return;
+    if (peer != rank_) {
+      stats_.bytes_sent += payload.size();
+      ++stats_.messages_sent;
+    }
+    world_.post(rank_, peer, channel, std::move(payload));
+  }
+  void on_message(Channel channel, Handler handler) override { handlers_.set(channel, std::move(handler)); }
+  void on_message_owned(Channel channel, OwnedHandler handler) override {
+    handlers_.set_owned(channel, std::move(handler));
+  }
+  std::vector<int> lost_ranks() const override { return {}; }
+  Status health() const override { return {}; }
+  CommStats stats() const override { return stats_; }
+
+  void receive(int from, uint8_t channel, std::vector<std::byte>& payload) {
+    if (from != rank_) {
+      stats_.bytes_received += payload.size();
+      ++stats_.messages_received;
+    }
+    handlers_.deliver(from, channel, payload);
+  }
+
+ private:
+  SimWorld& world_;
+  const int rank_;
+  HandlerTable handlers_;
+  CommStats stats_;
+};
+
+SimWorld::SimWorld(Scheduler& scheduler, Network& network, int size, Sizer sizer)
+    : scheduler_(scheduler), network_(network), sizer_(std::move(sizer)) {
+  for (int r = 0; r < size; ++r) ranks_.push_back(std::make_unique<Rank>(*this, r));
+}
+
+SimWorld::~SimWorld() = default;
+
+Communicator& SimWorld::rank(int r) { return *ranks_[static_cast<size_t>(r)]; }
+
+void SimWorld::post(int from, int to, Channel channel, std::vector<std::byte> payload) {
+  const uint64_t bytes = sizer_ ? sizer_(channel, from, to, payload.size()) : payload.size();
+  const double arrival = network_.deliver(from, to, bytes, scheduler_.time());
+  uint64_t slot = 0;
+  if (free_slots_.empty()) {
+    slot = slots_.size();
+    slots_.emplace_back();
+  } else {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  }
+  slots_[slot] = Message{from, to, channel.id, std::move(payload)};
+  ++messages_;
+  scheduler_.at(arrival, this, slot);
+}
+
+void SimWorld::fire(uint64_t slot) {
+  Message m = std::move(slots_[slot]);
+  free_slots_.push_back(slot);
+  ranks_[static_cast<size_t>(m.to)]->receive(m.from, m.channel, m.payload);
+}
+
+// Every rank calls the collectives in the same order, and a rank waits in
+// one until all have come: so there is one at a time, and the last to come
+// finishes it for everyone (`finish(start)` says when it ends).
+Status SimWorld::meet(int rank, const std::function<double(double)>& finish, double& waited) {
+  const int fiber = scheduler_.current();
+  if (fiber < 0) return make_error(ErrorKind::kInternal, "simulated rank {}: a collective outside a worker", rank);
+  Collective& c = collective_;
+  ++c.arrived;
+  const double start = scheduler_.time();
+  if (c.arrived < size()) {
+    c.fibers.push_back(fiber);
+    scheduler_.suspend();
+  } else {
+    const double done = finish(start);
+    for (int f : c.fibers) scheduler_.wake(f, done);
+    collective_ = Collective{};
+    scheduler_.sleep(done - start);
+  }
+  waited = scheduler_.time() - start;
+  return {};
+}
+
+Status SimWorld::all_reduce(int rank, std::span<float> data, double& waited) {
+  if (size() == 1) return {};
+  Collective& c = collective_;
+  if (c.arrived == 0) {
+    c.floats = data.size();
+    c.buffers.assign(static_cast<size_t>(size()), {});
+  } else if (c.floats != data.size()) {
+    return make_error(ErrorKind::kInternal, "simulated all-reduce: rank {} brings {} floats, others {}", rank,
+                      data.size(), c.floats);
+  }
+  c.buffers[static_cast<size_t>(rank)] = data;
+  return meet(
+      rank,
+      [&](double start) {
+        std::vector<float> sum(c.floats, 0.0f);
+        for (const auto& b : c.buffers) {
+          for (size_t i = 0; i < sum.size(); ++i) sum[i] += b[i];
+        }
+        for (auto& b : c.buffers) std::copy(sum.begin(), sum.end(), b.begin());
+        const uint64_t bytes = c.floats * sizeof(float);
+        return network_.ring_all_reduce(sizer_ ? sizer_(kCollective, rank, rank, bytes) : bytes, start);
+      },
+      waited);
+}
+
+Status SimWorld::barrier(int rank, double& waited) {
+  if (size() == 1) return {};
+  return meet(
+      rank, [&](double start) { return network_.barrier(start); }, waited);
+}
+
+}  // namespace cfmo::sim

@@ -1,0 +1,75 @@
+#pragma once
+/// The simulated transport: W Communicators in one process whose messages
+/// are events of the scheduler (sim/scheduler.h), delivered when the
+/// network model (sim/network.h) says, and whose collectives block the
+/// calling fiber until every rank has called them, then end when the
+/// modelled ring says. A sibling of comm/loopback for virtual time: the
+/// modes run on it unchanged.
+///
+/// Handlers run as events (between fibers), one at a time, in the order of
+/// arrival; messages between two ranks keep their order. Nobody is ever
+/// lost. The bytes a message costs on the network are the sizer's answer
+/// (by default its payload): a simulation without parameters charges each
+/// message for the floats a real model would put in it.
+
+#include "comm/communicator.h"
+#include "sim/network.h"
+#include "sim/scheduler.h"
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace cfmo::sim {
+
+/// The collectives' channel id for the sizer (the transports' own, 0).
+inline constexpr Channel kCollective{0};
+
+/// Bytes on the network of a message of `payload` bytes (collectives: the
+/// buffer each rank puts in) from `from` to `to`.
+using Sizer = std::function<uint64_t(Channel channel, int from, int to, uint64_t payload)>;
+
+class SimWorld final : private EventTarget {
+ public:
+  SimWorld(Scheduler& scheduler, Network& network, int size, Sizer sizer = nullptr);
+  ~SimWorld();
+  SimWorld(const SimWorld&) = delete;
+  SimWorld& operator=(const SimWorld&) = delete;
+
+  Communicator& rank(int r);
+  int size() const { return static_cast<int>(ranks_.size()); }
+  /// Messages handed to the network so far.
+  uint64_t messages() const { return messages_; }
+
+ private:
+  class Rank;
+  struct Message {
+    int from = -1;
+    int to = -1;
+    uint8_t channel = 0;
+    std::vector<std::byte> payload;
+  };
+  struct Collective {
+    size_t floats = 0;
+    int arrived = 0;
+    std::vector<std::span<float>> buffers;
+    std::vector<int> fibers;
+  };
+
+  void fire(uint64_t slot) override;
+  void post(int from, int to, Channel channel, std::vector<std::byte> payload);
+  Status meet(int rank, const std::function<double(double)>& finish, double& waited);
+  Status all_reduce(int rank, std::span<float> data, double& waited);
+  Status barrier(int rank, double& waited);
+
+  Scheduler& scheduler_;
+  Network& network_;
+  Sizer sizer_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::vector<Message> slots_;
+  std::vector<uint64_t> free_slots_;
+  Collective collective_;
+  uint64_t messages_ = 0;
+};
+
+}  // namespace cfmo::sim

@@ -1,0 +1,211 @@
+// The modes' own protocols on the simulator: sync waits for the slowest
+// worker, cfmo does not; localsgd waits once a round; the network charges
+// what a real model would send; step times come from flags or a measured
+// run. Virtual time only: nothing here depends on how fast the machine is.
+#include "sim/simulation.h"
+
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+
+namespace cfmo::sim {
+namespace {
+
+/// A network that costs (almost) nothing, so only the step times matter.
+SimulateOptions quiet(ModeKind kind, int workers, int64_t steps) {
+  SimulateOptions o;
+  o.workers = {workers};
+  o.modes = {kind};
+  o.steps = steps;
+  o.batch = 10;
+  o.params = 1000;
+  o.step_times.step_time_s = 0.1;
+  o.network.bandwidth = 1e15;
+  o.network.latency = 0;
+  o.settings.sync_interval = 5;
+  return o;
+}
+
+SimulateRow run(const SimulateOptions& o) {
+  auto row = simulate_one(o, o.modes.front(), o.workers.front());
+  EXPECT_TRUE(row) << row.error().message;
+  return row ? *row : SimulateRow{};
+}
+
+TEST(SimModes, HomogeneousSyncOnAFreeNetworkIsFullyEfficient) {
+  const auto row = run(quiet(ModeKind::kSync, 4, 50));
+  EXPECT_EQ(row.steps, 200);
+  EXPECT_EQ(row.samples, 2000);
+  EXPECT_NEAR(row.virtual_s, 5.0, 1e-9);
+  EXPECT_NEAR(row.efficiency, 1.0, 1e-9);
+  EXPECT_EQ(row.rounds, 50);  // one all-reduce a step
+}
+
+TEST(SimModes, SyncWaitsForTheSlowestWorker) {
+  auto o = quiet(ModeKind::kSync, 4, 50);
+  o.step_times.slowdown = {"3=2"};
+  const auto row = run(o);
+  EXPECT_NEAR(row.virtual_s, 50 * 0.2, 1e-9);  // every step at the slow worker's pace
+  // Three workers wait 0.1 s a step: a mean of 3/4 of 5 s.
+  EXPECT_NEAR(row.wait_s_mean, 0.75 * 5.0, 1e-9);
+  EXPECT_NEAR(row.wait_s_max, 5.0, 1e-9);
+  // 2000 samples in 10 s against solo rates 3 x 100 + 50.
+  EXPECT_NEAR(row.efficiency, 200.0 / 350.0, 1e-9);
+}
+
+TEST(SimModes, CfmoDoesNotWaitForTheSlowestWorker) {
+  auto o = quiet(ModeKind::kCfmo, 4, 50);
+  o.step_times.slowdown = {"3=2"};
+  const auto row = run(o);
+  // The fast workers take more of the shared budget and never wait in their loop.
+  EXPECT_GT(row.efficiency, 0.9);
+  EXPECT_LT(row.virtual_s, 50 * 0.2 * 0.7);
+  EXPECT_NEAR(row.wait_s_max, 0.0, 1e-12);
+  EXPECT_GE(row.samples, 2000);
+  EXPECT_GT(row.owner_received_max, 0u);
+  EXPECT_GT(row.keeper_messages, 0u);  // every step's progress, to the budget keeper
+}
+
+TEST(SimModes, LocalSgdWaitsOnceARound) {
+  auto o = quiet(ModeKind::kLocalSgd, 4, 50);
+  o.step_times.slowdown = {"3=2"};
+  const auto row = run(o);
+  EXPECT_EQ(row.rounds, 10);               // H = 5
+  EXPECT_NEAR(row.virtual_s, 10.0, 1e-9);  // still the slow worker's pace, waiting every 5 steps
+  EXPECT_NEAR(row.wait_s_max, 5.0, 1e-9);
+}
+
+TEST(SimModes, TheNetworkChargesWhatARealModelWouldSend) {
+  auto o = quiet(ModeKind::kSync, 4, 10);
+  o.params = 1'000'000;
+  o.network.bandwidth = 1e9;  // bytes/s
+  o.network.latency = 1e-5;
+  const auto row = run(o);
+  // A ring of 4: each host sends 2 * 3/4 of the (params + count + votes) floats a step.
+  const double per_step = 2.0 * 3 / 4 * 1'000'003.0 * 4;
+  EXPECT_NEAR(static_cast<double>(row.host_uplinks.max_bytes), 10 * per_step, 10 * 8.0);
+  const double ring = 6 * (1e-5 + (1'000'003.0 * 4 / 4) / 1e9);
+  EXPECT_NEAR(row.virtual_s, 10 * (0.1 + ring), 1e-6);
+  EXPECT_LT(row.efficiency, 1.0);
+}
+
+TEST(SimModes, CfmoRepliesComeBackStaleWhenTheNetworkIsSlow) {
+  auto o = quiet(ModeKind::kCfmo, 4, 100);
+  o.settings.sync_interval = 1;
+  o.params = 4'000'000;
+  o.network.bandwidth = 1e8;  // a shard takes ~40 ms: replies arrive after the next rounds started
+  const auto row = run(o);
+  uint64_t stale = 0;
+  for (size_t s = 1; s < row.staleness_histogram.size(); ++s) stale += row.staleness_histogram[s];
+  EXPECT_GT(stale, 0u);
+  EXPECT_GT(row.host_uplinks.max_bytes, 0u);
+}
+
+TEST(SimModes, AsgdOwnersApplyEveryGradient) {
+  const auto row = run(quiet(ModeKind::kAsgd, 3, 20));
+  EXPECT_GE(row.samples, 600);
+  // Every push of every worker reached its owner: steps x owners contributions in all.
+  EXPECT_NEAR(row.owner_received_mean * 3, static_cast<double>(row.steps) * 3, 1e-9);
+}
+
+TEST(SimModes, TheSameSeedGivesTheSameRowAndASweepHasARowPerSizeAndMode) {
+  auto o = quiet(ModeKind::kSync, 8, 30);
+  o.step_times.straggler = "0.1:3";
+  o.step_times.thermal = "0.25:0.5:1";
+  o.step_times.speeds = "0.5:0.8,0.5:1.0";
+  const auto a = run(o);
+  const auto b = run(o);
+  EXPECT_EQ(a.virtual_s, b.virtual_s);
+  EXPECT_LT(a.efficiency, 0.9);
+  o.workers = {2, 8};
+  o.modes = {ModeKind::kSync, ModeKind::kCfmo};
+  auto rows = simulate(o);
+  ASSERT_TRUE(rows) << rows.error().message;
+  ASSERT_EQ(rows->size(), 4u);
+  EXPECT_EQ((*rows)[3].mode, "cfmo");
+  EXPECT_EQ((*rows)[3].workers, 8);
+  const std::string svg = simulate_svg(*rows);
+  EXPECT_NE(svg.find("<svg"), std::string::npos);
+  EXPECT_NE(svg.find(">cfmo<"), std::string::npos);
+  EXPECT_NE(simulate_table(*rows).find("efficiency"), std::string::npos);
+  EXPECT_EQ(simulate_json(*rows, o)["simulate"]["runs"].size(), 4u);
+}
+
+TEST(SimStepTimes, AMeasuredRunsComputeTimesAreDrawnFrom) {
+  const auto path = std::filesystem::temp_directory_path() / ("cfmo-sim-metrics-" + std::to_string(::getpid()));
+  {
+    std::ofstream out(path);
+    out << R"({"type":"step","step":1,"compute_s":0.2})"
+        << "\n"
+        << R"({"type":"eval","step":1})"
+        << "\n"
+        << R"({"type":"step","step":2,"compute_s":0.4})"
+        << "\n";
+  }
+  auto measured = read_step_times(path);
+  std::filesystem::remove(path);
+  ASSERT_TRUE(measured) << measured.error().message;
+  EXPECT_EQ(*measured, (std::vector<double>{0.2, 0.4}));
+  StepTimeOptions o;
+  o.measured = *measured;
+  auto times = StepTimes::make(o, 2);
+  ASSERT_TRUE(times);
+  EXPECT_NEAR(times->natural_mean(), 0.3, 1e-12);
+  for (int i = 0; i < 20; ++i) {
+    const double t = times->draw(1, 0);
+    EXPECT_TRUE(t == 0.2 || t == 0.4) << t;
+  }
+  auto missing = read_step_times("/nonexistent/metrics.jsonl");
+  ASSERT_FALSE(missing);
+  EXPECT_EQ(missing.error().kind, ErrorKind::kInput);
+}
+
+TEST(SimStepTimes, BadFlagsAreNamed) {
+  for (auto [flag, set] : std::vector<std::pair<std::string, std::function<void(StepTimeOptions&)>>>{
+           {"--thermal", [](StepTimeOptions& o) { o.thermal = "0.5:2:1"; }},
+           {"--thermal", [](StepTimeOptions& o) { o.thermal = "0.5:0.5"; }},
+           {"--speeds", [](StepTimeOptions& o) { o.speeds = "0.5:0.8,0.4:1"; }},
+           {"--speeds", [](StepTimeOptions& o) { o.speeds = "1:0"; }},
+           {"--slowdown", [](StepTimeOptions& o) { o.slowdown = {"9=2"}; }},
+           {"--straggler", [](StepTimeOptions& o) { o.straggler = "2:2"; }},
+       }) {
+    StepTimeOptions o;
+    set(o);
+    auto t = StepTimes::make(o, 4);
+    ASSERT_FALSE(t) << flag;
+    EXPECT_EQ(t.error().kind, ErrorKind::kUsage);
+    EXPECT_NE(t.error().message.find(flag), std::string::npos) << t.error().message;
+  }
+}
+
+}  // namespace
+}  // namespace cfmo::sim
+
+namespace cfmo::sim {
+namespace {
+
+TEST(SimMath, WithMathTheWorkersTrainAndTheGlobalParametersAreEvaluated) {
+  auto o = quiet(ModeKind::kSync, 4, 60);
+  o.math = true;
+  o.data = "synthetic:1024:256";
+  o.model = "mlp:16";
+  for (ModeKind kind : {ModeKind::kSync, ModeKind::kCfmo}) {
+    o.modes = {kind};
+    const auto row = run(o);
+    EXPECT_GT(row.test_accuracy, 0.3) << row.mode;  // 10 classes: chance is 0.1
+    EXPECT_GT(row.test_loss, 0) << row.mode;
+    EXPECT_GT(row.host_uplinks.max_bytes, 0u) << row.mode;  // the model's own floats
+  }
+  o.workers = {kMaxMathWorkers + 1};
+  auto refused = simulate_one(o, ModeKind::kSync, kMaxMathWorkers + 1);
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().kind, ErrorKind::kUsage);
+  EXPECT_NE(refused.error().message.find("--math"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace cfmo::sim
