@@ -110,7 +110,7 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   // The asynchronous modes share the lockstep modes' budget of samples (as a real run's --steps).
   settings.sample_budget = entry.traits.asynchronous ? options.steps * options.batch * workers : 0;
   OptimizerConfig optimizer;
-  optimizer.name = "sgd";
+  optimizer.kind = OptimizerKind::kSgd;
   optimizer.momentum = 0.9;
   std::vector<ParamInfo> layout = {{"stand-in", {static_cast<int64_t>(kStandIn)}, 0, kStandIn}};
   std::vector<float> initial(kStandIn, 0.0f);
