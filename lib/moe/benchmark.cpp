@@ -107,9 +107,12 @@ Result<std::vector<ModeSummary>> run_benchmark(const MoeConfig& config, const Mo
   }
   std::string device = "cpu";
   if (plan.device.is_cuda()) {
-    const Device mine = device_for_rank(plan.device, options.local_rank >= 0 ? options.local_rank : rank);
-    CFMO_TRY(attach_cuda(experts, mine.index));
-    device = device_description(mine);
+    if (!options.place_experts) {
+      return make_error(ErrorKind::kInternal, "--device {}: no way to place the experts was given",
+                        plan.device.to_string());
+    }
+    CFMO_ASSIGN_OR_RETURN(
+        device, options.place_experts(experts, plan.device, options.local_rank >= 0 ? options.local_rank : rank));
   }
   auto experts_status = [&]() -> Status {
     for (ExpertFfn& e : experts) CFMO_TRY(e.take_status());

@@ -1,5 +1,6 @@
 #include "train/engine.h"
 
+#include "cuda/devices.h"
 #include "tensor/ops.h"
 
 #if CFMO_HAVE_CUDA
