@@ -18,7 +18,7 @@
 namespace cfmo::moe {
 
 /// Expert e lives on rank r when first(r) <= e < first(r + 1), first(r) = E r / R.
-struct Placement {
+struct ExpertPlacement {
   int experts = 1;
   int ranks = 1;
   int first(int rank) const { return static_cast<int>(int64_t{experts} * rank / ranks); }
