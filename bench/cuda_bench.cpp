@@ -5,13 +5,13 @@
 //   2. the fused AdamW update against the device's copy bandwidth.
 // Prints one JSON object per measurement on stdout.
 #include "core/rng.h"
+#include "cuda/devices.h"
 #include "cuda/kernels.h"
 #include "cuda/mlp.h"
 #include "cuda/optimizer.h"
 #include "cuda/runtime.h"
 #include "data/dataset.h"
 #include "model/mlp.h"
-#include "tensor/device.h"
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>

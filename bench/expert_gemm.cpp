@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
     std::perror("expert-gemm: mmap");
     return 5;
   }
-  const cfmo::moe::Placement placement{experts, ranks};
+  const cfmo::moe::ExpertPlacement placement{experts, ranks};
   std::vector<pid_t> children;
   for (int p = 0; p < processes; ++p) {
     const pid_t pid = fork();

@@ -1,6 +1,7 @@
 #include "ckpt/cfd.h"
 
 #include "core/atomic_file.h"
+#include "core/fd.h"
 #include "core/parallel.h"
 
 #include <fcntl.h>
@@ -526,11 +527,8 @@ Status write_cfd(const std::filesystem::path& path, const CfdFileInfo& info, std
 // ---------------------------------------------------------------- reading
 
 struct CfdFile::Storage {
-  int fd = -1;
-  std::string bytes;  // used when fd < 0
-  ~Storage() {
-    if (fd >= 0) ::close(fd);
-  }
+  Fd fd;
+  std::string bytes;  // used when there is no fd
 };
 
 CfdFile::CfdFile() = default;
@@ -730,7 +728,7 @@ Status parse_header(const std::string& source, std::string_view text, uint64_t d
 
 Status CfdFile::read_at(uint64_t offset, std::span<std::byte> out, const Tensor& tensor, size_t frame) const {
   const std::string what = frame_label(tensor, frame);
-  if (storage_->fd >= 0) return pread_all(storage_->fd, offset, out, source_, what);
+  if (storage_->fd) return pread_all(storage_->fd.get(), offset, out, source_, what);
   const auto& bytes = storage_->bytes;
   if (offset > bytes.size() || out.size() > bytes.size() - offset) return corrupt(source_, what + ": truncated file");
   if (!out.empty()) std::memcpy(out.data(), bytes.data() + offset, out.size());
@@ -746,7 +744,7 @@ Result<CfdFile> CfdFile::load(std::unique_ptr<Storage> storage, uint64_t file_si
   file.limits_ = limits;
   const std::string& name = file.source_;
   auto read = [&](uint64_t offset, std::span<std::byte> out, std::string_view what) -> Status {
-    if (file.storage_->fd >= 0) return pread_all(file.storage_->fd, offset, out, name, what);
+    if (file.storage_->fd) return pread_all(file.storage_->fd.get(), offset, out, name, what);
     if (!out.empty()) std::memcpy(out.data(), file.storage_->bytes.data() + offset, out.size());
     return {};
   };
@@ -786,10 +784,10 @@ Result<CfdFile> CfdFile::load(std::unique_ptr<Storage> storage, uint64_t file_si
 
 Result<CfdFile> CfdFile::open(const std::filesystem::path& path, const CfdLimits& limits) {
   auto storage = std::make_unique<Storage>();
-  storage->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (storage->fd < 0) return corrupt(path.string(), fmt::format("cannot open: {}", std::strerror(errno)));
+  storage->fd.reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!storage->fd) return corrupt(path.string(), fmt::format("cannot open: {}", std::strerror(errno)));
   struct stat st {};
-  if (::fstat(storage->fd, &st) != 0)
+  if (::fstat(storage->fd.get(), &st) != 0)
     return corrupt(path.string(), fmt::format("cannot stat: {}", std::strerror(errno)));
   if (!S_ISREG(st.st_mode)) return corrupt(path.string(), "not a regular file");
   return load(std::move(storage), static_cast<uint64_t>(st.st_size), path.string(), limits);

@@ -1,6 +1,6 @@
 #include "ckpt/delta_stats.h"
 
-#include "tensor/simd.h"
+#include "core/simd.h"
 
 #include <algorithm>
 #include <bit>

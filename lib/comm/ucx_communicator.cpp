@@ -2,6 +2,7 @@
 
 #include "comm/collectives.h"
 #include "comm/communicator_base.h"
+#include "core/fd.h"
 
 #include <poll.h>
 #include <pthread.h>
@@ -17,8 +18,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
+#include <utility>
 
 namespace cfmo {
 namespace {
@@ -48,13 +52,65 @@ ucp_tag_t make_tag(uint8_t channel, int source, uint32_t sequence) {
 }
 int tag_source(ucp_tag_t tag) { return static_cast<int>((tag >> 32) & 0xFFFFFF); }
 
+// Each UCX handle has one owner, which frees it when it goes.
+struct UcpConfigRelease {
+  void operator()(ucp_config_t* config) const { ucp_config_release(config); }
+};
+using UcpConfig = std::unique_ptr<ucp_config_t, UcpConfigRelease>;
+struct UcpCleanup {
+  void operator()(ucp_context_h context) const { ucp_cleanup(context); }
+};
+using UcpContext = std::unique_ptr<std::remove_pointer_t<ucp_context_h>, UcpCleanup>;
+struct UcpWorkerDestroy {
+  void operator()(ucp_worker_h worker) const { ucp_worker_destroy(worker); }
+};
+using UcpWorker = std::unique_ptr<std::remove_pointer_t<ucp_worker_h>, UcpWorkerDestroy>;
+/// A worker's own address, released back to the worker that gave it.
+struct UcpAddressRelease {
+  ucp_worker_h worker = nullptr;
+  void operator()(ucp_address_t* address) const { ucp_worker_release_address(worker, address); }
+};
+using UcpAddress = std::unique_ptr<ucp_address_t, UcpAddressRelease>;
+
+/// A request a non-blocking UCX call handed back (null: none, the call
+/// completed at once), freed when it goes. Freeing one still in flight lets
+/// UCX finish it and then drop it; a caller that must not wait for that
+/// cancels it first. Every request goes before the worker it belongs to.
+class UcpRequest {
+ public:
+  UcpRequest() = default;
+  explicit UcpRequest(void* request) : request_(request) {}
+  UcpRequest(UcpRequest&& other) noexcept : request_(std::exchange(other.request_, nullptr)) {}
+  UcpRequest& operator=(UcpRequest&& other) noexcept {
+    if (this != &other) {
+      reset();
+      request_ = std::exchange(other.request_, nullptr);
+    }
+    return *this;
+  }
+  UcpRequest(const UcpRequest&) = delete;
+  UcpRequest& operator=(const UcpRequest&) = delete;
+  ~UcpRequest() { reset(); }
+
+  void* get() const { return request_; }
+  explicit operator bool() const { return request_ != nullptr; }
+  ucs_status_t status() const { return ucp_request_check_status(request_); }
+  bool in_flight() const { return request_ != nullptr && status() == UCS_INPROGRESS; }
+  void reset() {
+    if (request_ != nullptr) ucp_request_free(std::exchange(request_, nullptr));
+  }
+
+ private:
+  void* request_ = nullptr;
+};
+
 Error ucx_error(std::string_view what, ucs_status_t status) {
   return make_error(ErrorKind::kPeer, "UCX: {}: {}", what, ucs_status_string(status));
 }
 
 /// An operation in flight and what it keeps alive until it completes.
 struct Pending {
-  void* request = nullptr;
+  UcpRequest request;
   int peer = -1;
   std::vector<std::byte> payload;  ///< a send's bytes, or a probed receive's buffer
   uint8_t channel = 0;             ///< for probed receives: whose handler gets it
@@ -74,34 +130,38 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     // UCX logs to stdout, where --json goes; unless the user asked for UCX's
     // own logging, keep only its errors (they still name the transport).
     if (std::getenv("UCX_LOG_LEVEL") == nullptr) ucs_global_opts.log_component.log_level = UCS_LOG_LEVEL_ERROR;
-    ucp_config_t* config = nullptr;
-    ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
+    ucp_config_t* read_config = nullptr;
+    ucs_status_t status = ucp_config_read(nullptr, nullptr, &read_config);
     if (status != UCS_OK) return ucx_error("reading the UCX configuration", status);
-    allow_shared_memory(config);
+    const UcpConfig config(read_config);
+    allow_shared_memory(config.get());
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
     params.mt_workers_shared = 0;
-    status = ucp_init(&params, config, &context_);
-    ucp_config_release(config);
+    ucp_context_h context = nullptr;
+    status = ucp_init(&params, config.get(), &context);
     if (status != UCS_OK) return ucx_error("ucp_init", status);
+    context_.reset(context);
 
     ucp_worker_params_t worker_params{};
     worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
     // Created here, then used by the progress thread or by the caller of a
     // collective, whichever holds worker_mutex_: serialized, never concurrent.
     worker_params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
-    status = ucp_worker_create(context_, &worker_params, &worker_);
+    ucp_worker_h worker = nullptr;
+    status = ucp_worker_create(context_.get(), &worker_params, &worker);
     if (status != UCS_OK) return ucx_error("ucp_worker_create", status);
-    if (ucp_worker_get_efd(worker_, &worker_fd_) != UCS_OK) worker_fd_ = -1;  // then the thread polls
+    worker_.reset(worker);
+    if (ucp_worker_get_efd(worker, &worker_fd_) != UCS_OK) worker_fd_ = -1;  // then the thread polls
 
-    ucp_address_t* address = nullptr;
+    ucp_address_t* got_address = nullptr;
     size_t address_length = 0;
-    status = ucp_worker_get_address(worker_, &address, &address_length);
+    status = ucp_worker_get_address(worker, &got_address, &address_length);
     if (status != UCS_OK) return ucx_error("ucp_worker_get_address", status);
-    std::vector<std::byte> own(reinterpret_cast<std::byte*>(address),
-                               reinterpret_cast<std::byte*>(address) + address_length);
-    ucp_worker_release_address(worker_, address);
+    const UcpAddress address(got_address, UcpAddressRelease{worker});
+    const auto* address_bytes = reinterpret_cast<const std::byte*>(address.get());
+    std::vector<std::byte> own(address_bytes, address_bytes + address_length);
 
     CFMO_ASSIGN_OR_RETURN(auto table, exchange_addresses(rendezvous, rank_, size_, own));
     endpoints_.assign(static_cast<size_t>(size_), nullptr);
@@ -116,10 +176,10 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
       ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
       ep_params.err_handler.cb = &UcxCommunicator::on_endpoint_error;
       ep_params.err_handler.arg = &error_contexts_[static_cast<size_t>(peer)];
-      status = ucp_ep_create(worker_, &ep_params, &endpoints_[static_cast<size_t>(peer)]);
+      status = ucp_ep_create(worker, &ep_params, &endpoints_[static_cast<size_t>(peer)]);
       if (status != UCS_OK) return ucx_error(fmt::format("connecting to rank {}", peer), status);
     }
-    wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    wake_fd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     const auto now = Clock::now();
     std::fill(last_heard_.begin(), last_heard_.end(), now);
     progress_thread_ = std::thread([this] { progress_loop(); });
@@ -214,8 +274,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   void wake() {
     if (sleeping_.load() == 0) return;
     const uint64_t one = 1;
-    if (wake_fd_ >= 0) [[maybe_unused]]
-      auto n = ::write(wake_fd_, &one, sizeof one);
+    if (wake_fd_) [[maybe_unused]]
+      auto n = ::write(wake_fd_.get(), &one, sizeof one);
   }
 
   /// Runs `body` on the caller's thread, which takes the worker over from
@@ -269,7 +329,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
       mark_lost(peer, fmt::format("send failed: {}", ucs_status_string(UCS_PTR_STATUS(request))));
       return;
     }
-    pending_.push_back(Pending{request, peer, std::move(payload), channel, false});
+    pending_.push_back(Pending{UcpRequest(request), peer, std::move(payload), channel, false});
   }
 
   /// Probes for messages on channels that have a handler, starting their receives.
@@ -289,7 +349,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     for (const uint8_t channel : probed_) {
       for (;;) {
         ucp_tag_recv_info_t info{};
-        ucp_tag_message_h message = ucp_tag_probe_nb(worker_, ucp_tag_t{channel} << 56, kChannelMask, 1, &info);
+        ucp_tag_message_h message = ucp_tag_probe_nb(worker_.get(), ucp_tag_t{channel} << 56, kChannelMask, 1, &info);
         if (message == nullptr) break;
         any = true;
         const int from = tag_source(info.sender_tag);
@@ -303,12 +363,12 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
         ucp_tag_recv_info_t done_info{};
         param.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
         param.recv_info.tag_info = &done_info;
-        void* request = ucp_tag_msg_recv_nbx(worker_, p.payload.data(), p.payload.size(), message, &param);
+        void* request = ucp_tag_msg_recv_nbx(worker_.get(), p.payload.data(), p.payload.size(), message, &param);
         if (UCS_PTR_IS_ERR(request)) continue;
         if (request == nullptr) {
           complete_receive(p);
         } else {
-          p.request = request;
+          p.request = UcpRequest(request);
           pending_.push_back(std::move(p));
         }
       }
@@ -332,7 +392,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   bool retire_pending() {
     bool any = false;
     for (size_t i = 0; i < pending_.size();) {
-      const ucs_status_t status = ucp_request_check_status(pending_[i].request);
+      const ucs_status_t status = pending_[i].request.status();
       if (status == UCS_INPROGRESS) {
         ++i;
         continue;
@@ -342,7 +402,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
       Pending p = std::move(pending_[i]);
       pending_[i] = std::move(pending_.back());
       pending_.pop_back();
-      ucp_request_free(p.request);
+      p.request.reset();
       if (status == UCS_OK && p.is_receive) complete_receive(p);
       if (status != UCS_OK && status != UCS_ERR_CANCELED && p.peer >= 0) {
         mark_lost(p.peer, fmt::format("transfer failed: {}", ucs_status_string(status)));
@@ -388,7 +448,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   /// One round of everything except starting a collective; true if work was done.
   bool service() {
     bool any = run_commands();
-    while (ucp_worker_progress(worker_) != 0) any = true;
+    while (ucp_worker_progress(worker_.get()) != 0) any = true;
     any |= probe_channels();
     any |= retire_pending();
     heartbeat();
@@ -435,12 +495,12 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     } awake{sleeping_};
     if (queued_.load()) return;  // queued before the flag was up: no wake-up will come
     uint64_t drained = 0;
-    if (wake_fd_ >= 0) [[maybe_unused]]
-      auto n = ::read(wake_fd_, &drained, sizeof drained);
+    if (wake_fd_) [[maybe_unused]]
+      auto n = ::read(wake_fd_.get(), &drained, sizeof drained);
     if (queued_.load()) return;
-    if (worker_fd_ >= 0 && ucp_worker_arm(worker_) != UCS_OK) return;  // events pending: go round again
+    if (worker_fd_ >= 0 && ucp_worker_arm(worker_.get()) != UCS_OK) return;  // events pending: go round again
     if (worker != nullptr) worker->unlock();
-    pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {worker_fd_, POLLIN, 0}};
+    pollfd fds[2] = {{wake_fd_.get(), POLLIN, 0}, {worker_fd_, POLLIN, 0}};
     const timespec timeout{0, 200'000};
     ::ppoll(fds, worker_fd_ >= 0 ? 2 : 1, &timeout, nullptr);
   }
@@ -455,25 +515,21 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   /// the run is failing, and no request should outlive its buffer. A receive
   /// that even that does not end (a message half arrived from a dead peer)
   /// is left to UCX after another second rather than hanging the caller.
-  void abandon(std::vector<std::pair<void*, int>>& requests, int lost_peer) {
-    auto in_flight = [](void* r) { return r != nullptr && ucp_request_check_status(r) == UCS_INPROGRESS; };
+  void abandon(std::vector<std::pair<UcpRequest, int>>& requests, int lost_peer) {
     for (auto& [r, peer] : requests) {
-      if (in_flight(r)) ucp_request_cancel(worker_, r);
+      if (r.in_flight()) ucp_request_cancel(worker_.get(), r.get());
     }
     force_close(lost_peer);
     const auto close_more = Clock::now() + std::chrono::seconds(1);
     const auto give_up = close_more + std::chrono::seconds(1);
     for (;;) {
-      ucp_worker_progress(worker_);
+      ucp_worker_progress(worker_.get());
       const auto open =
-          std::find_if(requests.begin(), requests.end(), [&](const auto& rp) { return in_flight(rp.first); });
+          std::find_if(requests.begin(), requests.end(), [&](const auto& rp) { return rp.first.in_flight(); });
       if (open == requests.end() || Clock::now() > give_up) break;
       if (Clock::now() > close_more) force_close(open->second);
     }
-    for (auto& [r, peer] : requests) {
-      if (r != nullptr) ucp_request_free(r);
-      r = nullptr;
-    }
+    for (auto& [r, peer] : requests) r.reset();
   }
 
   /// Closes the endpoint to `peer` at once, ending its requests with an error.
@@ -483,25 +539,24 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    void* request = ucp_ep_close_nbx(ep, &param);
+    void* closing = ucp_ep_close_nbx(ep, &param);
     ep = nullptr;
-    if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
+    if (closing == nullptr || UCS_PTR_IS_ERR(closing)) return;
+    const UcpRequest request(closing);
     const auto deadline = Clock::now() + std::chrono::seconds(1);  // a forced close needs no peer: bounded anyway
-    while (ucp_request_check_status(request) == UCS_INPROGRESS && Clock::now() < deadline) ucp_worker_progress(worker_);
-    if (ucp_request_check_status(request) == UCS_INPROGRESS) unclosed_endpoints_ = true;
-    ucp_request_free(request);
+    while (request.in_flight() && Clock::now() < deadline) ucp_worker_progress(worker_.get());
+    if (request.in_flight()) unclosed_endpoints_ = true;
   }
 
   /// Waits for `requests` (each with the peer it involves) while serving
   /// everything else; fails when a peer with a request still in flight is lost.
-  Status wait_all(std::vector<std::pair<void*, int>>& requests, std::string_view what) {
-    auto in_flight = [](void* r) { return r != nullptr && ucp_request_check_status(r) == UCS_INPROGRESS; };
+  Status wait_all(std::vector<std::pair<UcpRequest, int>>& requests, std::string_view what) {
     auto idle_since = Clock::now();
     for (;;) {
       bool done = true;
       int lost_peer = -1;
       for (auto& [r, peer] : requests) {
-        if (!in_flight(r)) continue;
+        if (!r.in_flight()) continue;
         done = false;
         if (is_lost(peer) || departed(peer)) lost_peer = peer;
       }
@@ -522,10 +577,9 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     }
     Status result;
     for (auto& [r, peer] : requests) {
-      if (r == nullptr) continue;
-      const ucs_status_t status = ucp_request_check_status(r);
-      ucp_request_free(r);
-      r = nullptr;
+      if (!r) continue;
+      const ucs_status_t status = r.status();
+      r.reset();
       if (status != UCS_OK && result) {
         result = make_error(ErrorKind::kPeer, "{} with rank {}: {}", what, peer, ucs_status_string(status));
       }
@@ -538,7 +592,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     ucp_tag_recv_info_t info{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
     param.recv_info.tag_info = &info;
-    void* request = ucp_tag_recv_nbx(worker_, buffer, bytes, make_tag(kCollective, peer, sequence), kFullMask, &param);
+    void* request =
+        ucp_tag_recv_nbx(worker_.get(), buffer, bytes, make_tag(kCollective, peer, sequence), kFullMask, &param);
     if (UCS_PTR_IS_ERR(request)) {
       mark_lost(peer, fmt::format("receive failed: {}", ucs_status_string(UCS_PTR_STATUS(request))));
       return nullptr;
@@ -574,17 +629,17 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   /// posted alternately (a receive before the send to the same step's peer).
   Status exchange(uint32_t tag, std::span<const SendTo> sends, std::span<const ReceiveFrom> receives,
                   std::string_view what) override {
-    std::vector<std::pair<void*, int>> requests;
+    std::vector<std::pair<UcpRequest, int>> requests;
     requests.reserve(sends.size() + receives.size());
     for (size_t i = 0; i < std::max(sends.size(), receives.size()); ++i) {
       if (i < receives.size()) {
         const ReceiveFrom& r = receives[i];
-        requests.emplace_back(post_recv(r.peer, r.into.data(), r.into.size(), tag), r.peer);
+        requests.emplace_back(UcpRequest(post_recv(r.peer, r.into.data(), r.into.size(), tag)), r.peer);
         stats_bytes_received_ += r.into.size();
       }
       if (i < sends.size()) {
         const SendTo& t = sends[i];
-        requests.emplace_back(post_send(t.peer, t.bytes.data(), t.bytes.size(), tag), t.peer);
+        requests.emplace_back(UcpRequest(post_send(t.peer, t.bytes.data(), t.bytes.size(), tag)), t.peer);
       }
     }
     return wait_all(requests, what);
@@ -614,23 +669,20 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     peers_.set_stopping();
     stop_thread_ = true;
     const uint64_t one = 1;
-    if (wake_fd_ >= 0) [[maybe_unused]]
-      auto n = ::write(wake_fd_, &one, sizeof one);
+    if (wake_fd_) [[maybe_unused]]
+      auto n = ::write(wake_fd_.get(), &one, sizeof one);
     progress_thread_.join();
     // Let queued sends leave, briefly: peers are shutting down too.
     const auto deadline = Clock::now() + std::chrono::milliseconds(500);
     while (!pending_.empty() && Clock::now() < deadline) {
-      ucp_worker_progress(worker_);
+      ucp_worker_progress(worker_.get());
       retire_pending();
     }
     // Requests that did not finish (a peer that left without reading them)
     // are cancelled; their endpoints may still hold them: see release().
     if (!pending_.empty()) unclosed_endpoints_ = true;
-    for (Pending& p : pending_) {
-      ucp_request_cancel(worker_, p.request);
-      ucp_request_free(p.request);
-    }
-    pending_.clear();
+    for (Pending& p : pending_) ucp_request_cancel(worker_.get(), p.request.get());
+    pending_.clear();  // frees the requests
     discard_unexpected();
     release();
   }
@@ -639,19 +691,19 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   /// goodbyes), so UCX does not warn about unmatched messages at exit.
   void discard_unexpected() {
     for (int guard = 0; guard < 100000; ++guard) {
-      ucp_worker_progress(worker_);
+      ucp_worker_progress(worker_.get());
       ucp_tag_recv_info_t info{};
-      ucp_tag_message_h message = ucp_tag_probe_nb(worker_, 0, 0, 1, &info);
+      ucp_tag_message_h message = ucp_tag_probe_nb(worker_.get(), 0, 0, 1, &info);
       if (message == nullptr) return;
       std::vector<std::byte> sink(info.length);
       ucp_request_param_t param{};
       ucp_tag_recv_info_t done{};
       param.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
       param.recv_info.tag_info = &done;
-      void* request = ucp_tag_msg_recv_nbx(worker_, sink.data(), sink.size(), message, &param);
-      if (request == nullptr || UCS_PTR_IS_ERR(request)) continue;
-      while (ucp_request_check_status(request) == UCS_INPROGRESS) ucp_worker_progress(worker_);
-      ucp_request_free(request);
+      void* receiving = ucp_tag_msg_recv_nbx(worker_.get(), sink.data(), sink.size(), message, &param);
+      if (receiving == nullptr || UCS_PTR_IS_ERR(receiving)) continue;
+      const UcpRequest request(receiving);
+      while (request.in_flight()) ucp_worker_progress(worker_.get());
     }
   }
 
@@ -659,7 +711,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     // Flush-close live endpoints so the last messages reach their peers (a
     // forced close may drop bytes a peer is still waiting for); force-close
     // the lost ones. Bounded: a peer may be gone already.
-    std::vector<void*> closing;
+    std::vector<UcpRequest> closing;
     for (size_t peer = 0; peer < endpoints_.size(); ++peer) {
       ucp_ep_h& ep = endpoints_[peer];
       if (ep == nullptr) continue;
@@ -667,53 +719,52 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
       param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
       param.flags = is_lost(static_cast<int>(peer)) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
       void* request = ucp_ep_close_nbx(ep, &param);
-      if (request != nullptr && !UCS_PTR_IS_ERR(request)) closing.push_back(request);
+      if (request != nullptr && !UCS_PTR_IS_ERR(request)) closing.emplace_back(request);
       ep = nullptr;
     }
     const auto deadline = Clock::now() + std::chrono::seconds(2);
-    while (worker_ != nullptr && Clock::now() < deadline && std::any_of(closing.begin(), closing.end(), [](void* r) {
-             return ucp_request_check_status(r) == UCS_INPROGRESS;
-           })) {
-      ucp_worker_progress(worker_);
+    while (worker_ != nullptr && Clock::now() < deadline &&
+           std::any_of(closing.begin(), closing.end(), [](const UcpRequest& r) { return r.in_flight(); })) {
+      ucp_worker_progress(worker_.get());
     }
     // After a failure UCX (1.13) can keep a force-closed endpoint, with
     // requests a dead peer will never answer, even once every close here
     // reported done: seen in cfmo-train's kill tests.
     bool unfinished = unclosed_endpoints_ || peers_.saw_failure();
-    for (void* r : closing) {
-      if (ucp_request_check_status(r) == UCS_INPROGRESS) {
-        ucp_request_cancel(worker_, r);
+    for (UcpRequest& r : closing) {
+      if (r.in_flight()) {
+        ucp_request_cancel(worker_.get(), r.get());
         unfinished = true;
       }
-      ucp_request_free(r);
     }
+    closing.clear();  // freed before the worker goes
     // An endpoint whose close did not finish (its peer died or left while a
     // send was still on it) still holds requests, and destroying the worker
     // under them aborts the process inside UCX (an assertion on proto_reqs
     // in ucp_ep_destroy_base, exit 134 in place of the documented 4). Then
-    // the worker and context are left to the process's exit: a failing run
-    // loses nothing by it.
+    // the worker and context are left to the process's exit, let go of here
+    // on purpose: a failing run loses nothing by it.
     if (worker_ != nullptr && !unfinished) {
       discard_unexpected();  // what arrived while the endpoints closed
-      ucp_worker_destroy(worker_);
-      if (context_ != nullptr) ucp_cleanup(context_);
+      worker_.reset();       // before the context it came from
+      context_.reset();
+    } else {
+      [[maybe_unused]] ucp_worker_h left_worker = worker_.release();
+      [[maybe_unused]] ucp_context_h left_context = context_.release();
     }
-    worker_ = nullptr;
-    context_ = nullptr;
-    if (wake_fd_ >= 0) ::close(wake_fd_);
-    wake_fd_ = -1;
+    wake_fd_.reset();
   }
 
   const int rank_;
   const int size_;
   bool unclosed_endpoints_ = false;  ///< a forced close that did not finish: see release()
   const UcxOptions options_;
-  ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
+  UcpContext context_;  ///< declared before the worker: the worker goes first
+  UcpWorker worker_;
   std::vector<ucp_ep_h> endpoints_;
   std::vector<ErrorContext> error_contexts_;
   int worker_fd_ = -1;
-  int wake_fd_ = -1;
+  Fd wake_fd_;
 
   std::thread progress_thread_;
   std::atomic<bool> stop_thread_{false};

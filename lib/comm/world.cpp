@@ -3,6 +3,7 @@
 #include "comm/rendezvous.h"
 #include "comm/solo_communicator.h"
 #include "comm/ucx_communicator.h"
+#include "core/fd.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -49,8 +50,8 @@ void write_all(int fd, std::string_view text) {
 struct Child {
   pid_t pid = -1;
   int rank = 0;
-  int out = -1;  ///< read end of its stdout
-  int err = -1;  ///< read end of its stderr
+  Fd out;  ///< read end of its stdout
+  Fd err;  ///< read end of its stderr
   std::string out_partial;
   std::string err_partial;
   int status = -1;
@@ -137,8 +138,9 @@ Result<std::optional<WorldInfo>> world_from_environment() {
 
 Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* interrupt, int out_fd, int err_fd,
                          double grace_s) {
-  CFMO_ASSIGN_OR_RETURN(auto listener, listen_tcp("127.0.0.1", 0));
-  const std::string rendezvous = fmt::format("127.0.0.1:{}", listener.second);
+  CFMO_ASSIGN_OR_RETURN(auto listening, listen_tcp("127.0.0.1", 0));
+  Fd listener(listening.first);
+  const std::string rendezvous = fmt::format("127.0.0.1:{}", listening.second);
   // UCX's POSIX shared memory normally lives in /dev/shm itself, each file
   // unlinked once made; a rank killed or aborting in between leaves its file
   // (2-4 MB) there for good. In a directory of the run's own, the launcher
@@ -146,9 +148,9 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
   const ShmDir shm_dir;
   std::vector<Child> children(static_cast<size_t>(workers));
   for (int rank = 0; rank < workers; ++rank) {
-    int out_pipe[2];
-    int err_pipe[2];
-    if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0) {
+    Pipe out_pipe;
+    Pipe err_pipe;
+    if (!out_pipe.open() || !err_pipe.open()) {
       return make_error(ErrorKind::kInternal, "cannot create pipes for rank {}: {}", rank, std::strerror(errno));
     }
     const pid_t pid = ::fork();
@@ -158,8 +160,8 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
       // which passes exactly one SIGINT on. It dies with the launcher.
       ::setpgid(0, 0);
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-      ::dup2(out_pipe[1], STDOUT_FILENO);
-      ::dup2(err_pipe[1], STDERR_FILENO);
+      ::dup2(out_pipe.write.get(), STDOUT_FILENO);
+      ::dup2(err_pipe.write.get(), STDERR_FILENO);
       const std::string rank_text = std::to_string(rank);
       const std::string size_text = std::to_string(workers);
       ::setenv("RANK", rank_text.c_str(), 1);
@@ -169,21 +171,19 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
       ::setenv("UCX_LOG_LEVEL", "error", 0);  // UCX logs to stdout, which carries --json
       if (!shm_dir.path.empty()) ::setenv("UCX_POSIX_DIR", shm_dir.path.c_str(), 0);  // the user's choice wins
       if (rank == 0) {
-        const int fd = ::dup(listener.first);  // without O_CLOEXEC: it survives exec
+        const int fd = ::dup(listener.get());  // without O_CLOEXEC: it survives exec
         ::setenv("CFMO_RENDEZVOUS_FD", std::to_string(fd).c_str(), 1);
       }
       ::execv("/proc/self/exe", argv);
       _exit(127);
     }
-    ::close(out_pipe[1]);
-    ::close(err_pipe[1]);
     Child& c = children[static_cast<size_t>(rank)];
     c.pid = pid;
     c.rank = rank;
-    c.out = out_pipe[0];
-    c.err = err_pipe[0];
+    c.out = std::move(out_pipe.read);  // the write ends close here: the rank holds its own
+    c.err = std::move(err_pipe.read);
   }
-  ::close(listener.first);
+  listener.reset();
 
   bool forwarded = false;
   auto flush_lines = [&](Child& c, std::string& partial, bool is_err, bool final) {
@@ -261,12 +261,12 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
     std::vector<pollfd> fds;
     std::vector<std::pair<Child*, bool>> owners;
     for (auto& c : children) {
-      if (c.out >= 0) {
-        fds.push_back({c.out, POLLIN, 0});
+      if (c.out) {
+        fds.push_back({c.out.get(), POLLIN, 0});
         owners.emplace_back(&c, false);
       }
-      if (c.err >= 0) {
-        fds.push_back({c.err, POLLIN, 0});
+      if (c.err) {
+        fds.push_back({c.err.get(), POLLIN, 0});
         owners.emplace_back(&c, true);
       }
     }
@@ -283,8 +283,7 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
         flush_lines(*child, partial, is_err, false);
       } else if (n == 0 || errno != EINTR) {
         flush_lines(*child, partial, is_err, true);
-        ::close(fds[i].fd);
-        (is_err ? child->err : child->out) = -1;
+        (is_err ? child->err : child->out).reset();
       }
     }
   }
@@ -308,8 +307,8 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
 }
 
 Result<std::pair<int, std::string>> run_self(const std::vector<std::string>& args) {
-  int out_pipe[2];
-  if (::pipe2(out_pipe, O_CLOEXEC) != 0) {
+  Pipe out_pipe;
+  if (!out_pipe.open()) {
     return make_error(ErrorKind::kInternal, "cannot create a pipe: {}", std::strerror(errno));
   }
   std::vector<char*> argv;
@@ -319,22 +318,22 @@ Result<std::pair<int, std::string>> run_self(const std::vector<std::string>& arg
   if (pid < 0) return make_error(ErrorKind::kInternal, "cannot start a run: {}", std::strerror(errno));
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-    ::dup2(out_pipe[1], STDOUT_FILENO);
+    ::dup2(out_pipe.write.get(), STDOUT_FILENO);
     ::execv("/proc/self/exe", argv.data());
     _exit(127);
   }
-  ::close(out_pipe[1]);
+  out_pipe.write.reset();  // the run holds its own: the read ends when it does
   std::string out;
   char buffer[65536];
   for (;;) {
-    const ssize_t n = ::read(out_pipe[0], buffer, sizeof buffer);
+    const ssize_t n = ::read(out_pipe.read.get(), buffer, sizeof buffer);
     if (n > 0) {
       out.append(buffer, static_cast<size_t>(n));
     } else if (n == 0 || errno != EINTR) {
       break;
     }
   }
-  ::close(out_pipe[0]);
+  out_pipe.read.reset();
   int wstatus = 0;
   while (::waitpid(pid, &wstatus, 0) < 0 && errno == EINTR) {
   }

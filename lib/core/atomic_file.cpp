@@ -27,19 +27,12 @@ Result<AtomicFile> AtomicFile::create(const std::filesystem::path& path) {
   return AtomicFile(path, std::move(temp), fd);
 }
 
-AtomicFile::AtomicFile(AtomicFile&& other) noexcept
-    : path_(std::move(other.path_)), temp_path_(std::move(other.temp_path_)), fd_(other.fd_) {
-  other.fd_ = -1;
-  other.temp_path_.clear();
-}
-
 AtomicFile& AtomicFile::operator=(AtomicFile&& other) noexcept {
   if (this != &other) {
     discard();
     path_ = std::move(other.path_);
     temp_path_ = std::move(other.temp_path_);
-    fd_ = other.fd_;
-    other.fd_ = -1;
+    fd_ = std::move(other.fd_);
     other.temp_path_.clear();
   }
   return *this;
@@ -48,8 +41,7 @@ AtomicFile& AtomicFile::operator=(AtomicFile&& other) noexcept {
 AtomicFile::~AtomicFile() { discard(); }
 
 void AtomicFile::discard() {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
+  fd_.reset();
   if (!temp_path_.empty()) ::unlink(temp_path_.c_str());
   temp_path_.clear();
 }
@@ -58,7 +50,7 @@ Status AtomicFile::write(std::span<const std::byte> data) {
   const auto* bytes = data.data();
   size_t left = data.size();
   while (left > 0) {
-    ssize_t n = ::write(fd_, bytes, left);
+    ssize_t n = ::write(fd_.get(), bytes, left);
     if (n < 0) {
       if (errno == EINTR) continue;
       return io_error(temp_path_, "Failed to write");
@@ -70,12 +62,8 @@ Status AtomicFile::write(std::span<const std::byte> data) {
 }
 
 Status AtomicFile::commit() {
-  if (::fsync(fd_) != 0) return io_error(temp_path_, "Failed to fsync");
-  if (::close(fd_) != 0) {
-    fd_ = -1;
-    return io_error(temp_path_, "Failed to close");
-  }
-  fd_ = -1;
+  if (::fsync(fd_.get()) != 0) return io_error(temp_path_, "Failed to fsync");
+  if (fd_.close() != 0) return io_error(temp_path_, "Failed to close");
   if (::rename(temp_path_.c_str(), path_.c_str()) != 0) return io_error(path_, "Failed to rename onto");
   temp_path_.clear();
   auto parent = path_.parent_path();
@@ -89,11 +77,9 @@ Status write_file_atomic(const std::filesystem::path& path, std::string_view con
 }
 
 Status fsync_directory(const std::filesystem::path& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return io_error(dir, "Failed to open directory");
-  int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) return io_error(dir, "Failed to fsync directory");
+  const Fd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd) return io_error(dir, "Failed to open directory");
+  if (::fsync(fd.get()) != 0) return io_error(dir, "Failed to fsync directory");
   return {};
 }
 

@@ -5,12 +5,14 @@
 /// directory is fsync'ed so the rename survives a crash.
 
 #include "core/error.h"
+#include "core/fd.h"
 
 #include <cstddef>
 #include <filesystem>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace cfmo {
 
@@ -19,7 +21,8 @@ class AtomicFile {
   /// Opens "<path>.tmp.<pid>" for writing next to `path`.
   static Result<AtomicFile> create(const std::filesystem::path& path);
 
-  AtomicFile(AtomicFile&& other) noexcept;
+  AtomicFile(AtomicFile&& other) noexcept
+      : path_(std::move(other.path_)), temp_path_(std::exchange(other.temp_path_, {})), fd_(std::move(other.fd_)) {}
   AtomicFile& operator=(AtomicFile&& other) noexcept;
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
@@ -38,7 +41,7 @@ class AtomicFile {
 
   std::filesystem::path path_;
   std::filesystem::path temp_path_;
-  int fd_ = -1;
+  Fd fd_;
 };
 
 Status write_file_atomic(const std::filesystem::path& path, std::string_view contents);

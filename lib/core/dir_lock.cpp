@@ -16,22 +16,6 @@
 namespace cfmo {
 namespace fs = std::filesystem;
 
-DirLock& DirLock::operator=(DirLock&& other) noexcept {
-  if (this != &other) {
-    release();
-    fd_ = other.fd_;
-    other.fd_ = -1;
-  }
-  return *this;
-}
-
-DirLock::~DirLock() { release(); }
-
-void DirLock::release() {
-  if (fd_ >= 0) ::close(fd_);  // closing the descriptor drops the flock
-  fd_ = -1;
-}
-
 Result<DirLock> DirLock::acquire(const fs::path& dir, std::string_view name, std::string_view who,
                                  std::optional<std::chrono::steady_clock::time_point> deadline,
                                  const std::function<void(int pid)>& on_wait, const std::atomic<bool>* stop) {

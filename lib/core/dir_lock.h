@@ -5,6 +5,7 @@
 /// process never leaves a stale lock. The file names the holder's pid.
 
 #include "core/error.h"
+#include "core/fd.h"
 
 #include <atomic>
 #include <chrono>
@@ -26,17 +27,13 @@ class DirLock {
                                  std::optional<std::chrono::steady_clock::time_point> deadline,
                                  const std::function<void(int pid)>& on_wait = nullptr,
                                  const std::atomic<bool>* stop = nullptr);
-  DirLock(DirLock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
-  DirLock& operator=(DirLock&& other) noexcept;
-  DirLock(const DirLock&) = delete;
-  DirLock& operator=(const DirLock&) = delete;
-  ~DirLock();
-  /// Lets it go before destruction (a process about to hand over to another).
-  void release();
+  /// Lets it go before destruction (a process about to hand over to another):
+  /// closing the descriptor drops the flock.
+  void release() { fd_.reset(); }
 
  private:
   explicit DirLock(int fd) : fd_(fd) {}
-  int fd_ = -1;
+  Fd fd_;
 };
 
 /// True when `pid` names a live process (not a zombie).

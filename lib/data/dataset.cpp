@@ -1,7 +1,7 @@
 #include "data/dataset.h"
 
 #include "core/rng.h"
-#include "tensor/simd.h"
+#include "core/simd.h"
 
 #include <zlib.h>
 

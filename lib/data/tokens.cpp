@@ -1,5 +1,6 @@
 #include "data/tokens.h"
 
+#include "core/fd.h"
 #include "core/rng.h"
 
 #include <fcntl.h>
@@ -34,9 +35,9 @@ constexpr uint64_t kWindowStreamTag = 0x746F6B656E73ULL;  // "tokens"
 class MappedFile {
  public:
   static Result<std::shared_ptr<const MappedFile>> open(const fs::path& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return make_error(ErrorKind::kInput, "'{}': cannot open: {}", path.string(), std::strerror(errno));
-    const std::unique_ptr<const int, void (*)(const int*)> closer(&fd, [](const int* f) { ::close(*f); });
+    const Fd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    const int fd = file.get();
+    if (!file) return make_error(ErrorKind::kInput, "'{}': cannot open: {}", path.string(), std::strerror(errno));
     struct stat st {};
     if (fstat(fd, &st) != 0) {
       return make_error(ErrorKind::kInput, "'{}': cannot stat: {}", path.string(), std::strerror(errno));

@@ -1,8 +1,8 @@
 #include "model/gpt.h"
 
 #include "core/rng.h"
+#include "core/simd.h"
 #include "tensor/ops.h"
-#include "tensor/simd.h"
 
 #include <nlohmann/json.hpp>
 

@@ -95,7 +95,7 @@ void MoeMlp::forward(const float* x, const float* residual, int rows, const floa
   z_loss_ = rows > 0 ? z_sum / static_cast<double>(r) : 0.0;
 
   // The kept assignments by expert, as cfmo-moe dispatches them to one rank holding all experts.
-  plan_ = moe::plan_dispatch(routing, moe::Placement{experts_, 1});
+  plan_ = moe::plan_dispatch(routing, moe::ExpertPlacement{experts_, 1});
   const auto& slots = plan_.slots[0];
   const size_t kept = slots.size();
   in_.resize(kept * c);

@@ -1,4 +1,4 @@
-#include "moe/engine.h"
+#include "moe/dispatch_engines.h"
 
 #include "moe/channels.h"
 
@@ -38,7 +38,7 @@ std::vector<std::byte> start_message(Kind kind, uint32_t run, int64_t iteration,
 }
 
 /// One iteration of this rank between its dispatch and its combine.
-struct Flight {
+struct IterationInFlight {
   int64_t iteration = 0;
   Routing routing;
   DispatchPlan plan;
@@ -102,7 +102,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
 
   RankRecord record;
   record.load.assign(static_cast<size_t>(s.placement.experts), 0);
-  std::deque<Flight> flights;
+  std::deque<IterationInFlight> flights;
   // Plans of recently combined iterations, so a late result can still refresh the stale slots.
   std::deque<std::pair<int64_t, std::vector<std::vector<int32_t>>>> recent;
   std::vector<bool> done(r_count, false);
@@ -121,7 +121,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
   Clock::time_point last_finish = run_start;
 
   auto results_in_flight = [&] {
-    return std::any_of(flights.begin(), flights.end(), [](const Flight& f) { return f.awaiting > 0; });
+    return std::any_of(flights.begin(), flights.end(), [](const IterationInFlight& f) { return f.awaiting > 0; });
   };
   // Seconds of expert compute per row on this rank lately (simulated
   // slowness included): what serving a chunk will take.
@@ -138,7 +138,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
   };
 
   // What is left of a flight's deadline, for the chunks it sends.
-  auto budget_us = [&](const Flight& f) -> uint32_t {
+  auto budget_us = [&](const IterationInFlight& f) -> uint32_t {
     if (f.deadline == Clock::time_point::max()) return kNoDeadline;
     const double left = std::max(0.0, seconds_between(Clock::now(), f.deadline)) * 1e6;
     return static_cast<uint32_t>(std::min(left, static_cast<double>(kNoDeadline - 1)));
@@ -146,7 +146,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
 
   auto start_flight = [&](int64_t i) {
     s.pacer->new_iteration();
-    Flight f;
+    IterationInFlight f;
     f.iteration = i;
     f.start = Clock::now();
     timed_compute([&] { f.routing = route_iteration(s, i); });
@@ -177,7 +177,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
   // The own tokens for the own experts, while the rest travel: after the
   // chunks that peers sent are served (they wait on them; this rank's own
   // combine waits on its remote results anyway).
-  auto compute_own = [&](Flight& f) {
+  auto compute_own = [&](IterationInFlight& f) {
     const auto mi = static_cast<size_t>(me);
     std::vector<std::byte> own;
     encode_rows(s.inputs->batch(f.iteration), hidden, s.top_k, f.plan.slots[mi], s.dtype, own);
@@ -190,7 +190,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
   };
 
   auto finish_flight = [&] {
-    Flight& f = flights.front();
+    IterationInFlight& f = flights.front();
     const auto finish_start = Clock::now();
     rows.assign(assignments, nullptr);
     late_mask.assign(assignments, 0);
@@ -305,7 +305,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
       return {};
     }
     // A result: for a flight still waiting, or late.
-    for (Flight& f : flights) {
+    for (IterationInFlight& f : flights) {
       if (static_cast<uint32_t>(f.iteration) != hd.iteration || f.have[from]) continue;
       f.results[from] = std::move(m.bytes);
       f.offsets[from] = offset;
@@ -376,7 +376,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
       start_flight(next++);
       continue;
     }
-    if (auto f = std::find_if(flights.begin(), flights.end(), [](const Flight& g) { return !g.own_done; });
+    if (auto f = std::find_if(flights.begin(), flights.end(), [](const IterationInFlight& g) { return !g.own_done; });
         f != flights.end()) {
       compute_own(*f);
       continue;

@@ -21,7 +21,7 @@ CheckValues reference_check(const EngineSetup& s, uint64_t seed, int ffn, int64_
   const Routing routing = route_iteration(s, iteration);
   // Every expert in one process: the same blocks (this rank's rows of each
   // expert, in token order) through the same encode, GEMM and decode.
-  const Placement all{s.placement.experts, 1};
+  const ExpertPlacement all{s.placement.experts, 1};
   const DispatchPlan plan = plan_dispatch(routing, all);
   const float* x = s.inputs->batch(iteration);
   const int first_local = s.placement.first(s.comm->rank());
@@ -99,7 +99,7 @@ Result<std::vector<ModeSummary>> run_benchmark(const MoeConfig& config, const Mo
   // Constructed on every rank before the first barrier, so its handler is in
   // place before any rank posts.
   AsyncEngine async_engine(comm);
-  const Placement placement{config.experts, comm.size()};
+  const ExpertPlacement placement{config.experts, comm.size()};
   const Router router(seed, config.hidden, config.experts, config.top_k, plan.routing);
   std::vector<ExpertFfn> experts;
   for (int e = placement.first(rank); e < placement.first(rank + 1); ++e) {
@@ -107,9 +107,12 @@ Result<std::vector<ModeSummary>> run_benchmark(const MoeConfig& config, const Mo
   }
   std::string device = "cpu";
   if (plan.device.is_cuda()) {
-    const Device mine = device_for_rank(plan.device, options.local_rank >= 0 ? options.local_rank : rank);
-    CFMO_TRY(attach_cuda(experts, mine.index));
-    device = device_description(mine);
+    if (!options.place_experts) {
+      return make_error(ErrorKind::kInternal, "--device {}: no way to place the experts was given",
+                        plan.device.to_string());
+    }
+    CFMO_ASSIGN_OR_RETURN(
+        device, options.place_experts(experts, plan.device, options.local_rank >= 0 ? options.local_rank : rank));
   }
   auto experts_status = [&]() -> Status {
     for (ExpertFfn& e : experts) CFMO_TRY(e.take_status());

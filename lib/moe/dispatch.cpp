@@ -7,7 +7,7 @@
 
 namespace cfmo::moe {
 
-DispatchPlan plan_dispatch(const Routing& routing, const Placement& placement) {
+DispatchPlan plan_dispatch(const Routing& routing, const ExpertPlacement& placement) {
   std::vector<std::vector<int32_t>> by_expert(static_cast<size_t>(routing.experts));
   for (int64_t t = 0; t < routing.tokens; ++t) {
     for (int j = 0; j < routing.top_k; ++j) {

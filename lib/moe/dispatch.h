@@ -27,7 +27,7 @@ struct DispatchPlan {
   std::vector<std::vector<int32_t>> slots;
   std::vector<std::vector<uint32_t>> counts;
 };
-DispatchPlan plan_dispatch(const Routing& routing, const Placement& placement);
+DispatchPlan plan_dispatch(const Routing& routing, const ExpertPlacement& placement);
 
 /// Bytes of one row of `hidden` floats on the wire.
 size_t row_bytes(WireDtype dtype, int hidden);

@@ -9,7 +9,7 @@
 
 namespace cfmo::moe {
 
-int Placement::owner(int expert) const {
+int ExpertPlacement::owner(int expert) const {
   // first(r) <= expert < first(r + 1); first is monotone, so search.
   int low = 0;
   int high = ranks - 1;

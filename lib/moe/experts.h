@@ -4,8 +4,8 @@
 /// single process can recompute any expert for the reference check), and
 /// the expert FFN relu(x W1) W2 through the BLAS seam (tensor/ops.h).
 ///
-/// The device seam for experts is ExpertFfn::forward: a CUDA build (the GPU
-/// issue's --device cuda) adds a cuBLAS implementation beside this one.
+/// The device seam for experts is ExpertDevice: the CUDA backend's is in
+/// cuda/moe_experts.h.
 
 #include "core/error.h"
 #include "tensor/buffer.h"
@@ -18,7 +18,7 @@
 namespace cfmo::moe {
 
 /// Expert e lives on rank r when first(r) <= e < first(r + 1), first(r) = E r / R.
-struct Placement {
+struct ExpertPlacement {
   int experts = 1;
   int ranks = 1;
   int first(int rank) const { return static_cast<int>(int64_t{experts} * rank / ranks); }
@@ -70,9 +70,5 @@ class ExpertFfn {
   std::unique_ptr<ExpertDevice> device_;
   Status status_;
 };
-
-/// Moves every expert's GEMMs to CUDA device `ordinal` (cuBLAS; the weights
-/// uploaded once). kUsage "no CUDA device" where it cannot be used.
-Status attach_cuda(std::vector<ExpertFfn>& experts, int ordinal);
 
 }  // namespace cfmo::moe

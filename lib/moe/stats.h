@@ -5,7 +5,7 @@
 /// avg and max across ranks of each rank's mean), and its renderings.
 
 #include "comm/communicator.h"
-#include "moe/engine.h"
+#include "moe/dispatch_engines.h"
 
 #include <nlohmann/json.hpp>
 

@@ -1,4 +1,4 @@
-#include "moe/engine.h"
+#include "moe/dispatch_engines.h"
 
 #include <cstring>
 

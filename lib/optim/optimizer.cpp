@@ -1,7 +1,7 @@
 #include "optim/optimizer.h"
 
+#include "core/simd.h"
 #include "tensor/ops.h"
-#include "tensor/simd.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,6 +1,6 @@
 #include "tensor/ops.h"
 
-#include "tensor/simd.h"
+#include "core/simd.h"
 
 #include <cblas.h>
 #include <fmt/format.h>

@@ -210,59 +210,19 @@ CheckpointWriter::CheckpointWriter(fs::path run_dir, std::string model_spec, std
       layout_(std::move(layout)),
       config_toml_(std::move(config_toml)),
       keep_(keep),
-      thread_([this] { run(); }) {}
+      writer_(1, BackgroundWriter<CheckpointData>::WhenFull::kReplaceWaiting,
+              [this](CheckpointData& data) { return write(data); }) {}
 
 CheckpointWriter::~CheckpointWriter() { close(); }
 
-void CheckpointWriter::close() {
-  {
-    std::lock_guard lock(mutex_);
-    if (closed_) return;
-    stopping_ = true;
-    closed_ = true;
-  }
-  ready_.notify_all();
-  thread_.join();
-}
+void CheckpointWriter::close() { writer_.close(); }
 
-bool CheckpointWriter::submit(CheckpointData data) {
-  std::lock_guard lock(mutex_);
-  if (stopping_ || !status_) {
-    ++skipped_;
-    return false;
-  }
-  // One waits at most: a newer checkpoint replaces one not yet begun.
-  const bool replaced = job_.has_value();
-  if (replaced) ++skipped_;
-  job_ = std::move(data);
-  ready_.notify_one();
-  return !replaced;
-}
+bool CheckpointWriter::submit(CheckpointData data) { return writer_.submit(std::move(data)); }
 
-int64_t CheckpointWriter::last_step() const {
-  std::lock_guard lock(mutex_);
-  return last_step_;
-}
-
-void CheckpointWriter::run() {
-  for (;;) {
-    CheckpointData data;
-    {
-      std::unique_lock lock(mutex_);
-      ready_.wait(lock, [this] { return stopping_ || job_.has_value(); });
-      if (!job_) return;
-      data = std::move(*job_);
-      job_.reset();
-    }
-    auto written = write_checkpoint(run_dir_, spec_, layout_, data, config_toml_, keep_);
-    std::lock_guard lock(mutex_);
-    if (written) {
-      ++written_;
-      last_step_ = data.position.step;
-    } else if (status_) {
-      status_ = written.error();
-    }
-  }
+Status CheckpointWriter::write(CheckpointData& data) {
+  CFMO_TRY(write_checkpoint(run_dir_, spec_, layout_, data, config_toml_, keep_));
+  last_step_ = data.position.step;
+  return {};
 }
 
 Result<fs::path> resolve_checkpoint(const fs::path& given) {

@@ -13,21 +13,18 @@
 /// step-N is always complete. With several workers the parameters are the
 /// global ones; see docs/FORMATS.md for what else a checkpoint of each mode holds.
 
+#include "core/background_writer.h"
 #include "core/dir_lock.h"
 #include "core/error.h"
 #include "model/model.h"
 #include "optim/optimizer.h"
 #include "tensor/buffer.h"
-#include "train/writer_counters.h"
 
-#include <condition_variable>
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <map>
-#include <mutex>
-#include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -80,7 +77,7 @@ Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_d
 /// Writes checkpoints on a thread of its own, one at a time, so that the
 /// training loop never waits for the disk. While one is being written, one
 /// more waits; a newer one replaces it (the replaced one counts as skipped).
-class CheckpointWriter : public WriterCounters {
+class CheckpointWriter {
  public:
   CheckpointWriter(std::filesystem::path run_dir, std::string model_spec, std::vector<ParamInfo> layout,
                    std::string config_toml, int keep);
@@ -93,24 +90,25 @@ class CheckpointWriter : public WriterCounters {
   /// is closed or failed: then `data` is dropped).
   bool submit(CheckpointData data);
   /// The step of the last checkpoint written, or -1.
-  int64_t last_step() const;
+  int64_t last_step() const { return last_step_.load(); }
+
+  /// The first write error, if any (the tool reports it at the end).
+  Status status() const { return writer_.status(); }
+  int64_t written() const { return writer_.written(); }
+  int64_t skipped() const { return writer_.skipped(); }
 
  private:
-  void run();
+  Status write(CheckpointData& data);
 
   const std::filesystem::path run_dir_;
   const std::string spec_;
   const std::vector<ParamInfo> layout_;
   const std::string config_toml_;
   const int keep_;
-
-  // Guarded by WriterCounters::mutex_:
-  std::condition_variable ready_;
-  std::optional<CheckpointData> job_;  ///< the one waiting
-  bool stopping_ = false;
-  bool closed_ = false;
-  int64_t last_step_ = -1;
-  std::thread thread_;  ///< last: starts after the members it uses
+  std::atomic<int64_t> last_step_{-1};
+  /// One checkpoint waits at most: a newer one replaces it. Last: its thread
+  /// starts after, and stops before, the members it uses.
+  BackgroundWriter<CheckpointData> writer_;
 };
 
 /// Writes the parameters alone as a safetensors file (the run's final model).

@@ -10,6 +10,7 @@
 
 namespace cfmo {
 namespace {
+// Two rounds may wait; a third is skipped rather than waited for.
 constexpr size_t kQueueLimit = 2;
 }  // namespace
 
@@ -19,7 +20,7 @@ DeltaWriter::DeltaWriter(std::filesystem::path run_dir, int rank, std::vector<Pa
       rank_(rank),
       layout_(std::move(layout)),
       round_offset_(round_offset),
-      thread_([this] { run(); }) {}
+      writer_(kQueueLimit, BackgroundWriter<Job>::WhenFull::kSkipNew, [this](Job& job) { return write(job); }) {}
 
 int64_t DeltaWriter::last_round(const std::filesystem::path& run_dir, int rank) {
   const auto dir = delta_path(run_dir, rank, 0).parent_path();
@@ -38,60 +39,31 @@ int64_t DeltaWriter::last_round(const std::filesystem::path& run_dir, int rank) 
 
 DeltaWriter::~DeltaWriter() { close(); }
 
-void DeltaWriter::close() {
-  {
-    std::lock_guard lock(mutex_);
-    if (closed_) return;
-    stopping_ = true;
-    closed_ = true;
-  }
-  ready_.notify_all();
-  thread_.join();
-}
+void DeltaWriter::close() { writer_.close(); }
 
 void DeltaWriter::submit(int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
                          std::span<const float> delta) {
-  std::lock_guard lock(mutex_);
-  if (queue_.size() >= kQueueLimit || !status_ || stopping_) {
-    ++skipped_;
-    return;
-  }
-  queue_.push_back(Job{round_offset_ + round, step, base_version, FloatBuffer(base.begin(), base.end()),
-                       FloatBuffer(delta.begin(), delta.end())});
-  ready_.notify_one();
+  writer_.submit_with([&] {
+    return Job{round_offset_ + round, step, base_version, FloatBuffer(base.begin(), base.end()),
+               FloatBuffer(delta.begin(), delta.end())};
+  });
 }
 
-void DeltaWriter::run() {
+Status DeltaWriter::write(Job& job) {
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
-  for (;;) {
-    Job job;
-    {
-      std::unique_lock lock(mutex_);
-      ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      job = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    std::vector<CfdTensorInput> tensors;
-    for (const auto& p : layout_) {
-      tensors.push_back({p.name, p.shape, std::span<const float>(job.base).subspan(p.offset, p.size),
-                         std::span<const float>(job.delta).subspan(p.offset, p.size)});
-    }
-    CfdFileInfo info;
-    info.rank = rank_;
-    info.round = job.round;
-    info.step = job.step;
-    info.base_version = job.base_version;
-    Status written = ec ? make_error(ErrorKind::kInternal, "Failed to create '{}': {}", dir_.string(), ec.message())
-                        : write_cfd(delta_path(run_dir_, rank_, job.round), info, tensors);
-    std::lock_guard lock(mutex_);
-    if (written) {
-      ++written_;
-    } else if (status_) {
-      status_ = std::move(written);
-    }
+  if (ec) return make_error(ErrorKind::kInternal, "Failed to create '{}': {}", dir_.string(), ec.message());
+  std::vector<CfdTensorInput> tensors;
+  for (const auto& p : layout_) {
+    tensors.push_back({p.name, p.shape, std::span<const float>(job.base).subspan(p.offset, p.size),
+                       std::span<const float>(job.delta).subspan(p.offset, p.size)});
   }
+  CfdFileInfo info;
+  info.rank = rank_;
+  info.round = job.round;
+  info.step = job.step;
+  info.base_version = job.base_version;
+  return write_cfd(delta_path(run_dir_, rank_, job.round), info, tensors);
 }
 
 }  // namespace cfmo

@@ -4,23 +4,19 @@
 /// never stalls the training loop. The queue is short: when the disk falls
 /// behind, a round is skipped and counted rather than waited for.
 
+#include "core/background_writer.h"
 #include "core/error.h"
 #include "model/model.h"
 #include "tensor/buffer.h"
-#include "train/writer_counters.h"
 
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <filesystem>
-#include <mutex>
 #include <span>
-#include <thread>
 #include <vector>
 
 namespace cfmo {
 
-class DeltaWriter : public WriterCounters {
+class DeltaWriter {
  public:
   /// Rounds are written as `round_offset` + the mode's round number (a resumed
   /// run continues after last_round(), rather than overwrite its deltas).
@@ -38,6 +34,11 @@ class DeltaWriter : public WriterCounters {
   void submit(int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
               std::span<const float> delta);
 
+  /// The first write error, if any (the tool reports it at the end).
+  Status status() const { return writer_.status(); }
+  int64_t written() const { return writer_.written(); }
+  int64_t skipped() const { return writer_.skipped(); }
+
  private:
   struct Job {
     int64_t round = 0;
@@ -46,20 +47,14 @@ class DeltaWriter : public WriterCounters {
     FloatBuffer base;
     FloatBuffer delta;
   };
-  void run();
+  Status write(Job& job);
 
   const std::filesystem::path run_dir_;
   const std::filesystem::path dir_;  ///< RUN/deltas/rank-K, as ckpt/cfd.h's delta_path names it
   const int rank_;
   const std::vector<ParamInfo> layout_;
   const int64_t round_offset_;
-
-  // Guarded by WriterCounters::mutex_:
-  std::condition_variable ready_;
-  std::deque<Job> queue_;
-  bool stopping_ = false;
-  bool closed_ = false;  ///< the thread was joined
-  std::thread thread_;   ///< last: starts after the members it uses
+  BackgroundWriter<Job> writer_;  ///< last: its thread starts after, and stops before, the members it uses
 };
 
 }  // namespace cfmo

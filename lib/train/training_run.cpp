@@ -165,13 +165,13 @@ Status TrainingRun::make_mode_and_engine() {
   // Where the arithmetic runs (--device). The host model and optimizer stay the
   // mirror the modes, checkpoints and deltas use; a CUDA engine copies to them
   // only when asked. Every rank makes its engine together (NCCL connects here).
-  EngineOptions engine_options;
+  DeviceEngineOptions engine_options;
   engine_options.device = plan.device;
   engine_options.comm = comm;
   engine_options.device_collectives = world > 1 && traits.device_reduce;
   engine_options.peer_timeout_s = config.peer_timeout;
   engine_options.local_rank = options.local_rank;
-  CFMO_ASSIGN_OR_RETURN(engine, make_engine(engine_options, model(), *optimizer, optim_config, *source));
+  CFMO_ASSIGN_OR_RETURN(engine, make_device_engine(engine_options, model(), *optimizer, optim_config, *source));
   CFMO_TRY(engine->optimizer_changed());  // a resumed optimizer's state, where the engine keeps it
   if (engine->has_device_all_reduce()) {
     mode->use_device_reduce([this](std::span<float> extras) { return engine->device_all_reduce_gradients(extras); });

@@ -22,7 +22,7 @@
 #include "train/checkpoint.h"
 #include "train/data_source.h"
 #include "train/delta_writer.h"
-#include "train/engine.h"
+#include "train/device_engine.h"
 #include "train/metrics_log.h"
 #include "train/trainer.h"
 
@@ -123,7 +123,7 @@ struct TrainingRun {
   std::filesystem::path run_dir;
   std::unique_ptr<DeltaWriter> delta_writer;
   std::unique_ptr<Mode> mode;
-  std::unique_ptr<Engine> engine;
+  std::unique_ptr<DeviceEngine> engine;
   MetricsLog metrics;
   TrainSummary summary;
 

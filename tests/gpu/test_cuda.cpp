@@ -4,6 +4,7 @@
 #include "comm/rendezvous.h"
 #include "comm/ucx_communicator.h"
 #include "core/rng.h"
+#include "cuda/devices.h"
 #include "cuda/mlp.h"
 #include "cuda/nccl.h"
 #include "cuda/optimizer.h"
@@ -11,7 +12,6 @@
 #include "data/dataset.h"
 #include "model/mlp.h"
 #include "optim/optimizer.h"
-#include "tensor/device.h"
 #include "tensor/ops.h"
 #include "train/trainer.h"
 

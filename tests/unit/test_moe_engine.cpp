@@ -4,7 +4,7 @@
 #include "comm/solo_communicator.h"
 #include "comm/ucx_communicator.h"
 #include "moe/benchmark.h"
-#include "moe/engine.h"
+#include "moe/dispatch_engines.h"
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -33,7 +33,7 @@ struct Rank {
       : router(3, l.hidden, l.experts, l.top_k, l.skew),
         inputs(make_inputs(3, comm.rank(), l.tokens, l.hidden, 6)),
         pacer(1, 0, 1, 3, comm.rank()) {
-    const Placement placement{l.experts, comm.size()};
+    const ExpertPlacement placement{l.experts, comm.size()};
     for (int e = placement.first(comm.rank()); e < placement.first(comm.rank() + 1); ++e) {
       experts.emplace_back(3, e, l.hidden, l.ffn);
     }

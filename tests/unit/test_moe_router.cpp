@@ -102,7 +102,7 @@ TEST(MoeCapacity, DropsInGShardOrder) {
 }
 
 TEST(MoePlacement, ContiguousBlocks) {
-  const Placement p{12, 5};
+  const ExpertPlacement p{12, 5};
   EXPECT_EQ(p.first(0), 0);
   EXPECT_EQ(p.first(1), 2);
   EXPECT_EQ(p.first(2), 4);
@@ -112,7 +112,7 @@ TEST(MoePlacement, ContiguousBlocks) {
   EXPECT_EQ(p.owner(3), 1);
   EXPECT_EQ(p.owner(4), 2);
   EXPECT_EQ(p.owner(11), 4);
-  const Placement sparse{2, 4};  // fewer experts than ranks: ranks 0 and 2 hold none
+  const ExpertPlacement sparse{2, 4};  // fewer experts than ranks: ranks 0 and 2 hold none
   EXPECT_EQ(sparse.count(0), 0);
   EXPECT_EQ(sparse.owner(0), 1);
   EXPECT_EQ(sparse.owner(1), 3);
@@ -127,8 +127,8 @@ TEST(MoeDispatch, PlanGroupsByDestinationExpertThenToken) {
   r.expert = {3, 0, 1, 3, 0, 2};
   r.gate.assign(6, 0.5f);
   r.kept = {1, 1, 1, 0, 1, 1};
-  const DispatchPlan plan = plan_dispatch(r, Placement{4, 2});  // rank 0: experts 0, 1; rank 1: 2, 3
-  EXPECT_EQ(plan.slots[0], (std::vector<int32_t>{1, 4, 2}));    // e0: t0, t2; e1: t1
+  const DispatchPlan plan = plan_dispatch(r, ExpertPlacement{4, 2});  // rank 0: experts 0, 1; rank 1: 2, 3
+  EXPECT_EQ(plan.slots[0], (std::vector<int32_t>{1, 4, 2}));          // e0: t0, t2; e1: t1
   EXPECT_EQ(plan.counts[0], (std::vector<uint32_t>{2, 1}));
   EXPECT_EQ(plan.slots[1], (std::vector<int32_t>{5, 0}));  // e2: t2; e3: t0 (t1's was dropped)
   EXPECT_EQ(plan.counts[1], (std::vector<uint32_t>{1, 1}));

@@ -3,6 +3,8 @@
 #include "../common/tool_main.h"
 #include "comm/world.h"
 #include "core/config.h"
+#include "cuda/devices.h"
+#include "cuda/moe_experts.h"
 #include "moe/benchmark.h"
 #include "moe/moe_config.h"
 #include "tensor/ops.h"
@@ -90,6 +92,7 @@ static int run(int argc, char** argv) {
   options.comm = comm.get();
   if (world->has_value()) options.local_rank = (*world)->local_rank;
   options.simulation = *simulation;
+  options.place_experts = cfmo::cuda::place_experts;
   if (rank == 0 && !config.quiet) options.note = [](const std::string& text) { fmt::print(stderr, "{}\n", text); };
   auto summaries = cfmo::moe::run_benchmark(config, *plan, options);
   // The goodbye carries why this rank leaves: the others fail with this root cause.

@@ -3,7 +3,7 @@
 // worker starts.
 #include "commands.h"
 #include "core/config.h"
-#include "tensor/device.h"
+#include "cuda/devices.h"
 #include "train/checkpoint.h"
 #include "train/modes.h"
 

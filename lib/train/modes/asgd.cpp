@@ -89,13 +89,13 @@ class AsgdMode final : public AsyncMode {
 
   Status finish(std::span<float> params, Optimizer&) override {
     const auto start = Clock::now();
-    drain_replies(start + seconds(settings_.peer_timeout_s), [&](Fresh& f) { apply(f, params); });
+    drain_replies(start + seconds(settings_.peer_timeout_s), [&](FreshShard& f) { apply(f, params); });
     count_finish_wait(start);
     return end_handshake(params);
   }
 
  private:
-  void apply(Fresh& f, std::span<float> params) {
+  void apply(FreshShard& f, std::span<float> params) {
     auto& waiting = awaiting_[static_cast<size_t>(f.shard)];
     waiting = std::max(0, waiting - 1);
     record_staleness(f.staleness, f.dropped);

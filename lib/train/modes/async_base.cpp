@@ -21,7 +21,7 @@ AsyncMode::AsyncMode(const ModeSettings& settings, Communicator& comm, std::span
   if (resume.ranks.size() == progress_.size()) progress_ = resume.ranks;
   for (const auto& p : progress_) start_samples_.push_back(p.samples);
   reconciled_samples_.assign(progress_.size(), 0);
-  gather_ = Assembly(comm.size());
+  gather_ = PartialGlobalState(comm.size());
   stats_.staleness_histogram.assign(static_cast<size_t>(settings.max_staleness) + 2, 0);
   comm.on_message(channels::kFreshShard, [this](int from, std::span<const std::byte> m) { on_fresh(from, m); });
   comm.on_message(channels::kProgress, [this](int from, std::span<const std::byte> m) { on_progress(from, m); });
@@ -52,7 +52,7 @@ bool AsyncMode::request_snapshot() {
     }
     snapshot_asked_ = Clock::now();
     ++snapshot_id_;
-    snapshot_ = Assembly(comm_.size());
+    snapshot_ = PartialGlobalState(comm_.size());
     put(out, kSnapshotRequest);
     put(out, snapshot_id_);
   }
@@ -152,7 +152,7 @@ void AsyncMode::put_owner_shard(std::vector<std::byte>& out) {
 }
 
 /// Rank 0, under mutex_: an owner's shard into `a`; false when malformed.
-bool AsyncMode::take_owner_shard(int from, std::span<const std::byte>& m, Assembly& a) {
+bool AsyncMode::take_owner_shard(int from, std::span<const std::byte>& m, PartialGlobalState& a) {
   uint32_t shard = 0;
   int64_t version = 0;
   int64_t steps = 0;
@@ -187,7 +187,7 @@ bool AsyncMode::take_owner_shard(int from, std::span<const std::byte>& m, Assemb
 }
 
 void AsyncMode::on_fresh(int, std::span<const std::byte> m) {
-  Fresh f;
+  FreshShard f;
   uint32_t shard = 0;
   uint32_t flags = 0;
   if (!take(m, shard) || !take(m, flags) || !take(m, f.version) || !take(m, f.staleness)) return;
@@ -245,7 +245,7 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
   // Every shard is in (a lost owner's never is: then no checkpoint is whole).
   snapshot_.state.ranks = progress_;
   ready_ = std::move(snapshot_.state);
-  snapshot_ = Assembly();
+  snapshot_ = PartialGlobalState();
 }
 
 }  // namespace cfmo::modes

@@ -70,7 +70,7 @@ class AsyncMode : public Mode {
   }
 
  protected:
-  struct Fresh {
+  struct FreshShard {
     int shard = 0;
     int64_t version = 0;
     int64_t staleness = 0;
@@ -116,9 +116,9 @@ class AsyncMode : public Mode {
   }
 
   /// Takes the fresh shards that arrived; the caller applies them.
-  std::deque<Fresh> take_inbox() {
+  std::deque<FreshShard> take_inbox() {
     std::lock_guard lock(mutex_);
-    std::deque<Fresh> out;
+    std::deque<FreshShard> out;
     out.swap(inbox_);
     return out;
   }
@@ -183,7 +183,7 @@ class AsyncMode : public Mode {
   /// Guards inbox_, stats_, done_from_, progress_, the snapshots, and the
   /// owner's state whenever another thread reads it.
   mutable std::mutex mutex_;
-  std::deque<Fresh> inbox_;
+  std::deque<FreshShard> inbox_;
   ModeStats stats_;
 
  private:
@@ -191,9 +191,9 @@ class AsyncMode : public Mode {
   static constexpr uint32_t kSnapshotShard = 1;
 
   /// A global state being put together from the owners' shards.
-  struct Assembly {
-    Assembly() = default;
-    explicit Assembly(int world) : received(static_cast<size_t>(world), false) {
+  struct PartialGlobalState {
+    PartialGlobalState() = default;
+    explicit PartialGlobalState(int world) : received(static_cast<size_t>(world), false) {
       state.ranks.resize(static_cast<size_t>(world));
       state.versions.assign(static_cast<size_t>(world), 0);
       state.owner_steps.assign(static_cast<size_t>(world), 0);
@@ -206,7 +206,7 @@ class AsyncMode : public Mode {
   /// True when every live rank has its flag in `flags` (guarded by mutex_) set.
   bool all_live(const std::vector<bool>& flags) const;
   void put_owner_shard(std::vector<std::byte>& out);
-  bool take_owner_shard(int from, std::span<const std::byte>& m, Assembly& a);
+  bool take_owner_shard(int from, std::span<const std::byte>& m, PartialGlobalState& a);
   void on_fresh(int from, std::span<const std::byte> m);
   void on_progress(int from, std::span<const std::byte> m);
   void on_gather(int from, std::span<const std::byte> m);
@@ -221,9 +221,9 @@ class AsyncMode : public Mode {
   bool stop_sent_ = false;                   ///< rank 0, progress thread
   uint64_t snapshot_id_ = 0;                 ///< rank 0: the request being answered
   Clock::time_point snapshot_asked_;         ///< rank 0: when it was sent
-  Assembly snapshot_;                        ///< rank 0: its answers so far
+  PartialGlobalState snapshot_;              ///< rank 0: its answers so far
   std::optional<GlobalState> ready_;         ///< rank 0: the last complete snapshot, until taken
-  Assembly gather_;                          ///< rank 0: the end's gather
+  PartialGlobalState gather_;                ///< rank 0: the end's gather
   std::optional<GlobalState> final_;         ///< rank 0: the end's state, until taken
 };
 

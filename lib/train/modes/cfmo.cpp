@@ -55,7 +55,7 @@ class CfmoMode final : public AsyncMode {
   Status finish(std::span<float> params, Optimizer& optimizer) override {
     const auto start = Clock::now();
     const auto deadline = start + seconds(settings_.peer_timeout_s);
-    auto apply = [&](Fresh& f) { rebase(f, params, optimizer); };
+    auto apply = [&](FreshShard& f) { rebase(f, params, optimizer); };
     drain_replies(deadline, apply);
     // The last local progress counts too. Its replies carry no shard: this
     // rank's parameters are not used after the run, and rank 0 gathers the
@@ -116,7 +116,7 @@ class CfmoMode final : public AsyncMode {
   }
 
   /// θ_k ← θ̄_new + (θ_k − θ_snapshot) on the shard; stale momentum discounted.
-  void rebase(Fresh& f, std::span<float> params, Optimizer& optimizer) {
+  void rebase(FreshShard& f, std::span<float> params, Optimizer& optimizer) {
     auto& waiting = awaiting_[static_cast<size_t>(f.shard)];
     waiting = std::max(0, waiting - 1);
     record_staleness(f.staleness, f.dropped);

@@ -26,9 +26,9 @@
 
 namespace cfmo {
 
-class Engine {
+class DeviceEngine {
  public:
-  virtual ~Engine() = default;
+  virtual ~DeviceEngine() = default;
   /// "cpu (OpenBLAS 0.3.21 SkylakeX)", "NVIDIA H200 (cuda:0, ...)".
   virtual std::string description() const = 0;
   /// True when the host views are the engine's own memory (the CPU): no copies, always current.
@@ -49,7 +49,7 @@ class Engine {
   virtual Status parameters_changed() = 0;
 
   /// The optimizer as the modes see it: scale_first_moment acts where the
-  /// state lives. Its step() is not for callers: use Engine::step.
+  /// state lives. Its step() is not for callers: use DeviceEngine::step.
   virtual Optimizer& mode_optimizer() = 0;
   /// The host optimizer, its state current (for a checkpoint).
   virtual Result<Optimizer*> host_optimizer() = 0;
@@ -70,10 +70,10 @@ class Engine {
   }
 };
 
-struct EngineOptions {
+struct DeviceEngineOptions {
   Device device;
   /// The host communicator; with `device_collectives`, a CUDA engine also
-  /// connects NCCL over it (every rank calls make_engine together then).
+  /// connects NCCL over it (every rank calls make_device_engine together then).
   Communicator* comm = nullptr;
   bool device_collectives = false;
   double peer_timeout_s = 10;
@@ -83,7 +83,8 @@ struct EngineOptions {
 /// The engine for `options.device`, over `model` and `optimizer` (which it
 /// keeps using as the host mirror) and the data (an image set is uploaded
 /// once on CUDA). kUsage when the device does not run this model.
-Result<std::unique_ptr<Engine>> make_engine(const EngineOptions& options, Model& model, Optimizer& optimizer,
-                                            const OptimizerConfig& optimizer_config, DataSource& data);
+Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptions& options, Model& model,
+                                                         Optimizer& optimizer, const OptimizerConfig& optimizer_config,
+                                                         DataSource& data);
 
 }  // namespace cfmo

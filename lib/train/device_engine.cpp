@@ -1,5 +1,6 @@
-#include "train/engine.h"
+#include "train/device_engine.h"
 
+#include "cuda/devices.h"
 #include "tensor/ops.h"
 
 #if CFMO_HAVE_CUDA
@@ -17,7 +18,7 @@ namespace cfmo {
 namespace {
 
 /// The model and optimizer in host memory, OpenBLAS for the GEMMs.
-class CpuEngine final : public Engine {
+class CpuEngine final : public DeviceEngine {
  public:
   CpuEngine(Model& model, Optimizer& optimizer, DataSource& data) : model_(model), optimizer_(optimizer), data_(data) {}
 
@@ -69,7 +70,7 @@ class DeviceOptimizerView final : public Optimizer {
  public:
   DeviceOptimizerView(Optimizer& host, cuda::CudaOptimizer& device) : host_(host), device_(device) {}
   std::string_view name() const override { return host_.name(); }
-  void step(std::span<float>, std::span<const float>, float) override {}  // Engine::step updates on the device
+  void step(std::span<float>, std::span<const float>, float) override {}  // DeviceEngine::step updates on the device
   void scale_first_moment(float factor, size_t offset, size_t count) override {
     status_ = device_.scale_first_moment(factor, offset, count);
   }
@@ -85,10 +86,11 @@ class DeviceOptimizerView final : public Optimizer {
 
 /// Parameters, gradients and optimizer state on one CUDA device; the data
 /// set uploaded once; NCCL for the lockstep modes' collectives.
-class CudaEngine final : public Engine {
+class CudaEngine final : public DeviceEngine {
  public:
-  static Result<std::unique_ptr<Engine>> create(const EngineOptions& options, Model& host, Optimizer& optimizer,
-                                                const OptimizerConfig& optimizer_config, DataSource& source) {
+  static Result<std::unique_ptr<DeviceEngine>> create(const DeviceEngineOptions& options, Model& host,
+                                                      Optimizer& optimizer, const OptimizerConfig& optimizer_config,
+                                                      DataSource& source) {
     // The device model is the MLP's; any other is refused before the device is touched.
     auto* mlp = dynamic_cast<Mlp*>(&host);
     if (mlp == nullptr || source.images() == nullptr) {
@@ -120,7 +122,7 @@ class CudaEngine final : public Engine {
         e->description_ += ", ranks share a GPU: collectives over UCX";
       }
     }
-    return std::unique_ptr<Engine>(std::move(e));
+    return std::unique_ptr<DeviceEngine>(std::move(e));
   }
 
   std::string description() const override { return description_; }
@@ -213,14 +215,16 @@ class CudaEngine final : public Engine {
 
 }  // namespace
 
-Result<std::unique_ptr<Engine>> make_engine(const EngineOptions& options, Model& model, Optimizer& optimizer,
-                                            const OptimizerConfig& optimizer_config, DataSource& data) {
+Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptions& options, Model& model,
+                                                         Optimizer& optimizer, const OptimizerConfig& optimizer_config,
+                                                         DataSource& data) {
   if (options.device.is_cuda() && model.input_kind() != InputKind::kFeatures) {
     return make_error(ErrorKind::kUsage, "--device {}: the CUDA engine does not run this model yet ({})",
                       options.device.to_string(), model.spec_string());
   }
   CFMO_TRY(check_device(options.device));
-  if (!options.device.is_cuda()) return std::unique_ptr<Engine>(std::make_unique<CpuEngine>(model, optimizer, data));
+  if (!options.device.is_cuda())
+    return std::unique_ptr<DeviceEngine>(std::make_unique<CpuEngine>(model, optimizer, data));
 #if CFMO_HAVE_CUDA
   return CudaEngine::create(options, model, optimizer, optimizer_config, data);
 #else

@@ -43,7 +43,7 @@ InputPool make_inputs(uint64_t seed, int rank, int64_t tokens, int hidden, int64
 /// What one rank of one run needs; pointers are the caller's and outlive the run.
 struct EngineSetup {
   Communicator* comm = nullptr;
-  Placement placement;
+  ExpertPlacement placement;
   const Router* router = nullptr;
   std::vector<ExpertFfn>* experts = nullptr;  ///< this rank's, in expert order
   const InputPool* inputs = nullptr;

@@ -1,9 +1,9 @@
-// The experts' GEMMs on a CUDA device (--device cuda): cuBLAS on weights
-// uploaded once, rows staged through pinned host buffers. A build without
-// CUDA answers "no CUDA device", like every other --device cuda.
-#include "moe/experts.h"
+// cfmo-moe's experts' GEMMs on a CUDA device (--device cuda): cuBLAS on
+// weights uploaded once, rows staged through pinned host buffers. A build
+// without CUDA answers "no CUDA device", like every other --device cuda.
+#include "cuda/moe_experts.h"
 
-#include "tensor/device.h"
+#include "cuda/devices.h"
 
 #if CFMO_HAVE_CUDA
 #include "cuda/kernels.h"
@@ -12,7 +12,7 @@
 
 #include <memory>
 
-namespace cfmo::moe {
+namespace cfmo::cuda {
 
 #if CFMO_HAVE_CUDA
 namespace {
@@ -43,12 +43,12 @@ class PinnedFloats {
 
 /// What the experts of one rank share: the device, its stream and the staging buffers.
 struct DeviceShared {
-  std::unique_ptr<cuda::Context> ctx;
+  std::unique_ptr<Context> ctx;
   cuda::DeviceArray<float> x, inner, out;
   PinnedFloats staged_in, staged_out;
 };
 
-class CudaExpert final : public ExpertDevice {
+class CudaExpert final : public moe::ExpertDevice {
  public:
   CudaExpert(std::shared_ptr<DeviceShared> shared, int hidden, int ffn)
       : shared_(std::move(shared)), hidden_(hidden), ffn_(ffn) {}
@@ -97,12 +97,11 @@ class CudaExpert final : public ExpertDevice {
   cuda::DeviceArray<float> w1_, w2_;
 };
 
-}  // namespace
-
-Status attach_cuda(std::vector<ExpertFfn>& experts, int ordinal) {
+/// Moves every expert's GEMMs to device `ordinal`, the weights uploaded once.
+Status attach_experts(std::vector<moe::ExpertFfn>& experts, int ordinal) {
   auto shared = std::make_shared<DeviceShared>();
-  CFMO_ASSIGN_OR_RETURN(shared->ctx, cuda::Context::create(ordinal));
-  for (ExpertFfn& e : experts) {
+  CFMO_ASSIGN_OR_RETURN(shared->ctx, Context::create(ordinal));
+  for (moe::ExpertFfn& e : experts) {
     if (e.ffn() == 0) continue;  // the identity has nothing to compute
     auto device = std::make_unique<CudaExpert>(shared, e.hidden(), e.ffn());
     CFMO_TRY(device->upload(e.w1(), e.w2()));
@@ -111,10 +110,20 @@ Status attach_cuda(std::vector<ExpertFfn>& experts, int ordinal) {
   return {};
 }
 
-#else
-
-Status attach_cuda(std::vector<ExpertFfn>&, int ordinal) { return check_device(Device{DeviceKind::kCuda, ordinal}); }
+}  // namespace
 
 #endif
 
-}  // namespace cfmo::moe
+Result<std::string> place_experts(std::vector<moe::ExpertFfn>& experts, const Device& device, int local_rank) {
+  if (!device.is_cuda()) return std::string("cpu");
+  const Device mine = device_for_rank(device, local_rank);
+#if CFMO_HAVE_CUDA
+  CFMO_TRY(attach_experts(experts, mine.index));
+#else
+  (void)experts;
+  CFMO_TRY(check_device(mine));
+#endif
+  return device_description(mine);
+}
+
+}  // namespace cfmo::cuda
