@@ -202,6 +202,7 @@ class TreeBuilder {
         d.mode = e.mode;
         d.uid = e.uid;
         d.gid = e.gid;
+        d.mtime = e.mtime;
         d.added_by = layer;
         return {};
       }
@@ -226,6 +227,7 @@ class TreeBuilder {
     n.mode = e.mode;
     n.uid = e.uid;
     n.gid = e.gid;
+    n.mtime = e.mtime;
     n.added_by = layer;
     if (e.type == '0') {
       n.size = e.size;
@@ -565,6 +567,9 @@ struct LazyMount::Impl {
     st.st_size = n.type == '5' ? 4096 : static_cast<off_t>(n.size);
     st.st_blksize = 4096;
     st.st_blocks = (st.st_size + 511) / 512;
+    st.st_mtim.tv_sec = static_cast<time_t>(n.mtime);
+    st.st_ctim = st.st_mtim;
+    st.st_atim = st.st_mtim;
     return st;
   }
 

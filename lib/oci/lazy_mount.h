@@ -48,8 +48,9 @@ struct LazyNode {
   uint64_t uid = 0;
   uint64_t gid = 0;
   uint64_t size = 0;
-  std::string link;  ///< a symlink's target
-  int layer = -1;    ///< a regular file's layer (its position in the mount's layer list)
+  int64_t mtime = 0;  ///< from the index (the epoch for an index of version 1)
+  std::string link;   ///< a symlink's target
+  int layer = -1;     ///< a regular file's layer (its position in the mount's layer list)
   uint64_t offset = 0;
   bool sparse = false;
   uint32_t nlink = 1;

@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mount.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <thread>
@@ -398,6 +399,10 @@ TEST_F(Lazy, PushedIndexesAreFoundThroughTheFallbackTagByALazyPull) {
   EXPECT_TRUE(j["notes"].empty()) << j;
   for (const auto& l : j["layers"]) EXPECT_EQ(l["index_from"], "dir") << l;
   EXPECT_EQ(stats().bytes_fetched, 0);
+  // File times come from the index (the fixture's tars are all of one second).
+  struct stat st {};
+  ASSERT_EQ(::stat((point() / "etc" / "os-release").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mtime, 1700000000);
   EXPECT_EQ(slurp(point() / "usr" / "big"), testing::random_bytes(700000, 3));
   umount();
 }
