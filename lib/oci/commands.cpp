@@ -454,9 +454,21 @@ CommandResult run_lazy_mount(const PullCommandLine& line, const PullPlan& plan, 
   std::error_code ec;
   if (!config.record.empty()) options.record = fs::absolute(config.record, ec);
   if (!config.prefetch.empty()) options.prefetch = fs::absolute(config.prefetch, ec);
+  options.writable = config.writable;
   CFMO_ASSIGN_OR_RETURN(const auto mount, LazyMount::prepare(line.args[0], line.args[1], options));
   CFMO_ASSIGN_OR_RETURN(const int pid, hooks.serve_detached(*mount));
   const auto& report = mount->report();
+  std::string writes;
+  if (report.upper) {
+    // Mounted from here, not by the daemon: the overlay's first lookups are FUSE requests it must be serving.
+    const fs::path point = fs::weakly_canonical(fs::absolute(line.args[1], ec), ec);
+    if (auto overlay = mount_writable_overlay(report.fuse_point, *report.upper, point); !overlay) {
+      (void)unmount_image(report.fuse_point);
+      return overlay.error();
+    }
+    writes = fmt::format("; writes kept {} in {} until umount", report.upper->in_memory ? "in memory" : "on disk",
+                         report.upper->upper.string());
+  }
   int background_pid = 0;
   const bool pending =
       std::any_of(report.layers.begin(), report.layers.end(), [](const LazyLayer& l) { return !l.local; });
@@ -486,6 +498,8 @@ CommandResult run_lazy_mount(const PullCommandLine& line, const PullPlan& plan, 
                               {"cache", report.cache.string()},
                               {"cache_size", plan.cache_bytes},
                               {"log", report.log.string()},
+                              {"upper", report.upper ? Json(report.upper->upper.string()) : Json(nullptr)},
+                              {"upper_in_memory", report.upper && report.upper->in_memory},
                               {"layers", layers},
                               {"notes", report.notes}});
   } else if (!config.quiet) {
@@ -493,8 +507,8 @@ CommandResult run_lazy_mount(const PullCommandLine& line, const PullPlan& plan, 
     for (const auto& l : report.layers) cold += l.local ? 0 : 1;
     out.text = fmt::format(
         "{}: mounted {} lazily at {} ({} layer(s), {} of them read from the registry on first access; "
-        "pid {}, log {})\n",
-        kTool, line.args[0], line.args[1], report.layers.size(), cold, pid, report.log.string());
+        "pid {}, log {}){}\n",
+        kTool, line.args[0], line.args[1], report.layers.size(), cold, pid, report.log.string(), writes);
   }
   return out;
 }

@@ -581,8 +581,12 @@ struct LazyMount::Impl {
     queue_cv.notify_all();
     // Detached, the mount point is free now; the processes that still hold
     // files get EIO until they close them (then the kernel ends the session).
-    if (::umount2(point.c_str(), MNT_DETACH) != 0)
-      note(fmt::format("umount {}: {}", point.string(), std::strerror(errno)));
+    // A --writable overlay above goes first (unless umount took it already), its writes with it.
+    if (report.upper && mounted_source(point) == kLazySubtype) {
+      if (::umount2(point.c_str(), MNT_DETACH) == 0) remove_tree(report.upper->base);
+    }
+    if (::umount2(report.fuse_point.c_str(), MNT_DETACH) != 0)
+      note(fmt::format("umount {}: {}", report.fuse_point.string(), std::strerror(errno)));
   }
 };
 
@@ -764,6 +768,15 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
                       "mount point '{}': a cfmo-pull image is mounted there already (cfmo-pull umount {})",
                       mountpoint.string(), mountpoint.string());
   }
+  m->report.fuse_point = m->point;
+  if (options.writable) {
+    m->report.upper = upper_dir_for(m->dir, state.memory_dir, m->point);
+    m->report.fuse_point = m->dir / "layers" / "lazy" / m->report.upper->base.filename();
+    fs::create_directories(m->report.fuse_point, ec);
+    if (ec) {
+      return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", m->report.fuse_point.string(), ec.message());
+    }
+  }
   CFMO_ASSIGN_OR_RETURN(m->ref, parse_reference(state.image));
   CFMO_ASSIGN_OR_RETURN(m->endpoints, endpoints_for(m->ref, options.hosts.value_or(state.hosts)));
   m->auth_file = options.auth_file.value_or(state.auth_file);
@@ -901,7 +914,7 @@ Status LazyMount::mount() {
   fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
   m.se = fuse_session_new(&args, &kOps, sizeof kOps, &m);
   if (m.se == nullptr) return make_error(ErrorKind::kInternal, "FUSE: cannot start a session (options '{}')", opts);
-  if (fuse_session_mount(m.se, m.point.c_str()) != 0) {
+  if (fuse_session_mount(m.se, m.report.fuse_point.c_str()) != 0) {
     fuse_session_destroy(m.se);
     m.se = nullptr;
     return make_error(ErrorKind::kUsage,

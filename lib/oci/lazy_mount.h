@@ -24,6 +24,7 @@
 #include "core/error.h"
 #include "oci/gzip_index.h"
 #include "oci/hosts.h"
+#include "oci/mount.h"
 #include "oci/registry.h"
 
 #include <cstdint>
@@ -87,6 +88,9 @@ struct LazyMountOptions {
   std::optional<std::string> auth_file;
   std::filesystem::path record;    ///< appends each file's path at its first open; empty: none
   std::filesystem::path prefetch;  ///< paths whose spans are fetched right after the mount; empty: none
+  /// An overlay on top (mount_writable_overlay) whose upper directory is in
+  /// the pull's memory store; the FUSE mount is then DIR/layers/lazy/HASH.
+  bool writable = false;
   double grace_s = 2;  ///< after SIGTERM: how long processes holding files open get EIO before the daemon ends
 };
 
@@ -106,6 +110,8 @@ struct LazyMountReport {
   int64_t index_bytes = 0;
   std::filesystem::path cache;
   std::filesystem::path log;
+  std::filesystem::path fuse_point;  ///< where the FUSE file system is mounted: the mount point, or below an overlay
+  std::optional<UpperDir> upper;     ///< --writable: where the writes go
 };
 
 /// A lazy mount: prepare() does all that can fail clearly (the pull's

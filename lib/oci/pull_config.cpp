@@ -288,8 +288,8 @@ Result<PullPlan> validate(const PullConfig& c, PullCommand s) {
   if (cache < (int64_t{16} << 20))
     return make_error(ErrorKind::kUsage, "--cache-size '{}': at least 16M", c.cache_size);
   plan.cache_bytes = static_cast<uint64_t>(cache);
-  if (s == kMount && (c.partial || c.writable) && c.lazy) {
-    return make_error(ErrorKind::kUsage, "--lazy: a lazy mount is read-only and whole (no --partial, no --writable)");
+  if (s == kMount && c.partial && c.lazy) {
+    return make_error(ErrorKind::kUsage, "--lazy: a lazy mount is whole (no --partial)");
   }
   return plan;
 }

@@ -332,6 +332,26 @@ TEST_F(Lazy, RecordPrefetchAndBackgroundFetch) {
   umount();
 }
 
+// --writable: an overlay over the lazy mount, its upper directory on disk
+// here (this pull has no memory store) and said so; umount takes the
+// overlay, its writes and the lazy mount below away.
+TEST_F(Lazy, WritableIsAnOverlayOverTheLazyMountUntilUmount) {
+  prepare(registry_->host());
+  MOUNT_OR_SKIP(j, {"--writable"});
+  ASSERT_TRUE(j["upper"].is_string()) << j;
+  EXPECT_EQ(j["upper_in_memory"], false) << j;
+  const fs::path upper = j["upper"].get<std::string>();
+  std::ofstream(point() / "etc" / "new") << "written\n";
+  EXPECT_EQ(slurp(point() / "etc" / "new"), "written\n");
+  EXPECT_EQ(slurp(upper / "etc" / "new"), "written\n");
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");  // read through, from the registry
+  EXPECT_GT(stats().bytes_fetched, 0);
+  umount();
+  EXPECT_TRUE(fs::is_empty(point()));
+  EXPECT_FALSE(fs::exists(upper));
+  EXPECT_TRUE(oci::mounts_using(lazy_dir()).empty());
+}
+
 TEST_F(Lazy, AMemoryCapTooSmallForOneSpanIsRefusedBeforeMounting) {
   prepare(registry_->host());
   const RunResult r = pull({"mount", lazy_dir().string(), point().string(), "--lazy", "--max-memory", "20M"});
