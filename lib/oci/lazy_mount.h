@@ -11,7 +11,9 @@
 /// (least recently used spans go first). A span that fails (a digest
 /// mismatch, the registry gone past its retries) fails that read with EIO,
 /// writes one line naming the layer and span to the mount's log, caches
-/// nothing, and is tried again by the next read.
+/// nothing, and is tried again by the next read. With `writable`, the file
+/// system is mounted below an overlay (mount.h) whose upper directory holds
+/// the writes.
 ///
 /// One thread reads the FUSE device and answers metadata from memory; reads
 /// go to `jobs` worker threads, each with its own registry clients. The
