@@ -17,6 +17,7 @@ packages=(
   libarchive-dev libisal-dev                                      # cfmo-pull: unpacking layers, igzip (zlib is the fallback)
   libfuse3-dev fuse3                                              # cfmo-pull mount --lazy: FUSE (libfuse3, fusermount3)
   docker-registry umoci                                           # cfmo-pull tests: a real local registry, a layout reader
+  crun busybox-static                                             # cfmo-pull tests: a real container on the lazy mount
   time                                                            # cfmo-pull's peak-RSS test: /usr/bin/time
   libgtest-dev googletest                                         # tests
   python3-dev pybind11-dev python3-numpy                          # the cfmo Python module (python/)

@@ -34,7 +34,8 @@ constexpr uint64_t kBlock = 512;
 constexpr uint64_t kMinSpan = 64 << 10;
 constexpr size_t kExtensionLimit = 16 << 20;  ///< a pax or GNU long-name header larger than this is refused
 constexpr char kMagic[8] = {'C', 'F', 'M', 'O', 'L', 'I', 'D', 'X'};
-constexpr uint32_t kVersion = 1;
+/// Version 2 added each entry's mtime; version 1 files are still read (their times are the epoch).
+constexpr uint32_t kVersion = 2;
 
 uint64_t round_up(uint64_t n) { return (n + kBlock - 1) / kBlock * kBlock; }
 
@@ -176,6 +177,8 @@ class TarWalker {
     const auto mode = tar_number(h + 100, 8);
     const auto uid = tar_number(h + 108, 8);
     const auto gid = tar_number(h + 116, 8);
+    // A time that is not a number is the epoch: a file's bytes do not depend on it.
+    const uint64_t mtime = tar_number(h + 136, 12).value_or(0);
     if (!size || !mode || !uid || !gid) return bad("a number field is not a number");
     const char type = h[156];
     if (type == 'x' || type == 'g' || type == 'L' || type == 'K') {
@@ -205,6 +208,11 @@ class TarWalker {
     e.gid = *gid;
     for (auto [key, field] : {std::pair{"uid", &e.uid}, std::pair{"gid", &e.gid}}) {
       if (const auto v = pax(key)) *field = decimal(*v).value_or(*field);
+    }
+    e.mtime = static_cast<int64_t>(mtime);
+    if (const auto t = pax("mtime")) {
+      // "1700000000.123": the whole seconds; a negative time is left as the header has it.
+      e.mtime = static_cast<int64_t>(decimal(t->substr(0, t->find('.'))).value_or(mtime));
     }
     e.sparse = type == 'S' || pax("GNU.sparse.map") || pax("GNU.sparse.major") || pax("GNU.sparse.size");
     switch (type) {
@@ -728,6 +736,7 @@ std::string serialize_index(const LayerIndex& index) {
     w.u64(e.gid);
     w.u64(e.size);
     w.u64(e.offset);
+    w.u64(static_cast<uint64_t>(e.mtime));
     w.bytes(e.path);
     w.bytes(e.link);
   }
@@ -747,8 +756,9 @@ Result<LayerIndex> parse_index(std::string_view bytes, const std::string& what) 
   }
   Reader r(body.substr(sizeof kMagic), what);
   LayerIndex index;
-  if (const uint32_t version = r.u32(); version != kVersion) {
-    return bad_index(what, fmt::format("version {} (this cfmo-pull reads version {})", version, kVersion));
+  const uint32_t version = r.u32();
+  if (version != 1 && version != kVersion) {
+    return bad_index(what, fmt::format("version {} (this cfmo-pull reads versions 1 and {})", version, kVersion));
   }
   const uint8_t compression = r.u8();
   r.u8();
@@ -793,6 +803,7 @@ Result<LayerIndex> parse_index(std::string_view bytes, const std::string& what) 
     e.gid = r.u64();
     e.size = r.u64();
     e.offset = r.u64();
+    if (version >= 2) e.mtime = static_cast<int64_t>(r.u64());
     e.path = r.bytes(1 << 20);
     e.link = r.bytes(1 << 20);
     if (std::string_view("0123456").find(e.type) == std::string_view::npos || e.type == '\0' || whiteout > 2 ||

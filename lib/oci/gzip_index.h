@@ -42,6 +42,7 @@ struct IndexEntry {
   uint64_t gid = 0;
   uint64_t size = 0;    ///< a regular file's size
   uint64_t offset = 0;  ///< where its contents start in the uncompressed stream
+  int64_t mtime = 0;    ///< modification time, whole seconds since the epoch (pax mtime's, else the header's)
   std::string link;     ///< a symlink's or hard link's target
   IndexWhiteout whiteout = IndexWhiteout::kNone;
   bool sparse = false;  ///< a GNU sparse file: its contents are not one range (read the layer whole)

@@ -202,6 +202,7 @@ class TreeBuilder {
         d.mode = e.mode;
         d.uid = e.uid;
         d.gid = e.gid;
+        d.mtime = e.mtime;
         d.added_by = layer;
         return {};
       }
@@ -226,6 +227,7 @@ class TreeBuilder {
     n.mode = e.mode;
     n.uid = e.uid;
     n.gid = e.gid;
+    n.mtime = e.mtime;
     n.added_by = layer;
     if (e.type == '0') {
       n.size = e.size;
@@ -565,6 +567,9 @@ struct LazyMount::Impl {
     st.st_size = n.type == '5' ? 4096 : static_cast<off_t>(n.size);
     st.st_blksize = 4096;
     st.st_blocks = (st.st_size + 511) / 512;
+    st.st_mtim.tv_sec = static_cast<time_t>(n.mtime);
+    st.st_ctim = st.st_mtim;
+    st.st_atim = st.st_mtim;
     return st;
   }
 
@@ -576,8 +581,12 @@ struct LazyMount::Impl {
     queue_cv.notify_all();
     // Detached, the mount point is free now; the processes that still hold
     // files get EIO until they close them (then the kernel ends the session).
-    if (::umount2(point.c_str(), MNT_DETACH) != 0)
-      note(fmt::format("umount {}: {}", point.string(), std::strerror(errno)));
+    // A --writable overlay above goes first (unless umount took it already), its writes with it.
+    if (report.upper && mounted_source(point) == kLazySubtype) {
+      if (::umount2(point.c_str(), MNT_DETACH) == 0) remove_tree(report.upper->base);
+    }
+    if (::umount2(report.fuse_point.c_str(), MNT_DETACH) != 0)
+      note(fmt::format("umount {}: {}", report.fuse_point.string(), std::strerror(errno)));
   }
 };
 
@@ -759,6 +768,15 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
                       "mount point '{}': a cfmo-pull image is mounted there already (cfmo-pull umount {})",
                       mountpoint.string(), mountpoint.string());
   }
+  m->report.fuse_point = m->point;
+  if (options.writable) {
+    m->report.upper = upper_dir_for(m->dir, state.memory_dir, m->point);
+    m->report.fuse_point = m->dir / "layers" / "lazy" / m->report.upper->base.filename();
+    fs::create_directories(m->report.fuse_point, ec);
+    if (ec) {
+      return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", m->report.fuse_point.string(), ec.message());
+    }
+  }
   CFMO_ASSIGN_OR_RETURN(m->ref, parse_reference(state.image));
   CFMO_ASSIGN_OR_RETURN(m->endpoints, endpoints_for(m->ref, options.hosts.value_or(state.hosts)));
   m->auth_file = options.auth_file.value_or(state.auth_file);
@@ -896,7 +914,7 @@ Status LazyMount::mount() {
   fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
   m.se = fuse_session_new(&args, &kOps, sizeof kOps, &m);
   if (m.se == nullptr) return make_error(ErrorKind::kInternal, "FUSE: cannot start a session (options '{}')", opts);
-  if (fuse_session_mount(m.se, m.point.c_str()) != 0) {
+  if (fuse_session_mount(m.se, m.report.fuse_point.c_str()) != 0) {
     fuse_session_destroy(m.se);
     m.se = nullptr;
     return make_error(ErrorKind::kUsage,

@@ -11,7 +11,9 @@
 /// (least recently used spans go first). A span that fails (a digest
 /// mismatch, the registry gone past its retries) fails that read with EIO,
 /// writes one line naming the layer and span to the mount's log, caches
-/// nothing, and is tried again by the next read.
+/// nothing, and is tried again by the next read. With `writable`, the file
+/// system is mounted below an overlay (mount.h) whose upper directory holds
+/// the writes.
 ///
 /// One thread reads the FUSE device and answers metadata from memory; reads
 /// go to `jobs` worker threads, each with its own registry clients. The
@@ -24,6 +26,7 @@
 #include "core/error.h"
 #include "oci/gzip_index.h"
 #include "oci/hosts.h"
+#include "oci/mount.h"
 #include "oci/registry.h"
 
 #include <cstdint>
@@ -48,8 +51,9 @@ struct LazyNode {
   uint64_t uid = 0;
   uint64_t gid = 0;
   uint64_t size = 0;
-  std::string link;  ///< a symlink's target
-  int layer = -1;    ///< a regular file's layer (its position in the mount's layer list)
+  int64_t mtime = 0;  ///< from the index (the epoch for an index of version 1)
+  std::string link;   ///< a symlink's target
+  int layer = -1;     ///< a regular file's layer (its position in the mount's layer list)
   uint64_t offset = 0;
   bool sparse = false;
   uint32_t nlink = 1;
@@ -86,6 +90,9 @@ struct LazyMountOptions {
   std::optional<std::string> auth_file;
   std::filesystem::path record;    ///< appends each file's path at its first open; empty: none
   std::filesystem::path prefetch;  ///< paths whose spans are fetched right after the mount; empty: none
+  /// An overlay on top (mount_writable_overlay) whose upper directory is in
+  /// the pull's memory store; the FUSE mount is then DIR/layers/lazy/HASH.
+  bool writable = false;
   double grace_s = 2;  ///< after SIGTERM: how long processes holding files open get EIO before the daemon ends
 };
 
@@ -105,6 +112,8 @@ struct LazyMountReport {
   int64_t index_bytes = 0;
   std::filesystem::path cache;
   std::filesystem::path log;
+  std::filesystem::path fuse_point;  ///< where the FUSE file system is mounted: the mount point, or below an overlay
+  std::optional<UpperDir> upper;     ///< --writable: where the writes go
 };
 
 /// A lazy mount: prepare() does all that can fail clearly (the pull's

@@ -199,6 +199,41 @@ std::string mount_unavailable_reason() {
   return "";
 }
 
+UpperDir upper_dir_for(const fs::path& dir, const fs::path& store, const fs::path& point) {
+  UpperDir u;
+  u.base = (store.empty() ? dir / "layers" : store) / "rw" / sha256_digest(point.string()).substr(7, 12);
+  u.upper = u.base / "upper";
+  u.in_memory = !store.empty() && memory_backed(store);
+  return u;
+}
+
+namespace {
+
+/// An empty upper and work directory, marked as ours (so umount may remove them); the overlay's option for them.
+Result<std::string> make_upper(const UpperDir& u, const fs::path& point) {
+  std::error_code ec;
+  remove_tree(u.base);
+  fs::create_directories(u.upper, ec);
+  fs::create_directories(u.base / "work", ec);
+  if (ec) return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", u.base.string(), ec.message());
+  std::ofstream(u.base / kRwMarker) << point.string() << "\n";
+  return ",upperdir=" + u.upper.string() + ",workdir=" + (u.base / "work").string();
+}
+
+}  // namespace
+
+Status mount_writable_overlay(const fs::path& lower, const UpperDir& upper, const fs::path& point) {
+  CFMO_ASSIGN_OR_RETURN(const std::string upper_option, make_upper(upper, point));
+  const std::string data = "lowerdir=" + lower.string() + upper_option;
+  if (::mount(kMountSource, point.c_str(), "overlay", 0, data.c_str()) != 0) {
+    const int error = errno;
+    remove_tree(upper.base);
+    return make_error(error == EPERM || error == EACCES ? ErrorKind::kUsage : ErrorKind::kInternal,
+                      "mount point '{}': the overlay for --writable failed: {}", point.string(), std::strerror(error));
+  }
+  return {};
+}
+
 Result<MountReport> mount_image(const fs::path& dir, const fs::path& mountpoint, const MountOptions& options) {
   MountReport report;
   CFMO_ASSIGN_OR_RETURN(const PullState state, read_state(dir));
@@ -325,15 +360,11 @@ Result<MountReport> mount_image(const fs::path& dir, const fs::path& mountpoint,
   }
   unsigned long flags = MS_RDONLY;
   if (options.writable) {
-    const fs::path base = (store.empty() ? dir / "layers" : store) / "rw" / sha256_digest(point.string()).substr(7, 12);
-    remove_tree(base);
-    fs::create_directories(base / "upper", ec);
-    fs::create_directories(base / "work", ec);
-    if (ec) return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", base.string(), ec.message());
-    std::ofstream(base / kRwMarker) << point.string() << "\n";
-    data += ",upperdir=" + (base / "upper").string() + ",workdir=" + (base / "work").string();
-    report.upper = base / "upper";
-    report.upper_in_memory = !store.empty() && memory_backed(store);
+    const UpperDir u = upper_dir_for(dir, store, point);
+    CFMO_ASSIGN_OR_RETURN(const std::string upper_option, make_upper(u, point));
+    data += upper_option;
+    report.upper = u.upper;
+    report.upper_in_memory = u.in_memory;
     flags = 0;
   }
   if (data.size() >= static_cast<size_t>(::getpagesize())) {
@@ -366,6 +397,8 @@ std::vector<std::string> mounts_using(const fs::path& dir) {
   for (const auto& m : mounts()) {
     if (m.source == kMountSource && m.super_options.find(layers) != std::string::npos) out.push_back(m.point.string());
   }
+  // A --writable lazy mount is both an overlay and a recorded daemon: named once.
+  auto named = [&out](const std::string& p) { return std::find(out.begin(), out.end(), p) != out.end(); };
   for (const auto& record : fs::directory_iterator(absolute / kMountRecordDir, ec)) {
     int pid = 0;
     try {
@@ -376,7 +409,7 @@ std::vector<std::string> mounts_using(const fs::path& dir) {
     std::ifstream in(record.path());
     std::string point;
     std::getline(in, point);
-    if (pid > 0 && process_alive(pid) && mount_at(point)) out.push_back(point);
+    if (pid > 0 && process_alive(pid) && mount_at(point) && !named(point)) out.push_back(point);
   }
   return out;
 }
@@ -409,6 +442,17 @@ Status unmount_image(const fs::path& mountpoint) {
     const fs::path upper =
         unescape(entry->super_options.substr(at + key.size(), end == std::string::npos ? end : end - at - key.size()));
     if (fs::exists(upper.parent_path() / kRwMarker, ec)) remove_tree(upper.parent_path());
+  }
+  // Over a lazy mount (--lazy --writable), its daemon goes too.
+  const std::string lower_key = "lowerdir=";
+  if (const auto at = entry->super_options.find(lower_key); at != std::string::npos) {
+    const auto end = entry->super_options.find(',', at);
+    const fs::path lower = unescape(entry->super_options.substr(
+        at + lower_key.size(), end == std::string::npos ? end : end - at - lower_key.size()));
+    if (const auto below = mount_at(lower); below && below->fstype == std::string("fuse.") + kLazySubtype) {
+      CFMO_TRY(unmount_lazy(lower, below->source));
+      fs::remove(lower, ec);
+    }
   }
   return {};
 }

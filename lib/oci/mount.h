@@ -56,6 +56,22 @@ std::string mount_unavailable_reason();
 /// are kUsage naming them, unless `partial`; skipped ones are left out with
 /// a note. When the process may not mount, the report says why and
 /// `mounted` is false (not an error: the caller decides).
+/// Where a --writable mount's writes go: `base` (holding upper/ and work/)
+/// under the pull's memory store `store`, or DIR/layers/ without one.
+struct UpperDir {
+  std::filesystem::path base;
+  std::filesystem::path upper;
+  bool in_memory = false;  ///< `store` is memory-backed (tmpfs)
+};
+UpperDir upper_dir_for(const std::filesystem::path& dir, const std::filesystem::path& store,
+                       const std::filesystem::path& point);
+
+/// mount --lazy --writable: an overlay at `point` whose lower directory is
+/// the lazy mount at `lower` and whose upper is `upper` (made empty now);
+/// umount removes the overlay, its upper directory and the lazy mount below.
+Status mount_writable_overlay(const std::filesystem::path& lower, const UpperDir& upper,
+                              const std::filesystem::path& point);
+
 Result<MountReport> mount_image(const std::filesystem::path& dir, const std::filesystem::path& mountpoint,
                                 const MountOptions& options);
 

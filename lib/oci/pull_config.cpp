@@ -75,8 +75,15 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
     t.add("replace", &c.replace, "replace a rootfs:DIR that is not empty, once the new tree is complete", image);
   }
 
+  if (s == kIndex) {
+    t.add("cache", &c.cache,
+          "index REF: where the image is pulled while it is indexed, removed after (empty: $XDG_CACHE_HOME/cfmo-pull, "
+          "~/.cache/cfmo-pull)",
+          image);
+  }
+
   const std::string registry = "Registry";
-  if (among(s, {kPull, kInspect, kFetch, kMount})) {
+  if (among(s, {kPull, kInspect, kFetch, kMount, kIndex})) {
     t.add("plain_http", &c.plain_http, "speak HTTP, not HTTPS, to every registry and mirror", registry);
     t.add("insecure_registry", &c.insecure_registry,
           "speak plain HTTP to this host (HOST or HOST:PORT; repeatable), HTTPS to the others", registry);
@@ -153,6 +160,10 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
     t.add("span", &c.span, "uncompressed bytes between two checkpoints of a gzip layer's index (at least 64K)",
           indexing);
     t.add("list", &c.list, "print the file tables of the indexes already made instead of making them", indexing);
+    t.add("push", &c.push,
+          "store the indexes in the image's registry as an OCI artifact whose subject is the image, for every later "
+          "pull to find",
+          indexing);
   }
   const std::string output = "Output";
   if (s != kUmount) t.add("json", &c.json, "print a JSON report on stdout", output);
@@ -277,8 +288,8 @@ Result<PullPlan> validate(const PullConfig& c, PullCommand s) {
   if (cache < (int64_t{16} << 20))
     return make_error(ErrorKind::kUsage, "--cache-size '{}': at least 16M", c.cache_size);
   plan.cache_bytes = static_cast<uint64_t>(cache);
-  if (s == kMount && (c.partial || c.writable) && c.lazy) {
-    return make_error(ErrorKind::kUsage, "--lazy: a lazy mount is read-only and whole (no --partial, no --writable)");
+  if (s == kMount && c.partial && c.lazy) {
+    return make_error(ErrorKind::kUsage, "--lazy: a lazy mount is whole (no --partial)");
   }
   return plan;
 }

@@ -58,6 +58,7 @@ struct PullConfig {
   // Indexing.
   std::string span = "4M";
   bool list = false;
+  bool push = false;
   // Output.
   bool json = false;
   bool quiet = false;

@@ -12,15 +12,6 @@ namespace {
 namespace fs = std::filesystem;
 using Json = nlohmann::ordered_json;
 
-std::string utc_now() {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char buffer[32];
-  std::strftime(buffer, sizeof buffer, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buffer;
-}
-
 Json strings(const std::vector<std::string>& v) {
   Json out = Json::array();
   for (const auto& s : v) out.push_back(s);
@@ -89,6 +80,15 @@ Result<LayerStatus> parse_layer_status(std::string_view text) {
 }
 
 fs::path state_path(const fs::path& dir) { return dir / kStateFile; }
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buffer[32];
+  std::strftime(buffer, sizeof buffer, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buffer;
+}
 
 std::string state_to_json(const PullState& s) {
   Json j;

@@ -76,6 +76,9 @@ struct PullState {
 
 std::filesystem::path state_path(const std::filesystem::path& dir);
 
+/// Now, UTC, ISO 8601 to the second ("2026-12-04T19:40:59Z").
+std::string utc_now();
+
 /// Reads DIR's state; an absent file is kInput ("not a cfmo-pull directory"),
 /// a malformed one kInput naming the file and key.
 Result<PullState> read_state(const std::filesystem::path& dir);

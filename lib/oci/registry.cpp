@@ -182,12 +182,10 @@ RegistryClient::RegistryClient(Reference ref, RegistryOptions options, std::opti
     : ref_(std::move(ref)), options_(std::move(options)), credentials_(std::move(credentials)) {
   static const CURLcode global = curl_global_init(CURL_GLOBAL_DEFAULT);
   (void)global;
-  curl_ = curl_easy_init();
+  curl_ = make_curl_easy();
 }
 
-RegistryClient::~RegistryClient() {
-  if (curl_ != nullptr) curl_easy_cleanup(static_cast<CURL*>(curl_));
-}
+RegistryClient::~RegistryClient() = default;
 
 std::string RegistryClient::base_url() const {
   return (options_.plain_http ? "http://" : "https://") + ref_.api_host();
@@ -216,22 +214,25 @@ size_t on_header(char* data, size_t size, size_t count, void* user) {
 }  // namespace
 
 RegistryClient::Attempt RegistryClient::perform(const std::string& url, const std::vector<std::string>& headers,
-                                                BodySink& sink, bool head, bool with_auth) {
+                                                BodySink& sink, bool head, bool with_auth, const Upload* upload) {
   Attempt attempt;
-  CURL* curl = static_cast<CURL*>(curl_);
+  CURL* curl = curl_.get();
   curl_easy_reset(curl);
-  struct HeaderList {
-    curl_slist* list = nullptr;
-    ~HeaderList() { curl_slist_free_all(list); }
-  } list;
-  for (const auto& h : headers) list.list = curl_slist_append(list.list, h.c_str());
-  for (const auto& h : sink.extra_headers()) list.list = curl_slist_append(list.list, h.c_str());
-  if (with_auth && !authorization_.empty()) list.list = curl_slist_append(list.list, authorization_.c_str());
+  CurlHeaders list;
+  for (const auto& h : headers) list.append(h);
+  for (const auto& h : sink.extra_headers()) list.append(h);
+  if (upload != nullptr) list.append("Expect:");  // no 100-continue round trip: the body is small and in memory
+  if (with_auth && !authorization_.empty()) list.append(authorization_);
   TransferState state{&attempt, &sink, curl};
   char error_buffer[CURL_ERROR_SIZE] = {0};
   curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
-  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, list.list);
+  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, list.get());
   curl_easy_setopt(curl, CURLOPT_NOBODY, head ? 1L : 0L);
+  if (upload != nullptr) {
+    curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, upload->method.c_str());
+    curl_easy_setopt(curl, CURLOPT_POSTFIELDS, upload->body.empty() ? "" : upload->body.data());
+    curl_easy_setopt(curl, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(upload->body.size()));
+  }
   // Blob GETs are redirected to object stores; curl drops a custom
   // Authorization header when the host or port changes, and
   // UNRESTRICTED_AUTH=0 keeps it that way.
@@ -365,7 +366,19 @@ Status RegistryClient::authenticate(const std::string& challenge, const std::str
 
 Result<ResponseInfo> RegistryClient::get(const std::string& api_path, const std::vector<std::string>& headers,
                                          BodySink& sink, const std::string& what, bool head) {
-  const std::string url = base_url() + api_path;
+  return request(base_url() + api_path, headers, sink, what, head, nullptr);
+}
+
+Result<ResponseInfo> RegistryClient::send(const std::string& method, const std::string& target,
+                                          const std::vector<std::string>& headers, std::string_view body,
+                                          BodySink& sink, const std::string& what) {
+  const Upload upload{method, body};
+  const bool absolute = target.starts_with("http://") || target.starts_with("https://");
+  return request(absolute ? target : base_url() + target, headers, sink, what, false, &upload);
+}
+
+Result<ResponseInfo> RegistryClient::request(const std::string& url, const std::vector<std::string>& headers,
+                                             BodySink& sink, const std::string& what, bool head, const Upload* upload) {
   std::mt19937_64 rng(std::random_device{}());
   bool authenticated_after_401 = false;
   std::string last_reason;
@@ -376,7 +389,7 @@ Result<ResponseInfo> RegistryClient::get(const std::string& api_path, const std:
       authorization_.clear();
       CFMO_TRY(authenticate(bearer_challenge_, what));
     }
-    Attempt attempt = perform(url, headers, sink, head, true);
+    Attempt attempt = perform(url, headers, sink, head, true, upload);
     if (attempt.sink_error) return *attempt.sink_error;
     if (options_.stopped()) return interrupted(what);
     double retry_after = -1;

@@ -5,6 +5,7 @@
 /// into a caller's sink, so memory stays bounded whatever the blob's size.
 
 #include "core/error.h"
+#include "oci/curl_handles.h"
 #include "oci/reference.h"
 
 #include <atomic>
@@ -103,6 +104,12 @@ class RegistryClient {
   Result<ResponseInfo> get(const std::string& api_path, const std::vector<std::string>& headers, BodySink& sink,
                            const std::string& what, bool head = false);
 
+  /// PUT or POST `body` to `target` (an API path, or an absolute URL such as
+  /// an upload's Location), authenticated and retried as get() is.
+  Result<ResponseInfo> send(const std::string& method, const std::string& target,
+                            const std::vector<std::string>& headers, std::string_view body, BodySink& sink,
+                            const std::string& what);
+
   /// Fetches a manifest by tag or digest with full content negotiation.
   Result<std::pair<ResponseInfo, std::string>> get_manifest(const std::string& reference);
 
@@ -113,8 +120,15 @@ class RegistryClient {
   struct Attempt;  ///< one request's outcome; defined in registry.cpp
 
  private:
+  /// A request's method and body other than GET's and HEAD's.
+  struct Upload {
+    std::string method;
+    std::string_view body;
+  };
+  Result<ResponseInfo> request(const std::string& url, const std::vector<std::string>& headers, BodySink& sink,
+                               const std::string& what, bool head, const Upload* upload);
   Attempt perform(const std::string& url, const std::vector<std::string>& headers, BodySink& sink, bool head,
-                  bool with_auth);
+                  bool with_auth, const Upload* upload = nullptr);
   Status authenticate(const std::string& challenge, const std::string& what);
 
   Reference ref_;
@@ -124,7 +138,7 @@ class RegistryClient {
   std::map<std::string, std::string> tokens_;  ///< Bearer token per scope
   std::string bearer_challenge_;               ///< the last Bearer challenge, to renew its token before it expires
   std::chrono::steady_clock::time_point token_expiry_{};
-  void* curl_ = nullptr;  ///< CURL*, owned; reused for keep-alive
+  CurlEasy curl_;  ///< reused for keep-alive
 };
 
 /// The lowercase hex SHA-256 of a buffer, as "sha256:<hex>".

@@ -6,6 +6,7 @@
 // reading files, a gzip tar layer).
 #include "core/atomic_file.h"
 #include "integration/harness.h"
+#include "oci/curl_handles.h"
 #include "oci/registry.h"
 #include "support/layer_builder.h"
 
@@ -72,14 +73,16 @@ struct HttpResponse {
 
 /// A plain libcurl request, for pushing fixtures (the code under test is not used to set up its own test).
 inline HttpResponse http(const std::string& method, const std::string& url, const std::string& body = "",
-                         const std::string& content_type = "") {
+                         const std::string& content_type = "", const std::string& accept = "") {
   HttpResponse response;
-  CURL* curl = curl_easy_init();
-  curl_slist* headers = nullptr;
-  if (!content_type.empty()) headers = curl_slist_append(headers, ("Content-Type: " + content_type).c_str());
+  const oci::CurlEasy handle = oci::make_curl_easy();
+  CURL* curl = handle.get();
+  oci::CurlHeaders headers;
+  if (!content_type.empty()) headers.append("Content-Type: " + content_type);
+  if (!accept.empty()) headers.append("Accept: " + accept);
   curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
   curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, method.c_str());
-  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
+  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers.get());
   if (method == "PUT" || method == "POST") {
     curl_easy_setopt(curl, CURLOPT_POSTFIELDS, body.data());
     curl_easy_setopt(curl, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(body.size()));
@@ -104,8 +107,6 @@ inline HttpResponse http(const std::string& method, const std::string& url, cons
       });
   curl_easy_setopt(curl, CURLOPT_TIMEOUT, 30L);
   if (curl_easy_perform(curl) == CURLE_OK) curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &response.status);
-  curl_slist_free_all(headers);
-  curl_easy_cleanup(curl);
   return response;
 }
 

@@ -6,12 +6,14 @@
 #include "integration/registry_fixture.h"
 #include "oci/gzip_index.h"
 #include "oci/hot_set.h"
+#include "oci/index_artifact.h"
 #include "oci/lazy_mount.h"
 #include "support/tree_listing.h"
 
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mount.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <thread>
@@ -330,12 +332,290 @@ TEST_F(Lazy, RecordPrefetchAndBackgroundFetch) {
   umount();
 }
 
+// --writable: an overlay over the lazy mount, its upper directory on disk
+// here (this pull has no memory store) and said so; umount takes the
+// overlay, its writes and the lazy mount below away.
+TEST_F(Lazy, WritableIsAnOverlayOverTheLazyMountUntilUmount) {
+  prepare(registry_->host());
+  MOUNT_OR_SKIP(j, {"--writable"});
+  ASSERT_TRUE(j["upper"].is_string()) << j;
+  EXPECT_EQ(j["upper_in_memory"], false) << j;
+  const fs::path upper = j["upper"].get<std::string>();
+  std::ofstream(point() / "etc" / "new") << "written\n";
+  EXPECT_EQ(slurp(point() / "etc" / "new"), "written\n");
+  EXPECT_EQ(slurp(upper / "etc" / "new"), "written\n");
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");  // read through, from the registry
+  EXPECT_GT(stats().bytes_fetched, 0);
+  umount();
+  EXPECT_TRUE(fs::is_empty(point()));
+  EXPECT_FALSE(fs::exists(upper));
+  EXPECT_TRUE(oci::mounts_using(lazy_dir()).empty());
+}
+
 TEST_F(Lazy, AMemoryCapTooSmallForOneSpanIsRefusedBeforeMounting) {
   prepare(registry_->host());
   const RunResult r = pull({"mount", lazy_dir().string(), point().string(), "--lazy", "--max-memory", "20M"});
   EXPECT_EQ(r.status, 2) << r.err;
   EXPECT_NE(r.err.find("--max-memory"), std::string::npos) << r.err;
   EXPECT_TRUE(fs::is_empty(point()));
+}
+
+/// The referrers of `image`'s manifest listed under the OCI 1.1 fallback tag, or null.
+Json fallback_listing(const Registry& registry, const std::string& repository, const FixtureImage& image) {
+  const std::string tag = "sha256-" + image.manifest_digest.substr(7);
+  const HttpResponse r = http("GET", registry.url() + "/v2/" + repository + "/manifests/" + tag, "", "",
+                              "application/vnd.oci.image.index.v1+json");
+  return r.status == 200 ? Json::parse(r.body, nullptr, false) : Json();
+}
+
+// index --push stores the indexes as an artifact of the image; docker-registry
+// 2.8 has no referrers API, so they are listed under the fallback tag, which
+// a second push extends; a lazy pull finds them by itself and fetches no
+// layer to build one.
+TEST_F(Lazy, PushedIndexesAreFoundThroughTheFallbackTagByALazyPull) {
+  const std::string repository = "pushed/app";
+  ASSERT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
+  const std::string ref = registry_->host() + "/" + repository + ":v1";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+  const RunResult first = pull({"index", (out_ / "full").string(), "--span", kSpan, "--push", "--json"});
+  ASSERT_EQ(first.status, 0) << first.err;
+  const Json one = Json::parse(first.out);
+  EXPECT_EQ(one["pushed"]["referrers_api"], false) << one;
+  EXPECT_EQ(one["pushed"]["fallback_tag"], "sha256-" + image_->manifest_digest.substr(7)) << one;
+  EXPECT_EQ(one["pushed"]["fallback_entries"], 1) << one;
+  EXPECT_EQ(one["pushed"]["layers"], 3) << one;
+
+  // A second push (from REF, pulled whole into a scratch layout) adds to the listing.
+  const RunResult second = pull(
+      {"index", ref, "--push", "--span", "128K", "--plain-http", "--cache", (out_ / "scratch").string(), "--json"});
+  ASSERT_EQ(second.status, 0) << second.err;
+  const Json two = Json::parse(second.out);
+  EXPECT_EQ(two["pushed"]["fallback_entries"], 2) << two;
+  EXPECT_TRUE(fs::is_empty(out_ / "scratch")) << "index REF left its scratch layout";
+  const Json listing = fallback_listing(*registry_, repository, *image_);
+  ASSERT_TRUE(listing.is_object());
+  ASSERT_EQ(listing["manifests"].size(), 2u) << listing;
+  EXPECT_EQ(listing["manifests"][0]["digest"], one["pushed"]["artifact"]) << "the first entry was lost";
+  EXPECT_EQ(listing["manifests"][1]["digest"], two["pushed"]["artifact"]);
+  EXPECT_EQ(listing["manifests"][1]["artifactType"], oci::kIndexArtifactType);
+
+  // A lazy pull through a proxy that counts: the indexes come from the registry, no layer blob.
+  FaultProxy proxy(registry_->host());
+  const RunResult lazy = pull({"pull", proxy.host() + "/" + repository + ":v1", "--output",
+                               "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "--json"});
+  ASSERT_EQ(lazy.status, 0) << lazy.err;
+  const Json pulled = Json::parse(lazy.out);
+  EXPECT_EQ(pulled["indexes"]["artifact"], two["pushed"]["artifact"]) << "not the newest artifact";
+  EXPECT_EQ(pulled["indexes"]["via"], "tag sha256-" + image_->manifest_digest.substr(7)) << pulled;
+  for (const auto& layer : image_->layers) {
+    const std::string digest = oci::sha256_digest(layer);
+    EXPECT_TRUE(proxy.requests("/blobs/" + digest).empty()) << "layer data fetched: " << digest;
+    auto index = oci::read_index(oci::index_path(lazy_dir(), digest));
+    ASSERT_TRUE(index) << index.error().message;
+    EXPECT_EQ(index->span, uint64_t{128} << 10);
+  }
+  fs::create_directories(point());
+  MOUNT_OR_SKIP(j);
+  EXPECT_TRUE(j["notes"].empty()) << j;
+  for (const auto& l : j["layers"]) EXPECT_EQ(l["index_from"], "dir") << l;
+  EXPECT_EQ(stats().bytes_fetched, 0);
+  // File times come from the index (the fixture's tars are all of one second).
+  struct stat st {};
+  ASSERT_EQ(::stat((point() / "etc" / "os-release").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mtime, 1700000000);
+  EXPECT_EQ(slurp(point() / "usr" / "big"), testing::random_bytes(700000, 3));
+  umount();
+}
+
+// An index artifact whose index is not one: the pull that finds it says so
+// in one line and exits 3.
+TEST_F(Lazy, ACorruptIndexArtifactIsRefused) {
+  const std::string repository = "corrupt/app";
+  ASSERT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
+  const std::string garbage = "not an index, whatever its digest says";
+  const std::string empty = "{}";
+  ASSERT_TRUE(registry_->push_blob(repository, garbage));
+  ASSERT_TRUE(registry_->push_blob(repository, empty));
+  Json layer = descriptor(oci::kIndexBlobType, garbage);
+  layer["annotations"] = {{oci::kIndexLayerAnnotation, oci::sha256_digest(image_->layers[0])}};
+  const std::string artifact =
+      Json{{"schemaVersion", 2},
+           {"mediaType", "application/vnd.oci.image.manifest.v1+json"},
+           {"artifactType", oci::kIndexArtifactType},
+           {"config", descriptor("application/vnd.oci.empty.v1+json", empty)},
+           {"layers", Json::array({layer})},
+           {"subject", descriptor("application/vnd.oci.image.manifest.v1+json", image_->manifest)}}
+          .dump();
+  ASSERT_TRUE(registry_->push_manifest(repository, oci::sha256_digest(artifact), artifact,
+                                       "application/vnd.oci.image.manifest.v1+json"))
+      << registry_->log();
+  Json entry = descriptor("application/vnd.oci.image.manifest.v1+json", artifact);
+  entry["artifactType"] = oci::kIndexArtifactType;
+  const Json listing = {{"schemaVersion", 2},
+                        {"mediaType", "application/vnd.oci.image.index.v1+json"},
+                        {"manifests", Json::array({entry})}};
+  ASSERT_TRUE(registry_->push_manifest(repository, "sha256-" + image_->manifest_digest.substr(7), listing.dump(),
+                                       "application/vnd.oci.image.index.v1+json"))
+      << registry_->log();
+
+  const RunResult r = pull({"pull", registry_->host() + "/" + repository + ":v1", "--output",
+                            "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
+  EXPECT_EQ(r.status, 3) << r.err;
+  EXPECT_EQ(testing::lines(r.err).size(), 1u) << r.err;
+  EXPECT_NE(r.err.find("index artifact"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(oci::short_digest(oci::sha256_digest(image_->layers[0]))), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(oci::index_path(lazy_dir(), oci::sha256_digest(image_->layers[0]))));
+}
+
+/// A static busybox, or empty with the reason it cannot be used.
+std::string static_busybox(std::string& why) {
+  const std::string bytes = slurp("/bin/busybox");
+  if (bytes.empty()) why = "/bin/busybox is not installed (Debian busybox-static)";
+  // A dynamic executable names its loader; the container has no libc.
+  else if (bytes.find("/lib64/ld-linux") != std::string::npos || bytes.find("/lib/ld-linux") != std::string::npos)
+    why = "/bin/busybox is dynamically linked (install busybox-static)";
+  return why.empty() ? bytes : "";
+}
+
+/// A real container (crun) whose root file system is the lazy mount, started
+/// before its cold layers are fetched: busybox, in a cold layer, runs.
+class LazyContainer : public ::testing::Test {
+ protected:
+  static constexpr const char* kRepository = "lazy/busybox";
+
+  static void SetUpTestSuite() {
+    if (!fs::exists(kRegistryBinary)) return;
+    std::string why;
+    const std::string busybox = static_busybox(why);
+    if (busybox.empty()) return;
+    using namespace cfmo::testing;
+    // No proc, sys or dev: the mount supplies them. The program is in a cold
+    // layer with 4 MiB that nothing reads.
+    const std::string base = make_tar({dir("etc"), file("etc/message", "hello from a cold layer\n")});
+    const std::string programs = make_tar(
+        {dir("bin"), file("bin/busybox", busybox, 0755), dir("data"), file("data/unused", random_bytes(4u << 20, 11))});
+    image_ = new FixtureImage(make_real_image({{base, "tar+gzip"}, {programs, "tar+gzip"}}));
+    setup_error_ = start_suite_registry(registry_, kRepository, *image_);
+  }
+  static void TearDownTestSuite() { delete registry_; }
+
+  void SetUp() override {
+    if (!fs::exists(kRegistryBinary) || !fs::exists("/dev/fuse")) GTEST_SKIP() << "no docker-registry or no /dev/fuse";
+    std::string why;
+    if (static_busybox(why).empty()) GTEST_SKIP() << why;
+    if (!fs::exists("/usr/bin/crun")) GTEST_SKIP() << "/usr/bin/crun is not installed (Debian crun)";
+    if (::geteuid() != 0) GTEST_SKIP() << "crun runs a container with its own namespaces as root only here";
+    ASSERT_TRUE(setup_error_.empty()) << setup_error_;
+  }
+
+  /// Deletes the container and unmounts, whatever the test did.
+  struct Guard {
+    fs::path point;
+    int pid = 0;
+    fs::path state;
+    std::string id;
+    ~Guard() {
+      if (!id.empty()) run({"/usr/bin/crun", "--root", state.string(), "delete", "--force", id}, 30);
+      if (!point.empty()) ::umount2(point.c_str(), MNT_DETACH);
+      if (pid > 0) ::kill(pid, SIGKILL);
+    }
+  };
+
+  TempDir out_;
+  static inline Registry* registry_ = nullptr;
+  static inline FixtureImage* image_ = nullptr;
+  static inline std::string setup_error_;
+};
+
+TEST_F(LazyContainer, CrunRunsAProgramFromAColdLayerOfTheLazyMount) {
+  const std::string ref = registry_->host() + "/" + kRepository + ":v1";
+  const fs::path full = out_ / "full";
+  const fs::path lazy = out_ / "lazy";
+  const fs::path point = out_ / "rootfs";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + full.string(), "--plain-http", "-q"}).status, 0);
+  // Spans of 256 KiB: busybox's spans hold little of the file after it.
+  const RunResult pushed = pull({"index", full.string(), "--push", "--span", "256K", "-q"});
+  ASSERT_EQ(pushed.status, 0) << pushed.err;
+  const RunResult pulled =
+      pull({"pull", ref, "--output", "oci:" + lazy.string(), "--plain-http", "--cold", "lazy", "-q"});
+  ASSERT_EQ(pulled.status, 0) << pulled.err;
+  fs::create_directories(point);
+  const RunResult mounted = pull({"mount", lazy.string(), point.string(), "--lazy", "--json"});
+  if (mounted.status == 2 && mounted.err.find("FUSE mount failed") != std::string::npos) {
+    GTEST_SKIP() << "FUSE mounts are not allowed";
+  }
+  ASSERT_EQ(mounted.status, 0) << mounted.err;
+  Guard guard;
+  guard.point = point;
+  guard.pid = Json::parse(mounted.out).value("pid", 0);
+  auto stats = [&] {
+    auto s = oci::read_lazy_stats(lazy);
+    return s ? *s : oci::LazyStats{};
+  };
+  ASSERT_EQ(stats().bytes_fetched, 0) << "fetched before the container started";
+
+  // The bundle: the mount as a read-only root, the runtime's own proc, dev and sys on it.
+  const fs::path bundle = out_ / "bundle";
+  fs::create_directories(bundle);
+  const Json config = {
+      {"ociVersion", "1.0.2"},
+      {"process",
+       {{"terminal", false},
+        {"user", {{"uid", 0}, {"gid", 0}}},
+        {"args",
+         {"/bin/busybox", "sh", "-c",
+          "/bin/busybox cat /etc/message && /bin/busybox test -r /proc/self/status && echo proc"}},
+        {"env", {"PATH=/bin"}},
+        {"cwd", "/"},
+        {"noNewPrivileges", true}}},
+      {"root", {{"path", fs::canonical(point).string()}, {"readonly", true}}},
+      {"hostname", "cfmo-lazy"},
+      {"mounts", Json::array({{{"destination", "/proc"}, {"type", "proc"}, {"source", "proc"}},
+                              {{"destination", "/dev"},
+                               {"type", "tmpfs"},
+                               {"source", "tmpfs"},
+                               {"options", {"nosuid", "strictatime", "mode=755", "size=65536k"}}},
+                              {{"destination", "/sys"},
+                               {"type", "sysfs"},
+                               {"source", "sysfs"},
+                               {"options", {"nosuid", "noexec", "nodev", "ro"}}}})},
+      {"linux",
+       {{"namespaces", Json::array({{{"type", "pid"}}, {{"type", "ipc"}}, {{"type", "uts"}}, {{"type", "mount"}}})}}}};
+  std::ofstream(bundle / "config.json") << config.dump(2);
+  guard.state = out_ / "crun-state";
+  guard.id = fmt::format("cfmo-pull-test-{}", ::getpid());
+  // This machine mounts cgroup v1 controllers beside a v2 "unified" tree,
+  // which crun refuses; in a mount namespace of its own the v2 tree is
+  // unmounted and crun runs with no cgroup manager (nothing to limit here).
+  const std::string crun = fmt::format(
+      "if grep -q ' /sys/fs/cgroup/unified ' /proc/self/mountinfo; then umount /sys/fs/cgroup/unified; fi; "
+      "exec /usr/bin/crun --cgroup-manager=disabled --root '{}' run --bundle '{}' '{}'",
+      guard.state.string(), bundle.string(), guard.id);
+  const RunResult container =
+      run({"/usr/bin/unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", crun}, 60);
+  EXPECT_EQ(container.status, 0) << container.err;
+  EXPECT_EQ(container.out, "hello from a cold layer\nproc\n") << container.err;
+  guard.id.clear();  // crun run deletes what it made
+
+  // busybox and the message were fetched by spans; the 4 MiB nobody read was not.
+  const auto fetched = stats();
+  EXPECT_EQ(fetched.errors, 0);
+  EXPECT_GT(fetched.bytes_fetched, 0);
+  int64_t image_bytes = 0;
+  for (const auto& l : image_->layers) image_bytes += static_cast<int64_t>(l.size());
+  EXPECT_LT(fetched.bytes_fetched, image_bytes - (int64_t{3} << 20))
+      << "the unread file was fetched: " << fetched.bytes_fetched << " of " << image_bytes;
+
+  const RunResult down = pull({"umount", point.string()});
+  EXPECT_EQ(down.status, 0) << down.err;
+  EXPECT_TRUE(fs::is_empty(point));
+  guard.point.clear();
+  for (int i = 0; i < 200 && ::kill(guard.pid, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(fs::exists(guard.state) ? std::distance(fs::directory_iterator(guard.state), fs::directory_iterator()) : 0,
+            0)
+      << "crun left state behind";
+  EXPECT_EQ(pull({"rm", lazy.string(), "-q"}).status, 0);
+  EXPECT_EQ(pull({"rm", full.string(), "-q"}).status, 0);
 }
 
 }  // namespace

@@ -156,6 +156,8 @@ TEST(OciGzipIndex, EveryFileThroughTheIndexEqualsTheTar) {
       EXPECT_EQ(index->find("etc/.wh.gone")->whiteout, IndexWhiteout::kFile);
       EXPECT_EQ(index->find("usr/.wh..wh..opq")->whiteout, IndexWhiteout::kOpaque);
       EXPECT_EQ(index->find("etc/one")->whiteout, IndexWhiteout::kNone);
+      // Each entry's time, as the tar has it (pax and GNU headers alike).
+      for (const auto& e : index->entries) EXPECT_EQ(e.mtime, 1700000000) << e.path;
       // Any range of the stream, across spans and members, equals the tar's.
       FileSource source(layer.path);
       std::mt19937_64 rng(7);
@@ -170,6 +172,7 @@ TEST(OciGzipIndex, EveryFileThroughTheIndexEqualsTheTar) {
       auto parsed = parse_index(serialize_index(*index), "index");
       ASSERT_TRUE(parsed) << parsed.error().message;
       EXPECT_EQ(parsed->checkpoints.size(), index->checkpoints.size());
+      EXPECT_EQ(parsed->entries.front().mtime, index->entries.front().mtime);
       expect_every_file_equal(*parsed, layer, tar_entries);
     }
   }

@@ -5,14 +5,21 @@
 // goes) and outlives the pull; its stdin is /dev/null and its stdout and
 // stderr append to DIR/cfmo-pull.log. It is this program again, exec'ed
 // fresh: nothing of the pull's state (threads, curl handles, locks) is
-// inherited. Replacing processes is the tool's business, hence tools/.
+// inherited. The lazy mount's daemon (serve_detached) is a forked child
+// instead: it serves the mount prepared here. Replacing processes is the
+// tool's business, hence tools/.
 #include "core/error.h"
+#include "oci/lazy_mount.h"
+
+#include <fmt/format.h>
 
 #include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -74,6 +81,48 @@ inline Result<int> start_detached(const std::vector<std::string>& argv, const st
     return make_error(ErrorKind::kInternal, "background fetch: the detached process did not start");
   }
   return fetcher;
+}
+
+/// Mounts `mount` in a child that stays, detached, with its output in the
+/// mount's log, and serves it; the child says through a pipe whether the
+/// mount itself worked, so that its error is told here. Returns its pid.
+inline Result<int> serve_detached(oci::LazyMount& mount) {
+  int pipe_fds[2];
+  if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return make_error(ErrorKind::kInternal, "mount: pipe failed");
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  if (pid < 0) return make_error(ErrorKind::kInternal, "mount: fork failed");
+  if (pid == 0) {
+    ::close(pipe_fds[0]);
+    ::setsid();
+    const int null = ::open("/dev/null", O_RDWR);
+    const int log = ::open(mount.report().log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    ::dup2(null, STDIN_FILENO);
+    ::dup2(log >= 0 ? log : null, STDOUT_FILENO);
+    ::dup2(log >= 0 ? log : null, STDERR_FILENO);
+    auto mounted = mount.mount();
+    const std::string answer =
+        mounted ? std::string("ok")
+                : fmt::format("{} {}", static_cast<int>(mounted.error().kind), mounted.error().message);
+    (void)!::write(pipe_fds[1], answer.data(), answer.size());
+    ::close(pipe_fds[1]);
+    if (!mounted) std::_Exit(static_cast<int>(mounted.error().kind));
+    const auto served = mount.serve();
+    std::_Exit(served ? 0 : static_cast<int>(served.error().kind));
+  }
+  ::close(pipe_fds[1]);
+  std::string answer;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof buffer)) > 0;) answer.append(buffer, static_cast<size_t>(n));
+  ::close(pipe_fds[0]);
+  if (answer != "ok") {
+    ::waitpid(pid, nullptr, 0);
+    const auto space = answer.find(' ');
+    if (space == std::string::npos) return make_error(ErrorKind::kInternal, "mount: the mount's process ended");
+    return Error{static_cast<ErrorKind>(std::stoi(answer.substr(0, space))), answer.substr(space + 1)};
+  }
+  return static_cast<int>(pid);
 }
 
 }  // namespace cfmo::pulltool

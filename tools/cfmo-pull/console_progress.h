@@ -7,6 +7,7 @@
 #include "core/progress.h"
 #include "oci/hot_set.h"
 #include "oci/pull.h"
+#include "oci/pull_config.h"
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -24,6 +25,21 @@ class ConsoleProgress final : public oci::PullObserver {
  public:
   enum class Mode { kTty, kPlain, kNone };
   ConsoleProgress(const char* tool, Mode mode, bool notes) : tool_(tool), mode_(mode), notes_(notes) {}
+
+  /// The mode --progress asked for: auto is redrawn lines on a terminal, plain lines elsewhere.
+  static Mode mode_for(oci::ProgressMode progress) {
+    switch (progress) {
+      case oci::ProgressMode::kAuto:
+        return ::isatty(STDERR_FILENO) != 0 ? Mode::kTty : Mode::kPlain;
+      case oci::ProgressMode::kTty:
+        return Mode::kTty;
+      case oci::ProgressMode::kPlain:
+        return Mode::kPlain;
+      case oci::ProgressMode::kNone:
+        break;
+    }
+    return Mode::kNone;
+  }
 
   void on_plan(const oci::PullState& state) override {
     std::lock_guard lock(mutex_);
