@@ -505,14 +505,14 @@ inline float combine(const float (&acc)[kLanes]) {
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-/// sum of x[j] - shift over j < n.
-inline float row_sum(const float* __restrict x, int n, float shift) {
+/// sum of x[j] over j < n.
+inline float row_sum(const float* __restrict x, int n) {
   float acc[kLanes] = {};
   int j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    for (int k = 0; k < kLanes; ++k) acc[k] += x[j + k] - shift;
+    for (int k = 0; k < kLanes; ++k) acc[k] += x[j + k];
   }
-  for (; j < n; ++j) acc[0] += x[j] - shift;
+  for (; j < n; ++j) acc[0] += x[j];
   return combine(acc);
 }
 
@@ -561,7 +561,7 @@ inline float row_max(const float* __restrict x, int n) {
 /// x[j] = e^(x[j] - max) for j < n; returns their sum.
 inline float exp_shifted(float* __restrict x, int n, float max) {
   for (int j = 0; j < n; ++j) x[j] = exp_nonpositive(x[j] - max);
-  return row_sum(x, n, 0.0f);
+  return row_sum(x, n);
 }
 
 CFMO_SIMD_CLONES
@@ -570,7 +570,7 @@ void layernorm_forward_kernel(float* __restrict y, float* __restrict stats, cons
   for (int r = 0; r < n; ++r) {
     const float* xr = x + static_cast<size_t>(r) * static_cast<size_t>(c);
     float* yr = y + static_cast<size_t>(r) * static_cast<size_t>(c);
-    const float mean = row_sum(xr, c, 0.0f) / static_cast<float>(c);
+    const float mean = row_sum(xr, c) / static_cast<float>(c);
     const float var = row_sum_squares(xr, c, mean);
     const float rstd = 1.0f / std::sqrt(var / static_cast<float>(c) + kLayerNormEps);
     for (int j = 0; j < c; ++j) yr[j] = (xr[j] - mean) * rstd * w[j] + b[j];
