@@ -301,10 +301,9 @@ void Gpt::forward_rows(const int32_t* tokens, int batch, int t, int stride) {
                            param(block_tensor(l, kLn1B)), rows, c);
     gpt::linear_forward(qkv, ln1, param(block_tensor(l, kAttnW)), param(block_tensor(l, kAttnB)), rows, c, 3 * c);
     gpt::attention_forward(attn, probs_.data() + ul * probs_slot, qkv, batch, t, c, spec_.heads);
-    // mid = in + attn c_proj: the residual added by a GEMM with beta 1.
-    std::copy(in, in + static_cast<size_t>(rows) * uc, mid);
+    // mid = (in + b) + attn c_proj: the residual and bias in one pass, the product added by a GEMM with beta 1.
+    gpt::add_rows(mid, in, param(block_tensor(l, kAttnProjB)), rows, c);
     ops::gemm(Trans::kNo, Trans::kNo, rows, c, c, 1.0f, attn, c, param(block_tensor(l, kAttnProjW)), c, 1.0f, mid, c);
-    ops::add_bias_rows(mid, param(block_tensor(l, kAttnProjB)), rows, c, false);
     gpt::layernorm_forward(ln2, ln2_stats_.data() + ul * n * 2, mid, param(block_tensor(l, kLn2W)),
                            param(block_tensor(l, kLn2B)), rows, c);
     if (MoeMlp* moe = moe_[ul].get()) {
@@ -316,10 +315,9 @@ void Gpt::forward_rows(const int32_t* tokens, int batch, int t, int stride) {
     float* gelu = gelu_.data() + slot * n * 4 * uc;
     gpt::linear_forward(fc, ln2, param(block_tensor(l, kFcW)), param(block_tensor(l, kFcB)), rows, c, 4 * c);
     gpt::gelu_forward(gelu, fc, static_cast<size_t>(rows) * 4 * uc);
-    std::copy(mid, mid + static_cast<size_t>(rows) * uc, out);
+    gpt::add_rows(out, mid, param(block_tensor(l, kFcProjB)), rows, c);
     ops::gemm(Trans::kNo, Trans::kNo, rows, c, 4 * c, 1.0f, gelu, 4 * c, param(block_tensor(l, kFcProjW)), c, 1.0f, out,
               c);
-    ops::add_bias_rows(out, param(block_tensor(l, kFcProjB)), rows, c, false);
   }
   const float* last = residual_.data() + static_cast<size_t>(spec_.layers) * n * uc;
   gpt::layernorm_forward(lnf_.data(), lnf_stats_.data(), last, param(ln_f()), param(ln_f() + 1), rows, c);
@@ -363,8 +361,8 @@ float Gpt::forward_backward(const Examples& batch) {
     const int32_t* window = batch.tokens + static_cast<size_t>(b) * static_cast<size_t>(t + 1);
     std::copy(window + 1, window + 1 + t, targets_.begin() + static_cast<ptrdiff_t>(b) * t);
   }
-  const double loss = softmax_cross_entropy(logits_.data(), targets_.data(), rows, spec_.vocab, logits_.data(),
-                                            1.0f / static_cast<float>(rows), nullptr);
+  const double loss =
+      gpt::cross_entropy_backward(logits_.data(), targets_.data(), rows, spec_.vocab, 1.0f / static_cast<float>(rows));
   // The auxiliary losses: each the mean over the MoE layers, times its coefficient.
   const int moe_layers = spec_.moe_layers();
   const float aux_weight = moe_layers > 0 ? static_cast<float>(moe_options_.aux_loss / moe_layers) : 0.0f;
@@ -395,9 +393,14 @@ float Gpt::forward_backward(const Examples& batch) {
             c);
   float* dx = d_stream_.data();  // d loss / d the residual stream, walking down
   std::fill(dx, dx + urows * uc, 0.0f);
+  // The bias gradient of the dense MLP's c_proj whose output is the stream
+  // below a LayerNorm: its backward sums dx's columns in the same pass.
+  auto mlp_proj_bias_grad = [&](int layer) {
+    return layer >= 0 && mlp_slot_[static_cast<size_t>(layer)] >= 0 ? grad(block_tensor(layer, kFcProjB)) : nullptr;
+  };
   gpt::layernorm_backward(dx, grad(ln_f()), grad(ln_f() + 1), d_norm_.data(),
                           residual_.data() + static_cast<size_t>(spec_.layers) * n * uc, param(ln_f()),
-                          lnf_stats_.data(), rows, c);
+                          lnf_stats_.data(), rows, c, mlp_proj_bias_grad(spec_.layers - 1));
   for (int l = spec_.layers - 1; l >= 0; --l) {
     const auto ul = static_cast<size_t>(l);
     const float* in = residual_.data() + ul * n * uc;
@@ -415,23 +418,26 @@ float Gpt::forward_backward(const Examples& batch) {
       const auto slot = static_cast<size_t>(mlp_slot_[ul]);
       const float* fc = fc_.data() + slot * n * 4 * uc;
       const float* gelu = gelu_.data() + slot * n * 4 * uc;
-      gpt::linear_backward(d_wide_.data(), grad(block_tensor(l, kFcProjW)), grad(block_tensor(l, kFcProjB)), dx, gelu,
+      // c_proj's bias gradient came with the LayerNorm backward above; c_fc's comes with GELU's.
+      gpt::linear_backward(d_wide_.data(), grad(block_tensor(l, kFcProjW)), nullptr, dx, gelu,
                            param(block_tensor(l, kFcProjW)), rows, 4 * c, c);
-      gpt::gelu_backward(d_wide_.data(), d_wide_.data(), fc, urows * 4 * uc);
-      gpt::linear_backward(d_norm_.data(), grad(block_tensor(l, kFcW)), grad(block_tensor(l, kFcB)), d_wide_.data(),
-                           ln2, param(block_tensor(l, kFcW)), rows, c, 4 * c);
+      gpt::gelu_backward(d_wide_.data(), grad(block_tensor(l, kFcB)), d_wide_.data(), fc, rows, 4 * c);
+      gpt::linear_backward(d_norm_.data(), grad(block_tensor(l, kFcW)), nullptr, d_wide_.data(), ln2,
+                           param(block_tensor(l, kFcW)), rows, c, 4 * c);
     }
     gpt::layernorm_backward(dx, grad(block_tensor(l, kLn2W)), grad(block_tensor(l, kLn2B)), d_norm_.data(), mid,
-                            param(block_tensor(l, kLn2W)), ln2_stats_.data() + ul * n * 2, rows, c);
-    // Attention: mid = in + attn(ln1(in)) W_proj + b; dx becomes d in.
-    gpt::linear_backward(d_attn_.data(), grad(block_tensor(l, kAttnProjW)), grad(block_tensor(l, kAttnProjB)), dx, attn,
+                            param(block_tensor(l, kLn2W)), ln2_stats_.data() + ul * n * 2, rows, c,
+                            grad(block_tensor(l, kAttnProjB)));
+    // Attention: mid = in + attn(ln1(in)) W_proj + b; dx becomes d in (d mid's column sums are b's gradient).
+    gpt::linear_backward(d_attn_.data(), grad(block_tensor(l, kAttnProjW)), nullptr, dx, attn,
                          param(block_tensor(l, kAttnProjW)), rows, c, c);
     gpt::attention_backward(d_qkv_.data(), d_scores_.data(), d_attn_.data(), qkv, probs_.data() + ul * probs_slot,
                             batch.count, t, c, spec_.heads);
     gpt::linear_backward(d_norm_.data(), grad(block_tensor(l, kAttnW)), grad(block_tensor(l, kAttnB)), d_qkv_.data(),
                          ln1, param(block_tensor(l, kAttnW)), rows, c, 3 * c);
     gpt::layernorm_backward(dx, grad(block_tensor(l, kLn1W)), grad(block_tensor(l, kLn1B)), d_norm_.data(), in,
-                            param(block_tensor(l, kLn1W)), ln1_stats_.data() + ul * n * 2, rows, c);
+                            param(block_tensor(l, kLn1W)), ln1_stats_.data() + ul * n * 2, rows, c,
+                            mlp_proj_bias_grad(l - 1));
   }
   // Embeddings: each position's gradient to its token's row and its position's row.
   float* dwte = grad(0);
@@ -455,82 +461,15 @@ namespace gpt {
 
 namespace {
 constexpr float kLayerNormEps = 1e-5f;
-}  // namespace
-
-void layernorm_forward(float* y, float* stats, const float* x, const float* w, const float* b, int n, int c) {
-  for (int r = 0; r < n; ++r) {
-    const float* xr = x + static_cast<size_t>(r) * static_cast<size_t>(c);
-    float* yr = y + static_cast<size_t>(r) * static_cast<size_t>(c);
-    float sum = 0;
-    for (int j = 0; j < c; ++j) sum += xr[j];
-    const float mean = sum / static_cast<float>(c);
-    float var = 0;
-    for (int j = 0; j < c; ++j) {
-      const float d = xr[j] - mean;
-      var += d * d;
-    }
-    const float rstd = 1.0f / std::sqrt(var / static_cast<float>(c) + kLayerNormEps);
-    for (int j = 0; j < c; ++j) yr[j] = (xr[j] - mean) * rstd * w[j] + b[j];
-    stats[2 * r] = mean;
-    stats[2 * r + 1] = rstd;
-  }
-}
-
-void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
-                        const float* stats, int n, int c) {
-  const float inv_c = 1.0f / static_cast<float>(c);
-  for (int r = 0; r < n; ++r) {
-    const float* xr = x + static_cast<size_t>(r) * static_cast<size_t>(c);
-    const float* dyr = dy + static_cast<size_t>(r) * static_cast<size_t>(c);
-    float* dxr = dx + static_cast<size_t>(r) * static_cast<size_t>(c);
-    const float mean = stats[2 * r];
-    const float rstd = stats[2 * r + 1];
-    // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w.
-    float sum_d = 0;
-    float sum_dx = 0;
-    for (int j = 0; j < c; ++j) {
-      const float xhat = (xr[j] - mean) * rstd;
-      const float d = dyr[j] * w[j];
-      sum_d += d;
-      sum_dx += d * xhat;
-      dw[j] += dyr[j] * xhat;
-      db[j] += dyr[j];
-    }
-    const float mean_d = sum_d * inv_c;
-    const float mean_dx = sum_dx * inv_c;
-    for (int j = 0; j < c; ++j) {
-      const float xhat = (xr[j] - mean) * rstd;
-      dxr[j] += rstd * (dyr[j] * w[j] - mean_d - xhat * mean_dx);
-    }
-  }
-}
-
-void linear_forward(float* y, const float* x, const float* w, const float* bias, int n, int in, int out) {
-  ops::gemm(Trans::kNo, Trans::kNo, n, out, in, 1.0f, x, in, w, out, 0.0f, y, out);
-  if (bias != nullptr) ops::add_bias_rows(y, bias, n, out, false);
-}
-
-void linear_backward(float* dx, float* dw, float* dbias, const float* dy, const float* x, const float* w, int n, int in,
-                     int out) {
-  if (dx != nullptr) ops::gemm(Trans::kNo, Trans::kYes, n, in, out, 1.0f, dy, out, w, out, 0.0f, dx, in);
-  ops::gemm(Trans::kYes, Trans::kNo, in, out, n, 1.0f, x, in, dy, out, 1.0f, dw, out);
-  if (dbias != nullptr) {
-    for (int r = 0; r < n; ++r) {
-      const float* row = dy + static_cast<size_t>(r) * static_cast<size_t>(out);
-      for (int j = 0; j < out; ++j) dbias[j] += row[j];
-    }
-  }
-}
-
-namespace {
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluCubic = 0.044715f;
 
 /// e^x for x <= 0 in float without a library call or a float comparison,
-/// so that the GELU loops vectorise on every ISA (libm's tanhf was a quarter
-/// of a step): the clamp at -87 is an integer min on the bits (a negative
-/// float's magnitude grows with its bits), then Cody-Waite reduction by ln 2
-/// and a degree-6 Taylor polynomial on |r| <= ln(2)/2, within about 2 ulp.
+/// so that the GELU and softmax loops vectorise on every ISA (libm's tanhf
+/// was a quarter of a step): the clamp at -87 is an integer min on the bits
+/// (a negative float's magnitude grows with its bits), then Cody-Waite
+/// reduction by ln 2 and a degree-6 Taylor polynomial on |r| <= ln(2)/2,
+/// within about 2 ulp.
 inline float exp_nonpositive(float x) {
   constexpr uint32_t kLowest = std::bit_cast<uint32_t>(-87.0f);
   const uint32_t bits = std::bit_cast<uint32_t>(x);
@@ -556,6 +495,149 @@ inline float tanh_inline(float u) {
   return std::copysign((1.0f - e) / (1.0f + e), u);
 }
 
+// Row reductions in kLanes partial results, so that they vectorise under
+// -ffp-contract=off without -ffast-math (a single float accumulator is a
+// chain of dependent scalar adds: the LayerNorms' and softmaxes' reductions
+// were scalar loops). Inlined into each SIMD clone of their callers.
+constexpr int kLanes = 8;
+
+inline float combine(const float (&acc)[kLanes]) {
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+/// sum of x[j] over j < n.
+inline float row_sum(const float* __restrict x, int n) {
+  float acc[kLanes] = {};
+  int j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) acc[k] += x[j + k];
+  }
+  for (; j < n; ++j) acc[0] += x[j];
+  return combine(acc);
+}
+
+/// sum of (x[j] - mean)^2 over j < n.
+inline float row_sum_squares(const float* __restrict x, int n, float mean) {
+  float acc[kLanes] = {};
+  int j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const float d = x[j + k] - mean;
+      acc[k] += d * d;
+    }
+  }
+  for (; j < n; ++j) {
+    const float d = x[j] - mean;
+    acc[0] += d * d;
+  }
+  return combine(acc);
+}
+
+/// sum of a[j] * b[j] over j < n.
+inline float row_dot(const float* __restrict a, const float* __restrict b, int n) {
+  float acc[kLanes] = {};
+  int j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) acc[k] += a[j + k] * b[j + k];
+  }
+  for (; j < n; ++j) acc[0] += a[j] * b[j];
+  return combine(acc);
+}
+
+/// max of x[j] over j < n (n >= 1).
+inline float row_max(const float* __restrict x, int n) {
+  float acc[kLanes];
+  for (float& a : acc) a = x[0];
+  int j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) acc[k] = acc[k] < x[j + k] ? x[j + k] : acc[k];
+  }
+  for (; j < n; ++j) acc[0] = acc[0] < x[j] ? x[j] : acc[0];
+  float m = acc[0];
+  for (int k = 1; k < kLanes; ++k) m = m < acc[k] ? acc[k] : m;
+  return m;
+}
+
+/// x[j] = e^(x[j] - max) for j < n; returns their sum.
+inline float exp_shifted(float* __restrict x, int n, float max) {
+  for (int j = 0; j < n; ++j) x[j] = exp_nonpositive(x[j] - max);
+  return row_sum(x, n);
+}
+
+CFMO_SIMD_CLONES
+void layernorm_forward_kernel(float* __restrict y, float* __restrict stats, const float* __restrict x,
+                              const float* __restrict w, const float* __restrict b, int n, int c) {
+  for (int r = 0; r < n; ++r) {
+    const float* xr = x + static_cast<size_t>(r) * static_cast<size_t>(c);
+    float* yr = y + static_cast<size_t>(r) * static_cast<size_t>(c);
+    const float mean = row_sum(xr, c) / static_cast<float>(c);
+    const float var = row_sum_squares(xr, c, mean);
+    const float rstd = 1.0f / std::sqrt(var / static_cast<float>(c) + kLayerNormEps);
+    for (int j = 0; j < c; ++j) yr[j] = (xr[j] - mean) * rstd * w[j] + b[j];
+    stats[2 * r] = mean;
+    stats[2 * r + 1] = rstd;
+  }
+}
+
+CFMO_SIMD_CLONES
+void layernorm_backward_kernel(float* __restrict dx, float* __restrict dw, float* __restrict db,
+                               const float* __restrict dy, const float* __restrict x, const float* __restrict w,
+                               const float* __restrict stats, int n, int c, float* __restrict dx_sums) {
+  const float inv_c = 1.0f / static_cast<float>(c);
+  for (int r = 0; r < n; ++r) {
+    const float* xr = x + static_cast<size_t>(r) * static_cast<size_t>(c);
+    const float* dyr = dy + static_cast<size_t>(r) * static_cast<size_t>(c);
+    float* dxr = dx + static_cast<size_t>(r) * static_cast<size_t>(c);
+    const float mean = stats[2 * r];
+    const float rstd = stats[2 * r + 1];
+    // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w.
+    float acc_d[kLanes] = {};
+    float acc_dx[kLanes] = {};
+    int j = 0;
+    for (; j + kLanes <= c; j += kLanes) {
+      for (int k = 0; k < kLanes; ++k) {
+        const float xhat = (xr[j + k] - mean) * rstd;
+        const float d = dyr[j + k] * w[j + k];
+        acc_d[k] += d;
+        acc_dx[k] += d * xhat;
+      }
+    }
+    for (; j < c; ++j) {
+      const float xhat = (xr[j] - mean) * rstd;
+      const float d = dyr[j] * w[j];
+      acc_d[0] += d;
+      acc_dx[0] += d * xhat;
+    }
+    for (j = 0; j < c; ++j) {
+      const float xhat = (xr[j] - mean) * rstd;
+      dw[j] += dyr[j] * xhat;
+      db[j] += dyr[j];
+    }
+    const float mean_d = combine(acc_d) * inv_c;
+    const float mean_dx = combine(acc_dx) * inv_c;
+    for (j = 0; j < c; ++j) {
+      const float xhat = (xr[j] - mean) * rstd;
+      dxr[j] += rstd * (dyr[j] * w[j] - mean_d - xhat * mean_dx);
+    }
+    if (dx_sums != nullptr) {
+      for (j = 0; j < c; ++j) dx_sums[j] += dxr[j];
+    }
+  }
+}
+
+CFMO_SIMD_CLONES
+void fill_rows_kernel(float* __restrict y, const float* __restrict x, const float* __restrict bias, int n, int c) {
+  for (int r = 0; r < n; ++r) {
+    float* yr = y + static_cast<size_t>(r) * static_cast<size_t>(c);
+    if (x == nullptr) {
+      for (int j = 0; j < c; ++j) yr[j] = bias[j];
+    } else {
+      const float* xr = x + static_cast<size_t>(r) * static_cast<size_t>(c);
+      for (int j = 0; j < c; ++j) yr[j] = xr[j] + bias[j];
+    }
+  }
+}
+
 CFMO_SIMD_CLONES
 void gelu_forward_kernel(float* __restrict y, const float* __restrict x, size_t n) {
   for (size_t i = 0; i < n; ++i) {
@@ -564,8 +646,7 @@ void gelu_forward_kernel(float* __restrict y, const float* __restrict x, size_t 
   }
 }
 
-CFMO_SIMD_CLONES
-void gelu_backward_kernel(float* dx, const float* dy, const float* x, size_t n) {
+inline void gelu_backward_span(float* dx, const float* dy, const float* x, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     const float v = x[i];
     const float th = tanh_inline(kGeluScale * (v + kGeluCubic * v * v * v));
@@ -573,10 +654,108 @@ void gelu_backward_kernel(float* dx, const float* dy, const float* x, size_t n) 
     dx[i] = dy[i] * (0.5f * (1.0f + th) + 0.5f * v * dth);
   }
 }
+
+CFMO_SIMD_CLONES
+void gelu_backward_kernel(float* dx, const float* dy, const float* x, size_t n) { gelu_backward_span(dx, dy, x, n); }
+
+/// gelu_backward over rows of `c`, each row's dx added to `sums` while in cache (the bias gradient).
+CFMO_SIMD_CLONES
+void gelu_backward_sums_kernel(float* dx, float* __restrict sums, const float* dy, const float* x, int n, int c) {
+  const auto uc = static_cast<size_t>(c);
+  for (int r = 0; r < n; ++r) {
+    const size_t at = static_cast<size_t>(r) * uc;
+    gelu_backward_span(dx + at, dy + at, x + at, uc);
+    const float* __restrict row = dx + at;
+    for (size_t j = 0; j < uc; ++j) sums[j] += row[j];
+  }
+}
+
+CFMO_SIMD_CLONES
+void column_sums_add_kernel(float* __restrict sums, const float* __restrict x, int n, int c) {
+  for (int r = 0; r < n; ++r) {
+    const float* xr = x + static_cast<size_t>(r) * static_cast<size_t>(c);
+    for (int j = 0; j < c; ++j) sums[j] += xr[j];
+  }
+}
+
+/// Softmax of rows [0, rb) of the block of scores `s` (row stride `ld`) whose
+/// row r sees keys 0..i0 + r, the rest up to i1 set to 0.
+CFMO_SIMD_CLONES
+void causal_softmax_kernel(float* s, size_t ld, int rb, int i0, int i1) {
+  for (int r = 0; r < rb; ++r) {
+    float* __restrict row = s + static_cast<size_t>(r) * ld;
+    const int visible = i0 + r + 1;
+    const float inv = 1.0f / exp_shifted(row, visible, row_max(row, visible));
+    for (int j = 0; j < visible; ++j) row[j] *= inv;
+    for (int j = visible; j < i1; ++j) row[j] = 0.0f;
+  }
+}
+
+/// dS = P * (dP - sum_j P dP) in place of dP over the block's visible keys, 0 after them.
+CFMO_SIMD_CLONES
+void causal_softmax_backward_kernel(float* ds, const float* p, size_t ld, int rb, int i0, int i1) {
+  for (int r = 0; r < rb; ++r) {
+    const float* __restrict prow = p + static_cast<size_t>(r) * ld;
+    float* __restrict row = ds + static_cast<size_t>(r) * ld;
+    const int visible = i0 + r + 1;
+    const float dot = row_dot(prow, row, visible);
+    for (int j = 0; j < visible; ++j) row[j] = prow[j] * (row[j] - dot);
+    for (int j = visible; j < i1; ++j) row[j] = 0.0f;
+  }
+}
+
+CFMO_SIMD_CLONES
+double cross_entropy_kernel(float* logits, const int32_t* targets, int rows, int vocab, float scale) {
+  double total = 0;
+  for (int r = 0; r < rows; ++r) {
+    float* __restrict row = logits + static_cast<size_t>(r) * static_cast<size_t>(vocab);
+    const int32_t label = targets[r];
+    const float max = row_max(row, vocab);
+    const float target = row[label] - max;
+    const float sum = exp_shifted(row, vocab, max);
+    total += std::log(static_cast<double>(sum)) - static_cast<double>(target);
+    const float k = scale / sum;
+    for (int j = 0; j < vocab; ++j) row[j] *= k;
+    row[label] -= scale;
+  }
+  return total;
+}
 }  // namespace
+
+void layernorm_forward(float* y, float* stats, const float* x, const float* w, const float* b, int n, int c) {
+  layernorm_forward_kernel(y, stats, x, w, b, n, c);
+}
+
+void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
+                        const float* stats, int n, int c, float* dx_sums) {
+  layernorm_backward_kernel(dx, dw, db, dy, x, w, stats, n, c, dx_sums);
+}
+
+void add_rows(float* y, const float* x, const float* bias, int n, int c) { fill_rows_kernel(y, x, bias, n, c); }
+
+void linear_forward(float* y, const float* x, const float* w, const float* bias, int n, int in, int out) {
+  // The bias first and the product added to it (beta 1): OpenBLAS's beta 0
+  // is a pass zeroing y, and a bias added after would be a second one.
+  if (bias != nullptr) fill_rows_kernel(y, nullptr, bias, n, out);
+  ops::gemm(Trans::kNo, Trans::kNo, n, out, in, 1.0f, x, in, w, out, bias != nullptr ? 1.0f : 0.0f, y, out);
+}
+
+void linear_backward(float* dx, float* dw, float* dbias, const float* dy, const float* x, const float* w, int n, int in,
+                     int out) {
+  if (dx != nullptr) ops::gemm(Trans::kNo, Trans::kYes, n, in, out, 1.0f, dy, out, w, out, 0.0f, dx, in);
+  ops::gemm(Trans::kYes, Trans::kNo, in, out, n, 1.0f, x, in, dy, out, 1.0f, dw, out);
+  if (dbias != nullptr) column_sums_add_kernel(dbias, dy, n, out);
+}
 
 void gelu_forward(float* y, const float* x, size_t n) { gelu_forward_kernel(y, x, n); }
 void gelu_backward(float* dx, const float* dy, const float* x, size_t n) { gelu_backward_kernel(dx, dy, x, n); }
+void gelu_backward(float* dx, float* dbias, const float* dy, const float* x, int n, int c) {
+  gelu_backward_sums_kernel(dx, dbias, dy, x, n, c);
+}
+
+double cross_entropy_backward(float* logits, const int32_t* targets, int rows, int vocab, float scale) {
+  return cross_entropy_kernel(logits, targets, rows, vocab, scale);
+}
 
 void attention_forward(float* out, float* probs, const float* qkv, int batch, int t, int c, int heads) {
   const int hs = c / heads;
@@ -597,20 +776,7 @@ void attention_forward(float* out, float* probs, const float* qkv, int batch, in
         // Scores of the block's queries against the keys up to its last row only.
         ops::gemm(Trans::kNo, Trans::kYes, rb, i1, hs, scale, q + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld,
                   k, ld, 0.0f, s, t);
-        for (int r = 0; r < rb; ++r) {
-          float* row = s + static_cast<size_t>(r) * ut;
-          const int last = i0 + r;  // keys 0..last are visible
-          float max = row[0];
-          for (int j = 1; j <= last; ++j) max = std::max(max, row[j]);
-          float sum = 0;
-          for (int j = 0; j <= last; ++j) {
-            row[j] = std::exp(row[j] - max);
-            sum += row[j];
-          }
-          const float inv = 1.0f / sum;
-          for (int j = 0; j <= last; ++j) row[j] *= inv;
-          for (int j = last + 1; j < i1; ++j) row[j] = 0.0f;
-        }
+        causal_softmax_kernel(s, ut, rb, i0, i1);
         ops::gemm(Trans::kNo, Trans::kNo, rb, hs, i1, 1.0f, s, t, v, ld, 0.0f,
                   o + static_cast<size_t>(i0) * static_cast<size_t>(c), c);
       }
@@ -624,7 +790,7 @@ void attention_backward(float* dqkv, float* scratch, const float* dout, const fl
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const int ld = 3 * c;
   const auto ut = static_cast<size_t>(t);
-  std::fill(dqkv, dqkv + static_cast<size_t>(batch) * ut * static_cast<size_t>(ld), 0.0f);
+  const int last_block = (t - 1) / kAttentionBlock * kAttentionBlock;
   for (int b = 0; b < batch; ++b) {
     for (int h = 0; h < heads; ++h) {
       const size_t base = static_cast<size_t>(b) * ut * static_cast<size_t>(ld) + static_cast<size_t>(h * hs);
@@ -636,30 +802,24 @@ void attention_backward(float* dqkv, float* scratch, const float* dout, const fl
       float* dv = dq + 2 * c;
       const float* p = probs + (static_cast<size_t>(b) * static_cast<size_t>(heads) + static_cast<size_t>(h)) * ut * ut;
       const float* d_o = dout + static_cast<size_t>(b) * ut * static_cast<size_t>(c) + static_cast<size_t>(h * hs);
-      for (int i0 = 0; i0 < t; i0 += kAttentionBlock) {
+      // The last block first: it sees every key, so its dK and dV products
+      // overwrite (beta 0) and the earlier blocks' add, with no zeroing pass.
+      for (int i0 = last_block; i0 >= 0; i0 -= kAttentionBlock) {
         const int i1 = std::min(t, i0 + kAttentionBlock);
         const int rb = i1 - i0;
+        const float beta = i0 == last_block ? 0.0f : 1.0f;
         const float* pb = p + static_cast<size_t>(i0) * ut;
         const float* dob = d_o + static_cast<size_t>(i0) * static_cast<size_t>(c);
         float* ds = scratch;
         // dP = dO V^T; dV += P^T dO (keys up to the block's last row).
         ops::gemm(Trans::kNo, Trans::kYes, rb, i1, hs, 1.0f, dob, c, v, ld, 0.0f, ds, t);
-        ops::gemm(Trans::kYes, Trans::kNo, i1, hs, rb, 1.0f, pb, t, dob, c, 1.0f, dv, ld);
-        // Softmax backward: dS = P * (dP - sum_j P dP).
-        for (int r = 0; r < rb; ++r) {
-          const float* prow = pb + static_cast<size_t>(r) * ut;
-          float* row = ds + static_cast<size_t>(r) * ut;
-          const int last = i0 + r;
-          float dot = 0;
-          for (int j = 0; j <= last; ++j) dot += prow[j] * row[j];
-          for (int j = 0; j <= last; ++j) row[j] = prow[j] * (row[j] - dot);
-          for (int j = last + 1; j < i1; ++j) row[j] = 0.0f;
-        }
+        ops::gemm(Trans::kYes, Trans::kNo, i1, hs, rb, 1.0f, pb, t, dob, c, beta, dv, ld);
+        causal_softmax_backward_kernel(ds, pb, ut, rb, i0, i1);
         // dQ = scale dS K; dK += scale dS^T Q.
         ops::gemm(Trans::kNo, Trans::kNo, rb, hs, i1, scale, ds, t, k, ld, 0.0f,
                   dq + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld);
         ops::gemm(Trans::kYes, Trans::kNo, i1, hs, rb, scale, ds, t,
-                  q + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld, 1.0f, dk, ld);
+                  q + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld, beta, dk, ld);
       }
     }
   }

@@ -156,8 +156,12 @@ namespace gpt {
 
 /// y = (x - mean) * rstd * w + b over rows of `c`; stats [n, 2] receives mean and rstd.
 void layernorm_forward(float* y, float* stats, const float* x, const float* w, const float* b, int n, int c);
+/// `dx_sums` (may be null) += the column sums of dx after the update: the
+/// bias gradient of the projection that wrote x's residual, in the same pass.
 void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
-                        const float* stats, int n, int c);
+                        const float* stats, int n, int c, float* dx_sums = nullptr);
+/// y = x + bias over rows of `c` (x null: y = bias), for a product then added with beta 1.
+void add_rows(float* y, const float* x, const float* bias, int n, int c);
 /// y = x W + bias for x [n, in], W [in, out] (bias may be null).
 void linear_forward(float* y, const float* x, const float* w, const float* bias, int n, int in, int out);
 /// dx (overwritten; may be null) = dy W^T, dW += x^T dy, dbias += column sums of dy.
@@ -167,6 +171,13 @@ void linear_backward(float* dx, float* dw, float* dbias, const float* dy, const 
 void gelu_forward(float* y, const float* x, size_t n);
 /// dx = dy * gelu'(x) (overwritten).
 void gelu_backward(float* dx, const float* dy, const float* x, size_t n);
+/// The same over n rows of `c`, each row's dx also added to `dbias` (the bias gradient of x's linear).
+void gelu_backward(float* dx, float* dbias, const float* dy, const float* x, int n, int c);
+/// Cross-entropy of `logits` [rows, vocab] against `targets`, in float with a
+/// vectorised exp (the training step's; evaluation keeps the double-precision
+/// softmax_cross_entropy): returns the summed loss, leaves d(loss * scale) / d
+/// logits in place of the logits.
+double cross_entropy_backward(float* logits, const int32_t* targets, int rows, int vocab, float scale);
 /// Causal self-attention of qkv [batch * t, 3C] (q, k, v side by side, heads
 /// of C/H within each) into out [batch * t, C]; probs [batch, heads, t, t]
 /// keeps the weights (the masked upper triangle is left unwritten).
