@@ -1,6 +1,8 @@
 // Mode localsgd (Local SGD / DiLoCo): H local steps, then a blocking
 // all-reduce of the deltas against the shared global parameters and an
-// outer step.
+// outer step. The sum goes through an ElasticGroup: a lost worker leaves
+// the group, and the others average their deltas without it.
+#include "train/modes/elastic_group.h"
 #include "train/modes/lockstep.h"
 #include "train/modes/outer_optimizer.h"
 #include "train/modes/timing.h"
@@ -15,7 +17,11 @@ class LocalSgdMode final : public LockstepMode {
  public:
   LocalSgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
                const ModeResume& resume)
-      : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), outer_(settings, initial.size(), 1) {
+      : settings_(settings),
+        comm_(comm),
+        global_(initial.begin(), initial.end()),
+        outer_(settings, initial.size(), 1),
+        group_(comm, channels::kElastic, settings.peer_timeout_s) {
     if (resume.outer_momentum.size() == outer_.momentum().size()) {
       std::copy(resume.outer_momentum.begin(), resume.outer_momentum.end(), outer_.momentum().begin());
     }
@@ -38,6 +44,9 @@ class LocalSgdMode final : public LockstepMode {
     return since_sync_ != 0 ? reconcile(params) : Status{};
   }
   ModeStats stats() const override { return stats_; }
+  bool survives_losses() const override { return true; }
+  int keeper() const override { return first_live(comm_, group_.members()); }
+  std::vector<int> members() const override { return group_.members(); }
 
  private:
   Status reconcile(std::span<float> params) {
@@ -50,11 +59,12 @@ class LocalSgdMode final : public LockstepMode {
     }
     vote_.write(delta_.data() + params.size());
     const auto start = Clock::now();
-    Status status = comm_.all_reduce_sum(delta_);
+    Status status = group_.all_reduce_sum(delta_);
     stats_.wait_s += seconds_since(start);
     CFMO_TRY(status);
     vote_.read(delta_.data() + params.size());
-    outer_.apply(global_, std::span<const float>(delta_).first(params.size()), 1.0f / static_cast<float>(comm_.size()));
+    const auto members = static_cast<float>(group_.members().size());
+    outer_.apply(global_, std::span<const float>(delta_).first(params.size()), 1.0f / members);
     std::copy(global_.begin(), global_.end(), params.begin());
     ++stats_.rounds;
     since_sync_ = 0;
@@ -69,6 +79,7 @@ class LocalSgdMode final : public LockstepMode {
   int64_t since_sync_ = 0;
   int64_t last_step_ = 0;
   ModeStats stats_;
+  ElasticGroup group_;
 };
 
 }  // namespace
