@@ -296,7 +296,7 @@ TEST(CfmoProtocol, ALostRankDoesNotStopTheOthers) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
-  // The survivors go on: their rounds skip the lost owner, and their deltas to the others still arrive.
+  // The survivors go on: the lost owner's shard goes to its backup, and their deltas to the others still arrive.
   for (int step = 2; step <= 4; ++step) {
     for (int r : {0, 1}) {
       for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += 0.125f;
@@ -512,6 +512,51 @@ TEST(CfmoFailover, TwoLossesOneAfterTheOtherLoseNoShard) {
   for (size_t i = 0; i < kSize; ++i) {
     EXPECT_NEAR(final_state->params[i], expected_global(i, 4, {3, 2}, 0.125f), 1e-5f) << i;
   }
+}
+
+// A rank cut off (silenced: it finds every other rank lost, as they find it)
+// must not go on as a run of its own: only a majority goes on, or half with
+// the lowest rank.
+TEST(CfmoFailover, ARankCutOffFromTheOthersStopsAndTheMajorityGoesOn) {
+  auto settings = settings_for("cfmo");
+  Cluster c(3, settings, {.peer_timeout_s = 0.05});
+  first_round(c, 3);
+  c.world.network->silence(2);
+  for (int r : {0, 1, 2}) {
+    while (c.world.ranks[static_cast<size_t>(r)]->lost_ranks().size() < (r == 2 ? 2u : 1u)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  const Status alone = c.step(2, 2);
+  ASSERT_FALSE(alone);
+  EXPECT_EQ(alone.error().kind, ErrorKind::kPeer);
+  EXPECT_NE(alone.error().message.find("rank 2 is cut off: 2 of the 3 ranks"), std::string::npos)
+      << alone.error().message;
+  EXPECT_TRUE(c.step(0, 2));
+  EXPECT_TRUE(c.step(1, 2));
+}
+
+TEST(CfmoFailover, OfTwoWorkersRankZeroGoesOnAlone) {
+  Cluster c(2, settings_for("cfmo"), {.peer_timeout_s = 0.05});
+  first_round(c, 2);
+  c.world.network->silence(1);
+  for (int r : {0, 1}) {
+    while (c.world.ranks[static_cast<size_t>(r)]->lost_ranks().empty()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  EXPECT_TRUE(c.step(0, 2));
+  EXPECT_FALSE(c.step(1, 2));
+}
+
+TEST(ElasticSyncProtocol, ARankCutOffFromTheOthersStops) {
+  Cluster c(3, elastic_sync(), {.peer_timeout_s = 0.05});
+  c.world.network->silence(0);
+  while (c.world.ranks[0]->lost_ranks().size() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::vector<float> grads(kSize, 1.0f);
+  const Status alone = c.mode(0).on_gradients(grads, 1, 0.1f);
+  ASSERT_FALSE(alone);
+  EXPECT_NE(alone.error().message.find("rank 0 is cut off"), std::string::npos) << alone.error().message;
 }
 
 TEST(AsgdProtocol, OwnersApplyEveryGradientAndWorkersTakeTheFreshShards) {

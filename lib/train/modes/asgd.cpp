@@ -70,7 +70,7 @@ class AsgdMode final : public AsyncMode {
   Status after_step(const TrainPosition& position, std::span<float> params, Optimizer&) override {
     if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
       report_progress(position);
-      return {};
+      return cut_off();
     }
     for (auto& f : take_inbox()) apply(f, params);
     // Bounded staleness (SSP): with more than max_staleness rounds of pushes
@@ -86,10 +86,11 @@ class AsgdMode final : public AsyncMode {
       stats_.wait_s += seconds_since(start);
     }
     report_progress(position);
-    return {};
+    return cut_off();
   }
 
   Status finish(std::span<float> params, Optimizer&) override {
+    CFMO_TRY(cut_off());
     const auto start = Clock::now();
     drain_replies(start + seconds(settings_.peer_timeout_s), [&](Fresh& f) { apply(f, params); });
     count_finish_wait(start);

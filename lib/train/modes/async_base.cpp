@@ -1,5 +1,6 @@
 #include "train/modes/async_base.h"
 
+#include "train/modes/quorum.h"
 #include "train/modes/wire.h"
 
 namespace cfmo::modes {
@@ -110,6 +111,10 @@ void AsyncMode::refresh_membership() {
   const auto lost = comm_.lost_ranks();
   std::lock_guard lock(mutex_);
   if (lost.size() == lost_count_) return;  // the lost ranks only grow
+  std::vector<int> before;
+  for (int r = 0; r < comm_.size(); ++r) {
+    if (!lost_locked(r)) before.push_back(r);
+  }
   std::vector<int> newly;
   for (const int r : lost) {
     if (r == comm_.rank() || lost_[static_cast<size_t>(r)]) continue;
@@ -117,7 +122,21 @@ void AsyncMode::refresh_membership() {
     newly.push_back(r);
   }
   lost_count_ = lost.size();
-  if (!newly.empty()) on_membership_change_locked(newly);
+  if (newly.empty()) return;
+  std::vector<int> after;
+  for (int r = 0; r < comm_.size(); ++r) {
+    if (!lost_locked(r)) after.push_back(r);
+  }
+  if (Status quorum = check_quorum(comm_.rank(), before, after); !quorum && cut_off_.message.empty()) {
+    cut_off_ = quorum.error();
+  }
+  on_membership_change_locked(newly);
+}
+
+Status AsyncMode::cut_off() const {
+  std::lock_guard lock(mutex_);
+  if (cut_off_.message.empty()) return {};
+  return cut_off_;
 }
 
 bool AsyncMode::request_snapshot() {
@@ -209,6 +228,7 @@ Status AsyncMode::end_handshake(std::span<float> params) {
   bool keeping = false;
   while (Clock::now() < deadline) {
     refresh_membership();
+    CFMO_TRY(cut_off());
     std::vector<std::byte> out;
     int keeper = 0;
     {

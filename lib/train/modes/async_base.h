@@ -132,6 +132,9 @@ class AsyncMode : public Mode {
   /// Under mutex_, after `newly_lost` were lost: a replicated mode moves the
   /// shards (promotes its replicas, refreshes its backups).
   virtual void on_membership_change_locked(const std::vector<int>& /*newly_lost*/) {}
+  /// The error this rank ends with when a loss left it on the losing side
+  /// (train/modes/quorum.h): then it must not go on; ok otherwise.
+  Status cut_off() const;
 
   void record_staleness(int64_t s, bool dropped) {
     std::lock_guard lock(mutex_);
@@ -266,6 +269,7 @@ class AsyncMode : public Mode {
   std::atomic<bool> stop_{false};
   std::vector<bool> done_from_;
   std::vector<bool> lost_;                   ///< the lost ranks as refresh_membership last saw them
+  Error cut_off_{ErrorKind::kPeer, {}};      ///< see cut_off(); empty message: not cut off
   size_t lost_count_ = 0;                    ///< how many
   std::vector<TrainPosition> progress_;      ///< keeper and standby: each rank's last reported position
   std::vector<int64_t> start_samples_;       ///< each rank's samples when this run started

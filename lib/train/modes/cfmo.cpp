@@ -59,10 +59,11 @@ class CfmoMode final : public AsyncMode {
     last_step_ = position.step;
     if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
       report_progress(position);
-      return {};
+      return cut_off();
     }
     for (auto& f : take_inbox()) rebase(f, params, optimizer);
     report_progress(position);
+    CFMO_TRY(cut_off());
     if (position.step % settings_.sync_interval != 0) return {};
     // Shards whose last delta is still in flight wait for the next round; the
     // others go now: a slow owner never holds back the rest, nobody waits.
@@ -71,6 +72,7 @@ class CfmoMode final : public AsyncMode {
   }
 
   Status finish(std::span<float> params, Optimizer& optimizer) override {
+    CFMO_TRY(cut_off());
     const auto start = Clock::now();
     const auto deadline = start + seconds(settings_.peer_timeout_s);
     auto apply = [&](Fresh& f) { rebase(f, params, optimizer); };

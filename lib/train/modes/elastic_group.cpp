@@ -1,5 +1,6 @@
 #include "train/modes/elastic_group.h"
 
+#include "train/modes/quorum.h"
 #include "train/modes/timing.h"
 #include "train/modes/wire.h"
 
@@ -215,6 +216,7 @@ Result<bool> ElasticGroup::reform(std::span<float> data) {
   for (;;) {
     if (expired()) return too_late();
     const auto live = live_members();
+    CFMO_TRY(check_quorum(me, members_, live));
     const int leader = live.front();
     if (leader != me) {
       send(leader, kJoin, epoch, seq_, has_last_ ? std::span<const float>(last_) : std::span<const float>(), has_last_);
