@@ -64,6 +64,7 @@ struct ModeSettings {
   WireDtype delta_dtype = WireDtype::kBf16;
   int64_t sample_budget = 0;  ///< async modes: stop when all workers together saw this many (0: no budget)
   double peer_timeout_s = 10;
+  bool elastic = false;  ///< sync, localsgd: a lost worker leaves the group, the others go on
   /// Called at each reconciliation (localsgd, cfmo) with this rank's delta
   /// against its global base, on the training thread; empty: not called.
   std::function<void(int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
@@ -141,7 +142,7 @@ class Mode {
   /// interrupted, else "time-limit"), the same on every rank; empty otherwise.
   virtual std::string agreed_reason() const { return {}; }
   /// After the loop: the last reconciliation and the end handshake. Leaves the
-  /// global parameters in `params` on rank 0 (on every rank for sync and localsgd).
+  /// global parameters in `params` on the keeper (on every rank for sync and localsgd).
   virtual Status finish(std::span<float> /*params*/, Optimizer& /*optimizer*/) { return {}; }
   /// True when this rank's parameters are the global ones now (after
   /// after_step): always in sync, right after a round in localsgd, never in
@@ -150,22 +151,35 @@ class Mode {
   /// The outer momentum over the whole vector where this rank holds it
   /// (localsgd with nesterov); empty otherwise.
   virtual std::span<const float> outer_momentum() const { return {}; }
-  /// cfmo and asgd, rank 0: asks every owner for its shard (and its owner
+  /// cfmo and asgd, the keeper: asks every owner for its shard (and its owner
   /// state) without waiting; a request supersedes one not yet answered.
   /// False where the mode has no owners.
   virtual bool request_snapshot() { return false; }
-  /// Rank 0: the global state assembled from every live owner's answer to the
+  /// The keeper: the global state assembled from every live owner's answer to the
   /// last request, once complete (then only once); every shard is as its
   /// owner held it when the request arrived.
   virtual std::optional<GlobalState> take_snapshot() { return std::nullopt; }
-  /// cfmo and asgd, rank 0, after finish: the global state at the end (the
+  /// cfmo and asgd, the keeper, after finish: the global state at the end (the
   /// parameters finish left in `params`, with the owners' state and the
   /// ranks' final positions).
   virtual std::optional<GlobalState> final_state() { return std::nullopt; }
   virtual ModeStats stats() const { return {}; }
-  /// cfmo and asgd, rank 0: the samples `rank` trained in this run up to its
-  /// last contribution that reached rank 0 (what a lost rank adds to the run).
+  /// cfmo and asgd, the keeper: the samples `rank` trained in this run up to
+  /// its last contribution that reached the keeper (what a lost rank adds to the run).
   virtual int64_t reconciled_samples(int /*rank*/) const { return 0; }
+  /// The rank that keeps the budget and writes the checkpoints, the final
+  /// model and the summary: rank 0, or in cfmo and asgd the lowest live rank
+  /// (it moves when rank 0 is lost).
+  virtual int keeper() const { return 0; }
+  /// cfmo, after `rank` was lost: the rank that serves its shard of the global
+  /// parameters now; -1 where nobody does (other modes, asgd).
+  virtual int shard_served_by(int /*rank*/) const { return -1; }
+  /// True when the others go on without a lost worker (cfmo, asgd, localsgd,
+  /// sync with --elastic); false when a loss ends the run (exit status 4).
+  virtual bool survives_losses() const { return false; }
+  /// Lockstep modes that survive losses: the workers of the group now, in
+  /// rank order (the trainer's shares of a global batch); empty: every rank.
+  virtual std::vector<int> members() const { return {}; }
 };
 
 /// What the trainer needs to know of a mode with several workers, before

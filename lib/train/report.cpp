@@ -66,6 +66,15 @@ std::string TrainSummary::to_json() const {
   auto null_or = [](const std::string& v) {
     return v.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v);
   };
+  nlohmann::ordered_json lost_json = nlohmann::ordered_json::array();
+  for (const auto& l : lost) {
+    lost_json.push_back(
+        {{"rank", l.rank},
+         {"step", l.step},
+         {"wall_s", l.wall_s},
+         {"why", l.why},
+         {"served_by", l.served_by < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(l.served_by)}});
+  }
   nlohmann::ordered_json slowdowns = nlohmann::ordered_json::object();
   for (const auto& item : slowdown) {
     const auto eq = item.find('=');
@@ -104,6 +113,7 @@ std::string TrainSummary::to_json() const {
       {"bytes_sent", bytes_sent},
       {"stopped_by", stopped_by},
       {"lost_ranks", lost_ranks},
+      {"lost", lost_json},
       {"settings",
        {{"sync_interval", mode_settings.sync_interval},
         {"staleness_discount", mode_settings.staleness_discount},
@@ -147,7 +157,15 @@ std::string summary_text(const TrainSummary& s) {
                      w.bytes_sent, w.contributions_dropped,
                      w.slowdown > 1 ? fmt::format(", simulated {}x slower", w.slowdown) : "");
     }
-    for (int r : s.lost_ranks) fmt::format_to(out, "  rank {}: lost during the run\n", r);
+    for (int r : s.lost_ranks) {
+      const auto l = std::find_if(s.lost.begin(), s.lost.end(), [r](const LostRank& x) { return x.rank == r; });
+      if (l == s.lost.end()) {
+        fmt::format_to(out, "  rank {}: lost during the run\n", r);
+      } else {
+        fmt::format_to(out, "  rank {}: lost at step {}, {:.1f}s into the run ({}){}\n", r, l->step, l->wall_s, l->why,
+                       l->served_by >= 0 ? fmt::format(", its shard served by rank {}", l->served_by) : "");
+      }
+    }
   }
   if (!s.slowdown.empty() || !s.straggler.empty()) {
     fmt::format_to(out, "heterogeneity was simulated (sleeps after steps):{}{}\n",

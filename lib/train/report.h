@@ -42,6 +42,15 @@ struct WorkerReport {
   static Result<WorkerReport> from_json(std::string_view text);
 };
 
+/// A rank this one found lost during the run: when, and what became of its shard.
+struct LostRank {
+  int rank = 0;
+  int64_t step = 0;    ///< this rank's step when it noticed
+  double wall_s = 0;   ///< seconds since this rank's start when it noticed
+  std::string why;     ///< the transport's reason, e.g. "no message for 10.0s"
+  int served_by = -1;  ///< cfmo: the rank serving its shard now; -1 where none does
+};
+
 struct TrainSummary {
   std::string mode;
   int workers = 1;
@@ -78,9 +87,11 @@ struct TrainSummary {
   std::string run_dir;
   std::string resumed_from;
   std::vector<WorkerReport> per_worker;
-  int rank = 0;           ///< the rank that made this summary (only rank 0's is complete)
+  int rank = 0;           ///< the rank that made this summary (only the keeper's is complete)
+  int keeper = 0;         ///< the rank that kept the run: rank 0, or the lowest live rank in cfmo and asgd
   double efficiency = 0;  ///< total samples/s over the sum of the workers' solo samples/s
   std::vector<int> lost_ranks;
+  std::vector<LostRank> lost;  ///< the same ranks, as this rank noticed each
   ModeSettings mode_settings;
   std::vector<std::string> slowdown;
   std::string straggler;

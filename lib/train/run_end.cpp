@@ -24,8 +24,13 @@ Result<TrainSummary> TrainingRun::finish() {
   }
   const WorkerReport own = own_report(mode_stats, deltas_written, deltas_skipped);
   summary.per_worker.push_back(own);
+  keeper = mode->keeper();
+  summary.keeper = keeper;
   CFMO_TRY(gather_reports(own));
-  if (rank == 0) CFMO_TRY(write_final_outputs());
+  if (rank == keeper) {
+    take_up_keeping();
+    CFMO_TRY(write_final_outputs());
+  }
   add_totals();
   return summary;
 }
@@ -34,8 +39,9 @@ Status TrainingRun::last_reconciliation() {
   // Afterwards rank 0 holds the global parameters.
   CFMO_ASSIGN_OR_RETURN(auto params, engine->host_parameters());
   const Status finished = mode->finish(params, engine->mode_optimizer());
-  announce_lost();
+  const Status announced_now = announce_lost();
   CFMO_TRY(finished);
+  CFMO_TRY(announced_now);
   CFMO_TRY(engine->parameters_changed());  // the evaluation below runs where the engine is
   return sync_host();
 }
@@ -74,7 +80,7 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
   if (comm == nullptr || world <= 1) return {};
   std::mutex reports_mutex;
   std::vector<WorkerReport> reports;
-  if (rank == 0) {
+  if (rank == keeper) {
     comm->on_message(channels::kReport, [&](int, std::span<const std::byte> payload) {
       auto report =
           WorkerReport::from_json(std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
@@ -98,13 +104,13 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
               [](const WorkerReport& a, const WorkerReport& b) { return a.rank < b.rank; });
   } else {
     const std::string text = own.to_json();
-    comm->post(0, channels::kReport,
+    comm->post(keeper, channels::kReport,
                std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
                                       reinterpret_cast<const std::byte*>(text.data()) + text.size()));
   }
   summary.lost_ranks = comm->lost_ranks();
-  announce_lost();
-  if (!async) CFMO_TRY(comm->health());
+  CFMO_TRY(announce_lost());
+  if (!mode->survives_losses()) CFMO_TRY(comm->health());
   return {};
 }
 

@@ -45,7 +45,7 @@ Status TrainingRun::run_loop() {
 }
 
 Result<bool> TrainingRun::should_stop() {
-  announce_lost();
+  CFMO_TRY(announce_lost());
   if (pos.step >= step_limit) {
     stopped_by = config.steps > 0 && pos.step >= config.steps ? "steps"
                  : token_steps > 0 && pos.step >= token_steps ? "tokens"
@@ -75,29 +75,37 @@ Result<bool> TrainingRun::should_stop() {
     }
     return true;
   }
-  if (async && rank != 0 && comm->health().has_value() == false) {
-    const auto lost = comm->lost_ranks();
-    if (std::find(lost.begin(), lost.end(), 0) != lost.end()) {
-      // With the root cause's kind: a rank 0 that failed on its own passed it on as it left.
-      const Error cause = comm->health().error();
-      return make_error(cause.kind, "rank 0, which keeps the run's budget, is lost: {}", cause.message);
-    }
-  }
+  // A lost rank 0 no longer ends the asynchronous modes: the budget, the
+  // checkpoints and the final model move to the lowest live rank.
   return false;
 }
 
 Status TrainingRun::train_step() {
   // An indexed set is walked in each epoch's shuffled order; sampled windows come from the step.
+  // This worker's share of the global batch: its rank's slice, or, with
+  // --keep-global-batch once workers were lost, its slice of the batch cut
+  // among the workers left.
+  int share = batch;
+  int64_t slot = rank;
+  if (config.keep_global_batch) {
+    const auto members = mode->members();
+    if (!members.empty() && static_cast<int>(members.size()) < world) {
+      const auto left = static_cast<int64_t>(members.size());
+      share = static_cast<int>((global_batch + left - 1) / left);
+      slot = std::find(members.begin(), members.end(), rank) - members.begin();
+    }
+  }
   BatchRequest request;
   request.step = pos.step;
-  request.count = batch;
+  request.count = share;
   if (source->indexed()) {
     if (order_epoch != pos.epoch) {
       order = epoch_order(static_cast<uint64_t>(config.seed), pos.epoch, train_examples);
       order_epoch = pos.epoch;
     }
-    const int64_t first = pos.batch_in_epoch * global_batch + static_cast<int64_t>(rank) * batch;
-    request.count = static_cast<int>(std::clamp<int64_t>(train_examples - first, 0, batch));
+    const int64_t first = pos.batch_in_epoch * global_batch + slot * share;
+    const int64_t end = std::min(train_examples, (pos.batch_in_epoch + 1) * global_batch);
+    request.count = static_cast<int>(std::clamp<int64_t>(end - first, 0, share));
     if (request.count > 0) {
       request.indices =
           std::span<const int64_t>(order).subspan(static_cast<size_t>(first), static_cast<size_t>(request.count));
@@ -234,13 +242,18 @@ Status TrainingRun::at_step_end() {
   if (pos.batch_in_epoch == batches_per_epoch) {
     ++pos.epoch;
     pos.batch_in_epoch = 0;
-    if (rank == 0 && (world == 1 || traits.evaluates_mid_run)) {
+    if (rank == mode->keeper() && (world == 1 || traits.evaluates_mid_run)) {
       CFMO_TRY(evaluate(false));
       last_eval_step = pos.step;
     }
+    take_up_keeping();
     checkpoint_due = checkpoints;
   } else if (checkpoints && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
     checkpoint_due = true;
+  }
+  if (async && !checkpoints && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
+    take_up_keeping();
+    checkpoint_due = checkpoints;
   }
   // The checkpoint policy: at once where this rank's parameters are the
   // global ones, else a snapshot asked of the owners and written when whole.

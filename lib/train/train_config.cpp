@@ -84,6 +84,11 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         "simulate stragglers: P:FACTOR, any step takes FACTOR times as long with probability P", dist);
   t.add("rendezvous", &c.rendezvous, "host:port where rank 0 listens (default: $CFMO_RENDEZVOUS)", dist);
   t.add("peer_timeout", &c.peer_timeout, "seconds of silence after which a peer is lost", dist);
+  t.add("elastic", &c.elastic,
+        "sync, localsgd: the workers left re-form the group without a lost one and go on (cfmo and asgd always do)",
+        dist);
+  t.add("keep_global_batch", &c.keep_global_batch,
+        "sync --elastic: the workers left raise their batch to keep the global batch a lost worker shrank", dist);
 
   const std::string output = "Output";
   t.add("log_every", &c.log_every, "log a metrics line every N steps", output);
@@ -163,6 +168,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (!dtype) return usage("delta-dtype", fmt::format("'{}' is not fp32, bf16 or int8", c.delta_dtype));
   plan.delta_dtype = *dtype;
   if (!(c.peer_timeout > 0)) return usage("peer-timeout", "must be positive");
+  if (c.keep_global_batch && !c.elastic) return usage("keep-global-batch", "needs --elastic");
   CFMO_TRY(heterogeneity_for(c, 0));
   if (c.log_every < 1) return usage("log-every", "must be >= 1");
   if (c.sample_every < 0) return usage("sample-every", "must be >= 0");

@@ -126,6 +126,7 @@ Status TrainingRun::plan_length() {
   settings.outer_momentum = config.outer_momentum;
   settings.delta_dtype = plan.delta_dtype;
   settings.peer_timeout_s = config.peer_timeout;
+  settings.elastic = config.elastic;
   int64_t schedule_steps = step_limit == INT64_MAX ? 0 : step_limit;
   if (async) {
     // Asynchronous workers share a budget of samples, kept by rank 0: a fast
@@ -210,16 +211,13 @@ Status TrainingRun::open_outputs() {
   summary.slowdown = config.slowdown;
   summary.straggler = config.straggler;
 
-  // Only rank 0 checkpoints, always the global parameters: where its own are
+  // Only the keeper (rank 0, or in cfmo and asgd the lowest live rank)
+  // checkpoints, always the global parameters: where its own are
   // the global ones (sync, localsgd right after a round) it writes them at
   // once; in cfmo and asgd it asks the owners for their shards and hands the
   // assembled state to a writer thread, so that no worker waits.
-  checkpoints = rank == 0 && !run_dir.empty();
   last_checkpoint_step = options.resume.empty() ? -1 : pos.step;
-  if (checkpoints && async) {
-    checkpoint_writer = std::make_unique<CheckpointWriter>(run_dir, model_spec, model().params(), options.config_toml,
-                                                           config.keep_checkpoints);
-  }
+  take_up_keeping();
   straggler_rng = Rng(static_cast<uint64_t>(config.seed), 0x57A6000ULL + static_cast<uint64_t>(rank));
   return {};
 }
@@ -284,13 +282,38 @@ Status TrainingRun::sync_host() {
   return {};
 }
 
-void TrainingRun::announce_lost() {
-  if (!async || options.observer == nullptr) return;
+void TrainingRun::take_up_keeping() {
+  if (checkpoints || run_dir.empty() || mode->keeper() != rank) return;
+  checkpoints = true;
+  if (async) {
+    checkpoint_writer = std::make_unique<CheckpointWriter>(run_dir, model_spec, model().params(), options.config_toml,
+                                                           config.keep_checkpoints);
+  }
+}
+
+Status TrainingRun::announce_lost() {
+  if (world <= 1 || !mode->survives_losses()) return {};
   for (const int r : comm->lost_ranks()) {
     if (announced[static_cast<size_t>(r)]) continue;
     announced[static_cast<size_t>(r)] = true;
-    options.observer->on_warning(fmt::format("rank {} lost ({})", r, comm->lost_reason(r)));
+    LostRank lost{r, pos.step, seconds_since(run_start), comm->lost_reason(r), mode->shard_served_by(r)};
+    if (options.observer != nullptr) {
+      options.observer->on_warning(
+          fmt::format("rank {} lost ({}){}", r, lost.why,
+                      lost.served_by >= 0 ? fmt::format("; its shard is now served by rank {}", lost.served_by) : ""));
+    }
+    CFMO_TRY(metrics.write({{"type", "membership"},
+                            {"event", "lost"},
+                            {"rank", rank},
+                            {"lost_rank", r},
+                            {"step", pos.step},
+                            {"wall_s", lost.wall_s},
+                            {"why", lost.why},
+                            {"served_by", lost.served_by < 0 ? nlohmann::ordered_json(nullptr)
+                                                             : nlohmann::ordered_json(lost.served_by)}}));
+    summary.lost.push_back(std::move(lost));
   }
+  return {};
 }
 
 }  // namespace cfmo::detail

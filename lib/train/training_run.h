@@ -11,7 +11,7 @@
 ///                 backward, the mode, the update, simulated slowness, the
 ///                 events, evaluation at epoch ends and the checkpoint policy
 ///   finish        (run_end.cpp) the last reconciliation, the workers'
-///                 reports to rank 0, the final evaluation, checkpoint and
+///                 reports to the keeper, the final evaluation, checkpoint and
 ///                 model, and the summary's totals
 ///
 /// Internal to train/: tools call train().
@@ -62,9 +62,9 @@ struct TrainingRun {
   // finish's parts
   Status last_reconciliation();
   WorkerReport own_report(const ModeStats& mode_stats, int64_t deltas_written, int64_t deltas_skipped) const;
-  /// Every worker's report goes to rank 0, which waits for the live ones.
+  /// Every worker's report goes to the keeper, which waits for the live ones.
   Status gather_reports(const WorkerReport& own);
-  /// Rank 0: the final evaluation, checkpoint, model and its config.json.
+  /// The keeper: the final evaluation, checkpoint, model and its config.json.
   Status write_final_outputs();
   /// The summary's figures over all workers.
   void add_totals();
@@ -81,7 +81,12 @@ struct TrainingRun {
   /// Brings the host model and optimizer up to date with the engine (a checkpoint, the end).
   Status sync_host();
   /// Asynchronous workers train on without a lost peer: each says so, once a peer.
-  void announce_lost();
+  /// Announces the ranks found lost since the last call (async modes), with
+  /// where their shards went, and writes each as a membership line of metrics.jsonl.
+  Status announce_lost();
+  /// This rank keeps the run now (the lowest live rank in cfmo and asgd):
+  /// it takes up the checkpoints.
+  void take_up_keeping();
 
   const TrainConfig& config;
   const TrainPlan plan;
@@ -128,7 +133,8 @@ struct TrainingRun {
   TrainSummary summary;
 
   // The checkpoint policy.
-  bool checkpoints = false;  ///< this rank writes them (rank 0 with a run directory)
+  bool checkpoints = false;  ///< this rank writes them (the keeper with a run directory)
+  int keeper = 0;            ///< finish: the rank that keeps the run
   int64_t last_checkpoint_step = -1;
   std::unique_ptr<CheckpointWriter> checkpoint_writer;
   bool checkpoint_due = false;  ///< an epoch end or --checkpoint-every asked for one

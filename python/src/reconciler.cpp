@@ -246,9 +246,9 @@ Status Reconciler::finish(const Buffers& moments) {
   gather();
   FirstMoments optimizer(layout_, moments);
   CFMO_TRY(failed(mode_->finish(flat_, optimizer)));
-  // Rank 0 holds the global parameters now (every rank in sync and localsgd);
+  // The keeper (rank 0 unless it was lost) holds the global parameters now (every rank in sync and localsgd);
   // another rank of cfmo or asgd keeps its own.
-  if (rank() == 0 || mode_->params_are_global()) scatter();
+  if (rank() == mode_->keeper() || mode_->params_are_global()) scatter();
   if (delta_writer_) {
     delta_writer_->close();  // writes what is queued
     CFMO_TRY(delta_writer_->status());

@@ -159,6 +159,7 @@ TEST(CfmoTrainCli, UsageErrorsExitTwoNamingTheProblem) {
   expect_one_line_error(run(quick_args({"--data", "synthetic:0"})), 2, "synthetic:0");
   expect_one_line_error(run(quick_args({"--device", "gpu"})), 2, "--device 'gpu'");
   expect_one_line_error(run(quick_args({"--device", "cuda:x"})), 2, "--device 'cuda:x'");
+  expect_one_line_error(run(quick_args({"--keep-global-batch"})), 2, "--keep-global-batch");
   // CLI11's own parse errors add a hint line; the status is what scripts rely on.
   const RunResult bad_number = run(quick_args({"--batch-size", "lots"}));
   EXPECT_EQ(bad_number.status, 2);

@@ -211,6 +211,8 @@ bool wait_for_progress(Ranks& ranks, const fs::path& metrics, double timeout_s) 
   return false;
 }
 
+// Sync and localsgd without --elastic: a lost worker ends the run. (With
+// --elastic they go on without it: below.)
 TEST(CfmoTrainWorkers, LockstepWorkersExitFourNamingARankKilledMidRun) {
   for (const char* mode : {"sync", "localsgd"}) {
     SCOPED_TRACE(mode);
@@ -240,6 +242,47 @@ TEST(CfmoTrainWorkers, LockstepWorkersExitFourNamingARankKilledMidRun) {
   }
 }
 
+// localsgd, and sync with --elastic: the workers left re-form their group
+// without a worker killed mid-run (rank 0 too: the keeper moves), train on
+// with W - 1 and exit 0.
+TEST(CfmoTrainWorkers, ElasticLockstepWorkersFinishWithoutARankKilledMidRun) {
+  struct Case {
+    std::vector<std::string> mode;
+    int killed;
+  };
+  for (const Case& c : {Case{{"--mode", "sync", "--elastic", "--keep-global-batch"}, 1},
+                        Case{{"--mode", "localsgd", "--elastic"}, 0}}) {
+    SCOPED_TRACE(c.mode[1]);
+    TempDir dir;
+    std::vector<std::string> extra = c.mode;
+    for (const char* a :
+         {"--epochs", "0", "--time-limit", "6s", "--log-every", "1", "--checkpoint-every", "50", "--json", "--out"}) {
+      extra.emplace_back(a);
+    }
+    extra.push_back((dir / "run").string());
+    auto ranks = start_ranks(dir, 3, extra);
+    ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
+        << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+    const int killed = c.killed;
+    kill(ranks.processes[static_cast<size_t>(killed)].pid, SIGKILL);
+    ASSERT_TRUE(ranks.processes[static_cast<size_t>(killed)].wait(10));  // reaped at once, as below
+    const int keeper = killed == 0 ? 1 : 0;
+    for (int r = 0; r < 3; ++r) {
+      if (r == killed) continue;
+      ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(60)) << "rank " << r << " hangs";
+      const std::string err = slurp(dir / ("err-" + std::to_string(r)));
+      EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 0) << err;
+      EXPECT_NE(err.find("rank " + std::to_string(killed) + " lost ("), std::string::npos) << err;
+    }
+    const auto j = last_json(slurp(dir / ("out-" + std::to_string(keeper))));
+    ASSERT_FALSE(j.is_null()) << slurp(dir / ("out-" + std::to_string(keeper)));
+    EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({killed}));
+    EXPECT_EQ(j["per_worker"].size(), 2u);
+    EXPECT_EQ(j["stopped_by"], "time-limit");
+    EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+  }
+}
+
 TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutARankKilledMidRun) {
   TempDir dir;
   auto ranks = start_ranks(
@@ -256,6 +299,51 @@ TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutARankKilledMidRun) {
   ASSERT_FALSE(j.is_null());
   EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({2}));
   EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+  // The lost owner's shard moved to its backup, the next live rank: every survivor says so.
+  for (int r : {0, 1}) {
+    EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("rank 2 lost ("), std::string::npos);
+    EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("; its shard is now served by rank 0"), std::string::npos)
+        << slurp(dir / ("err-" + std::to_string(r)));
+  }
+  ASSERT_EQ(j["lost"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["lost"][0]["rank"], 2);
+  EXPECT_EQ(j["lost"][0]["served_by"], 0);
+}
+
+// Rank 0 is not special: killed mid-run, it takes neither its shard nor the
+// run with it. Its backup (rank 1) serves the shard, and, as the lowest live
+// rank, keeps the budget, writes the summary and the final model.
+TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutRankZeroAndTheNextRankKeepsTheRun) {
+  TempDir dir;
+  auto ranks = start_ranks(dir, 3,
+                           {"--mode", "cfmo", "--epochs", "300", "--log-every", "1", "--checkpoint-every", "200",
+                            "--json", "--out", (dir / "run").string()});
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+  kill(ranks.processes[0].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[0].wait(10));  // reaped at once, as above
+  for (int r : {1, 2}) {
+    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(240)) << "rank " << r << " hangs";
+    const std::string err = slurp(dir / ("err-" + std::to_string(r)));
+    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 0) << err;
+    EXPECT_NE(err.find("rank 0 lost ("), std::string::npos) << err;
+    EXPECT_NE(err.find("; its shard is now served by rank 1"), std::string::npos) << err;
+  }
+  const auto j = last_json(slurp(dir / "out-1"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-1");
+  EXPECT_TRUE(last_json(slurp(dir / "out-2")).is_null());  // one summary, the keeper's
+  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({0}));
+  ASSERT_EQ(j["lost"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["lost"][0]["served_by"], 1);
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << j.dump();
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+  // The membership change is a line of the new keeper's metrics.
+  bool membership = false;
+  for (const auto& line : testing::lines(slurp(dir / "run" / "metrics-rank-1.jsonl"))) {
+    const auto m = nlohmann::json::parse(line);
+    if (m["type"] == "membership") membership = m["event"] == "lost" && m["lost_rank"] == 0 && m["served_by"] == 1;
+  }
+  EXPECT_TRUE(membership);
 }
 
 // The checkpoint directories of a run, oldest first (temporaries left out).
@@ -340,7 +428,7 @@ TEST(CfmoTrainWorkers, AKillDuringCheckpointingLeavesOnlyWholeCheckpoints) {
   TempDir dir;
   const fs::path run_dir = dir / "run";
   auto ranks = start_ranks(dir, 3,
-                           {"--mode", "cfmo", "--model", "mlp:256,128", "--epochs", "300", "--checkpoint-every", "1",
+                           {"--mode", "cfmo", "--model", "mlp:256,128", "--epochs", "100", "--checkpoint-every", "1",
                             "--keep-checkpoints", "2", "--log-every", "1", "--out", run_dir.string()});
   const auto start = std::chrono::steady_clock::now();
   while (!fs::exists(run_dir / "checkpoints" / "latest") &&
@@ -352,9 +440,10 @@ TEST(CfmoTrainWorkers, AKillDuringCheckpointingLeavesOnlyWholeCheckpoints) {
   kill(ranks.processes[0].pid, SIGKILL);
   ASSERT_TRUE(ranks.processes[0].wait(10));  // reaped at once, as above
   for (int r : {1, 2}) {
-    // The others lose the keeper of the budget: status 4, naming it.
-    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(120)) << "rank " << r << " hangs";
-    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 4) << slurp(dir / ("err-" + std::to_string(r)));
+    // The others lose the keeper, name it, and go on: rank 1 keeps the run
+    // (and writes the checkpoints) from then on, and both finish (status 0).
+    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(240)) << "rank " << r << " hangs";
+    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 0) << slurp(dir / ("err-" + std::to_string(r)));
     EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("rank 0"), std::string::npos)
         << slurp(dir / ("err-" + std::to_string(r)));
   }

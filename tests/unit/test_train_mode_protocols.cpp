@@ -63,11 +63,38 @@ struct Cluster {
 
   Status finish(int r) { return mode(r).finish(param(r), *optimizers[static_cast<size_t>(r)]); }
 
-  /// Rank 0's snapshot of the owners' shards, after the network is quiet.
-  std::optional<GlobalState> snapshot() {
-    EXPECT_TRUE(mode(0).request_snapshot());
+  /// The keeper's (rank 0's unless told) snapshot of the owners' shards, after the network is quiet.
+  std::optional<GlobalState> snapshot(int keeper = 0) {
+    EXPECT_TRUE(mode(keeper).request_snapshot());
     EXPECT_TRUE(world.network->drain());
-    return mode(0).take_snapshot();
+    return mode(keeper).take_snapshot();
+  }
+
+  /// Kills `rank` (as a process dies) and waits until every other live rank found it lost.
+  void kill(int rank, const std::vector<int>& survivors) {
+    world.network->kill(rank);
+    for (int r : survivors) {
+      const auto& comm = *world.ranks[static_cast<size_t>(r)];
+      for (;;) {
+        const auto lost = comm.lost_ranks();
+        if (std::find(lost.begin(), lost.end(), rank) != lost.end()) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+  }
+
+  /// A round of the ranks in `who` at `step`: each adds `delta` to its
+  /// parameters, then steps; the network is drained after.
+  void round(const std::vector<int>& who, int64_t step, float delta, int64_t samples = 0) {
+    for (int r : who) {
+      for (auto& v : param(r)) v += delta;
+      EXPECT_TRUE(step_ok(r, step, samples));
+    }
+    EXPECT_TRUE(world.network->drain());
+  }
+  bool step_ok(int r, int64_t at, int64_t samples) {
+    const Status s = step(r, at, samples);
+    return static_cast<bool>(s);
   }
 
   std::vector<float> initial = std::vector<float>(kSize, 1.0f);
@@ -269,7 +296,7 @@ TEST(CfmoProtocol, ALostRankDoesNotStopTheOthers) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
-  // The survivors go on: their rounds skip the lost owner, and their deltas to the others still arrive.
+  // The survivors go on: the lost owner's shard goes to its backup, and their deltas to the others still arrive.
   for (int step = 2; step <= 4; ++step) {
     for (int r : {0, 1}) {
       for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += 0.125f;
@@ -286,6 +313,252 @@ TEST(CfmoProtocol, ALostRankDoesNotStopTheOthers) {
   EXPECT_NEAR(final_state->params[0], 1.0f + 3 * 2 * 0.125f / 3, 1e-5f);
   EXPECT_NEAR(final_state->params[40], 1.0f + 3 * 2 * 0.125f / 3, 1e-5f);
   EXPECT_GT(c.mode(0).stats().contributions_sent, 0u);
+}
+
+// ---- Leaving: the lockstep modes' group (sync --elastic, localsgd) ----
+
+ModeSettings elastic_sync() {
+  auto s = settings_for("sync");
+  s.elastic = true;
+  return s;
+}
+
+TEST(ElasticSyncProtocol, WithoutAKilledRankTheOthersAverageTheirOwnGradients) {
+  Cluster c(3, elastic_sync());
+  EXPECT_TRUE(c.mode(0).survives_losses());
+  std::vector<std::vector<float>> grads(3, std::vector<float>(kSize));
+  auto fill = [&] {
+    for (int k = 0; k < 3; ++k) {
+      for (size_t i = 0; i < kSize; ++i) grads[static_cast<size_t>(k)][i] = delta_of(k, i);
+    }
+  };
+  fill();
+  auto results =
+      c.on_every_rank([&](int r) { return c.mode(r).on_gradients(grads[static_cast<size_t>(r)], r + 1, 0.1f); });
+  for (int r = 0; r < 3; ++r)
+    ASSERT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
+  for (size_t i = 0; i < kSize; ++i) {
+    EXPECT_FLOAT_EQ(grads[1][i], (1 * delta_of(0, i) + 2 * delta_of(1, i) + 3 * delta_of(2, i)) / 6);
+  }
+  c.kill(0, {1, 2});  // the leader, and rank 0
+  fill();
+  results = c.on_every_rank([&](int r) { return c.mode(r).on_gradients(grads[static_cast<size_t>(r)], r + 1, 0.1f); },
+                            {1, 2});
+  for (int r : {1, 2}) {
+    ASSERT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
+    // The global batch shrank to the survivors': counts 2 and 3.
+    for (size_t i = 0; i < kSize; ++i) {
+      EXPECT_FLOAT_EQ(grads[static_cast<size_t>(r)][i], (2 * delta_of(1, i) + 3 * delta_of(2, i)) / 5) << i;
+    }
+    EXPECT_EQ(c.mode(r).members(), (std::vector<int>{1, 2}));
+    EXPECT_EQ(c.mode(r).keeper(), 1);
+  }
+}
+
+TEST(ElasticSyncProtocol, ASurvivorThatMissedTheLastSumGetsItWhenTheGroupReforms) {
+  Cluster c(3, elastic_sync());
+  std::vector<std::vector<float>> grads(3, std::vector<float>(kSize));
+  for (int k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < kSize; ++i) grads[static_cast<size_t>(k)][i] = delta_of(k, i);
+  }
+  // The leader's sum to rank 2 is held: ranks 0 and 1 finish the step, rank 2 does not.
+  c.world.network->hold(0, 2);
+  std::thread behind([&] { EXPECT_TRUE(c.mode(2).on_gradients(grads[2], 1, 0.1f)); });
+  auto results =
+      c.on_every_rank([&](int r) { return c.mode(r).on_gradients(grads[static_cast<size_t>(r)], 1, 0.1f); }, {0, 1});
+  ASSERT_TRUE(results[0]);
+  ASSERT_TRUE(results[1]);
+  c.kill(0, {1, 2});  // with the sum still on its way to rank 2
+  // Rank 1 goes on to the next step; the group re-forms: rank 2 gets the
+  // step it missed, then both take the next one together.
+  std::vector<float> next1(kSize, 1.0f);
+  std::thread ahead([&] { EXPECT_TRUE(c.mode(1).on_gradients(next1, 1, 0.1f)); });
+  behind.join();
+  for (size_t i = 0; i < kSize; ++i) EXPECT_FLOAT_EQ(grads[2][i], grads[1][i]) << i;
+  std::vector<float> next2(kSize, 3.0f);
+  ASSERT_TRUE(c.mode(2).on_gradients(next2, 1, 0.1f));
+  ahead.join();
+  for (size_t i = 0; i < kSize; ++i) {
+    EXPECT_FLOAT_EQ(next1[i], 2.0f);
+    EXPECT_FLOAT_EQ(next2[i], 2.0f);
+  }
+}
+
+TEST(LocalSgdProtocol, WithElasticAKilledWorkerLeavesTheRoundsToTheOthers) {
+  auto settings = settings_for("localsgd", 1);
+  settings.elastic = true;
+  Cluster c(3, settings);
+  auto results = c.on_every_rank([&](int r) -> Status {
+    for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += delta_of(r, i);
+    return c.step(r, 1);
+  });
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(results[static_cast<size_t>(r)]);
+  c.kill(2, {0, 1});
+  results = c.on_every_rank(
+      [&](int r) -> Status {
+        for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += 0.5f * static_cast<float>(r + 1);
+        return c.step(r, 2);
+      },
+      {0, 1});
+  for (int r : {0, 1}) {
+    ASSERT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
+    for (size_t i = 0; i < kSize; ++i) {
+      const float round1 = (delta_of(0, i) + delta_of(1, i) + delta_of(2, i)) / 3;
+      EXPECT_NEAR(c.param(r)[i], 1.0f + round1 + (0.5f + 1.0f) / 2, 1e-5f) << i;  // the mean of the two left
+    }
+    EXPECT_EQ(c.mode(r).members(), (std::vector<int>{0, 1}));
+  }
+}
+
+// ---- Leaving: the owners' failover (cfmo) ----
+
+// Every rank adds delta_of(k, i) in round 1, then the survivors of each later
+// round add `later` each: with plain averaging (lr 1) and no staleness, every
+// element of the global parameters is the start plus the mean of round 1 plus
+// the later rounds' contributions over W, wherever its shard is served.
+float expected_global(size_t i, int w, const std::vector<int>& later_contributors, float later) {
+  float round1 = 0;
+  for (int k = 0; k < w; ++k) round1 += delta_of(k, i);
+  float sum = 1.0f + round1 / static_cast<float>(w);
+  for (int n : later_contributors) sum += static_cast<float>(n) * later / static_cast<float>(w);
+  return sum;
+}
+
+void first_round(Cluster& c, int w) {
+  for (int k = 0; k < w; ++k) {
+    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
+    ASSERT_TRUE(c.step(k, 1));
+  }
+  ASSERT_TRUE(c.world.network->drain());
+}
+
+TEST(CfmoFailover, AKilledOwnersShardIsServedByItsBackupWithEveryAppliedDelta) {
+  auto settings = settings_for("cfmo");
+  Cluster c(3, settings);
+  first_round(c, 3);
+  c.kill(2, {0, 1});
+  EXPECT_EQ(c.mode(0).shard_served_by(2), 0);  // the next live rank after 2, cyclically
+  EXPECT_EQ(c.mode(1).shard_served_by(2), 0);  // every survivor computes the same
+  c.round({0, 1}, 2, 0.125f);
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);  // whole: shard 2 has an owner again
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(global->params[i], expected_global(i, 3, {2}, 0.125f), 1e-5f) << i;
+  // Shard 2 kept its version: round 1's three contributions, then the survivors' two.
+  EXPECT_EQ(global->versions, (std::vector<int64_t>{5, 5, 5}));
+}
+
+TEST(CfmoFailover, ALossDuringARoundCostsNoDeltaThatDidNotArrive) {
+  Cluster c(3, settings_for("cfmo"));
+  first_round(c, 3);
+  // Round 2's deltas to owner 2 are in flight when it dies: they never arrive.
+  c.world.network->hold(0, 2);
+  c.world.network->hold(1, 2);
+  c.round({0, 1}, 2, 0.125f);
+  c.kill(2, {0, 1});
+  // Round 3 sends each survivor's whole progress on shard 2 since its last
+  // fresh copy (both rounds) to the new owner.
+  c.round({0, 1}, 3, 0.125f);
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  for (size_t i = 0; i < kSize; ++i) {
+    EXPECT_NEAR(global->params[i], expected_global(i, 3, {2, 2}, 0.125f), 1e-5f) << i;
+  }
+}
+
+TEST(CfmoFailover, RankZerosShardBudgetAndFinalModelMoveToTheLowestLiveRank) {
+  auto settings = settings_for("cfmo");
+  settings.sample_budget = 1000;
+  Cluster c(3, settings);
+  for (int k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
+    ASSERT_TRUE(c.step(k, 1, 300));
+  }
+  ASSERT_TRUE(c.world.network->drain());
+  c.kill(0, {1, 2});
+  EXPECT_EQ(c.mode(1).keeper(), 1);
+  EXPECT_EQ(c.mode(2).keeper(), 1);
+  EXPECT_EQ(c.mode(2).shard_served_by(0), 1);
+  c.round({1, 2}, 2, 0.125f, 300);
+  EXPECT_FALSE(c.mode(2).stop_requested());  // 900 of 1000, rank 0's 300 included
+  ASSERT_TRUE(c.step(1, 3, 400));            // 1000: the new keeper stops the run
+  ASSERT_TRUE(c.world.network->drain());
+  EXPECT_TRUE(c.mode(2).stop_requested());
+  auto results = c.on_every_rank([&](int r) { return c.finish(r); }, {1, 2});
+  ASSERT_TRUE(results[1]) << results[1].error().message;
+  ASSERT_TRUE(results[2]) << results[2].error().message;
+  auto final_state = c.mode(1).final_state();
+  ASSERT_TRUE(final_state);
+  EXPECT_FALSE(c.mode(2).final_state());
+  for (size_t i = 0; i < kSize; ++i) {
+    EXPECT_NEAR(final_state->params[i], expected_global(i, 3, {2}, 0.125f), 1e-5f) << i;
+  }
+  EXPECT_EQ(final_state->params, c.param(1));
+  EXPECT_EQ(final_state->ranks[0].samples, 300);  // the lost rank's last report
+  EXPECT_EQ(c.mode(1).reconciled_samples(0), 300);
+}
+
+TEST(CfmoFailover, TwoLossesOneAfterTheOtherLoseNoShard) {
+  Cluster c(4, settings_for("cfmo"));
+  first_round(c, 4);
+  c.kill(3, {0, 1, 2});
+  c.round({0, 1, 2}, 2, 0.125f);
+  c.kill(0, {1, 2});
+  EXPECT_EQ(c.mode(1).shard_served_by(0), 1);
+  EXPECT_EQ(c.mode(2).shard_served_by(3), 1);  // it had moved to rank 0, whose backup was rank 1
+  c.round({1, 2}, 3, 0.125f);
+  auto results = c.on_every_rank([&](int r) { return c.finish(r); }, {1, 2});
+  ASSERT_TRUE(results[1]) << results[1].error().message;
+  ASSERT_TRUE(results[2]) << results[2].error().message;
+  auto final_state = c.mode(1).final_state();
+  ASSERT_TRUE(final_state);
+  for (size_t i = 0; i < kSize; ++i) {
+    EXPECT_NEAR(final_state->params[i], expected_global(i, 4, {3, 2}, 0.125f), 1e-5f) << i;
+  }
+}
+
+// A rank cut off (silenced: it finds every other rank lost, as they find it)
+// must not go on as a run of its own: only a majority goes on, or half with
+// the lowest rank.
+TEST(CfmoFailover, ARankCutOffFromTheOthersStopsAndTheMajorityGoesOn) {
+  auto settings = settings_for("cfmo");
+  Cluster c(3, settings, {.peer_timeout_s = 0.05});
+  first_round(c, 3);
+  c.world.network->silence(2);
+  for (int r : {0, 1, 2}) {
+    while (c.world.ranks[static_cast<size_t>(r)]->lost_ranks().size() < (r == 2 ? 2u : 1u)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  const Status alone = c.step(2, 2);
+  ASSERT_FALSE(alone);
+  EXPECT_EQ(alone.error().kind, ErrorKind::kPeer);
+  EXPECT_NE(alone.error().message.find("rank 2 is cut off: 2 of the 3 ranks"), std::string::npos)
+      << alone.error().message;
+  EXPECT_TRUE(c.step(0, 2));
+  EXPECT_TRUE(c.step(1, 2));
+}
+
+TEST(CfmoFailover, OfTwoWorkersRankZeroGoesOnAlone) {
+  Cluster c(2, settings_for("cfmo"), {.peer_timeout_s = 0.05});
+  first_round(c, 2);
+  c.world.network->silence(1);
+  for (int r : {0, 1}) {
+    while (c.world.ranks[static_cast<size_t>(r)]->lost_ranks().empty()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  EXPECT_TRUE(c.step(0, 2));
+  EXPECT_FALSE(c.step(1, 2));
+}
+
+TEST(ElasticSyncProtocol, ARankCutOffFromTheOthersStops) {
+  Cluster c(3, elastic_sync(), {.peer_timeout_s = 0.05});
+  c.world.network->silence(0);
+  while (c.world.ranks[0]->lost_ranks().size() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::vector<float> grads(kSize, 1.0f);
+  const Status alone = c.mode(0).on_gradients(grads, 1, 0.1f);
+  ASSERT_FALSE(alone);
+  EXPECT_NE(alone.error().message.find("rank 0 is cut off"), std::string::npos) << alone.error().message;
 }
 
 TEST(AsgdProtocol, OwnersApplyEveryGradientAndWorkersTakeTheFreshShards) {

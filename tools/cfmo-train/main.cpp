@@ -88,7 +88,7 @@ static int run(int argc, char** argv) {
   if (!summary && comm) comm->leave_with(summary.error());
   comm.reset();  // say goodbye to the other ranks before reporting
   if (!summary) return fail(summary.error());
-  if (summary->rank != 0) return summary->stopped_by == "interrupt" ? cfmo::tool::stop_status() : 0;
+  if (summary->rank != summary->keeper) return summary->stopped_by == "interrupt" ? cfmo::tool::stop_status() : 0;
   fmt::print("{}", json ? summary->to_json() + "\n" : cfmo::summary_text(*summary));
   return summary->stopped_by == "interrupt" ? cfmo::tool::stop_status() : 0;
 }

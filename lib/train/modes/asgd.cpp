@@ -16,7 +16,8 @@ class AsgdMode final : public AsyncMode {
  public:
   AsgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
            std::unique_ptr<Optimizer> shard_optimizer, const ModeResume& resume)
-      : AsyncMode(settings, comm, initial, resume, OwnerState::kOptimizer), optimizer_(std::move(shard_optimizer)) {
+      : AsyncMode(settings, comm, initial, resume, OwnerState::kOptimizer, /*replicated=*/false),
+        optimizer_(std::move(shard_optimizer)) {
     // A resumed owner takes up its shard of the saved owners' state.
     auto state = optimizer_->state();
     if (resume.owner_state.size() == state.size() && resume.owner_steps.size() == static_cast<size_t>(comm.size())) {
@@ -54,6 +55,7 @@ class AsgdMode final : public AsyncMode {
                     residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, n), out);
       comm_.post(j, channels::kGradShard, std::move(out));
       ++awaiting_[static_cast<size_t>(j)];
+      awaiting_owner_[static_cast<size_t>(j)] = j;
       std::lock_guard lock(mutex_);
       ++stats_.contributions_sent;
     }
@@ -68,7 +70,7 @@ class AsgdMode final : public AsyncMode {
   Status after_step(const TrainPosition& position, std::span<float> params, Optimizer&) override {
     if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
       report_progress(position);
-      return {};
+      return cut_off();
     }
     for (auto& f : take_inbox()) apply(f, params);
     // Bounded staleness (SSP): with more than max_staleness rounds of pushes
@@ -84,10 +86,11 @@ class AsgdMode final : public AsyncMode {
       stats_.wait_s += seconds_since(start);
     }
     report_progress(position);
-    return {};
+    return cut_off();
   }
 
   Status finish(std::span<float> params, Optimizer&) override {
+    CFMO_TRY(cut_off());
     const auto start = Clock::now();
     drain_replies(start + seconds(settings_.peer_timeout_s), [&](FreshShard& f) { apply(f, params); });
     count_finish_wait(start);
@@ -116,28 +119,28 @@ class AsgdMode final : public AsyncMode {
         shard != static_cast<uint32_t>(comm_.rank()) || dtype > 2) {
       return;
     }
-    incoming_.resize(owned_.size());
+    incoming_.resize(shard_size(comm_.rank()));
     if (!decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
     // Classic asynchronous SGD applies every gradient, however stale (its
     // workers wait instead once they are max_staleness rounds ahead).
-    const int64_t s = staleness_of(base_version);
-    {
-      std::lock_guard lock(mutex_);
-      optimizer_->step(owned_, incoming_, lr);
-      ++version_;
-      ++stats_.contributions_applied;
-      ++stats_.contributions_received;
-      note_reconciled(from);
-    }
-    reply_fresh(from, s, false);
+    std::lock_guard lock(mutex_);
+    Served& mine = served_.at(comm_.rank());
+    const int64_t s = staleness_of(mine, base_version);
+    optimizer_->step(mine.values, incoming_, lr);
+    ++mine.version;
+    ++stats_.contributions_applied;
+    ++stats_.contributions_received;
+    note_reconciled(from);
+    reply_fresh_locked(from, comm_.rank(), s, false);
   }
 
-  std::vector<std::span<const float>> owner_state() const override {
+  // asgd serves its own shard only (it is not replicated).
+  std::vector<std::span<const float>> owner_state(int) const override {
     std::vector<std::span<const float>> out;
     for (const auto& s : optimizer_->state()) out.emplace_back(*s.buffer);
     return out;
   }
-  int64_t owner_steps() const override { return optimizer_->step_count(); }
+  int64_t owner_steps(int) const override { return optimizer_->step_count(); }
 
   std::unique_ptr<Optimizer> optimizer_;  ///< progress thread: the inner optimizer for my shard
   FloatBuffer incoming_;                  ///< progress thread

@@ -1,23 +1,28 @@
 #include "train/modes/async_base.h"
 
+#include "train/modes/quorum.h"
 #include "train/modes/wire.h"
 
 namespace cfmo::modes {
 
 AsyncMode::AsyncMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
-                     const ModeResume& resume, OwnerState owner_state_kind)
+                     const ModeResume& resume, OwnerState owner_state_kind, bool replicated)
     : settings_(settings),
       comm_(comm),
       bounds_(shard_bounds(initial.size(), comm.size())),
       base_(initial.begin(), initial.end()),
       base_version_(static_cast<size_t>(comm.size()), 0),
       residual_(settings.delta_dtype == WireDtype::kFp32 ? 0 : initial.size(), 0.0f),
+      replicated_(replicated),
       owner_state_kind_(owner_state_kind),
       done_from_(static_cast<size_t>(comm.size()), false),
-      progress_(static_cast<size_t>(comm.size())) {
+      lost_(static_cast<size_t>(comm.size()), false),
+      progress_(static_cast<size_t>(comm.size())),
+      gathered_from_(static_cast<size_t>(comm.size()), false) {
   const int me = comm.rank();
-  owned_.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
-                initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
+  Served& mine = served_[me];
+  mine.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
+                     initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
   if (resume.ranks.size() == progress_.size()) progress_ = resume.ranks;
   for (const auto& p : progress_) start_samples_.push_back(p.samples);
   reconciled_samples_.assign(progress_.size(), 0);
@@ -31,20 +36,115 @@ AsyncMode::AsyncMode(const ModeSettings& settings, Communicator& comm, std::span
     done_from_[static_cast<size_t>(from)] = true;
   });
   comm.on_message(channels::kGather, [this](int from, std::span<const std::byte> m) { on_gather(from, m); });
+  comm.on_message(channels::kGathered, [this](int from, std::span<const std::byte>) {
+    gathered_by_ = from;
+    gathered_ = true;
+  });
 }
 
 AsyncMode::~AsyncMode() {
   for (Channel c : {channels::kFreshShard, channels::kProgress, channels::kStop, channels::kDone, channels::kGather,
-                    channels::kCheckpoint}) {
+                    channels::kGathered, channels::kCheckpoint}) {
     comm_.on_message(c, nullptr);
   }
 }
 
+int AsyncMode::owner_of_locked(int shard) const {
+  const int w = comm_.size();
+  if (!replicated_) return lost_locked(shard) ? -1 : shard;
+  for (int k = 0; k < w; ++k) {
+    const int r = (shard + k) % w;
+    if (!lost_locked(r)) return r;
+  }
+  return -1;
+}
+
+int AsyncMode::backup_of_locked(int shard) const {
+  const int owner = owner_of_locked(shard);
+  if (owner < 0 || !replicated_) return -1;
+  const int w = comm_.size();
+  for (int k = 1; k < w; ++k) {
+    const int r = (owner + k) % w;
+    if (!lost_locked(r)) return r;
+  }
+  return -1;
+}
+
+int AsyncMode::keeper_locked() const {
+  for (int r = 0; r < comm_.size(); ++r) {
+    if (!lost_locked(r)) return r;
+  }
+  return comm_.rank();
+}
+
+int AsyncMode::standby_locked() const {
+  const int keeper = keeper_locked();
+  for (int r = keeper + 1; r < comm_.size(); ++r) {
+    if (!lost_locked(r)) return r;
+  }
+  return -1;
+}
+
+int AsyncMode::keeper() const {
+  // After the end's gather, the rank that gathered; before, the transport's
+  // latest word on who is lost (the membership refreshes only at steps).
+  if (const int by = gathered_by_.load(); by >= 0) return by;
+  const auto lost = comm_.lost_ranks();
+  for (int r = 0; r < comm_.size(); ++r) {
+    if (std::find(lost.begin(), lost.end(), r) == lost.end()) return r;
+  }
+  return comm_.rank();
+}
+
+int AsyncMode::shard_served_by(int rank) const {
+  if (!replicated_ || rank < 0 || rank >= comm_.size()) return -1;
+  // As owner_of_locked, on the transport's latest word (the membership refreshes only at steps).
+  const auto lost = comm_.lost_ranks();
+  for (int k = 0; k < comm_.size(); ++k) {
+    const int r = (rank + k) % comm_.size();
+    if (std::find(lost.begin(), lost.end(), r) == lost.end()) return r;
+  }
+  return -1;
+}
+
+void AsyncMode::refresh_membership() {
+  const auto lost = comm_.lost_ranks();
+  std::lock_guard lock(mutex_);
+  if (lost.size() == lost_count_) return;  // the lost ranks only grow
+  std::vector<int> before;
+  for (int r = 0; r < comm_.size(); ++r) {
+    if (!lost_locked(r)) before.push_back(r);
+  }
+  std::vector<int> newly;
+  for (const int r : lost) {
+    if (r == comm_.rank() || lost_[static_cast<size_t>(r)]) continue;
+    lost_[static_cast<size_t>(r)] = true;
+    newly.push_back(r);
+  }
+  lost_count_ = lost.size();
+  if (newly.empty()) return;
+  std::vector<int> after;
+  for (int r = 0; r < comm_.size(); ++r) {
+    if (!lost_locked(r)) after.push_back(r);
+  }
+  if (Status quorum = check_quorum(comm_.rank(), before, after); !quorum && cut_off_.message.empty()) {
+    cut_off_ = quorum.error();
+  }
+  on_membership_change_locked(newly);
+}
+
+Status AsyncMode::cut_off() const {
+  std::lock_guard lock(mutex_);
+  if (cut_off_.message.empty()) return {};
+  return cut_off_;
+}
+
 bool AsyncMode::request_snapshot() {
-  if (comm_.rank() != 0) return false;
+  refresh_membership();
   std::vector<std::byte> out;
   {
     std::lock_guard lock(mutex_);
+    if (keeper_locked() != comm_.rank()) return false;
     // A request still being answered covers this one too, unless it is so
     // old that an owner must have been lost: then a new one replaces it.
     if (!snapshot_.received.empty() && Clock::now() - snapshot_asked_ < seconds(settings_.peer_timeout_s)) {
@@ -60,13 +160,14 @@ bool AsyncMode::request_snapshot() {
   return true;
 }
 
-void AsyncMode::reply_fresh(int to, int64_t staleness, bool dropped, bool with_shard) {
+void AsyncMode::reply_fresh_locked(int to, int shard, int64_t staleness, bool dropped, bool with_shard) {
+  const auto it = served_.find(shard);
   std::vector<std::byte> out;
-  put(out, static_cast<uint32_t>(comm_.rank()));
+  put(out, static_cast<uint32_t>(shard));
   put(out, static_cast<uint32_t>(dropped ? 1 : 0));
-  put(out, version_);
+  put(out, it != served_.end() ? it->second.version : int64_t{0});
   put(out, staleness);
-  if (with_shard) put_floats(out, owned_);
+  if (with_shard && it != served_.end()) put_floats(out, it->second.values);
   comm_.post(to, channels::kFreshShard, std::move(out));
 }
 
@@ -74,16 +175,26 @@ int AsyncMode::outstanding() const {
   const auto lost = comm_.lost_ranks();
   int n = 0;
   for (int j = 0; j < comm_.size(); ++j) {
-    if (std::find(lost.begin(), lost.end(), j) == lost.end()) n += awaiting_[static_cast<size_t>(j)];
+    const int owner = awaiting_owner_[static_cast<size_t>(j)];
+    if (owner >= 0 && std::find(lost.begin(), lost.end(), owner) == lost.end()) n += awaiting_[static_cast<size_t>(j)];
   }
   return n;
 }
 
 void AsyncMode::report_progress(const TrainPosition& position) {
   position_ = position;
+  refresh_membership();
+  int keeper = 0;
+  int standby = -1;
+  {
+    std::lock_guard lock(mutex_);
+    keeper = keeper_locked();
+    standby = standby_locked();
+  }
   std::vector<std::byte> out;
   put_position(out, position);
-  comm_.post(0, channels::kProgress, std::move(out));
+  if (standby >= 0) comm_.post(standby, channels::kProgress, out);
+  comm_.post(keeper, channels::kProgress, std::move(out));
 }
 
 bool AsyncMode::all_live(const std::vector<bool>& flags) const {
@@ -95,40 +206,74 @@ bool AsyncMode::all_live(const std::vector<bool>& flags) const {
   return true;
 }
 
+bool AsyncMode::gather_complete() const {
+  if (!all_live(gathered_from_)) return false;
+  std::lock_guard lock(mutex_);
+  for (int j = 0; j < comm_.size(); ++j) {
+    if (!gather_.received[static_cast<size_t>(j)] && owner_of_locked(j) >= 0) return false;
+  }
+  return true;
+}
+
 Status AsyncMode::end_handshake(std::span<float> params) {
   const auto start = Clock::now();
   const auto deadline = start + seconds(settings_.peer_timeout_s * 3);
   for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kDone, {});
   while (!all_live(done_from_) && Clock::now() < deadline) seam_sleep_for(std::chrono::milliseconds(1));
-  // Owners' shards now include every contribution: send mine to rank 0.
-  std::vector<std::byte> out;
-  put_position(out, position_);
-  put_owner_shard(out);
-  comm_.post(0, channels::kGather, std::move(out));
-  if (comm_.rank() == 0) {
-    while (!all_live(gather_.received) && Clock::now() < deadline) {
-      seam_sleep_for(std::chrono::milliseconds(1));
+  // Owners' shards now include every contribution: each goes to the keeper,
+  // again to a new keeper if it is lost, and again when this rank takes over
+  // a lost owner's shard meanwhile.
+  int sent_to = -1;
+  size_t sent_shards = 0;
+  bool keeping = false;
+  while (Clock::now() < deadline) {
+    refresh_membership();
+    CFMO_TRY(cut_off());
+    std::vector<std::byte> out;
+    int keeper = 0;
+    {
+      std::lock_guard lock(mutex_);
+      keeper = keeper_locked();
+      if (keeper != sent_to || served_.size() != sent_shards) {
+        put_position(out, position_);
+        put_owner_shards_locked(out);
+        sent_shards = served_.size();
+      }
     }
+    if (!out.empty()) {
+      comm_.post(keeper, channels::kGather, std::move(out));
+      sent_to = keeper;
+    }
+    keeping = keeper == comm_.rank();
+    if (keeping && gather_complete()) break;
+    if (!keeping && gathered_.load()) break;
+    seam_sleep_for(std::chrono::milliseconds(1));
+  }
+  if (keeping) {
     std::lock_guard lock(mutex_);
     GlobalState& g = gather_.state;
     for (int j = 0; j < comm_.size(); ++j) {
-      // A lost owner's shard keeps rank 0's own values: the best there is.
+      // A shard whose every holder was lost keeps the keeper's own values: the best there is.
       if (gather_.received[static_cast<size_t>(j)]) {
         std::copy_n(g.params.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(j)]), shard_size(j),
                     shard_of(params, j).begin());
-      } else {
-        g.ranks[static_cast<size_t>(j)] = progress_[static_cast<size_t>(j)];
       }
+      if (!gathered_from_[static_cast<size_t>(j)]) g.ranks[static_cast<size_t>(j)] = progress_[static_cast<size_t>(j)];
     }
     g.params.assign(params.begin(), params.end());
     final_ = std::move(g);
   }
+  if (keeping) {
+    gathered_by_ = comm_.rank();
+    for (int r = 0; r < comm_.size(); ++r) {
+      if (r != comm_.rank()) comm_.post(r, channels::kGathered, {});
+    }
+  }
   count_finish_wait(start);
-  const auto lost = comm_.lost_ranks();
-  if (comm_.rank() != 0 && std::find(lost.begin(), lost.end(), 0) != lost.end()) {
-    const Status health = comm_.health();  // a rank 0 that failed on its own said why: its kind counts
+  if (!keeping && !gathered_.load()) {
+    const Status health = comm_.health();  // a keeper that failed on its own said why: its kind counts
     return make_error(health ? ErrorKind::kPeer : health.error().kind,
-                      "rank 0 was lost before it gathered the global parameters");
+                      "no live rank gathered the global parameters within {:.1f}s", settings_.peer_timeout_s * 3);
   }
   return {};
 }
@@ -139,34 +284,47 @@ void AsyncMode::start_serving_owner_state() {
 
 void AsyncMode::stop_serving_owner_state() { comm_.on_message(channels::kCheckpoint, nullptr); }
 
-/// [u32 shard][i64 version][i64 owner steps][u32 buffers][params][owner state...], under mutex_.
-void AsyncMode::put_owner_shard(std::vector<std::byte>& out) {
-  std::lock_guard lock(mutex_);
-  const auto state = owner_state();
-  put(out, static_cast<uint32_t>(comm_.rank()));
-  put(out, version_);
-  put(out, owner_steps());
-  put(out, static_cast<uint32_t>(1 + state.size()));
-  put_vector(out, owned_);
-  for (const auto& buffer : state) put_vector(out, buffer);
+/// [u32 n] then, per shard, [u32 shard][i64 version][i64 owner steps][u32 buffers][params][owner state...].
+void AsyncMode::put_owner_shards_locked(std::vector<std::byte>& out) {
+  put(out, static_cast<uint32_t>(served_.size()));
+  for (const auto& [shard, served] : served_) {
+    const auto state = owner_state(shard);
+    put(out, static_cast<uint32_t>(shard));
+    put(out, served.version);
+    put(out, owner_steps(shard));
+    put(out, static_cast<uint32_t>(1 + state.size()));
+    put_vector(out, served.values);
+    for (const auto& buffer : state) put_vector(out, buffer);
+  }
 }
 
-/// Rank 0, under mutex_: an owner's shard into `a`; false when malformed.
-bool AsyncMode::take_owner_shard(int from, std::span<const std::byte>& m, PartialGlobalState& a) {
+bool AsyncMode::take_owner_shards(std::span<const std::byte>& m, PartialGlobalState& a) {
+  uint32_t n = 0;
+  if (!take(m, n) || n > static_cast<uint32_t>(comm_.size())) return false;
+  for (uint32_t i = 0; i < n; ++i) {
+    if (!take_owner_shard(m, a)) return false;
+  }
+  return true;
+}
+
+/// Under mutex_: one owner shard into `a` (a shard already in stays: its
+/// first answer counts); false when malformed.
+bool AsyncMode::take_owner_shard(std::span<const std::byte>& m, PartialGlobalState& a) {
   uint32_t shard = 0;
   int64_t version = 0;
   int64_t steps = 0;
   uint32_t buffers = 0;
-  if (!take(m, shard) || shard != static_cast<uint32_t>(from) || !take(m, version) || !take(m, steps) ||
-      !take(m, buffers) || buffers == 0 || a.received.size() != static_cast<size_t>(comm_.size()) ||
-      a.received[shard]) {
+  if (!take(m, shard) || shard >= static_cast<uint32_t>(comm_.size()) || !take(m, version) || !take(m, steps) ||
+      !take(m, buffers) || buffers == 0 || a.received.size() != static_cast<size_t>(comm_.size())) {
     return false;
   }
+  const bool keep = !a.received[shard];
   const size_t total = bounds_.back();
   const size_t first = bounds_[shard];
   std::vector<float> v;
   for (uint32_t b = 0; b < buffers; ++b) {
     if (!take_vector(m, v) || v.size() != shard_size(static_cast<int>(shard))) return false;
+    if (!keep) continue;
     std::vector<float>* into = nullptr;
     if (b == 0) {
       into = &a.state.params;
@@ -179,6 +337,7 @@ bool AsyncMode::take_owner_shard(int from, std::span<const std::byte>& m, Partia
     if (into->empty()) into->assign(total, 0.0f);
     std::copy(v.begin(), v.end(), into->begin() + static_cast<std::ptrdiff_t>(first));
   }
+  if (!keep) return true;
   a.state.versions[shard] = version;
   a.state.owner_steps[shard] = steps;
   a.received[shard] = true;
@@ -203,10 +362,12 @@ void AsyncMode::on_fresh(int, std::span<const std::byte> m) {
 void AsyncMode::on_progress(int from, std::span<const std::byte> m) {
   TrainPosition p;
   if (!take_position(m, p)) return;
+  refresh_membership();
   bool stop = false;
   {
     std::lock_guard lock(mutex_);
     progress_[static_cast<size_t>(from)] = p;
+    if (keeper_locked() != comm_.rank()) return;  // the standby only keeps the positions
     int64_t total = 0;
     for (const auto& q : progress_) total += q.samples;
     stop = settings_.sample_budget > 0 && total >= settings_.sample_budget && !stop_sent_;
@@ -221,11 +382,14 @@ void AsyncMode::on_gather(int from, std::span<const std::byte> m) {
   TrainPosition p;
   if (!take_position(m, p)) return;
   std::lock_guard lock(mutex_);
-  if (take_owner_shard(from, m, gather_)) gather_.state.ranks[static_cast<size_t>(from)] = p;
+  if (take_owner_shards(m, gather_)) {
+    gather_.state.ranks[static_cast<size_t>(from)] = p;
+    gathered_from_[static_cast<size_t>(from)] = true;
+  }
 }
 
-/// A request (any rank, as an owner): my shard to rank 0, now. A shard
-/// (rank 0): into the snapshot of that request; complete when every owner's is in.
+/// A request (any rank, as an owner): the shards I serve to the keeper, now.
+/// Shards (the keeper): into the snapshot of that request; complete when every shard is in.
 void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
   uint32_t kind = 0;
   uint64_t id = 0;
@@ -234,15 +398,17 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
     std::vector<std::byte> out;
     put(out, kSnapshotShard);
     put(out, id);
-    put_owner_shard(out);
+    {
+      std::lock_guard lock(mutex_);
+      put_owner_shards_locked(out);
+    }
     comm_.post(from, channels::kCheckpoint, std::move(out));
     return;
   }
-  if (kind != kSnapshotShard || comm_.rank() != 0) return;
   std::lock_guard lock(mutex_);
-  if (id != snapshot_id_ || !take_owner_shard(from, m, snapshot_)) return;
+  if (kind != kSnapshotShard || id != snapshot_id_ || !take_owner_shards(m, snapshot_)) return;
   if (snapshot_.count < comm_.size()) return;
-  // Every shard is in (a lost owner's never is: then no checkpoint is whole).
+  // Every shard is in (one whose every holder was lost never is: then no checkpoint is whole).
   snapshot_.state.ranks = progress_;
   ready_ = std::move(snapshot_.state);
   snapshot_ = PartialGlobalState();

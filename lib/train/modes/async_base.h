@@ -1,10 +1,19 @@
 #pragma once
 /// What the asynchronous modes (cfmo, asgd) share: the parameter vector cut
-/// into W shards, rank j the owner of shard j of the global parameters; the
-/// budget keeper (rank 0, fed every step's position); the inbox of fresh
-/// shards the owners send back; snapshots of the global state for
-/// checkpoints; and the end-of-run handshake that gathers the owners' shards
-/// on rank 0.
+/// into W shards, shard j of the global parameters served by its owner; the
+/// budget keeper (the lowest live rank, fed every step's position, with the
+/// next live rank as its standby); the inbox of fresh shards the owners send
+/// back; snapshots of the global state for checkpoints; and the end-of-run
+/// handshake that gathers the owners' shards on the keeper.
+///
+/// Ownership: shard j's owner is rank j while it lives. In a replicated mode
+/// (cfmo) each owner keeps one other rank, its shard's backup (the next live
+/// rank after it), up to date with every contribution it applies, so that a
+/// lost owner's shard moves to its backup with every applied delta in it:
+/// the owner of shard j is then the first live rank from j on (j, j + 1, ...
+/// cyclically). Every survivor computes the same ownership from the same set
+/// of lost ranks, so no agreement protocol is needed. Without replication
+/// (asgd) a lost owner's shard is served by nobody.
 ///
 /// Threads: the training thread calls the Mode methods; the communicator's
 /// progress thread runs the message handlers, which act as the owner. mutex_
@@ -12,12 +21,13 @@
 ///
 /// Messages (train/modes/wire.h encodes them):
 ///   kFreshShard  [u32 shard][u32 flags: 1 dropped][i64 version][i64 staleness][floats of the shard, or none]
-///   kProgress    [position]                         every step, to rank 0
-///   kStop        []                                 rank 0: the budget is spent
+///   kProgress    [position]                         every step, to the keeper and its standby
+///   kStop        []                                 the keeper: the budget is spent
 ///   kDone        []                                 this rank has finished
-///   kGather      [position][owner shard]            at the end, to rank 0
-///   kCheckpoint  [u32 0: request][u64 id]           rank 0 to the owners
-///                [u32 1: shard][u64 id][owner shard] an owner's answer
+///   kGather      [position][u32 n][n owner shards]  at the end, to the keeper
+///   kGathered    []                                 the keeper holds every shard
+///   kCheckpoint  [u32 0: request][u64 id]           the keeper to the owners
+///                [u32 1: shards][u64 id][u32 n][n owner shards] an owner's answer
 /// where an owner shard is [u32 shard][i64 version][i64 owner steps]
 /// [u32 buffers][u64 n][n floats: params][u64 n][n floats: owner state]...
 
@@ -27,6 +37,7 @@
 #include <algorithm>
 #include <atomic>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -42,7 +53,7 @@ class AsyncMode : public Mode {
   enum class OwnerState : uint8_t { kOuterMomentum, kOptimizer };
 
   AsyncMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume,
-            OwnerState owner_state_kind);
+            OwnerState owner_state_kind, bool replicated);
   ~AsyncMode() override;
 
   bool stop_requested() const override { return stop_.load(); }
@@ -62,6 +73,9 @@ class AsyncMode : public Mode {
     std::lock_guard lock(mutex_);
     return rank >= 0 && rank < comm_.size() ? reconciled_samples_[static_cast<size_t>(rank)] : 0;
   }
+  int keeper() const override;
+  bool survives_losses() const override { return true; }
+  int shard_served_by(int rank) const override;
   std::optional<GlobalState> final_state() override {
     std::lock_guard lock(mutex_);
     std::optional<GlobalState> out;
@@ -84,14 +98,43 @@ class AsyncMode : public Mode {
   }
   size_t shard_size(int j) const { return bounds_[static_cast<size_t>(j) + 1] - bounds_[static_cast<size_t>(j)]; }
 
-  /// Owner side: the reply carrying this shard as it is now (or, `with_shard`
-  /// false, only its version: an acknowledgement).
-  void reply_fresh(int to, int64_t staleness, bool dropped, bool with_shard = true);
+  /// An owner's state of a shard it serves: the shard's values and the
+  /// contributions applied to them.
+  struct Served {
+    FloatBuffer values;
+    int64_t version = 0;
+  };
 
-  /// The owner's staleness of a contribution based on `base_version`, in rounds of W.
-  int64_t staleness_of(int64_t base_version) const {
-    return std::max<int64_t>(0, version_ - base_version) / comm_.size();
+  /// Owner side, under mutex_: the reply carrying `shard` as it is now (or,
+  /// `with_shard` false, only its version: an acknowledgement; also the answer
+  /// for a shard this rank does not serve).
+  void reply_fresh_locked(int to, int shard, int64_t staleness, bool dropped, bool with_shard = true);
+
+  /// The staleness of a contribution to `served` based on `base_version`, in rounds of W.
+  int64_t staleness_of(const Served& served, int64_t base_version) const {
+    return std::max<int64_t>(0, served.version - base_version) / comm_.size();
   }
+
+  /// Under mutex_: whether `rank` is lost as this rank last saw it (refresh_membership).
+  bool lost_locked(int rank) const { return lost_[static_cast<size_t>(rank)]; }
+  /// Under mutex_: the rank serving `shard` now, -1 if none (see the top of this file).
+  int owner_of_locked(int shard) const;
+  /// Under mutex_: the rank keeping `shard`'s replica for its owner, -1 if none.
+  int backup_of_locked(int shard) const;
+  /// Under mutex_: the lowest live rank, and the one after it (-1 if none).
+  int keeper_locked() const;
+  int standby_locked() const;
+
+  /// Takes up the ranks the transport found lost since the last call; on a
+  /// change calls on_membership_change_locked (both threads call it, at each
+  /// step and with each contribution).
+  void refresh_membership();
+  /// Under mutex_, after `newly_lost` were lost: a replicated mode moves the
+  /// shards (promotes its replicas, refreshes its backups).
+  virtual void on_membership_change_locked(const std::vector<int>& /*newly_lost*/) {}
+  /// The error this rank ends with when a loss left it on the losing side
+  /// (train/modes/quorum.h): then it must not go on; ok otherwise.
+  Status cut_off() const;
 
   void record_staleness(int64_t s, bool dropped) {
     std::lock_guard lock(mutex_);
@@ -100,13 +143,13 @@ class AsyncMode : public Mode {
     if (dropped) ++stats_.contributions_dropped;
   }
 
-  /// Rank 0 as an owner, under mutex_: a contribution of `from` arrived. Its
-  /// position then is its last progress report: sent before the contribution
-  /// on the same link (cfmo), or with the step before (asgd).
+  /// An owner, under mutex_: a contribution of `from` arrived. Its position
+  /// then is its last progress report, where this rank receives them (the
+  /// keeper and its standby): sent before the contribution on the same link
+  /// (cfmo), or with the step before (asgd).
   void note_reconciled(int from) {
-    if (comm_.rank() != 0) return;
     const auto r = static_cast<size_t>(from);
-    reconciled_samples_[r] = progress_[r].samples - start_samples_[r];
+    reconciled_samples_[r] = std::max(reconciled_samples_[r], progress_[r].samples - start_samples_[r]);
   }
 
   /// True while fresh shards wait to be applied.
@@ -126,7 +169,8 @@ class AsyncMode : public Mode {
   /// Replies still owed by owners that are alive.
   int outstanding() const;
 
-  /// Every step: rank 0 keeps the budget and the positions a checkpoint records.
+  /// Every step: the keeper keeps the budget and the positions a checkpoint
+  /// records; its standby keeps them too, to take over.
   void report_progress(const TrainPosition& position);
 
   /// Waits (draining the inbox through `apply`) until no reply is owed or the deadline passes.
@@ -150,7 +194,8 @@ class AsyncMode : public Mode {
 
   /// The end: tell everyone this rank is done, serve owners' work until every
   /// live rank is done too, then gather the owned shards (and the owners'
-  /// state, and each rank's last position) on rank 0.
+  /// state, and each rank's last position) on the keeper; a rank leaves once
+  /// the keeper holds them all (or the keeper moved and holds them then).
   Status end_handshake(std::span<float> params);
 
   /// For the derived constructors, last, and destructors, first: the handler
@@ -160,10 +205,10 @@ class AsyncMode : public Mode {
   void stop_serving_owner_state();
 
   /// Owner side, under mutex_: the state of the outer or shard optimizer for
-  /// my shard, each buffer the shard's size (cfmo: the outer momentum, if any;
-  /// asgd: the optimizer's state), and its optimizer's steps.
-  virtual std::vector<std::span<const float>> owner_state() const { return {}; }
-  virtual int64_t owner_steps() const { return 0; }
+  /// `shard`, which this rank serves, each buffer the shard's size (cfmo: the
+  /// outer momentum, if any; asgd: the optimizer's state), and its optimizer's steps.
+  virtual std::vector<std::span<const float>> owner_state(int /*shard*/) const { return {}; }
+  virtual int64_t owner_steps(int /*shard*/) const { return 0; }
 
   const ModeSettings settings_;
   Communicator& comm_;
@@ -176,12 +221,15 @@ class AsyncMode : public Mode {
   std::vector<int> awaiting_ = std::vector<int>(static_cast<size_t>(comm_.size()), 0);
   TrainPosition position_;  ///< as last reported
 
-  // Owner side (progress thread, except where mutex_ says otherwise).
-  FloatBuffer owned_;    ///< my shard of the global parameters
-  int64_t version_ = 0;  ///< contributions applied to it
+  // Worker side (training thread): the owner each shard's awaited replies come from.
+  std::vector<int> awaiting_owner_ = std::vector<int>(static_cast<size_t>(comm_.size()), -1);
 
-  /// Guards inbox_, stats_, done_from_, progress_, the snapshots, and the
-  /// owner's state whenever another thread reads it.
+  // Owner side, under mutex_.
+  std::map<int, Served> served_;  ///< the shards this rank serves: its own, and those it took over
+  const bool replicated_;         ///< a lost owner's shard moves to its backup
+
+  /// Guards inbox_, stats_, done_from_, progress_, the snapshots, the
+  /// membership, and the owners' state.
   mutable std::mutex mutex_;
   std::deque<FreshShard> inbox_;
   ModeStats stats_;
@@ -205,8 +253,13 @@ class AsyncMode : public Mode {
 
   /// True when every live rank has its flag in `flags` (guarded by mutex_) set.
   bool all_live(const std::vector<bool>& flags) const;
-  void put_owner_shard(std::vector<std::byte>& out);
-  bool take_owner_shard(int from, std::span<const std::byte>& m, PartialGlobalState& a);
+  /// Under mutex_: [u32 n][n owner shards], those this rank serves.
+  void put_owner_shards_locked(std::vector<std::byte>& out);
+  /// Under mutex_: owner shards into `a`; false when malformed.
+  bool take_owner_shards(std::span<const std::byte>& m, PartialGlobalState& a);
+  bool take_owner_shard(std::span<const std::byte>& m, PartialGlobalState& a);
+  /// The keeper's end: whether every shard and every live rank's position is in.
+  bool gather_complete() const;
   void on_fresh(int from, std::span<const std::byte> m);
   void on_progress(int from, std::span<const std::byte> m);
   void on_gather(int from, std::span<const std::byte> m);
@@ -215,16 +268,22 @@ class AsyncMode : public Mode {
   const OwnerState owner_state_kind_;
   std::atomic<bool> stop_{false};
   std::vector<bool> done_from_;
-  std::vector<TrainPosition> progress_;      ///< rank 0: each rank's last reported position
-  std::vector<int64_t> start_samples_;       ///< rank 0: each rank's samples when this run started
-  std::vector<int64_t> reconciled_samples_;  ///< rank 0: see reconciled_samples()
-  bool stop_sent_ = false;                   ///< rank 0, progress thread
-  uint64_t snapshot_id_ = 0;                 ///< rank 0: the request being answered
-  Clock::time_point snapshot_asked_;         ///< rank 0: when it was sent
-  PartialGlobalState snapshot_;              ///< rank 0: its answers so far
-  std::optional<GlobalState> ready_;         ///< rank 0: the last complete snapshot, until taken
-  PartialGlobalState gather_;                ///< rank 0: the end's gather
-  std::optional<GlobalState> final_;         ///< rank 0: the end's state, until taken
+  std::vector<bool> lost_;                   ///< the lost ranks as refresh_membership last saw them
+  Error cut_off_{ErrorKind::kPeer, {}};      ///< see cut_off(); empty message: not cut off
+  size_t lost_count_ = 0;                    ///< how many
+  std::vector<TrainPosition> progress_;      ///< keeper and standby: each rank's last reported position
+  std::vector<int64_t> start_samples_;       ///< each rank's samples when this run started
+  std::vector<int64_t> reconciled_samples_;  ///< keeper and standby: see reconciled_samples()
+  bool stop_sent_ = false;                   ///< the keeper
+  uint64_t snapshot_id_ = 0;                 ///< the keeper: the request being answered
+  Clock::time_point snapshot_asked_;         ///< the keeper: when it was sent
+  PartialGlobalState snapshot_;              ///< the keeper: its answers so far
+  std::optional<GlobalState> ready_;         ///< the keeper: the last complete snapshot, until taken
+  PartialGlobalState gather_;                ///< the keeper: the end's gather, by shard
+  std::vector<bool> gathered_from_;          ///< the keeper: the ranks whose end position is in
+  std::atomic<bool> gathered_{false};        ///< the keeper said it holds every shard
+  std::atomic<int> gathered_by_{-1};         ///< and which rank that was
+  std::optional<GlobalState> final_;         ///< the keeper: the end's state, until taken
 };
 
 }  // namespace cfmo::modes

@@ -3,7 +3,16 @@
 // beta^staleness and sends the fresh shard back; the worker rebases that
 // shard when it arrives. See ALGORITHM.md, mode 3.
 //
+// Each owner keeps its shard's backup (async_base.h) up to date: every
+// contribution it applies goes on to the backup, which applies it to its
+// replica in the same order with the same weight, so the replica equals the
+// shard bit for bit at the cost of one more delta per contribution; a new
+// backup first gets the whole state. A lost owner's backup serves the shard
+// from its replica, with every contribution that reached it.
+//
 // kDeltaShard [u32 shard][u32 dtype | kLastRound][i64 base version][encoded floats (comm/codec.h)]
+// kReplica    [u32 0: apply][u32 shard][i64 version][f32 weight][u32 dtype][encoded floats]
+//             [u32 1: whole][u32 shard][i64 version][u32 in round][u64 n][values][u64 n][momentum][u64 n][round sum]
 #include "train/modes/async_base.h"
 #include "train/modes/outer_optimizer.h"
 #include "train/modes/wire.h"
@@ -17,19 +26,28 @@ namespace {
 class CfmoMode final : public AsyncMode {
  public:
   CfmoMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume)
-      : AsyncMode(settings, comm, initial, resume, OwnerState::kOuterMomentum),
-        outer_(settings, owned_.size(), comm.size()),
+      : AsyncMode(settings, comm, initial, resume, OwnerState::kOuterMomentum, /*replicated=*/true),
         snapshot_(initial.size(), 0.0f) {
-    if (!outer_.momentum().empty() && resume.outer_momentum.size() == initial.size()) {
-      const auto first = static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(comm.rank())]);
-      std::copy_n(resume.outer_momentum.begin() + first, owned_.size(), outer_.momentum().begin());
+    // Every rank starts from the same state, so each backup's replica starts as its owner's shard.
+    const int me = comm.rank();
+    const int w = comm.size();
+    outer_.emplace(me, starting_outer(me, resume));
+    const int before = (me + w - 1) % w;
+    Replica& r = replicas_.emplace(before, Replica{{}, 0, starting_outer(before, resume)}).first->second;
+    r.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before)]),
+                    initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before) + 1]));
+    {
+      std::lock_guard lock(mutex_);
+      backup_[me] = backup_of_locked(me);
     }
     comm.on_message(channels::kDeltaShard, [this](int from, std::span<const std::byte> m) { on_delta(from, m); });
+    comm.on_message(channels::kReplica, [this](int, std::span<const std::byte> m) { on_replica(m); });
     start_serving_owner_state();
   }
   // Unregistered here, before this class's members go: the base's destructor would be too late.
   ~CfmoMode() override {
     comm_.on_message(channels::kDeltaShard, nullptr);
+    comm_.on_message(channels::kReplica, nullptr);
     stop_serving_owner_state();
   }
   std::string_view name() const override { return "cfmo"; }
@@ -41,10 +59,11 @@ class CfmoMode final : public AsyncMode {
     last_step_ = position.step;
     if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
       report_progress(position);
-      return {};
+      return cut_off();
     }
     for (auto& f : take_inbox()) rebase(f, params, optimizer);
     report_progress(position);
+    CFMO_TRY(cut_off());
     if (position.step % settings_.sync_interval != 0) return {};
     // Shards whose last delta is still in flight wait for the next round; the
     // others go now: a slow owner never holds back the rest, nobody waits.
@@ -53,6 +72,7 @@ class CfmoMode final : public AsyncMode {
   }
 
   Status finish(std::span<float> params, Optimizer& optimizer) override {
+    CFMO_TRY(cut_off());
     const auto start = Clock::now();
     const auto deadline = start + seconds(settings_.peer_timeout_s);
     auto apply = [&](FreshShard& f) { rebase(f, params, optimizer); };
@@ -68,11 +88,19 @@ class CfmoMode final : public AsyncMode {
 
  private:
   void send_round(std::span<const float> params, bool only_idle, bool last = false) {
-    const auto lost = comm_.lost_ranks();
+    refresh_membership();
+    std::vector<int> owners(static_cast<size_t>(comm_.size()), -1);
+    {
+      std::lock_guard lock(mutex_);
+      for (int j = 0; j < comm_.size(); ++j) owners[static_cast<size_t>(j)] = owner_of_locked(j);
+    }
     uint64_t sent = 0;
     bool skipped = false;
     for (int j = 0; j < comm_.size(); ++j) {
-      if (std::find(lost.begin(), lost.end(), j) != lost.end()) continue;
+      const int owner = owners[static_cast<size_t>(j)];
+      if (owner < 0) continue;
+      // The reply of a lost owner never comes: its shard goes to the new one.
+      if (awaiting_owner_[static_cast<size_t>(j)] != owner) awaiting_[static_cast<size_t>(j)] = 0;
       if (only_idle && awaiting_[static_cast<size_t>(j)] > 0) {
         skipped = true;
         continue;
@@ -94,8 +122,9 @@ class CfmoMode final : public AsyncMode {
       put(out, base_version_[static_cast<size_t>(j)]);
       encode_floats(settings_.delta_dtype, delta_,
                     residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count), out);
-      comm_.post(j, channels::kDeltaShard, std::move(out));
+      comm_.post(owner, channels::kDeltaShard, std::move(out));
       ++awaiting_[static_cast<size_t>(j)];
+      awaiting_owner_[static_cast<size_t>(j)] = owner;
       ++sent;
     }
     int64_t round = 0;
@@ -124,53 +153,191 @@ class CfmoMode final : public AsyncMode {
     if (f.values.size() != bounds_[static_cast<size_t>(f.shard) + 1] - first) return;
     const int64_t behind =
         std::max<int64_t>(0, f.version - base_version_[static_cast<size_t>(f.shard)] - 1) / comm_.size();
-    for (size_t i = 0; i < f.values.size(); ++i) {
+    for (size_t i = 0; i < f.values.size(); ++i)
       params[first + i] = f.values[i] + (params[first + i] - snapshot_[first + i]);
-      base_[first + i] = f.values[i];
+    {
+      // Under the lock: a rank taking over a shard nobody holds a replica of starts from base_.
+      std::lock_guard lock(mutex_);
+      std::copy(f.values.begin(), f.values.end(), base_.begin() + static_cast<std::ptrdiff_t>(first));
+      base_version_[static_cast<size_t>(f.shard)] = f.version;
     }
-    base_version_[static_cast<size_t>(f.shard)] = f.version;
     if (behind > 0) {
       optimizer.scale_first_moment(static_cast<float>(std::pow(settings_.staleness_discount, behind)), first,
                                    f.values.size());
     }
   }
 
-  /// Owner: apply a delta shard weighted by beta^staleness, reply with the fresh shard.
+  /// Owner: apply a delta shard weighted by beta^staleness, pass it on to
+  /// the shard's backup, reply with the fresh shard. A delta for a shard this
+  /// rank does not serve (its sender saw an owner lost before this rank did)
+  /// is answered without it: the worker's next delta carries it again.
   void on_delta(int from, std::span<const std::byte> m) {
     uint32_t shard = 0;
     uint32_t dtype = 0;
     int64_t base_version = 0;
-    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || shard != static_cast<uint32_t>(comm_.rank())) {
+    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || shard >= static_cast<uint32_t>(comm_.size())) {
       return;
     }
     const bool last = (dtype & kLastRound) != 0;
     dtype &= ~kLastRound;
     if (dtype > 2) return;
-    incoming_.resize(owned_.size());
+    const std::span<const std::byte> encoded = m;
+    incoming_.resize(shard_size(static_cast<int>(shard)));
     if (!decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
-    const int64_t s = staleness_of(base_version);
+    refresh_membership();
+    std::lock_guard lock(mutex_);
+    ++stats_.contributions_received;
+    note_reconciled(from);
+    const auto it = served_.find(static_cast<int>(shard));
+    if (it == served_.end()) {
+      reply_fresh_locked(from, static_cast<int>(shard), 0, /*dropped=*/true, /*with_shard=*/false);
+      return;
+    }
+    Served& served = it->second;
+    const int64_t s = staleness_of(served, base_version);
     const bool dropped = s > settings_.max_staleness;
     if (!dropped) {
       const float weight =
           static_cast<float>(std::pow(settings_.staleness_discount, s)) / static_cast<float>(comm_.size());
-      std::lock_guard lock(mutex_);
-      outer_.apply(owned_, incoming_, weight);
-      ++version_;
+      outer_.at(static_cast<int>(shard)).apply(served.values, incoming_, weight);
+      ++served.version;
       ++stats_.contributions_applied;
+      replicate_locked(static_cast<int>(shard), weight, dtype, encoded);
     }
-    {
-      std::lock_guard lock(mutex_);
-      ++stats_.contributions_received;
-      note_reconciled(from);
-    }
-    reply_fresh(from, s, dropped, /*with_shard=*/!last);
+    reply_fresh_locked(from, static_cast<int>(shard), s, dropped, /*with_shard=*/!last);
   }
 
-  OuterOptimizer outer_;  ///< owner, under mutex_: the outer step on my shard
-  std::vector<std::span<const float>> owner_state() const override {
-    if (outer_.momentum().empty()) return {};
-    return {outer_.momentum()};
+  /// Under mutex_: the contribution just applied to `shard`, to its backup;
+  /// the whole state instead to a backup new since the last one.
+  void replicate_locked(int shard, float weight, uint32_t dtype, std::span<const std::byte> encoded) {
+    const int backup = backup_of_locked(shard);
+    if (backup < 0) return;
+    if (backup_[shard] != backup) {
+      send_whole_locked(shard, backup);
+      return;
+    }
+    std::vector<std::byte> out;
+    put(out, kReplicaApply);
+    put(out, static_cast<uint32_t>(shard));
+    put(out, served_.at(shard).version);
+    put(out, weight);
+    put(out, dtype);
+    put_bytes(out, encoded.data(), encoded.size());
+    comm_.post(backup, channels::kReplica, std::move(out));
   }
+
+  /// Under mutex_: `shard`'s whole state (values, version, outer state) to `backup`, its backup from now on.
+  void send_whole_locked(int shard, int backup) {
+    backup_[shard] = backup;
+    if (backup < 0) return;
+    const OuterOptimizer& outer = outer_.at(shard);
+    std::vector<std::byte> out;
+    put(out, kReplicaWhole);
+    put(out, static_cast<uint32_t>(shard));
+    put(out, served_.at(shard).version);
+    put(out, static_cast<uint32_t>(outer.in_round()));
+    put_vector(out, served_.at(shard).values);
+    put_vector(out, outer.momentum());
+    put_vector(out, outer.round_sum());
+    comm_.post(backup, channels::kReplica, std::move(out));
+  }
+
+  /// A backup: an owner's applied contribution, or its whole state, into the replica.
+  void on_replica(std::span<const std::byte> m) {
+    uint32_t kind = 0;
+    uint32_t shard = 0;
+    int64_t version = 0;
+    if (!take(m, kind) || !take(m, shard) || !take(m, version) || shard >= static_cast<uint32_t>(comm_.size())) {
+      return;
+    }
+    const int j = static_cast<int>(shard);
+    std::lock_guard lock(mutex_);
+    if (served_.count(j) != 0) return;  // this rank serves it now: an old owner's late words
+    if (kind == kReplicaWhole) {
+      uint32_t in_round = 0;
+      std::vector<float> values;
+      std::vector<float> momentum;
+      std::vector<float> round_sum;
+      if (!take(m, in_round) || !take_vector(m, values) || !take_vector(m, momentum) || !take_vector(m, round_sum) ||
+          values.size() != shard_size(j)) {
+        return;
+      }
+      Replica r{{}, version, OuterOptimizer(settings_, shard_size(j), comm_.size())};
+      r.values.assign(values.begin(), values.end());
+      r.outer.restore(static_cast<int>(in_round), momentum, round_sum);
+      replicas_.insert_or_assign(j, std::move(r));
+      return;
+    }
+    float weight = 0;
+    uint32_t dtype = 0;
+    const auto it = replicas_.find(j);
+    if (kind != kReplicaApply || it == replicas_.end() || !take(m, weight) || !take(m, dtype) || dtype > 2) return;
+    replica_incoming_.resize(shard_size(j));
+    if (!decode_floats(static_cast<WireDtype>(dtype), m, replica_incoming_)) return;
+    it->second.outer.apply(it->second.values, replica_incoming_, weight);
+    it->second.version = version;
+  }
+
+  /// Under mutex_: the shards whose owner is this rank now take up their
+  /// replicas (or, where every holder was lost, this rank's last global
+  /// values of them); every shard served gets its backup's whole state when
+  /// its backup changed.
+  void on_membership_change_locked(const std::vector<int>&) override {
+    const int me = comm_.rank();
+    for (int j = 0; j < comm_.size(); ++j) {
+      if (owner_of_locked(j) != me || served_.count(j) != 0) continue;
+      Served taken;
+      const auto r = replicas_.find(j);
+      if (r != replicas_.end()) {
+        taken.values = std::move(r->second.values);
+        taken.version = r->second.version;
+        outer_.insert_or_assign(j, std::move(r->second.outer));
+        replicas_.erase(r);
+      } else {
+        const auto first = base_.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(j)]);
+        taken.values.assign(first, first + static_cast<std::ptrdiff_t>(shard_size(j)));
+        taken.version = base_version_[static_cast<size_t>(j)];
+        outer_.insert_or_assign(j, OuterOptimizer(settings_, shard_size(j), comm_.size()));
+      }
+      served_.insert_or_assign(j, std::move(taken));
+      backup_[j] = -1;
+    }
+    for (const auto& entry : served_) {
+      const int j = entry.first;
+      const int backup = backup_of_locked(j);
+      if (backup_[j] != backup) send_whole_locked(j, backup);
+    }
+  }
+
+  /// A shard's outer optimizer as the run starts (with the resumed momentum).
+  OuterOptimizer starting_outer(int shard, const ModeResume& resume) const {
+    OuterOptimizer outer(settings_, shard_size(shard), comm_.size());
+    if (!outer.momentum().empty() && resume.outer_momentum.size() == bounds_.back()) {
+      const auto first = static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(shard)]);
+      std::copy_n(resume.outer_momentum.begin() + first, shard_size(shard), outer.momentum().begin());
+    }
+    return outer;
+  }
+
+  std::vector<std::span<const float>> owner_state(int shard) const override {
+    const auto it = outer_.find(shard);
+    if (it == outer_.end() || it->second.momentum().empty()) return {};
+    return {it->second.momentum()};
+  }
+
+  /// A backup's copy of an owner's shard.
+  struct Replica {
+    FloatBuffer values;
+    int64_t version = 0;
+    OuterOptimizer outer;
+  };
+
+  // Under mutex_.
+  std::map<int, OuterOptimizer> outer_;  ///< the outer step of each shard served
+  std::map<int, int> backup_;            ///< each shard served: the backup its contributions go to (-1: none)
+  std::map<int, Replica> replicas_;      ///< the shards this rank is the backup of
+  static constexpr uint32_t kReplicaApply = 0;
+  static constexpr uint32_t kReplicaWhole = 1;
 
   /// In a delta's dtype field: the sender's last round, answered without the shard.
   static constexpr uint32_t kLastRound = 0x100;
@@ -181,7 +348,8 @@ class CfmoMode final : public AsyncMode {
   FloatBuffer delta_;
   FloatBuffer full_delta_;  ///< for the delta sink
   int64_t last_step_ = 0;
-  FloatBuffer incoming_;  ///< progress thread
+  FloatBuffer incoming_;          ///< progress thread
+  FloatBuffer replica_incoming_;  ///< progress thread
 };
 
 }  // namespace

@@ -1,6 +1,10 @@
 // Mode localsgd (Local SGD / DiLoCo): H local steps, then a blocking
 // all-reduce of the deltas against the shared global parameters and an
-// outer step.
+// outer step. With --elastic the sum goes through an ElasticGroup: a lost
+// worker leaves the group, and the others average their deltas without it.
+// Without it, the ring all-reduce (no leader to funnel every delta through)
+// and a lost worker ends the run with status 4, as in sync.
+#include "train/modes/elastic_group.h"
 #include "train/modes/lockstep.h"
 #include "train/modes/outer_optimizer.h"
 #include "train/modes/timing.h"
@@ -16,6 +20,7 @@ class LocalSgdMode final : public LockstepMode {
   LocalSgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
                const ModeResume& resume)
       : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), outer_(settings, initial.size(), 1) {
+    if (settings.elastic) group_ = std::make_unique<ElasticGroup>(comm, channels::kElastic, settings.peer_timeout_s);
     if (resume.outer_momentum.size() == outer_.momentum().size()) {
       std::copy(resume.outer_momentum.begin(), resume.outer_momentum.end(), outer_.momentum().begin());
     }
@@ -38,6 +43,9 @@ class LocalSgdMode final : public LockstepMode {
     return since_sync_ != 0 ? reconcile(params) : Status{};
   }
   ModeStats stats() const override { return stats_; }
+  bool survives_losses() const override { return group_ != nullptr; }
+  int keeper() const override { return group_ ? first_live(comm_, group_->members()) : 0; }
+  std::vector<int> members() const override { return group_ ? group_->members() : std::vector<int>(); }
 
  private:
   Status reconcile(std::span<float> params) {
@@ -50,11 +58,12 @@ class LocalSgdMode final : public LockstepMode {
     }
     vote_.write(delta_.data() + params.size());
     const auto start = Clock::now();
-    Status status = comm_.all_reduce_sum(delta_);
+    Status status = group_ ? group_->all_reduce_sum(delta_) : comm_.all_reduce_sum(delta_);
     stats_.wait_s += seconds_since(start);
     CFMO_TRY(status);
     vote_.read(delta_.data() + params.size());
-    outer_.apply(global_, std::span<const float>(delta_).first(params.size()), 1.0f / static_cast<float>(comm_.size()));
+    const auto members = static_cast<float>(group_ ? group_->members().size() : static_cast<size_t>(comm_.size()));
+    outer_.apply(global_, std::span<const float>(delta_).first(params.size()), 1.0f / members);
     std::copy(global_.begin(), global_.end(), params.begin());
     ++stats_.rounds;
     since_sync_ = 0;
@@ -69,6 +78,7 @@ class LocalSgdMode final : public LockstepMode {
   int64_t since_sync_ = 0;
   int64_t last_step_ = 0;
   ModeStats stats_;
+  std::unique_ptr<ElasticGroup> group_;  ///< with --elastic
 };
 
 }  // namespace

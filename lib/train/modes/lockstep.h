@@ -5,6 +5,7 @@
 
 #include "train/modes.h"
 
+#include <algorithm>
 #include <string>
 #include <string_view>
 
@@ -30,6 +31,15 @@ struct StopVote {
     }
   }
 };
+
+/// The first of `members` not lost: the keeper of a lockstep run that survives losses.
+inline int first_live(const Communicator& comm, const std::vector<int>& members) {
+  const auto lost = comm.lost_ranks();
+  for (const int r : members) {
+    if (std::find(lost.begin(), lost.end(), r) == lost.end()) return r;
+  }
+  return comm.rank();
+}
 
 /// The base of a lockstep mode: it writes vote_ into each collective's
 /// spare slots and reads the sums back.

@@ -33,4 +33,12 @@ void OuterOptimizer::apply(std::span<float> global, std::span<const float> delta
   }
 }
 
+void OuterOptimizer::restore(int in_round, std::span<const float> momentum, std::span<const float> round_sum) {
+  if (momentum.size() == momentum_.size()) std::copy(momentum.begin(), momentum.end(), momentum_.begin());
+  if (round_sum.size() == round_sum_.size()) {
+    std::copy(round_sum.begin(), round_sum.end(), round_sum_.begin());
+    in_round_ = std::clamp(in_round, 0, per_round_ - 1);
+  }
+}
+
 }  // namespace cfmo

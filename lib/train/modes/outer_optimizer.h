@@ -31,6 +31,13 @@ class OuterOptimizer {
   /// where a resumed run puts it back.
   std::span<float> momentum() { return momentum_; }
   std::span<const float> momentum() const { return momentum_; }
+  /// A round in progress (nesterov with owners): its contributions so far and
+  /// their weighted sum. With the momentum, what a backup replica must hold.
+  int in_round() const { return in_round_; }
+  std::span<const float> round_sum() const { return round_sum_; }
+  /// Takes up a state sent by another owner (a shard moving to its backup);
+  /// buffers of the wrong size are left as they are.
+  void restore(int in_round, std::span<const float> momentum, std::span<const float> round_sum);
 
  private:
   bool nesterov_;

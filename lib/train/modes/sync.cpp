@@ -1,9 +1,14 @@
 // Mode sync: every step, gradients weighted by their example counts, summed
 // by a ring all-reduce, divided by the total: the same update as one worker
-// with the union of the batches.
+// with the union of the batches. With --elastic the sum goes through an
+// ElasticGroup instead: a lost worker leaves the group, the sum in flight is
+// redone without it, and the others go on with the batches they have (the
+// global batch shrinks, or the trainer raises each share).
+#include "train/modes/elastic_group.h"
 #include "train/modes/lockstep.h"
 #include "train/modes/timing.h"
 
+#include <algorithm>
 #include <memory>
 
 namespace cfmo::modes {
@@ -11,12 +16,20 @@ namespace {
 
 class SyncMode final : public LockstepMode {
  public:
-  explicit SyncMode(Communicator& comm) : comm_(comm) {}
+  SyncMode(Communicator& comm, const ModeSettings& settings) : comm_(comm) {
+    if (settings.elastic) group_ = std::make_unique<ElasticGroup>(comm, channels::kElastic, settings.peer_timeout_s);
+  }
   std::string_view name() const override { return "sync"; }
 
   bool needs_params(const TrainPosition&) const override { return false; }
   bool uses_gradients() const override { return true; }
-  void use_device_reduce(DeviceReduce reduce) override { device_reduce_ = std::move(reduce); }
+  // An elastic group sums on the host: its members change, a device communicator's do not.
+  void use_device_reduce(DeviceReduce reduce) override {
+    if (!group_) device_reduce_ = std::move(reduce);
+  }
+  bool survives_losses() const override { return group_ != nullptr; }
+  int keeper() const override { return group_ ? first_live(comm_, group_->members()) : 0; }
+  std::vector<int> members() const override { return group_ ? group_->members() : std::vector<int>(); }
 
   Status on_gradients(std::span<float> grads, int count, float) override {
     if (device_reduce_) {
@@ -38,7 +51,7 @@ class SyncMode final : public LockstepMode {
     buffer_[grads.size()] = n;
     vote_.write(buffer_.data() + grads.size() + 1);
     const auto start = Clock::now();
-    Status status = comm_.all_reduce_sum(buffer_);
+    Status status = group_ ? group_->all_reduce_sum(buffer_) : comm_.all_reduce_sum(buffer_);
     stats_.wait_s += seconds_since(start);
     CFMO_TRY(status);
     vote_.read(buffer_.data() + grads.size() + 1);
@@ -55,12 +68,13 @@ class SyncMode final : public LockstepMode {
   FloatBuffer buffer_;
   ModeStats stats_;
   DeviceReduce device_reduce_;
+  std::unique_ptr<ElasticGroup> group_;  ///< with --elastic
 };
 
 }  // namespace
 
 Result<std::unique_ptr<Mode>> make_sync(const ModeContext& c) {
-  return std::unique_ptr<Mode>(std::make_unique<SyncMode>(c.comm));
+  return std::unique_ptr<Mode>(std::make_unique<SyncMode>(c.comm, c.settings));
 }
 
 }  // namespace cfmo::modes

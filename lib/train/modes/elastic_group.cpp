@@ -1,0 +1,304 @@
+#include "train/modes/elastic_group.h"
+
+#include "train/modes/quorum.h"
+#include "train/modes/timing.h"
+#include "train/modes/wire.h"
+
+#include <algorithm>
+#include <map>
+
+namespace cfmo::modes {
+namespace {
+// How long a wait sleeps without news: losses are found by the transport, not announced.
+constexpr auto kNap = std::chrono::milliseconds(5);
+}  // namespace
+
+ElasticGroup::ElasticGroup(Communicator& comm, Channel channel, double peer_timeout_s)
+    : comm_(comm), channel_(channel), peer_timeout_s_(peer_timeout_s) {
+  for (int r = 0; r < comm.size(); ++r) members_.push_back(r);
+  comm_.on_message(channel_, [this](int from, std::span<const std::byte> m) { on_message(from, m); });
+}
+
+ElasticGroup::~ElasticGroup() { comm_.on_message(channel_, nullptr); }
+
+int ElasticGroup::index() const {
+  const auto it = std::find(members_.begin(), members_.end(), comm_.rank());
+  return it == members_.end() ? -1 : static_cast<int>(it - members_.begin());
+}
+
+bool ElasticGroup::lost(int rank) const {
+  const auto lost = comm_.lost_ranks();
+  return std::find(lost.begin(), lost.end(), rank) != lost.end();
+}
+
+void ElasticGroup::send(int to, Kind kind, uint32_t epoch, uint64_t seq, std::span<const float> floats, bool has,
+                        std::span<const int> ranks) {
+  std::vector<std::byte> out;
+  put(out, static_cast<uint8_t>(kind));
+  put(out, epoch);
+  put(out, seq);
+  if (kind == kGroup) {
+    put(out, static_cast<uint32_t>(ranks.size()));
+    for (const int r : ranks) put(out, static_cast<int32_t>(r));
+  }
+  if (kind == kJoin || kind == kGroup) put(out, static_cast<uint8_t>(has ? 1 : 0));
+  put_floats(out, floats);
+  comm_.post(to, channel_, std::move(out));
+}
+
+void ElasticGroup::on_message(int from, std::span<const std::byte> m) {
+  Message msg;
+  uint8_t kind = 0;
+  if (!take(m, kind) || kind < kPart || kind > kReform || !take(m, msg.epoch) || !take(m, msg.seq)) return;
+  msg.kind = static_cast<Kind>(kind);
+  msg.from = from;
+  if (msg.kind == kGroup) {
+    uint32_t n = 0;
+    if (!take(m, n) || n > static_cast<uint32_t>(comm_.size())) return;
+    for (uint32_t i = 0; i < n; ++i) {
+      int32_t r = 0;
+      if (!take(m, r) || r < 0 || r >= comm_.size()) return;
+      msg.ranks.push_back(r);
+    }
+  }
+  if (msg.kind == kJoin || msg.kind == kGroup) {
+    uint8_t has = 0;
+    if (!take(m, has)) return;
+    msg.has = has != 0;
+  }
+  msg.floats.resize(m.size() / sizeof(float));
+  if (!msg.floats.empty()) std::memcpy(msg.floats.data(), m.data(), msg.floats.size() * sizeof(float));
+  {
+    std::lock_guard lock(mutex_);
+    inbox_.push_back(std::move(msg));
+  }
+  arrived_.notify_all();
+}
+
+template <typename Match>
+bool ElasticGroup::take_locked(Message& out, Match&& match) {
+  for (auto it = inbox_.begin(); it != inbox_.end(); ++it) {
+    if (match(*it)) {
+      out = std::move(*it);
+      inbox_.erase(it);
+      return true;
+    }
+  }
+  return false;
+}
+
+bool ElasticGroup::reform_asked_locked(uint32_t& epoch) const {
+  bool asked = false;
+  for (const Message& m : inbox_) {
+    // A leader's call, or a member's join (it takes this rank for the leader).
+    if ((m.kind == kReform || m.kind == kJoin) && m.epoch > epoch_ && m.epoch > target_epoch_) {
+      epoch = asked ? std::max(epoch, m.epoch) : m.epoch;
+      asked = true;
+    }
+  }
+  return asked;
+}
+
+Status ElasticGroup::all_reduce_sum(std::span<float> data) {
+  for (;;) {
+    bool done = false;
+    if (target_epoch_ <= epoch_) done = reduce_once(data) == Outcome::kDone;
+    if (!done) {
+      CFMO_ASSIGN_OR_RETURN(done, reform(data));
+    }
+    if (done) {
+      last_.assign(data.begin(), data.end());
+      has_last_ = true;
+      ++seq_;
+      return {};
+    }
+  }
+}
+
+ElasticGroup::Outcome ElasticGroup::reduce_once(std::span<float> data) {
+  if (members_.size() == 1) return Outcome::kDone;
+  const int me = comm_.rank();
+  const int leader = members_.front();
+  if (me != leader) {
+    send(leader, kPart, epoch_, seq_, data);
+    for (;;) {
+      {
+        std::unique_lock lock(mutex_);
+        Message m;
+        if (take_locked(m, [&](const Message& x) { return x.kind == kSum && x.epoch == epoch_ && x.seq == seq_; })) {
+          if (m.floats.size() == data.size()) {
+            std::copy(m.floats.begin(), m.floats.end(), data.begin());
+            return Outcome::kDone;
+          }
+        }
+        uint32_t asked = 0;
+        if (reform_asked_locked(asked)) {
+          target_epoch_ = asked;
+          return Outcome::kReform;
+        }
+        arrived_.wait_for(lock, kNap);
+      }
+      if (lost(leader)) {
+        target_epoch_ = epoch_ + 1;
+        return Outcome::kReform;
+      }
+    }
+  }
+  std::map<int, std::vector<float>> parts;
+  parts[me].assign(data.begin(), data.end());
+  for (;;) {
+    {
+      std::unique_lock lock(mutex_);
+      Message m;
+      while (take_locked(m, [&](const Message& x) { return x.kind == kPart && x.epoch == epoch_ && x.seq == seq_; })) {
+        if (m.floats.size() == data.size()) parts[m.from] = std::move(m.floats);
+      }
+      uint32_t asked = 0;
+      if (reform_asked_locked(asked)) {
+        target_epoch_ = asked;
+        return Outcome::kReform;
+      }
+      if (parts.size() < members_.size()) arrived_.wait_for(lock, kNap);
+    }
+    if (parts.size() == members_.size()) break;
+    for (const int r : members_) {
+      if (r != me && lost(r)) {
+        target_epoch_ = epoch_ + 1;
+        return Outcome::kReform;
+      }
+    }
+  }
+  // In the members' order, so that the bits are the same whoever leads.
+  std::fill(data.begin(), data.end(), 0.0f);
+  for (const int r : members_) {
+    const auto& part = parts[r];
+    for (size_t i = 0; i < data.size(); ++i) data[i] += part[i];
+  }
+  for (const int r : members_) {
+    if (r != me) send(r, kSum, epoch_, seq_, data);
+  }
+  return Outcome::kDone;
+}
+
+Result<bool> ElasticGroup::reform(std::span<float> data) {
+  const int me = comm_.rank();
+  const auto deadline = Clock::now() + seconds(2 * peer_timeout_s_ + 2);
+  uint32_t epoch = std::max(target_epoch_, epoch_ + 1);
+  auto live_members = [&] {
+    std::vector<int> live;
+    for (const int r : members_) {
+      if (r == me || !lost(r)) live.push_back(r);
+    }
+    return live;
+  };
+  auto expired = [&] { return Clock::now() > deadline; };
+  auto too_late = [&] {
+    return make_error(ErrorKind::kPeer,
+                      "the workers could not re-form their group without the lost ones within {:.1f}s",
+                      2 * peer_timeout_s_ + 2);
+  };
+  // Takes up the group `g` announced; true when it carried the sum this rank missed.
+  auto apply = [&](const Message& g) -> Result<bool> {
+    members_ = g.ranks;
+    epoch_ = g.epoch;
+    target_epoch_ = g.epoch;
+    {
+      std::lock_guard lock(mutex_);
+      std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_; });
+    }
+    if (g.seq == seq_) return false;  // the sum in flight is redone by the new group
+    if (g.seq == seq_ + 1 && g.has && g.floats.size() == data.size()) {
+      std::copy(g.floats.begin(), g.floats.end(), data.begin());
+      return true;
+    }
+    return make_error(ErrorKind::kInternal, "the re-formed group is at sum {}, this rank at {}", g.seq, seq_);
+  };
+  for (;;) {
+    if (expired()) return too_late();
+    const auto live = live_members();
+    CFMO_TRY(check_quorum(me, members_, live));
+    const int leader = live.front();
+    if (leader != me) {
+      send(leader, kJoin, epoch, seq_, has_last_ ? std::span<const float>(last_) : std::span<const float>(), has_last_);
+      bool rejoin = false;
+      while (!rejoin) {
+        if (expired()) return too_late();
+        {
+          std::unique_lock lock(mutex_);
+          Message g;
+          if (take_locked(g, [&](const Message& x) { return x.kind == kGroup && x.epoch == epoch; })) {
+            lock.unlock();
+            return apply(g);
+          }
+          uint32_t asked = 0;
+          if (reform_asked_locked(asked) && asked > epoch) {
+            epoch = asked;
+            rejoin = true;
+            continue;
+          }
+          arrived_.wait_for(lock, kNap);
+        }
+        if (lost(leader)) rejoin = true;
+      }
+      continue;
+    }
+    // This rank leads: it calls every live member and waits for their joins.
+    for (const int r : live) {
+      if (r != me) send(r, kReform, epoch, 0, {});
+    }
+    std::map<int, Message> joins;
+    joins[me] = Message{kJoin, me, epoch, seq_, {}, has_last_, last_};
+    bool restart = false;
+    for (;;) {
+      if (expired()) return too_late();
+      {
+        std::unique_lock lock(mutex_);
+        Message j;
+        while (take_locked(j, [&](const Message& x) { return x.kind == kJoin && x.epoch == epoch; })) {
+          joins[j.from] = std::move(j);
+        }
+        uint32_t asked = 0;
+        if (reform_asked_locked(asked) && asked > epoch) {
+          epoch = asked;
+          restart = true;
+          break;
+        }
+      }
+      const auto now_live = live_members();
+      if (now_live.front() != me) {
+        restart = true;  // a lower rank it had taken for lost is back in its view: cannot happen, but never hang
+        break;
+      }
+      if (std::all_of(now_live.begin(), now_live.end(), [&](int r) { return joins.count(r) != 0; })) break;
+      std::unique_lock lock(mutex_);
+      arrived_.wait_for(lock, kNap);
+    }
+    if (restart) continue;
+    const auto members = live_members();
+    uint64_t newest = 0;
+    for (const int r : members) newest = std::max(newest, joins[r].seq);
+    // The sum before the newest, as a member that got it holds it.
+    std::span<const float> missed;
+    for (const int r : members) {
+      if (joins[r].seq == newest && joins[r].has) missed = joins[r].floats;
+    }
+    Message mine;
+    for (const int r : members) {
+      const bool behind = joins[r].seq + 1 == newest;
+      if (r == me) {
+        mine = Message{kGroup,
+                       me,
+                       epoch,
+                       newest,
+                       members,
+                       behind,
+                       behind ? std::vector<float>(missed.begin(), missed.end()) : std::vector<float>()};
+        continue;
+      }
+      send(r, kGroup, epoch, newest, behind ? missed : std::span<const float>(), behind, members);
+    }
+    return apply(mine);
+  }
+}
+
+}  // namespace cfmo::modes

@@ -1,0 +1,104 @@
+#pragma once
+/// The lockstep modes' sum when workers may be lost (localsgd always, sync
+/// with --elastic): a group of members that adds their vectors through its
+/// leader (the lowest live member) over point-to-point messages, and that
+/// re-forms without a lost member. The ring all-reduce cannot serve here: a
+/// rank waiting in it on a live neighbour that gave up waits forever.
+///
+///   all_reduce_sum(data)  each member sends its data to the leader, which
+///                         adds them in rank order and sends the sum back:
+///                         every member gets the same bits
+///   after a loss          each survivor sends the (new) leader the number of
+///                         the sum it is in and the last sum it got; the
+///                         leader waits for every live member, then tells each
+///                         the new members. A survivor that missed the last
+///                         sum (its leader was lost while sending it) gets it
+///                         then; the others redo the sum in flight without the
+///                         lost member. Within --peer-timeout (the loss is
+///                         found) plus the messages' time.
+///
+/// Messages (on the channel given):
+///   kPart    [u8 1][u32 epoch][u64 seq][floats]     a member's data for sum seq
+///   kSum     [u8 2][u32 epoch][u64 seq][floats]     the leader's sum
+///   kJoin    [u8 3][u32 epoch][u64 seq][u8 has last][floats: the last sum]
+///   kGroup   [u8 4][u32 epoch][u64 seq][u32 n][n x i32 ranks][u8 has][floats: sum seq - 1]
+///   kReform  [u8 5][u32 epoch][u64 0]               the leader asks the members to join
+/// where the epoch counts the group's re-formings.
+///
+/// Threads: the training thread calls all_reduce_sum; the handler only
+/// queues what arrives.
+
+#include "comm/communicator.h"
+#include "core/error.h"
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <span>
+#include <vector>
+
+namespace cfmo::modes {
+
+class ElasticGroup {
+ public:
+  ElasticGroup(Communicator& comm, Channel channel, double peer_timeout_s);
+  ~ElasticGroup();
+  ElasticGroup(const ElasticGroup&) = delete;
+  ElasticGroup& operator=(const ElasticGroup&) = delete;
+
+  /// Afterwards `data` holds the element-wise sum over the members (as the
+  /// group was when the sum completed). Fails (kPeer) only when the group
+  /// cannot re-form in time.
+  Status all_reduce_sum(std::span<float> data);
+
+  /// The members now, in rank order; the first is the leader.
+  const std::vector<int>& members() const { return members_; }
+  /// This rank's place among them.
+  int index() const;
+
+ private:
+  enum Kind : uint8_t { kPart = 1, kSum = 2, kJoin = 3, kGroup = 4, kReform = 5 };
+  struct Message {
+    Kind kind = kPart;
+    int from = -1;
+    uint32_t epoch = 0;
+    uint64_t seq = 0;
+    std::vector<int> ranks;  ///< kGroup
+    bool has = false;        ///< kJoin, kGroup: floats are a sum
+    std::vector<float> floats;
+  };
+  /// What a reduction attempt ended with.
+  enum class Outcome { kDone, kReform };
+
+  Outcome reduce_once(std::span<float> data);
+  /// Re-forms the group; true when `data` got the sum this rank missed (the call is done).
+  Result<bool> reform(std::span<float> data);
+  void send(int to, Kind kind, uint32_t epoch, uint64_t seq, std::span<const float> floats, bool has = false,
+            std::span<const int> ranks = {});
+  void on_message(int from, std::span<const std::byte> payload);
+  bool lost(int rank) const;
+  /// Under lock: the first queued message that `match` accepts, removed; false if none.
+  template <typename Match>
+  bool take_locked(Message& out, Match&& match);
+  /// Under lock: whether a message asks for a re-forming beyond the current epoch (and which epoch).
+  bool reform_asked_locked(uint32_t& epoch) const;
+
+  Communicator& comm_;
+  const Channel channel_;
+  const double peer_timeout_s_;
+
+  std::mutex mutex_;
+  std::condition_variable arrived_;
+  std::deque<Message> inbox_;  ///< under mutex_
+
+  // Training thread.
+  std::vector<int> members_;
+  uint32_t epoch_ = 0;
+  uint64_t seq_ = 0;  ///< sums completed
+  std::vector<float> last_;
+  bool has_last_ = false;
+  uint32_t target_epoch_ = 0;  ///< a re-forming asked for this epoch
+};
+
+}  // namespace cfmo::modes
