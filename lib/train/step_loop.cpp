@@ -231,8 +231,9 @@ Status TrainingRun::at_step_end() {
       CFMO_TRY(evaluate(false));
       last_eval_step = pos.step;
     }
-    checkpoint_due = checkpoints;
-  } else if (checkpoints && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
+    checkpoint_due = checkpoints || gathers_optimizers;
+  } else if ((checkpoints || gathers_optimizers) && config.checkpoint_every > 0 &&
+             pos.step % config.checkpoint_every == 0) {
     checkpoint_due = true;
   }
   // The checkpoint policy: at once where this rank's parameters are the

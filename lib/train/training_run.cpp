@@ -98,6 +98,8 @@ Status TrainingRun::resume_from_checkpoint() {
   CFMO_TRY(check_positions(options.resume, pos, saved, optimizer->step_count(), train_examples, config.batch_size));
   // Every rank starts from the global parameters; in cfmo and asgd each at its own position.
   if (!saved.ranks.empty()) pos = saved.ranks[static_cast<size_t>(rank)];
+  // localsgd: each rank with its own inner optimizer state (rank 0's is the checkpoint's optimizer.safetensors).
+  CFMO_TRY(load_rank_optimizer(options.resume, model(), *optimizer, rank));
   resume.outer_momentum.assign(outer.begin(), outer.end());
   resume.ranks = saved.ranks;
   if (traits.owners_optimize && world > 1) {
@@ -222,6 +224,7 @@ Status TrainingRun::open_outputs() {
   // once; in cfmo and asgd it asks the owners for their shards and hands the
   // assembled state to a writer thread, so that no worker waits.
   checkpoints = rank == 0 && !run_dir.empty();
+  gathers_optimizers = world > 1 && traits.lockstep && !traits.reduces_gradients && !run_dir.empty();
   last_checkpoint_step = options.resume.empty() ? -1 : pos.step;
   if (checkpoints && async) {
     checkpoint_writer = std::make_unique<CheckpointWriter>(run_dir, model_spec, model().params(), options.config_toml,
@@ -277,11 +280,49 @@ CheckpointData TrainingRun::checkpoint_of(std::span<const float> params, const G
 }
 
 Status TrainingRun::checkpoint() {
-  if (!checkpoints) return {};
+  if (!checkpoints && !gathers_optimizers) return {};
   CFMO_TRY(sync_host());
-  CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(), checkpoint_of(model().parameters(), nullptr),
-                            options.config_toml, config.keep_checkpoints));
+  if (gathers_optimizers && gathered_step != pos.step) CFMO_TRY(gather_optimizers());
   last_checkpoint_step = pos.step;
+  if (!checkpoints) return {};
+  CheckpointData data = checkpoint_of(model().parameters(), nullptr);
+  data.rank_optimizer_state = gathered;
+  CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(), data, options.config_toml, config.keep_checkpoints));
+  return {};
+}
+
+Status TrainingRun::gather_optimizers() {
+  CFMO_TRY(engine->host_optimizer());
+  const auto state = optimizer->state();
+  size_t floats = 0;
+  for (const auto& s : state) floats += s.buffer->size();
+  // Each rank above 0 sends its state, the buffers one after the other; rank 0 receives them all.
+  std::vector<float> own;
+  if (rank != 0) {
+    own.reserve(floats);
+    for (const auto& s : state) own.insert(own.end(), s.buffer->begin(), s.buffer->end());
+  }
+  std::vector<std::vector<float>> theirs(rank == 0 ? static_cast<size_t>(world) : 0);
+  std::vector<std::span<const std::byte>> send(static_cast<size_t>(world));
+  std::vector<std::span<std::byte>> recv(static_cast<size_t>(world));
+  if (rank != 0) send[0] = std::as_bytes(std::span<const float>(own));
+  for (size_t p = 1; p < theirs.size(); ++p) {
+    theirs[p].resize(floats);
+    recv[p] = std::as_writable_bytes(std::span<float>(theirs[p]));
+  }
+  CFMO_TRY(comm->all_to_all_v(send, recv));
+  gathered.clear();
+  for (size_t p = 1; p < theirs.size(); ++p) {
+    auto& per_rank = gathered.emplace_back();
+    size_t at = 0;
+    for (const auto& s : state) {
+      per_rank.emplace_back(s.name,
+                            FloatBuffer(theirs[p].begin() + static_cast<std::ptrdiff_t>(at),
+                                        theirs[p].begin() + static_cast<std::ptrdiff_t>(at + s.buffer->size())));
+      at += s.buffer->size();
+    }
+  }
+  gathered_step = pos.step;
   return {};
 }
 

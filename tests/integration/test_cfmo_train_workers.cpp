@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -282,6 +283,37 @@ void expect_whole(const fs::path& checkpoint) {
     EXPECT_TRUE(st) << file << ": " << (st ? "" : st.error().message);
   }
   EXPECT_TRUE(fs::is_regular_file(checkpoint / "config.toml"));
+}
+
+TEST(CfmoTrainWorkers, LocalSgdResumedWithTheSameWorldEndsWithTheParametersOfAnUninterruptedRunBitForBit) {
+  TempDir dir;
+  const fs::path whole = dir / "whole";
+  // Rounds every 5 steps, a checkpoint at step 20 (a round): the resumed run
+  // continues from there with each rank's own inner optimizer state.
+  const std::vector<std::string> job = {"--workers",       "2", "--mode",  "localsgd",
+                                        "--sync-interval", "5", "--steps", "40"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = job;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return args(all);
+  };
+  const RunResult first =
+      run(with({"--checkpoint-every", "20", "--keep-checkpoints", "100", "--out", whole.string()}), 300);
+  ASSERT_EQ(first.status, 0) << first.err;
+  const fs::path at20 = whole / "checkpoints" / "step-00000020";
+  const auto state = nlohmann::json::parse(slurp(at20 / "state.json"));
+  EXPECT_EQ(state["rank_optimizers"], nlohmann::json::array({"optimizer-rank-1.safetensors"})) << state.dump();
+  // The ranks' optimizers drifted apart: rank 1's state is its own, not rank 0's.
+  EXPECT_NE(parameters(at20 / "optimizer-rank-1.safetensors"), parameters(at20 / "optimizer.safetensors"));
+
+  const RunResult resumed = run(with({"--resume", at20.string(), "--out", (dir / "resumed").string()}), 300);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  const auto expected = parameters(whole / "model.safetensors");
+  const auto got = parameters(dir / "resumed" / "model.safetensors");
+  ASSERT_EQ(got.size(), expected.size());
+  ASSERT_FALSE(got.empty());
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0)
+      << "the resumed run's final parameters differ from the uninterrupted run's";
 }
 
 TEST(CfmoTrainWorkers, EveryModeCheckpointsTheGlobalParametersMidRunAndResumes) {
