@@ -14,15 +14,10 @@
 namespace cfmo::detail {
 namespace {
 
-/// A checkpoint resumes in a world like the one that wrote it: the position
-/// counts global batches of workers x batch size, and cfmo's and asgd's
-/// checkpoints hold a position per rank.
+/// A checkpoint resumes in the mode and with the batch size that wrote it
+/// (another number of workers is redistributed: regrid).
 Status check_resumable(const std::filesystem::path& dir, const CheckpointWorld& saved, const TrainConfig& config,
                        int world) {
-  if (saved.workers != world) {
-    return make_error(ErrorKind::kUsage, "--resume '{}': written by a run of {} worker(s); this one has {}",
-                      dir.string(), saved.workers, world);
-  }
   if (world > 1 && !saved.mode.empty() && saved.mode != config.mode) {
     return make_error(ErrorKind::kUsage, "--resume '{}': written in --mode {}; resume it with --mode {}", dir.string(),
                       saved.mode, saved.mode);
@@ -32,6 +27,18 @@ Status check_resumable(const std::filesystem::path& dir, const CheckpointWorld& 
                       saved.batch_size, config.batch_size);
   }
   return {};
+}
+
+/// A position of a world of `from_batch` examples a global batch in one of
+/// `to_batch`: the same epoch, and of it the global batches that cover the
+/// examples already used, rounded down (a part of a batch is seen again
+/// rather than skipped).
+TrainPosition regrid(TrainPosition p, int64_t from_batch, int64_t to_batch, int64_t examples) {
+  const int64_t used = std::min(p.batch_in_epoch * from_batch, examples);
+  const int64_t batches = (examples + to_batch - 1) / to_batch;
+  p.batch_in_epoch = used / to_batch;
+  p.step = p.epoch * batches + p.batch_in_epoch;
+  return p;
 }
 
 }  // namespace
@@ -96,18 +103,57 @@ Status TrainingRun::resume_from_checkpoint() {
   CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model(), *optimizer, &saved, &outer));
   CFMO_TRY(check_resumable(options.resume, saved, config, world));
   CFMO_TRY(check_positions(options.resume, pos, saved, optimizer->step_count(), train_examples, config.batch_size));
-  // Every rank starts from the global parameters; in cfmo and asgd each at its own position.
-  if (!saved.ranks.empty()) pos = saved.ranks[static_cast<size_t>(rank)];
+  if (saved.workers != world) {
+    CFMO_TRY(redistribute(saved));
+  } else if (!saved.ranks.empty()) {
+    // Every rank starts from the global parameters; in cfmo and asgd each at its own position.
+    pos = saved.ranks[static_cast<size_t>(rank)];
+  }
   // localsgd: each rank with its own inner optimizer state (rank 0's is the checkpoint's optimizer.safetensors).
   CFMO_TRY(load_rank_optimizer(options.resume, model(), *optimizer, rank));
   resume.outer_momentum.assign(outer.begin(), outer.end());
-  resume.ranks = saved.ranks;
+  if (saved.workers == world) resume.ranks = saved.ranks;
   if (traits.owners_optimize && world > 1) {
     // An asgd checkpoint's optimizer state is the owners'.
     for (const auto& s : optimizer->state()) resume.owner_state.emplace_back(s.buffer->begin(), s.buffer->end());
-    resume.owner_steps = saved.shard_optimizer_steps;
+    if (saved.workers == world) resume.owner_steps = saved.shard_optimizer_steps;
   }
   if (rank == 0) observer().on_note(fmt::format("resumed from {} at step {}", options.resume.string(), pos.step));
+  return {};
+}
+
+Status TrainingRun::redistribute(const CheckpointWorld& saved) {
+  // The global state is flat in the model's layout (parameters, outer
+  // momentum, asgd's owner state), so each owner of the new world simply
+  // takes its shard of it; the positions count global batches of the old
+  // world and are recounted in the new one's.
+  const int batch_size = saved.batch_size > 0 ? saved.batch_size : config.batch_size;
+  const int64_t from_batch = static_cast<int64_t>(batch_size) * saved.workers;
+  const int64_t to_batch = static_cast<int64_t>(config.batch_size) * world;
+  const TrainPosition base = regrid(saved.ranks.empty() ? pos : saved.ranks[0], from_batch, to_batch, train_examples);
+  pos = base;
+  if (!saved.ranks.empty() && world > 1) {
+    // The asynchronous modes' shared budget counts the ranks' samples: the
+    // new ranks share the old ones' total, so the run trains the same examples.
+    int64_t total = 0;
+    for (const auto& r : saved.ranks) total += r.samples;
+    resume.ranks.assign(static_cast<size_t>(world), base);
+    for (int r = 0; r < world; ++r) {
+      resume.ranks[static_cast<size_t>(r)].samples = total / world + (r == 0 ? total % world : 0);
+    }
+    pos = resume.ranks[static_cast<size_t>(rank)];
+  }
+  if (!saved.shard_optimizer_steps.empty()) {
+    // asgd's owners: each new one continues from the furthest old one's step count.
+    resume.owner_steps.assign(static_cast<size_t>(world), *std::max_element(saved.shard_optimizer_steps.begin(),
+                                                                            saved.shard_optimizer_steps.end()));
+  }
+  if (rank == 0) {
+    observer().on_note(
+        fmt::format("--resume '{}': written by {} worker(s), resumed with {}: the global state is "
+                    "redistributed over {} shard(s) and every rank continues at epoch {}, batch {}",
+                    options.resume.string(), saved.workers, world, world, base.epoch, base.batch_in_epoch));
+  }
   return {};
 }
 

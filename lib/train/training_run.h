@@ -48,6 +48,9 @@ struct TrainingRun {
   // set_up's parts
   Status load_model_and_optimizer();
   Status resume_from_checkpoint();
+  /// A checkpoint of another number of workers: positions recounted, the
+  /// global state spread over this world's shards; rank 0 says so in one line.
+  Status redistribute(const CheckpointWorld& saved);
   Status plan_length();
   Status make_mode_and_engine();
   Status open_outputs();

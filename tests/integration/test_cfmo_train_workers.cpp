@@ -352,11 +352,22 @@ TEST(CfmoTrainWorkers, EveryModeCheckpointsTheGlobalParametersMidRunAndResumes) 
     EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << resumed.out;
     EXPECT_GT(checkpoints_of(run_dir).back().filename(), saved.front().filename());
 
+    // Another world takes it up: the global state spread over its shards,
+    // the positions recounted, and one line saying so.
+    const RunResult three = run({binary(), "--resume", saved.front().string(), "--workers", "3", "--epochs", "7",
+                                 "--out", (dir / "three").string(), "--no-quiet", "--json"},
+                                300);
+    EXPECT_EQ(three.status, 0) << three.err;
+    EXPECT_NE(three.err.find("written by 2 worker(s), resumed with 3: the global state is redistributed over 3"),
+              std::string::npos)
+        << three.err;
+    const auto t = last_json(three.out);
+    EXPECT_EQ(t["workers"], 3) << three.out;
+    EXPECT_EQ(t["stopped_by"], "epochs");
+    EXPECT_GT(t["test_accuracy"].get<double>(), 0.4) << three.out;
+
     if (std::string(mode) == "cfmo") {
-      // Another world or another mode cannot take it up.
-      const RunResult three = run({binary(), "--resume", saved.front().string(), "--workers", "3"}, 120);
-      EXPECT_EQ(three.status, 2) << three.err;
-      EXPECT_NE(three.err.find("2 worker(s)"), std::string::npos) << three.err;
+      // Another mode cannot take it up.
       const RunResult other =
           run({binary(), "--resume", saved.front().string(), "--workers", "2", "--mode", "sync"}, 120);
       EXPECT_EQ(other.status, 2) << other.err;
