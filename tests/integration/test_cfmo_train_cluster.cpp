@@ -267,16 +267,7 @@ TEST(TwoHosts, CfmoLeadsSyncOnALinkOf100Mbit) {
 
 // Waits until rank 0 has logged a step (so a cut lands mid-run); false when a rank ended first.
 bool wait_for_progress(Processes& p, const fs::path& metrics, double timeout_s) {
-  const auto start = std::chrono::steady_clock::now();
-  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < timeout_s) {
-    std::error_code ec;
-    if (fs::file_size(metrics, ec) > 0 && !ec) return true;
-    for (auto& b : p.all) {
-      if (b.status < 0 && b.wait(0)) return false;
-    }
-    usleep(20000);
-  }
-  return false;
+  return testing::wait_for_output(p.all, metrics, timeout_s);
 }
 
 TEST(TwoHosts, ALinkCutMidRunEndsSyncWithStatusFourAndCfmoSurvivorsFinish) {
@@ -332,6 +323,18 @@ TEST(TwoHosts, ALinkCutMidRunEndsSyncWithStatusFourAndCfmoSurvivorsFinish) {
 
 // ---------------------------------------------------------------- mpirun
 
+// A launcher's run of three ranks ended well: rank 0's summary says so.
+void expect_three_ranks_finished(const RunResult& r, const std::string& mode) {
+  ASSERT_FALSE(r.timed_out) << r.err;
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = last_json(r.out);
+  ASSERT_FALSE(j.is_null()) << r.out;
+  EXPECT_EQ(j["workers"], 3);
+  EXPECT_EQ(j["mode"], mode);
+  EXPECT_EQ(j["stopped_by"], "epochs");
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.4);
+}
+
 TEST(MpiRun, ThreeRanksFinishInCfmoAndSync) {
   const std::string mpirun = find_program({"/usr/bin/mpirun", "/usr/local/bin/mpirun"});
   if (mpirun.empty()) GTEST_SKIP() << "no mpirun (Open MPI: apt-get install openmpi-bin)";
@@ -362,14 +365,7 @@ TEST(MpiRun, ThreeRanksFinishInCfmoAndSync) {
                              "--peer-timeout",
                              "5"},
                             300);
-    ASSERT_FALSE(r.timed_out) << r.err;
-    ASSERT_EQ(r.status, 0) << r.out << r.err;
-    const auto j = last_json(r.out);
-    ASSERT_FALSE(j.is_null()) << r.out;
-    EXPECT_EQ(j["workers"], 3);
-    EXPECT_EQ(j["mode"], mode);
-    EXPECT_EQ(j["stopped_by"], "epochs");
-    EXPECT_GT(j["test_accuracy"].get<double>(), 0.4);
+    expect_three_ranks_finished(r, mode);
   }
 }
 
@@ -535,14 +531,7 @@ TEST(Slurm, SrunOfThreeTasksFinishesInCfmoAndSync) {
     const RunResult r = run({"/usr/bin/srun", "-n", "3", binary(), "--mode", mode, "--data", "synthetic:2048:256",
                              "--model", "mlp:32", "--epochs", "3", "--quiet", "--json", "--peer-timeout", "5"},
                             300, env);
-    ASSERT_FALSE(r.timed_out) << r.err;
-    ASSERT_EQ(r.status, 0) << r.out << r.err;
-    const auto j = last_json(r.out);
-    ASSERT_FALSE(j.is_null()) << r.out;
-    EXPECT_EQ(j["workers"], 3);
-    EXPECT_EQ(j["mode"], mode);
-    EXPECT_EQ(j["stopped_by"], "epochs");
-    EXPECT_GT(j["test_accuracy"].get<double>(), 0.4);
+    expect_three_ranks_finished(r, mode);
   }
 }
 

@@ -200,16 +200,7 @@ Ranks start_ranks(const TempDir& dir, int world, const std::vector<std::string>&
 // Waits until a rank has logged a step, so the kill lands mid-run; false
 // (at once) when any rank has already ended.
 bool wait_for_progress(Ranks& ranks, const fs::path& metrics, double timeout_s) {
-  const auto start = std::chrono::steady_clock::now();
-  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < timeout_s) {
-    std::error_code ec;
-    if (fs::file_size(metrics, ec) > 0 && !ec) return true;
-    for (auto& p : ranks.processes) {
-      if (p.status < 0 && p.wait(0)) return false;
-    }
-    usleep(20000);
-  }
-  return false;
+  return testing::wait_for_output(ranks.processes, metrics, timeout_s);
 }
 
 TEST(CfmoTrainWorkers, LockstepWorkersExitFourNamingARankKilledMidRun) {
@@ -314,6 +305,22 @@ TEST(CfmoTrainWorkers, LocalSgdResumedWithTheSameWorldEndsWithTheParametersOfAnU
   ASSERT_FALSE(got.empty());
   EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0)
       << "the resumed run's final parameters differ from the uninterrupted run's";
+
+  // A checkpoint whose rank_optimizers names another file, or whose rank file
+  // is gone, exits 3 naming what is wrong, before any training.
+  const fs::path bad = dir / "bad";
+  fs::copy(at20, bad);
+  auto renamed = state;
+  renamed["rank_optimizers"] = nlohmann::json::array({"optimizer-rank-7.safetensors"});
+  ASSERT_TRUE(write_file_atomic(bad / "state.json", renamed.dump(2)));
+  const RunResult misnamed = run(with({"--resume", bad.string(), "--out", (dir / "r1").string()}), 120);
+  EXPECT_EQ(misnamed.status, 3) << misnamed.err;
+  EXPECT_NE(misnamed.err.find("rank_optimizers"), std::string::npos) << misnamed.err;
+  ASSERT_TRUE(write_file_atomic(bad / "state.json", state.dump(2)));
+  fs::remove(bad / "optimizer-rank-1.safetensors");
+  const RunResult missing = run(with({"--resume", bad.string(), "--out", (dir / "r2").string()}), 120);
+  EXPECT_EQ(missing.status, 3) << missing.err;
+  EXPECT_NE(missing.err.find("optimizer-rank-1.safetensors"), std::string::npos) << missing.err;
 }
 
 TEST(CfmoTrainWorkers, EveryModeCheckpointsTheGlobalParametersMidRunAndResumes) {
