@@ -4,7 +4,7 @@
 # prints the one apt-get line to run and exits 1.
 #
 #   scripts/install-deps.sh            build, test and demo dependencies
-#   scripts/install-deps.sh --bench    also the benchmark peers (python3-torch, the zstd command, Open MPI, ucx_perftest, skopeo)
+#   scripts/install-deps.sh --bench    also the benchmark peers (python3-torch, the zstd command, ucx_perftest, skopeo)
 #   scripts/install-deps.sh --list     print the package list and exit
 set -euo pipefail
 
@@ -25,10 +25,13 @@ packages=(
   scdoc                                                           # man pages from source
   dataset-fashion-mnist                                           # the demo's data set
   fortunes                                                        # the GPT demo's text: fortune(6)'s files
+  openmpi-bin libopenmpi-dev                                      # the mpirun test (and bench/moe_vs_mpi.sh's MPI peer)
+  slurm-wlm munge                                                 # the single-node Slurm test: srun, sbatch, slurmctld, slurmd
+  iproute2                                                        # the two-host test: network namespaces, veth, tc
 )
 
 case "${1:-}" in
-  --bench) packages+=(python3-torch python3-numpy zstd openmpi-bin libopenmpi-dev ucx-utils skopeo) ;;
+  --bench) packages+=(python3-torch python3-numpy zstd ucx-utils skopeo) ;;
   --list) printf '%s\n' "${packages[@]}"; exit 0 ;;
   "") ;;
   *) echo "usage: $0 [--bench|--list]" >&2; exit 2 ;;

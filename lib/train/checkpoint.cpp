@@ -20,6 +20,21 @@ namespace {
 
 constexpr int kStateVersion = 1;
 
+/// The file of rank K's own inner optimizer state (K >= 1).
+std::string rank_optimizer_file(int rank) { return fmt::format("optimizer-rank-{}.safetensors", rank); }
+
+/// Reads an optimizer state file of this model into `optimizer`'s buffers.
+Status read_optimizer_state(const fs::path& file, const Model& model, Optimizer& optimizer) {
+  CFMO_ASSIGN_OR_RETURN(auto state_file, SafetensorsFile::read(file));
+  for (const auto& s : optimizer.state()) {
+    for (const auto& p : model.params()) {
+      CFMO_TRY(
+          state_file.read_f32(p.name + "." + s.name, p.shape, std::span<float>(*s.buffer).subspan(p.offset, p.size)));
+    }
+  }
+  return {};
+}
+
 std::span<const std::byte> as_bytes(const float* data, size_t count) {
   return std::as_bytes(std::span<const float>(data, count));
 }
@@ -153,13 +168,21 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
       {"format", "pt"}, {"cfmo.model", model_spec}, {"cfmo.step", std::to_string(position.step)}};
   CFMO_TRY(write_safetensors(temp_dir / "model.safetensors", tensors_of(data.params, ""), model_meta));
 
-  std::vector<TensorRef> state_tensors;
-  for (const auto& [state_name, buffer] : data.optimizer_state) {
-    for (auto& t : tensors_of(buffer, "." + state_name)) state_tensors.push_back(std::move(t));
-  }
   const std::map<std::string, std::string> optim_meta = {
       {"cfmo.optimizer", data.optimizer_name}, {"cfmo.optimizer_steps", std::to_string(data.optimizer_steps)}};
-  CFMO_TRY(write_safetensors(temp_dir / "optimizer.safetensors", state_tensors, optim_meta));
+  auto write_optimizer = [&](const std::string& file, const std::vector<std::pair<std::string, FloatBuffer>>& state) {
+    std::vector<TensorRef> state_tensors;
+    for (const auto& [state_name, buffer] : state) {
+      for (auto& t : tensors_of(buffer, "." + state_name)) state_tensors.push_back(std::move(t));
+    }
+    return write_safetensors(temp_dir / file, state_tensors, optim_meta);
+  };
+  CFMO_TRY(write_optimizer("optimizer.safetensors", data.optimizer_state));
+  nlohmann::ordered_json rank_files = nlohmann::ordered_json::array();
+  for (size_t k = 0; k < data.rank_optimizer_state.size(); ++k) {
+    rank_files.push_back(rank_optimizer_file(static_cast<int>(k) + 1));
+    CFMO_TRY(write_optimizer(rank_files.back().get<std::string>(), data.rank_optimizer_state[k]));
+  }
   if (!data.outer_momentum.empty()) {
     CFMO_TRY(write_safetensors(temp_dir / "outer.safetensors", tensors_of(data.outer_momentum, ".outer_momentum"),
                                {{"cfmo.state", "outer_momentum"}}));
@@ -185,6 +208,7 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
   }
   if (!data.world.shard_optimizer_steps.empty()) state["shard_optimizer_steps"] = data.world.shard_optimizer_steps;
   if (!data.outer_momentum.empty()) state["outer"] = "outer.safetensors";
+  if (!rank_files.empty()) state["rank_optimizers"] = rank_files;
   CFMO_TRY(write_file_atomic(temp_dir / "state.json", state.dump(2) + "\n"));
   CFMO_TRY(write_file_atomic(temp_dir / "config.toml", config_toml));
   CFMO_TRY(fsync_directory(temp_dir));
@@ -315,6 +339,17 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
       recorded.shard_optimizer_steps = state.at("shard_optimizer_steps").get<std::vector<int64_t>>();
     }
     outer_file = state.value("outer", std::string());
+    if (state.contains("rank_optimizers")) {
+      const auto files = state.at("rank_optimizers").get<std::vector<std::string>>();
+      bool named = files.size() + 1 == static_cast<size_t>(recorded.workers);
+      for (size_t k = 0; named && k < files.size(); ++k)
+        named = files[k] == rank_optimizer_file(static_cast<int>(k) + 1);
+      if (!named) {
+        return make_error(ErrorKind::kInput,
+                          "'{}': rank_optimizers does not name optimizer-rank-1 to -{} of {} workers",
+                          state_path.string(), recorded.workers - 1, recorded.workers);
+      }
+    }
   } catch (const nlohmann::json::exception& e) {
     return make_error(ErrorKind::kInput, "'{}': {}", state_path.string(), e.what());
   }
@@ -348,13 +383,7 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
     return make_error(ErrorKind::kInput, "'{}': model '{}' is not the one its tensors hold ({})", state_path.string(),
                       model_name, model.spec_string());
   }
-  CFMO_ASSIGN_OR_RETURN(auto state_file, SafetensorsFile::read(dir / "optimizer.safetensors"));
-  for (const auto& s : optimizer.state()) {
-    for (const auto& p : model.params()) {
-      CFMO_TRY(
-          state_file.read_f32(p.name + "." + s.name, p.shape, std::span<float>(*s.buffer).subspan(p.offset, p.size)));
-    }
-  }
+  CFMO_TRY(read_optimizer_state(dir / "optimizer.safetensors", model, optimizer));
   optimizer.set_step_count(optimizer_steps);
   if (outer_momentum != nullptr) {
     outer_momentum->clear();
@@ -369,6 +398,22 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
   }
   if (world != nullptr) *world = std::move(recorded);
   return position;
+}
+
+Result<bool> load_rank_optimizer(const fs::path& dir, const Model& model, Optimizer& optimizer, int rank) {
+  const fs::path state_path = dir / "state.json";
+  CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
+  size_t files = 0;
+  try {
+    const auto state = nlohmann::json::parse(text);
+    if (state.contains("rank_optimizers")) files = state.at("rank_optimizers").size();
+  } catch (const nlohmann::json::exception& e) {
+    return make_error(ErrorKind::kInput, "'{}': {}", state_path.string(), e.what());
+  }
+  // load_checkpoint checked the names; rank 0's state is optimizer.safetensors.
+  if (rank < 1 || static_cast<size_t>(rank) > files) return false;
+  CFMO_TRY(read_optimizer_state(dir / rank_optimizer_file(rank), model, optimizer));
+  return true;
 }
 
 Status check_positions(const fs::path& dir, const TrainPosition& position, const CheckpointWorld& world,

@@ -5,6 +5,7 @@
 ///   RUN/checkpoints/step-00001234/optimizer.safetensors  state, "<param>.<state>" per tensor
 ///   RUN/checkpoints/step-00001234/state.json             step, epoch, data position, counters, workers
 ///   RUN/checkpoints/step-00001234/outer.safetensors      outer momentum, "<param>.outer_momentum" (if any)
+///   RUN/checkpoints/step-00001234/optimizer-rank-K.safetensors  localsgd: rank K's own inner state (K >= 1)
 ///   RUN/checkpoints/step-00001234/config.toml            the merged configuration
 ///   RUN/checkpoints/latest                               name of the newest complete checkpoint
 ///
@@ -58,6 +59,10 @@ struct CheckpointData {
   int64_t optimizer_steps = 0;
   std::vector<std::pair<std::string, FloatBuffer>> optimizer_state;
   FloatBuffer outer_momentum;  ///< empty: none
+  /// Ranks 1 to W-1's own inner optimizer state (rank 0's is
+  /// optimizer_state), where the ranks' optimizers drift apart between
+  /// rounds (localsgd); empty: every rank resumes with rank 0's.
+  std::vector<std::vector<std::pair<std::string, FloatBuffer>>> rank_optimizer_state;
 };
 
 /// Copies the model's parameters and the optimizer's state.
@@ -133,6 +138,13 @@ Result<DirLock> lock_run_dir(const std::filesystem::path& run_dir);
 /// none), when given, receive the rest.
 Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, Model& model, Optimizer& optimizer,
                                       CheckpointWorld* world = nullptr, FloatBuffer* outer_momentum = nullptr);
+
+/// Rank `rank`'s own inner optimizer state, where the checkpoint holds one
+/// for it (state.json's rank_optimizers, written by localsgd runs of several
+/// workers): true when it was read into `optimizer`, false when there is
+/// none (rank 0, or an older checkpoint). Errors name the file and tensor.
+Result<bool> load_rank_optimizer(const std::filesystem::path& checkpoint_dir, const Model& model, Optimizer& optimizer,
+                                 int rank);
 
 /// A loaded checkpoint's positions (`position` and each of `world.ranks`)
 /// against the data they index: `examples` training examples cut into

@@ -12,6 +12,8 @@ namespace cfmo::detail {
 
 Result<TrainSummary> TrainingRun::finish() {
   CFMO_TRY(last_reconciliation());
+  // The end's checkpoint (rank 0's, below) holds every rank's inner state: all gather it here, together.
+  if (gathers_optimizers && last_checkpoint_step != pos.step) CFMO_TRY(gather_optimizers());
   const ModeStats mode_stats = mode->stats();
   int64_t deltas_written = 0;
   int64_t deltas_skipped = 0;

@@ -247,8 +247,9 @@ Status TrainingRun::at_step_end() {
       last_eval_step = pos.step;
     }
     take_up_keeping();
-    checkpoint_due = checkpoints;
-  } else if (checkpoints && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
+    checkpoint_due = checkpoints || gathers_optimizers;
+  } else if ((checkpoints || gathers_optimizers) && config.checkpoint_every > 0 &&
+             pos.step % config.checkpoint_every == 0) {
     checkpoint_due = true;
   }
   if (async && !checkpoints && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {

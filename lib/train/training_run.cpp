@@ -14,15 +14,10 @@
 namespace cfmo::detail {
 namespace {
 
-/// A checkpoint resumes in a world like the one that wrote it: the position
-/// counts global batches of workers x batch size, and cfmo's and asgd's
-/// checkpoints hold a position per rank.
+/// A checkpoint resumes in the mode and with the batch size that wrote it
+/// (another number of workers is redistributed: regrid).
 Status check_resumable(const std::filesystem::path& dir, const CheckpointWorld& saved, const TrainConfig& config,
                        int world) {
-  if (saved.workers != world) {
-    return make_error(ErrorKind::kUsage, "--resume '{}': written by a run of {} worker(s); this one has {}",
-                      dir.string(), saved.workers, world);
-  }
   if (world > 1 && !saved.mode.empty() && saved.mode != config.mode) {
     return make_error(ErrorKind::kUsage, "--resume '{}': written in --mode {}; resume it with --mode {}", dir.string(),
                       saved.mode, saved.mode);
@@ -32,6 +27,18 @@ Status check_resumable(const std::filesystem::path& dir, const CheckpointWorld& 
                       saved.batch_size, config.batch_size);
   }
   return {};
+}
+
+/// A position of a world of `from_batch` examples a global batch in one of
+/// `to_batch`: the same epoch, and of it the global batches that cover the
+/// examples already used, rounded down (a part of a batch is seen again
+/// rather than skipped).
+TrainPosition regrid(TrainPosition p, int64_t from_batch, int64_t to_batch, int64_t examples) {
+  const int64_t used = std::min(p.batch_in_epoch * from_batch, examples);
+  const int64_t batches = (examples + to_batch - 1) / to_batch;
+  p.batch_in_epoch = used / to_batch;
+  p.step = p.epoch * batches + p.batch_in_epoch;
+  return p;
 }
 
 }  // namespace
@@ -89,16 +96,57 @@ Status TrainingRun::resume_from_checkpoint() {
   CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model(), *optimizer, &saved, &outer));
   CFMO_TRY(check_resumable(options.resume, saved, config, world));
   CFMO_TRY(check_positions(options.resume, pos, saved, optimizer->step_count(), train_examples, config.batch_size));
-  // Every rank starts from the global parameters; in cfmo and asgd each at its own position.
-  if (!saved.ranks.empty()) pos = saved.ranks[static_cast<size_t>(rank)];
+  if (saved.workers != world) {
+    CFMO_TRY(redistribute(saved));
+  } else if (!saved.ranks.empty()) {
+    // Every rank starts from the global parameters; in cfmo and asgd each at its own position.
+    pos = saved.ranks[static_cast<size_t>(rank)];
+  }
+  // localsgd: each rank with its own inner optimizer state (rank 0's is the checkpoint's optimizer.safetensors).
+  CFMO_TRY(load_rank_optimizer(options.resume, model(), *optimizer, rank));
   resume.outer_momentum.assign(outer.begin(), outer.end());
-  resume.ranks = saved.ranks;
+  if (saved.workers == world) resume.ranks = saved.ranks;
   if (traits.owners_optimize && world > 1) {
     // An asgd checkpoint's optimizer state is the owners'.
     for (const auto& s : optimizer->state()) resume.owner_state.emplace_back(s.buffer->begin(), s.buffer->end());
-    resume.owner_steps = saved.shard_optimizer_steps;
+    if (saved.workers == world) resume.owner_steps = saved.shard_optimizer_steps;
   }
   if (rank == 0) observer().on_note(fmt::format("resumed from {} at step {}", options.resume.string(), pos.step));
+  return {};
+}
+
+Status TrainingRun::redistribute(const CheckpointWorld& saved) {
+  // The global state is flat in the model's layout (parameters, outer
+  // momentum, asgd's owner state), so each owner of the new world simply
+  // takes its shard of it; the positions count global batches of the old
+  // world and are recounted in the new one's.
+  const int batch_size = saved.batch_size > 0 ? saved.batch_size : config.batch_size;
+  const int64_t from_batch = static_cast<int64_t>(batch_size) * saved.workers;
+  const int64_t to_batch = static_cast<int64_t>(config.batch_size) * world;
+  const TrainPosition base = regrid(saved.ranks.empty() ? pos : saved.ranks[0], from_batch, to_batch, train_examples);
+  pos = base;
+  if (!saved.ranks.empty() && world > 1) {
+    // The asynchronous modes' shared budget counts the ranks' samples: the
+    // new ranks share the old ones' total, so the run trains the same examples.
+    int64_t total = 0;
+    for (const auto& r : saved.ranks) total += r.samples;
+    resume.ranks.assign(static_cast<size_t>(world), base);
+    for (int r = 0; r < world; ++r) {
+      resume.ranks[static_cast<size_t>(r)].samples = total / world + (r == 0 ? total % world : 0);
+    }
+    pos = resume.ranks[static_cast<size_t>(rank)];
+  }
+  if (!saved.shard_optimizer_steps.empty()) {
+    // asgd's owners: each new one continues from the furthest old one's step count.
+    resume.owner_steps.assign(static_cast<size_t>(world), *std::max_element(saved.shard_optimizer_steps.begin(),
+                                                                            saved.shard_optimizer_steps.end()));
+  }
+  if (rank == 0) {
+    observer().on_note(
+        fmt::format("--resume '{}': written by {} worker(s), resumed with {}: the global state is "
+                    "redistributed over {} shard(s) and every rank continues at epoch {}, batch {}",
+                    options.resume.string(), saved.workers, world, world, base.epoch, base.batch_in_epoch));
+  }
   return {};
 }
 
@@ -216,6 +264,7 @@ Status TrainingRun::open_outputs() {
   // the global ones (sync, localsgd right after a round) it writes them at
   // once; in cfmo and asgd it asks the owners for their shards and hands the
   // assembled state to a writer thread, so that no worker waits.
+  gathers_optimizers = world > 1 && traits.lockstep && !traits.reduces_gradients && !run_dir.empty();
   last_checkpoint_step = options.resume.empty() ? -1 : pos.step;
   take_up_keeping();
   straggler_rng = Rng(static_cast<uint64_t>(config.seed), 0x57A6000ULL + static_cast<uint64_t>(rank));
@@ -268,11 +317,49 @@ CheckpointData TrainingRun::checkpoint_of(std::span<const float> params, const G
 }
 
 Status TrainingRun::checkpoint() {
-  if (!checkpoints) return {};
+  if (!checkpoints && !gathers_optimizers) return {};
   CFMO_TRY(sync_host());
-  CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(), checkpoint_of(model().parameters(), nullptr),
-                            options.config_toml, config.keep_checkpoints));
+  if (gathers_optimizers && gathered_step != pos.step) CFMO_TRY(gather_optimizers());
   last_checkpoint_step = pos.step;
+  if (!checkpoints) return {};
+  CheckpointData data = checkpoint_of(model().parameters(), nullptr);
+  data.rank_optimizer_state = gathered;
+  CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(), data, options.config_toml, config.keep_checkpoints));
+  return {};
+}
+
+Status TrainingRun::gather_optimizers() {
+  CFMO_TRY(engine->host_optimizer());
+  const auto state = optimizer->state();
+  size_t floats = 0;
+  for (const auto& s : state) floats += s.buffer->size();
+  // Each rank above 0 sends its state, the buffers one after the other; rank 0 receives them all.
+  std::vector<float> own;
+  if (rank != 0) {
+    own.reserve(floats);
+    for (const auto& s : state) own.insert(own.end(), s.buffer->begin(), s.buffer->end());
+  }
+  std::vector<std::vector<float>> theirs(rank == 0 ? static_cast<size_t>(world) : 0);
+  std::vector<std::span<const std::byte>> send(static_cast<size_t>(world));
+  std::vector<std::span<std::byte>> recv(static_cast<size_t>(world));
+  if (rank != 0) send[0] = std::as_bytes(std::span<const float>(own));
+  for (size_t p = 1; p < theirs.size(); ++p) {
+    theirs[p].resize(floats);
+    recv[p] = std::as_writable_bytes(std::span<float>(theirs[p]));
+  }
+  CFMO_TRY(comm->all_to_all_v(send, recv));
+  gathered.clear();
+  for (size_t p = 1; p < theirs.size(); ++p) {
+    auto& per_rank = gathered.emplace_back();
+    size_t at = 0;
+    for (const auto& s : state) {
+      per_rank.emplace_back(s.name,
+                            FloatBuffer(theirs[p].begin() + static_cast<std::ptrdiff_t>(at),
+                                        theirs[p].begin() + static_cast<std::ptrdiff_t>(at + s.buffer->size())));
+      at += s.buffer->size();
+    }
+  }
+  gathered_step = pos.step;
   return {};
 }
 

@@ -48,6 +48,9 @@ struct TrainingRun {
   // set_up's parts
   Status load_model_and_optimizer();
   Status resume_from_checkpoint();
+  /// A checkpoint of another number of workers: positions recounted, the
+  /// global state spread over this world's shards; rank 0 says so in one line.
+  Status redistribute(const CheckpointWorld& saved);
   Status plan_length();
   Status make_mode_and_engine();
   Status open_outputs();
@@ -78,6 +81,9 @@ struct TrainingRun {
   /// What a checkpoint of this run holds; `global` is the owners' state (cfmo, asgd).
   CheckpointData checkpoint_of(std::span<const float> params, const GlobalState* global);
   Status checkpoint();
+  /// Every rank's inner optimizer state for a checkpoint at this step, the
+  /// others' to rank 0 (a collective: every rank calls it at the same step).
+  Status gather_optimizers();
   /// Brings the host model and optimizer up to date with the engine (a checkpoint, the end).
   Status sync_host();
   /// Asynchronous workers train on without a lost peer: each says so, once a peer.
@@ -138,6 +144,11 @@ struct TrainingRun {
   int64_t last_checkpoint_step = -1;
   std::unique_ptr<CheckpointWriter> checkpoint_writer;
   bool checkpoint_due = false;  ///< an epoch end or --checkpoint-every asked for one
+  /// Every rank takes part in each checkpoint with its own inner optimizer
+  /// state: the ranks' optimizers drift apart between rounds (localsgd).
+  bool gathers_optimizers = false;
+  int64_t gathered_step = -1;                                              ///< the step `gathered` is of
+  std::vector<std::vector<std::pair<std::string, FloatBuffer>>> gathered;  ///< rank 0: ranks 1..W-1's
 
   // The loop's state.
   std::vector<int64_t> order;

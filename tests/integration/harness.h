@@ -151,6 +151,21 @@ inline Background spawn(const std::vector<std::string>& args, const std::vector<
   return b;
 }
 
+/// Waits until `file` is not empty (a run's first metrics line: it is under
+/// way); false at once when one of `processes` ends first, or after `timeout_s`.
+inline bool wait_for_output(std::vector<Background>& processes, const std::filesystem::path& file, double timeout_s) {
+  const auto start = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < timeout_s) {
+    std::error_code ec;
+    if (std::filesystem::file_size(file, ec) > 0 && !ec) return true;
+    for (auto& p : processes) {
+      if (p.status < 0 && p.wait(0)) return false;
+    }
+    usleep(20000);
+  }
+  return false;
+}
+
 /// A file's bytes; empty when it cannot be read.
 inline std::string slurp(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);

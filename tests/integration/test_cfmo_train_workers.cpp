@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -199,16 +200,7 @@ Ranks start_ranks(const TempDir& dir, int world, const std::vector<std::string>&
 // Waits until a rank has logged a step, so the kill lands mid-run; false
 // (at once) when any rank has already ended.
 bool wait_for_progress(Ranks& ranks, const fs::path& metrics, double timeout_s) {
-  const auto start = std::chrono::steady_clock::now();
-  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < timeout_s) {
-    std::error_code ec;
-    if (fs::file_size(metrics, ec) > 0 && !ec) return true;
-    for (auto& p : ranks.processes) {
-      if (p.status < 0 && p.wait(0)) return false;
-    }
-    usleep(20000);
-  }
-  return false;
+  return testing::wait_for_output(ranks.processes, metrics, timeout_s);
 }
 
 // Sync and localsgd without --elastic: a lost worker ends the run. (With
@@ -372,6 +364,53 @@ void expect_whole(const fs::path& checkpoint) {
   EXPECT_TRUE(fs::is_regular_file(checkpoint / "config.toml"));
 }
 
+TEST(CfmoTrainWorkers, LocalSgdResumedWithTheSameWorldEndsWithTheParametersOfAnUninterruptedRunBitForBit) {
+  TempDir dir;
+  const fs::path whole = dir / "whole";
+  // Rounds every 5 steps, a checkpoint at step 20 (a round): the resumed run
+  // continues from there with each rank's own inner optimizer state.
+  const std::vector<std::string> job = {"--workers",       "2", "--mode",  "localsgd",
+                                        "--sync-interval", "5", "--steps", "40"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = job;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return args(all);
+  };
+  const RunResult first =
+      run(with({"--checkpoint-every", "20", "--keep-checkpoints", "100", "--out", whole.string()}), 300);
+  ASSERT_EQ(first.status, 0) << first.err;
+  const fs::path at20 = whole / "checkpoints" / "step-00000020";
+  const auto state = nlohmann::json::parse(slurp(at20 / "state.json"));
+  EXPECT_EQ(state["rank_optimizers"], nlohmann::json::array({"optimizer-rank-1.safetensors"})) << state.dump();
+  // The ranks' optimizers drifted apart: rank 1's state is its own, not rank 0's.
+  EXPECT_NE(parameters(at20 / "optimizer-rank-1.safetensors"), parameters(at20 / "optimizer.safetensors"));
+
+  const RunResult resumed = run(with({"--resume", at20.string(), "--out", (dir / "resumed").string()}), 300);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  const auto expected = parameters(whole / "model.safetensors");
+  const auto got = parameters(dir / "resumed" / "model.safetensors");
+  ASSERT_EQ(got.size(), expected.size());
+  ASSERT_FALSE(got.empty());
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0)
+      << "the resumed run's final parameters differ from the uninterrupted run's";
+
+  // A checkpoint whose rank_optimizers names another file, or whose rank file
+  // is gone, exits 3 naming what is wrong, before any training.
+  const fs::path bad = dir / "bad";
+  fs::copy(at20, bad);
+  auto renamed = state;
+  renamed["rank_optimizers"] = nlohmann::json::array({"optimizer-rank-7.safetensors"});
+  ASSERT_TRUE(write_file_atomic(bad / "state.json", renamed.dump(2)));
+  const RunResult misnamed = run(with({"--resume", bad.string(), "--out", (dir / "r1").string()}), 120);
+  EXPECT_EQ(misnamed.status, 3) << misnamed.err;
+  EXPECT_NE(misnamed.err.find("rank_optimizers"), std::string::npos) << misnamed.err;
+  ASSERT_TRUE(write_file_atomic(bad / "state.json", state.dump(2)));
+  fs::remove(bad / "optimizer-rank-1.safetensors");
+  const RunResult missing = run(with({"--resume", bad.string(), "--out", (dir / "r2").string()}), 120);
+  EXPECT_EQ(missing.status, 3) << missing.err;
+  EXPECT_NE(missing.err.find("optimizer-rank-1.safetensors"), std::string::npos) << missing.err;
+}
+
 TEST(CfmoTrainWorkers, EveryModeCheckpointsTheGlobalParametersMidRunAndResumes) {
   for (const char* mode : {"sync", "localsgd", "cfmo", "asgd"}) {
     SCOPED_TRACE(mode);
@@ -408,11 +447,22 @@ TEST(CfmoTrainWorkers, EveryModeCheckpointsTheGlobalParametersMidRunAndResumes) 
     EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << resumed.out;
     EXPECT_GT(checkpoints_of(run_dir).back().filename(), saved.front().filename());
 
+    // Another world takes it up: the global state spread over its shards,
+    // the positions recounted, and one line saying so.
+    const RunResult three = run({binary(), "--resume", saved.front().string(), "--workers", "3", "--epochs", "7",
+                                 "--out", (dir / "three").string(), "--no-quiet", "--json"},
+                                300);
+    EXPECT_EQ(three.status, 0) << three.err;
+    EXPECT_NE(three.err.find("written by 2 worker(s), resumed with 3: the global state is redistributed over 3"),
+              std::string::npos)
+        << three.err;
+    const auto t = last_json(three.out);
+    EXPECT_EQ(t["workers"], 3) << three.out;
+    EXPECT_EQ(t["stopped_by"], "epochs");
+    EXPECT_GT(t["test_accuracy"].get<double>(), 0.4) << three.out;
+
     if (std::string(mode) == "cfmo") {
-      // Another world or another mode cannot take it up.
-      const RunResult three = run({binary(), "--resume", saved.front().string(), "--workers", "3"}, 120);
-      EXPECT_EQ(three.status, 2) << three.err;
-      EXPECT_NE(three.err.find("2 worker(s)"), std::string::npos) << three.err;
+      // Another mode cannot take it up.
       const RunResult other =
           run({binary(), "--resume", saved.front().string(), "--workers", "2", "--mode", "sync"}, 120);
       EXPECT_EQ(other.status, 2) << other.err;
