@@ -4,6 +4,8 @@
 
 #include "core/atomic_file.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <mutex>
 #include <thread>
@@ -25,7 +27,7 @@ Result<TrainSummary> TrainingRun::finish() {
   const WorkerReport own = own_report(mode_stats, deltas_written, deltas_skipped);
   summary.per_worker.push_back(own);
   CFMO_TRY(gather_reports(own));
-  if (rank == 0) CFMO_TRY(write_final_outputs());
+  if (rank == 0 || expert_parallel) CFMO_TRY(write_final_outputs());
   add_totals();
   return summary;
 }
@@ -33,7 +35,7 @@ Result<TrainSummary> TrainingRun::finish() {
 Status TrainingRun::last_reconciliation() {
   // Afterwards rank 0 holds the global parameters.
   CFMO_ASSIGN_OR_RETURN(auto params, engine->host_parameters());
-  const Status finished = mode->finish(params, engine->mode_optimizer());
+  const Status finished = mode->finish(replicated_part(params), engine->mode_optimizer());
   announce_lost();
   CFMO_TRY(finished);
   CFMO_TRY(engine->parameters_changed());  // the evaluation below runs where the engine is
@@ -62,6 +64,10 @@ WorkerReport TrainingRun::own_report(const ModeStats& mode_stats, int64_t deltas
   own.stopped_by = stopped_by;
   own.deltas_written = deltas_written;
   own.deltas_skipped = deltas_skipped;
+  const auto moe = model_ptr->run_metrics();
+  if (moe.is_object() && moe.contains("dispatch")) own.dispatch_wait_s = moe["dispatch"]["wait_s"].get<double>();
+  struct rusage usage {};
+  if (getrusage(RUSAGE_SELF, &usage) == 0) own.peak_rss_bytes = static_cast<int64_t>(usage.ru_maxrss) * 1024;
   if (comm != nullptr) {
     const CommStats cs = comm->stats();
     own.bytes_sent = cs.bytes_sent;
@@ -109,6 +115,7 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
 }
 
 Status TrainingRun::write_final_outputs() {
+  // Rank 0; with --expert-parallel every rank (the evaluation and the checkpoint are collectives then).
   // The final parameters are those of the last evaluation when the run ended on an epoch boundary.
   if (last_eval_step != pos.step || (world > 1 && !traits.evaluates_mid_run)) CFMO_TRY(evaluate(true));
   if (checkpoint_writer) {
@@ -121,11 +128,11 @@ Status TrainingRun::write_final_outputs() {
                                 checkpoint_of(model().parameters(), global ? &*global : nullptr), options.config_toml,
                                 config.keep_checkpoints));
     }
-  } else if (last_checkpoint_step != pos.step) {
-    CFMO_TRY(checkpoint());
+  } else if (last_checkpoint_step != pos.step || (expert_parallel && !whole_model)) {
+    CFMO_TRY(checkpoint());  // with --expert-parallel every rank, and the whole model comes to rank 0
   }
-  if (!run_dir.empty()) {
-    CFMO_TRY(save_model(run_dir / "model.safetensors", model(),
+  if (!run_dir.empty() && rank == 0) {
+    CFMO_TRY(save_model(run_dir / "model.safetensors", whole_model ? *whole_model : model(),
                         {{"format", "pt"}, {"cfmo.model", model_spec}, {"cfmo.step", std::to_string(pos.step)}}));
     // Beside it, the Hugging Face config that makes RUN a model directory (the GPT's).
     if (const std::string hf = model().hf_config_json(); !hf.empty()) {

@@ -2,11 +2,13 @@
 #include "train/training_run.h"
 
 #include "data/dataset.h"
+#include "tensor/ops.h"
 #include "train/sample.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <thread>
 
@@ -128,10 +130,10 @@ Status TrainingRun::train_step() {
     if (on_host) {
       CFMO_ASSIGN_OR_RETURN(grads, engine->host_gradients());
     }
-    CFMO_TRY(mode->on_gradients(grads, n, static_cast<float>(lr)));
+    CFMO_TRY(mode->on_gradients(replicated_part(grads), n, static_cast<float>(lr)));
     if (on_host && !mode->owns_update()) CFMO_TRY(engine->gradients_changed());
   }
-  if (!mode->owns_update() && config.clip_grad_norm > 0) CFMO_TRY(engine->clip_gradients(config.clip_grad_norm));
+  if (!mode->owns_update() && config.clip_grad_norm > 0) CFMO_TRY(clip_gradients());
   if (!mode->owns_update() && (n > 0 || traits.reduces_gradients)) CFMO_TRY(engine->step(static_cast<float>(lr)));
   ++pos.step;
   ++steps_this_run;
@@ -145,7 +147,7 @@ Status TrainingRun::train_step() {
     if (host_params) {
       CFMO_ASSIGN_OR_RETURN(params, engine->host_parameters());
     }
-    CFMO_TRY(mode->after_step(pos, params, engine->mode_optimizer()));
+    CFMO_TRY(mode->after_step(pos, replicated_part(params), engine->mode_optimizer()));
     if (host_params) CFMO_TRY(engine->parameters_changed());
   }
   // Simulated heterogeneity: sleep so the step takes FACTOR times its natural time.
@@ -223,22 +225,37 @@ Status TrainingRun::report_step(float loss, double lr, int n, double step_s) {
   return {};
 }
 
+Status TrainingRun::clip_gradients() {
+  if (!expert_parallel) return engine->clip_gradients(config.clip_grad_norm);
+  // The whole gradient's norm: this rank's replicated part (the all-reduced
+  // one in sync) and every rank's experts, each held by one rank.
+  CFMO_ASSIGN_OR_RETURN(auto grads, engine->host_gradients());
+  const double dense = ops::norm2(replicated_part(grads));
+  const double local = ops::norm2(grads.subspan(replicated_part(grads).size()));
+  std::array<float, 1> experts{static_cast<float>(local * local)};
+  CFMO_TRY(comm->all_reduce_sum(experts));
+  clip_to_norm(grads, config.clip_grad_norm, std::sqrt(dense * dense + static_cast<double>(experts[0])));
+  return engine->gradients_changed();
+}
+
 Status TrainingRun::at_step_end() {
   if (pos.batch_in_epoch == batches_per_epoch) {
     ++pos.epoch;
     pos.batch_in_epoch = 0;
-    if (rank == 0 && (world == 1 || traits.evaluates_mid_run)) {
+    // With --expert-parallel every rank's experts take part in the evaluation's passes.
+    if ((rank == 0 || expert_parallel) && (world == 1 || traits.evaluates_mid_run)) {
       CFMO_TRY(evaluate(false));
       last_eval_step = pos.step;
     }
-    checkpoint_due = checkpoints;
-  } else if (checkpoints && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
+    checkpoint_due = joins_checkpoints;
+  } else if (joins_checkpoints && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
     checkpoint_due = true;
   }
   // The checkpoint policy: at once where this rank's parameters are the
   // global ones, else a snapshot asked of the owners and written when whole.
   if (checkpoint_due && mode->params_are_global()) {
     CFMO_TRY(checkpoint());
+    whole_model.reset();
     checkpoint_due = false;
   } else if (checkpoint_due && mode->request_snapshot()) {
     checkpoint_due = false;
