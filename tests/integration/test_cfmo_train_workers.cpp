@@ -585,6 +585,27 @@ TEST(CfmoTrainWorkers, ExpertParallelTrainsAsDataParallelMoeCheckpointsEveryExpe
   EXPECT_EQ(tensors_of(dir / "ep" / "model.safetensors"), a);
 }
 
+TEST(CfmoTrainWorkers, ExpertParallelWorkersExitFourNamingARankKilledMidRun) {
+  TempDir dir;
+  // The kill lands in a MoE block's exchange or in sync's all-reduce: either way the others fail with status 4.
+  (void)moe_args(dir / "corpus.txt", {});
+  auto ranks = start_ranks(dir, 3,
+                           {"--data", "text:" + (dir / "corpus.txt").string(), "--model",
+                            "gpt:layers=2,heads=2,dim=16,context=16,experts=4,top_k=2,expert_dim=16", "--batch-size",
+                            "4", "--expert-parallel", "--epochs", "0", "--time-limit", "5m", "--log-every", "1",
+                            "--out", (dir / "run").string()});
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+  kill(ranks.processes[1].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[1].wait(10));
+  for (int r : {0, 2}) {
+    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(60)) << "rank " << r << " hangs";
+    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 4) << slurp(dir / ("err-" + std::to_string(r)));
+    EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("rank 1"), std::string::npos)
+        << slurp(dir / ("err-" + std::to_string(r)));
+  }
+}
+
 TEST(CfmoTrainWorkers, BadExpertParallelSpecsAreUsageErrorsInOneLine) {
   TempDir dir;
   auto fails = [&](std::vector<std::string> extra, const std::string& says) {
