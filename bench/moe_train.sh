@@ -35,10 +35,12 @@ record=false
 gpt=gpt:layers=2,heads=4,dim=128,context=64
 moe=$gpt,experts=12,top_k=2,expert_dim=256
 rows=("moe-sync|$moe|--mode sync" "moe-cfmo|$moe|--mode cfmo" "dense-sync|$gpt|--mode sync")
-if "$TRAIN" --help 2>/dev/null | grep -q -- '--expert-parallel'; then
+# The help in a variable: grep -q would close the pipe early, and pipefail fail the test.
+help=$("$TRAIN" --help 2>/dev/null || true)
+if grep -q -- '--expert-parallel' <<< "$help"; then
   rows+=("moe-ep-sync|$moe|--mode sync --expert-parallel")
 fi
-if "$TRAIN" --help 2>/dev/null | grep -q -- '--dispatch'; then
+if grep -q -- '--dispatch ' <<< "$help"; then
   rows+=("moe-ep-cfmo|$moe|--mode cfmo --expert-parallel --dispatch async")
 fi
 
