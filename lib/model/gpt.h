@@ -93,6 +93,7 @@ class Gpt final : public Model {
   /// of `comm` (of MoeOptions::expert_ranks ranks, this one expert_rank).
   void set_expert_parallel(Communicator* comm);
   Status take_status() override;
+  double exchange_wait_s() const override { return run_stats_.wait_s(); }
   size_t replicated_size() const override { return moe_options_.expert_ranks > 1 ? dense_size_ : num_params(); }
   /// The Mixture-of-Experts MLP of block `layer`, or null for a dense block.
   const MoeMlp* moe_layer(int layer) const { return moe_[static_cast<size_t>(layer)].get(); }

@@ -150,6 +150,10 @@ class Model {
   /// modes reconcile; the rest (expert parallelism: this rank's experts) is
   /// this rank's alone. All of it for a model that is not spread.
   virtual size_t replicated_size() const { return num_params(); }
+  /// Seconds the training passes of this process have spent so far
+  /// waiting in exchanges with other processes (expert dispatch); 0 for a
+  /// model that exchanges nothing.
+  virtual double exchange_wait_s() const { return 0; }
 
  protected:
   /// Allocates the flat buffers for `layout` of `size` floats, zeroed.

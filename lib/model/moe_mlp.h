@@ -154,6 +154,8 @@ class MoeStats {
   /// Its exchanges' times, once its backward pass is done (expert parallelism).
   void add_timing(std::span<const MoeMlp* const> layers);
   bool empty() const { return passes_ == 0; }
+  /// Seconds in the exchanges of the passes added (add_timing).
+  double wait_s() const { return wait_s_; }
   /// {"aux_loss", "z_loss", "dropped_share", "layers": [{"layer", "aux_loss", "z_loss", "load_min", ...}]};
   /// with expert parallelism also "dispatch": {"dispatch_p50_us", "dispatch_p99_us", "combine_p50_us",
   /// "combine_p99_us", "wait_s", "late_share"} (per layer and pass; wait_s the sum).

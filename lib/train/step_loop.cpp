@@ -107,6 +107,7 @@ Status TrainingRun::train_step() {
   }
 
   const auto step_start = Clock::now();
+  const double exchange_before = model().exchange_wait_s();
   const int n = request.count;
   float loss = 0;
   if (n > 0) {
@@ -151,7 +152,9 @@ Status TrainingRun::train_step() {
     if (host_params) CFMO_TRY(engine->parameters_changed());
   }
   // Simulated heterogeneity: sleep so the step takes FACTOR times its natural time.
-  const double natural_s = seconds_since(step_start) - (mode->stats().wait_s - wait_before);
+  // Waiting for others (the mode's collectives, expert dispatch) is not this worker's own work.
+  const double waited_s = (mode->stats().wait_s - wait_before) + (model().exchange_wait_s() - exchange_before);
+  const double natural_s = seconds_since(step_start) - waited_s;
   double factor = simulated.slowdown;
   if (simulated.straggler_p > 0 && straggler_rng.uniform() < simulated.straggler_p) {
     factor *= simulated.straggler_factor;
@@ -159,7 +162,7 @@ Status TrainingRun::train_step() {
   if (factor > 1) std::this_thread::sleep_for(std::chrono::duration<double>((factor - 1) * natural_s));
   const double step_s = seconds_since(step_start);
   // The solo rate: everything this step took except waiting on other workers.
-  compute_s += step_s - (mode->stats().wait_s - wait_before);
+  compute_s += step_s - waited_s;
   train_s += step_s;
   pos.train_s += step_s;
   CFMO_TRY(report_step(loss, lr, n, step_s));
