@@ -212,6 +212,25 @@ bool wait_for_progress(Ranks& ranks, const fs::path& metrics, double timeout_s) 
   return false;
 }
 
+// Three lockstep ranks writing to DIR/run: rank 1 killed once it has logged
+// a step; ranks 0 and 2 must exit 4 naming it.
+void kill_rank_one_mid_run(Ranks& ranks, const TempDir& dir) {
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+  kill(ranks.processes[1].pid, SIGKILL);
+  // Reaped at once, as a launcher does: UCX's shared-memory keepalive takes
+  // an unreaped (zombie) process for a live one, and the others would only
+  // find it by its silence, possibly after blaming a rank that waited on it.
+  ASSERT_TRUE(ranks.processes[1].wait(10));
+  for (int r : {0, 2}) {
+    // Generous: the point is that it ends, with the right status and message.
+    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(60)) << "rank " << r << " hangs";
+    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 4) << slurp(dir / ("err-" + std::to_string(r)));
+    EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("rank 1"), std::string::npos)
+        << slurp(dir / ("err-" + std::to_string(r)));
+  }
+}
+
 TEST(CfmoTrainWorkers, LockstepWorkersExitFourNamingARankKilledMidRun) {
   for (const char* mode : {"sync", "localsgd"}) {
     SCOPED_TRACE(mode);
@@ -219,20 +238,7 @@ TEST(CfmoTrainWorkers, LockstepWorkersExitFourNamingARankKilledMidRun) {
     auto ranks = start_ranks(dir, 3,
                              {"--mode", mode, "--epochs", "0", "--time-limit", "5m", "--log-every", "1",
                               "--checkpoint-every", "5", "--out", (dir / "run").string()});
-    ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
-        << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
-    kill(ranks.processes[1].pid, SIGKILL);
-    // Reaped at once, as a launcher does: UCX's shared-memory keepalive takes
-    // an unreaped (zombie) process for a live one, and the others would only
-    // find it by its silence, possibly after blaming a rank that waited on it.
-    ASSERT_TRUE(ranks.processes[1].wait(10));
-    for (int r : {0, 2}) {
-      // Generous: the point is that it ends, with the right status and message.
-      ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(60)) << "rank " << r << " hangs";
-      EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 4) << slurp(dir / ("err-" + std::to_string(r)));
-      EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("rank 1"), std::string::npos)
-          << slurp(dir / ("err-" + std::to_string(r)));
-    }
+    kill_rank_one_mid_run(ranks, dir);
     // The checkpoint directory holds only whole checkpoints.
     std::error_code ec;
     for (const auto& e : fs::directory_iterator(dir / "run" / "checkpoints", ec)) {
@@ -594,16 +600,7 @@ TEST(CfmoTrainWorkers, ExpertParallelWorkersExitFourNamingARankKilledMidRun) {
                             "gpt:layers=2,heads=2,dim=16,context=16,experts=4,top_k=2,expert_dim=16", "--batch-size",
                             "4", "--expert-parallel", "--epochs", "0", "--time-limit", "5m", "--log-every", "1",
                             "--out", (dir / "run").string()});
-  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
-      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
-  kill(ranks.processes[1].pid, SIGKILL);
-  ASSERT_TRUE(ranks.processes[1].wait(10));
-  for (int r : {0, 2}) {
-    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(60)) << "rank " << r << " hangs";
-    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 4) << slurp(dir / ("err-" + std::to_string(r)));
-    EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("rank 1"), std::string::npos)
-        << slurp(dir / ("err-" + std::to_string(r)));
-  }
+  kill_rank_one_mid_run(ranks, dir);
 }
 
 TEST(CfmoTrainWorkers, BadExpertParallelSpecsAreUsageErrorsInOneLine) {
