@@ -35,9 +35,13 @@ record=false
 gpt=gpt:layers=2,heads=4,dim=128,context=64
 moe=$gpt,experts=12,top_k=2,expert_dim=256
 rows=("moe-sync|$moe|--mode sync" "moe-cfmo|$moe|--mode cfmo" "dense-sync|$gpt|--mode sync")
-if "$TRAIN" --help 2>/dev/null | grep -q -- '--expert-parallel'; then
-  rows+=("moe-ep-sync|$moe|--mode sync --expert-parallel --dispatch sync"
-    "moe-ep-cfmo|$moe|--mode cfmo --expert-parallel --dispatch async")
+# The help in a variable: grep -q would close the pipe early, and pipefail fail the test.
+help=$("$TRAIN" --help 2>/dev/null || true)
+if grep -q -- '--expert-parallel' <<< "$help"; then
+  rows+=("moe-ep-sync|$moe|--mode sync --expert-parallel")
+fi
+if grep -q -- '--dispatch ' <<< "$help"; then
+  rows+=("moe-ep-cfmo|$moe|--mode cfmo --expert-parallel --dispatch async")
 fi
 
 tmp=$(mktemp -d)
@@ -66,7 +70,7 @@ def median(values):
     return statistics.median(values) if values else float("nan")
 out = {}
 for name, model, flags in rows:
-    speed, loss, rss = [], [], []
+    speed, loss, rss, ranks_rss, wait = [], [], [], [], []
     for rep in range(1, reps + 1):
         try:
             j = json.loads(open(os.path.join(root, f"{name}.{rep}.json")).read().strip().splitlines()[-1])
@@ -76,13 +80,23 @@ for name, model, flags in rows:
         m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", open(os.path.join(root, f"{name}.{rep}.err")).read())
         if m: rss.append(int(m.group(1)) / 1024)
         moe = j.get("moe") or {}
-    out[name] = (median(speed), median(loss), median(rss), len(speed), model, flags, moe)
-print("| row | model | flags | runs | tokens/s (median) | val_loss (median) | peak RSS of a rank, MB | aux loss | dropped |")
-print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-for name, (s, l, r, n, model, flags, moe) in out.items():
+        # Each rank's own peak (its report), and the ranks' time in expert dispatch.
+        per = j.get("per_worker") or []
+        ranks_rss.append([w.get("peak_rss_bytes", 0) / 2**20 for w in per])
+        wait.append([w.get("dispatch_wait_s", 0) for w in per])
+    per_rank = [median([r[i] for r in ranks_rss if len(r) > i]) for i in range(max(map(len, ranks_rss), default=0))]
+    waits = [median([r[i] for r in wait if len(r) > i]) for i in range(max(map(len, wait), default=0))]
+    out[name] = (median(speed), median(loss), median(rss), len(speed), model, flags, moe, per_rank, waits)
+print("| row | model | flags | runs | tokens/s (median) | val_loss (median) | peak RSS of a rank, MB | each rank's peak RSS, MB | each rank's dispatch wait, s | dispatch/combine p50, us | aux loss | dropped |")
+print("| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | ---: |")
+for name, (s, l, r, n, model, flags, moe, per_rank, waits) in out.items():
     aux = f"{moe['aux_loss']:.3f}" if moe else "-"
     drop = f"{100 * moe['dropped_share']:.1f}%" if moe else "-"
-    print(f"| {name} | `{model}` | `{flags}` | {n} | {s:.0f} | {l:.4f} | {r:.0f} | {aux} | {drop} |")
+    d = (moe or {}).get("dispatch")
+    times = f"{d['dispatch_p50_us']:.0f}/{d['combine_p50_us']:.0f}" if d else "-"
+    ranks = " ".join(f"{v:.0f}" for v in per_rank) or "-"
+    waited = " ".join(f"{v:.2f}" for v in waits) if any(waits) else "-"
+    print(f"| {name} | `{model}` | `{flags}` | {n} | {s:.0f} | {l:.4f} | {r:.0f} | {ranks} | {waited} | {times} | {aux} | {drop} |")
 def ratio(a, b, what):
     if a in out and b in out and out[b][0] > 0:
         print(f"\n{a} / {b}: tokens/s {out[a][0] / out[b][0]:.2f}x, val_loss {out[a][1] / out[b][1]:.4f}x" +

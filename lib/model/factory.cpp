@@ -12,6 +12,7 @@ Result<std::unique_ptr<Model>> make_model(std::string_view spec, const DataShape
       return make_error(ErrorKind::kUsage, "--model '{}' trains on token data: give --data text:FILE or tokens:GLOB",
                         spec);
     }
+    if (moe.expert_ranks > 1) CFMO_TRY(check_expert_parallel(spec, moe.expert_ranks));
     return std::unique_ptr<Model>(std::make_unique<Gpt>(gpt, moe));
   }
   if (spec.starts_with("mlp:") && data.kind != InputKind::kFeatures) {
@@ -25,6 +26,19 @@ int model_context(std::string_view spec) {
   if (!spec.starts_with("gpt:")) return 0;
   auto gpt = GptSpec::parse(spec, 1);
   return gpt ? gpt->context : 0;
+}
+
+Status check_expert_parallel(std::string_view spec, int ranks) {
+  auto gpt = GptSpec::parse(spec, 1);
+  if (!gpt || !gpt->is_moe()) {
+    return make_error(ErrorKind::kUsage, "--expert-parallel: --model '{}' has no experts (a gpt with experts=E)", spec);
+  }
+  if (gpt->experts < ranks) {
+    return make_error(ErrorKind::kUsage,
+                      "--expert-parallel: --model '{}' has experts {}, fewer than the {} workers (each needs one)",
+                      spec, gpt->experts, ranks);
+  }
+  return {};
 }
 
 Status check_model_spec(std::string_view spec) {

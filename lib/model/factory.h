@@ -27,6 +27,11 @@ Result<std::unique_ptr<Model>> make_model(std::string_view spec, const DataShape
 /// other models or a malformed spec: what token data must know before the model.
 int model_context(std::string_view spec);
 
+/// --expert-parallel over `ranks` workers: the spec is a GPT with at least
+/// `ranks` experts (each worker holds expert e when e mod ranks is its
+/// rank); kUsage in one line otherwise.
+Status check_expert_parallel(std::string_view spec, int ranks);
+
 /// Checks the spec's syntax alone (for configuration validation before the data is read).
 Status check_model_spec(std::string_view spec);
 

@@ -136,7 +136,8 @@ Gpt::Gpt(GptSpec spec, MoeOptions moe) : spec_(spec), moe_options_(moe) {
   for (int l = 0; l < spec_.layers; ++l) {
     if (!spec_.is_moe_layer(l)) continue;
     expert_first_[static_cast<size_t>(l)] = static_cast<int>(layout.size());
-    for (int e = 0; e < spec_.experts; ++e) {
+    for (int i = 0; i < local_experts(); ++i) {
+      const int e = expert_placement().expert(moe_options_.expert_rank, i);
       const std::string x = fmt::format("h.{}.mlp.experts.{}.", l, e);
       b.add(layout, x + "c_fc.weight", {c, d}, ParamKind::kMatrix, true);
       b.add(layout, x + "c_fc.bias", {d}, ParamKind::kBias, false);
@@ -147,10 +148,32 @@ Gpt::Gpt(GptSpec spec, MoeOptions moe) : spec_(spec), moe_options_(moe) {
   set_layout(std::move(layout), b.size());
 }
 
+moe::ExpertPlacement Gpt::expert_placement() const {
+  return moe::ExpertPlacement{spec_.experts, moe_options_.expert_ranks, /*strided=*/true};
+}
+
+int Gpt::local_experts() const { return expert_placement().count(moe_options_.expert_rank); }
+
+void Gpt::set_expert_parallel(Communicator* comm) {
+  for (auto& layer : moe_) {
+    if (layer) layer->set_expert_parallel(comm);
+  }
+}
+
+Status Gpt::take_status() {
+  Status first;
+  for (auto& layer : moe_) {
+    if (!layer) continue;
+    Status s = layer->take_status();
+    if (first && !s) first = std::move(s);
+  }
+  return first;
+}
+
 std::vector<ExpertTensors> Gpt::expert_tensors(int layer, bool grads) {
-  std::vector<ExpertTensors> out(static_cast<size_t>(spec_.experts));
+  std::vector<ExpertTensors> out(static_cast<size_t>(local_experts()));
   const int first = expert_first_[static_cast<size_t>(layer)];
-  for (int e = 0; e < spec_.experts; ++e) {
+  for (int e = 0; e < local_experts(); ++e) {
     auto at = [&](int i) { return grads ? grad(first + 4 * e + i) : param(first + 4 * e + i); };
     out[static_cast<size_t>(e)] = {at(0), at(1), at(2), at(3)};
   }
@@ -162,6 +185,7 @@ void Gpt::init(uint64_t seed) {
   std::fill(parameters_.begin(), parameters_.end(), 0.0f);
   const float proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(spec_.layers));
   for (const ParamInfo& p : params_) {
+    if (p.offset >= dense_size_) break;  // the experts below, in every rank's order
     float* w = parameters_.data() + p.offset;
     if (p.kind == ParamKind::kNorm) {
       if (p.name.ends_with(".weight")) std::fill(w, w + p.size, 1.0f);
@@ -170,6 +194,30 @@ void Gpt::init(uint64_t seed) {
     if (p.kind == ParamKind::kBias) continue;
     const float std = p.name.ends_with("c_proj.weight") ? proj_std : 0.02f;
     for (size_t i = 0; i < p.size; ++i) w[i] = std * rng.normal();
+  }
+  // The experts in the order of the model that holds them all (by block, then
+  // expert), drawing those held elsewhere too: an expert's initial weights are
+  // the same whichever rank holds it.
+  const moe::ExpertPlacement placement = expert_placement();
+  const auto c = static_cast<size_t>(spec_.dim);
+  const auto d = static_cast<size_t>(spec_.expert_dim);
+  for (int l = 0; l < spec_.layers; ++l) {
+    if (!spec_.is_moe_layer(l)) continue;
+    const int first = expert_first_[static_cast<size_t>(l)];
+    for (int e = 0; e < spec_.experts; ++e) {
+      const bool here = placement.owner(e) == moe_options_.expert_rank;
+      const int i = placement.local_index(e);
+      float* fc = here ? param(first + 4 * i) : nullptr;
+      float* proj = here ? param(first + 4 * i + 2) : nullptr;
+      for (size_t k = 0; k < c * d; ++k) {
+        const float v = 0.02f * rng.normal();
+        if (here) fc[k] = v;
+      }
+      for (size_t k = 0; k < d * c; ++k) {
+        const float v = proj_std * rng.normal();
+        if (here) proj[k] = v;
+      }
+    }
   }
 }
 
@@ -453,6 +501,22 @@ float Gpt::forward_backward(const Examples& batch) {
         pe[j] += d[j];
       }
     }
+  }
+  if (moe_layers > 0) {
+    std::vector<const MoeMlp*> layers;
+    for (const auto& layer : moe_) {
+      if (layer) layers.push_back(layer.get());
+    }
+    window_stats_.add_timing(layers);
+    run_stats_.add_timing(layers);
+  }
+  if (moe_options_.expert_ranks > 1) {
+    // An expert's gradient holds every rank's tokens, each rank's scaled to
+    // the mean over its own batch: over W ranks' batches of equal size the
+    // mean is 1/W of that sum (what one process training on all of them,
+    // holding every expert, computes).
+    const float scale = 1.0f / static_cast<float>(moe_options_.expert_ranks);
+    for (size_t i = dense_size_; i < gradients_.size(); ++i) gradients_[i] *= scale;
   }
   return static_cast<float>(loss / rows + aux);
 }

@@ -84,6 +84,17 @@ class Gpt final : public Model {
 
   /// Floats of the flat buffer before the first expert tensor (all of it for a dense GPT).
   size_t dense_size() const { return dense_size_; }
+  /// Where the experts live: strided over MoeOptions::expert_ranks (one rank: all here).
+  moe::ExpertPlacement expert_placement() const;
+  /// Experts of each MoE block this process holds (after the dense prefix,
+  /// by block, then expert: rank, rank + W, ...).
+  int local_experts() const;
+  /// --expert-parallel: the MoE layers exchange rows with the other ranks
+  /// of `comm` (of MoeOptions::expert_ranks ranks, this one expert_rank).
+  void set_expert_parallel(Communicator* comm);
+  Status take_status() override;
+  double exchange_wait_s() const override { return run_stats_.wait_s(); }
+  size_t replicated_size() const override { return moe_options_.expert_ranks > 1 ? dense_size_ : num_params(); }
   /// The Mixture-of-Experts MLP of block `layer`, or null for a dense block.
   const MoeMlp* moe_layer(int layer) const { return moe_[static_cast<size_t>(layer)].get(); }
 

@@ -142,6 +142,18 @@ class Model {
   virtual nlohmann::ordered_json take_metrics() { return nullptr; }
   /// The same over every training pass of this process (the summary's).
   virtual nlohmann::ordered_json run_metrics() const { return nullptr; }
+  /// The first failure since the last call of what a pass exchanges with
+  /// other processes (expert parallelism: a lost peer), kPeer; a model that
+  /// exchanges nothing never fails.
+  virtual Status take_status() { return {}; }
+  /// Floats at the start of the flat buffer that every rank holds and the
+  /// modes reconcile; the rest (expert parallelism: this rank's experts) is
+  /// this rank's alone. All of it for a model that is not spread.
+  virtual size_t replicated_size() const { return num_params(); }
+  /// Seconds the training passes of this process have spent so far
+  /// waiting in exchanges with other processes (expert dispatch); 0 for a
+  /// model that exchanges nothing.
+  virtual double exchange_wait_s() const { return 0; }
 
  protected:
   /// Allocates the flat buffers for `layout` of `size` floats, zeroed.

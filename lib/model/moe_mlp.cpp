@@ -1,10 +1,12 @@
 #include "model/moe_mlp.h"
 
 #include "model/gpt.h"
+#include "moe/stats.h"
 #include "tensor/ops.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 namespace cfmo {
@@ -27,7 +29,25 @@ void expert_backward(const float* dy, int n, const float* x, const float* fc, co
 }
 
 MoeMlp::MoeMlp(int dim, int experts, int top_k, int expert_dim, const MoeOptions& options)
-    : dim_(dim), experts_(experts), top_k_(top_k), expert_dim_(expert_dim), options_(options) {}
+    : dim_(dim),
+      experts_(experts),
+      top_k_(top_k),
+      expert_dim_(expert_dim),
+      options_(options),
+      rank_(options.expert_rank),
+      placement_{experts, options.expert_ranks, /*strided=*/true} {}
+
+void MoeMlp::set_expert_parallel(Communicator* comm) { comm_ = comm; }
+
+namespace {
+
+/// Sizes each of `buffers` to the rows it will receive.
+void size_rows(std::vector<std::vector<std::byte>>& buffers, size_t ranks, const auto& rows_of, size_t row_bytes) {
+  buffers.resize(ranks);
+  for (size_t p = 0; p < ranks; ++p) buffers[p].resize(rows_of(p) * row_bytes);
+}
+
+}  // namespace
 
 int64_t MoeMlp::capacity(int rows) const {
   if (options_.drop_policy == moe::DropPolicy::kDropless) return -1;
@@ -50,8 +70,6 @@ void MoeMlp::forward(const float* x, const float* residual, int rows, const floa
   rows_ = rows;
   const auto r = static_cast<size_t>(rows);
   const auto e_count = static_cast<size_t>(experts_);
-  const auto c = static_cast<size_t>(dim_);
-  const auto d = static_cast<size_t>(expert_dim_);
   logits_.resize(r * e_count);
   probs_.resize(r * e_count);
   lse_.resize(r);
@@ -94,29 +112,87 @@ void MoeMlp::forward(const float* x, const float* residual, int rows, const floa
   }
   z_loss_ = rows > 0 ? z_sum / static_cast<double>(r) : 0.0;
 
-  // The kept assignments by expert, as cfmo-moe dispatches them to one rank holding all experts.
-  plan_ = moe::plan_dispatch(routing, moe::ExpertPlacement{experts_, 1});
-  const auto& slots = plan_.slots[0];
-  const size_t kept = slots.size();
-  in_.resize(kept * c);
-  fc_.resize(kept * d);
-  act_.resize(kept * d);
-  out_.resize(kept * c);
-  for (size_t i = 0; i < kept; ++i) {
-    const float* source = x + static_cast<size_t>(slots[i] / top_k_) * c;
-    std::copy(source, source + c, in_.data() + i * c);
-  }
-  size_t first = 0;
-  for (int e = 0; e < experts_; ++e) {
-    const auto n = static_cast<int>(plan_.counts[0][static_cast<size_t>(e)]);
-    expert_forward(in_.data() + first * c, n, experts[static_cast<size_t>(e)], dim_, expert_dim_,
-                   fc_.data() + first * d, act_.data() + first * d, out_.data() + first * c);
-    first += static_cast<size_t>(n);
+  // The kept assignments by owner rank (with one rank: all of them, by
+  // expert), dispatched as cfmo-moe dispatches them; the owners compute and
+  // send the results back, which combine with the gates.
+  if (status_) status_ = dispatch_forward(x, experts);
+  if (!status_) {
+    // A failed exchange (a peer lost): every token takes the residual path; the run ends with the status.
+    const auto ranks = static_cast<size_t>(placement_.ranks);
+    incoming_.assign(ranks, std::vector<uint32_t>(static_cast<size_t>(local_experts()), 0));
+    first_row_.assign(ranks, 0);
+    in_.clear();
+    fc_.clear();
+    act_.clear();
+    received_.assign(ranks, {});
+    results_.assign(ranks, {});
   }
   std::vector<const float*> result_rows(routing.expert.size(), nullptr);
   std::vector<float> unused;
-  moe::locate_results(std::as_bytes(std::span<const float>(out_)), slots, WireDtype::kFp32, dim_, unused, result_rows);
+  for (size_t p = 0; p < results_.size(); ++p) {
+    moe::locate_results(results_[p], plan_.slots[p], WireDtype::kFp32, dim_, unused, result_rows);
+  }
   moe::combine(residual, routing, result_rows, dim_, y);
+}
+
+size_t MoeMlp::rows_from(size_t rank) const {
+  size_t n = 0;
+  for (const uint32_t v : incoming_[rank]) n += v;
+  return n;
+}
+
+Status MoeMlp::dispatch_forward(const float* x, std::span<const ExpertTensors> experts) {
+  timing_ = Timing{};
+  plan_ = moe::plan_dispatch(routing_, placement_);
+  const auto ranks = static_cast<size_t>(placement_.ranks);
+  const auto c = static_cast<size_t>(dim_);
+  const auto d = static_cast<size_t>(expert_dim_);
+  const size_t row = c * sizeof(float);
+  send_.resize(ranks);
+  for (size_t p = 0; p < ranks; ++p) {
+    send_[p].clear();
+    moe::encode_rows(x, dim_, top_k_, plan_.slots[p], WireDtype::kFp32, send_[p]);
+  }
+  auto start = moe::Clock::now();
+  CFMO_ASSIGN_OR_RETURN(incoming_, moe::exchange_counts(comm_, plan_, local_experts()));
+  size_rows(
+      received_, ranks, [&](size_t p) { return rows_from(p); }, row);
+  CFMO_TRY(moe::exchange_buffers(comm_, send_, received_));
+  timing_.dispatch_s += moe::seconds_between(start, moe::Clock::now());
+
+  // The owner's side: every source rank's rows, by local expert, one block each.
+  first_row_.assign(ranks, 0);
+  size_t total = 0;
+  for (size_t p = 0; p < ranks; ++p) {
+    first_row_[p] = total;
+    total += rows_from(p);
+  }
+  in_.resize(total * c);
+  fc_.resize(total * d);
+  act_.resize(total * d);
+  out_.resize(total * c);
+  for (size_t p = 0; p < ranks; ++p)
+    std::memcpy(in_.data() + first_row_[p] * c, received_[p].data(), received_[p].size());
+  size_t first = 0;
+  for (size_t p = 0; p < ranks; ++p) {
+    for (size_t i = 0; i < incoming_[p].size(); ++i) {
+      const auto n = static_cast<int>(incoming_[p][i]);
+      expert_forward(in_.data() + first * c, n, experts[i], dim_, expert_dim_, fc_.data() + first * d,
+                     act_.data() + first * d, out_.data() + first * c);
+      first += static_cast<size_t>(n);
+    }
+  }
+  for (size_t p = 0; p < ranks; ++p) {
+    const float* from = out_.data() + first_row_[p] * c;
+    received_[p].assign(reinterpret_cast<const std::byte*>(from),
+                        reinterpret_cast<const std::byte*>(from + rows_from(p) * c));
+  }
+  size_rows(
+      results_, ranks, [&](size_t p) { return plan_.slots[p].size(); }, row);
+  start = moe::Clock::now();
+  const Status combined = moe::exchange_buffers(comm_, received_, results_);
+  timing_.combine_s += moe::seconds_between(start, moe::Clock::now());
+  return combined;
 }
 
 void MoeMlp::backward(const float* dy, const float* x, const float* router, float* d_router,
@@ -127,38 +203,80 @@ void MoeMlp::backward(const float* dy, const float* x, const float* router, floa
   const auto c = static_cast<size_t>(dim_);
   const auto d = static_cast<size_t>(expert_dim_);
   const auto k = static_cast<size_t>(top_k_);
-  const auto& slots = plan_.slots[0];
-  const size_t kept = slots.size();
+  const auto ranks = static_cast<size_t>(placement_.ranks);
+  const size_t row = c * sizeof(float);
   // y_t = residual_t + sum_j gate_tj out_a: d out_a = gate_a dy_t, d gate_a = dy_t . out_a.
-  d_out_.resize(kept * c);
-  d_in_.resize(kept * c);
-  d_act_.resize(kept * d);
+  // The d out rows go to the experts' ranks in the order the results came
+  // back (the combine's transpose), the d in rows return in the order the
+  // rows went (the dispatch's).
   d_gate_.assign(r * k, 0.0f);
-  for (size_t i = 0; i < kept; ++i) {
-    const auto a = static_cast<size_t>(slots[i]);
-    const float* dyt = dy + (a / k) * c;
-    const float* out = out_.data() + i * c;
-    float* dout = d_out_.data() + i * c;
-    const float g = routing_.gate[a];
-    float dot = 0;
-    for (size_t j = 0; j < c; ++j) {
-      dout[j] = g * dyt[j];
-      dot += dyt[j] * out[j];
+  for (size_t p = 0; p < ranks; ++p) {
+    const auto& slots = plan_.slots[p];
+    send_[p].resize(slots.size() * row);
+    auto* dout = reinterpret_cast<float*>(send_[p].data());
+    const auto* out = reinterpret_cast<const float*>(results_[p].data());
+    const bool have = results_[p].size() == send_[p].size();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const auto a = static_cast<size_t>(slots[i]);
+      const float* dyt = dy + (a / k) * c;
+      const float g = routing_.gate[a];
+      float dot = 0;
+      for (size_t j = 0; j < c; ++j) {
+        dout[i * c + j] = g * dyt[j];
+        if (have) dot += dyt[j] * out[i * c + j];
+      }
+      d_gate_[a] = dot;
     }
-    d_gate_[a] = dot;
+  }
+  const size_t received = in_.size() / c;
+  d_out_.resize(received * c);
+  d_in_.resize(received * c);
+  d_act_.resize(received * d);
+  if (status_) {
+    size_rows(
+        received_, ranks, [&](size_t p) { return rows_from(p); }, row);
+    const auto start = moe::Clock::now();
+    status_ = moe::exchange_buffers(comm_, send_, received_);
+    timing_.dispatch_s += moe::seconds_between(start, moe::Clock::now());
+  }
+  if (status_) {
+    for (size_t p = 0; p < ranks; ++p) {
+      std::memcpy(d_out_.data() + first_row_[p] * c, received_[p].data(), received_[p].size());
+    }
+  } else {
+    std::fill(d_out_.begin(), d_out_.end(), 0.0f);
   }
   size_t first = 0;
-  for (int e = 0; e < experts_; ++e) {
-    const auto n = static_cast<int>(plan_.counts[0][static_cast<size_t>(e)]);
-    expert_backward(d_out_.data() + first * c, n, in_.data() + first * c, fc_.data() + first * d,
-                    act_.data() + first * d, experts[static_cast<size_t>(e)], d_experts[static_cast<size_t>(e)], dim_,
-                    expert_dim_, d_act_.data() + first * d, d_in_.data() + first * c);
-    first += static_cast<size_t>(n);
+  for (size_t p = 0; p < ranks; ++p) {
+    for (size_t i = 0; i < incoming_[p].size(); ++i) {
+      const auto n = static_cast<int>(incoming_[p][i]);
+      expert_backward(d_out_.data() + first * c, n, in_.data() + first * c, fc_.data() + first * d,
+                      act_.data() + first * d, experts[i], d_experts[i], dim_, expert_dim_, d_act_.data() + first * d,
+                      d_in_.data() + first * c);
+      first += static_cast<size_t>(n);
+    }
   }
-  for (size_t i = 0; i < kept; ++i) {
-    float* target = dx + static_cast<size_t>(slots[i] / top_k_) * c;
-    const float* source = d_in_.data() + i * c;
-    for (size_t j = 0; j < c; ++j) target[j] += source[j];
+  for (size_t p = 0; p < ranks; ++p) {
+    const auto* from = d_in_.data() + first_row_[p] * c;
+    received_[p].assign(reinterpret_cast<const std::byte*>(from),
+                        reinterpret_cast<const std::byte*>(from + rows_from(p) * c));
+  }
+  if (status_) {
+    size_rows(
+        results_, ranks, [&](size_t p) { return plan_.slots[p].size(); }, row);
+    const auto start = moe::Clock::now();
+    status_ = moe::exchange_buffers(comm_, received_, results_);
+    timing_.combine_s += moe::seconds_between(start, moe::Clock::now());
+  }
+  if (status_) {
+    for (size_t p = 0; p < ranks; ++p) {
+      const auto& slots = plan_.slots[p];
+      const auto* source = reinterpret_cast<const float*>(results_[p].data());
+      for (size_t i = 0; i < slots.size(); ++i) {
+        float* target = dx + static_cast<size_t>(slots[i] / top_k_) * c;
+        for (size_t j = 0; j < c; ++j) target[j] += source[i * c + j];
+      }
+    }
   }
 
   // Back to the router's logits: through the renormalised gates, the
@@ -197,6 +315,17 @@ void MoeMlp::backward(const float* dy, const float* x, const float* router, floa
               experts_);
     ops::gemm(Trans::kNo, Trans::kYes, rows_, dim_, experts_, 1.0f, d_logits_.data(), experts_, router, experts_, 1.0f,
               dx, dim_);
+  }
+}
+
+void MoeStats::add_timing(std::span<const MoeMlp* const> layers) {
+  for (const MoeMlp* layer : layers) {
+    if (!layer->exchanges()) continue;
+    exchanges_ = true;
+    const auto& t = layer->timing();
+    dispatch_us_.push_back(t.dispatch_s * 1e6);
+    combine_us_.push_back(t.combine_s * 1e6);
+    wait_s_ += t.dispatch_s + t.combine_s;
   }
 }
 
@@ -248,11 +377,22 @@ nlohmann::ordered_json MoeStats::to_json() const {
     dropped += l.dropped;
   }
   const auto n = static_cast<double>(std::max<size_t>(1, layers_.size()));
-  return {{"aux_loss", aux / n},
-          {"z_loss", z / n},
-          {"dropped_share", assignments > 0 ? static_cast<double>(dropped) / static_cast<double>(assignments) : 0},
-          {"passes", passes_},
-          {"layers", layers}};
+  nlohmann::ordered_json out = {
+      {"aux_loss", aux / n},
+      {"z_loss", z / n},
+      {"dropped_share", assignments > 0 ? static_cast<double>(dropped) / static_cast<double>(assignments) : 0},
+      {"passes", passes_},
+      {"layers", layers}};
+  if (exchanges_) {
+    // Sync dispatch: nothing is late (every rank waits for every result).
+    out["dispatch"] = {{"dispatch_p50_us", moe::percentile(dispatch_us_, 0.5)},
+                       {"dispatch_p99_us", moe::percentile(dispatch_us_, 0.99)},
+                       {"combine_p50_us", moe::percentile(combine_us_, 0.5)},
+                       {"combine_p99_us", moe::percentile(combine_us_, 0.99)},
+                       {"wait_s", wait_s_},
+                       {"late_share", 0.0}};
+  }
+  return out;
 }
 
 }  // namespace cfmo

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace cfmo {
@@ -41,9 +42,25 @@ struct ExpertTensors {
   float* proj_b = nullptr;  ///< [C]
 };
 
+/// With expert parallelism (`set_expert_parallel`) a rank holds the experts
+/// e with e mod W == rank (moe::ExpertPlacement's strided form) and the
+/// `experts` spans below are those, in order; each rank's kept assignments
+/// travel to their experts' ranks and the outputs come back through lib/moe's
+/// dispatch (exchange_counts, exchange_buffers, plan_dispatch, combine):
+/// forward the layout, the rows and the results, backward the results'
+/// gradients and the rows' (four all-to-all-v of rows per layer and step,
+/// every rank in each). Without it the same code runs with one rank and no
+/// communicator.
 class MoeMlp {
  public:
   MoeMlp(int dim, int experts, int top_k, int expert_dim, const MoeOptions& options);
+
+  /// The rows travel through `comm`, of options.expert_ranks ranks, this one
+  /// options.expert_rank (with one rank: none needed).
+  void set_expert_parallel(Communicator* comm);
+  const moe::ExpertPlacement& placement() const { return placement_; }
+  /// Experts this rank holds.
+  int local_experts() const { return placement_.count(rank_); }
 
   /// y = residual + the layer's output for x [rows, C] (x = ln_2 of the
   /// residual); keeps what backward needs (until the next forward).
@@ -63,12 +80,33 @@ class MoeMlp {
   /// Slots per expert in a batch of `rows` tokens (-1: dropless).
   int64_t capacity(int rows) const;
 
+  /// Seconds the last training pass (forward and backward) spent in its
+  /// exchanges: dispatch (the layout and the rows out; backward, the
+  /// results' gradients out) and combine (the results back; backward, the
+  /// rows' gradients back). Zero without a communicator.
+  struct Timing {
+    double dispatch_s = 0;
+    double combine_s = 0;
+  };
+  const Timing& timing() const { return timing_; }
+  bool exchanges() const { return comm_ != nullptr; }
+
+  /// The first failure of an exchange (a lost peer) since the last call;
+  /// after one, every token takes the residual path.
+  Status take_status() { return std::exchange(status_, Status{}); }
+
   int experts() const { return experts_; }
   int top_k() const { return top_k_; }
   /// Floats forward and backward keep for `rows` tokens (an upper bound).
   size_t workspace_floats(int rows) const;
 
  private:
+  /// Sends the rows to their experts' ranks, computes the rows received with
+  /// `experts` (this rank's) and receives the results into results_.
+  Status dispatch_forward(const float* x, std::span<const ExpertTensors> experts);
+  /// Rows received from `rank` in the last forward.
+  size_t rows_from(size_t rank) const;
+
   int dim_;
   int experts_;
   int top_k_;
@@ -77,10 +115,20 @@ class MoeMlp {
   int rows_ = 0;
   double aux_loss_ = 0;
   double z_loss_ = 0;
+  Communicator* comm_ = nullptr;
+  Status status_;
+  Timing timing_;
+  int rank_ = 0;
+  moe::ExpertPlacement placement_;
   moe::Routing routing_;
-  moe::DispatchPlan plan_;                   ///< slots[0]: the kept assignments by expert; counts[0][e]
+  moe::DispatchPlan plan_;                       ///< the kept assignments by owner rank, its local expert, token
+  std::vector<std::vector<uint32_t>> incoming_;  ///< [source rank][local expert]: rows received
+  std::vector<size_t> first_row_;                ///< [source rank]: its first row in in_
+  /// Per rank: rows out, rows in, results back; backward reuses them for the gradients.
+  std::vector<std::vector<std::byte>> send_, received_, results_;
   std::vector<float> logits_, probs_, lse_;  ///< [rows, E], [rows, E], [rows]
-  std::vector<float> in_, fc_, act_, out_;   ///< per kept assignment in plan order: [A, C], [A, D], [A, D], [A, C]
+  /// Per received row (by source rank, local expert, token): [R, C], [R, D], [R, D], [R, C]
+  std::vector<float> in_, fc_, act_, out_;
   std::vector<float> d_out_, d_act_, d_in_, d_logits_, d_gate_;
   std::vector<int32_t> order_;
 };
@@ -103,8 +151,14 @@ class MoeStats {
  public:
   /// One training pass over `layers` (the model's MoE layers, in order; `index` their block numbers).
   void add(std::span<const MoeMlp* const> layers, std::span<const int> index);
+  /// Its exchanges' times, once its backward pass is done (expert parallelism).
+  void add_timing(std::span<const MoeMlp* const> layers);
   bool empty() const { return passes_ == 0; }
-  /// {"aux_loss", "z_loss", "dropped_share", "layers": [{"layer", "aux_loss", "z_loss", "load_min", ...}]}.
+  /// Seconds in the exchanges of the passes added (add_timing).
+  double wait_s() const { return wait_s_; }
+  /// {"aux_loss", "z_loss", "dropped_share", "layers": [{"layer", "aux_loss", "z_loss", "load_min", ...}]};
+  /// with expert parallelism also "dispatch": {"dispatch_p50_us", "dispatch_p99_us", "combine_p50_us",
+  /// "combine_p99_us", "wait_s", "late_share"} (per layer and pass; wait_s the sum).
   nlohmann::ordered_json to_json() const;
 
  private:
@@ -116,6 +170,9 @@ class MoeStats {
   };
   std::vector<Layer> layers_;
   int64_t passes_ = 0;
+  bool exchanges_ = false;
+  std::vector<double> dispatch_us_, combine_us_;  ///< per pass and layer
+  double wait_s_ = 0;
 };
 
 }  // namespace cfmo

@@ -12,6 +12,11 @@ struct MoeOptions {
   double z_loss = 0.001;   ///< coefficient of the router z-loss
   double capacity_factor = 1.25;
   moe::DropPolicy drop_policy = moe::DropPolicy::kResidual;
+  /// --expert-parallel: this process holds only the experts e with
+  /// e mod expert_ranks == expert_rank (its parameters, gradients and so its
+  /// optimizer state); 1 rank holds them all.
+  int expert_rank = 0;
+  int expert_ranks = 1;
 };
 
 }  // namespace cfmo

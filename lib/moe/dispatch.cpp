@@ -21,13 +21,49 @@ DispatchPlan plan_dispatch(const Routing& routing, const ExpertPlacement& placem
   for (int p = 0; p < placement.ranks; ++p) {
     auto& slots = plan.slots[static_cast<size_t>(p)];
     auto& counts = plan.counts[static_cast<size_t>(p)];
-    for (int e = placement.first(p); e < placement.first(p + 1); ++e) {
-      const auto& list = by_expert[static_cast<size_t>(e)];
+    for (int i = 0; i < placement.count(p); ++i) {
+      const auto& list = by_expert[static_cast<size_t>(placement.expert(p, i))];
       counts.push_back(static_cast<uint32_t>(list.size()));
       slots.insert(slots.end(), list.begin(), list.end());
     }
   }
   return plan;
+}
+
+Status exchange_buffers(Communicator* comm, std::vector<std::vector<std::byte>>& out,
+                        std::vector<std::vector<std::byte>>& in) {
+  if (comm == nullptr) {
+    in.resize(1);
+    in[0] = out[0];
+    return {};
+  }
+  std::vector<std::span<const std::byte>> send_spans;
+  std::vector<std::span<std::byte>> recv_spans;
+  for (size_t p = 0; p < out.size(); ++p) {
+    send_spans.emplace_back(out[p]);
+    recv_spans.emplace_back(in[p]);
+  }
+  return comm->all_to_all_v(send_spans, recv_spans);
+}
+
+Result<std::vector<std::vector<uint32_t>>> exchange_counts(Communicator* comm, const DispatchPlan& plan,
+                                                           int local_experts) {
+  const size_t ranks = plan.counts.size();
+  const auto mine = static_cast<size_t>(local_experts);
+  std::vector<std::vector<std::byte>> out(ranks);
+  std::vector<std::vector<std::byte>> in(ranks, std::vector<std::byte>(mine * sizeof(uint32_t)));
+  for (size_t p = 0; p < ranks; ++p) {
+    const auto& c = plan.counts[p];
+    out[p].resize(c.size() * sizeof(uint32_t));
+    if (!c.empty()) std::memcpy(out[p].data(), c.data(), out[p].size());
+  }
+  CFMO_TRY(exchange_buffers(comm, out, in));
+  std::vector<std::vector<uint32_t>> counts(ranks, std::vector<uint32_t>(mine));
+  for (size_t p = 0; p < ranks; ++p) {
+    if (mine > 0 && in[p].size() >= mine * sizeof(uint32_t))
+      std::memcpy(counts[p].data(), in[p].data(), mine * sizeof(uint32_t));
+  }
+  return counts;
 }
 
 size_t row_bytes(WireDtype dtype, int hidden) { return encoded_size(dtype, static_cast<size_t>(hidden)); }

@@ -5,6 +5,8 @@
 /// simulated slowness of a rank's compute.
 
 #include "comm/codec.h"
+#include "comm/communicator.h"
+#include "core/error.h"
 #include "moe/experts.h"
 #include "moe/router.h"
 
@@ -28,6 +30,18 @@ struct DispatchPlan {
   std::vector<std::vector<uint32_t>> counts;
 };
 DispatchPlan plan_dispatch(const Routing& routing, const ExpertPlacement& placement);
+
+/// One all-to-all-v of a byte buffer per rank: out[p] goes to rank p and
+/// in[p] (sized by the caller) receives rank p's. With no communicator (a
+/// single rank) in[0] takes out[0].
+Status exchange_buffers(Communicator* comm, std::vector<std::vector<std::byte>>& out,
+                        std::vector<std::vector<std::byte>>& in);
+
+/// The layout of a dispatch: every rank learns how many rows each rank
+/// sends it for each of its `local_experts` experts (an all-to-all-v of
+/// uint32 counts); [source rank][local expert].
+Result<std::vector<std::vector<uint32_t>>> exchange_counts(Communicator* comm, const DispatchPlan& plan,
+                                                           int local_experts);
 
 /// Bytes of one row of `hidden` floats on the wire.
 size_t row_bytes(WireDtype dtype, int hidden);

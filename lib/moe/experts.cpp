@@ -10,6 +10,7 @@
 namespace cfmo::moe {
 
 int ExpertPlacement::owner(int expert) const {
+  if (strided) return expert % ranks;
   // first(r) <= expert < first(r + 1); first is monotone, so search.
   int low = 0;
   int high = ranks - 1;

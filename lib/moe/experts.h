@@ -17,13 +17,27 @@
 
 namespace cfmo::moe {
 
-/// Expert e lives on rank r when first(r) <= e < first(r + 1), first(r) = E r / R.
+/// Where experts live. Contiguous (cfmo-moe's): expert e lives on rank r
+/// when first(r) <= e < first(r + 1), first(r) = E r / R. Strided
+/// (cfmo-train's --expert-parallel): expert e lives on rank e mod R, so a
+/// rank's experts are r, r + R, r + 2R, ... and every block of a model
+/// spreads the same way.
 struct ExpertPlacement {
   int experts = 1;
   int ranks = 1;
+  bool strided = false;
+  /// The first expert of `rank` in the contiguous form (first(ranks) = experts).
   int first(int rank) const { return static_cast<int>(int64_t{experts} * rank / ranks); }
-  int count(int rank) const { return first(rank + 1) - first(rank); }
+  /// Experts on `rank`.
+  int count(int rank) const {
+    if (!strided) return first(rank + 1) - first(rank);
+    return rank < experts ? (experts - rank + ranks - 1) / ranks : 0;
+  }
+  /// The `i`-th expert of `rank` (0 <= i < count(rank)).
+  int expert(int rank, int i) const { return strided ? rank + i * ranks : first(rank) + i; }
   int owner(int expert) const;
+  /// The place of `expert` among its owner's experts.
+  int local_index(int expert) const { return strided ? expert / ranks : expert - first(owner(expert)); }
 };
 
 /// One rank's hidden states [tokens, hidden] for input batch `batch`: unit

@@ -43,21 +43,10 @@ Result<RankRecord> run_sync(const EngineSetup& s, int64_t first_iteration, int64
   std::vector<std::vector<std::byte>> received(r_count);
   std::vector<std::vector<std::byte>> replies(r_count);
   std::vector<std::vector<std::byte>> results(r_count);
-  std::vector<std::vector<uint32_t>> incoming(r_count, std::vector<uint32_t>(mine));
   std::vector<float> scratch;
   std::vector<float> decoded;
   std::vector<float> output(static_cast<size_t>(s.inputs->tokens) * static_cast<size_t>(hidden));
   std::vector<const float*> rows;
-
-  auto exchange = [&](std::vector<std::vector<std::byte>>& out, std::vector<std::vector<std::byte>>& in) {
-    std::vector<std::span<const std::byte>> send_spans;
-    std::vector<std::span<std::byte>> recv_spans;
-    for (size_t p = 0; p < r_count; ++p) {
-      send_spans.emplace_back(out[p]);
-      recv_spans.emplace_back(in[p]);
-    }
-    return comm.all_to_all_v(send_spans, recv_spans);
-  };
 
   CFMO_TRY(comm.barrier());
   const auto run_start = Clock::now();
@@ -77,23 +66,15 @@ Result<RankRecord> run_sync(const EngineSetup& s, int64_t first_iteration, int64
 
     // The layout: every rank learns how many rows each other rank sends it, per expert.
     const auto dispatch_start = Clock::now();
-    std::vector<std::vector<std::byte>> counts_out(r_count);
-    std::vector<std::vector<std::byte>> counts_in(r_count, std::vector<std::byte>(mine * sizeof(uint32_t)));
-    for (size_t p = 0; p < r_count; ++p) {
-      const auto& c = plan.counts[p];
-      counts_out[p].resize(c.size() * sizeof(uint32_t));
-      if (!c.empty()) std::memcpy(counts_out[p].data(), c.data(), counts_out[p].size());
-    }
-    CFMO_TRY(exchange(counts_out, counts_in));
+    CFMO_ASSIGN_OR_RETURN(const auto incoming, exchange_counts(&comm, plan, static_cast<int>(mine)));
     const auto layout_done = Clock::now();
     for (size_t p = 0; p < r_count; ++p) {
-      if (mine > 0) std::memcpy(incoming[p].data(), counts_in[p].data(), mine * sizeof(uint32_t));
       size_t n = 0;
       for (uint32_t c : incoming[p]) n += c;
       received[p].resize(n * row);
       results[p].resize(plan.slots[p].size() * row);
     }
-    CFMO_TRY(exchange(send, received));
+    CFMO_TRY(exchange_buffers(&comm, send, received));
     const auto dispatch_done = Clock::now();
 
     record.compute_s += s.pacer->run([&] {
@@ -104,7 +85,7 @@ Result<RankRecord> run_sync(const EngineSetup& s, int64_t first_iteration, int64
     });
 
     const auto combine_start = Clock::now();
-    CFMO_TRY(exchange(replies, results));
+    CFMO_TRY(exchange_buffers(&comm, replies, results));
     rows.assign(routing.expert.size(), nullptr);
     if (s.dtype != WireDtype::kFp32) decoded.resize(routing.expert.size() * static_cast<size_t>(hidden));
     for (size_t p = 0; p < r_count; ++p) locate_results(results[p], plan.slots[p], s.dtype, hidden, decoded, rows);

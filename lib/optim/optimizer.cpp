@@ -247,11 +247,15 @@ void newton_schulz(std::span<float> g, int rows, int cols, int steps, NewtonSchu
 
 double clip_grad_norm(std::span<float> grads, double max_norm) {
   const double norm = ops::norm2(grads);
+  clip_to_norm(grads, max_norm, norm);
+  return norm;
+}
+
+void clip_to_norm(std::span<float> grads, double max_norm, double norm) {
   if (max_norm > 0 && norm > max_norm) {
     // PyTorch's clip_grad_norm_: coefficient max_norm / (norm + 1e-6).
     scale_kernel(grads.data(), grads.size(), static_cast<float>(max_norm / (norm + 1e-6)));
   }
-  return norm;
 }
 
 Result<OptimizerKind> parse_optimizer_kind(std::string_view name) {

@@ -77,6 +77,9 @@ Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config,
 /// Scales `grads` so their global L2 norm is at most `max_norm` (0: no-op).
 /// Returns the norm before clipping.
 double clip_grad_norm(std::span<float> grads, double max_norm);
+/// The same scaling for a gradient whose norm was measured elsewhere (a
+/// gradient spread over processes: each holds part of it).
+void clip_to_norm(std::span<float> grads, double max_norm, double norm);
 
 /// Scratch space for newton_schulz, kept across steps: the buffers are
 /// large enough that allocating them per call means mmap and page faults.

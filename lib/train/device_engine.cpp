@@ -26,7 +26,9 @@ class CpuEngine final : public DeviceEngine {
   bool host_resident() const override { return true; }
 
   Result<float> forward_backward(const BatchRequest& request) override {
-    return model_.forward_backward(data_.train_batch(request));
+    const float loss = model_.forward_backward(data_.train_batch(request));
+    CFMO_TRY(model_.take_status());  // expert parallelism: a lost peer
+    return loss;
   }
   Status zero_gradients() override {
     std::fill(model_.gradients().begin(), model_.gradients().end(), 0.0f);
@@ -53,6 +55,7 @@ class CpuEngine final : public DeviceEngine {
     const int chunk = model_.context() > 0 ? 8 : 1000;
     EvalResult total;
     data_.for_each_eval_batch(chunk, [&](const Examples& batch) { total.add(model_.evaluate(batch)); });
+    CFMO_TRY(model_.take_status());
     return total;
   }
 

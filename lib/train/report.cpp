@@ -23,6 +23,8 @@ void visit_fields(Report& w, F&& f) {
   f("solo_samples_per_s", w.solo_samples_per_s);
   f("wait_s", w.wait_s);
   f("finish_wait_s", w.finish_wait_s);
+  f("dispatch_wait_s", w.dispatch_wait_s);
+  f("peak_rss_bytes", w.peak_rss_bytes);
   f("loop_s", w.loop_s);
   f("bytes_sent", w.bytes_sent);
   f("bytes_received", w.bytes_received);
@@ -152,10 +154,12 @@ std::string summary_text(const TrainSummary& s) {
     fmt::format_to(out, "efficiency {:.2f} (total samples/s over the sum of the workers' solo samples/s)\n",
                    s.efficiency);
     for (const auto& w : s.per_worker) {
-      fmt::format_to(out, "  rank {}: {} steps, {} samples/s (solo {}), waited {:.2f}s, sent {} bytes, dropped {}{}\n",
-                     w.rank, w.steps, human_count(w.samples_per_s), human_count(w.solo_samples_per_s), w.wait_s,
-                     w.bytes_sent, w.contributions_dropped,
-                     w.slowdown > 1 ? fmt::format(", simulated {}x slower", w.slowdown) : "");
+      fmt::format_to(
+          out, "  rank {}: {} steps, {} samples/s (solo {}), waited {:.2f}s{}, sent {} bytes, dropped {}{}{}\n", w.rank,
+          w.steps, human_count(w.samples_per_s), human_count(w.solo_samples_per_s), w.wait_s,
+          w.dispatch_wait_s > 0 ? fmt::format(" (+{:.2f}s in expert dispatch)", w.dispatch_wait_s) : "", w.bytes_sent,
+          w.contributions_dropped, w.slowdown > 1 ? fmt::format(", simulated {}x slower", w.slowdown) : "",
+          w.peak_rss_bytes > 0 ? fmt::format(", peak RSS {} MiB", w.peak_rss_bytes >> 20) : "");
     }
     for (int r : s.lost_ranks) {
       const auto l = std::find_if(s.lost.begin(), s.lost.end(), [r](const LostRank& x) { return x.rank == r; });
@@ -188,6 +192,15 @@ std::string summary_text(const TrainSummary& s) {
                      "  block {}: tokens per expert min {:.1f} mean {:.1f} max {:.1f} (cv {:.3f}), dropped {:.2f}%\n",
                      l["layer"].get<int>(), l["load_min"].get<double>(), l["load_mean"].get<double>(),
                      l["load_max"].get<double>(), l["load_cv"].get<double>(), 100 * l["dropped_share"].get<double>());
+    }
+    if (m.contains("dispatch")) {
+      const auto& d = m["dispatch"];
+      fmt::format_to(out,
+                     "  expert dispatch (rank 0, per block and pass): dispatch p50 {:.0f} us p99 {:.0f} us, combine "
+                     "p50 {:.0f} us p99 {:.0f} us, late {:.2f}%, waited {:.2f}s\n",
+                     d["dispatch_p50_us"].get<double>(), d["dispatch_p99_us"].get<double>(),
+                     d["combine_p50_us"].get<double>(), d["combine_p99_us"].get<double>(),
+                     100 * d["late_share"].get<double>(), d["wait_s"].get<double>());
     }
   }
   if (!s.muon_tensors.empty()) {

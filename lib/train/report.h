@@ -23,6 +23,8 @@ struct WorkerReport {
   double solo_samples_per_s = 0;  ///< samples / time computing (and simulated slowness), without waits
   double wait_s = 0;              ///< blocked on communication in the training loop
   double finish_wait_s = 0;       ///< after the loop: the last replies and the other ranks
+  double dispatch_wait_s = 0;     ///< --expert-parallel: in the MoE layers' exchanges (training passes)
+  int64_t peak_rss_bytes = 0;     ///< the process's peak resident memory (getrusage)
   double loop_s = 0;              ///< time in the training loop
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;

@@ -4,6 +4,8 @@
 
 #include "core/atomic_file.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <mutex>
 #include <thread>
@@ -29,10 +31,8 @@ Result<TrainSummary> TrainingRun::finish() {
   keeper = mode->keeper();
   summary.keeper = keeper;
   CFMO_TRY(gather_reports(own));
-  if (rank == keeper) {
-    take_up_keeping();
-    CFMO_TRY(write_final_outputs());
-  }
+  if (rank == keeper) take_up_keeping();
+  if (rank == keeper || expert_parallel) CFMO_TRY(write_final_outputs());
   add_totals();
   return summary;
 }
@@ -40,7 +40,7 @@ Result<TrainSummary> TrainingRun::finish() {
 Status TrainingRun::last_reconciliation() {
   // Afterwards rank 0 holds the global parameters.
   CFMO_ASSIGN_OR_RETURN(auto params, engine->host_parameters());
-  const Status finished = mode->finish(params, engine->mode_optimizer());
+  const Status finished = mode->finish(replicated_part(params), engine->mode_optimizer());
   const Status announced_now = announce_lost();
   CFMO_TRY(finished);
   CFMO_TRY(announced_now);
@@ -70,6 +70,10 @@ WorkerReport TrainingRun::own_report(const ModeStats& mode_stats, int64_t deltas
   own.stopped_by = stopped_by;
   own.deltas_written = deltas_written;
   own.deltas_skipped = deltas_skipped;
+  const auto moe = model_ptr->run_metrics();
+  if (moe.is_object() && moe.contains("dispatch")) own.dispatch_wait_s = moe["dispatch"]["wait_s"].get<double>();
+  struct rusage usage {};
+  if (getrusage(RUSAGE_SELF, &usage) == 0) own.peak_rss_bytes = static_cast<int64_t>(usage.ru_maxrss) * 1024;
   if (comm != nullptr) {
     const CommStats cs = comm->stats();
     own.bytes_sent = cs.bytes_sent;
@@ -117,6 +121,7 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
 }
 
 Status TrainingRun::write_final_outputs() {
+  // Rank 0; with --expert-parallel every rank (the evaluation and the checkpoint are collectives then).
   // The final parameters are those of the last evaluation when the run ended on an epoch boundary.
   if (last_eval_step != pos.step || (world > 1 && !traits.evaluates_mid_run)) CFMO_TRY(evaluate(true));
   if (checkpoint_writer) {
@@ -129,11 +134,11 @@ Status TrainingRun::write_final_outputs() {
                                 checkpoint_of(model().parameters(), global ? &*global : nullptr), options.config_toml,
                                 config.keep_checkpoints));
     }
-  } else if (last_checkpoint_step != pos.step) {
-    CFMO_TRY(checkpoint());
+  } else if (last_checkpoint_step != pos.step || (expert_parallel && !whole_model)) {
+    CFMO_TRY(checkpoint());  // with --expert-parallel every rank, and the whole model comes to rank 0
   }
-  if (!run_dir.empty()) {
-    CFMO_TRY(save_model(run_dir / "model.safetensors", model(),
+  if (!run_dir.empty() && rank == 0) {
+    CFMO_TRY(save_model(run_dir / "model.safetensors", whole_model ? *whole_model : model(),
                         {{"format", "pt"}, {"cfmo.model", model_spec}, {"cfmo.step", std::to_string(pos.step)}}));
     // Beside it, the Hugging Face config that makes RUN a model directory (the GPT's).
     if (const std::string hf = model().hf_config_json(); !hf.empty()) {

@@ -2,11 +2,13 @@
 #include "train/training_run.h"
 
 #include "data/dataset.h"
+#include "tensor/ops.h"
 #include "train/sample.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <thread>
 
@@ -113,6 +115,7 @@ Status TrainingRun::train_step() {
   }
 
   const auto step_start = Clock::now();
+  const double exchange_before = model().exchange_wait_s();
   const int n = request.count;
   float loss = 0;
   if (n > 0) {
@@ -136,10 +139,10 @@ Status TrainingRun::train_step() {
     if (on_host) {
       CFMO_ASSIGN_OR_RETURN(grads, engine->host_gradients());
     }
-    CFMO_TRY(mode->on_gradients(grads, n, static_cast<float>(lr)));
+    CFMO_TRY(mode->on_gradients(replicated_part(grads), n, static_cast<float>(lr)));
     if (on_host && !mode->owns_update()) CFMO_TRY(engine->gradients_changed());
   }
-  if (!mode->owns_update() && config.clip_grad_norm > 0) CFMO_TRY(engine->clip_gradients(config.clip_grad_norm));
+  if (!mode->owns_update() && config.clip_grad_norm > 0) CFMO_TRY(clip_gradients());
   if (!mode->owns_update() && (n > 0 || traits.reduces_gradients)) CFMO_TRY(engine->step(static_cast<float>(lr)));
   ++pos.step;
   ++steps_this_run;
@@ -153,11 +156,13 @@ Status TrainingRun::train_step() {
     if (host_params) {
       CFMO_ASSIGN_OR_RETURN(params, engine->host_parameters());
     }
-    CFMO_TRY(mode->after_step(pos, params, engine->mode_optimizer()));
+    CFMO_TRY(mode->after_step(pos, replicated_part(params), engine->mode_optimizer()));
     if (host_params) CFMO_TRY(engine->parameters_changed());
   }
   // Simulated heterogeneity: sleep so the step takes FACTOR times its natural time.
-  const double natural_s = seconds_since(step_start) - (mode->stats().wait_s - wait_before);
+  // Waiting for others (the mode's collectives, expert dispatch) is not this worker's own work.
+  const double waited_s = (mode->stats().wait_s - wait_before) + (model().exchange_wait_s() - exchange_before);
+  const double natural_s = seconds_since(step_start) - waited_s;
   double factor = simulated.slowdown;
   if (simulated.straggler_p > 0 && straggler_rng.uniform() < simulated.straggler_p) {
     factor *= simulated.straggler_factor;
@@ -165,7 +170,7 @@ Status TrainingRun::train_step() {
   if (factor > 1) std::this_thread::sleep_for(std::chrono::duration<double>((factor - 1) * natural_s));
   const double step_s = seconds_since(step_start);
   // The solo rate: everything this step took except waiting on other workers.
-  const double step_compute_s = step_s - (mode->stats().wait_s - wait_before);
+  const double step_compute_s = step_s - waited_s;
   compute_s += step_compute_s;
   train_s += step_s;
   pos.train_s += step_s;
@@ -238,17 +243,31 @@ Status TrainingRun::report_step(float loss, double lr, int n, double step_s, dou
   return {};
 }
 
+Status TrainingRun::clip_gradients() {
+  if (!expert_parallel) return engine->clip_gradients(config.clip_grad_norm);
+  // The whole gradient's norm: this rank's replicated part (the all-reduced
+  // one in sync) and every rank's experts, each held by one rank.
+  CFMO_ASSIGN_OR_RETURN(auto grads, engine->host_gradients());
+  const double dense = ops::norm2(replicated_part(grads));
+  const double local = ops::norm2(grads.subspan(replicated_part(grads).size()));
+  std::array<float, 1> experts{static_cast<float>(local * local)};
+  CFMO_TRY(comm->all_reduce_sum(experts));
+  clip_to_norm(grads, config.clip_grad_norm, std::sqrt(dense * dense + static_cast<double>(experts[0])));
+  return engine->gradients_changed();
+}
+
 Status TrainingRun::at_step_end() {
   if (pos.batch_in_epoch == batches_per_epoch) {
     ++pos.epoch;
     pos.batch_in_epoch = 0;
-    if (rank == mode->keeper() && (world == 1 || traits.evaluates_mid_run)) {
+    // With --expert-parallel every rank's experts take part in the evaluation's passes.
+    if ((rank == mode->keeper() || expert_parallel) && (world == 1 || traits.evaluates_mid_run)) {
       CFMO_TRY(evaluate(false));
       last_eval_step = pos.step;
     }
     take_up_keeping();
-    checkpoint_due = checkpoints || gathers_optimizers;
-  } else if ((checkpoints || gathers_optimizers) && config.checkpoint_every > 0 &&
+    checkpoint_due = checkpoints || gathers_optimizers || joins_checkpoints;
+  } else if ((checkpoints || gathers_optimizers || joins_checkpoints) && config.checkpoint_every > 0 &&
              pos.step % config.checkpoint_every == 0) {
     checkpoint_due = true;
   }
@@ -260,6 +279,7 @@ Status TrainingRun::at_step_end() {
   // global ones, else a snapshot asked of the owners and written when whole.
   if (checkpoint_due && mode->params_are_global()) {
     CFMO_TRY(checkpoint());
+    whole_model.reset();
     checkpoint_due = false;
   } else if (checkpoint_due && mode->request_snapshot()) {
     checkpoint_due = false;

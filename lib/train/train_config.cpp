@@ -34,6 +34,9 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         "slots per expert per batch = ceil(factor * top_k * tokens / experts); assignments beyond take the residual",
         moe);
   t.add("drop_policy", &c.drop_policy, "over capacity: residual (the token skips that expert) or dropless", moe);
+  t.add("expert_parallel", &c.expert_parallel,
+        "expert e lives on worker e mod W only (its parameters and optimizer state); tokens travel to it and back",
+        moe);
 
   const std::string optim = "Optimizer";
   t.add("optimizer", &c.optimizer, "inner optimizer: sgd, adam, adamw or muon", optim);
@@ -116,6 +119,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (!(c.z_loss >= 0) || !std::isfinite(c.z_loss)) return usage("z-loss", "must be >= 0");
   if (!(c.capacity_factor > 0) || c.capacity_factor > 1e6) return usage("capacity-factor", "must be in (0, 1e6]");
   CFMO_TRY(moe::parse_drop_policy(c.drop_policy));
+  if (c.expert_parallel) CFMO_TRY(check_expert_parallel(c.model, std::max(1, c.workers)));
   CFMO_ASSIGN_OR_RETURN(plan.device, parse_device(c.device));
   plan.context = model_context(c.model);
   if (plan.device.is_cuda() && plan.context > 0) {
@@ -155,6 +159,14 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.threads < 1 || c.threads > 1024) return usage("threads", "must be in 1..1024");
   if (c.workers < 1 || c.workers > 1024) return usage("workers", "must be in 1..1024");
   CFMO_ASSIGN_OR_RETURN(plan.mode, parse_mode(c.mode));
+  if (c.expert_parallel && !plan.traits().lockstep) {
+    // Every MoE layer's dispatch is a collective of all ranks: workers that
+    // step and stop on their own would wait in it for each other.
+    return usage("expert-parallel", fmt::format("needs a lockstep --mode (sync or localsgd), not {}", c.mode));
+  }
+  if (c.expert_parallel && c.elastic) {
+    return usage("elastic", "not with --expert-parallel: a lost worker's experts exist nowhere else");
+  }
   if (plan.traits().owners_optimize && plan.optimizer == OptimizerKind::kMuon) {
     return usage("optimizer", "muon needs whole matrices; asgd's owners update shards: use sgd, adam or adamw");
   }

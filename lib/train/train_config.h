@@ -35,6 +35,7 @@ struct TrainConfig {
   double z_loss = 0.001;
   double capacity_factor = 1.25;
   std::string drop_policy = "residual";
+  bool expert_parallel = false;  ///< expert e lives on rank e mod workers only
   // inner optimizer
   std::string optimizer = "adamw";
   double lr = 1e-3;

@@ -2,6 +2,7 @@
 #include "train/training_run.h"
 
 #include "model/factory.h"
+#include "model/gpt.h"
 #include "tensor/ops.h"
 
 #include <fmt/format.h>
@@ -52,6 +53,7 @@ TrainingRun::TrainingRun(const TrainConfig& config, const TrainPlan& plan, const
       world(comm != nullptr ? comm->size() : 1),
       traits(plan.traits()),
       async(world > 1 && traits.asynchronous),
+      expert_parallel(world > 1 && config.expert_parallel),
       announced(static_cast<size_t>(world), false) {}
 
 Status TrainingRun::set_up() {
@@ -72,15 +74,30 @@ Status TrainingRun::set_up() {
 
 Status TrainingRun::load_model_and_optimizer() {
   CFMO_ASSIGN_OR_RETURN(source, load_data_source(config, rank, world, plan.context));
-  CFMO_ASSIGN_OR_RETURN(model_ptr, make_model(config.model, source->shape(), moe_options(config)));
+  MoeOptions moe = moe_options(config);
+  if (expert_parallel) {
+    moe.expert_rank = rank;
+    moe.expert_ranks = world;
+  }
+  CFMO_ASSIGN_OR_RETURN(model_ptr, make_model(config.model, source->shape(), moe));
   model().init(static_cast<uint64_t>(config.seed));  // the same on every rank
   model_spec = model().spec_string();
+  if (expert_parallel) static_cast<Gpt&>(model()).set_expert_parallel(comm);
+  replicated = model().replicated_size();
+  for (const ParamInfo& p : model().params()) {
+    if (p.offset < replicated) replicated_layout.push_back(p);
+  }
   train_examples = source->train_examples();
   vocab = source->shape().classes;
   context = model().context();
   sample_every = rank == 0 ? config.sample_every : 0;
   if (sample_every > 0 && context == 0) {
     observer().on_note(fmt::format("--sample-every: {} is not a language model; no samples", model_spec));
+    sample_every = 0;
+  }
+  if (sample_every > 0 && expert_parallel) {
+    // A sample's forward passes would dispatch to ranks that are training.
+    observer().on_note("--sample-every: no samples with --expert-parallel");
     sample_every = 0;
   }
 
@@ -103,8 +120,9 @@ Status TrainingRun::resume_from_checkpoint() {
     pos = saved.ranks[static_cast<size_t>(rank)];
   }
   // localsgd: each rank with its own inner optimizer state (rank 0's is the checkpoint's optimizer.safetensors).
-  CFMO_TRY(load_rank_optimizer(options.resume, model(), *optimizer, rank));
-  resume.outer_momentum.assign(outer.begin(), outer.end());
+  if (!expert_parallel) CFMO_TRY(load_rank_optimizer(options.resume, model(), *optimizer, rank));
+  resume.outer_momentum.assign(outer.begin(),
+                               outer.begin() + static_cast<ptrdiff_t>(std::min(outer.size(), replicated)));
   if (saved.workers == world) resume.ranks = saved.ranks;
   if (traits.owners_optimize && world > 1) {
     // An asgd checkpoint's optimizer state is the owners'.
@@ -203,13 +221,14 @@ Status TrainingRun::make_mode_and_engine() {
   // Each reconciliation's delta goes to RUN/deltas/rank-K/, for cfmo-diverge.
   if (!run_dir.empty() && world > 1 && traits.writes_deltas) {
     const int64_t offset = options.resume.empty() ? 0 : DeltaWriter::last_round(run_dir, rank);
-    delta_writer = std::make_unique<DeltaWriter>(run_dir, rank, model().params(), offset);
+    delta_writer = std::make_unique<DeltaWriter>(run_dir, rank, replicated_layout, offset);
     settings.delta_sink = [this](int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
                                  std::span<const float> delta) {
       delta_writer->submit(round, step, base_version, base, delta);
     };
   }
-  CFMO_ASSIGN_OR_RETURN(mode, make_mode(settings, comm, model().params(), model().parameters(), optim_config, resume));
+  CFMO_ASSIGN_OR_RETURN(
+      mode, make_mode(settings, comm, replicated_layout, replicated_part(model().parameters()), optim_config, resume));
 
   // Where the arithmetic runs (--device). The host model and optimizer stay the
   // mirror the modes, checkpoints and deltas use; a CUDA engine copies to them
@@ -264,7 +283,9 @@ Status TrainingRun::open_outputs() {
   // the global ones (sync, localsgd right after a round) it writes them at
   // once; in cfmo and asgd it asks the owners for their shards and hands the
   // assembled state to a writer thread, so that no worker waits.
-  gathers_optimizers = world > 1 && traits.lockstep && !traits.reduces_gradients && !run_dir.empty();
+  gathers_optimizers =
+      world > 1 && traits.lockstep && !traits.reduces_gradients && !run_dir.empty() && !expert_parallel;
+  joins_checkpoints = expert_parallel && !run_dir.empty();
   last_checkpoint_step = options.resume.empty() ? -1 : pos.step;
   take_up_keeping();
   straggler_rng = Rng(static_cast<uint64_t>(config.seed), 0x57A6000ULL + static_cast<uint64_t>(rank));
@@ -317,6 +338,14 @@ CheckpointData TrainingRun::checkpoint_of(std::span<const float> params, const G
 }
 
 Status TrainingRun::checkpoint() {
+  if (expert_parallel) {
+    // Every rank's experts gather on the keeper, which writes the whole model.
+    if (!joins_checkpoints && !checkpoints) return {};
+    CFMO_TRY(sync_host());
+    CFMO_TRY(write_global_checkpoint(checkpoint_of(model().parameters(), nullptr)));
+    last_checkpoint_step = pos.step;
+    return {};
+  }
   if (!checkpoints && !gathers_optimizers) return {};
   CFMO_TRY(sync_host());
   if (gathers_optimizers && gathered_step != pos.step) CFMO_TRY(gather_optimizers());
@@ -360,6 +389,17 @@ Status TrainingRun::gather_optimizers() {
     }
   }
   gathered_step = pos.step;
+  return {};
+}
+
+Status TrainingRun::write_global_checkpoint(CheckpointData data) {
+  if (expert_parallel) {
+    CFMO_ASSIGN_OR_RETURN(whole_model, gather_whole_model(data));
+  }
+  if (!checkpoints) return {};
+  const Model& layout_of = whole_model ? *whole_model : model();
+  CFMO_TRY(
+      write_checkpoint(run_dir, model_spec, layout_of.params(), data, options.config_toml, config.keep_checkpoints));
   return {};
 }
 

@@ -26,6 +26,7 @@
 #include "train/metrics_log.h"
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <memory>
@@ -61,6 +62,9 @@ struct TrainingRun {
   Status train_step();
   Status report_step(float loss, double lr, int n, double step_s, double step_compute_s);
   Status at_step_end();
+  /// --clip-grad-norm on the applied gradient (with --expert-parallel its norm
+  /// over every rank's experts).
+  Status clip_gradients();
 
   // finish's parts
   Status last_reconciliation();
@@ -84,6 +88,14 @@ struct TrainingRun {
   /// Every rank's inner optimizer state for a checkpoint at this step, the
   /// others' to rank 0 (a collective: every rank calls it at the same step).
   Status gather_optimizers();
+  /// --expert-parallel, every rank together: rank 0 receives every rank's
+  /// experts (parameters and optimizer state) and returns the whole model
+  /// with `part` (its own checkpoint data) completed in that model's layout;
+  /// the others send theirs and get null.
+  Result<std::unique_ptr<Model>> gather_whole_model(CheckpointData& part);
+  /// Writes a checkpoint (rank 0) of the global state; with
+  /// --expert-parallel every rank calls it and the experts gather first.
+  Status write_global_checkpoint(CheckpointData data);
   /// Brings the host model and optimizer up to date with the engine (a checkpoint, the end).
   Status sync_host();
   /// Asynchronous workers train on without a lost peer: each says so, once a peer.
@@ -104,12 +116,22 @@ struct TrainingRun {
   const int world;
   const ModeTraits traits;
   const bool async;  ///< several workers in an asynchronous mode
+  /// --expert-parallel with several workers: each rank holds its experts
+  /// only; the modes see the replicated prefix, every rank evaluates and
+  /// joins each checkpoint (the experts gather on rank 0).
+  const bool expert_parallel;
 
   // What the run trains, in the order they must be destroyed backwards (the
   // engine refers to the model, the optimizer and the data).
   std::unique_ptr<DataSource> source;
   std::unique_ptr<Model> model_ptr;
   std::string model_spec;
+  size_t replicated = 0;                     ///< model().replicated_size(): what the mode reconciles
+  std::vector<ParamInfo> replicated_layout;  ///< its tensors
+  /// The part of a flat buffer in the model's layout that the mode sees.
+  std::span<float> replicated_part(std::span<float> flat) const {
+    return flat.first(std::min(flat.size(), replicated));
+  }
   int64_t train_examples = 0;
   int vocab = 0;
   int context = 0;
@@ -139,8 +161,12 @@ struct TrainingRun {
   TrainSummary summary;
 
   // The checkpoint policy.
-  bool checkpoints = false;  ///< this rank writes them (the keeper with a run directory)
-  int keeper = 0;            ///< finish: the rank that keeps the run
+  bool checkpoints = false;        ///< this rank writes them (the keeper with a run directory)
+  bool joins_checkpoints = false;  ///< this rank takes part in them (it writes them, or sends its experts)
+  int keeper = 0;                  ///< finish: the rank that keeps the run
+  /// --expert-parallel, rank 0: the whole model of the last checkpoint, for
+  /// the final model.safetensors (dropped after a mid-run checkpoint).
+  std::unique_ptr<Model> whole_model;
   int64_t last_checkpoint_step = -1;
   std::unique_ptr<CheckpointWriter> checkpoint_writer;
   bool checkpoint_due = false;  ///< an epoch end or --checkpoint-every asked for one

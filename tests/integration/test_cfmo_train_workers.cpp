@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 namespace cfmo {
@@ -203,6 +204,25 @@ bool wait_for_progress(Ranks& ranks, const fs::path& metrics, double timeout_s) 
   return testing::wait_for_output(ranks.processes, metrics, timeout_s);
 }
 
+// Three lockstep ranks writing to DIR/run: rank 1 killed once it has logged
+// a step; ranks 0 and 2 must exit 4 naming it.
+void kill_rank_one_mid_run(Ranks& ranks, const TempDir& dir) {
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+  kill(ranks.processes[1].pid, SIGKILL);
+  // Reaped at once, as a launcher does: UCX's shared-memory keepalive takes
+  // an unreaped (zombie) process for a live one, and the others would only
+  // find it by its silence, possibly after blaming a rank that waited on it.
+  ASSERT_TRUE(ranks.processes[1].wait(10));
+  for (int r : {0, 2}) {
+    // Generous: the point is that it ends, with the right status and message.
+    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(60)) << "rank " << r << " hangs";
+    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 4) << slurp(dir / ("err-" + std::to_string(r)));
+    EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("rank 1"), std::string::npos)
+        << slurp(dir / ("err-" + std::to_string(r)));
+  }
+}
+
 // Sync and localsgd without --elastic: a lost worker ends the run. (With
 // --elastic they go on without it: below.)
 TEST(CfmoTrainWorkers, LockstepWorkersExitFourNamingARankKilledMidRun) {
@@ -212,20 +232,7 @@ TEST(CfmoTrainWorkers, LockstepWorkersExitFourNamingARankKilledMidRun) {
     auto ranks = start_ranks(dir, 3,
                              {"--mode", mode, "--epochs", "0", "--time-limit", "5m", "--log-every", "1",
                               "--checkpoint-every", "5", "--out", (dir / "run").string()});
-    ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
-        << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
-    kill(ranks.processes[1].pid, SIGKILL);
-    // Reaped at once, as a launcher does: UCX's shared-memory keepalive takes
-    // an unreaped (zombie) process for a live one, and the others would only
-    // find it by its silence, possibly after blaming a rank that waited on it.
-    ASSERT_TRUE(ranks.processes[1].wait(10));
-    for (int r : {0, 2}) {
-      // Generous: the point is that it ends, with the right status and message.
-      ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(60)) << "rank " << r << " hangs";
-      EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 4) << slurp(dir / ("err-" + std::to_string(r)));
-      EXPECT_NE(slurp(dir / ("err-" + std::to_string(r))).find("rank 1"), std::string::npos)
-          << slurp(dir / ("err-" + std::to_string(r)));
-    }
+    kill_rank_one_mid_run(ranks, dir);
     // The checkpoint directory holds only whole checkpoints.
     std::error_code ec;
     for (const auto& e : fs::directory_iterator(dir / "run" / "checkpoints", ec)) {
@@ -666,6 +673,93 @@ TEST(CfmoTrainWorkers, MixtureOfExpertsCheckpointsAndResumes) {
   ASSERT_EQ(resumed.status, 0) << resumed.err;
   EXPECT_EQ(parameters(run_dir / "model.safetensors"), finished);
   EXPECT_EQ(last_json(resumed.out)["model"], last_json(first.out)["model"]);
+}
+
+std::map<std::string, std::vector<float>> tensors_of(const fs::path& file) {
+  std::map<std::string, std::vector<float>> out;
+  auto st = SafetensorsFile::read(file);
+  EXPECT_TRUE(st) << (st ? "" : st.error().message);
+  if (!st) return out;
+  for (const auto& e : st->tensors()) {
+    auto bytes = st->bytes(e);
+    const auto* f = reinterpret_cast<const float*>(bytes.data());
+    out[e.name].assign(f, f + bytes.size() / sizeof(float));
+  }
+  return out;
+}
+
+// Dropless and without the load-balancing loss (taken per worker's batch),
+// expert parallelism computes what data-parallel MoE computes: the same
+// dense gradients and, for each expert, the mean over both workers' tokens.
+TEST(CfmoTrainWorkers, ExpertParallelTrainsAsDataParallelMoeCheckpointsEveryExpertAndResumes) {
+  TempDir dir;
+  const std::vector<std::string> common = {
+      "--workers",          "2",  "--mode", "sync", "--steps", "10", "--drop-policy", "dropless", "--aux-loss", "0",
+      "--keep-checkpoints", "10", "--json"};
+  auto with = [&](const fs::path& run_dir, std::vector<std::string> extra) {
+    std::vector<std::string> a = common;
+    a.insert(a.end(), {"--out", run_dir.string()});
+    a.insert(a.end(), extra.begin(), extra.end());
+    return moe_args(dir / "corpus.txt", a);
+  };
+  const RunResult ep = run(with(dir / "ep", {"--expert-parallel", "--checkpoint-every", "5"}), 300);
+  ASSERT_EQ(ep.status, 0) << ep.err;
+  const RunResult dp = run(with(dir / "dp", {}), 300);
+  ASSERT_EQ(dp.status, 0) << dp.err;
+  const auto a = tensors_of(dir / "ep" / "model.safetensors");
+  const auto b = tensors_of(dir / "dp" / "model.safetensors");
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_TRUE(a.contains("h.0.mlp.experts.1.c_fc.weight") && a.contains("h.1.mlp.experts.2.c_proj.bias"));
+  for (const auto& [name, values] : b) {
+    ASSERT_TRUE(a.contains(name)) << name;
+    ASSERT_EQ(a.at(name).size(), values.size()) << name;
+    for (size_t i = 0; i < values.size(); ++i) {
+      ASSERT_NEAR(a.at(name)[i], values[i], 2e-4) << name << "[" << i << "]";
+    }
+  }
+  EXPECT_NEAR(last_json(ep.out)["val_loss"].get<double>(), last_json(dp.out)["val_loss"].get<double>(), 1e-4);
+
+  // Resumed from step 5, each rank takes its experts and their optimizer
+  // state from the checkpoint, and steps 6..10 repeat exactly.
+  const auto saved = checkpoints_of(dir / "ep");
+  ASSERT_GE(saved.size(), 2u);
+  EXPECT_EQ(tensors_of(saved.front() / "optimizer.safetensors").count("h.1.mlp.experts.3.c_fc.weight.exp_avg"), 1u);
+  const RunResult resumed =
+      run({binary(), "--resume", saved.front().string(), "--workers", "2", "--steps", "10", "--json"}, 300);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_EQ(tensors_of(dir / "ep" / "model.safetensors"), a);
+}
+
+TEST(CfmoTrainWorkers, ExpertParallelWorkersExitFourNamingARankKilledMidRun) {
+  TempDir dir;
+  // The kill lands in a MoE block's exchange or in sync's all-reduce: either way the others fail with status 4.
+  (void)moe_args(dir / "corpus.txt", {});
+  auto ranks = start_ranks(dir, 3,
+                           {"--data", "text:" + (dir / "corpus.txt").string(), "--model",
+                            "gpt:layers=2,heads=2,dim=16,context=16,experts=4,top_k=2,expert_dim=16", "--batch-size",
+                            "4", "--expert-parallel", "--epochs", "0", "--time-limit", "5m", "--log-every", "1",
+                            "--out", (dir / "run").string()});
+  kill_rank_one_mid_run(ranks, dir);
+}
+
+TEST(CfmoTrainWorkers, BadExpertParallelSpecsAreUsageErrorsInOneLine) {
+  TempDir dir;
+  auto fails = [&](std::vector<std::string> extra, const std::string& says) {
+    SCOPED_TRACE(says);
+    const RunResult r = run(moe_args(dir / "corpus.txt", extra), 60);
+    EXPECT_EQ(r.status, 2) << r.err;
+    EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  };
+  fails({"--workers", "4", "--expert-parallel", "--steps", "1", "--model",
+         "gpt:layers=1,heads=2,dim=16,context=16,experts=3,top_k=2"},
+        "experts 3, fewer than the 4 workers");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--mode", "cfmo"}, "--expert-parallel");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--model", "gpt:layers=1,heads=2,dim=16,context=16"},
+        "has no experts");
+  fails({"--steps", "1", "--model", "gpt:layers=1,heads=2,dim=16,context=16,experts=3,top_k=4"},
+        "top_k 4 is more than experts 3");
+  fails({"--steps", "1", "--model", "gpt:layers=1,heads=2,dim=16,context=16,experts=3,expert_dim=0"}, "expert_dim");
 }
 
 TEST(CfmoTrainWorkers, BadWorldsAreUsageErrors) {

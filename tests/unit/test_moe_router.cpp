@@ -119,6 +119,37 @@ TEST(MoePlacement, ContiguousBlocks) {
   for (int e = 0; e < 12; ++e) EXPECT_TRUE(p.first(p.owner(e)) <= e && e < p.first(p.owner(e) + 1));
 }
 
+TEST(MoePlacement, StridedExpertsLiveOnTheirNumberModuloTheRanks) {
+  const ExpertPlacement p{12, 5, /*strided=*/true};
+  EXPECT_EQ(p.count(0), 3);  // 0, 5, 10
+  EXPECT_EQ(p.count(1), 3);  // 1, 6, 11
+  EXPECT_EQ(p.count(2), 2);  // 2, 7
+  EXPECT_EQ(p.count(4), 2);  // 4, 9
+  int total = 0;
+  for (int r = 0; r < 5; ++r) {
+    total += p.count(r);
+    for (int i = 0; i < p.count(r); ++i) {
+      const int e = p.expert(r, i);
+      EXPECT_EQ(e % 5, r);
+      EXPECT_EQ(p.owner(e), r);
+      EXPECT_EQ(p.local_index(e), i);
+    }
+  }
+  EXPECT_EQ(total, 12);
+  Routing r;
+  r.tokens = 2;
+  r.top_k = 2;
+  r.experts = 4;
+  r.expert = {3, 0, 2, 1};
+  r.gate.assign(4, 0.5f);
+  r.kept = {1, 1, 1, 1};
+  const DispatchPlan plan = plan_dispatch(r, ExpertPlacement{4, 2, true});  // rank 0: experts 0, 2; rank 1: 1, 3
+  EXPECT_EQ(plan.slots[0], (std::vector<int32_t>{1, 2}));             // e0: t0; e2: t1
+  EXPECT_EQ(plan.counts[0], (std::vector<uint32_t>{1, 1}));
+  EXPECT_EQ(plan.slots[1], (std::vector<int32_t>{3, 0}));  // e1: t1; e3: t0
+  EXPECT_EQ(plan.counts[1], (std::vector<uint32_t>{1, 1}));
+}
+
 TEST(MoeDispatch, PlanGroupsByDestinationExpertThenToken) {
   Routing r;
   r.tokens = 3;

@@ -1,0 +1,200 @@
+// Expert parallelism (--expert-parallel): W ranks, each holding the experts
+// e with e mod W == rank, over the in-process loopback transport (the real
+// UCX path is tests/integration's), against one process holding them all.
+#include "comm/loopback.h"
+#include "model/factory.h"
+#include "model/gpt.h"
+
+#include "support/token_windows.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace cfmo {
+namespace {
+
+using testing::random_tokens;
+using testing::windows;
+
+GptSpec small_moe() {
+  GptSpec spec;
+  spec.layers = 2;
+  spec.heads = 2;
+  spec.dim = 8;
+  spec.context = 6;
+  spec.vocab = 11;
+  spec.experts = 5;
+  spec.top_k = 2;
+  spec.expert_dim = 7;
+  spec.moe_every = 1;
+  return spec;
+}
+
+/// Dropless and without the load-balancing loss: capacity and f_i P_i are
+/// taken per rank's batch, so only then is W ranks' step one process's step
+/// on their batches together (the z-loss is a mean over tokens and averages).
+MoeOptions exact_options(int rank, int ranks) {
+  MoeOptions o;
+  o.drop_policy = moe::DropPolicy::kDropless;
+  o.aux_loss = 0;
+  o.z_loss = 0.01;
+  o.expert_rank = rank;
+  o.expert_ranks = ranks;
+  return o;
+}
+
+std::map<std::string, std::vector<float>> by_name(const Model& m, std::span<const float> flat) {
+  std::map<std::string, std::vector<float>> out;
+  for (const ParamInfo& p : m.params()) out[p.name].assign(flat.begin() + p.offset, flat.begin() + p.offset + p.size);
+  return out;
+}
+
+/// Each rank's model of `world`, initialised from `seed`, exchanging through its communicator.
+std::vector<std::unique_ptr<Gpt>> expert_parallel_parts(const GptSpec& spec, LoopbackWorld& world, uint64_t seed) {
+  const auto ranks = static_cast<int>(world.ranks.size());
+  std::vector<std::unique_ptr<Gpt>> parts;
+  for (int r = 0; r < ranks; ++r) {
+    parts.push_back(std::make_unique<Gpt>(spec, exact_options(r, ranks)));
+    parts.back()->init(seed);
+    parts.back()->set_expert_parallel(world.ranks[static_cast<size_t>(r)].get());
+  }
+  return parts;
+}
+
+TEST(TestModelMoeParallel, RanksHoldTheirStridedExpertsInitialisedAsInTheWholeModel) {
+  const GptSpec spec = small_moe();
+  Gpt whole(spec, exact_options(0, 1));
+  whole.init(42);
+  const auto all = by_name(whole, whole.parameters());
+  for (int rank = 0; rank < 3; ++rank) {
+    Gpt part(spec, exact_options(rank, 3));
+    part.init(42);
+    EXPECT_EQ(part.dense_size(), whole.dense_size());
+    EXPECT_EQ(part.local_experts(), rank < 2 ? 2 : 1);  // 5 experts: {0, 3}, {1, 4}, {2}
+    EXPECT_LT(part.num_params(), whole.num_params());
+    for (const auto& [name, values] : by_name(part, part.parameters())) {
+      ASSERT_TRUE(all.contains(name)) << name;
+      EXPECT_EQ(values, all.at(name)) << name;
+      const auto at = name.find(".experts.");
+      if (at != std::string::npos) {
+        EXPECT_EQ(std::stoi(name.substr(at + 9)) % 3, rank) << name;
+      }
+    }
+  }
+}
+
+TEST(TestModelMoeParallel, SyncDispatchGivesTheLossAndGradientsOfOneProcessHoldingEveryExpert) {
+  constexpr int kRanks = 3;
+  constexpr int kBatch = 2;
+  const GptSpec spec = small_moe();
+  const auto tokens = random_tokens(spec, kRanks * kBatch, 9);
+
+  Gpt whole(spec, exact_options(0, 1));
+  whole.init(7);
+  const float whole_loss = whole.forward_backward(windows(tokens, kRanks * kBatch));
+  const auto whole_grads = by_name(whole, whole.gradients());
+
+  LoopbackWorld world = make_loopback_world(kRanks);
+  const auto parts = expert_parallel_parts(spec, world, 7);
+  std::vector<float> losses(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      const size_t first = static_cast<size_t>(r * kBatch) * static_cast<size_t>(spec.context + 1);
+      Examples batch;
+      batch.count = kBatch;
+      batch.tokens = tokens.data() + first;
+      losses[static_cast<size_t>(r)] = parts[static_cast<size_t>(r)]->forward_backward(batch);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& p : parts) ASSERT_TRUE(p->take_status());
+
+  float mean_loss = 0;
+  for (float l : losses) mean_loss += l / kRanks;
+  EXPECT_NEAR(mean_loss, whole_loss, 1e-5f);
+
+  // The dense gradients as sync mode's all-reduce averages them; each expert's on its owner.
+  std::map<std::string, std::vector<float>> ep_grads;
+  for (const auto& part : parts) {
+    for (const auto& [name, g] : by_name(*part, part->gradients())) {
+      auto& target = ep_grads[name];
+      if (name.find(".experts.") != std::string::npos) {
+        target = g;
+        continue;
+      }
+      target.resize(g.size(), 0.0f);
+      for (size_t i = 0; i < g.size(); ++i) target[i] += g[i] / kRanks;
+    }
+  }
+  ASSERT_EQ(ep_grads.size(), whole_grads.size());
+  for (const auto& [name, expected] : whole_grads) {
+    const auto& got = ep_grads.at(name);
+    ASSERT_EQ(got.size(), expected.size()) << name;
+    float scale = 1e-6f;
+    for (float v : expected) scale = std::max(scale, std::fabs(v));
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], expected[i], 1e-4f * scale + 1e-7f) << name << "[" << i << "]";
+    }
+  }
+}
+
+TEST(TestModelMoeParallel, EvaluationRoutesThroughTheOwnersToo) {
+  constexpr int kRanks = 2;
+  const GptSpec spec = small_moe();
+  const auto tokens = random_tokens(spec, 3, 4);
+  Gpt whole(spec, exact_options(0, 1));
+  whole.init(3);
+  const EvalResult expected = whole.evaluate(windows(tokens, 3));
+
+  LoopbackWorld world = make_loopback_world(kRanks);
+  const auto parts = expert_parallel_parts(spec, world, 3);
+  std::vector<EvalResult> results(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back(
+        [&, r] { results[static_cast<size_t>(r)] = parts[static_cast<size_t>(r)]->evaluate(windows(tokens, 3)); });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& r : results) EXPECT_NEAR(r.loss(), expected.loss(), 1e-5);
+}
+
+TEST(TestModelMoeParallel, ALostPeerFailsThePassWithAPeerErrorAndTheTokensTakeTheResidual) {
+  const GptSpec spec = small_moe();
+  const auto tokens = random_tokens(spec, 2, 5);
+  LoopbackWorld world = make_loopback_world(2, {.peer_timeout_s = 0.2});
+  Gpt part(spec, exact_options(0, 2));
+  part.init(1);
+  part.set_expert_parallel(world.ranks[0].get());
+  world.network->kill(1);
+  const float loss = part.forward_backward(windows(tokens, 2));
+  EXPECT_TRUE(std::isfinite(loss));
+  const Status status = part.take_status();
+  ASSERT_FALSE(status);
+  EXPECT_EQ(status.error().kind, ErrorKind::kPeer);
+  EXPECT_TRUE(part.take_status());  // taken once
+}
+
+TEST(TestModelMoeParallel, MakeModelRefusesFewerExpertsThanRanksInOneLine) {
+  MoeOptions o;
+  o.expert_rank = 0;
+  o.expert_ranks = 4;
+  const DataShape tokens{InputKind::kTokens, 0, 11};
+  auto few = make_model("gpt:layers=1,heads=2,dim=8,context=4,experts=3,top_k=2", tokens, o);
+  ASSERT_FALSE(few);
+  EXPECT_EQ(few.error().kind, ErrorKind::kUsage);
+  EXPECT_NE(few.error().message.find("experts 3"), std::string::npos) << few.error().message;
+  EXPECT_EQ(few.error().message.find('\n'), std::string::npos);
+  auto dense = make_model("gpt:layers=1,heads=2,dim=8,context=4", tokens, o);
+  ASSERT_FALSE(dense);
+  EXPECT_EQ(dense.error().kind, ErrorKind::kUsage);
+  EXPECT_TRUE(make_model("gpt:layers=1,heads=2,dim=8,context=4,experts=4,top_k=2", tokens, o));
+}
+
+}  // namespace
+}  // namespace cfmo
