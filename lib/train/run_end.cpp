@@ -137,7 +137,7 @@ Status TrainingRun::write_final_outputs() {
   } else if (last_checkpoint_step != pos.step || (expert_parallel && !whole_model)) {
     CFMO_TRY(checkpoint());  // with --expert-parallel every rank, and the whole model comes to rank 0
   }
-  if (!run_dir.empty() && rank == 0) {
+  if (!run_dir.empty() && rank == keeper) {
     CFMO_TRY(save_model(run_dir / "model.safetensors", whole_model ? *whole_model : model(),
                         {{"format", "pt"}, {"cfmo.model", model_spec}, {"cfmo.step", std::to_string(pos.step)}}));
     // Beside it, the Hugging Face config that makes RUN a model directory (the GPT's).

@@ -283,8 +283,11 @@ Status TrainingRun::open_outputs() {
   // the global ones (sync, localsgd right after a round) it writes them at
   // once; in cfmo and asgd it asks the owners for their shards and hands the
   // assembled state to a writer thread, so that no worker waits.
-  gathers_optimizers =
-      world > 1 && traits.lockstep && !traits.reduces_gradients && !run_dir.empty() && !expert_parallel;
+  // localsgd: every rank's inner optimizer state comes to rank 0 by a
+  // collective of the whole world, which neither --elastic (a lost rank
+  // would fail it) nor --expert-parallel (each rank's layout differs) allows.
+  gathers_optimizers = world > 1 && traits.lockstep && !traits.reduces_gradients && !run_dir.empty() &&
+                       !expert_parallel && !config.elastic;
   joins_checkpoints = expert_parallel && !run_dir.empty();
   last_checkpoint_step = options.resume.empty() ? -1 : pos.step;
   take_up_keeping();
