@@ -1,5 +1,7 @@
 #include "oci/blob.h"
 
+#include "core/fd.h"
+
 #include <fcntl.h>
 #include <openssl/evp.h>
 #include <sys/file.h>
@@ -23,20 +25,6 @@ struct MdCtxFree {
   void operator()(EVP_MD_CTX* ctx) const { EVP_MD_CTX_free(ctx); }
 };
 using MdCtx = std::unique_ptr<EVP_MD_CTX, MdCtxFree>;
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 std::string hex_digest(EVP_MD_CTX* ctx) {
   // Finalising a copy leaves the running context usable.

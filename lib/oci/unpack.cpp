@@ -21,6 +21,7 @@
 // parsing every tar dialect (ustar, pax, GNU long names, sparse files).
 #include "oci/unpack.h"
 
+#include "core/fd.h"
 #include "oci/decompress.h"
 
 #include <archive.h>
@@ -52,31 +53,6 @@ namespace cfmo::oci {
 namespace {
 
 namespace fs = std::filesystem;
-
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() { reset(); }
-  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  Fd& operator=(Fd&& other) noexcept {
-    if (this != &other) {
-      reset();
-      fd_ = std::exchange(other.fd_, -1);
-    }
-    return *this;
-  }
-  int get() const { return fd_; }
-  explicit operator bool() const { return fd_ >= 0; }
-  void reset(int fd = -1) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
-  int release() { return std::exchange(fd_, -1); }
-
- private:
-  int fd_ = -1;
-};
 
 /// A name as it may appear in a one-line message: control bytes replaced, long ones cut.
 std::string shown(std::string_view name) {
