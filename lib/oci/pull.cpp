@@ -468,7 +468,11 @@ Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform) 
   return image;
 }
 
-Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& options) {
+namespace {
+
+/// Resolves `ref` on the first host that has it; `more` then runs on the same client.
+Result<ResolvedImage> resolve_with(const Reference& ref, const PullOptions& options,
+                                   const std::function<Status(RegistryClient&, ResolvedImage&)>& more) {
   CFMO_ASSIGN_OR_RETURN(auto endpoints, endpoints_for(ref, options.hosts));
   auto health = std::make_shared<EndpointHealth>(endpoints.size());
   RegistryPool pool(ref, std::move(endpoints), options.registry, options.registry.auth_file, health,
@@ -478,6 +482,20 @@ Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& opt
   ResolvedImage image;
   CFMO_TRY(pool.each_until_ok("image " + ref.to_string(), [&](RegistryClient& client) -> Status {
     CFMO_ASSIGN_OR_RETURN(image, resolve(client, options.platform));
+    return more ? more(client, image) : Status{};
+  }));
+  image.ref = ref;
+  return image;
+}
+
+}  // namespace
+
+Result<ResolvedImage> resolve_image(const Reference& ref, const PullOptions& options) {
+  return resolve_with(ref, options, nullptr);
+}
+
+Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& options) {
+  return resolve_with(ref, options, [](RegistryClient& client, ResolvedImage& image) -> Status {
     const auto& config = image.parsed.config;
     StringSink sink("config " + config.digest);
     CFMO_TRY(client.get("/v2/" + client.reference().repository + "/blobs/" + config.digest, {}, sink,
@@ -487,9 +505,7 @@ Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& opt
     }
     image.config_body = std::move(sink.body);
     return {};
-  }));
-  image.ref = ref;
-  return image;
+  });
 }
 
 bool memory_backed(const fs::path& dir) {

@@ -126,6 +126,9 @@ Result<std::string> docker_to_oci_manifest(std::string_view docker_manifest, con
 /// Fetches and verifies the manifest (through an index when there is one).
 Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform);
 
+/// Resolves `ref` through the mirrors, then the origin (no blob is fetched).
+Result<ResolvedImage> resolve_image(const Reference& ref, const PullOptions& options);
+
 /// Resolve and fetch the config too, for `inspect`.
 Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& options);
 
