@@ -216,7 +216,7 @@ Status run_jobs(const std::vector<BlobJob>& jobs, int threads, Transfer& transfe
           fetch_options.observer->on_start(job.blob.size);
         }
       } else {
-        status = pool.each_until_ok(job.what, [&](RegistryClient& client) -> Status {
+        status = pool.each_until_ok(job.what, [&](RegistryApi& client) -> Status {
           // Another host after one failed: the observer starts the blob again
           // (the partial file may have been dropped after a mismatch).
           if (attempts++ > 0 && fetch_options.observer != nullptr) fetch_options.observer->on_restart();
@@ -435,7 +435,7 @@ Result<std::string> docker_to_oci_manifest(std::string_view docker_manifest, con
   return j.dump();
 }
 
-Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform) {
+Result<ResolvedImage> resolve(RegistryApi& client, const Platform& platform) {
   ResolvedImage image;
   image.ref = client.reference();
   image.host = client.reference().api_host();
@@ -472,7 +472,7 @@ namespace {
 
 /// Resolves `ref` on the first host that has it; `more` then runs on the same client.
 Result<ResolvedImage> resolve_with(const Reference& ref, const PullOptions& options,
-                                   const std::function<Status(RegistryClient&, ResolvedImage&)>& more) {
+                                   const std::function<Status(RegistryApi&, ResolvedImage&)>& more) {
   CFMO_ASSIGN_OR_RETURN(auto endpoints, endpoints_for(ref, options.hosts));
   auto health = std::make_shared<EndpointHealth>(endpoints.size());
   RegistryPool pool(ref, std::move(endpoints), options.registry, options.registry.auth_file, health,
@@ -480,7 +480,7 @@ Result<ResolvedImage> resolve_with(const Reference& ref, const PullOptions& opti
                       if (options.observer != nullptr) options.observer->on_note(m);
                     });
   ResolvedImage image;
-  CFMO_TRY(pool.each_until_ok("image " + ref.to_string(), [&](RegistryClient& client) -> Status {
+  CFMO_TRY(pool.each_until_ok("image " + ref.to_string(), [&](RegistryApi& client) -> Status {
     CFMO_ASSIGN_OR_RETURN(image, resolve(client, options.platform));
     return more ? more(client, image) : Status{};
   }));
@@ -495,7 +495,7 @@ Result<ResolvedImage> resolve_image(const Reference& ref, const PullOptions& opt
 }
 
 Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& options) {
-  return resolve_with(ref, options, [](RegistryClient& client, ResolvedImage& image) -> Status {
+  return resolve_with(ref, options, [](RegistryApi& client, ResolvedImage& image) -> Status {
     const auto& config = image.parsed.config;
     StringSink sink("config " + config.digest);
     CFMO_TRY(client.get("/v2/" + client.reference().repository + "/blobs/" + config.digest, {}, sink,
@@ -557,7 +557,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
 
   {
     RegistryPool pool = transfer.pool();
-    CFMO_TRY(pool.each_until_ok("image " + ref.to_string(), [&](RegistryClient& client) -> Status {
+    CFMO_TRY(pool.each_until_ok("image " + ref.to_string(), [&](RegistryApi& client) -> Status {
       CFMO_ASSIGN_OR_RETURN(report.image, resolve(client, options.platform));
       return {};
     }));

@@ -124,7 +124,7 @@ struct PullReport {
 Result<std::string> docker_to_oci_manifest(std::string_view docker_manifest, const std::string& what);
 
 /// Fetches and verifies the manifest (through an index when there is one).
-Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform);
+Result<ResolvedImage> resolve(RegistryApi& client, const Platform& platform);
 
 /// Resolves `ref` through the mirrors, then the origin (no blob is fetched).
 Result<ResolvedImage> resolve_image(const Reference& ref, const PullOptions& options);
