@@ -201,7 +201,7 @@ CommandResult run_inspect(const PullCommandLine& line, const PullPlan& plan, con
   if (config.image.empty()) return usage("inspect: which image? give REF (or image in the --config file)");
   CFMO_ASSIGN_OR_RETURN(const Reference ref, parse_reference(config.image));
   PullOptions options = plan.pull;
-  options.observer = hooks.observer;
+  if (hooks.progress != nullptr) options.sinks.push_back(hooks.progress);
   CFMO_ASSIGN_OR_RETURN(const ResolvedImage image, inspect_image(ref, options));
   int64_t total = 0;
   for (const auto& l : image.parsed.layers) total += l.size;
@@ -237,7 +237,7 @@ CommandResult run_pull(const PullCommandLine& line, const PullPlan& plan, const 
   if (config.output.empty()) return usage("pull: --output oci:DIR[:tag] or rootfs:DIR is required");
   CFMO_ASSIGN_OR_RETURN(const Outputs outputs, parse_outputs(config, ref));
   PullOptions options = plan.pull;
-  options.observer = hooks.observer;
+  if (hooks.progress != nullptr) options.sinks.push_back(hooks.progress);
 
   std::optional<RootfsReport> rootfs;
   PullReport report;
@@ -309,7 +309,7 @@ CommandResult run_fetch(const PullCommandLine& line, const PullPlan& plan, const
     CFMO_ASSIGN_OR_RETURN(const LayerSpec spec, parse_layer_spec(line.args[i], "fetch"));
     options.layers.push_back(spec);
   }
-  options.observer = hooks.observer;
+  if (hooks.progress != nullptr) options.sinks.push_back(hooks.progress);
   CFMO_ASSIGN_OR_RETURN(const PullReport report, fetch_layers(dir, options));
   CommandOutput out;
   if (line.config.json) {
@@ -475,7 +475,7 @@ std::optional<Reference> image_argument(const std::string& arg) {
 Result<fs::path> lazy_layout(const PullCommandLine& line, const PullPlan& plan, const CommandHooks& hooks,
                              const Reference& ref, PullDirGuard& made, CommandOutput& out) {
   PullOptions options = plan.pull;
-  options.observer = hooks.observer;
+  if (hooks.progress != nullptr) options.sinks.push_back(hooks.progress);
   CFMO_ASSIGN_OR_RETURN(const ResolvedImage image, resolve_image(ref, options));
   const fs::path cache = line.config.cache.empty() ? default_blob_cache() : fs::path(line.config.cache);
   std::string name = ref.repository;
@@ -721,7 +721,7 @@ Result<fs::path> pull_for_index(const PullCommandLine& line, const PullPlan& pla
   options.hot.clear();
   options.memory_store = false;
   options.background = false;
-  options.observer = hooks.observer;
+  if (hooks.progress != nullptr) options.sinks.push_back(hooks.progress);
   CFMO_TRY(pull_to_layout(ref, options, guard.dir, ref.tag.empty() ? "latest" : ref.tag));
   return guard.dir;
 }

@@ -148,8 +148,7 @@ struct Transfer {
   std::string auth_file;
   std::shared_ptr<EndpointHealth> health;
   MemoryBudget* budget = nullptr;
-  PullObserver* observer = nullptr;
-  const LayerHooks* hooks = nullptr;
+  std::vector<PullSink*> sinks;
   fs::path dir;
   std::mutex notes_mutex;  ///< guards notes
   std::vector<std::string> notes;
@@ -162,7 +161,7 @@ struct Transfer {
       std::lock_guard lock(notes_mutex);
       notes.push_back(message);
     }
-    if (observer != nullptr) observer->on_note(message);
+    for (auto* s : sinks) s->on_note(message);
   }
   RegistryPool pool() {
     return RegistryPool(ref, endpoints, registry, auth_file, health, [this](const std::string& m) { note(m); });
@@ -171,6 +170,26 @@ struct Transfer {
     if (!slots[i]) slots[i] = std::make_unique<RegistryPool>(pool());
     return *slots[i];
   }
+};
+
+/// One layer's blob handed to every sink: fetch_blob sees one BlobObserver.
+class LayerTee : public BlobObserver {
+ public:
+  LayerTee(const std::vector<PullSink*>& sinks, size_t layer) : sinks_(sinks), layer_(layer) {}
+  void on_start(int64_t bytes_on_disk) override {
+    for (auto* s : sinks_) s->on_blob_start(layer_, bytes_on_disk);
+  }
+  void on_restart() override {
+    for (auto* s : sinks_) s->on_blob_restart(layer_);
+  }
+  Status on_write(std::string_view chunk) override {
+    for (auto* s : sinks_) CFMO_TRY(s->on_blob_write(layer_, chunk));
+    return {};
+  }
+
+ private:
+  const std::vector<PullSink*>& sinks_;
+  size_t layer_;
 };
 
 /// Fetches `jobs` on up to `threads` threads, each with its own clients and
@@ -194,14 +213,14 @@ Status run_jobs(const std::vector<BlobJob>& jobs, int threads, Transfer& transfe
       MemoryBudget::Lease lease = transfer.budget->acquire(share);
       BlobFetchOptions fetch_options;
       fetch_options.buffer_bytes = lease.bytes();
-      if (transfer.observer != nullptr && job.layer != kConfig) {
-        transfer.observer->on_layer_start(job.layer);
+      LayerTee tee(transfer.sinks, job.layer);
+      if (!transfer.sinks.empty() && job.layer != kConfig) {
+        for (auto* s : transfer.sinks) s->on_layer_start(job.layer);
         fetch_options.on_bytes = [&transfer, &job](int64_t bytes) {
-          transfer.observer->on_layer_bytes(job.layer, bytes);
+          for (auto* s : transfer.sinks) s->on_layer_bytes(job.layer, bytes);
         };
+        fetch_options.observer = &tee;
       }
-      const LayerHooks* hooks = job.layer != kConfig ? transfer.hooks : nullptr;
-      if (hooks != nullptr && hooks->observer) fetch_options.observer = hooks->observer(job.layer);
       const auto start = Clock::now();
       JobOutcome outcome;
       int attempts = 0;
@@ -232,10 +251,12 @@ Status run_jobs(const std::vector<BlobJob>& jobs, int threads, Transfer& transfe
       if (status && job.link && !outcome.kept_on_disk) {
         status = link_blob(transfer.dir, blob_path(job.store, job.blob.digest), job.blob.digest);
       }
-      if (hooks != nullptr && hooks->done) {
-        const auto result = status ? Result<BlobResult>(outcome.result) : Result<BlobResult>(status.error());
-        hooks->done(job.layer, result);
-        for (const size_t k : job.also) hooks->done(k, result);
+      if (job.layer != kConfig) {
+        const Error* error = status ? nullptr : &status.error();
+        for (auto* s : transfer.sinks) {
+          s->on_blob_done(job.layer, error);
+          for (const size_t k : job.also) s->on_blob_done(k, error);
+        }
       }
       outcome.seconds = seconds_since(start);
       std::lock_guard lock(mutex);
@@ -299,8 +320,9 @@ BlobJob layer_job(const fs::path& dir, const PullState& state, size_t i) {
 /// Builds the job list's `done`: records each outcome in the state (written
 /// whole after each layer) and the report.
 std::function<Status(const BlobJob&, const Result<JobOutcome>&)> recorder(const StateSaver& save, PullState& state,
-                                                                          PullReport& report, PullObserver* observer) {
-  return [save, &state, &report, observer](const BlobJob& job, const Result<JobOutcome>& outcome) -> Status {
+                                                                          PullReport& report,
+                                                                          const std::vector<PullSink*>& sinks) {
+  return [save, &state, &report, &sinks](const BlobJob& job, const Result<JobOutcome>& outcome) -> Status {
     if (job.layer == kConfig) {
       if (outcome) report.bytes_fetched += outcome->result.bytes_fetched;
       return {};
@@ -323,7 +345,7 @@ std::function<Status(const BlobJob&, const Result<JobOutcome>&)> recorder(const 
         report.layers[k] = report_of(layer, k == job.layer ? fetched_state(outcome->result) : "present",
                                      outcome->seconds, k == job.layer ? outcome->result.bytes_fetched : 0);
       }
-      if (observer != nullptr) observer->on_layer_done(k, report.layers[k]);
+      for (auto* s : sinks) s->on_layer_done(k, report.layers[k]);
     }
     return save(state);
   };
@@ -385,12 +407,12 @@ void fill_report_from_state(PullReport& report, const PullState& state) {
   }
 }
 
-Status mark_ready(PullState& state, const StateSaver& save, double ready_s, PullObserver* observer) {
+Status mark_ready(PullState& state, const StateSaver& save, double ready_s, const std::vector<PullSink*>& sinks) {
   CFMO_TRY(write_ready_file(state, ready_s));
   state.ready = true;
   state.ready_s = ready_s;
   CFMO_TRY(save(state));
-  if (observer != nullptr) observer->on_ready(ready_s);
+  for (auto* s : sinks) s->on_ready(ready_s);
   return {};
 }
 
@@ -477,7 +499,7 @@ Result<ResolvedImage> resolve_with(const Reference& ref, const PullOptions& opti
   auto health = std::make_shared<EndpointHealth>(endpoints.size());
   RegistryPool pool(ref, std::move(endpoints), options.registry, options.registry.auth_file, health,
                     [&](const std::string& m) {
-                      if (options.observer != nullptr) options.observer->on_note(m);
+                      for (auto* s : options.sinks) s->on_note(m);
                     });
   ResolvedImage image;
   CFMO_TRY(pool.each_until_ok("image " + ref.to_string(), [&](RegistryApi& client) -> Status {
@@ -529,12 +551,12 @@ fs::path memory_store_for(const fs::path& dir, const fs::path& memory_dir) {
 }
 
 Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& options, const fs::path& dir,
-                                  const std::string& tag, const LayerHooks* hooks) {
+                                  const std::string& tag) {
   const auto start = Clock::now();
   PullReport report;
   CFMO_TRY(prepare_layout(dir));
   Transfer transfer;
-  transfer.observer = options.observer;
+  transfer.sinks = options.sinks;
   const StateSaver save{dir, options.state_file};
   std::optional<DirLock> lock;
   if (options.state_file) {
@@ -564,8 +586,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   }
   const auto& image = report.image;
   const auto& layers = image.parsed.layers;
-  transfer.hooks = hooks;
-  if (hooks != nullptr && hooks->resolved) CFMO_TRY(hooks->resolved(image));
+  for (auto* s : transfer.sinks) CFMO_TRY(s->on_resolved(image));
 
   if (options.state_file && fs::exists(state_path(dir))) {
     CFMO_ASSIGN_OR_RETURN(const auto earlier, read_state(dir));
@@ -656,7 +677,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   // The registry's manifest is kept as a blob so a later fetch can check its layers against it.
   CFMO_TRY(write_file_atomic(blob_path(dir, image.manifest.digest), image.manifest_body));
   CFMO_TRY(save(state));
-  if (options.observer != nullptr) options.observer->on_plan(state);
+  for (auto* s : transfer.sinks) s->on_plan(state);
   report.layers.resize(layers.size());
   report.buffer_bytes = static_cast<int64_t>(budget.total());
   const auto finish_report = [&] {
@@ -680,7 +701,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
       add_layer_job(first, dir, state, i);
     }
   }
-  const auto done = recorder(save, state, report, options.observer);
+  const auto done = recorder(save, state, report, transfer.sinks);
   // A stop leaves a state that says so (a failure otherwise keeps this process as the fetcher, gone).
   const auto unless_stopped = [&](Status status) -> Status {
     if (status || !options.registry.stopped()) return status;
@@ -692,7 +713,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
 
   const bool any_hot = std::any_of(hot.begin(), hot.end(), [](bool h) { return h; });
   const bool cold_now = options.cold == ColdStrategy::kEager && !options.background;
-  if (any_hot || !cold_now) CFMO_TRY(mark_ready(state, save, seconds_since(start), options.observer));
+  if (any_hot || !cold_now) CFMO_TRY(mark_ready(state, save, seconds_since(start), transfer.sinks));
 
   if (cold_now) {
     std::vector<BlobJob> rest;
@@ -700,7 +721,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
       if (state.layers[i].status != LayerStatus::kFetched) add_layer_job(rest, dir, state, i);
     }
     CFMO_TRY(unless_stopped(run_jobs(rest, options.jobs, transfer, done)));
-    if (!any_hot) CFMO_TRY(mark_ready(state, save, seconds_since(start), options.observer));
+    if (!any_hot) CFMO_TRY(mark_ready(state, save, seconds_since(start), transfer.sinks));
   }
 
   if (all_fetched(state)) {
@@ -717,7 +738,7 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
   const auto start = Clock::now();
   PullReport report;
   Transfer transfer;
-  transfer.observer = options.observer;
+  transfer.sinks = options.sinks;
   if (!fs::exists(state_path(dir))) CFMO_TRY(read_state(dir));  // the "not a cfmo-pull directory" error
   CFMO_ASSIGN_OR_RETURN(
       auto lock,
@@ -804,13 +825,13 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
   }
   state.fetcher_pid = ::getpid();
   CFMO_TRY(write_state(dir, state));
-  if (options.observer != nullptr) options.observer->on_plan(state);
-  const auto done = recorder(save, state, report, options.observer);
+  for (auto* s : transfer.sinks) s->on_plan(state);
+  const auto done = recorder(save, state, report, transfer.sinks);
   Status fetched = run_jobs(jobs, options.jobs, transfer, done);
   // A layer this run did not get to is pending again, not "fetching" by nobody.
   settle(state, !fetched && options.registry.stopped());
   if (fetched && !state.ready && hot_fetched(state)) {
-    fetched = mark_ready(state, save, state.ready_s >= 0 ? state.ready_s : seconds_since(start), nullptr);
+    fetched = mark_ready(state, save, state.ready_s >= 0 ? state.ready_s : seconds_since(start), {});
   }
   if (fetched && !state.complete && all_fetched(state)) {
     fetched = finish_layout(dir, *body, report.image.manifest, state.tag, report.layout_manifest);

@@ -10,6 +10,7 @@
 #include "oci/pull.h"
 #include "oci/rootfs.h"
 #include "support/layer_builder.h"
+#include "support/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -17,6 +18,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 
 namespace cfmo::oci {
@@ -25,20 +27,10 @@ namespace {
 namespace fs = std::filesystem;
 using Json = nlohmann::ordered_json;
 
-class TempDir {
+/// A scratch directory named for these tests.
+class TempDir : public cfmo::testing::ScratchDir {
  public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "cfmo-pipeline-XXXXXX").string();
-    if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
+  TempDir() : ScratchDir("cfmo-pipeline") {}
 };
 
 std::string slurp(const fs::path& path) {
@@ -194,6 +186,80 @@ TEST_F(Pipeline, RangeReadsGoThroughTheRegistryInterface) {
   RegistrySource whole(**client, digest(1), "layer 1");
   EXPECT_FALSE(whole.read(0, 1));
   EXPECT_TRUE(whole.ranges_refused());
+}
+
+/// Keeps what a pull feeds it, per layer.
+class RecordingSink : public PullSink {
+ public:
+  Status on_resolved(const ResolvedImage& image) override {
+    std::lock_guard lock(mu_);
+    events_.push_back("resolved");
+    bytes_.assign(image.parsed.layers.size(), "");
+    done_.assign(image.parsed.layers.size(), 0);
+    return {};
+  }
+  void on_plan(const PullState&) override {
+    std::lock_guard lock(mu_);
+    events_.push_back("plan");
+  }
+  void on_blob_start(size_t layer, int64_t on_disk) override {
+    std::lock_guard lock(mu_);
+    bytes_[layer] = std::string(static_cast<size_t>(on_disk), '?');
+  }
+  void on_blob_restart(size_t layer) override {
+    std::lock_guard lock(mu_);
+    bytes_[layer].clear();
+  }
+  Status on_blob_write(size_t layer, std::string_view chunk) override {
+    std::lock_guard lock(mu_);
+    bytes_[layer] += chunk;
+    return {};
+  }
+  void on_blob_done(size_t layer, const Error* error) override {
+    std::lock_guard lock(mu_);
+    done_[layer] += error == nullptr ? 1 : 100;
+  }
+  void on_ready(double) override {
+    std::lock_guard lock(mu_);
+    events_.push_back("ready");
+  }
+
+  std::mutex mu_;
+  std::vector<std::string> events_;
+  std::vector<std::string> bytes_;
+  std::vector<int> done_;
+};
+
+// Every sink sees the image before any blob, then each layer's bytes as
+// they are written, once, and its outcome; a resumed blob starts from what
+// is on disk.
+TEST_F(Pipeline, SinksAreFedTheImageAndEveryLayersBytes) {
+  RecordingSink first;
+  RecordingSink second;
+  options_.sinks = {&first, &second};
+  auto report = pull_to_layout(ref(), options_, layout(), "v1");
+  ASSERT_TRUE(report) << report.error().message;
+  for (RecordingSink* sink : {&first, &second}) {
+    ASSERT_GE(sink->events_.size(), 3u);
+    EXPECT_EQ(sink->events_[0], "resolved");
+    EXPECT_EQ(sink->events_[1], "plan");
+    EXPECT_EQ(sink->events_.back(), "ready");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      EXPECT_EQ(sink->bytes_[i], layers_[i]) << i;
+      EXPECT_EQ(sink->done_[i], 1) << i;
+    }
+  }
+  // A resumed blob: the sink hears what was on disk, then only the rest.
+  registry_.drop_after(digest(1), 65536);
+  RecordingSink failed;
+  options_.sinks = {&failed};
+  EXPECT_FALSE(pull_to_layout(ref(), options_, out_.path() / "second", "v1"));
+  EXPECT_EQ(failed.done_[1], 100);
+  RecordingSink resumed;
+  options_.sinks = {&resumed};
+  ASSERT_TRUE(pull_to_layout(ref(), options_, out_.path() / "second", "v1"));
+  EXPECT_EQ(resumed.bytes_[1], std::string(65536, '?') + layers_[1].substr(65536));
+  EXPECT_EQ(resumed.done_[1], 1);
 }
 
 }  // namespace

@@ -115,7 +115,7 @@ int run(int argc, char** argv) {
     using Progress = cfmo::pulltool::ConsoleProgress;
     Progress progress(kTool, Progress::mode_for(plan->progress), !line.config.quiet);
     oci::CommandHooks hooks;
-    hooks.observer = &progress;
+    hooks.progress = &progress;
     hooks.start_detached = cfmo::pulltool::start_detached;
     hooks.serve_detached = cfmo::pulltool::serve_detached;
     return finish(kSubcommands[i].run(line, *plan, hooks));
