@@ -309,9 +309,9 @@ TEST(CfmoProtocol, ALostRankDoesNotStopTheOthers) {
   ASSERT_TRUE(results[1]) << results[1].error().message;
   auto final_state = c.mode(0).final_state();
   ASSERT_TRUE(final_state);
-  // Shards 0 and 1 took three rounds of both survivors' +0.125 (averaged over W = 3).
-  EXPECT_NEAR(final_state->params[0], 1.0f + 3 * 2 * 0.125f / 3, 1e-5f);
-  EXPECT_NEAR(final_state->params[40], 1.0f + 3 * 2 * 0.125f / 3, 1e-5f);
+  // Shards 0 and 1 took three rounds of both survivors' +0.125, each round their mean (1 / W_live = 1 / 2).
+  EXPECT_NEAR(final_state->params[0], 1.0f + 3 * 0.125f, 1e-5f);
+  EXPECT_NEAR(final_state->params[40], 1.0f + 3 * 0.125f, 1e-5f);
   EXPECT_GT(c.mode(0).stats().contributions_sent, 0u);
 }
 
@@ -415,13 +415,12 @@ TEST(LocalSgdProtocol, WithElasticAKilledWorkerLeavesTheRoundsToTheOthers) {
 // Every rank adds delta_of(k, i) in round 1, then the survivors of each later
 // round add `later` each: with plain averaging (lr 1) and no staleness, every
 // element of the global parameters is the start plus the mean of round 1 plus
-// the later rounds' contributions over W, wherever its shard is served.
-float expected_global(size_t i, int w, const std::vector<int>& later_contributors, float later) {
+// `later` for each later round (its survivors' mean: each weighs 1 / W_live),
+// wherever its shard is served.
+float expected_global(size_t i, int w, int later_rounds, float later) {
   float round1 = 0;
   for (int k = 0; k < w; ++k) round1 += delta_of(k, i);
-  float sum = 1.0f + round1 / static_cast<float>(w);
-  for (int n : later_contributors) sum += static_cast<float>(n) * later / static_cast<float>(w);
-  return sum;
+  return 1.0f + round1 / static_cast<float>(w) + static_cast<float>(later_rounds) * later;
 }
 
 void first_round(Cluster& c, int w) {
@@ -442,9 +441,34 @@ TEST(CfmoFailover, AKilledOwnersShardIsServedByItsBackupWithEveryAppliedDelta) {
   c.round({0, 1}, 2, 0.125f);
   auto global = c.snapshot();
   ASSERT_TRUE(global);  // whole: shard 2 has an owner again
-  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(global->params[i], expected_global(i, 3, {2}, 0.125f), 1e-5f) << i;
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(global->params[i], expected_global(i, 3, 1, 0.125f), 1e-5f) << i;
   // Shard 2 kept its version: round 1's three contributions, then the survivors' two.
   EXPECT_EQ(global->versions, (std::vector<int64_t>{5, 5, 5}));
+}
+
+// After a loss a round of the outer step is one contribution of each
+// survivor, each weighing 1 / W_live: with Nesterov's momentum the round of
+// the two survivors completes (its momentum step taken) at their second
+// contribution, not at a third that never comes.
+TEST(CfmoFailover, AfterALossTheSurvivorsDeltasWeighOneOverTheLiveRanks) {
+  auto settings = settings_for("cfmo");
+  settings.outer_optimizer = OuterKind::kNesterov;
+  settings.outer_momentum = 0.5;
+  Cluster c(3, settings);
+  first_round(c, 3);
+  c.kill(2, {0, 1});
+  c.round({0, 1}, 2, 0.125f);
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  const float mu = 0.5f;
+  for (size_t i = 0; i < kSize; ++i) {
+    const float mean1 = (delta_of(0, i) + delta_of(1, i) + delta_of(2, i)) / 3;
+    // Round 1: the mean, then lr mu m with m = the mean. Round 2: the
+    // survivors' mean, then lr mu m with m = mu mean1 + 0.125.
+    const float expected = 1.0f + mean1 + mu * mean1 + 0.125f + mu * (mu * mean1 + 0.125f);
+    EXPECT_NEAR(global->params[i], expected, 1e-5f) << i;
+    EXPECT_NEAR(global->outer_momentum[i], mu * mean1 + 0.125f, 1e-5f) << i;
+  }
 }
 
 TEST(CfmoFailover, ALossDuringARoundCostsNoDeltaThatDidNotArrive) {
@@ -461,7 +485,10 @@ TEST(CfmoFailover, ALossDuringARoundCostsNoDeltaThatDidNotArrive) {
   auto global = c.snapshot();
   ASSERT_TRUE(global);
   for (size_t i = 0; i < kSize; ++i) {
-    EXPECT_NEAR(global->params[i], expected_global(i, 3, {2, 2}, 0.125f), 1e-5f) << i;
+    // Shards 0 and 1: round 2's two deltas while rank 2 lived (1 / 3 each),
+    // round 3's after (1 / 2 each). Shard 2: both rounds at once, after.
+    const float later = i < 64 ? 2 * 0.125f / 3 + 0.125f : 2 * 0.125f;
+    EXPECT_NEAR(global->params[i], expected_global(i, 3, 0, 0) + later, 1e-5f) << i;
   }
 }
 
@@ -490,7 +517,7 @@ TEST(CfmoFailover, RankZerosShardBudgetAndFinalModelMoveToTheLowestLiveRank) {
   ASSERT_TRUE(final_state);
   EXPECT_FALSE(c.mode(2).final_state());
   for (size_t i = 0; i < kSize; ++i) {
-    EXPECT_NEAR(final_state->params[i], expected_global(i, 3, {2}, 0.125f), 1e-5f) << i;
+    EXPECT_NEAR(final_state->params[i], expected_global(i, 3, 1, 0.125f), 1e-5f) << i;
   }
   EXPECT_EQ(final_state->params, c.param(1));
   EXPECT_EQ(final_state->ranks[0].samples, 300);  // the lost rank's last report
@@ -512,7 +539,7 @@ TEST(CfmoFailover, TwoLossesOneAfterTheOtherLoseNoShard) {
   auto final_state = c.mode(1).final_state();
   ASSERT_TRUE(final_state);
   for (size_t i = 0; i < kSize; ++i) {
-    EXPECT_NEAR(final_state->params[i], expected_global(i, 4, {3, 2}, 0.125f), 1e-5f) << i;
+    EXPECT_NEAR(final_state->params[i], expected_global(i, 4, 2, 0.125f), 1e-5f) << i;
   }
 }
 

@@ -127,6 +127,7 @@ void AsyncMode::refresh_membership() {
   for (int r = 0; r < comm_.size(); ++r) {
     if (!lost_locked(r)) after.push_back(r);
   }
+  live_ = static_cast<int>(after.size());
   if (Status quorum = check_quorum(comm_.rank(), before, after); !quorum && cut_off_.message.empty()) {
     cut_off_ = quorum.error();
   }

@@ -197,8 +197,8 @@ class CfmoMode final : public AsyncMode {
     const int64_t s = staleness_of(served, base_version);
     const bool dropped = s > settings_.max_staleness;
     if (!dropped) {
-      const float weight =
-          static_cast<float>(std::pow(settings_.staleness_discount, s)) / static_cast<float>(comm_.size());
+      // 1 / W_live: after a loss a round of the survivors' deltas moves the shard by their mean.
+      const float weight = static_cast<float>(std::pow(settings_.staleness_discount, s)) / static_cast<float>(live());
       outer_.at(static_cast<int>(shard)).apply(served.values, incoming_, weight);
       ++served.version;
       ++stats_.contributions_applied;
@@ -262,7 +262,7 @@ class CfmoMode final : public AsyncMode {
           values.size() != shard_size(j)) {
         return;
       }
-      Replica r{{}, version, OuterOptimizer(settings_, shard_size(j), comm_.size())};
+      Replica r{{}, version, OuterOptimizer(settings_, shard_size(j), live())};
       r.values.assign(values.begin(), values.end());
       r.outer.restore(static_cast<int>(in_round), momentum, round_sum);
       replicas_.insert_or_assign(j, std::move(r));
@@ -297,11 +297,14 @@ class CfmoMode final : public AsyncMode {
         const auto first = base_.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(j)]);
         taken.values.assign(first, first + static_cast<std::ptrdiff_t>(shard_size(j)));
         taken.version = base_version_[static_cast<size_t>(j)];
-        outer_.insert_or_assign(j, OuterOptimizer(settings_, shard_size(j), comm_.size()));
+        outer_.insert_or_assign(j, OuterOptimizer(settings_, shard_size(j), live()));
       }
       served_.insert_or_assign(j, std::move(taken));
       backup_[j] = -1;
     }
+    // A round of the outer step is now one contribution of each survivor.
+    for (auto& entry : outer_) entry.second.set_contributions_per_round(live());
+    for (auto& entry : replicas_) entry.second.outer.set_contributions_per_round(live());
     for (const auto& entry : served_) {
       const int j = entry.first;
       const int backup = backup_of_locked(j);
