@@ -30,6 +30,8 @@
 ///                [u32 1: shards][u64 id][u32 n][n owner shards] an owner's answer
 /// where an owner shard is [u32 shard][i64 version][i64 owner steps]
 /// [u32 buffers][u64 n][n floats: params][u64 n][n floats: owner state]...
+/// (cfmo: owner steps are the pending round's contributions, the state the
+/// outer momentum then the round's sum; asgd: the optimizer's steps and state)
 
 #include "train/modes.h"
 #include "train/modes/timing.h"
@@ -48,8 +50,9 @@ namespace cfmo::modes {
 
 class AsyncMode : public Mode {
  public:
-  /// What an owner's state buffers are in a snapshot: the outer momentum
-  /// (cfmo) or the shard optimizer's state (asgd).
+  /// What an owner's state buffers are in a snapshot: the outer momentum and
+  /// the pending round's sum, with the round's contributions so far as its
+  /// steps (cfmo), or the shard optimizer's state and steps (asgd).
   enum class OwnerState : uint8_t { kOuterMomentum, kOptimizer };
 
   AsyncMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume,
@@ -58,6 +61,7 @@ class AsyncMode : public Mode {
 
   bool stop_requested() const override { return stop_.load(); }
   bool params_are_global() const override { return false; }
+  std::span<const float> wire_residual() const override { return residual_; }
   ModeStats stats() const override {
     std::lock_guard lock(mutex_);
     return stats_;
