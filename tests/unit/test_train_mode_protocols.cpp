@@ -190,6 +190,64 @@ TEST(CfmoProtocol, DeltasReachTheirOwnersAndFreshShardsRebaseTheWorkers) {
   EXPECT_EQ(c.mode(0).stats().contributions_applied, 3u);  // as owner of shard 0: round 1's two, rank 1's second
 }
 
+// --deterministic: an owner holds a round until every rank's delta is in
+// and applies them in rank order, and every worker leaves its round on the
+// global parameters: the order in which the deltas arrive changes no bit.
+TEST(CfmoProtocol, DeterministicRoundsApplyInRankOrderWhateverTheArrivalOrder) {
+  auto settings = settings_for("cfmo");
+  settings.outer_optimizer = OuterKind::kNesterov;
+  settings.outer_lr = 0.7;
+  settings.outer_momentum = 0.9;
+  settings.deterministic = true;
+  std::vector<std::vector<float>> globals;
+  for (int first : {0, 1}) {
+    Cluster c(2, settings);
+    const int second = 1 - first;
+    // The second rank's deltas wait on their links while the first's reach the owners.
+    c.world.network->hold(second, 0);
+    c.world.network->hold(second, 1);
+    for (int k = 0; k < 2; ++k) {
+      for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += 0.37f * delta_of(k, i) / static_cast<float>(i + 3);
+    }
+    std::thread releaser([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      c.world.network->release(second, 0);
+      c.world.network->release(second, 1);
+    });
+    const auto done = c.on_every_rank([&](int r) { return c.step(r, 1); });  // each waits for its replies
+    releaser.join();
+    for (const Status& s : done) ASSERT_TRUE(s) << s.error().message;
+    ASSERT_TRUE(c.world.network->drain());
+    EXPECT_TRUE(c.mode(0).params_are_global());
+    EXPECT_EQ(c.param(0), c.param(1)) << "the workers left the round on different parameters";
+    auto global = c.snapshot();
+    ASSERT_TRUE(global);
+    EXPECT_EQ(global->params, c.param(0));
+    EXPECT_EQ(global->outer_in_round, (std::vector<int64_t>{0, 0}));  // a whole round: its momentum step taken
+    EXPECT_EQ(c.mode(0).stats().staleness_histogram[0], 2u);          // every contribution fresh
+    globals.push_back(global->params);
+  }
+  EXPECT_EQ(globals[0], globals[1]);
+}
+
+// Without --deterministic a snapshot mid-round carries the owners' pending
+// round (its contributions so far and their weighted sum), which a
+// checkpoint keeps for the owner that resumes the shard.
+TEST(CfmoProtocol, ASnapshotCarriesTheOwnersPendingRound) {
+  auto settings = settings_for("cfmo");
+  settings.outer_optimizer = OuterKind::kNesterov;
+  Cluster c(2, settings);
+  for (size_t i = 0; i < kSize; ++i) c.param(0)[i] += delta_of(0, i);
+  ASSERT_TRUE(c.step(0, 1));  // rank 0's delta only: half a round on each shard
+  ASSERT_TRUE(c.world.network->drain());
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  EXPECT_EQ(global->outer_in_round, (std::vector<int64_t>{1, 1}));
+  ASSERT_EQ(global->outer_round_sum.size(), kSize);
+  for (size_t i = 0; i < kSize; ++i) EXPECT_FLOAT_EQ(global->outer_round_sum[i], delta_of(0, i) / 2) << i;
+  for (float m : global->outer_momentum) EXPECT_EQ(m, 0.0f);  // no momentum step yet
+}
+
 // Rank 1's delta to owner 0 is held while rank 0 makes four contributions
 // to that shard: it arrives 4 / W = 2 rounds stale.
 struct Stale {
