@@ -188,6 +188,11 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.deterministic && plan.traits().owners_optimize) {
     return usage("deterministic", "not in asgd: its owners apply each gradient as it arrives");
   }
+  if (c.deterministic && plan.traits().asynchronous && !c.time_limit.empty()) {
+    // Each cfmo worker would stop at its own step, and the rounds and
+    // checkpoints every worker meets at would no longer be the same.
+    return usage("deterministic", "stops by --steps, --epochs or --tokens, not --time-limit");
+  }
   CFMO_TRY(heterogeneity_for(c, 0));
   if (c.log_every < 1) return usage("log-every", "must be >= 1");
   if (c.sample_every < 0) return usage("sample-every", "must be >= 0");

@@ -483,6 +483,13 @@ TEST(CfmoTrainWorkers, DeterministicCfmoResumedFromAnyRoundEndsWithTheUninterrup
   const RunResult asgd = run(args({"--workers", "2", "--mode", "asgd", "--deterministic", "--steps", "5"}), 60);
   EXPECT_EQ(asgd.status, 2) << asgd.err;
   EXPECT_NE(asgd.err.find("--deterministic: not in asgd"), std::string::npos) << asgd.err;
+  // A time limit would stop each worker at its own step.
+  const RunResult timed =
+      run(args({"--workers", "2", "--mode", "cfmo", "--deterministic", "--epochs", "0", "--time-limit", "5s"}), 60);
+  EXPECT_EQ(timed.status, 2) << timed.err;
+  EXPECT_NE(timed.err.find("--deterministic: stops by --steps, --epochs or --tokens, not --time-limit"),
+            std::string::npos)
+      << timed.err;
 }
 
 TEST(CfmoTrainWorkers, EveryModeCheckpointsTheGlobalParametersMidRunAndResumes) {
