@@ -33,6 +33,9 @@ Result<TrainSummary> TrainingRun::finish() {
   CFMO_TRY(gather_reports(own));
   if (rank == keeper) take_up_keeping();
   if (rank == keeper || expert_parallel) CFMO_TRY(write_final_outputs());
+  // This rank's passes are over (the final evaluation's too): async dispatch
+  // serves the others' rows until each is done.
+  CFMO_TRY(model().finish_exchanges());
   add_totals();
   return summary;
 }

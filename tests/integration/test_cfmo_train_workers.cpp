@@ -742,6 +742,51 @@ TEST(CfmoTrainWorkers, ExpertParallelWorkersExitFourNamingARankKilledMidRun) {
   kill_rank_one_mid_run(ranks, dir);
 }
 
+TEST(CfmoTrainWorkers, AsyncDispatchWithoutADeadlineTrainsAsSyncDispatchBitForBit) {
+  TempDir dir;
+  auto train = [&](const std::string& dispatch) {
+    const fs::path run_dir = dir / dispatch;
+    const RunResult r =
+        run(moe_args(dir / "corpus.txt",
+                     {"--workers", "2", "--mode", "sync", "--steps", "10", "--expert-parallel", "--dispatch", dispatch,
+                      "--dispatch-deadline", "none", "--out", run_dir.string(), "--json"}),
+            300);
+    EXPECT_EQ(r.status, 0) << r.err;
+    return r;
+  };
+  const RunResult sync = train("sync");
+  const RunResult async = train("async");
+  ASSERT_EQ(sync.status, 0);
+  ASSERT_EQ(async.status, 0);
+  EXPECT_EQ(tensors_of(dir / "async" / "model.safetensors"), tensors_of(dir / "sync" / "model.safetensors"));
+  const auto j = last_json(async.out);
+  EXPECT_EQ(j["val_loss"], last_json(sync.out)["val_loss"]);
+  const auto& dispatch = j["moe"]["dispatch"];
+  EXPECT_EQ(dispatch["late"].get<int64_t>(), 0);
+  EXPECT_TRUE(dispatch["deadline_us"].is_null());
+}
+
+// A worker five times slower does not hold the others beyond the deadline:
+// their rows it has not served in time take the residual path, counted.
+TEST(CfmoTrainWorkers, AsyncDispatchWithAStragglerCountsLateTokensAndFinishes) {
+  TempDir dir;
+  const RunResult r =
+      run(moe_args(dir / "corpus.txt",
+                   {"--workers", "3", "--mode", "sync", "--steps", "20", "--expert-parallel", "--dispatch", "async",
+                    "--dispatch-deadline", "1ms", "--slowdown", "1=5", "--out", (dir / "run").string(), "--json"}),
+          300);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = last_json(r.out);
+  EXPECT_TRUE(std::isfinite(j["val_loss"].get<double>()));
+  const auto& dispatch = j["moe"]["dispatch"];
+  EXPECT_GT(dispatch["late"].get<int64_t>(), 0) << dispatch.dump();
+  EXPECT_GT(dispatch["late_share"].get<double>(), 0.0);
+  EXPECT_LT(dispatch["late_share"].get<double>(), 1.0);  // rank 0's own experts are never late
+  EXPECT_EQ(dispatch["deadline_us"].get<double>(), 1000.0);
+  EXPECT_TRUE(dispatch["lost_experts"].empty());
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+}
+
 TEST(CfmoTrainWorkers, BadExpertParallelSpecsAreUsageErrorsInOneLine) {
   TempDir dir;
   auto fails = [&](std::vector<std::string> extra, const std::string& says) {
@@ -760,6 +805,13 @@ TEST(CfmoTrainWorkers, BadExpertParallelSpecsAreUsageErrorsInOneLine) {
   fails({"--steps", "1", "--model", "gpt:layers=1,heads=2,dim=16,context=16,experts=3,top_k=4"},
         "top_k 4 is more than experts 3");
   fails({"--steps", "1", "--model", "gpt:layers=1,heads=2,dim=16,context=16,experts=3,expert_dim=0"}, "expert_dim");
+  fails({"--workers", "2", "--steps", "1", "--dispatch", "async"}, "--dispatch: async needs --expert-parallel");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--dispatch", "eventual"},
+        "--dispatch: 'eventual' is not sync or async");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--dispatch", "async", "--dispatch-deadline", "0"},
+        "--dispatch-deadline: must be > 0");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--dispatch", "async", "--dispatch-deadline", "soon"},
+        "--dispatch-deadline");
 }
 
 TEST(CfmoTrainWorkers, BadWorldsAreUsageErrors) {
