@@ -297,6 +297,17 @@ void ExpertExchange::serve_grads(int source, int layer, int64_t pass, const floa
   stash_.push_back(std::move(st));
 }
 
+void ExpertExchange::await_replies(Clock::time_point deadline, MoeMlp::Timing& timing) {
+  const auto wait = Clock::now();
+  pump(deadline, [&] {
+    for (size_t p = 0; p < request_.awaiting.size(); ++p) {
+      if (request_.awaiting[p] != 0 && lost_[p] == 0) return false;
+    }
+    return true;
+  });
+  timing.combine_s += moe::seconds_between(wait, Clock::now());
+}
+
 void ExpertExchange::forward(int layer, const float* x, int top_k, const moe::DispatchPlan& plan,
                              std::vector<std::vector<std::byte>>& results, std::vector<uint8_t>& have,
                              MoeMlp::Timing& timing) {
@@ -328,14 +339,7 @@ void ExpertExchange::forward(int layer, const float* x, int top_k, const moe::Di
              0);
   have[me] = 1;
   timing.dispatch_s += moe::seconds_between(start, Clock::now());
-  const auto wait = Clock::now();
-  pump(deadline, [&] {
-    for (size_t p = 0; p < r; ++p) {
-      if (request_.awaiting[p] != 0 && lost_[p] == 0) return false;
-    }
-    return true;
-  });
-  timing.combine_s += moe::seconds_between(wait, Clock::now());
+  await_replies(deadline, timing);
   for (size_t p = 0; p < r; ++p) {
     timing.kept += static_cast<int64_t>(plan.slots[p].size());
     if (have[p] == 0) timing.late += static_cast<int64_t>(plan.slots[p].size());
@@ -380,14 +384,7 @@ void ExpertExchange::backward(int layer, const moe::DispatchPlan& plan,
   }
   own.awaiting = false;
   timing.dispatch_s += moe::seconds_between(start, Clock::now());
-  const auto wait = Clock::now();
-  pump(deadline, [&] {
-    for (size_t p = 0; p < r; ++p) {
-      if (request_.awaiting[p] != 0 && lost_[p] == 0) return false;
-    }
-    return true;
-  });
-  timing.combine_s += moe::seconds_between(wait, Clock::now());
+  await_replies(deadline, timing);
   for (size_t p = 0; p < r; ++p) {
     if (have[p] != 0 && got[p] == 0 && p != me) timing.late_grads += static_cast<int64_t>(plan.slots[p].size());
     if (got[p] == 0) d_in[p].clear();
@@ -434,6 +431,7 @@ void ExpertExchange::end_pass() {
 }
 
 Status ExpertExchange::finish() {
+  if (finishing_) return {};
   finishing_ = true;
   stash_.clear();
   for (int p = 0; p < ranks_; ++p) {

@@ -117,6 +117,8 @@ class ExpertExchange {
   void on_message(int from, std::vector<std::byte> payload);
   /// Serves and takes messages until `done()` or `until`.
   void pump(std::chrono::steady_clock::time_point until, const std::function<bool()>& done);
+  /// Serves until the request's replies are in (or lost) or `deadline`; the wait goes to timing.combine_s.
+  void await_replies(std::chrono::steady_clock::time_point deadline, MoeMlp::Timing& timing);
   /// One message; false: keep it for a later pass.
   bool handle(Message& m);
   void serve_rows(int source, int layer, int64_t pass, bool eval, std::span<const uint32_t> counts, const float* rows,

@@ -172,15 +172,24 @@ void Gpt::set_expert_parallel(Communicator* comm) {
 
 Status Gpt::finish_exchanges() { return exchange_ ? exchange_->finish() : Status{}; }
 
+std::vector<int> Gpt::experts_held_by(int rank) const {
+  std::vector<int> out;
+  if (moe_options_.expert_ranks <= 1) return out;
+  const moe::ExpertPlacement placement = expert_placement();
+  for (int e = 0; e < spec_.experts; ++e) {
+    if (placement.owner(e) == rank) out.push_back(e);
+  }
+  return out;
+}
+
 std::vector<int> Gpt::lost_experts() const {
   std::vector<int> out;
   if (!exchange_) return out;
-  const moe::ExpertPlacement placement = expert_placement();
-  for (int e = 0; e < spec_.experts; ++e) {
-    for (const int r : exchange_->lost_ranks()) {
-      if (placement.owner(e) == r) out.push_back(e);
-    }
+  for (const int r : exchange_->lost_ranks()) {
+    const auto held = experts_held_by(r);
+    out.insert(out.end(), held.begin(), held.end());
   }
+  std::sort(out.begin(), out.end());
   return out;
 }
 

@@ -99,6 +99,7 @@ class Gpt final : public Model {
   Status finish_exchanges() override;
   /// Async dispatch: the experts of the ranks found lost (their tokens take the residual).
   std::vector<int> lost_experts() const;
+  std::vector<int> experts_held_by(int rank) const override;
   double exchange_wait_s() const override { return run_stats_.wait_s(); }
   size_t replicated_size() const override { return moe_options_.expert_ranks > 1 ? dense_size_ : num_params(); }
   /// The Mixture-of-Experts MLP of block `layer`, or null for a dense block.

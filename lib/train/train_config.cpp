@@ -192,9 +192,19 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.workers < 1 || c.workers > 1024) return usage("workers", "must be in 1..1024");
   CFMO_ASSIGN_OR_RETURN(plan.mode, parse_mode(c.mode));
   if (c.expert_parallel && !plan.traits().lockstep) {
-    // Every MoE layer's dispatch is a collective of all ranks: workers that
-    // step and stop on their own would wait in it for each other.
-    return usage("expert-parallel", fmt::format("needs a lockstep --mode (sync or localsgd), not {}", c.mode));
+    // Sync dispatch is a collective of all ranks per MoE layer: workers that
+    // step and stop on their own would wait in it for each other. Async
+    // dispatch waits to a deadline, and only cfmo keeps the experts out of
+    // its reconciliation (asgd's owners would step every rank's gradients).
+    if (plan.mode != ModeKind::kCfmo) {
+      return usage("expert-parallel", fmt::format("needs --mode sync, localsgd or cfmo, not {}", c.mode));
+    }
+    if (c.dispatch != "async") {
+      return usage("expert-parallel", "--mode cfmo needs --dispatch async (sync dispatch is a collective every step)");
+    }
+    if (c.dispatch_deadline == "none") {
+      return usage("dispatch-deadline", "none needs a lockstep --mode: cfmo's workers step and stop on their own");
+    }
   }
   if (c.expert_parallel && c.elastic) {
     return usage("elastic", "not with --expert-parallel: a lost worker's experts exist nowhere else");

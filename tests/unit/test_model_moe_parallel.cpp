@@ -54,16 +54,25 @@ std::map<std::string, std::vector<float>> by_name(const Model& m, std::span<cons
   return out;
 }
 
-/// Each rank's model of `world`, initialised from `seed`, exchanging through its communicator.
-std::vector<std::unique_ptr<Gpt>> expert_parallel_parts(const GptSpec& spec, LoopbackWorld& world, uint64_t seed) {
+/// W ranks of `spec` over `world`, sync or async dispatch (deadline_s as MoeOptions's).
+std::vector<std::unique_ptr<Gpt>> dispatch_parts(const GptSpec& spec, LoopbackWorld& world, uint64_t seed, bool async,
+                                                 double deadline_s) {
   const auto ranks = static_cast<int>(world.ranks.size());
   std::vector<std::unique_ptr<Gpt>> parts;
   for (int r = 0; r < ranks; ++r) {
-    parts.push_back(std::make_unique<Gpt>(spec, exact_options(r, ranks)));
+    MoeOptions o = exact_options(r, ranks);
+    o.async_dispatch = async;
+    o.dispatch_deadline_s = deadline_s;
+    parts.push_back(std::make_unique<Gpt>(spec, o));
     parts.back()->init(seed);
     parts.back()->set_expert_parallel(world.ranks[static_cast<size_t>(r)].get());
   }
   return parts;
+}
+
+/// Each rank's model of `world`, initialised from `seed`, exchanging through its communicator (sync dispatch).
+std::vector<std::unique_ptr<Gpt>> expert_parallel_parts(const GptSpec& spec, LoopbackWorld& world, uint64_t seed) {
+  return dispatch_parts(spec, world, seed, /*async=*/false, -1);
 }
 
 TEST(TestModelMoeParallel, RanksHoldTheirStridedExpertsInitialisedAsInTheWholeModel) {
@@ -178,22 +187,6 @@ TEST(TestModelMoeParallel, ALostPeerFailsThePassWithAPeerErrorAndTheTokensTakeTh
   ASSERT_FALSE(status);
   EXPECT_EQ(status.error().kind, ErrorKind::kPeer);
   EXPECT_TRUE(part.take_status());  // taken once
-}
-
-/// W ranks of `spec` over `world`, sync or async dispatch (deadline_s as MoeOptions's).
-std::vector<std::unique_ptr<Gpt>> dispatch_parts(const GptSpec& spec, LoopbackWorld& world, uint64_t seed, bool async,
-                                                 double deadline_s) {
-  const auto ranks = static_cast<int>(world.ranks.size());
-  std::vector<std::unique_ptr<Gpt>> parts;
-  for (int r = 0; r < ranks; ++r) {
-    MoeOptions o = exact_options(r, ranks);
-    o.async_dispatch = async;
-    o.dispatch_deadline_s = deadline_s;
-    parts.push_back(std::make_unique<Gpt>(spec, o));
-    parts.back()->init(seed);
-    parts.back()->set_expert_parallel(world.ranks[static_cast<size_t>(r)].get());
-  }
-  return parts;
 }
 
 /// Runs `work(rank)` on one thread per rank and waits for them all.
