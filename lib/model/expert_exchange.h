@@ -24,7 +24,6 @@
 /// lost peer's experts are late from then on (the run goes on). `finish`,
 /// after this rank's last pass, serves the others until each has finished.
 
-#include "comm/communicator.h"
 #include "model/moe_mlp.h"
 #include "moe/dispatch.h"
 
