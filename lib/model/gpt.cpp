@@ -155,9 +155,53 @@ moe::ExpertPlacement Gpt::expert_placement() const {
 int Gpt::local_experts() const { return expert_placement().count(moe_options_.expert_rank); }
 
 void Gpt::set_expert_parallel(Communicator* comm) {
-  for (auto& layer : moe_) {
-    if (layer) layer->set_expert_parallel(comm);
+  exchange_.reset();
+  if (comm != nullptr && moe_options_.async_dispatch && moe_options_.expert_ranks > 1) {
+    std::vector<int> moe_layers;
+    for (int l = 0; l < spec_.layers; ++l) {
+      if (spec_.is_moe_layer(l)) moe_layers.push_back(l);
+    }
+    exchange_ = std::make_unique<ExpertExchange>(
+        *comm, expert_placement(), spec_.layers, std::move(moe_layers), spec_.dim, spec_.expert_dim,
+        moe_options_.dispatch_deadline_s, [this](int layer, bool grads) { return expert_tensors(layer, grads); });
   }
+  for (int l = 0; l < spec_.layers; ++l) {
+    if (auto& layer = moe_[static_cast<size_t>(l)]) layer->set_expert_parallel(comm, exchange_.get(), l);
+  }
+}
+
+Status Gpt::finish_exchanges() { return exchange_ ? exchange_->finish() : Status{}; }
+
+std::vector<int> Gpt::experts_held_by(int rank) const {
+  std::vector<int> out;
+  if (moe_options_.expert_ranks <= 1) return out;
+  const moe::ExpertPlacement placement = expert_placement();
+  for (int e = 0; e < spec_.experts; ++e) {
+    if (placement.owner(e) == rank) out.push_back(e);
+  }
+  return out;
+}
+
+std::vector<int> Gpt::lost_experts() const {
+  std::vector<int> out;
+  if (!exchange_) return out;
+  for (const int r : exchange_->lost_ranks()) {
+    const auto held = experts_held_by(r);
+    out.insert(out.end(), held.begin(), held.end());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void Gpt::add_exchange_figures(nlohmann::ordered_json& j) const {
+  if (!exchange_ || !j.is_object() || !j.contains("dispatch")) return;
+  auto& d = j["dispatch"];
+  d["deadline_us"] = exchange_->deadline_s() == ExpertExchange::kNoDeadline
+                         ? nlohmann::ordered_json(nullptr)
+                         : nlohmann::ordered_json(exchange_->deadline_s() * 1e6);
+  d["skipped_chunks"] = exchange_->skipped_chunks();
+  d["skipped_grads"] = exchange_->skipped_grads();
+  d["lost_experts"] = lost_experts();
 }
 
 Status Gpt::take_status() {
@@ -241,10 +285,15 @@ std::string Gpt::flops_formula() const {
 nlohmann::ordered_json Gpt::take_metrics() {
   nlohmann::ordered_json j = window_stats_.to_json();
   window_stats_ = MoeStats{};
+  add_exchange_figures(j);
   return j;
 }
 
-nlohmann::ordered_json Gpt::run_metrics() const { return run_stats_.to_json(); }
+nlohmann::ordered_json Gpt::run_metrics() const {
+  nlohmann::ordered_json j = run_stats_.to_json();
+  add_exchange_figures(j);
+  return j;
+}
 
 std::string Gpt::hf_config_json() const {
   if (spec_.is_moe()) return {};  // GPT2LMHeadModel has no experts
@@ -376,7 +425,9 @@ void Gpt::forward_rows(const int32_t* tokens, int batch, int t, int stride) {
 
 double Gpt::forward(const int32_t* tokens, int batch, int64_t* correct) {
   const int t = spec_.context;
+  if (exchange_) exchange_->begin_pass(/*training=*/false);
   forward_rows(tokens, batch, t, t + 1);
+  if (exchange_) exchange_->end_pass();
   for (int b = 0; b < batch; ++b) {
     const int32_t* window = tokens + static_cast<size_t>(b) * static_cast<size_t>(t + 1);
     std::copy(window + 1, window + 1 + t, targets_.begin() + static_cast<ptrdiff_t>(b) * t);
@@ -404,6 +455,7 @@ float Gpt::forward_backward(const Examples& batch) {
   const int rows = batch.count * t;
   const auto uc = static_cast<size_t>(c);
   const auto urows = static_cast<size_t>(rows);
+  if (exchange_) exchange_->begin_pass(/*training=*/true);
   forward_rows(batch.tokens, batch.count, t, t + 1);
   for (int b = 0; b < batch.count; ++b) {
     const int32_t* window = batch.tokens + static_cast<size_t>(b) * static_cast<size_t>(t + 1);
@@ -502,6 +554,8 @@ float Gpt::forward_backward(const Examples& batch) {
       }
     }
   }
+  // Async dispatch: the gradients of the rows this rank served, added now.
+  if (exchange_) exchange_->end_pass();
   if (moe_layers > 0) {
     std::vector<const MoeMlp*> layers;
     for (const auto& layer : moe_) {

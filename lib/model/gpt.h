@@ -25,6 +25,7 @@
 /// expert-parallel mode can tell the replicated prefix from the experts.
 
 #include "core/error.h"
+#include "model/expert_exchange.h"
 #include "model/model.h"
 #include "model/moe_mlp.h"
 #include "tensor/buffer.h"
@@ -90,9 +91,15 @@ class Gpt final : public Model {
   /// by block, then expert: rank, rank + W, ...).
   int local_experts() const;
   /// --expert-parallel: the MoE layers exchange rows with the other ranks
-  /// of `comm` (of MoeOptions::expert_ranks ranks, this one expert_rank).
+  /// of `comm` (of MoeOptions::expert_ranks ranks, this one expert_rank):
+  /// by collectives, or with MoeOptions::async_dispatch through an
+  /// ExpertExchange (model/expert_exchange.h).
   void set_expert_parallel(Communicator* comm);
   Status take_status() override;
+  Status finish_exchanges() override;
+  /// Async dispatch: the experts of the ranks found lost (their tokens take the residual).
+  std::vector<int> lost_experts() const;
+  std::vector<int> experts_held_by(int rank) const override;
   double exchange_wait_s() const override { return run_stats_.wait_s(); }
   size_t replicated_size() const override { return moe_options_.expert_ranks > 1 ? dense_size_ : num_params(); }
   /// The Mixture-of-Experts MLP of block `layer`, or null for a dense block.
@@ -134,6 +141,8 @@ class Gpt final : public Model {
   void ensure_workspace(int batch);
   /// Runs the model over `rows` = batch x `t` positions (t <= context) into logits_.
   void forward_rows(const int32_t* tokens, int batch, int t, int stride);
+  /// Async dispatch's figures beside the layers' (the deadline, skipped work, lost experts).
+  void add_exchange_figures(nlohmann::ordered_json& j) const;
 
   GptSpec spec_;
   MoeOptions moe_options_;
@@ -143,6 +152,7 @@ class Gpt final : public Model {
   int ln_f_ = 0;
   size_t dense_size_ = 0;
   std::vector<std::unique_ptr<MoeMlp>> moe_;  ///< [layer]; null for a dense block
+  std::unique_ptr<ExpertExchange> exchange_;  ///< --dispatch async
   MoeStats window_stats_, run_stats_;
   int workspace_batch_ = 0;
   // Activations, each [batch * context, width] unless noted; per layer where backward needs them.

@@ -146,6 +146,13 @@ class Model {
   /// other processes (expert parallelism: a lost peer), kPeer; a model that
   /// exchanges nothing never fails.
   virtual Status take_status() { return {}; }
+  /// After this process's last pass: what its passes exchange with other
+  /// processes is served until every other process has finished its own
+  /// (async expert dispatch); nothing for a model that exchanges nothing.
+  virtual Status finish_exchanges() { return {}; }
+  /// The experts (by number) that only process `rank` holds (expert
+  /// parallelism); none for a model that is not spread.
+  virtual std::vector<int> experts_held_by(int /*rank*/) const { return {}; }
   /// Floats at the start of the flat buffer that every rank holds and the
   /// modes reconcile; the rest (expert parallelism: this rank's experts) is
   /// this rank's alone. All of it for a model that is not spread.

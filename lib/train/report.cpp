@@ -75,7 +75,8 @@ std::string TrainSummary::to_json() const {
          {"step", l.step},
          {"wall_s", l.wall_s},
          {"why", l.why},
-         {"served_by", l.served_by < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(l.served_by)}});
+         {"served_by", l.served_by < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(l.served_by)},
+         {"experts", l.experts}});
   }
   nlohmann::ordered_json slowdowns = nlohmann::ordered_json::object();
   for (const auto& item : slowdown) {
@@ -166,8 +167,11 @@ std::string summary_text(const TrainSummary& s) {
       if (l == s.lost.end()) {
         fmt::format_to(out, "  rank {}: lost during the run\n", r);
       } else {
-        fmt::format_to(out, "  rank {}: lost at step {}, {:.1f}s into the run ({}){}\n", r, l->step, l->wall_s, l->why,
-                       l->served_by >= 0 ? fmt::format(", its shard served by rank {}", l->served_by) : "");
+        fmt::format_to(out, "  rank {}: lost at step {}, {:.1f}s into the run ({}){}{}\n", r, l->step, l->wall_s,
+                       l->why, l->served_by >= 0 ? fmt::format(", its shard served by rank {}", l->served_by) : "",
+                       l->experts.empty() ? ""
+                                          : fmt::format(", its experts {} lost (their tokens take the residual)",
+                                                        fmt::join(l->experts, ",")));
       }
     }
   }

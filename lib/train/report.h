@@ -47,10 +47,11 @@ struct WorkerReport {
 /// A rank this one found lost during the run: when, and what became of its shard.
 struct LostRank {
   int rank = 0;
-  int64_t step = 0;    ///< this rank's step when it noticed
-  double wall_s = 0;   ///< seconds since this rank's start when it noticed
-  std::string why;     ///< the transport's reason, e.g. "no message for 10.0s"
-  int served_by = -1;  ///< cfmo: the rank serving its shard now; -1 where none does
+  int64_t step = 0;          ///< this rank's step when it noticed
+  double wall_s = 0;         ///< seconds since this rank's start when it noticed
+  std::string why;           ///< the transport's reason, e.g. "no message for 10.0s"
+  int served_by = -1;        ///< cfmo: the rank serving its shard now; -1 where none does
+  std::vector<int> experts;  ///< --expert-parallel: its experts, lost with it (their tokens take the residual)
 };
 
 struct TrainSummary {

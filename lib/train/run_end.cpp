@@ -4,6 +4,8 @@
 
 #include "core/atomic_file.h"
 
+#include <fmt/ranges.h>
+
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -33,6 +35,9 @@ Result<TrainSummary> TrainingRun::finish() {
   CFMO_TRY(gather_reports(own));
   if (rank == keeper) take_up_keeping();
   if (rank == keeper || expert_parallel) CFMO_TRY(write_final_outputs());
+  // This rank's passes are over (the final evaluation's too): async dispatch
+  // serves the others' rows until each is done.
+  CFMO_TRY(model().finish_exchanges());
   add_totals();
   return summary;
 }
@@ -124,6 +129,15 @@ Status TrainingRun::write_final_outputs() {
   // Rank 0; with --expert-parallel every rank (the evaluation and the checkpoint are collectives then).
   // The final parameters are those of the last evaluation when the run ended on an epoch boundary.
   if (last_eval_step != pos.step || (world > 1 && !traits.evaluates_mid_run)) CFMO_TRY(evaluate(true));
+  // Async dispatch: the others' final passes are served before the gather
+  // below, a collective in which nobody serves.
+  CFMO_TRY(model().finish_exchanges());
+  if (expert_parallel && !comm->lost_ranks().empty()) {
+    // cfmo: a lost worker's experts exist nowhere else, so no whole model.
+    observer().on_warning(fmt::format("experts {} were lost with their workers: no checkpoint or model.safetensors",
+                                      fmt::join(lost_experts(), ",")));
+    return {};
+  }
   if (checkpoint_writer) {
     // Mid-run checkpoints first, then the end's, which holds the final global state.
     checkpoint_writer->close();
@@ -138,7 +152,7 @@ Status TrainingRun::write_final_outputs() {
   } else if (last_checkpoint_step != pos.step || (expert_parallel && !whole_model)) {
     CFMO_TRY(checkpoint());  // with --expert-parallel every rank, and the whole model comes to rank 0
   }
-  if (!run_dir.empty() && rank == keeper) {
+  if (!run_dir.empty() && rank == keeper && (!expert_parallel || whole_model)) {
     CFMO_TRY(save_model(run_dir / "model.safetensors", whole_model ? *whole_model : model(),
                         {{"format", "pt"}, {"cfmo.model", model_spec}, {"cfmo.step", std::to_string(pos.step)}}));
     // Beside it, the Hugging Face config that makes RUN a model directory (the GPT's).

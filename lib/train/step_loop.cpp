@@ -251,7 +251,8 @@ Status TrainingRun::clip_gradients() {
   const double dense = ops::norm2(replicated_part(grads));
   const double local = ops::norm2(grads.subspan(replicated_part(grads).size()));
   std::array<float, 1> experts{static_cast<float>(local * local)};
-  CFMO_TRY(comm->all_reduce_sum(experts));
+  // cfmo: no collective in a step; the norm over this rank's experts.
+  if (traits.lockstep) CFMO_TRY(comm->all_reduce_sum(experts));
   clip_to_norm(grads, config.clip_grad_norm, std::sqrt(dense * dense + static_cast<double>(experts[0])));
   return engine->gradients_changed();
 }
@@ -275,6 +276,8 @@ Status TrainingRun::at_step_end() {
     take_up_keeping();
     checkpoint_due = checkpoints || gathers_optimizers;
   }
+  // cfmo with --expert-parallel: the experts gather by a collective, so only at the end.
+  if (expert_parallel && async) checkpoint_due = false;
   // The checkpoint policy: at once where this rank's parameters are the
   // global ones, else a snapshot asked of the owners and written when whole.
   if (checkpoint_due && mode->params_are_global()) {

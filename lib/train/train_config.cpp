@@ -8,8 +8,25 @@
 
 #include <charconv>
 #include <cmath>
+#include <limits>
 
 namespace cfmo {
+
+namespace {
+
+/// --dispatch-deadline in seconds: < 0 auto, infinity none.
+Result<double> parse_dispatch_deadline(const std::string& text) {
+  if (text == "auto") return -1.0;
+  if (text == "none") return std::numeric_limits<double>::infinity();
+  auto seconds = parse_duration(text);
+  if (!seconds) {
+    return make_error(ErrorKind::kUsage, "--dispatch-deadline: {}, auto or none", seconds.error().message);
+  }
+  if (!(*seconds > 0)) return make_error(ErrorKind::kUsage, "--dispatch-deadline: must be > 0, auto or none");
+  return *seconds;
+}
+
+}  // namespace
 
 void add_train_options(OptionTable& t, TrainConfig& c) {
   const std::string data = "Data and model";
@@ -36,6 +53,14 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
   t.add("drop_policy", &c.drop_policy, "over capacity: residual (the token skips that expert) or dropless", moe);
   t.add("expert_parallel", &c.expert_parallel,
         "expert e lives on worker e mod W only (its parameters and optimizer state); tokens travel to it and back",
+        moe);
+  t.add("dispatch", &c.dispatch,
+        "--expert-parallel's exchanges: sync (every rank waits for every other's tokens) or async (results up to "
+        "--dispatch-deadline; late tokens take the residual, their gradient is skipped)",
+        moe);
+  t.add("dispatch_deadline", &c.dispatch_deadline,
+        "async dispatch: how long an exchange waits (a duration, e.g. 20ms), auto (1.5 x the median peer's median "
+        "round trip of the first 4 steps) or none",
         moe);
 
   const std::string optim = "Optimizer";
@@ -124,6 +149,13 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (!(c.capacity_factor > 0) || c.capacity_factor > 1e6) return usage("capacity-factor", "must be in (0, 1e6]");
   CFMO_TRY(moe::parse_drop_policy(c.drop_policy));
   if (c.expert_parallel) CFMO_TRY(check_expert_parallel(c.model, std::max(1, c.workers)));
+  if (c.dispatch != "sync" && c.dispatch != "async") {
+    return usage("dispatch", fmt::format("'{}' is not sync or async", c.dispatch));
+  }
+  CFMO_TRY(parse_dispatch_deadline(c.dispatch_deadline));
+  if (c.dispatch == "async" && !c.expert_parallel) {
+    return usage("dispatch", "async needs --expert-parallel (without it every worker holds every expert)");
+  }
   CFMO_ASSIGN_OR_RETURN(plan.device, parse_device(c.device));
   plan.context = model_context(c.model);
   if (plan.device.is_cuda() && plan.context > 0) {
@@ -164,9 +196,19 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.workers < 1 || c.workers > 1024) return usage("workers", "must be in 1..1024");
   CFMO_ASSIGN_OR_RETURN(plan.mode, parse_mode(c.mode));
   if (c.expert_parallel && !plan.traits().lockstep) {
-    // Every MoE layer's dispatch is a collective of all ranks: workers that
-    // step and stop on their own would wait in it for each other.
-    return usage("expert-parallel", fmt::format("needs a lockstep --mode (sync or localsgd), not {}", c.mode));
+    // Sync dispatch is a collective of all ranks per MoE layer: workers that
+    // step and stop on their own would wait in it for each other. Async
+    // dispatch waits to a deadline, and only cfmo keeps the experts out of
+    // its reconciliation (asgd's owners would step every rank's gradients).
+    if (plan.mode != ModeKind::kCfmo) {
+      return usage("expert-parallel", fmt::format("needs --mode sync, localsgd or cfmo, not {}", c.mode));
+    }
+    if (c.dispatch != "async") {
+      return usage("expert-parallel", "--mode cfmo needs --dispatch async (sync dispatch is a collective every step)");
+    }
+    if (c.dispatch_deadline == "none") {
+      return usage("dispatch-deadline", "none needs a lockstep --mode: cfmo's workers step and stop on their own");
+    }
   }
   if (c.expert_parallel && c.elastic) {
     return usage("elastic", "not with --expert-parallel: a lost worker's experts exist nowhere else");
@@ -221,6 +263,9 @@ MoeOptions moe_options(const TrainConfig& c) {
   o.capacity_factor = c.capacity_factor;
   const auto policy = moe::parse_drop_policy(c.drop_policy);
   if (policy) o.drop_policy = *policy;
+  o.async_dispatch = c.dispatch == "async";
+  const auto deadline = parse_dispatch_deadline(c.dispatch_deadline);
+  if (deadline) o.dispatch_deadline_s = *deadline;
   return o;
 }
 

@@ -35,7 +35,9 @@ struct TrainConfig {
   double z_loss = 0.001;
   double capacity_factor = 1.25;
   std::string drop_policy = "residual";
-  bool expert_parallel = false;  ///< expert e lives on rank e mod workers only
+  bool expert_parallel = false;   ///< expert e lives on rank e mod workers only
+  std::string dispatch = "sync";  ///< --expert-parallel's exchanges: sync (collectives) or async (to a deadline)
+  std::string dispatch_deadline = "auto";  ///< async: auto (adaptive), none, or a duration
   // inner optimizer
   std::string optimizer = "adamw";
   double lr = 1e-3;
@@ -113,7 +115,8 @@ Status validate(const TrainConfig& config);
 OptimizerConfig optimizer_config(const TrainConfig& config, OptimizerKind kind);
 
 /// How the model's Mixture-of-Experts layers train (--aux-loss, --z-loss,
-/// --capacity-factor, --drop-policy), for make_model; call after validate.
+/// --capacity-factor, --drop-policy, --dispatch, --dispatch-deadline), for
+/// make_model; call after validate.
 MoeOptions moe_options(const TrainConfig& config);
 
 /// parse_heterogeneity (core/heterogeneity.h) of the config's --slowdown and --straggler for `rank`.

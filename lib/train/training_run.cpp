@@ -501,10 +501,20 @@ Status TrainingRun::sync_host() {
 void TrainingRun::take_up_keeping() {
   if (checkpoints || run_dir.empty() || mode->keeper() != rank) return;
   checkpoints = true;
-  if (async) {
+  if (async && !expert_parallel) {
     checkpoint_writer = std::make_unique<CheckpointWriter>(run_dir, model_spec, model().params(), options.config_toml,
                                                            config.keep_checkpoints);
   }
+}
+
+std::vector<int> TrainingRun::lost_experts() const {
+  std::vector<int> out;
+  for (const int r : comm->lost_ranks()) {
+    const auto held = model_ptr->experts_held_by(r);
+    out.insert(out.end(), held.begin(), held.end());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 Status TrainingRun::announce_lost() {
@@ -512,7 +522,12 @@ Status TrainingRun::announce_lost() {
   for (const int r : comm->lost_ranks()) {
     if (announced[static_cast<size_t>(r)]) continue;
     announced[static_cast<size_t>(r)] = true;
-    LostRank lost{r, pos.step, seconds_since(run_start), comm->lost_reason(r), mode->shard_served_by(r)};
+    LostRank lost{r,
+                  pos.step,
+                  seconds_since(run_start),
+                  comm->lost_reason(r),
+                  mode->shard_served_by(r),
+                  expert_parallel ? model().experts_held_by(r) : std::vector<int>{}};
     if (options.observer != nullptr) {
       options.observer->on_warning(
           fmt::format("rank {} lost ({}){}", r, lost.why,

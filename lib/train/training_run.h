@@ -102,6 +102,8 @@ struct TrainingRun {
   /// Announces the ranks found lost since the last call (async modes), with
   /// where their shards went, and writes each as a membership line of metrics.jsonl.
   Status announce_lost();
+  /// --expert-parallel: the experts of the ranks found lost, in order.
+  std::vector<int> lost_experts() const;
   /// This rank keeps the run now (the lowest live rank in cfmo and asgd):
   /// it takes up the checkpoints.
   void take_up_keeping();

@@ -816,6 +816,100 @@ TEST(CfmoTrainWorkers, ExpertParallelWorkersExitFourNamingARankKilledMidRun) {
   kill_rank_one_mid_run(ranks, dir);
 }
 
+TEST(CfmoTrainWorkers, AsyncDispatchWithoutADeadlineTrainsAsSyncDispatchBitForBit) {
+  TempDir dir;
+  auto train = [&](const std::string& dispatch) {
+    const fs::path run_dir = dir / dispatch;
+    const RunResult r =
+        run(moe_args(dir / "corpus.txt",
+                     {"--workers", "2", "--mode", "sync", "--steps", "10", "--expert-parallel", "--dispatch", dispatch,
+                      "--dispatch-deadline", "none", "--out", run_dir.string(), "--json"}),
+            300);
+    EXPECT_EQ(r.status, 0) << r.err;
+    return r;
+  };
+  const RunResult sync = train("sync");
+  const RunResult async = train("async");
+  ASSERT_EQ(sync.status, 0);
+  ASSERT_EQ(async.status, 0);
+  EXPECT_EQ(tensors_of(dir / "async" / "model.safetensors"), tensors_of(dir / "sync" / "model.safetensors"));
+  const auto j = last_json(async.out);
+  EXPECT_EQ(j["val_loss"], last_json(sync.out)["val_loss"]);
+  const auto& dispatch = j["moe"]["dispatch"];
+  EXPECT_EQ(dispatch["late"].get<int64_t>(), 0);
+  EXPECT_TRUE(dispatch["deadline_us"].is_null());
+}
+
+// A worker five times slower does not hold the others beyond the deadline:
+// their rows it has not served in time take the residual path, counted.
+TEST(CfmoTrainWorkers, AsyncDispatchWithAStragglerCountsLateTokensAndFinishes) {
+  TempDir dir;
+  const RunResult r =
+      run(moe_args(dir / "corpus.txt",
+                   {"--workers", "3", "--mode", "sync", "--steps", "20", "--expert-parallel", "--dispatch", "async",
+                    "--dispatch-deadline", "1ms", "--slowdown", "1=5", "--out", (dir / "run").string(), "--json"}),
+          300);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = last_json(r.out);
+  EXPECT_TRUE(std::isfinite(j["val_loss"].get<double>()));
+  const auto& dispatch = j["moe"]["dispatch"];
+  EXPECT_GT(dispatch["late"].get<int64_t>(), 0) << dispatch.dump();
+  EXPECT_GT(dispatch["late_share"].get<double>(), 0.0);
+  EXPECT_LT(dispatch["late_share"].get<double>(), 1.0);  // rank 0's own experts are never late
+  EXPECT_EQ(dispatch["deadline_us"].get<double>(), 1000.0);
+  EXPECT_TRUE(dispatch["lost_experts"].empty());
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+}
+
+// cfmo with expert parallelism: the dense prefix reconciled by cfmo's
+// owners, the experts never averaged, dispatched asynchronously; the end
+// gathers every expert into model.safetensors.
+TEST(CfmoTrainWorkers, CfmoWithExpertParallelismTrainsAndWritesEveryExpert) {
+  TempDir dir;
+  const RunResult r = run(moe_args(dir / "corpus.txt", {"--workers", "3", "--mode", "cfmo", "--steps", "60",
+                                                        "--sync-interval", "5", "--expert-parallel", "--dispatch",
+                                                        "async", "--out", (dir / "run").string(), "--json"}),
+                          300);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = last_json(r.out);
+  EXPECT_TRUE(std::isfinite(j["val_loss"].get<double>())) << j.dump();
+  EXPECT_LT(j["val_loss"].get<double>(), 5.0) << j.dump();  // it learnt: ln 256 = 5.5 at the start
+  EXPECT_TRUE(j["moe"].contains("dispatch")) << j.dump();
+  const auto saved = tensors_of(dir / "run" / "model.safetensors");
+  for (int e = 0; e < 4; ++e) {
+    EXPECT_TRUE(saved.contains("h.1.mlp.experts." + std::to_string(e) + ".c_proj.weight")) << e;
+  }
+}
+
+// A worker killed mid-run in cfmo: its experts' tokens take the residual
+// path from then on, the others finish (status 0) and name the experts lost.
+TEST(CfmoTrainWorkers, CfmoExpertParallelWorkersGoOnWithoutAKilledRankAndNameItsExperts) {
+  TempDir dir;
+  (void)moe_args(dir / "corpus.txt", {});
+  auto ranks = start_ranks(dir, 3,
+                           {"--data", "text:" + (dir / "corpus.txt").string(), "--model",
+                            "gpt:layers=2,heads=2,dim=16,context=16,experts=4,top_k=2,expert_dim=16", "--batch-size",
+                            "4", "--mode", "cfmo", "--expert-parallel", "--dispatch", "async", "--steps", "600",
+                            "--log-every", "1", "--json", "--out", (dir / "run").string()});
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+  kill(ranks.processes[1].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[1].wait(10));  // reaped at once, as above
+  for (int r : {0, 2}) {
+    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(240)) << "rank " << r << " hangs";
+    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 0) << slurp(dir / ("err-" + std::to_string(r)));
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0") << slurp(dir / "err-0");
+  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({1}));
+  ASSERT_EQ(j["lost"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["lost"][0]["experts"], nlohmann::json::array({1}));  // 4 experts over 3 ranks: rank 1 held expert 1
+  EXPECT_EQ(j["moe"]["dispatch"]["lost_experts"], nlohmann::json::array({1}));
+  const std::string err = slurp(dir / "err-0");
+  EXPECT_NE(err.find("experts 1 were lost with their workers"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(dir / "run" / "model.safetensors"));  // no model missing an expert
+}
+
 TEST(CfmoTrainWorkers, BadExpertParallelSpecsAreUsageErrorsInOneLine) {
   TempDir dir;
   auto fails = [&](std::vector<std::string> extra, const std::string& says) {
@@ -828,12 +922,24 @@ TEST(CfmoTrainWorkers, BadExpertParallelSpecsAreUsageErrorsInOneLine) {
   fails({"--workers", "4", "--expert-parallel", "--steps", "1", "--model",
          "gpt:layers=1,heads=2,dim=16,context=16,experts=3,top_k=2"},
         "experts 3, fewer than the 4 workers");
-  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--mode", "cfmo"}, "--expert-parallel");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--mode", "cfmo"},
+        "--mode cfmo needs --dispatch async");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--mode", "asgd"}, "--expert-parallel: needs --mode");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--mode", "cfmo", "--dispatch", "async",
+         "--dispatch-deadline", "none"},
+        "--dispatch-deadline: none needs a lockstep --mode");
   fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--model", "gpt:layers=1,heads=2,dim=16,context=16"},
         "has no experts");
   fails({"--steps", "1", "--model", "gpt:layers=1,heads=2,dim=16,context=16,experts=3,top_k=4"},
         "top_k 4 is more than experts 3");
   fails({"--steps", "1", "--model", "gpt:layers=1,heads=2,dim=16,context=16,experts=3,expert_dim=0"}, "expert_dim");
+  fails({"--workers", "2", "--steps", "1", "--dispatch", "async"}, "--dispatch: async needs --expert-parallel");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--dispatch", "eventual"},
+        "--dispatch: 'eventual' is not sync or async");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--dispatch", "async", "--dispatch-deadline", "0"},
+        "--dispatch-deadline: must be > 0");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--dispatch", "async", "--dispatch-deadline", "soon"},
+        "--dispatch-deadline");
 }
 
 TEST(CfmoTrainWorkers, BadWorldsAreUsageErrors) {
