@@ -1,7 +1,8 @@
 // cfmo-pull mount --lazy: a real FUSE mount (skipped where /dev/fuse or the
-// right to mount is missing) of an image whose cold layers are in a real
-// docker-registry, read through a fault-injecting proxy, compared with the
-// rootfs a full pull unpacks.
+// right to mount is missing) of an image whose cold layers (gzip, zstd in
+// frames or in one, uncompressed) are in a real docker-registry, read
+// through a fault-injecting proxy, compared with the rootfs a full pull
+// unpacks.
 #include "integration/fault_proxy.h"
 #include "integration/registry_fixture.h"
 #include "oci/gzip_index.h"
@@ -465,6 +466,97 @@ TEST_F(Lazy, ACorruptIndexArtifactIsRefused) {
   EXPECT_NE(r.err.find("index artifact"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find(oci::short_digest(oci::sha256_digest(image_->layers[0]))), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(oci::index_path(lazy_dir(), oci::sha256_digest(image_->layers[0]))));
+}
+
+/// Layers that are not gzip: zstd in frames of 64 KiB of tar (a whiteout
+/// among them), zstd in one frame, and an uncompressed tar, over a gzip base.
+FixtureImage zstd_image() {
+  using namespace cfmo::testing;
+  const std::string base = make_tar({dir("etc"), file("etc/os-release", "ID=zstd\n"), file("gone", "whited out\n")});
+  const std::string framed =
+      make_tar({whiteout("", "gone"), dir("data"), file("data/first", random_bytes(200000, 21)),
+                file("data/log", std::string(300000, 'z')), file("data/last", random_bytes(250001, 22))});
+  const std::string single =
+      make_tar({dir("one"), file("one/big", random_bytes(400000, 23)), file("one/small", "small\n")});
+  const std::string plain = make_tar({dir("plain"), file("plain/file", random_bytes(150000, 24))});
+  return make_real_image({{base, "tar+gzip"}, {framed, "tar+zstd", 64 << 10}, {single, "tar+zstd"}, {plain, "tar"}});
+}
+
+// Layers that are not gzip, pushed with their indexes to the real registry:
+// the zstd layer of many frames is read by the spans between frames, as gzip
+// is; the zstd layer of one frame is named as not lazily loadable and
+// fetched whole before the mount, then read from its start; the
+// uncompressed tar is read by offsets. The tree and every file equal the
+// full pull's rootfs.
+TEST_F(Lazy, ZstdFramesAndPlainTarsAreReadBySpansAndOneZstdFrameIsFetchedWhole) {
+  const std::string repository = "zstd/app";
+  const FixtureImage image = zstd_image();
+  ASSERT_TRUE(push_image(*registry_, repository, "v1", image)) << registry_->log();
+  const std::string ref = registry_->host() + "/" + repository + ":v1";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+  const RunResult indexed = pull({"index", (out_ / "full").string(), "--span", kSpan, "--push", "--json"});
+  ASSERT_EQ(indexed.status, 0) << indexed.err;
+  const Json idx = Json::parse(indexed.out);
+  ASSERT_EQ(idx["layers"].size(), 4u) << idx;
+  for (const auto& l : idx["layers"]) EXPECT_EQ(l["indexed"], true) << l;
+  EXPECT_GE(idx["layers"][1]["checkpoints"].get<int>(), 5) << "frames of 64K, spans of 64K";
+  EXPECT_GE(idx["layers"][1]["members"].get<int>(), 5) << idx["layers"][1];
+  EXPECT_TRUE(idx["layers"][1]["note"].is_null()) << idx["layers"][1];
+  EXPECT_EQ(idx["layers"][2]["checkpoints"], 1) << idx["layers"][2];
+  EXPECT_NE(idx["layers"][2]["note"].get<std::string>().find("not lazily loadable"), std::string::npos);
+  EXPECT_EQ(idx["pushed"]["layers"], 4) << idx;
+  const RunResult rootfs = pull({"pull", ref, "--output", "rootfs:" + (out_ / "rootfs").string(), "--cache",
+                                 (out_ / "cache").string(), "--plain-http", "-q"});
+  ASSERT_EQ(rootfs.status, 0) << rootfs.err;
+
+  // A lazy pull through a proxy that counts: the indexes come from the registry.
+  FaultProxy proxy(registry_->host());
+  const RunResult lazy = pull({"pull", proxy.host() + "/" + repository + ":v1", "--output",
+                               "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
+  ASSERT_EQ(lazy.status, 0) << lazy.err;
+  fs::create_directories(point());
+  MOUNT_OR_SKIP(j, {"--max-memory", "64M"});
+  ASSERT_EQ(j["layers"].size(), 4u) << j;
+  EXPECT_EQ(j["layers"][0]["local"], false) << j;
+  EXPECT_EQ(j["layers"][1]["local"], false) << j;
+  EXPECT_EQ(j["layers"][2]["local"], true) << "one zstd frame: fetched whole first " << j;
+  EXPECT_EQ(j["layers"][3]["local"], false) << j;
+  ASSERT_EQ(j["notes"].size(), 1u) << j;
+  EXPECT_NE(j["notes"][0].get<std::string>().find("layer 2: one zstd frame"), std::string::npos) << j;
+  EXPECT_NE(j["notes"][0].get<std::string>().find("not lazily loadable"), std::string::npos) << j;
+  EXPECT_EQ(proxy.requests("/blobs/" + oci::sha256_digest(image.layers[2])).size(), 1u) << "fetched whole, once";
+  EXPECT_EQ(stats().bytes_fetched, 0);
+
+  // One file of the framed layer: the spans that hold it, by Range requests.
+  const std::string framed_blob = "/blobs/" + oci::sha256_digest(image.layers[1]);
+  EXPECT_EQ(slurp(point() / "data" / "last"), testing::random_bytes(250001, 22));
+  const int64_t one = stats().bytes_fetched;
+  EXPECT_GT(one, 0);
+  EXPECT_LT(one, static_cast<int64_t>(image.layers[1].size()) - 150000) << "data/first's spans were fetched too";
+  const auto ranged = proxy.requests(framed_blob);
+  ASSERT_FALSE(ranged.empty());
+  EXPECT_EQ(fs::file_size(point() / "plain" / "file"), 150000u);
+  // The one-frame layer, read late first, then early: decoded from its start again, right both times.
+  const int fd = ::open((point() / "one" / "big").c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  std::string late(4096, '\0');
+  std::string early(4096, '\0');
+  EXPECT_EQ(::pread(fd, late.data(), late.size(), 390000), 4096);
+  EXPECT_EQ(::pread(fd, early.data(), early.size(), 100), 4096);
+  ::close(fd);
+  const std::string big = testing::random_bytes(400000, 23);
+  EXPECT_TRUE(late == big.substr(390000, 4096));
+  EXPECT_TRUE(early == big.substr(100, 4096));
+  // Every file, whiteouts applied, as the full pull unpacked them.
+  EXPECT_EQ(without_runtime_dirs(point()), testing::list_tree(out_ / "rootfs"));
+  EXPECT_FALSE(fs::exists(point() / "gone"));
+  const auto all = stats();
+  EXPECT_EQ(all.errors, 0) << log();
+  int64_t cold_bytes = 0;
+  for (const size_t i : {size_t{0}, size_t{1}, size_t{3}}) cold_bytes += static_cast<int64_t>(image.layers[i].size());
+  EXPECT_LE(all.bytes_fetched, cold_bytes + 4096) << "a span was fetched twice";
+  umount();
+  EXPECT_EQ(pull({"rm", (out_ / "full").string(), "-q"}).status, 0);
 }
 
 /// A static busybox, or empty with the reason it cannot be used.
