@@ -23,6 +23,7 @@
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #define ZSTD_STATIC_LINKING_ONLY  // ZSTD_frameHeader, ZSTD_estimateDStreamSize: the decoder's memory
@@ -646,8 +647,7 @@ struct LazyMount::Impl {
     if (report.upper && mounted_source(point) == kLazySubtype) {
       if (::umount2(point.c_str(), MNT_DETACH) == 0) remove_tree(report.upper->base);
     }
-    if (::umount2(report.fuse_point.c_str(), MNT_DETACH) != 0)
-      note(fmt::format("umount {}: {}", report.fuse_point.string(), std::strerror(errno)));
+    if (const Status detached = detach_mount(report.fuse_point); !detached) note(detached.error().message);
   }
 };
 
@@ -819,6 +819,51 @@ Result<std::unique_ptr<LazyMount::Impl::Stream>> stream_layer(LayerIndex& index,
   }
   index.checkpoints = std::move(chunks);
   return stream;
+}
+
+/// Without root: fusermount3 mounts `point` and sends the /dev/fuse
+/// descriptor back over a socket, the protocol libfuse itself uses for a
+/// user; done here because libfuse goes to fusermount3 only when mount(2)
+/// is refused, not when /dev/fuse cannot be opened (0600 in containers),
+/// and fuse_session_mount takes the descriptor as /dev/fd/N.
+Result<int> fusermount_mount(const fs::path& point, const std::string& options) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) {
+    return make_error(ErrorKind::kInternal, "FUSE: socketpair: {}", std::strerror(errno));
+  }
+  ::fcntl(sv[0], F_SETFD, FD_CLOEXEC);  // ours; sv[1] is fusermount3's
+  auto status = run_fusermount({"-o", options, "--", point.string()}, sv[1]);
+  ::close(sv[1]);
+  if (!status || *status != 0) {
+    ::close(sv[0]);
+    if (!status) return status.error();
+    return make_error(ErrorKind::kUsage,
+                      "mount point '{}': the FUSE mount failed: fusermount3 exited with {} (does this user own the "
+                      "mount point, may it use FUSE?)",
+                      point.string(), *status);
+  }
+  char byte = 0;
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr message{};
+  message.msg_iov = &iov;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof control;
+  ssize_t got = 0;
+  do {
+    got = ::recvmsg(sv[0], &message, MSG_CMSG_CLOEXEC);
+  } while (got < 0 && errno == EINTR);
+  ::close(sv[0]);
+  const cmsghdr* c = CMSG_FIRSTHDR(&message);
+  if (got <= 0 || c == nullptr || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) {
+    (void)detach_mount(point);
+    return make_error(ErrorKind::kInternal, "mount point '{}': fusermount3 mounted it but sent no descriptor",
+                      point.string());
+  }
+  int fd = -1;
+  std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
+  return fd;
 }
 
 }  // namespace
@@ -995,7 +1040,17 @@ Status LazyMount::mount() {
   fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
   m.se = fuse_session_new(&args, &kOps, sizeof kOps, &m);
   if (m.se == nullptr) return make_error(ErrorKind::kInternal, "FUSE: cannot start a session (options '{}')", opts);
-  if (fuse_session_mount(m.se, m.report.fuse_point.c_str()) != 0) {
+  std::string target = m.report.fuse_point.string();
+  if (!running_as_root()) {
+    auto fd = fusermount_mount(m.report.fuse_point, opts);
+    if (!fd) {
+      fuse_session_destroy(m.se);
+      m.se = nullptr;
+      return fd.error();
+    }
+    target = fmt::format("/dev/fd/{}", *fd);
+  }
+  if (fuse_session_mount(m.se, target.c_str()) != 0) {
     fuse_session_destroy(m.se);
     m.se = nullptr;
     return make_error(ErrorKind::kUsage,
@@ -1057,7 +1112,9 @@ Status LazyMount::serve() {
   for (auto& t : m.workers) t.join();
   m.workers.clear();
   ::close(sfd);
-  fuse_session_unmount(m.se);
+  fuse_session_unmount(m.se);  // a mount made through fusermount3 is not libfuse's to unmount:
+  if (!running_as_root() && lazy_mount_pid(mounted_source(m.report.fuse_point)) == ::getpid())
+    (void)detach_mount(m.report.fuse_point);
   fuse_session_destroy(m.se);
   m.se = nullptr;
   std::error_code ec;

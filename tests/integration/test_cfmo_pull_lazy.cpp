@@ -12,6 +12,7 @@
 #include "support/tree_listing.h"
 
 #include <fcntl.h>
+#include <pwd.h>
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -557,6 +558,131 @@ TEST_F(Lazy, ZstdFramesAndPlainTarsAreReadBySpansAndOneZstdFrameIsFetchedWhole) 
   EXPECT_LE(all.bytes_fetched, cold_bytes + 4096) << "a span was fetched twice";
   umount();
   EXPECT_EQ(pull({"rm", (out_ / "full").string(), "-q"}).status, 0);
+}
+
+/// The FUSE mounts at `point` in the mount table of process `pid`, as mountinfo lines.
+std::vector<std::string> fuse_mounts_at(int pid, const fs::path& point) {
+  std::vector<std::string> out;
+  const std::string field = fmt::format(" {} ", point.string());
+  for (const auto& line : testing::lines(slurp(fmt::format("/proc/{}/mountinfo", pid)))) {
+    if (line.find(field) != std::string::npos && line.find(" fuse.") != std::string::npos) out.push_back(line);
+  }
+  return out;
+}
+
+// Without root, the mount goes through fusermount3 (setuid root), as libfuse
+// does for a user: the daemon runs as that user, umount and SIGTERM detach
+// it with fusermount3 -u, a mount whose daemon was killed is detached by
+// umount too, and --writable (an overlay, which needs root) is refused
+// without leaving the lazy mount behind. Run as nobody, from root, in a
+// mount namespace of the test's own: there /dev/fuse is a node of the test's
+// that any user may open, as distributions make it (this machine's is 0600,
+// which stops fusermount3 too), and whatever is left mounted goes with the
+// namespace.
+TEST_F(Lazy, WithoutRootTheMountGoesThroughFusermount3AndLeavesNoMountBehind) {
+  if (::geteuid() != 0) GTEST_SKIP() << "the test becomes nobody with setpriv and makes a mount namespace: needs root";
+  if (!fs::exists("/usr/bin/fusermount3")) GTEST_SKIP() << "/usr/bin/fusermount3 is not installed (Debian fuse3)";
+  if (!fs::exists("/usr/bin/nsenter") || !fs::exists("/usr/bin/unshare")) GTEST_SKIP() << "no nsenter or unshare";
+  const passwd* nobody = ::getpwnam("nobody");
+  if (nobody == nullptr) GTEST_SKIP() << "no user nobody";
+  const uid_t uid = nobody->pw_uid;
+  const gid_t gid = nobody->pw_gid;
+  prepare(registry_->host());
+  // The lazy pull and the mount point belong to nobody; the way there is open.
+  fs::permissions(out_.path(), fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
+  for (const fs::path& top : {lazy_dir(), point()}) {
+    ASSERT_EQ(::lchown(top.c_str(), uid, gid), 0);
+    for (const auto& e : fs::recursive_directory_iterator(top))
+      ASSERT_EQ(::lchown(e.path().c_str(), uid, gid), 0) << e.path();
+  }
+  testing::Background holder = testing::spawn({"/usr/bin/unshare", "--mount", "--propagation", "private",
+                                               "/usr/bin/setpriv", "--pdeathsig", "KILL", "/bin/sleep", "300"},
+                                              {}, "/dev/null", "/dev/null");
+  struct Reaper {
+    testing::Background& b;
+    ~Reaper() { b.reap(); }
+  } reaper{holder};
+  ASSERT_GT(holder.pid, 0);
+  const std::string own_ns = fs::read_symlink("/proc/self/ns/mnt").string();
+  for (int i = 0; i < 100; ++i) {
+    std::error_code ec;
+    const auto ns = fs::read_symlink(fmt::format("/proc/{}/ns/mnt", holder.pid), ec);
+    if (!ec && ns.string() != own_ns) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  auto in_ns = [&](std::vector<std::string> args, bool as_nobody) {
+    if (as_nobody) {
+      args.insert(args.begin(), {"/usr/bin/setpriv", "--reuid", std::to_string(uid), "--regid", std::to_string(gid),
+                                 "--clear-groups", "--"});
+    }
+    args.insert(args.begin(), {"/usr/bin/nsenter", "-t", std::to_string(holder.pid), "-m", "--"});
+    return run(args, 120);
+  };
+  const fs::path node = out_ / "fuse";
+  const RunResult device =
+      in_ns({"/bin/sh", "-c",
+             fmt::format("mknod -m 666 '{}' c 10 229 && mount --bind '{}' /dev/fuse", node.string(), node.string())},
+            false);
+  if (device.status != 0) GTEST_SKIP() << "cannot give the namespace a /dev/fuse for users: " << device.err;
+
+  const std::string tool = fs::absolute(binary()).string();
+  const std::vector<std::string> mount_args = {
+      tool,  "mount", lazy_dir().string(), point().string(), "--lazy", "--json", "--retries", "1", "--retry-delay",
+      "0.01"};
+  RunResult mounted = in_ns(mount_args, true);
+  if (mounted.status == 2 && mounted.err.find("FUSE mount failed") != std::string::npos)
+    GTEST_SKIP() << "fusermount3 may not mount here: " << mounted.err << log();
+  ASSERT_EQ(mounted.status, 0) << mounted.err;
+  guard_.pid = Json::parse(mounted.out).value("pid", 0);
+  // The daemon is nobody's, and so is the mount (fusermount3 records the user).
+  EXPECT_NE(slurp(fmt::format("/proc/{}/status", guard_.pid)).find(fmt::format("Uid:\t{}\t", uid)), std::string::npos);
+  const fs::path where = fs::canonical(point());
+  const auto mounts = fuse_mounts_at(holder.pid, where);
+  ASSERT_EQ(mounts.size(), 1u) << slurp(fmt::format("/proc/{}/mountinfo", holder.pid));
+  EXPECT_NE(mounts[0].find(fmt::format("user_id={}", uid)), std::string::npos) << mounts[0];
+  EXPECT_TRUE(fuse_mounts_at(::getpid(), where).empty()) << "the mount leaked out of the namespace";
+  // nobody reads a file of a cold layer through it.
+  const RunResult cat = in_ns({"/bin/cat", (point() / "etc" / "os-release").string()}, true);
+  EXPECT_EQ(cat.status, 0) << cat.err;
+  EXPECT_EQ(cat.out, "ID=lazy\n");
+  EXPECT_GT(stats().bytes_fetched, 0);
+  const RunResult down = in_ns({tool, "umount", point().string()}, true);
+  EXPECT_EQ(down.status, 0) << down.err;
+  EXPECT_FALSE(alive(guard_.pid)) << "the daemon outlived umount";
+  EXPECT_TRUE(fuse_mounts_at(holder.pid, where).empty()) << "umount left the mount behind";
+
+  // SIGTERM alone: the daemon detaches its mount with fusermount3 and ends.
+  mounted = in_ns(mount_args, true);
+  ASSERT_EQ(mounted.status, 0) << mounted.err;
+  guard_.pid = Json::parse(mounted.out).value("pid", 0);
+  ::kill(guard_.pid, SIGTERM);
+  for (int i = 0; i < 200 && alive(guard_.pid); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(alive(guard_.pid));
+  EXPECT_TRUE(fuse_mounts_at(holder.pid, where).empty()) << "SIGTERM left the mount behind";
+
+  // A daemon killed outright leaves a dead mount: umount, as nobody, detaches it.
+  mounted = in_ns(mount_args, true);
+  ASSERT_EQ(mounted.status, 0) << mounted.err;
+  guard_.pid = Json::parse(mounted.out).value("pid", 0);
+  ::kill(guard_.pid, SIGKILL);
+  for (int i = 0; i < 200 && alive(guard_.pid); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_EQ(fuse_mounts_at(holder.pid, where).size(), 1u);
+  const RunResult dead = in_ns({tool, "umount", point().string()}, true);
+  EXPECT_EQ(dead.status, 0) << dead.err;
+  EXPECT_TRUE(fuse_mounts_at(holder.pid, where).empty()) << "the dead mount was left behind";
+
+  // --writable needs an overlay, which nobody may not mount: refused, and the lazy mount below goes too.
+  std::vector<std::string> writable = mount_args;
+  writable.push_back("--writable");
+  const RunResult refused = in_ns(writable, true);
+  EXPECT_EQ(refused.status, 2) << refused.err;
+  EXPECT_EQ(testing::lines(refused.err).size(), 1u) << refused.err;
+  EXPECT_NE(refused.err.find("--writable"), std::string::npos) << refused.err;
+  for (const auto& line : testing::lines(slurp(fmt::format("/proc/{}/mountinfo", holder.pid))))
+    EXPECT_EQ(line.find(lazy_dir().string()), std::string::npos) << "left mounted: " << line;
+  EXPECT_TRUE(fuse_mounts_at(holder.pid, where).empty());
+  guard_.point.clear();
+  guard_.pid = 0;
 }
 
 /// A static busybox, or empty with the reason it cannot be used.
