@@ -723,6 +723,7 @@ class RangeSink : public BodySink {
                         what_, status);
     }
     body.clear();
+    body.reserve(length_);  // once: growing by doubling held twice the span at its end
     return {};
   }
   Status write(std::string_view chunk) override {

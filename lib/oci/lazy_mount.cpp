@@ -19,6 +19,7 @@
 
 #include <fcntl.h>
 #include <fuse_lowlevel.h>
+#include <malloc.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/mount.h>
@@ -1019,6 +1020,12 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
 
 Status LazyMount::mount() {
   Impl& m = *impl_;
+  // The spans (MiBs each) are allocated and freed by several threads; with
+  // glibc's sliding mmap threshold they soon came from per-thread arenas
+  // that keep what was freed, and the daemon's peak RSS passed
+  // --max-memory (87 MB under a 64M cap reading a 2 GB image). A fixed
+  // threshold keeps them mmapped, so RSS follows the budget.
+  ::mallopt(M_MMAP_THRESHOLD, 256 << 10);
   // Blocked from before the mount is there (a SIGTERM then waits for serve's
   // signalfd) and before any thread, so that only the signalfd sees them.
   const sigset_t signals = stop_signals();
