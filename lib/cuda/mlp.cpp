@@ -107,8 +107,9 @@ Status CudaMlp::backward(const float* inputs, const int32_t* labels, int batch) 
     const float* dz = grad_z_.data();
     CFMO_TRY(gemm(ctx_, Trans::kYes, Trans::kNo, out, in, batch, 1.0f, dz, out, a, in, 0.0f, dw, in));
     // db = column sums of dz [batch, out]: read column-major it is [out, batch], times a vector of ones.
-    CFMO_CUBLAS_TRY(cublasSgemv(ctx_.blas(), CUBLAS_OP_N, out, batch, &one, dz, out, ones_.data(), 1, &zero, db, 1),
-                    "bias gradient");
+    CFMO_CUBLAS_TRY(
+        ctx_.cublas().sgemv(ctx_.blas(), CUBLAS_OP_N, out, batch, &one, dz, out, ones_.data(), 1, &zero, db, 1),
+        "bias gradient");
     if (l == 0) break;
     CFMO_TRY(
         gemm(ctx_, Trans::kNo, Trans::kNo, batch, in, out, 1.0f, dz, out, weight(l), in, 0.0f, grad_a_.data(), in));

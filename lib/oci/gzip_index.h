@@ -124,7 +124,7 @@ class FileSource : public CompressedSource {
 /// kPeer, said as such: a caller can fetch the layer whole instead.
 class RegistrySource : public CompressedSource {
  public:
-  RegistrySource(RegistryClient& client, std::string digest, std::string what)
+  RegistrySource(RegistryApi& client, std::string digest, std::string what)
       : client_(client), digest_(std::move(digest)), what_(std::move(what)) {}
   Result<std::string> read(uint64_t offset, uint64_t length) override;
   uint64_t bytes_fetched() const { return fetched_; }
@@ -133,7 +133,7 @@ class RegistrySource : public CompressedSource {
   bool ranges_refused() const { return ranges_refused_; }
 
  private:
-  RegistryClient& client_;
+  RegistryApi& client_;
   std::string digest_;
   std::string what_;
   uint64_t fetched_ = 0;

@@ -502,7 +502,7 @@ struct LazyMount::Impl {
     std::string out;
     int64_t fetched = 0;
     int64_t requests = 0;
-    const Status got = pool.each_until_ok(what, [&](RegistryClient& client) -> Status {
+    const Status got = pool.each_until_ok(what, [&](RegistryApi& client) -> Status {
       RegistrySource source(client, layer.info.digest, what);
       auto r = read_range(layer.index, source, begin, end - begin, what);
       fetched += static_cast<int64_t>(source.bytes_fetched());
@@ -937,7 +937,7 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
     RegistryPool pool(m->ref, m->endpoints, options.registry, m->auth_file,
                       std::make_shared<EndpointHealth>(m->endpoints.size()));
     bool refused = false;
-    const Status probe = pool.each_until_ok("a Range request", [&](RegistryClient& client) -> Status {
+    const Status probe = pool.each_until_ok("a Range request", [&](RegistryApi& client) -> Status {
       RegistrySource source(client, cold->digest, "a Range request");
       auto got = source.read(0, 1);
       refused = refused || source.ranges_refused();

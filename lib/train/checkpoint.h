@@ -5,7 +5,8 @@
 ///   RUN/checkpoints/step-00001234/optimizer.safetensors  state, "<param>.<state>" per tensor
 ///   RUN/checkpoints/step-00001234/state.json             step, epoch, data position, counters, workers
 ///   RUN/checkpoints/step-00001234/outer.safetensors      outer momentum, "<param>.outer_momentum" (if any)
-///   RUN/checkpoints/step-00001234/optimizer-rank-K.safetensors  localsgd: rank K's own inner state (K >= 1)
+///   RUN/checkpoints/step-00001234/optimizer-rank-K.safetensors  localsgd, cfmo: rank K's own inner state (K >= 1)
+///   RUN/checkpoints/step-00001234/wire-rank-K.safetensors       cfmo --deterministic: rank K's error feedback
 ///   RUN/checkpoints/step-00001234/config.toml            the merged configuration
 ///   RUN/checkpoints/latest                               name of the newest complete checkpoint
 ///
@@ -48,6 +49,9 @@ struct CheckpointWorld {
   int batch_size = 0;                          ///< 0: not recorded
   std::vector<TrainPosition> ranks;            ///< cfmo, asgd: each rank's; empty: every rank at the position
   std::vector<int64_t> shard_optimizer_steps;  ///< asgd: each owner's optimizer steps
+  std::vector<int64_t> shard_versions;         ///< cfmo, asgd: each shard's version (the staleness counters)
+  std::vector<int64_t> outer_in_round;         ///< cfmo with nesterov: each owner's pending round's contributions
+  std::vector<int64_t> rank_optimizer_steps;   ///< with per-rank optimizer state: each rank's optimizer steps
 };
 
 /// A checkpoint to write, with copies of everything, flat in the model's layout.
@@ -58,11 +62,15 @@ struct CheckpointData {
   std::string optimizer_name;
   int64_t optimizer_steps = 0;
   std::vector<std::pair<std::string, FloatBuffer>> optimizer_state;
-  FloatBuffer outer_momentum;  ///< empty: none
+  FloatBuffer outer_momentum;   ///< empty: none
+  FloatBuffer outer_round_sum;  ///< cfmo: the owners' pending rounds' weighted sums; empty: none
   /// Ranks 1 to W-1's own inner optimizer state (rank 0's is
   /// optimizer_state), where the ranks' optimizers drift apart between
   /// rounds (localsgd); empty: every rank resumes with rank 0's.
   std::vector<std::vector<std::pair<std::string, FloatBuffer>>> rank_optimizer_state;
+  /// Every rank's error feedback of a lossy --delta-dtype (cfmo
+  /// --deterministic), rank 0 first; empty: none.
+  std::vector<FloatBuffer> wire_residuals;
 };
 
 /// Copies the model's parameters and the optimizer's state.
@@ -137,14 +145,20 @@ Result<DirLock> lock_run_dir(const std::filesystem::path& run_dir);
 /// `outer_momentum` (the model's layout; left empty when the checkpoint has
 /// none), when given, receive the rest.
 Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, Model& model, Optimizer& optimizer,
-                                      CheckpointWorld* world = nullptr, FloatBuffer* outer_momentum = nullptr);
+                                      CheckpointWorld* world = nullptr, FloatBuffer* outer_momentum = nullptr,
+                                      FloatBuffer* outer_round_sum = nullptr);
 
 /// Rank `rank`'s own inner optimizer state, where the checkpoint holds one
-/// for it (state.json's rank_optimizers, written by localsgd runs of several
-/// workers): true when it was read into `optimizer`, false when there is
-/// none (rank 0, or an older checkpoint). Errors name the file and tensor.
+/// for it (state.json's rank_optimizers, written by localsgd and cfmo runs of
+/// several workers), with its step count where rank_optimizer_steps has it:
+/// true when it was read into `optimizer`, false when there is none (rank 0,
+/// or an older checkpoint). Errors name the file and tensor.
 Result<bool> load_rank_optimizer(const std::filesystem::path& checkpoint_dir, const Model& model, Optimizer& optimizer,
                                  int rank);
+
+/// Rank `rank`'s error feedback (state.json's wire_residuals) over the
+/// model's whole vector; empty where the checkpoint has none for it.
+Result<FloatBuffer> load_wire_residual(const std::filesystem::path& checkpoint_dir, const Model& model, int rank);
 
 /// A loaded checkpoint's positions (`position` and each of `world.ranks`)
 /// against the data they index: `examples` training examples cut into

@@ -65,6 +65,11 @@ struct ModeSettings {
   int64_t sample_budget = 0;  ///< async modes: stop when all workers together saw this many (0: no budget)
   double peer_timeout_s = 10;
   bool elastic = false;  ///< sync, localsgd: a lost worker leaves the group, the others go on
+  /// cfmo: a fixed order of messages. Each owner applies a round's
+  /// contributions in rank order once every rank's has arrived, and each
+  /// worker waits for its round's replies: a run is bitwise reproducible and
+  /// resumable, at the price of the waits (localsgd's). A loss ends it (status 4).
+  bool deterministic = false;
   /// Called at each reconciliation (localsgd, cfmo) with this rank's delta
   /// against its global base, on the training thread; empty: not called.
   std::function<void(int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
@@ -95,11 +100,19 @@ struct GlobalState {
   std::vector<int64_t> owner_steps;  ///< asgd: each owner's optimizer steps
   std::vector<TrainPosition> ranks;  ///< each rank's position, as last reported
   std::vector<int64_t> versions;     ///< each shard's version
+  /// cfmo with nesterov: the owners' round in progress, its weighted sum over
+  /// the whole vector and, per shard, its contributions so far; else empty.
+  std::vector<float> outer_round_sum;
+  std::vector<int64_t> outer_in_round;
 };
 
 /// What a resumed run hands its mode (from the checkpoint; empty: start afresh).
 struct ModeResume {
   std::vector<float> outer_momentum;            ///< over the whole vector
+  std::vector<float> outer_round_sum;           ///< cfmo: the owners' pending round, as in GlobalState
+  std::vector<int64_t> outer_in_round;          ///< cfmo: per shard
+  std::vector<int64_t> versions;                ///< cfmo, asgd: each shard's version (the staleness counters)
+  std::vector<float> wire_residual;             ///< cfmo: this rank's error feedback of a lossy --delta-dtype
   std::vector<std::vector<float>> owner_state;  ///< asgd: the owners' optimizer state, as in GlobalState
   std::vector<int64_t> owner_steps;             ///< asgd
   std::vector<TrainPosition> ranks;             ///< rank 0, async: the budget keeper's start
@@ -151,6 +164,9 @@ class Mode {
   /// The outer momentum over the whole vector where this rank holds it
   /// (localsgd with nesterov); empty otherwise.
   virtual std::span<const float> outer_momentum() const { return {}; }
+  /// This rank's error feedback of a lossy wire dtype (cfmo), over the whole
+  /// vector: part of its state in a checkpoint; empty where none.
+  virtual std::span<const float> wire_residual() const { return {}; }
   /// cfmo and asgd, the keeper: asks every owner for its shard (and its owner
   /// state) without waiting; a request supersedes one not yet answered.
   /// False where the mode has no owners.

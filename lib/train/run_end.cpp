@@ -130,9 +130,10 @@ Status TrainingRun::write_final_outputs() {
     CFMO_TRY(checkpoint_writer->status());
     if (checkpoints) {
       const auto global = mode->final_state();
-      CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(),
-                                checkpoint_of(model().parameters(), global ? &*global : nullptr), options.config_toml,
-                                config.keep_checkpoints));
+      CheckpointData data = checkpoint_of(model().parameters(), global ? &*global : nullptr);
+      add_gathered(data);  // cfmo --deterministic: every rank's own state at the end
+      CFMO_TRY(
+          write_checkpoint(run_dir, model_spec, model().params(), data, options.config_toml, config.keep_checkpoints));
     }
   } else if (last_checkpoint_step != pos.step || (expert_parallel && !whole_model)) {
     CFMO_TRY(checkpoint());  // with --expert-parallel every rank, and the whole model comes to rank 0

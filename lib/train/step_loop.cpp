@@ -273,7 +273,7 @@ Status TrainingRun::at_step_end() {
   }
   if (async && !checkpoints && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
     take_up_keeping();
-    checkpoint_due = checkpoints;
+    checkpoint_due = checkpoints || gathers_optimizers;
   }
   // The checkpoint policy: at once where this rank's parameters are the
   // global ones, else a snapshot asked of the owners and written when whole.
@@ -281,7 +281,8 @@ Status TrainingRun::at_step_end() {
     CFMO_TRY(checkpoint());
     whole_model.reset();
     checkpoint_due = false;
-  } else if (checkpoint_due && mode->request_snapshot()) {
+  } else if (checkpoint_due && !settings.deterministic && mode->request_snapshot()) {
+    // (--deterministic waits for a round's end, where every rank takes part.)
     checkpoint_due = false;
   }
   if (checkpoint_writer) {

@@ -92,6 +92,10 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         dist);
   t.add("keep_global_batch", &c.keep_global_batch,
         "sync --elastic: the workers left raise their batch to keep the global batch a lost worker shrank", dist);
+  t.add("deterministic", &c.deterministic,
+        "cfmo: owners apply each round in rank order and workers wait for its replies: bitwise reproducible runs "
+        "and resumes, stopped by steps; a lost worker ends the run (sync and localsgd always are)",
+        dist);
 
   const std::string output = "Output";
   t.add("log_every", &c.log_every, "log a metrics line every N steps", output);
@@ -181,6 +185,14 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   plan.delta_dtype = *dtype;
   if (!(c.peer_timeout > 0)) return usage("peer-timeout", "must be positive");
   if (c.keep_global_batch && !c.elastic) return usage("keep-global-batch", "needs --elastic");
+  if (c.deterministic && plan.traits().owners_optimize) {
+    return usage("deterministic", "not in asgd: its owners apply each gradient as it arrives");
+  }
+  if (c.deterministic && plan.traits().asynchronous && !c.time_limit.empty()) {
+    // Each cfmo worker would stop at its own step, and the rounds and
+    // checkpoints every worker meets at would no longer be the same.
+    return usage("deterministic", "stops by --steps, --epochs or --tokens, not --time-limit");
+  }
   CFMO_TRY(heterogeneity_for(c, 0));
   if (c.log_every < 1) return usage("log-every", "must be >= 1");
   if (c.sample_every < 0) return usage("sample-every", "must be >= 0");

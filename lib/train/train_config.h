@@ -74,6 +74,7 @@ struct TrainConfig {
   double peer_timeout = 10;
   bool elastic = false;            ///< sync: go on without a lost worker (cfmo and localsgd always do)
   bool keep_global_batch = false;  ///< sync --elastic: the survivors take a lost worker's share of each batch
+  bool deterministic = false;      ///< cfmo: a fixed order of messages (bitwise reproducible, exact resume)
   // output
   int64_t log_every = 100;
   int64_t sample_every = 0;  ///< a language model: print a short sample every N steps (0: never)

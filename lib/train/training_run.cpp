@@ -11,6 +11,9 @@
 #endif
 
 #include <algorithm>
+#include <cstring>
+#include <optional>
+#include <thread>
 
 namespace cfmo::detail {
 namespace {
@@ -110,7 +113,8 @@ Status TrainingRun::resume_from_checkpoint() {
   if (options.resume.empty()) return {};
   CheckpointWorld saved;
   FloatBuffer outer;
-  CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model(), *optimizer, &saved, &outer));
+  FloatBuffer round_sum;
+  CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model(), *optimizer, &saved, &outer, &round_sum));
   CFMO_TRY(check_resumable(options.resume, saved, config, world));
   CFMO_TRY(check_positions(options.resume, pos, saved, optimizer->step_count(), train_examples, config.batch_size));
   if (saved.workers != world) {
@@ -123,7 +127,21 @@ Status TrainingRun::resume_from_checkpoint() {
   if (!expert_parallel) CFMO_TRY(load_rank_optimizer(options.resume, model(), *optimizer, rank));
   resume.outer_momentum.assign(outer.begin(),
                                outer.begin() + static_cast<ptrdiff_t>(std::min(outer.size(), replicated)));
-  if (saved.workers == world) resume.ranks = saved.ranks;
+  if (saved.workers == world) {
+    resume.ranks = saved.ranks;
+    // cfmo: the owners' pending rounds and the shards' versions, and this
+    // rank's error feedback, continue where the same shards exist.
+    resume.versions = saved.shard_versions;
+    resume.outer_in_round = saved.outer_in_round;
+    if (round_sum.size() == outer.size()) {
+      resume.outer_round_sum.assign(round_sum.begin(),
+                                    round_sum.begin() + static_cast<ptrdiff_t>(std::min(round_sum.size(), replicated)));
+    }
+    if (!expert_parallel) {
+      CFMO_ASSIGN_OR_RETURN(const FloatBuffer residual, load_wire_residual(options.resume, model(), rank));
+      resume.wire_residual.assign(residual.begin(), residual.end());
+    }
+  }
   if (traits.owners_optimize && world > 1) {
     // An asgd checkpoint's optimizer state is the owners'.
     for (const auto& s : optimizer->state()) resume.owner_state.emplace_back(s.buffer->begin(), s.buffer->end());
@@ -193,8 +211,11 @@ Status TrainingRun::plan_length() {
   settings.delta_dtype = plan.delta_dtype;
   settings.peer_timeout_s = config.peer_timeout;
   settings.elastic = config.elastic;
+  settings.deterministic = config.deterministic && async;
   int64_t schedule_steps = step_limit == INT64_MAX ? 0 : step_limit;
-  if (async) {
+  // --deterministic: the workers stop at the same step, as lockstep workers
+  // do, not when a shared budget's message happens to reach them.
+  if (async && !settings.deterministic) {
     // Asynchronous workers share a budget of samples, kept by rank 0: a fast
     // worker takes more steps than a slow one. The same budget as sync's.
     int64_t budget = INT64_MAX;
@@ -288,6 +309,9 @@ Status TrainingRun::open_outputs() {
   // would fail it) nor --expert-parallel (each rank's layout differs) allows.
   gathers_optimizers = world > 1 && traits.lockstep && !traits.reduces_gradients && !run_dir.empty() &&
                        !expert_parallel && !config.elastic;
+  // cfmo --deterministic: every rank meets at each checkpoint's round, so
+  // every rank's own state goes in too.
+  gathers_optimizers = gathers_optimizers || (async && settings.deterministic && !run_dir.empty());
   joins_checkpoints = expert_parallel && !run_dir.empty();
   last_checkpoint_step = options.resume.empty() ? -1 : pos.step;
   take_up_keeping();
@@ -328,7 +352,12 @@ CheckpointData TrainingRun::checkpoint_of(std::span<const float> params, const G
   data.outer_momentum.assign(outer.begin(), outer.end());
   if (global != nullptr) {
     data.world.ranks = global->ranks;
+    data.world.shard_versions = global->versions;
     data.outer_momentum.assign(global->outer_momentum.begin(), global->outer_momentum.end());
+    if (global->outer_round_sum.size() == global->outer_momentum.size()) {
+      data.outer_round_sum.assign(global->outer_round_sum.begin(), global->outer_round_sum.end());
+      data.world.outer_in_round = global->outer_in_round;
+    }
     if (!global->owner_state.empty() && global->owner_state.size() == data.optimizer_state.size()) {
       // asgd: the owners ran the optimizer; rank 0's own never stepped.
       for (size_t i = 0; i < data.optimizer_state.size(); ++i) {
@@ -351,11 +380,44 @@ Status TrainingRun::checkpoint() {
   }
   if (!checkpoints && !gathers_optimizers) return {};
   CFMO_TRY(sync_host());
+  if (async) return deterministic_checkpoint();
   if (gathers_optimizers && gathered_step != pos.step) CFMO_TRY(gather_optimizers());
   last_checkpoint_step = pos.step;
   if (!checkpoints) return {};
   CheckpointData data = checkpoint_of(model().parameters(), nullptr);
+  add_gathered(data);
+  CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(), data, options.config_toml, config.keep_checkpoints));
+  return {};
+}
+
+void TrainingRun::add_gathered(CheckpointData& data) const {
+  if (gathered_step != pos.step) return;
   data.rank_optimizer_state = gathered;
+  data.world.rank_optimizer_steps = gathered_steps;
+  data.wire_residuals = gathered_residuals;
+  if (async) data.world.ranks = gathered_positions;  // where every rank is, not where its last report said
+}
+
+Status TrainingRun::deterministic_checkpoint() {
+  // Every rank is at this round's end (every reply in), so the owners hold
+  // the round's whole result and no contribution of the next: the
+  // next round's cannot be applied before the keeper's, which it sends after
+  // its request below on the same links.
+  if (gathered_step != pos.step) CFMO_TRY(gather_optimizers());
+  last_checkpoint_step = pos.step;
+  if (!checkpoints || !mode->request_snapshot()) return {};
+  const auto deadline = Clock::now() + std::chrono::duration<double>(2 * config.peer_timeout);
+  std::optional<GlobalState> global;
+  while (!(global = mode->take_snapshot()) && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  if (!global) {
+    return make_error(ErrorKind::kPeer,
+                      "--deterministic: the owners did not answer the checkpoint at step {} within {:.1f}s", pos.step,
+                      2 * config.peer_timeout);
+  }
+  CheckpointData data = checkpoint_of(global->params, &*global);
+  add_gathered(data);
   CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(), data, options.config_toml, config.keep_checkpoints));
   return {};
 }
@@ -363,33 +425,57 @@ Status TrainingRun::checkpoint() {
 Status TrainingRun::gather_optimizers() {
   CFMO_TRY(engine->host_optimizer());
   const auto state = optimizer->state();
+  const auto residual = mode->wire_residual();
   size_t floats = 0;
   for (const auto& s : state) floats += s.buffer->size();
-  // Each rank above 0 sends its state, the buffers one after the other; rank 0 receives them all.
-  std::vector<float> own;
-  if (rank != 0) {
-    own.reserve(floats);
-    for (const auto& s : state) own.insert(own.end(), s.buffer->begin(), s.buffer->end());
+  // What each rank has and rank 0 keeps: its optimizer's buffers one after
+  // the other, its error feedback, then its optimizer's steps and position
+  // (the same sizes on every rank).
+  struct Tail {
+    int64_t optimizer_steps;
+    TrainPosition position;
+  };
+  const size_t bytes = (floats + residual.size()) * sizeof(float) + sizeof(Tail);
+  std::vector<std::byte> own(bytes);
+  {
+    auto* at = reinterpret_cast<float*>(own.data());
+    for (const auto& s : state) at = std::copy(s.buffer->begin(), s.buffer->end(), at);
+    at = std::copy(residual.begin(), residual.end(), at);
+    const Tail tail{optimizer->step_count(), pos};
+    std::memcpy(at, &tail, sizeof(Tail));
   }
-  std::vector<std::vector<float>> theirs(rank == 0 ? static_cast<size_t>(world) : 0);
+  // Each rank above 0 sends its own to rank 0, which receives them all.
+  std::vector<std::vector<std::byte>> theirs(rank == 0 ? static_cast<size_t>(world) : 0);
   std::vector<std::span<const std::byte>> send(static_cast<size_t>(world));
   std::vector<std::span<std::byte>> recv(static_cast<size_t>(world));
-  if (rank != 0) send[0] = std::as_bytes(std::span<const float>(own));
+  if (rank != 0) send[0] = own;
   for (size_t p = 1; p < theirs.size(); ++p) {
-    theirs[p].resize(floats);
-    recv[p] = std::as_writable_bytes(std::span<float>(theirs[p]));
+    theirs[p].resize(bytes);
+    recv[p] = theirs[p];
   }
   CFMO_TRY(comm->all_to_all_v(send, recv));
   gathered.clear();
-  for (size_t p = 1; p < theirs.size(); ++p) {
-    auto& per_rank = gathered.emplace_back();
-    size_t at = 0;
-    for (const auto& s : state) {
-      per_rank.emplace_back(s.name,
-                            FloatBuffer(theirs[p].begin() + static_cast<std::ptrdiff_t>(at),
-                                        theirs[p].begin() + static_cast<std::ptrdiff_t>(at + s.buffer->size())));
-      at += s.buffer->size();
+  gathered_steps.clear();
+  gathered_residuals.clear();
+  gathered_positions.clear();
+  if (rank == 0) theirs[0] = std::move(own);
+  for (size_t p = 0; p < theirs.size(); ++p) {
+    const float* at = reinterpret_cast<const float*>(theirs[p].data());
+    if (p > 0) {
+      auto& per_rank = gathered.emplace_back();
+      for (const auto& s : state) {
+        per_rank.emplace_back(s.name, FloatBuffer(at, at + s.buffer->size()));
+        at += s.buffer->size();
+      }
+    } else {
+      at += floats;
     }
+    if (!residual.empty()) gathered_residuals.emplace_back(at, at + residual.size());
+    at += residual.size();
+    Tail tail{};
+    std::memcpy(static_cast<void*>(&tail), at, sizeof(Tail));
+    gathered_steps.push_back(tail.optimizer_steps);
+    gathered_positions.push_back(tail.position);
   }
   gathered_step = pos.step;
   return {};

@@ -175,6 +175,14 @@ struct TrainingRun {
   bool gathers_optimizers = false;
   int64_t gathered_step = -1;                                              ///< the step `gathered` is of
   std::vector<std::vector<std::pair<std::string, FloatBuffer>>> gathered;  ///< rank 0: ranks 1..W-1's
+  std::vector<int64_t> gathered_steps;            ///< rank 0: every rank's optimizer steps then
+  std::vector<FloatBuffer> gathered_residuals;    ///< rank 0: every rank's error feedback (cfmo), or none
+  std::vector<TrainPosition> gathered_positions;  ///< rank 0: every rank's position then
+  /// Adds what gather_optimizers gathered at this step to `data`.
+  void add_gathered(CheckpointData& data) const;
+  /// cfmo --deterministic, every rank at a round's end: the owners' state
+  /// and every rank's own into one checkpoint (the keeper writes it).
+  Status deterministic_checkpoint();
 
   // The loop's state.
   std::vector<int64_t> order;

@@ -80,6 +80,11 @@ class Lazy : public ::testing::Test {
     std::vector<std::string> args = {
         "mount", lazy_dir().string(), point().string(), "--lazy", "--json", "--retries", "1", "--retry-delay", "0.01"};
     args.insert(args.end(), extra.begin(), extra.end());
+    return mount_with(args);
+  }
+
+  /// `mount` with these arguments (a REF mount's); skips where FUSE mounts are not allowed.
+  Json mount_with(const std::vector<std::string>& args) {
     const RunResult r = pull(args);
     if (r.status == 2 && r.err.find("FUSE mount failed") != std::string::npos) {
       skipped_ = true;
@@ -132,6 +137,11 @@ class Lazy : public ::testing::Test {
 
 #define MOUNT_OR_SKIP(j, ...)                                  \
   const Json j = mount(__VA_ARGS__);                           \
+  if (skipped_) GTEST_SKIP() << "FUSE mounts are not allowed"; \
+  ASSERT_TRUE(j.is_object())
+
+#define MOUNT_WITH_OR_SKIP(j, args)                            \
+  const Json j = mount_with(args);                             \
   if (skipped_) GTEST_SKIP() << "FUSE mounts are not allowed"; \
   ASSERT_TRUE(j.is_object())
 
@@ -685,6 +695,135 @@ TEST_F(Lazy, WithoutRootTheMountGoesThroughFusermount3AndLeavesNoMountBehind) {
   guard_.pid = 0;
 }
 
+/// What is left under CACHE/lazy: the layouts of mounts by REF.
+size_t lazy_layouts(const fs::path& cache) {
+  std::error_code ec;
+  if (!fs::is_directory(cache / "lazy", ec)) return 0;
+  return static_cast<size_t>(std::distance(fs::directory_iterator(cache / "lazy"), fs::directory_iterator()));
+}
+
+// mount --lazy REF: no pull first. With indexes pushed for the image, the
+// mount fetches the manifest, the config and the indexes, no layer; files
+// come span by span on first read; the layout stays under --cache for the
+// next mount, whose reads the span cache serves; rm takes it away.
+TEST_F(Lazy, MountsAnImageStraightFromTheRegistry) {
+  const std::string repository = "byref/app";
+  ASSERT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
+  const std::string ref = registry_->host() + "/" + repository + ":v1";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", kSpan, "--push", "-q"}).status, 0);
+  const RunResult rootfs = pull({"pull", ref, "--output", "rootfs:" + (out_ / "rootfs").string(), "--cache",
+                                 (out_ / "blobs").string(), "--plain-http", "-q"});
+  ASSERT_EQ(rootfs.status, 0) << rootfs.err;
+  fs::create_directories(point());
+  const fs::path cache = out_ / "cache";
+  FaultProxy proxy(registry_->host());
+  const std::vector<std::string> args = {"mount",          "--lazy",       proxy.host() + "/" + repository + ":v1",
+                                         point().string(), "--cache",      cache.string(),
+                                         "--plain-http",   "--max-memory", "64M",
+                                         "--json"};
+  MOUNT_WITH_OR_SKIP(j, args);
+  EXPECT_EQ(j["image"], proxy.host() + "/" + repository + ":v1") << j;
+  const fs::path dir = j["dir"].get<std::string>();
+  EXPECT_EQ(dir.parent_path(), fs::absolute(cache / "lazy")) << j;
+  EXPECT_NE(dir.filename().string().find(image_->manifest_digest.substr(7, 16)), std::string::npos) << j;
+  for (const auto& l : j["layers"]) {
+    EXPECT_EQ(l["local"], false) << l;
+    EXPECT_EQ(l["index_from"], "dir") << l;
+  }
+  // Nothing of a layer came before a file was read: one Range request of a
+  // byte asks whether the registry serves parts of a blob, and that is all.
+  size_t layer_requests = 0;
+  for (const auto& layer : image_->layers) {
+    for (const auto& seen : proxy.requests("/blobs/" + oci::sha256_digest(layer))) {
+      EXPECT_EQ(seen.range_start, 0) << "a layer fetched whole before a read: " << seen.target;
+      ++layer_requests;
+    }
+  }
+  EXPECT_LE(layer_requests, 1u);
+  auto fetched = [&] {
+    auto s = oci::read_lazy_stats(dir);
+    return s ? s->bytes_fetched : -1;
+  };
+  EXPECT_EQ(fetched(), 0);
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  EXPECT_GT(fetched(), 0);
+  EXPECT_LT(fetched(), static_cast<int64_t>(image_->layers[0].size()) / 2) << "more than the file's span was fetched";
+  EXPECT_EQ(without_runtime_dirs(point()), testing::list_tree(out_ / "rootfs"));
+  // Under --max-memory, the daemon's peak included.
+  const std::string status = slurp(fmt::format("/proc/{}/status", guard_.pid));
+  const auto hwm = status.find("VmHWM:");
+  ASSERT_NE(hwm, std::string::npos);
+  EXPECT_LT(std::stoll(status.substr(hwm + 6)) * 1024, int64_t{64} << 20) << status.substr(hwm, 30);
+  umount();
+
+  // Mounted again by REF: the same layout, whose span cache serves every read.
+  MOUNT_WITH_OR_SKIP(second, args);
+  EXPECT_EQ(second["dir"], dir.string());
+  EXPECT_EQ(slurp(point() / "usr" / "big"), testing::random_bytes(700000, 3));
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  EXPECT_EQ(fetched(), 0) << "the span cache of the first mount was not used";
+  umount();
+  EXPECT_EQ(lazy_layouts(cache), 1u);
+  EXPECT_EQ(pull({"rm", dir.string(), "-q"}).status, 0);
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+}
+
+// Without indexes in the registry, mount --lazy REF fetches the layers it
+// cannot seek whole, indexes them, and says so.
+TEST_F(Lazy, MountByRefWithoutPushedIndexesBuildsThem) {
+  fs::create_directories(point());
+  const fs::path cache = out_ / "cache";
+  MOUNT_WITH_OR_SKIP(
+      j, (std::vector<std::string>{"mount", "--lazy", registry_->host() + "/" + kImage + ":v1", point().string(),
+                                   "--cache", cache.string(), "--plain-http", "--json"}));
+  ASSERT_EQ(j["layers"].size(), 3u) << j;
+  for (const auto& l : j["layers"]) {
+    EXPECT_EQ(l["local"], true) << l;
+    EXPECT_EQ(l["index_from"], "built") << l;
+    EXPECT_NE(l["note"].get<std::string>().find("no index"), std::string::npos) << l;
+  }
+  EXPECT_EQ(slurp(point() / "lib" / "runtime.so"), testing::random_bytes(150000, 7));
+  EXPECT_FALSE(fs::exists(point() / "old"));
+  umount();
+  EXPECT_EQ(pull({"rm", j["dir"].get<std::string>(), "-q"}).status, 0);
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+}
+
+// A tag the registry does not have: exit 3 in one line, nothing mounted,
+// no layout left; a REF without --lazy and --cache without REF are usage errors.
+TEST_F(Lazy, MountByABadRefFailsCleanly) {
+  fs::create_directories(point());
+  const fs::path cache = out_ / "cache";
+  const RunResult r = pull({"mount", "--lazy", registry_->host() + "/" + kImage + ":nosuchtag", point().string(),
+                            "--cache", cache.string(), "--plain-http", "--retries", "0"});
+  EXPECT_EQ(r.status, 3) << r.err;
+  EXPECT_EQ(testing::lines(r.err).size(), 1u) << r.err;
+  EXPECT_NE(r.err.find("nosuchtag"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::is_empty(point()));
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+  EXPECT_TRUE(oci::mounted_source(fs::canonical(point())).empty());
+
+  // A registry that is not there: exit 4, and nothing left either.
+  const RunResult gone = pull({"mount", "--lazy", "127.0.0.1:1/none/app:v1", point().string(), "--cache",
+                               cache.string(), "--plain-http", "--retries", "0"});
+  EXPECT_EQ(gone.status, 4) << gone.err;
+  EXPECT_EQ(testing::lines(gone.err).size(), 1u) << gone.err;
+  EXPECT_TRUE(fs::is_empty(point()));
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+
+  // A mount point that is not a directory is refused before anything is fetched.
+  const RunResult no_point = pull({"mount", "--lazy", registry_->host() + "/" + kImage + ":v1",
+                                   (out_ / "nowhere").string(), "--cache", cache.string(), "--plain-http"});
+  EXPECT_EQ(no_point.status, 2) << no_point.err;
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+
+  const RunResult not_lazy =
+      pull({"mount", registry_->host() + "/" + kImage + ":v1", point().string(), "--cache", cache.string()});
+  EXPECT_EQ(not_lazy.status, 2) << not_lazy.err;
+  EXPECT_NE(not_lazy.err.find("--cache"), std::string::npos) << not_lazy.err;
+}
+
 /// A static busybox, or empty with the reason it cannot be used.
 std::string static_busybox(std::string& why) {
   const std::string bytes = slurp("/bin/busybox");
@@ -739,6 +878,80 @@ class LazyContainer : public ::testing::Test {
     }
   };
 
+  /// Runs busybox from the image at `point` in a crun container (read-only
+  /// root, the runtime's own proc, dev and sys); `guard` deletes it whatever happens.
+  RunResult run_container(const fs::path& point, Guard& guard) {
+    // The bundle: the mount as a read-only root, the runtime's own proc, dev and sys on it.
+    const fs::path bundle = out_ / "bundle";
+    fs::create_directories(bundle);
+    const Json config = {
+        {"ociVersion", "1.0.2"},
+        {"process",
+         {{"terminal", false},
+          {"user", {{"uid", 0}, {"gid", 0}}},
+          {"args",
+           {"/bin/busybox", "sh", "-c",
+            "/bin/busybox cat /etc/message && /bin/busybox test -r /proc/self/status && echo proc"}},
+          {"env", {"PATH=/bin"}},
+          {"cwd", "/"},
+          {"noNewPrivileges", true}}},
+        {"root", {{"path", fs::canonical(point).string()}, {"readonly", true}}},
+        {"hostname", "cfmo-lazy"},
+        {"mounts", Json::array({{{"destination", "/proc"}, {"type", "proc"}, {"source", "proc"}},
+                                {{"destination", "/dev"},
+                                 {"type", "tmpfs"},
+                                 {"source", "tmpfs"},
+                                 {"options", {"nosuid", "strictatime", "mode=755", "size=65536k"}}},
+                                {{"destination", "/sys"},
+                                 {"type", "sysfs"},
+                                 {"source", "sysfs"},
+                                 {"options", {"nosuid", "noexec", "nodev", "ro"}}}})},
+        {"linux",
+         {{"namespaces",
+           Json::array({{{"type", "pid"}}, {{"type", "ipc"}}, {{"type", "uts"}}, {{"type", "mount"}}})}}}};
+    std::ofstream(bundle / "config.json") << config.dump(2);
+    guard.state = out_ / "crun-state";
+    guard.id = fmt::format("cfmo-pull-test-{}", ::getpid());
+    // This machine mounts cgroup v1 controllers beside a v2 "unified" tree,
+    // which crun refuses; in a mount namespace of its own the v2 tree is
+    // unmounted and crun runs with no cgroup manager (nothing to limit here).
+    const std::string crun = fmt::format(
+        "if grep -q ' /sys/fs/cgroup/unified ' /proc/self/mountinfo; then umount /sys/fs/cgroup/unified; fi; "
+        "exec /usr/bin/crun --cgroup-manager=disabled --root '{}' run --bundle '{}' '{}'",
+        guard.state.string(), bundle.string(), guard.id);
+    return run({"/usr/bin/unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", crun}, 60);
+  }
+
+  static oci::LazyStats stats(const fs::path& dir) {
+    auto s = oci::read_lazy_stats(dir);
+    return s ? *s : oci::LazyStats{};
+  }
+
+  /// Runs the container on the lazy mount of the pull in `dir` at `point`,
+  /// checks its output and that only spans were fetched, and unmounts.
+  void run_and_check(const fs::path& point, const fs::path& dir, Guard& guard) {
+    const RunResult container = run_container(point, guard);
+    EXPECT_EQ(container.status, 0) << container.err;
+    EXPECT_EQ(container.out, "hello from a cold layer\nproc\n") << container.err;
+    guard.id.clear();  // crun run deletes what it made
+
+    // busybox and the message were fetched by spans; the 4 MiB nobody read was not.
+    const auto fetched = stats(dir);
+    EXPECT_EQ(fetched.errors, 0);
+    EXPECT_GT(fetched.bytes_fetched, 0);
+    int64_t image_bytes = 0;
+    for (const auto& l : image_->layers) image_bytes += static_cast<int64_t>(l.size());
+    EXPECT_LT(fetched.bytes_fetched, image_bytes - (int64_t{3} << 20))
+        << "the unread file was fetched: " << fetched.bytes_fetched << " of " << image_bytes;
+
+    const RunResult down = pull({"umount", point.string()});
+    EXPECT_EQ(down.status, 0) << down.err;
+    EXPECT_TRUE(fs::is_empty(point));
+    guard.point.clear();
+    for (int i = 0; i < 200 && ::kill(guard.pid, 0) == 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+
   TempDir out_;
   static inline Registry* registry_ = nullptr;
   static inline FixtureImage* image_ = nullptr;
@@ -766,74 +979,42 @@ TEST_F(LazyContainer, CrunRunsAProgramFromAColdLayerOfTheLazyMount) {
   Guard guard;
   guard.point = point;
   guard.pid = Json::parse(mounted.out).value("pid", 0);
-  auto stats = [&] {
-    auto s = oci::read_lazy_stats(lazy);
-    return s ? *s : oci::LazyStats{};
-  };
-  ASSERT_EQ(stats().bytes_fetched, 0) << "fetched before the container started";
+  ASSERT_EQ(stats(lazy).bytes_fetched, 0) << "fetched before the container started";
 
-  // The bundle: the mount as a read-only root, the runtime's own proc, dev and sys on it.
-  const fs::path bundle = out_ / "bundle";
-  fs::create_directories(bundle);
-  const Json config = {
-      {"ociVersion", "1.0.2"},
-      {"process",
-       {{"terminal", false},
-        {"user", {{"uid", 0}, {"gid", 0}}},
-        {"args",
-         {"/bin/busybox", "sh", "-c",
-          "/bin/busybox cat /etc/message && /bin/busybox test -r /proc/self/status && echo proc"}},
-        {"env", {"PATH=/bin"}},
-        {"cwd", "/"},
-        {"noNewPrivileges", true}}},
-      {"root", {{"path", fs::canonical(point).string()}, {"readonly", true}}},
-      {"hostname", "cfmo-lazy"},
-      {"mounts", Json::array({{{"destination", "/proc"}, {"type", "proc"}, {"source", "proc"}},
-                              {{"destination", "/dev"},
-                               {"type", "tmpfs"},
-                               {"source", "tmpfs"},
-                               {"options", {"nosuid", "strictatime", "mode=755", "size=65536k"}}},
-                              {{"destination", "/sys"},
-                               {"type", "sysfs"},
-                               {"source", "sysfs"},
-                               {"options", {"nosuid", "noexec", "nodev", "ro"}}}})},
-      {"linux",
-       {{"namespaces", Json::array({{{"type", "pid"}}, {{"type", "ipc"}}, {{"type", "uts"}}, {{"type", "mount"}}})}}}};
-  std::ofstream(bundle / "config.json") << config.dump(2);
-  guard.state = out_ / "crun-state";
-  guard.id = fmt::format("cfmo-pull-test-{}", ::getpid());
-  // This machine mounts cgroup v1 controllers beside a v2 "unified" tree,
-  // which crun refuses; in a mount namespace of its own the v2 tree is
-  // unmounted and crun runs with no cgroup manager (nothing to limit here).
-  const std::string crun = fmt::format(
-      "if grep -q ' /sys/fs/cgroup/unified ' /proc/self/mountinfo; then umount /sys/fs/cgroup/unified; fi; "
-      "exec /usr/bin/crun --cgroup-manager=disabled --root '{}' run --bundle '{}' '{}'",
-      guard.state.string(), bundle.string(), guard.id);
-  const RunResult container =
-      run({"/usr/bin/unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", crun}, 60);
-  EXPECT_EQ(container.status, 0) << container.err;
-  EXPECT_EQ(container.out, "hello from a cold layer\nproc\n") << container.err;
-  guard.id.clear();  // crun run deletes what it made
-
-  // busybox and the message were fetched by spans; the 4 MiB nobody read was not.
-  const auto fetched = stats();
-  EXPECT_EQ(fetched.errors, 0);
-  EXPECT_GT(fetched.bytes_fetched, 0);
-  int64_t image_bytes = 0;
-  for (const auto& l : image_->layers) image_bytes += static_cast<int64_t>(l.size());
-  EXPECT_LT(fetched.bytes_fetched, image_bytes - (int64_t{3} << 20))
-      << "the unread file was fetched: " << fetched.bytes_fetched << " of " << image_bytes;
-
-  const RunResult down = pull({"umount", point.string()});
-  EXPECT_EQ(down.status, 0) << down.err;
-  EXPECT_TRUE(fs::is_empty(point));
-  guard.point.clear();
-  for (int i = 0; i < 200 && ::kill(guard.pid, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  run_and_check(point, lazy, guard);
   EXPECT_EQ(fs::exists(guard.state) ? std::distance(fs::directory_iterator(guard.state), fs::directory_iterator()) : 0,
             0)
       << "crun left state behind";
   EXPECT_EQ(pull({"rm", lazy.string(), "-q"}).status, 0);
   EXPECT_EQ(pull({"rm", full.string(), "-q"}).status, 0);
+}
+
+// The same container on `mount --lazy REF`: no pull before it, the indexes
+// from the registry, busybox fetched by spans as crun starts it.
+TEST_F(LazyContainer, CrunRunsAProgramFromALazyMountOfARef) {
+  const std::string ref = registry_->host() + "/" + kRepository + ":v1";
+  const RunResult pushed =
+      pull({"index", ref, "--push", "--span", "256K", "--plain-http", "--cache", (out_ / "scratch").string(), "-q"});
+  ASSERT_EQ(pushed.status, 0) << pushed.err;
+  const fs::path point = out_ / "rootfs";
+  const fs::path cache = out_ / "cache";
+  fs::create_directories(point);
+  const RunResult mounted =
+      pull({"mount", "--lazy", ref, point.string(), "--cache", cache.string(), "--plain-http", "--json"});
+  if (mounted.status == 2 && mounted.err.find("FUSE mount failed") != std::string::npos) {
+    GTEST_SKIP() << "FUSE mounts are not allowed";
+  }
+  ASSERT_EQ(mounted.status, 0) << mounted.err;
+  const Json j = Json::parse(mounted.out);
+  Guard guard;
+  guard.point = point;
+  guard.pid = j.value("pid", 0);
+  const fs::path dir = j["dir"].get<std::string>();
+  ASSERT_EQ(stats(dir).bytes_fetched, 0) << "fetched before the container started";
+
+  run_and_check(point, dir, guard);
+  EXPECT_EQ(pull({"rm", dir.string(), "-q"}).status, 0);
+  EXPECT_TRUE(fs::is_empty(cache / "lazy"));
 }
 
 }  // namespace

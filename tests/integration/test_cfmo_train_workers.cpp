@@ -418,6 +418,80 @@ TEST(CfmoTrainWorkers, LocalSgdResumedWithTheSameWorldEndsWithTheParametersOfAnU
   EXPECT_NE(missing.err.find("optimizer-rank-1.safetensors"), std::string::npos) << missing.err;
 }
 
+// cfmo with --deterministic: owners apply each round in rank order and
+// workers wait for its replies, so a run is the same each time, and a
+// checkpoint at a round's end holds every rank's own state (inner optimizer
+// and its steps, error feedback of the bf16 wire, position) and the owners'
+// (shards, versions, outer momentum and its pending round): resumed from it,
+// the run ends bitwise where the uninterrupted one did. Three workers, an
+// epoch of 14 global batches whose last is short (ranks 1 and 2 have no
+// slice of it: their optimizer steps differ), checkpoints every 8 steps and at epoch ends (taken
+// at the next round, every 4 steps).
+TEST(CfmoTrainWorkers, DeterministicCfmoResumedFromAnyRoundEndsWithTheUninterruptedRunsParametersBitForBit) {
+  TempDir dir;
+  const std::vector<std::string> job = {"--data",
+                                        "synthetic:2000:256",
+                                        "--workers",
+                                        "3",
+                                        "--mode",
+                                        "cfmo",
+                                        "--deterministic",
+                                        "--sync-interval",
+                                        "4",
+                                        "--steps",
+                                        "30",
+                                        "--batch-size",
+                                        "50"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = job;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return args(all);
+  };
+  const fs::path whole = dir / "whole";
+  const RunResult first =
+      run(with({"--checkpoint-every", "8", "--keep-checkpoints", "100", "--out", whole.string()}), 300);
+  ASSERT_EQ(first.status, 0) << first.err;
+  const RunResult again = run(with({"--out", (dir / "again").string()}), 300);
+  ASSERT_EQ(again.status, 0) << again.err;
+  const auto expected = parameters(whole / "model.safetensors");
+  ASSERT_FALSE(expected.empty());
+  EXPECT_EQ(parameters(dir / "again" / "model.safetensors"), expected) << "two runs of the same job differ";
+
+  const fs::path at16 = whole / "checkpoints" / "step-00000016";  // the round after the epoch's end (14)
+  const auto state = nlohmann::json::parse(slurp(at16 / "state.json"));
+  EXPECT_EQ(state["rank_optimizers"],
+            nlohmann::json::array({"optimizer-rank-1.safetensors", "optimizer-rank-2.safetensors"}));
+  EXPECT_EQ(state["rank_optimizer_steps"], nlohmann::json::array({16, 15, 15})) << state.dump();
+  EXPECT_EQ(state["wire_residuals"].size(), 3u);
+  EXPECT_EQ(state["shard_versions"].size(), 3u);
+  EXPECT_EQ(state["outer_in_round"], nlohmann::json::array({0, 0, 0}));
+  EXPECT_EQ(state["ranks"][2]["samples"].get<int64_t>() + 50, state["ranks"][0]["samples"].get<int64_t>())
+      << state.dump();
+
+  for (const char* step : {"step-00000008", "step-00000016", "step-00000024"}) {
+    const fs::path out = dir / (std::string("resumed-") + step);
+    const RunResult resumed =
+        run(with({"--resume", (whole / "checkpoints" / step).string(), "--out", out.string()}), 300);
+    ASSERT_EQ(resumed.status, 0) << step << ": " << resumed.err;
+    const auto got = parameters(out / "model.safetensors");
+    ASSERT_EQ(got.size(), expected.size());
+    EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0)
+        << "resumed from " << step << ", the final parameters differ from the uninterrupted run's";
+  }
+
+  // asgd's owners apply each gradient as it arrives: no fixed order to offer.
+  const RunResult asgd = run(args({"--workers", "2", "--mode", "asgd", "--deterministic", "--steps", "5"}), 60);
+  EXPECT_EQ(asgd.status, 2) << asgd.err;
+  EXPECT_NE(asgd.err.find("--deterministic: not in asgd"), std::string::npos) << asgd.err;
+  // A time limit would stop each worker at its own step.
+  const RunResult timed =
+      run(args({"--workers", "2", "--mode", "cfmo", "--deterministic", "--epochs", "0", "--time-limit", "5s"}), 60);
+  EXPECT_EQ(timed.status, 2) << timed.err;
+  EXPECT_NE(timed.err.find("--deterministic: stops by --steps, --epochs or --tokens, not --time-limit"),
+            std::string::npos)
+      << timed.err;
+}
+
 TEST(CfmoTrainWorkers, EveryModeCheckpointsTheGlobalParametersMidRunAndResumes) {
   for (const char* mode : {"sync", "localsgd", "cfmo", "asgd"}) {
     SCOPED_TRACE(mode);

@@ -21,7 +21,7 @@
 
 namespace cfmo::pulltool {
 
-class ConsoleProgress final : public oci::PullObserver {
+class ConsoleProgress final : public oci::PullSink {
  public:
   enum class Mode { kTty, kPlain, kNone };
   ConsoleProgress(const char* tool, Mode mode, bool notes) : tool_(tool), mode_(mode), notes_(notes) {}

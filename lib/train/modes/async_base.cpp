@@ -23,6 +23,15 @@ AsyncMode::AsyncMode(const ModeSettings& settings, Communicator& comm, std::span
   Served& mine = served_[me];
   mine.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
                      initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
+  // A resumed run continues the shards' versions (the staleness counters) and
+  // this rank's error feedback where the checkpoint has them for this world.
+  if (resume.versions.size() == base_version_.size()) {
+    base_version_ = resume.versions;
+    mine.version = resume.versions[static_cast<size_t>(me)];
+  }
+  if (resume.wire_residual.size() == residual_.size()) {
+    std::copy(resume.wire_residual.begin(), resume.wire_residual.end(), residual_.begin());
+  }
   if (resume.ranks.size() == progress_.size()) progress_ = resume.ranks;
   for (const auto& p : progress_) start_samples_.push_back(p.samples);
   reconciled_samples_.assign(progress_.size(), 0);
@@ -127,6 +136,7 @@ void AsyncMode::refresh_membership() {
   for (int r = 0; r < comm_.size(); ++r) {
     if (!lost_locked(r)) after.push_back(r);
   }
+  live_ = static_cast<int>(after.size());
   if (Status quorum = check_quorum(comm_.rank(), before, after); !quorum && cut_off_.message.empty()) {
     cut_off_ = quorum.error();
   }
@@ -329,7 +339,7 @@ bool AsyncMode::take_owner_shard(std::span<const std::byte>& m, PartialGlobalSta
     if (b == 0) {
       into = &a.state.params;
     } else if (owner_state_kind_ == OwnerState::kOuterMomentum) {
-      into = &a.state.outer_momentum;
+      into = b == 1 ? &a.state.outer_momentum : &a.state.outer_round_sum;
     } else {
       if (a.state.owner_state.size() < b) a.state.owner_state.resize(b);
       into = &a.state.owner_state[b - 1];
@@ -339,7 +349,12 @@ bool AsyncMode::take_owner_shard(std::span<const std::byte>& m, PartialGlobalSta
   }
   if (!keep) return true;
   a.state.versions[shard] = version;
-  a.state.owner_steps[shard] = steps;
+  if (owner_state_kind_ == OwnerState::kOuterMomentum) {
+    if (a.state.outer_in_round.empty()) a.state.outer_in_round.assign(static_cast<size_t>(comm_.size()), 0);
+    a.state.outer_in_round[shard] = steps;
+  } else {
+    a.state.owner_steps[shard] = steps;
+  }
   a.received[shard] = true;
   ++a.count;
   return true;

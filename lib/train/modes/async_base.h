@@ -30,6 +30,8 @@
 ///                [u32 1: shards][u64 id][u32 n][n owner shards] an owner's answer
 /// where an owner shard is [u32 shard][i64 version][i64 owner steps]
 /// [u32 buffers][u64 n][n floats: params][u64 n][n floats: owner state]...
+/// (cfmo: owner steps are the pending round's contributions, the state the
+/// outer momentum then the round's sum; asgd: the optimizer's steps and state)
 
 #include "train/modes.h"
 #include "train/modes/timing.h"
@@ -48,8 +50,9 @@ namespace cfmo::modes {
 
 class AsyncMode : public Mode {
  public:
-  /// What an owner's state buffers are in a snapshot: the outer momentum
-  /// (cfmo) or the shard optimizer's state (asgd).
+  /// What an owner's state buffers are in a snapshot: the outer momentum and
+  /// the pending round's sum, with the round's contributions so far as its
+  /// steps (cfmo), or the shard optimizer's state and steps (asgd).
   enum class OwnerState : uint8_t { kOuterMomentum, kOptimizer };
 
   AsyncMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume,
@@ -58,6 +61,7 @@ class AsyncMode : public Mode {
 
   bool stop_requested() const override { return stop_.load(); }
   bool params_are_global() const override { return false; }
+  std::span<const float> wire_residual() const override { return residual_; }
   ModeStats stats() const override {
     std::lock_guard lock(mutex_);
     return stats_;
@@ -110,10 +114,17 @@ class AsyncMode : public Mode {
   /// for a shard this rank does not serve).
   void reply_fresh_locked(int to, int shard, int64_t staleness, bool dropped, bool with_shard = true);
 
-  /// The staleness of a contribution to `served` based on `base_version`, in rounds of W.
+  /// The staleness of a contribution to `served` based on `base_version`, in
+  /// rounds of W (of the whole world even after losses: the versions a
+  /// contribution of a fresh worker can miss grow with W, a round's own and
+  /// the previous round's after its reply).
   int64_t staleness_of(const Served& served, int64_t base_version) const {
     return std::max<int64_t>(0, served.version - base_version) / comm_.size();
   }
+  /// W_live: the ranks alive as refresh_membership last saw them. After a
+  /// loss the survivors' contributions weigh 1 / W_live, so that a round of
+  /// them still moves the global parameters by their mean.
+  int live() const { return live_.load(); }
 
   /// Under mutex_: whether `rank` is lost as this rank last saw it (refresh_membership).
   bool lost_locked(int rank) const { return lost_[static_cast<size_t>(rank)]; }
@@ -271,6 +282,7 @@ class AsyncMode : public Mode {
   std::vector<bool> lost_;                   ///< the lost ranks as refresh_membership last saw them
   Error cut_off_{ErrorKind::kPeer, {}};      ///< see cut_off(); empty message: not cut off
   size_t lost_count_ = 0;                    ///< how many
+  std::atomic<int> live_{comm_.size()};      ///< see live()
   std::vector<TrainPosition> progress_;      ///< keeper and standby: each rank's last reported position
   std::vector<int64_t> start_samples_;       ///< each rank's samples when this run started
   std::vector<int64_t> reconciled_samples_;  ///< keeper and standby: see reconciled_samples()

@@ -16,7 +16,9 @@ void OuterOptimizer::apply(std::span<float> global, std::span<const float> delta
   const size_t n = global.size();
   for (size_t i = 0; i < n; ++i) global[i] += lr_ * weight * delta[i];
   if (!nesterov_) return;
-  if (per_round_ > 1) {
+  // Rounds of several contributions since the start (a round shrunk to one by
+  // losses still completes here: the sum of one is its contribution).
+  if (!round_sum_.empty()) {
     for (size_t i = 0; i < n; ++i) round_sum_[i] += weight * delta[i];
     if (++in_round_ < per_round_) return;
     in_round_ = 0;
