@@ -776,9 +776,10 @@ CommandResult run_index(const PullCommandLine& line, const PullPlan& plan, const
         from_ref ? std::string()
                  : fmt::format("; index {} ({})", r.path.string(), human_bytes(static_cast<int64_t>(r.index_bytes)));
     text += r.indexed
-                ? fmt::format("{}: layer {} {}: {} entries, {} checkpoint(s), {} uncompressed{}\n", kTool, r.layer,
+                ? fmt::format("{}: layer {} {}: {} entries, {} checkpoint(s), {} uncompressed{}{}\n", kTool, r.layer,
                               r.digest.substr(0, 19), r.entries, r.checkpoints,
-                              human_bytes(static_cast<int64_t>(r.uncompressed_size)), where)
+                              human_bytes(static_cast<int64_t>(r.uncompressed_size)), where,
+                              r.note.empty() ? "" : "; " + r.note)
                 : fmt::format("{}: layer {} {}: not indexed: {}\n", kTool, r.layer, r.digest.substr(0, 19), r.note);
   }
   Json pushed_json = nullptr;
