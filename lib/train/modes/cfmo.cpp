@@ -13,6 +13,7 @@
 // kDeltaShard [u32 shard][u32 dtype | kLastRound][i64 base version][encoded floats (comm/codec.h)]
 // kReplica    [u32 0: apply][u32 shard][i64 version][f32 weight][u32 dtype][encoded floats]
 //             [u32 1: whole][u32 shard][i64 version][u32 in round][u64 n][values][u64 n][momentum][u64 n][round sum]
+//             [u32 2: hand-over] as whole, to its owner: a join brought it back
 #include "train/modes/async_base.h"
 #include "train/modes/outer_optimizer.h"
 #include "train/modes/wire.h"
@@ -28,15 +29,17 @@ class CfmoMode final : public AsyncMode {
   CfmoMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume)
       : AsyncMode(settings, comm, initial, resume, OwnerState::kOuterMomentum, /*replicated=*/true),
         snapshot_(initial.size(), 0.0f) {
-    // Every rank starts from the same state, so each backup's replica starts as its owner's shard.
+    // Every rank starts from the same state, so each backup's replica starts
+    // as its owner's shard. A joiner starts with nothing: its shard comes
+    // back from the rank that served it, its replica from its owner.
     const int me = comm.rank();
     const int w = comm.size();
-    outer_.emplace(me, starting_outer(me, resume));
-    const int before = (me + w - 1) % w;
-    Replica& r = replicas_.emplace(before, Replica{{}, 0, starting_outer(before, resume)}).first->second;
-    r.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before)]),
-                    initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before) + 1]));
-    {
+    if (!comm.joined()) {
+      outer_.emplace(me, starting_outer(me, resume));
+      const int before = (me + w - 1) % w;
+      Replica& r = replicas_.emplace(before, Replica{{}, 0, starting_outer(before, resume)}).first->second;
+      r.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before)]),
+                      initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before) + 1]));
       std::lock_guard lock(mutex_);
       backup_[me] = backup_of_locked(me);
     }
@@ -51,6 +54,9 @@ class CfmoMode final : public AsyncMode {
     stop_serving_owner_state();
   }
   std::string_view name() const override { return "cfmo"; }
+  Status join(std::span<float> params, Optimizer&, TrainPosition& position) override {
+    return take_global_state(params, position);
+  }
 
   bool needs_params(const TrainPosition& position) const override {
     return position.step % settings_.sync_interval == 0 || inbox_pending();
@@ -230,16 +236,45 @@ class CfmoMode final : public AsyncMode {
   void send_whole_locked(int shard, int backup) {
     backup_[shard] = backup;
     if (backup < 0) return;
+    send_state_locked(shard, backup, kReplicaWhole);
+  }
+
+  /// Under mutex_: `shard`'s whole state to `to`, as a replica (kReplicaWhole) or to serve (kHandOver).
+  void send_state_locked(int shard, int to, uint32_t kind) {
     const OuterOptimizer& outer = outer_.at(shard);
     std::vector<std::byte> out;
-    put(out, kReplicaWhole);
+    put(out, kind);
     put(out, static_cast<uint32_t>(shard));
     put(out, served_.at(shard).version);
     put(out, static_cast<uint32_t>(outer.in_round()));
     put_vector(out, served_.at(shard).values);
     put_vector(out, outer.momentum());
     put_vector(out, outer.round_sum());
-    comm_.post(backup, channels::kReplica, std::move(out));
+    comm_.post(to, channels::kReplica, std::move(out));
+  }
+
+  /// Under mutex_: a shard handed over to this rank, its owner now (a join
+  /// moved it back); of two hand-overs (the rank that served it and a
+  /// replica's holder) the newer counts. Its backup gets the whole state.
+  void take_handed_over_locked(int j, int64_t version, std::span<const std::byte> m) {
+    uint32_t in_round = 0;
+    std::vector<float> values;
+    std::vector<float> momentum;
+    std::vector<float> round_sum;
+    if (!take(m, in_round) || !take_vector(m, values) || !take_vector(m, momentum) || !take_vector(m, round_sum) ||
+        values.size() != shard_size(j)) {
+      return;
+    }
+    if (const auto it = served_.find(j); it != served_.end() && it->second.version >= version) return;
+    Served taken;
+    taken.values.assign(values.begin(), values.end());
+    taken.version = version;
+    OuterOptimizer outer(settings_, shard_size(j), comm_.size());
+    outer.restore(static_cast<int>(in_round), momentum, round_sum);
+    served_.insert_or_assign(j, std::move(taken));
+    outer_.insert_or_assign(j, std::move(outer));
+    replicas_.erase(j);
+    send_whole_locked(j, backup_of_locked(j));
   }
 
   /// A backup: an owner's applied contribution, or its whole state, into the replica.
@@ -252,6 +287,10 @@ class CfmoMode final : public AsyncMode {
     }
     const int j = static_cast<int>(shard);
     std::lock_guard lock(mutex_);
+    if (kind == kHandOver) {
+      take_handed_over_locked(j, version, m);
+      return;
+    }
     if (served_.count(j) != 0) return;  // this rank serves it now: an old owner's late words
     if (kind == kReplicaWhole) {
       uint32_t in_round = 0;
@@ -278,13 +317,42 @@ class CfmoMode final : public AsyncMode {
     it->second.version = version;
   }
 
-  /// Under mutex_: the shards whose owner is this rank now take up their
-  /// replicas (or, where every holder was lost, this rank's last global
-  /// values of them); every shard served gets its backup's whole state when
-  /// its backup changed.
-  void on_membership_change_locked(const std::vector<int>&) override {
+  /// Under mutex_: a shard this rank serves whose owner is another rank now
+  /// (a join brought that rank back) goes to it whole, with a replica this
+  /// rank holds of a rank that came back (it may not have promoted it yet);
+  /// the shards whose owner is this rank now take up their replicas (or,
+  /// where every holder was lost, this rank's last global values of them;
+  /// never on a joiner, whose own shard comes handed over); every shard served
+  /// gets its backup's whole state when its backup changed.
+  void on_membership_change_locked(const std::vector<int>&, const std::vector<int>& rejoined) override {
     const int me = comm_.rank();
-    for (int j = 0; j < comm_.size(); ++j) {
+    for (auto it = served_.begin(); it != served_.end();) {
+      const int owner = owner_of_locked(it->first);
+      if (owner == me || owner < 0) {
+        ++it;
+        continue;
+      }
+      send_state_locked(it->first, owner, kHandOver);
+      outer_.erase(it->first);
+      backup_.erase(it->first);
+      it = served_.erase(it);
+    }
+    for (const int r : rejoined) {
+      const auto replica = replicas_.find(r);
+      if (replica == replicas_.end()) continue;
+      // As a hand-over: the whole replica, the state it was kept with.
+      std::vector<std::byte> out;
+      put(out, kHandOver);
+      put(out, static_cast<uint32_t>(r));
+      put(out, replica->second.version);
+      put(out, static_cast<uint32_t>(replica->second.outer.in_round()));
+      put_vector(out, replica->second.values);
+      put_vector(out, replica->second.outer.momentum());
+      put_vector(out, replica->second.outer.round_sum());
+      comm_.post(r, channels::kReplica, std::move(out));
+      replicas_.erase(replica);
+    }
+    for (int j = 0; j < comm_.size() && !joining_; ++j) {
       if (owner_of_locked(j) != me || served_.count(j) != 0) continue;
       Served taken;
       const auto r = replicas_.find(j);
@@ -338,6 +406,7 @@ class CfmoMode final : public AsyncMode {
   std::map<int, Replica> replicas_;      ///< the shards this rank is the backup of
   static constexpr uint32_t kReplicaApply = 0;
   static constexpr uint32_t kReplicaWhole = 1;
+  static constexpr uint32_t kHandOver = 2;  ///< as kReplicaWhole, to serve: a join gave the shard back
 
   /// In a delta's dtype field: the sender's last round, answered without the shard.
   static constexpr uint32_t kLastRound = 0x100;
