@@ -241,13 +241,18 @@ class CfmoMode final : public AsyncMode {
 
   /// Under mutex_: `shard`'s whole state to `to`, as a replica (kReplicaWhole) or to serve (kHandOver).
   void send_state_locked(int shard, int to, uint32_t kind) {
-    const OuterOptimizer& outer = outer_.at(shard);
+    post_whole(to, kind, shard, served_.at(shard).version, served_.at(shard).values, outer_.at(shard));
+  }
+
+  /// [kind][shard][version][in round][values][momentum][round sum] to `to`.
+  void post_whole(int to, uint32_t kind, int shard, int64_t version, std::span<const float> values,
+                  const OuterOptimizer& outer) {
     std::vector<std::byte> out;
     put(out, kind);
     put(out, static_cast<uint32_t>(shard));
-    put(out, served_.at(shard).version);
+    put(out, version);
     put(out, static_cast<uint32_t>(outer.in_round()));
-    put_vector(out, served_.at(shard).values);
+    put_vector(out, values);
     put_vector(out, outer.momentum());
     put_vector(out, outer.round_sum());
     comm_.post(to, channels::kReplica, std::move(out));
@@ -257,22 +262,14 @@ class CfmoMode final : public AsyncMode {
   /// moved it back); of two hand-overs (the rank that served it and a
   /// replica's holder) the newer counts. Its backup gets the whole state.
   void take_handed_over_locked(int j, int64_t version, std::span<const std::byte> m) {
-    uint32_t in_round = 0;
-    std::vector<float> values;
-    std::vector<float> momentum;
-    std::vector<float> round_sum;
-    if (!take(m, in_round) || !take_vector(m, values) || !take_vector(m, momentum) || !take_vector(m, round_sum) ||
-        values.size() != shard_size(j)) {
-      return;
-    }
+    auto whole = take_whole(j, version, m);
+    if (!whole) return;
     if (const auto it = served_.find(j); it != served_.end() && it->second.version >= version) return;
     Served taken;
-    taken.values.assign(values.begin(), values.end());
+    taken.values = std::move(whole->values);
     taken.version = version;
-    OuterOptimizer outer(settings_, shard_size(j), comm_.size());
-    outer.restore(static_cast<int>(in_round), momentum, round_sum);
     served_.insert_or_assign(j, std::move(taken));
-    outer_.insert_or_assign(j, std::move(outer));
+    outer_.insert_or_assign(j, std::move(whole->outer));
     replicas_.erase(j);
     send_whole_locked(j, backup_of_locked(j));
   }
@@ -293,18 +290,7 @@ class CfmoMode final : public AsyncMode {
     }
     if (served_.count(j) != 0) return;  // this rank serves it now: an old owner's late words
     if (kind == kReplicaWhole) {
-      uint32_t in_round = 0;
-      std::vector<float> values;
-      std::vector<float> momentum;
-      std::vector<float> round_sum;
-      if (!take(m, in_round) || !take_vector(m, values) || !take_vector(m, momentum) || !take_vector(m, round_sum) ||
-          values.size() != shard_size(j)) {
-        return;
-      }
-      Replica r{{}, version, OuterOptimizer(settings_, shard_size(j), comm_.size())};
-      r.values.assign(values.begin(), values.end());
-      r.outer.restore(static_cast<int>(in_round), momentum, round_sum);
-      replicas_.insert_or_assign(j, std::move(r));
+      if (auto r = take_whole(j, version, m)) replicas_.insert_or_assign(j, std::move(*r));
       return;
     }
     float weight = 0;
@@ -341,15 +327,7 @@ class CfmoMode final : public AsyncMode {
       const auto replica = replicas_.find(r);
       if (replica == replicas_.end()) continue;
       // As a hand-over: the whole replica, the state it was kept with.
-      std::vector<std::byte> out;
-      put(out, kHandOver);
-      put(out, static_cast<uint32_t>(r));
-      put(out, replica->second.version);
-      put(out, static_cast<uint32_t>(replica->second.outer.in_round()));
-      put_vector(out, replica->second.values);
-      put_vector(out, replica->second.outer.momentum());
-      put_vector(out, replica->second.outer.round_sum());
-      comm_.post(r, channels::kReplica, std::move(out));
+      post_whole(r, kHandOver, r, replica->second.version, replica->second.values, replica->second.outer);
       replicas_.erase(replica);
     }
     for (int j = 0; j < comm_.size() && !joining_; ++j) {
@@ -399,6 +377,22 @@ class CfmoMode final : public AsyncMode {
     int64_t version = 0;
     OuterOptimizer outer;
   };
+
+  /// A whole state's rest after [kind][shard][version]; none when malformed.
+  std::optional<Replica> take_whole(int j, int64_t version, std::span<const std::byte> m) const {
+    uint32_t in_round = 0;
+    std::vector<float> values;
+    std::vector<float> momentum;
+    std::vector<float> round_sum;
+    if (!take(m, in_round) || !take_vector(m, values) || !take_vector(m, momentum) || !take_vector(m, round_sum) ||
+        values.size() != shard_size(j)) {
+      return std::nullopt;
+    }
+    Replica r{{}, version, OuterOptimizer(settings_, shard_size(j), comm_.size())};
+    r.values.assign(values.begin(), values.end());
+    r.outer.restore(static_cast<int>(in_round), momentum, round_sum);
+    return r;
+  }
 
   // Under mutex_.
   std::map<int, OuterOptimizer> outer_;  ///< the outer step of each shard served
