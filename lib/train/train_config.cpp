@@ -97,7 +97,7 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         "sync --elastic: the workers left raise their batch to keep the global batch a lost worker shrank", dist);
   t.add("join", &c.join,
         "host:port of a running run's rank 0 (its --rendezvous): take a lost rank's place there, with the run's flags "
-        "(cfmo)",
+        "(cfmo, localsgd --elastic)",
         dist);
 
   const std::string output = "Output";
@@ -190,8 +190,10 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.keep_global_batch && !c.elastic) return usage("keep-global-batch", "needs --elastic");
   if (!c.join.empty()) {
     if (auto where = parse_rendezvous(c.join); !where) return usage("join", where.error().message);
-    if (plan.mode != ModeKind::kCfmo) {
-      return usage("join", fmt::format("a worker joins a running run in --mode cfmo, not {}", c.mode));
+    if (plan.mode != ModeKind::kCfmo && !(plan.mode == ModeKind::kLocalSgd && c.elastic)) {
+      return usage("join", fmt::format("a worker joins a running run in --mode cfmo, or localsgd with --elastic; "
+                                       "not {}{}",
+                                       c.mode, c.elastic ? " --elastic" : ""));
     }
   }
   CFMO_TRY(heterogeneity_for(c, 0));

@@ -360,6 +360,46 @@ bool wait_for_text(std::vector<Background>& processes, const fs::path& file, con
   return false;
 }
 
+// localsgd with --elastic: a worker killed mid-run and restarted with the
+// same command is taken into the group at the end of a round (the global
+// parameters before it, the outer momentum, the position) and every rank
+// stops at the same step.
+TEST(CfmoTrainWorkers, ElasticLocalSgdTakesAKilledWorkerBackAtARound) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const std::vector<std::string> run_flags = {"--mode", "localsgd",     "--elastic", "--epochs",
+                                              "0",      "--time-limit", "12s",       "--log-every",
+                                              "1",      "--json",       "--out",     (dir / "run").string()};
+  auto rank_env = [&](int r) {
+    return std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address};
+  };
+  Ranks ranks;
+  for (int r = 0; r < 3; ++r) {
+    ranks.processes.push_back(testing::spawn(args(run_flags), rank_env(r),
+                                             (dir / ("out-" + std::to_string(r))).string(),
+                                             (dir / ("err-" + std::to_string(r))).string()));
+  }
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+  kill(ranks.processes[2].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[2].wait(10));
+  ranks.processes.push_back(
+      testing::spawn(args(run_flags), rank_env(2), (dir / "out-2b").string(), (dir / "err-2b").string()));
+  for (const size_t p : {size_t{0}, size_t{1}, size_t{3}}) {
+    ASSERT_TRUE(ranks.processes[p].wait(120)) << "process " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-0") << slurp(dir / "err-2b");
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0");
+  ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["joined"][0]["rank"], 2);
+  EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0);
+  ASSERT_EQ(j["per_worker"].size(), 3u) << j.dump();
+  EXPECT_TRUE(j["per_worker"][2]["joined"].get<bool>());
+  EXPECT_EQ(j["stopped_by"], "time-limit");
+  EXPECT_NE(slurp(dir / "err-1").find("rank 2 joined"), std::string::npos) << slurp(dir / "err-1");
+}
+
 // Join: a worker killed mid-run and restarted with the same command (its
 // launcher's variables) rejoins; after another is killed, a new process
 // with --join takes its place; one whose flags differ from the run's is
