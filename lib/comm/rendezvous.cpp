@@ -248,7 +248,9 @@ Result<Rendezvous> ask_rank_zero(const RendezvousConfig& config, int rank, int s
     CFMO_TRY(send_bytes(s.get(), own_address, deadline, what));
     auto answer = recv_u32(s.get(), deadline, what);
     if (!answer) {
-      // Rank 0 dropped us (it is still gathering the first ranks): ask again.
+      // A rank of the start fails as it always did; a joiner dropped while
+      // the run was starting (or by a rank 0 busy with another) asks again.
+      if (rank != kAnyRank) return answer.error();
       refused = answer.error().message;
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
       continue;
