@@ -360,20 +360,14 @@ bool wait_for_text(std::vector<Background>& processes, const fs::path& file, con
   return false;
 }
 
-// localsgd with --elastic: a worker killed mid-run and restarted with the
-// same command is taken into the group at the end of a round (the global
-// parameters before it, the outer momentum, the position) and every rank
-// stops at the same step.
-TEST(CfmoTrainWorkers, ElasticLocalSgdTakesAKilledWorkerBackAtARound) {
-  TempDir dir;
-  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
-  const std::vector<std::string> run_flags = {"--mode", "localsgd",     "--elastic", "--epochs",
-                                              "0",      "--time-limit", "12s",       "--log-every",
-                                              "1",      "--json",       "--out",     (dir / "run").string()};
+// Three ranks started by hand at `address` (DIR/out-K, DIR/err-K); rank 2
+// killed once it logged a step, reaped at once as a launcher does, and
+// restarted with the same variables (DIR/out-2b, DIR/err-2b; processes[3]).
+void start_three_and_restart_rank_two(Ranks& ranks, const TempDir& dir, const std::string& address,
+                                      const std::vector<std::string>& run_flags) {
   auto rank_env = [&](int r) {
     return std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address};
   };
-  Ranks ranks;
   for (int r = 0; r < 3; ++r) {
     ranks.processes.push_back(testing::spawn(args(run_flags), rank_env(r),
                                              (dir / ("out-" + std::to_string(r))).string(),
@@ -385,6 +379,20 @@ TEST(CfmoTrainWorkers, ElasticLocalSgdTakesAKilledWorkerBackAtARound) {
   ASSERT_TRUE(ranks.processes[2].wait(10));
   ranks.processes.push_back(
       testing::spawn(args(run_flags), rank_env(2), (dir / "out-2b").string(), (dir / "err-2b").string()));
+}
+
+// localsgd with --elastic: a worker killed mid-run and restarted with the
+// same command is taken into the group at the end of a round (the global
+// parameters before it, the outer momentum, the position) and every rank
+// stops at the same step.
+TEST(CfmoTrainWorkers, ElasticLocalSgdTakesAKilledWorkerBackAtARound) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const std::vector<std::string> run_flags = {"--mode", "localsgd",     "--elastic", "--epochs",
+                                              "0",      "--time-limit", "12s",       "--log-every",
+                                              "1",      "--json",       "--out",     (dir / "run").string()};
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(start_three_and_restart_rank_two(ranks, dir, address, run_flags));
   for (const size_t p : {size_t{0}, size_t{1}, size_t{3}}) {
     ASSERT_TRUE(ranks.processes[p].wait(120)) << "process " << p << " hangs";
     EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-0") << slurp(dir / "err-2b");
@@ -412,22 +420,9 @@ TEST(CfmoTrainWorkers, CfmoKilledWorkersRejoinAndAJoinWithOtherFlagsIsRefused) {
   const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
   const std::vector<std::string> run_flags = {
       "--mode", "cfmo", "--epochs", "1500", "--log-every", "1", "--json", "--out", (dir / "run").string()};
-  auto rank_env = [&](int r) {
-    return std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address};
-  };
   Ranks ranks;
-  for (int r = 0; r < 3; ++r) {
-    ranks.processes.push_back(testing::spawn(args(run_flags), rank_env(r),
-                                             (dir / ("out-" + std::to_string(r))).string(),
-                                             (dir / ("err-" + std::to_string(r))).string()));
-  }
-  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
-      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
-  kill(ranks.processes[2].pid, SIGKILL);
-  ASSERT_TRUE(ranks.processes[2].wait(10));  // reaped at once, as a launcher does
-  // Restarted with the same command: it rejoins as rank 2.
-  ranks.processes.push_back(
-      testing::spawn(args(run_flags), rank_env(2), (dir / "out-2b").string(), (dir / "err-2b").string()));
+  // Rank 2 restarted with the same command: it rejoins as rank 2.
+  ASSERT_NO_FATAL_FAILURE(start_three_and_restart_rank_two(ranks, dir, address, run_flags));
   ASSERT_TRUE(wait_for_text(ranks.processes, dir / "run" / "metrics-rank-2.jsonl", "\"event\":\"joined\"", 120))
       << slurp(dir / "err-2b") << slurp(dir / "err-0");
   kill(ranks.processes[1].pid, SIGKILL);
