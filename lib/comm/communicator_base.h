@@ -81,6 +81,7 @@ class CommunicatorBase : public Communicator {
   std::vector<int> lost_ranks() const override { return peers_.lost_ranks(); }
   Status health() const override { return peers_.health(); }
   std::string lost_reason(int rank) const override { return peers_.lost_reason(rank); }
+  std::vector<int> joined_ranks() const override { return peers_.joined_ranks(); }
   void leave_with(const Error& error) override { peers_.leave_with(error); }
 
   CommStats stats() const override {

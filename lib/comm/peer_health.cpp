@@ -38,6 +38,18 @@ std::vector<int> PeerHealth::lost_ranks() const {
   return out;
 }
 
+void PeerHealth::rejoined(int peer) {
+  std::lock_guard lock(mutex_);
+  lost_[static_cast<size_t>(peer)].clear();
+  departed_[static_cast<size_t>(peer)] = false;
+  joined_.push_back(peer);
+}
+
+std::vector<int> PeerHealth::joined_ranks() const {
+  std::lock_guard lock(mutex_);
+  return joined_;
+}
+
 Status PeerHealth::first_lost_locked() const {
   for (size_t r = 0; r < lost_.size(); ++r) {
     if (!lost_[r].empty()) return make_error(ErrorKind::kPeer, "rank {} lost: {}", r, lost_[r]);

@@ -183,6 +183,18 @@ class Mode {
   /// cfmo and asgd, the keeper: the samples `rank` trained in this run up to
   /// its last contribution that reached the keeper (what a lost rank adds to the run).
   virtual int64_t reconciled_samples(int /*rank*/) const { return 0; }
+  /// cfmo, the keeper: the samples earlier processes in `rank`'s place
+  /// trained up to their last contribution, before a new one joined there.
+  virtual int64_t retired_samples(int /*rank*/) const { return 0; }
+  /// This rank joined the run under way (Communicator::joined): takes the
+  /// global state from the ranks there into `params` and its place's last
+  /// position into `position`, before its first step; cfmo (its owners'
+  /// shards, its own back from the rank that served it) and localsgd with
+  /// --elastic (the group's leader, at its next round). Fails (kPeer) when the
+  /// state does not come within the peer timeout; other modes take no joins (kUsage).
+  virtual Status join(std::span<float> /*params*/, Optimizer& /*optimizer*/, TrainPosition& /*position*/) {
+    return make_error(ErrorKind::kUsage, "--join: --mode {} takes no joining worker", name());
+  }
   /// The rank that keeps the budget and writes the checkpoints, the final
   /// model and the summary: rank 0, or in cfmo and asgd the lowest live rank
   /// (it moves when rank 0 is lost).

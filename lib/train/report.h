@@ -39,6 +39,8 @@ struct WorkerReport {
   std::string stopped_by;
   int64_t deltas_written = 0;  ///< .cfd files written to RUN/deltas/rank-K/
   int64_t deltas_skipped = 0;  ///< rounds not written because the disk fell behind
+  bool joined = false;         ///< this worker joined the run under way (--join, a restarted rank)
+  double first_step_s = -1;    ///< a joiner: seconds from its process's start to the end of its first step
 
   std::string to_json() const;
   static Result<WorkerReport> from_json(std::string_view text);
@@ -52,6 +54,14 @@ struct LostRank {
   std::string why;           ///< the transport's reason, e.g. "no message for 10.0s"
   int served_by = -1;        ///< cfmo: the rank serving its shard now; -1 where none does
   std::vector<int> experts;  ///< --expert-parallel: its experts, lost with it (their tokens take the residual)
+};
+
+/// A rank a new process joined during the run (in the place of a lost one).
+struct JoinedRank {
+  int rank = 0;
+  int64_t step = 0;          ///< this rank's step when it noticed
+  double wall_s = 0;         ///< seconds since this rank's start when it noticed
+  double first_step_s = -1;  ///< the joiner's own: from its start to the end of its first step (-1: it did not report)
 };
 
 struct TrainSummary {
@@ -94,7 +104,8 @@ struct TrainSummary {
   int keeper = 0;         ///< the rank that kept the run: rank 0, or the lowest live rank in cfmo and asgd
   double efficiency = 0;  ///< total samples/s over the sum of the workers' solo samples/s
   std::vector<int> lost_ranks;
-  std::vector<LostRank> lost;  ///< the same ranks, as this rank noticed each
+  std::vector<LostRank> lost;      ///< each loss this rank noticed (a rank lost, joined and lost again: twice)
+  std::vector<JoinedRank> joined;  ///< each join this rank noticed
   ModeSettings mode_settings;
   std::vector<std::string> slowdown;
   std::string straggler;

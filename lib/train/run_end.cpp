@@ -75,6 +75,8 @@ WorkerReport TrainingRun::own_report(const ModeStats& mode_stats, int64_t deltas
   own.stopped_by = stopped_by;
   own.deltas_written = deltas_written;
   own.deltas_skipped = deltas_skipped;
+  own.joined = joining;
+  own.first_step_s = first_step_s;
   const auto moe = model_ptr->run_metrics();
   if (moe.is_object() && moe.contains("dispatch")) own.dispatch_wait_s = moe["dispatch"]["wait_s"].get<double>();
   struct rusage usage {};
@@ -121,6 +123,12 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
   }
   summary.lost_ranks = comm->lost_ranks();
   CFMO_TRY(announce_lost());
+  // The joiners' own figure of their start, from their reports.
+  for (auto& joined : summary.joined) {
+    for (const auto& w : summary.per_worker) {
+      if (w.rank == joined.rank && w.joined) joined.first_step_s = w.first_step_s;
+    }
+  }
   if (!mode->survives_losses()) CFMO_TRY(comm->health());
   return {};
 }
@@ -176,6 +184,8 @@ void TrainingRun::add_totals() {
       total_samples += mode->reconciled_samples(r);
     }
   }
+  // What earlier processes in a joined rank's place trained up to their last contribution.
+  for (int r = 0; r < world; ++r) total_samples += mode->retired_samples(r);
   for (const auto& w : summary.per_worker) {
     total_samples += w.samples;
     total_steps += w.steps;

@@ -35,12 +35,14 @@ Status TrainingRun::run_loop() {
   // Every worker starts its loop together: ranks finish loading data and
   // connecting at different times, and a loop started alone would count
   // time in which the others cannot yet run against the run's throughput.
-  if (world > 1) CFMO_TRY(comm->barrier());
+  // A joiner comes after the others passed theirs.
+  if (world > 1 && !joining) CFMO_TRY(comm->barrier());
   loop_start = Clock::now();
   for (;;) {
     CFMO_ASSIGN_OR_RETURN(const bool stop, should_stop());
     if (stop) break;
     CFMO_TRY(train_step());
+    if (joining && first_step_s < 0) CFMO_TRY(announce_own_join());
   }
   loop_s = seconds_since(loop_start);
   return {};

@@ -1,14 +1,17 @@
 #include "train/train_config.h"
 
+#include "comm/rendezvous.h"
 #include "model/factory.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "tensor/device.h"
 #include "train/modes.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <limits>
+#include <iterator>
 
 namespace cfmo {
 
@@ -120,6 +123,10 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
   t.add("deterministic", &c.deterministic,
         "cfmo: owners apply each round in rank order and workers wait for its replies: bitwise reproducible runs "
         "and resumes, stopped by steps; a lost worker ends the run (sync and localsgd always are)",
+        dist);
+  t.add("join", &c.join,
+        "host:port of a running run's rank 0 (its --rendezvous): take a lost rank's place there, with the run's flags "
+        "(cfmo, localsgd --elastic)",
         dist);
 
   const std::string output = "Output";
@@ -235,12 +242,65 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
     // checkpoints every worker meets at would no longer be the same.
     return usage("deterministic", "stops by --steps, --epochs or --tokens, not --time-limit");
   }
+  if (!c.join.empty()) {
+    if (auto where = parse_rendezvous(c.join); !where) return usage("join", where.error().message);
+    if (plan.mode != ModeKind::kCfmo && !(plan.mode == ModeKind::kLocalSgd && c.elastic)) {
+      return usage("join", fmt::format("a worker joins a running run in --mode cfmo, or localsgd with --elastic; "
+                                       "not {}{}",
+                                       c.mode, c.elastic ? " --elastic" : ""));
+    }
+    if (c.deterministic) return usage("join", "a --deterministic run takes no joins: a lost worker ends it");
+  }
   CFMO_TRY(heterogeneity_for(c, 0));
   if (c.log_every < 1) return usage("log-every", "must be >= 1");
   if (c.sample_every < 0) return usage("sample-every", "must be >= 0");
   if (c.checkpoint_every < 0) return usage("checkpoint-every", "must be >= 0");
   if (c.keep_checkpoints < 1) return usage("keep-checkpoints", "must be >= 1");
   return plan;
+}
+
+namespace {
+
+/// "key = value" of each option in OptionTable::to_toml's text, in order.
+std::vector<std::pair<std::string, std::string>> option_lines(std::string_view toml) {
+  std::vector<std::pair<std::string, std::string>> out;
+  size_t at = 0;
+  while (at < toml.size()) {
+    size_t end = toml.find('\n', at);
+    if (end == std::string_view::npos) end = toml.size();
+    const std::string_view line = toml.substr(at, end - at);
+    at = end + 1;
+    const size_t eq = line.find(" = ");
+    if (line.empty() || line.front() == '#' || eq == std::string_view::npos) continue;
+    out.emplace_back(std::string(line.substr(0, eq)), std::string(line.substr(eq + 3)));
+  }
+  return out;
+}
+
+}  // namespace
+
+Status check_join_fits(std::string_view run_config, std::string_view own_config) {
+  // This process's own: where it writes and logs, how it computes, when it
+  // stops on its own, whom it asks; everything else must be the run's.
+  static constexpr std::string_view kOwn[] = {
+      "out",          "quiet",  "log_every",  "sample_every", "checkpoint_every", "keep_checkpoints",
+      "threads",      "device", "time_limit", "slowdown",     "straggler",        "rendezvous",
+      "peer_timeout", "join",   "workers"};
+  const auto theirs = option_lines(run_config);
+  if (theirs.empty()) return make_error(ErrorKind::kPeer, "--join: the run sent no configuration");
+  for (const auto& [key, value] : option_lines(own_config)) {
+    if (std::find(std::begin(kOwn), std::end(kOwn), key) != std::end(kOwn)) continue;
+    const auto it = std::find_if(theirs.begin(), theirs.end(), [&](const auto& kv) { return kv.first == key; });
+    const std::string flag = OptionTable::flag_for(key);
+    if (it == theirs.end()) {
+      return make_error(ErrorKind::kUsage, "--join: the run knows no {} (another cfmo-train version?)", flag);
+    }
+    if (it->second != value) {
+      return make_error(ErrorKind::kUsage, "--join: the run trains with {} {}, this worker was started with {} {}",
+                        flag, it->second, flag, value);
+    }
+  }
+  return {};
 }
 
 OptimizerConfig optimizer_config(const TrainConfig& c, OptimizerKind kind) {

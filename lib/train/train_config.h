@@ -77,6 +77,7 @@ struct TrainConfig {
   bool elastic = false;            ///< sync: go on without a lost worker (cfmo and localsgd always do)
   bool keep_global_batch = false;  ///< sync --elastic: the survivors take a lost worker's share of each batch
   bool deterministic = false;      ///< cfmo: a fixed order of messages (bitwise reproducible, exact resume)
+  std::string join;                ///< host:port of a running run's rank 0: take a lost rank's place there
   // output
   int64_t log_every = 100;
   int64_t sample_every = 0;  ///< a language model: print a short sample every N steps (0: never)
@@ -110,6 +111,14 @@ Result<TrainPlan> make_plan(const TrainConfig& config);
 
 /// make_plan's checks alone.
 Status validate(const TrainConfig& config);
+
+/// A joining worker's look at the run it is offered (--join, a restarted
+/// rank): `run_config` is the run's configuration as rank 0 saved it (TOML,
+/// OptionTable::to_toml), `own_config` this worker's. kUsage naming the first
+/// flag they differ in; the flags that may differ are this process's own
+/// (where it writes, how it logs, its threads, device, time limit, simulated
+/// slowness, rendezvous, peer timeout).
+Status check_join_fits(std::string_view run_config, std::string_view own_config);
 
 /// The inner optimizer's settings from the config's flags.
 OptimizerConfig optimizer_config(const TrainConfig& config, OptimizerKind kind);

@@ -12,8 +12,10 @@
 #include "train/train_config.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -61,6 +63,8 @@ struct TrainOptions {
   TrainObserver* observer = nullptr;
   Communicator* comm = nullptr;  ///< the other workers; null for a single worker
   int local_rank = -1;           ///< this worker's index on its host (comm/world.h); -1: its rank
+  /// When this process started (a joiner's first_step_s counts from it); default: when train() starts.
+  std::optional<std::chrono::steady_clock::time_point> process_start;
 };
 
 /// Trains as configured. Errors: kUsage for bad configuration, kInput for

@@ -57,6 +57,8 @@ TrainingRun::TrainingRun(const TrainConfig& config, const TrainPlan& plan, const
       traits(plan.traits()),
       async(world > 1 && traits.asynchronous),
       expert_parallel(world > 1 && config.expert_parallel),
+      joining(comm != nullptr && comm->joined()),
+      process_start(options.process_start.value_or(Clock::now())),
       announced(static_cast<size_t>(world), false) {}
 
 Status TrainingRun::set_up() {
@@ -72,7 +74,18 @@ Status TrainingRun::set_up() {
   CFMO_TRY(resume_from_checkpoint());
   CFMO_TRY(plan_length());
   CFMO_TRY(make_mode_and_engine());
+  CFMO_TRY(join_run());
   return open_outputs();
+}
+
+Status TrainingRun::join_run() {
+  if (!joining) return {};
+  CFMO_ASSIGN_OR_RETURN(auto params, engine->host_parameters());
+  CFMO_TRY(mode->join(replicated_part(params), engine->mode_optimizer(), pos));
+  CFMO_TRY(engine->parameters_changed());
+  // A position at the very end of an epoch continues with the next one.
+  pos = resume_position(pos, batches_per_epoch);
+  return {};
 }
 
 Status TrainingRun::load_model_and_optimizer() {
@@ -241,7 +254,8 @@ Status TrainingRun::make_mode_and_engine() {
   run_dir = config.out;
   // Each reconciliation's delta goes to RUN/deltas/rank-K/, for cfmo-diverge.
   if (!run_dir.empty() && world > 1 && traits.writes_deltas) {
-    const int64_t offset = options.resume.empty() ? 0 : DeltaWriter::last_round(run_dir, rank);
+    // A resumed run, or a joiner in a lost rank's place, continues its rounds' numbering.
+    const int64_t offset = options.resume.empty() && !joining ? 0 : DeltaWriter::last_round(run_dir, rank);
     delta_writer = std::make_unique<DeltaWriter>(run_dir, rank, replicated_layout, offset);
     settings.delta_sink = [this](int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
                                  std::span<const float> delta) {
@@ -274,7 +288,8 @@ Status TrainingRun::open_outputs() {
     std::filesystem::create_directories(run_dir, ec);
     if (ec) return make_error(ErrorKind::kUsage, "--out '{}': {}", run_dir.string(), ec.message());
     const std::string name = rank == 0 ? "metrics.jsonl" : fmt::format("metrics-rank-{}.jsonl", rank);
-    CFMO_ASSIGN_OR_RETURN(metrics, MetricsLog::open(run_dir / name, options.resume.empty() ? -1 : pos.step));
+    CFMO_ASSIGN_OR_RETURN(metrics,
+                          MetricsLog::open(run_dir / name, options.resume.empty() && !joining ? -1 : pos.step));
   }
 
   summary.mode = plan.mode_entry().name;
@@ -517,8 +532,38 @@ std::vector<int> TrainingRun::lost_experts() const {
   return out;
 }
 
+Status TrainingRun::announce_own_join() {
+  first_step_s = seconds_since(process_start);
+  observer().on_note(fmt::format("joined the run as rank {} at step {}: first step {:.2f}s after this process started",
+                                 rank, pos.step, first_step_s));
+  return metrics.write({{"type", "membership"},
+                        {"event", "joined"},
+                        {"rank", rank},
+                        {"joined_rank", rank},
+                        {"step", pos.step},
+                        {"wall_s", seconds_since(run_start)},
+                        {"first_step_s", first_step_s}});
+}
+
 Status TrainingRun::announce_lost() {
   if (world <= 1 || !mode->survives_losses()) return {};
+  const auto joins = comm->joined_ranks();
+  for (; joins_announced < joins.size(); ++joins_announced) {
+    const int r = joins[joins_announced];
+    announced[static_cast<size_t>(r)] = false;  // a loss of the new process is news again
+    JoinedRank joined{r, pos.step, seconds_since(run_start), -1};
+    if (options.observer != nullptr) {
+      options.observer->on_warning(fmt::format("rank {} joined (a new process in its place){}", r,
+                                               mode->shard_served_by(r) == r ? "; it serves its shard again" : ""));
+    }
+    CFMO_TRY(metrics.write({{"type", "membership"},
+                            {"event", "joined"},
+                            {"rank", rank},
+                            {"joined_rank", r},
+                            {"step", pos.step},
+                            {"wall_s", joined.wall_s}}));
+    summary.joined.push_back(joined);
+  }
   for (const int r : comm->lost_ranks()) {
     if (announced[static_cast<size_t>(r)]) continue;
     announced[static_cast<size_t>(r)] = true;

@@ -54,6 +54,8 @@ struct TrainingRun {
   Status redistribute(const CheckpointWorld& saved);
   Status plan_length();
   Status make_mode_and_engine();
+  /// A joiner (comm->joined()): the global state and its place's position from the run.
+  Status join_run();
   Status open_outputs();
 
   // run_loop's parts
@@ -100,10 +102,13 @@ struct TrainingRun {
   Status sync_host();
   /// Asynchronous workers train on without a lost peer: each says so, once a peer.
   /// Announces the ranks found lost since the last call (async modes), with
-  /// where their shards went, and writes each as a membership line of metrics.jsonl.
+  /// where their shards went, and those a new process joined, and writes each
+  /// as a membership line of metrics.jsonl.
   Status announce_lost();
   /// --expert-parallel: the experts of the ranks found lost, in order.
   std::vector<int> lost_experts() const;
+  /// A joiner, after its first step: says when it joined, and how long it took.
+  Status announce_own_join();
   /// This rank keeps the run now (the lowest live rank in cfmo and asgd):
   /// it takes up the checkpoints.
   void take_up_keeping();
@@ -122,6 +127,12 @@ struct TrainingRun {
   /// only; the modes see the replicated prefix, every rank evaluates and
   /// joins each checkpoint (the experts gather on rank 0).
   const bool expert_parallel;
+  /// This process joined the run under way (--join, a restarted rank): it
+  /// takes the global state from the others and passes no start barrier.
+  const bool joining;
+  const Clock::time_point process_start;
+  double first_step_s = -1;    ///< a joiner: from process_start to the end of its first step
+  size_t joins_announced = 0;  ///< of comm->joined_ranks()
 
   // What the run trains, in the order they must be destroyed backwards (the
   // engine refers to the model, the optimizer and the data).

@@ -345,6 +345,121 @@ TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutRankZeroAndTheNextRankKeepsTheRun
   EXPECT_TRUE(membership);
 }
 
+// Waits until `file` holds `text` (a process wrote a membership line); false
+// at once when one of `processes` ends first, or after `timeout_s`.
+bool wait_for_text(std::vector<Background>& processes, const fs::path& file, const std::string& text,
+                   double timeout_s) {
+  const auto start = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < timeout_s) {
+    if (slurp(file).find(text) != std::string::npos) return true;
+    for (auto& p : processes) {
+      if (p.status < 0 && p.wait(0)) return false;
+    }
+    usleep(20000);
+  }
+  return false;
+}
+
+// Three ranks started by hand at `address` (DIR/out-K, DIR/err-K); rank 2
+// killed once it logged a step, reaped at once as a launcher does, and
+// restarted with the same variables (DIR/out-2b, DIR/err-2b; processes[3]).
+void start_three_and_restart_rank_two(Ranks& ranks, const TempDir& dir, const std::string& address,
+                                      const std::vector<std::string>& run_flags) {
+  auto rank_env = [&](int r) {
+    return std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address};
+  };
+  for (int r = 0; r < 3; ++r) {
+    ranks.processes.push_back(testing::spawn(args(run_flags), rank_env(r),
+                                             (dir / ("out-" + std::to_string(r))).string(),
+                                             (dir / ("err-" + std::to_string(r))).string()));
+  }
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+  kill(ranks.processes[2].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[2].wait(10));
+  ranks.processes.push_back(
+      testing::spawn(args(run_flags), rank_env(2), (dir / "out-2b").string(), (dir / "err-2b").string()));
+}
+
+// localsgd with --elastic: a worker killed mid-run and restarted with the
+// same command is taken into the group at the end of a round (the global
+// parameters before it, the outer momentum, the position) and every rank
+// stops at the same step.
+TEST(CfmoTrainWorkers, ElasticLocalSgdTakesAKilledWorkerBackAtARound) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const std::vector<std::string> run_flags = {"--mode", "localsgd",     "--elastic", "--epochs",
+                                              "0",      "--time-limit", "12s",       "--log-every",
+                                              "1",      "--json",       "--out",     (dir / "run").string()};
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(start_three_and_restart_rank_two(ranks, dir, address, run_flags));
+  for (const size_t p : {size_t{0}, size_t{1}, size_t{3}}) {
+    ASSERT_TRUE(ranks.processes[p].wait(120)) << "process " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-0") << slurp(dir / "err-2b");
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0");
+  ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["joined"][0]["rank"], 2);
+  EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0);
+  ASSERT_EQ(j["per_worker"].size(), 3u) << j.dump();
+  EXPECT_TRUE(j["per_worker"][2]["joined"].get<bool>());
+  EXPECT_EQ(j["stopped_by"], "time-limit");
+  EXPECT_NE(slurp(dir / "err-1").find("rank 2 joined"), std::string::npos) << slurp(dir / "err-1");
+}
+
+// Join: a worker killed mid-run and restarted with the same command (its
+// launcher's variables) rejoins; after another is killed, a new process
+// with --join takes its place; one whose flags differ from the run's is
+// refused (status 2, one line naming the flag) and the run goes on as it
+// was. Every survivor says who joined, the keeper's summary lists both
+// joins with the joiners' own time from their start to their first step,
+// and the run ends with every rank's status 0.
+TEST(CfmoTrainWorkers, CfmoKilledWorkersRejoinAndAJoinWithOtherFlagsIsRefused) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const std::vector<std::string> run_flags = {
+      "--mode", "cfmo", "--epochs", "1500", "--log-every", "1", "--json", "--out", (dir / "run").string()};
+  Ranks ranks;
+  // Rank 2 restarted with the same command: it rejoins as rank 2.
+  ASSERT_NO_FATAL_FAILURE(start_three_and_restart_rank_two(ranks, dir, address, run_flags));
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "run" / "metrics-rank-2.jsonl", "\"event\":\"joined\"", 120))
+      << slurp(dir / "err-2b") << slurp(dir / "err-0");
+  kill(ranks.processes[1].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[1].wait(10));
+  // Another batch size than the run's: refused before it is taken in.
+  std::vector<std::string> other = run_flags;
+  other.insert(other.end(), {"--batch-size", "32", "--join", address});
+  const RunResult refused = run(args(other), 120);
+  EXPECT_EQ(refused.status, 2) << refused.err;
+  EXPECT_EQ(testing::lines(refused.err).size(), 1u) << refused.err;
+  EXPECT_NE(refused.err.find("--batch-size"), std::string::npos) << refused.err;
+  // A new process with the run's flags takes rank 1's place.
+  std::vector<std::string> joiner = run_flags;
+  joiner.insert(joiner.end(), {"--join", address});
+  ranks.processes.push_back(testing::spawn(args(joiner), {}, (dir / "out-1b").string(), (dir / "err-1b").string()));
+  for (const size_t p : {size_t{0}, size_t{3}, size_t{4}}) {
+    ASSERT_TRUE(ranks.processes[p].wait(240)) << "process " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-0") << slurp(dir / "err-2b") << slurp(dir / "err-1b");
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0");
+  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array()) << j.dump();
+  ASSERT_EQ(j["lost"].size(), 2u) << j.dump();
+  ASSERT_EQ(j["joined"].size(), 2u) << j.dump();
+  EXPECT_EQ(j["joined"][0]["rank"], 2);
+  EXPECT_EQ(j["joined"][1]["rank"], 1);
+  for (const auto& joined : j["joined"]) EXPECT_GT(joined["first_step_s"].get<double>(), 0.0) << j.dump();
+  ASSERT_EQ(j["per_worker"].size(), 3u) << j.dump();
+  EXPECT_TRUE(j["per_worker"][1]["joined"].get<bool>());
+  EXPECT_TRUE(j["per_worker"][2]["joined"].get<bool>());
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << j.dump();
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+  const std::string err = slurp(dir / "err-0");
+  EXPECT_NE(err.find("rank 2 joined"), std::string::npos) << err;
+  EXPECT_NE(err.find("rank 1 joined"), std::string::npos) << err;
+}
+
 // The checkpoint directories of a run, oldest first (temporaries left out).
 std::vector<fs::path> checkpoints_of(const fs::path& run) {
   std::vector<fs::path> out;

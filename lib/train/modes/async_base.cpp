@@ -20,18 +20,23 @@ AsyncMode::AsyncMode(const ModeSettings& settings, Communicator& comm, std::span
       progress_(static_cast<size_t>(comm.size())),
       gathered_from_(static_cast<size_t>(comm.size()), false) {
   const int me = comm.rank();
-  Served& mine = served_[me];
-  mine.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
-                     initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
-  // A resumed run continues the shards' versions (the staleness counters) and
-  // this rank's error feedback where the checkpoint has them for this world.
-  if (resume.versions.size() == base_version_.size()) {
-    base_version_ = resume.versions;
-    mine.version = resume.versions[static_cast<size_t>(me)];
+  // A joiner's parameters are nobody's: its shard comes back from the rank that served it.
+  if (!comm.joined()) {
+    Served& mine = served_[me];
+    mine.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
+                       initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
+    // A resumed run continues the shards' versions (the staleness counters) and
+    // this rank's error feedback where the checkpoint has them for this world.
+    if (resume.versions.size() == base_version_.size()) {
+      base_version_ = resume.versions;
+      mine.version = resume.versions[static_cast<size_t>(me)];
+    }
+    if (resume.wire_residual.size() == residual_.size()) {
+      std::copy(resume.wire_residual.begin(), resume.wire_residual.end(), residual_.begin());
+    }
   }
-  if (resume.wire_residual.size() == residual_.size()) {
-    std::copy(resume.wire_residual.begin(), resume.wire_residual.end(), residual_.begin());
-  }
+  retired_samples_.assign(static_cast<size_t>(comm.size()), 0);
+  joining_ = comm.joined();
   if (resume.ranks.size() == progress_.size()) progress_ = resume.ranks;
   for (const auto& p : progress_) start_samples_.push_back(p.samples);
   reconciled_samples_.assign(progress_.size(), 0);
@@ -117,30 +122,51 @@ int AsyncMode::shard_served_by(int rank) const {
 }
 
 void AsyncMode::refresh_membership() {
+  // The joins first: a rank that joined after this read is still lost below, and taken up next time.
+  const auto joined = comm_.joined_ranks();
   const auto lost = comm_.lost_ranks();
   std::lock_guard lock(mutex_);
-  if (lost.size() == lost_count_) return;  // the lost ranks only grow
+  if (joined.size() == joins_seen_ && lost == last_lost_) return;
+  last_lost_ = lost;
   std::vector<int> before;
   for (int r = 0; r < comm_.size(); ++r) {
     if (!lost_locked(r)) before.push_back(r);
   }
+  std::vector<int> rejoined;
+  for (size_t i = joins_seen_; i < joined.size(); ++i) {
+    const int r = joined[i];
+    if (r == comm_.rank()) continue;
+    rejoined.push_back(r);
+    lost_[static_cast<size_t>(r)] = false;
+    // A new process in r's place: what the last one trained up to its last
+    // contribution is counted apart, and it is not done.
+    const auto k = static_cast<size_t>(r);
+    retired_samples_[k] += reconciled_samples_[k];
+    reconciled_samples_[k] = 0;
+    start_samples_[k] = progress_[k].samples;
+    done_from_[k] = false;
+    gathered_from_[k] = false;
+    if (stop_sent_) comm_.post(r, channels::kStop, {});  // the budget was spent before it came
+  }
+  joins_seen_ = joined.size();
   std::vector<int> newly;
   for (const int r : lost) {
     if (r == comm_.rank() || lost_[static_cast<size_t>(r)]) continue;
     lost_[static_cast<size_t>(r)] = true;
     newly.push_back(r);
   }
-  lost_count_ = lost.size();
-  if (newly.empty()) return;
+  if (newly.empty() && rejoined.empty()) return;
   std::vector<int> after;
   for (int r = 0; r < comm_.size(); ++r) {
     if (!lost_locked(r)) after.push_back(r);
   }
   live_ = static_cast<int>(after.size());
-  if (Status quorum = check_quorum(comm_.rank(), before, after); !quorum && cut_off_.message.empty()) {
-    cut_off_ = quorum.error();
+  if (!newly.empty()) {
+    if (Status quorum = check_quorum(comm_.rank(), before, after); !quorum && cut_off_.message.empty()) {
+      cut_off_ = quorum.error();
+    }
   }
-  on_membership_change_locked(newly);
+  on_membership_change_locked(newly, rejoined);
 }
 
 Status AsyncMode::cut_off() const {
@@ -151,7 +177,6 @@ Status AsyncMode::cut_off() const {
 
 bool AsyncMode::request_snapshot() {
   refresh_membership();
-  std::vector<std::byte> out;
   {
     std::lock_guard lock(mutex_);
     if (keeper_locked() != comm_.rank()) return false;
@@ -160,6 +185,15 @@ bool AsyncMode::request_snapshot() {
     if (!snapshot_.received.empty() && Clock::now() - snapshot_asked_ < seconds(settings_.peer_timeout_s)) {
       return true;
     }
+  }
+  post_snapshot_request();
+  return true;
+}
+
+void AsyncMode::post_snapshot_request() {
+  std::vector<std::byte> out;
+  {
+    std::lock_guard lock(mutex_);
     snapshot_asked_ = Clock::now();
     ++snapshot_id_;
     snapshot_ = PartialGlobalState(comm_.size());
@@ -167,7 +201,45 @@ bool AsyncMode::request_snapshot() {
     put(out, snapshot_id_);
   }
   for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kCheckpoint, out);
-  return true;
+}
+
+Status AsyncMode::take_global_state(std::span<float> params, TrainPosition& position) {
+  const auto deadline = Clock::now() + seconds(settings_.peer_timeout_s * 2 + 5);
+  Clock::time_point asked{};
+  const auto first_asked = Clock::now();
+  std::optional<GlobalState> ready_for_join;
+  for (;;) {
+    refresh_membership();
+    // Every shard, and the position if the keeper knew one (a rank lost before its first report had none).
+    const bool placed = [&] {
+      std::lock_guard lock(mutex_);
+      return join_position_.step > 0 || Clock::now() - first_asked > std::chrono::seconds(1);
+    }();
+    if (!ready_for_join) ready_for_join = take_snapshot();
+    if (auto& got = ready_for_join; got && placed && got->params.size() == params.size()) {
+      std::copy(got->params.begin(), got->params.end(), params.begin());
+      std::lock_guard lock(mutex_);
+      std::copy(got->params.begin(), got->params.end(), base_.begin());
+      for (size_t j = 0; j < base_version_.size(); ++j) base_version_[j] = got->versions[j];
+      position = join_position_;
+      position_ = position;
+      joining_ = false;
+      return {};
+    }
+    if (Clock::now() > deadline) {
+      return make_error(
+          ErrorKind::kPeer,
+          "rank {} joined, but the owners' shards of the global parameters did not all come within {:.1f}s",
+          comm_.rank(), settings_.peer_timeout_s * 2 + 5);
+    }
+    // Asked again while incomplete: an owner that answered before its shard came back to this rank, or one lost
+    // meanwhile.
+    if (!ready_for_join && Clock::now() - asked > std::chrono::milliseconds(500)) {
+      asked = Clock::now();
+      post_snapshot_request();
+    }
+    seam_sleep_for(std::chrono::milliseconds(2));
+  }
 }
 
 void AsyncMode::reply_fresh_locked(int to, int shard, int64_t staleness, bool dropped, bool with_shard) {
@@ -410,18 +482,27 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
   uint64_t id = 0;
   if (!take(m, kind) || !take(m, id)) return;
   if (kind == kSnapshotRequest) {
+    refresh_membership();  // a joiner's shard goes back to it before the answer
     std::vector<std::byte> out;
     put(out, kSnapshotShard);
     put(out, id);
     {
       std::lock_guard lock(mutex_);
+      // The asker's last position, where this rank keeps positions (the keeper, its standby): for a joiner.
+      const TrainPosition& known = progress_[static_cast<size_t>(from)];
+      put(out, static_cast<uint8_t>(known.step > 0 ? 1 : 0));
+      if (known.step > 0) put_position(out, known);
       put_owner_shards_locked(out);
     }
     comm_.post(from, channels::kCheckpoint, std::move(out));
     return;
   }
+  uint8_t has_position = 0;
+  TrainPosition position;
+  if (kind != kSnapshotShard || !take(m, has_position) || (has_position != 0 && !take_position(m, position))) return;
   std::lock_guard lock(mutex_);
-  if (kind != kSnapshotShard || id != snapshot_id_ || !take_owner_shards(m, snapshot_)) return;
+  if (has_position != 0 && position.samples >= join_position_.samples) join_position_ = position;
+  if (id != snapshot_id_ || !take_owner_shards(m, snapshot_)) return;
   if (snapshot_.count < comm_.size()) return;
   // Every shard is in (one whose every holder was lost never is: then no checkpoint is whole).
   snapshot_.state.ranks = progress_;

@@ -77,6 +77,10 @@ class AsyncMode : public Mode {
     std::lock_guard lock(mutex_);
     return rank >= 0 && rank < comm_.size() ? reconciled_samples_[static_cast<size_t>(rank)] : 0;
   }
+  int64_t retired_samples(int rank) const override {
+    std::lock_guard lock(mutex_);
+    return rank >= 0 && rank < comm_.size() ? retired_samples_[static_cast<size_t>(rank)] : 0;
+  }
   int keeper() const override;
   bool survives_losses() const override { return true; }
   int shard_served_by(int rank) const override;
@@ -136,13 +140,24 @@ class AsyncMode : public Mode {
   int keeper_locked() const;
   int standby_locked() const;
 
-  /// Takes up the ranks the transport found lost since the last call; on a
-  /// change calls on_membership_change_locked (both threads call it, at each
-  /// step and with each contribution).
+  /// Takes up the ranks the transport found lost, and those a new process
+  /// joined, since the last call; on a change calls
+  /// on_membership_change_locked (both threads call it, at each step and with
+  /// each contribution).
   void refresh_membership();
-  /// Under mutex_, after `newly_lost` were lost: a replicated mode moves the
-  /// shards (promotes its replicas, refreshes its backups).
-  virtual void on_membership_change_locked(const std::vector<int>& /*newly_lost*/) {}
+  /// Under mutex_, after `newly_lost` were lost and `rejoined` came back (a
+  /// new process in their place, which starts with nothing): a replicated
+  /// mode moves the shards (hands each to its owner now, promotes its
+  /// replicas, refreshes its backups).
+  virtual void on_membership_change_locked(const std::vector<int>& /*newly_lost*/,
+                                           const std::vector<int>& /*rejoined*/) {}
+
+  /// A joining rank (Mode::join): asks every live rank for the shards it
+  /// serves, again every half second until every shard is in (its own too,
+  /// handed over by the rank that served it meanwhile), then takes them as
+  /// its parameters and base, and its place's last position as the keeper
+  /// knew it.
+  Status take_global_state(std::span<float> params, TrainPosition& position);
   /// The error this rank ends with when a loss left it on the losing side
   /// (train/modes/quorum.h): then it must not go on; ok otherwise.
   Status cut_off() const;
@@ -238,6 +253,7 @@ class AsyncMode : public Mode {
   // Owner side, under mutex_.
   std::map<int, Served> served_;  ///< the shards this rank serves: its own, and those it took over
   const bool replicated_;         ///< a lost owner's shard moves to its backup
+  bool joining_ = false;          ///< a joiner until take_global_state has the global state (under mutex_)
 
   /// Guards inbox_, stats_, done_from_, progress_, the snapshots, the
   /// membership, and the owners' state.
@@ -264,6 +280,8 @@ class AsyncMode : public Mode {
 
   /// True when every live rank has its flag in `flags` (guarded by mutex_) set.
   bool all_live(const std::vector<bool>& flags) const;
+  /// A snapshot request to every rank, numbered anew (the keeper's checkpoints, a joiner's state).
+  void post_snapshot_request();
   /// Under mutex_: [u32 n][n owner shards], those this rank serves.
   void put_owner_shards_locked(std::vector<std::byte>& out);
   /// Under mutex_: owner shards into `a`; false when malformed.
@@ -280,6 +298,10 @@ class AsyncMode : public Mode {
   std::atomic<bool> stop_{false};
   std::vector<bool> done_from_;
   std::vector<bool> lost_;                   ///< the lost ranks as refresh_membership last saw them
+  size_t joins_seen_ = 0;                    ///< of comm_.joined_ranks(), taken up by refresh_membership
+  std::vector<int> last_lost_;               ///< comm_.lost_ranks() as refresh_membership last saw it
+  std::vector<int64_t> retired_samples_;     ///< see retired_samples()
+  TrainPosition join_position_;              ///< a joiner: its place's last position, from the owners' answers
   Error cut_off_{ErrorKind::kPeer, {}};      ///< see cut_off(); empty message: not cut off
   size_t lost_count_ = 0;                    ///< how many
   std::atomic<int> live_{comm_.size()};      ///< see live()

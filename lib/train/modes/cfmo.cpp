@@ -22,6 +22,7 @@
 //             (kFinished, --deterministic: no delta; the sender sends no more rounds)
 // kReplica    [u32 0: apply][u32 shard][i64 version][f32 weight][u32 dtype][encoded floats]
 //             [u32 1: whole][u32 shard][i64 version][u32 in round][u64 n][values][u64 n][momentum][u64 n][round sum]
+//             [u32 2: hand-over] as whole, to its owner: a join brought it back
 #include "train/modes/async_base.h"
 #include "train/modes/outer_optimizer.h"
 #include "train/modes/wire.h"
@@ -37,17 +38,19 @@ class CfmoMode final : public AsyncMode {
   CfmoMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume)
       : AsyncMode(settings, comm, initial, resume, OwnerState::kOuterMomentum, /*replicated=*/true),
         snapshot_(initial.size(), 0.0f) {
-    // Every rank starts from the same state, so each backup's replica starts as its owner's shard.
+    // Every rank starts from the same state, so each backup's replica starts
+    // as its owner's shard. A joiner starts with nothing: its shard comes
+    // back from the rank that served it, its replica from its owner.
     const int me = comm.rank();
     const int w = comm.size();
-    outer_.emplace(me, starting_outer(me, resume));
-    const int before = (me + w - 1) % w;
-    const int64_t version =
-        resume.versions.size() == static_cast<size_t>(w) ? resume.versions[static_cast<size_t>(before)] : 0;
-    Replica& r = replicas_.emplace(before, Replica{{}, version, starting_outer(before, resume)}).first->second;
-    r.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before)]),
-                    initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before) + 1]));
-    {
+    if (!comm.joined()) {
+      outer_.emplace(me, starting_outer(me, resume));
+      const int before = (me + w - 1) % w;
+      const int64_t version =
+          resume.versions.size() == static_cast<size_t>(w) ? resume.versions[static_cast<size_t>(before)] : 0;
+      Replica& r = replicas_.emplace(before, Replica{{}, version, starting_outer(before, resume)}).first->second;
+      r.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before)]),
+                      initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before) + 1]));
       std::lock_guard lock(mutex_);
       backup_[me] = backup_of_locked(me);
     }
@@ -67,6 +70,9 @@ class CfmoMode final : public AsyncMode {
     stop_serving_owner_state();
   }
   std::string_view name() const override { return "cfmo"; }
+  Status join(std::span<float> params, Optimizer&, TrainPosition& position) override {
+    return take_global_state(params, position);
+  }
 
   bool needs_params(const TrainPosition& position) const override {
     return position.step % settings_.sync_interval == 0 || inbox_pending();
@@ -345,16 +351,42 @@ class CfmoMode final : public AsyncMode {
   void send_whole_locked(int shard, int backup) {
     backup_[shard] = backup;
     if (backup < 0) return;
-    const OuterOptimizer& outer = outer_.at(shard);
+    send_state_locked(shard, backup, kReplicaWhole);
+  }
+
+  /// Under mutex_: `shard`'s whole state to `to`, as a replica (kReplicaWhole) or to serve (kHandOver).
+  void send_state_locked(int shard, int to, uint32_t kind) {
+    post_whole(to, kind, shard, served_.at(shard).version, served_.at(shard).values, outer_.at(shard));
+  }
+
+  /// [kind][shard][version][in round][values][momentum][round sum] to `to`.
+  void post_whole(int to, uint32_t kind, int shard, int64_t version, std::span<const float> values,
+                  const OuterOptimizer& outer) {
     std::vector<std::byte> out;
-    put(out, kReplicaWhole);
+    put(out, kind);
     put(out, static_cast<uint32_t>(shard));
-    put(out, served_.at(shard).version);
+    put(out, version);
     put(out, static_cast<uint32_t>(outer.in_round()));
-    put_vector(out, served_.at(shard).values);
+    put_vector(out, values);
     put_vector(out, outer.momentum());
     put_vector(out, outer.round_sum());
-    comm_.post(backup, channels::kReplica, std::move(out));
+    comm_.post(to, channels::kReplica, std::move(out));
+  }
+
+  /// Under mutex_: a shard handed over to this rank, its owner now (a join
+  /// moved it back); of two hand-overs (the rank that served it and a
+  /// replica's holder) the newer counts. Its backup gets the whole state.
+  void take_handed_over_locked(int j, int64_t version, std::span<const std::byte> m) {
+    auto whole = take_whole(j, version, m);
+    if (!whole) return;
+    if (const auto it = served_.find(j); it != served_.end() && it->second.version >= version) return;
+    Served taken;
+    taken.values = std::move(whole->values);
+    taken.version = version;
+    served_.insert_or_assign(j, std::move(taken));
+    outer_.insert_or_assign(j, std::move(whole->outer));
+    replicas_.erase(j);
+    send_whole_locked(j, backup_of_locked(j));
   }
 
   /// A backup: an owner's applied contribution, or its whole state, into the replica.
@@ -367,20 +399,13 @@ class CfmoMode final : public AsyncMode {
     }
     const int j = static_cast<int>(shard);
     std::lock_guard lock(mutex_);
+    if (kind == kHandOver) {
+      take_handed_over_locked(j, version, m);
+      return;
+    }
     if (served_.count(j) != 0) return;  // this rank serves it now: an old owner's late words
     if (kind == kReplicaWhole) {
-      uint32_t in_round = 0;
-      std::vector<float> values;
-      std::vector<float> momentum;
-      std::vector<float> round_sum;
-      if (!take(m, in_round) || !take_vector(m, values) || !take_vector(m, momentum) || !take_vector(m, round_sum) ||
-          values.size() != shard_size(j)) {
-        return;
-      }
-      Replica r{{}, version, OuterOptimizer(settings_, shard_size(j), live())};
-      r.values.assign(values.begin(), values.end());
-      r.outer.restore(static_cast<int>(in_round), momentum, round_sum);
-      replicas_.insert_or_assign(j, std::move(r));
+      if (auto r = take_whole(j, version, m)) replicas_.insert_or_assign(j, std::move(*r));
       return;
     }
     float weight = 0;
@@ -393,13 +418,34 @@ class CfmoMode final : public AsyncMode {
     it->second.version = version;
   }
 
-  /// Under mutex_: the shards whose owner is this rank now take up their
-  /// replicas (or, where every holder was lost, this rank's last global
-  /// values of them); every shard served gets its backup's whole state when
-  /// its backup changed.
-  void on_membership_change_locked(const std::vector<int>&) override {
+  /// Under mutex_: a shard this rank serves whose owner is another rank now
+  /// (a join brought that rank back) goes to it whole, with a replica this
+  /// rank holds of a rank that came back (it may not have promoted it yet);
+  /// the shards whose owner is this rank now take up their replicas (or,
+  /// where every holder was lost, this rank's last global values of them;
+  /// never on a joiner, whose own shard comes handed over); every shard served
+  /// gets its backup's whole state when its backup changed.
+  void on_membership_change_locked(const std::vector<int>&, const std::vector<int>& rejoined) override {
     const int me = comm_.rank();
-    for (int j = 0; j < comm_.size(); ++j) {
+    for (auto it = served_.begin(); it != served_.end();) {
+      const int owner = owner_of_locked(it->first);
+      if (owner == me || owner < 0) {
+        ++it;
+        continue;
+      }
+      send_state_locked(it->first, owner, kHandOver);
+      outer_.erase(it->first);
+      backup_.erase(it->first);
+      it = served_.erase(it);
+    }
+    for (const int r : rejoined) {
+      const auto replica = replicas_.find(r);
+      if (replica == replicas_.end()) continue;
+      // As a hand-over: the whole replica, the state it was kept with.
+      post_whole(r, kHandOver, r, replica->second.version, replica->second.values, replica->second.outer);
+      replicas_.erase(replica);
+    }
+    for (int j = 0; j < comm_.size() && !joining_; ++j) {
       if (owner_of_locked(j) != me || served_.count(j) != 0) continue;
       Served taken;
       const auto r = replicas_.find(j);
@@ -464,12 +510,29 @@ class CfmoMode final : public AsyncMode {
     OuterOptimizer outer;
   };
 
+  /// A whole state's rest after [kind][shard][version]; none when malformed.
+  std::optional<Replica> take_whole(int j, int64_t version, std::span<const std::byte> m) const {
+    uint32_t in_round = 0;
+    std::vector<float> values;
+    std::vector<float> momentum;
+    std::vector<float> round_sum;
+    if (!take(m, in_round) || !take_vector(m, values) || !take_vector(m, momentum) || !take_vector(m, round_sum) ||
+        values.size() != shard_size(j)) {
+      return std::nullopt;
+    }
+    Replica r{{}, version, OuterOptimizer(settings_, shard_size(j), live())};
+    r.values.assign(values.begin(), values.end());
+    r.outer.restore(static_cast<int>(in_round), momentum, round_sum);
+    return r;
+  }
+
   // Under mutex_.
   std::map<int, OuterOptimizer> outer_;  ///< the outer step of each shard served
   std::map<int, int> backup_;            ///< each shard served: the backup its contributions go to (-1: none)
   std::map<int, Replica> replicas_;      ///< the shards this rank is the backup of
   static constexpr uint32_t kReplicaApply = 0;
   static constexpr uint32_t kReplicaWhole = 1;
+  static constexpr uint32_t kHandOver = 2;  ///< as kReplicaWhole, to serve: a join gave the shard back
 
   /// In a delta's dtype field: the sender's last round, answered without the shard.
   static constexpr uint32_t kLastRound = 0x100;
