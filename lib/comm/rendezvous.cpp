@@ -17,7 +17,7 @@
 #include <cstring>
 #include <thread>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -258,4 +258,4 @@ Result<std::vector<std::vector<std::byte>>> exchange_addresses(const RendezvousC
   return table;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 struct RendezvousConfig {
   std::string host = "127.0.0.1";
@@ -29,4 +29,4 @@ Result<std::vector<std::vector<std::byte>>> exchange_addresses(const RendezvousC
 /// A listening TCP socket on host, port 0 = any free port. Returns the fd and the port.
 Result<std::pair<int, uint16_t>> listen_tcp(const std::string& host, uint16_t port);
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

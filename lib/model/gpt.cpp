@@ -154,7 +154,7 @@ moe::ExpertPlacement Gpt::expert_placement() const {
 
 int Gpt::local_experts() const { return expert_placement().count(moe_options_.expert_rank); }
 
-void Gpt::set_expert_parallel(Communicator* comm) {
+void Gpt::set_expert_parallel(comm::Communicator* comm) {
   for (auto& layer : moe_) {
     if (layer) layer->set_expert_parallel(comm);
   }

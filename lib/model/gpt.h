@@ -91,7 +91,7 @@ class Gpt final : public Model {
   int local_experts() const;
   /// --expert-parallel: the MoE layers exchange rows with the other ranks
   /// of `comm` (of MoeOptions::expert_ranks ranks, this one expert_rank).
-  void set_expert_parallel(Communicator* comm);
+  void set_expert_parallel(comm::Communicator* comm);
   Status take_status() override;
   double exchange_wait_s() const override { return run_stats_.wait_s(); }
   size_t replicated_size() const override { return moe_options_.expert_ranks > 1 ? dense_size_ : num_params(); }

@@ -37,7 +37,7 @@ MoeMlp::MoeMlp(int dim, int experts, int top_k, int expert_dim, const MoeOptions
       rank_(options.expert_rank),
       placement_{experts, options.expert_ranks, /*strided=*/true} {}
 
-void MoeMlp::set_expert_parallel(Communicator* comm) { comm_ = comm; }
+void MoeMlp::set_expert_parallel(comm::Communicator* comm) { comm_ = comm; }
 
 namespace {
 
@@ -130,7 +130,7 @@ void MoeMlp::forward(const float* x, const float* residual, int rows, const floa
   std::vector<const float*> result_rows(routing.expert.size(), nullptr);
   std::vector<float> unused;
   for (size_t p = 0; p < results_.size(); ++p) {
-    moe::locate_results(results_[p], plan_.slots[p], WireDtype::kFp32, dim_, unused, result_rows);
+    moe::locate_results(results_[p], plan_.slots[p], comm::WireDtype::kFp32, dim_, unused, result_rows);
   }
   moe::combine(residual, routing, result_rows, dim_, y);
 }
@@ -151,7 +151,7 @@ Status MoeMlp::dispatch_forward(const float* x, std::span<const ExpertTensors> e
   send_.resize(ranks);
   for (size_t p = 0; p < ranks; ++p) {
     send_[p].clear();
-    moe::encode_rows(x, dim_, top_k_, plan_.slots[p], WireDtype::kFp32, send_[p]);
+    moe::encode_rows(x, dim_, top_k_, plan_.slots[p], comm::WireDtype::kFp32, send_[p]);
   }
   auto start = moe::Clock::now();
   CFMO_ASSIGN_OR_RETURN(incoming_, moe::exchange_counts(comm_, plan_, local_experts()));

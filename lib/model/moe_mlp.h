@@ -57,7 +57,7 @@ class MoeMlp {
 
   /// The rows travel through `comm`, of options.expert_ranks ranks, this one
   /// options.expert_rank (with one rank: none needed).
-  void set_expert_parallel(Communicator* comm);
+  void set_expert_parallel(comm::Communicator* comm);
   const moe::ExpertPlacement& placement() const { return placement_; }
   /// Experts this rank holds.
   int local_experts() const { return placement_.count(rank_); }
@@ -115,7 +115,7 @@ class MoeMlp {
   int rows_ = 0;
   double aux_loss_ = 0;
   double z_loss_ = 0;
-  Communicator* comm_ = nullptr;
+  comm::Communicator* comm_ = nullptr;
   Status status_;
   Timing timing_;
   int rank_ = 0;

@@ -30,7 +30,7 @@ Result<Simulation> simulation_for(const MoeConfig& config, int rank, int ranks);
 using PlaceExperts = std::function<Result<std::string>(std::vector<ExpertFfn>&, const Device&, int local_rank)>;
 
 struct BenchmarkOptions {
-  Communicator* comm = nullptr;
+  comm::Communicator* comm = nullptr;
   int local_rank = -1;         ///< the rank's index on its host, for "cuda" (device_for_rank); -1: its rank
   PlaceExperts place_experts;  ///< needed for a --device other than cpu
   Simulation simulation;

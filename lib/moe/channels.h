@@ -5,6 +5,6 @@
 
 namespace cfmo::channels {
 
-inline constexpr Channel kExperts{8};  ///< the async engine's tokens, results and end markers
+inline constexpr comm::Channel kExperts{8};  ///< the async engine's tokens, results and end markers
 
 }  // namespace cfmo::channels

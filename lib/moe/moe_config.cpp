@@ -99,9 +99,9 @@ Result<MoePlan> validate(const MoeConfig& c) {
   CFMO_ASSIGN_OR_RETURN(plan.drop_policy, parse_drop_policy(c.drop_policy));
   CFMO_ASSIGN_OR_RETURN(plan.routing, parse_routing(c.routing));
   if (c.dtype == "fp32") {
-    plan.dtype = WireDtype::kFp32;
+    plan.dtype = comm::WireDtype::kFp32;
   } else if (c.dtype == "bf16") {
-    plan.dtype = WireDtype::kBf16;
+    plan.dtype = comm::WireDtype::kBf16;
   } else {
     return usage("dtype", fmt::format("'{}': expected fp32 or bf16", c.dtype));
   }

@@ -38,12 +38,12 @@ Sizer make_sizer(const SimulateOptions& options, int workers) {
   if (options.math) return nullptr;  // the messages carry the model's own floats
   const auto params = static_cast<size_t>(options.params);
   auto bounds = std::make_shared<std::vector<size_t>>(shard_bounds(params, workers));
-  const WireDtype dtype = options.settings.delta_dtype;
-  return [bounds, params, dtype](Channel channel, int from, int to, uint64_t payload) -> uint64_t {
+  const comm::WireDtype dtype = options.settings.delta_dtype;
+  return [bounds, params, dtype](comm::Channel channel, int from, int to, uint64_t payload) -> uint64_t {
     auto shard = [&](int j) { return (*bounds)[static_cast<size_t>(j) + 1] - (*bounds)[static_cast<size_t>(j)]; };
     if (channel == kCollective) return payload + (params - kStandIn) * sizeof(float);
     if (channel == channels::kDeltaShard || channel == channels::kGradShard) {
-      return payload + encoded_size(dtype, shard(to));
+      return payload + comm::encoded_size(dtype, shard(to));
     }
     // An owner's shard: raw floats.
     if (channel == channels::kFreshShard || channel == channels::kGather) {

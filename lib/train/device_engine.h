@@ -74,7 +74,7 @@ struct DeviceEngineOptions {
   Device device;
   /// The host communicator; with `device_collectives`, a CUDA engine also
   /// connects NCCL over it (every rank calls make_device_engine together then).
-  Communicator* comm = nullptr;
+  comm::Communicator* comm = nullptr;
   bool device_collectives = false;
   double peer_timeout_s = 10;
   int local_rank = -1;  ///< the rank's index on its host, for "cuda" (device_for_rank); -1: its rank

@@ -61,7 +61,7 @@ struct ModeSettings {
   OuterKind outer_optimizer = OuterKind::kNesterov;
   double outer_lr = 0.5;
   double outer_momentum = 0.8;
-  WireDtype delta_dtype = WireDtype::kBf16;
+  comm::WireDtype delta_dtype = comm::WireDtype::kBf16;
   int64_t sample_budget = 0;  ///< async modes: stop when all workers together saw this many (0: no budget)
   double peer_timeout_s = 10;
   bool elastic = false;  ///< sync, localsgd: a lost worker leaves the group, the others go on
@@ -212,7 +212,7 @@ struct ModeTraits {
 /// Everything a mode's factory is given; `comm` has two ranks or more.
 struct ModeContext {
   const ModeSettings& settings;
-  Communicator& comm;
+  comm::Communicator& comm;
   std::span<const float> initial;  ///< the parameters every rank starts from (the same everywhere)
   const OptimizerConfig& optimizer_config;
   const ModeResume& resume;
@@ -237,7 +237,7 @@ std::string mode_names();
 
 /// The mode for `settings.kind`; `comm` is null for a single worker.
 /// `initial` is the parameters every rank starts from (the same everywhere).
-Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, Communicator* comm,
+Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, comm::Communicator* comm,
                                         const std::vector<ParamInfo>& layout, std::span<const float> initial,
                                         const OptimizerConfig& optimizer_config, const ModeResume& resume = {});
 

@@ -176,7 +176,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   CFMO_ASSIGN_OR_RETURN(plan.outer_optimizer, parse_outer_kind(c.outer_optimizer));
   if (!(c.outer_lr > 0)) return usage("outer-lr", "must be positive");
   if (!(c.outer_momentum >= 0 && c.outer_momentum < 1)) return usage("outer-momentum", "must be in [0, 1)");
-  auto dtype = parse_wire_dtype(c.delta_dtype);
+  auto dtype = comm::parse_wire_dtype(c.delta_dtype);
   if (!dtype) return usage("delta-dtype", fmt::format("'{}' is not fp32, bf16 or int8", c.delta_dtype));
   plan.delta_dtype = *dtype;
   if (!(c.peer_timeout > 0)) return usage("peer-timeout", "must be positive");

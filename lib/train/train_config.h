@@ -91,7 +91,7 @@ struct TrainPlan {
   ModeKind mode = ModeKind::kSync;
   OuterKind outer_optimizer = OuterKind::kNesterov;
   OptimizerKind optimizer = OptimizerKind::kAdamW;
-  WireDtype delta_dtype = WireDtype::kBf16;
+  comm::WireDtype delta_dtype = comm::WireDtype::kBf16;
   Schedule::Kind schedule = Schedule::Kind::kConstant;
   Device device;
   double time_limit_s = 0;  ///< 0: no time limit

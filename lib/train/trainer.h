@@ -59,7 +59,7 @@ struct TrainOptions {
   std::string config_toml;                  ///< saved beside each checkpoint
   const std::atomic<bool>* stop = nullptr;  ///< set by a signal handler: stop cleanly
   TrainObserver* observer = nullptr;
-  Communicator* comm = nullptr;  ///< the other workers; null for a single worker
+  comm::Communicator* comm = nullptr;  ///< the other workers; null for a single worker
   int local_rank = -1;           ///< this worker's index on its host (comm/world.h); -1: its rank
 };
 

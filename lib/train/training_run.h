@@ -111,7 +111,7 @@ struct TrainingRun {
   const TrainOptions& options;
   const Clock::time_point run_start = Clock::now();
   TrainObserver null_observer;
-  Communicator* comm;
+  comm::Communicator* comm;
   const int rank;
   const int world;
   const ModeTraits traits;

@@ -161,7 +161,7 @@ ReconcilerState state_from_dict(const py::dict& d) {
 
 py::dict stats_of(const Reconciler& r) {
   const ModeStats m = r.mode_stats();
-  const CommStats c = r.comm_stats();
+  const comm::CommStats c = r.comm_stats();
   py::dict d;
   d["rank"] = r.rank();
   d["world"] = r.size();
@@ -215,7 +215,7 @@ int launch(int workers, const std::vector<std::string>& args, double grace_s) {
   Result<int> status = 0;
   {
     py::gil_scoped_release release;
-    status = launch_local(workers, argv.data(), &g_launch_stop, STDOUT_FILENO, STDERR_FILENO, grace_s);
+    status = comm::launch_local(workers, argv.data(), &g_launch_stop, STDOUT_FILENO, STDERR_FILENO, grace_s);
   }
   ::sigaction(SIGINT, &old_int, nullptr);
   ::sigaction(SIGTERM, &old_term, nullptr);
@@ -247,7 +247,7 @@ std::unique_ptr<Reconciler> make_reconciler(std::shared_ptr<World> world, const 
   s.mode.outer_optimizer = *outer_kind;
   s.mode.outer_lr = outer_lr;
   s.mode.outer_momentum = outer_momentum;
-  auto dtype = parse_wire_dtype(delta_dtype);
+  auto dtype = comm::parse_wire_dtype(delta_dtype);
   if (!dtype) throw ErrorException(as_keyword_error(dtype.error()));
   s.mode.delta_dtype = *dtype;
   s.mode.peer_timeout_s = world->options.peer_timeout_s;

@@ -258,7 +258,7 @@ Status Reconciler::finish(const Buffers& moments) {
 
 std::vector<size_t> Reconciler::shard_bounds() const { return cfmo::shard_bounds(flat_.size(), size()); }
 
-CommStats Reconciler::comm_stats() const { return world_->comm ? world_->comm->stats() : CommStats{}; }
+comm::CommStats Reconciler::comm_stats() const { return world_->comm ? world_->comm->stats() : comm::CommStats{}; }
 
 std::vector<int> Reconciler::lost_ranks() const {
   return world_->comm ? world_->comm->lost_ranks() : std::vector<int>{};

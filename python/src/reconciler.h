@@ -98,7 +98,7 @@ class Reconciler {
   const std::vector<ParamInfo>& layout() const { return layout_; }
   std::vector<size_t> shard_bounds() const;
   ModeStats mode_stats() const { return mode_->stats(); }
-  CommStats comm_stats() const;
+  comm::CommStats comm_stats() const;
   std::vector<int> lost_ranks() const;
   int64_t deltas_written() const;
   int64_t deltas_skipped() const;

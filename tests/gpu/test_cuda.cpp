@@ -201,12 +201,12 @@ TEST_F(Cuda, ClipGradNormMatchesTheCpu) {
 }
 
 TEST_F(Cuda, NcclAllReduceOfOneRankIsTheIdentity) {
-  auto listener = listen_tcp("127.0.0.1", 0);
+  auto listener = comm::listen_tcp("127.0.0.1", 0);
   ASSERT_TRUE(listener);
-  RendezvousConfig config;
+  comm::RendezvousConfig config;
   config.port = listener->second;
   config.listen_fd = listener->first;
-  auto host = connect_ucx(0, 1, config);
+  auto host = comm::connect_ucx(0, 1, config);
   ASSERT_TRUE(host) << host.error().message;
   auto nccl = NcclComm::create(*ctx_, **host, 30);
   ASSERT_TRUE(nccl) << nccl.error().message;

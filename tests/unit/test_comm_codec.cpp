@@ -9,7 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 std::vector<float> sample(size_t n) {
@@ -148,4 +148,4 @@ TEST(World, OneRankIsSoloAndSeveralNeedARendezvous) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::comm

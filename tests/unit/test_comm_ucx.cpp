@@ -19,7 +19,7 @@
 #include <mutex>
 #include <thread>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 constexpr Channel kTestChannel{8};
@@ -498,4 +498,4 @@ TEST(Rendezvous, RankZeroNamesTheRanksThatNeverCame) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::comm

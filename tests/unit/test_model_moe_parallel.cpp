@@ -55,7 +55,8 @@ std::map<std::string, std::vector<float>> by_name(const Model& m, std::span<cons
 }
 
 /// Each rank's model of `world`, initialised from `seed`, exchanging through its communicator.
-std::vector<std::unique_ptr<Gpt>> expert_parallel_parts(const GptSpec& spec, LoopbackWorld& world, uint64_t seed) {
+std::vector<std::unique_ptr<Gpt>> expert_parallel_parts(const GptSpec& spec, comm::LoopbackWorld& world,
+                                                        uint64_t seed) {
   const auto ranks = static_cast<int>(world.ranks.size());
   std::vector<std::unique_ptr<Gpt>> parts;
   for (int r = 0; r < ranks; ++r) {
@@ -99,7 +100,7 @@ TEST(TestModelMoeParallel, SyncDispatchGivesTheLossAndGradientsOfOneProcessHoldi
   const float whole_loss = whole.forward_backward(windows(tokens, kRanks * kBatch));
   const auto whole_grads = by_name(whole, whole.gradients());
 
-  LoopbackWorld world = make_loopback_world(kRanks);
+  comm::LoopbackWorld world = comm::make_loopback_world(kRanks);
   const auto parts = expert_parallel_parts(spec, world, 7);
   std::vector<float> losses(kRanks);
   std::vector<std::thread> threads;
@@ -152,7 +153,7 @@ TEST(TestModelMoeParallel, EvaluationRoutesThroughTheOwnersToo) {
   whole.init(3);
   const EvalResult expected = whole.evaluate(windows(tokens, 3));
 
-  LoopbackWorld world = make_loopback_world(kRanks);
+  comm::LoopbackWorld world = comm::make_loopback_world(kRanks);
   const auto parts = expert_parallel_parts(spec, world, 3);
   std::vector<EvalResult> results(kRanks);
   std::vector<std::thread> threads;
@@ -167,7 +168,7 @@ TEST(TestModelMoeParallel, EvaluationRoutesThroughTheOwnersToo) {
 TEST(TestModelMoeParallel, ALostPeerFailsThePassWithAPeerErrorAndTheTokensTakeTheResidual) {
   const GptSpec spec = small_moe();
   const auto tokens = random_tokens(spec, 2, 5);
-  LoopbackWorld world = make_loopback_world(2, {.peer_timeout_s = 0.2});
+  comm::LoopbackWorld world = comm::make_loopback_world(2, {.peer_timeout_s = 0.2});
   Gpt part(spec, exact_options(0, 2));
   part.init(1);
   part.set_expert_parallel(world.ranks[0].get());

@@ -20,9 +20,9 @@ namespace {
 constexpr size_t kSize = 96;  // shards of 48 floats for 2 workers, 32 for 3 (16-float boundaries)
 
 struct Cluster {
-  Cluster(int workers, ModeSettings settings, LoopbackOptions options = {})
-      : world(make_loopback_world(workers, options)) {
-    settings.delta_dtype = WireDtype::kFp32;  // exact sums
+  Cluster(int workers, ModeSettings settings, comm::LoopbackOptions options = {})
+      : world(comm::make_loopback_world(workers, options)) {
+    settings.delta_dtype = comm::WireDtype::kFp32;  // exact sums
     OptimizerConfig sgd;
     sgd.kind = OptimizerKind::kSgd;
     sgd.momentum = 0.9;
@@ -98,7 +98,7 @@ struct Cluster {
   }
 
   std::vector<float> initial = std::vector<float>(kSize, 1.0f);
-  LoopbackWorld world;
+  comm::LoopbackWorld world;
   std::vector<std::unique_ptr<Mode>> modes;
   std::vector<std::vector<float>> params;
   std::vector<std::unique_ptr<Optimizer>> optimizers;

@@ -66,21 +66,22 @@ static int run(int argc, char** argv) {
     return 0;
   }
 
-  auto world = cfmo::world_from_environment();
+  auto world = cfmo::comm::world_from_environment();
   if (!world) return fail(world.error());
   const bool launched = world->has_value() && (*world)->launched;  // a rank of our own launcher
   if (config.ranks > 1 && !launched && (!world->has_value() || (*world)->size == 1)) {
     // One host, no launcher: start the ranks here and relay their output.
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
-    auto status = cfmo::launch_local(config.ranks, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
+    auto status =
+        cfmo::comm::launch_local(config.ranks, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
     if (!status) return fail(status.error());
     return *status;
   }
 
-  auto connected = cfmo::connect_world(*world, {config.rendezvous, config.peer_timeout});
+  auto connected = cfmo::comm::connect_world(*world, {config.rendezvous, config.peer_timeout});
   if (!connected) return fail(connected.error());
-  std::unique_ptr<cfmo::Communicator> comm = std::move(*connected);
+  std::unique_ptr<cfmo::comm::Communicator> comm = std::move(*connected);
   const int rank = comm->rank();
   const int ranks = comm->size();
 

@@ -32,7 +32,7 @@ int compare_modes(int argc, char** argv, const TrainConfig& config, bool json, c
       args.emplace_back((std::filesystem::path(config.out) / mode).string());
     }
     fmt::print(stderr, "compare: running {}...\n", mode);
-    auto ran = run_self(args);
+    auto ran = comm::run_self(args);
     if (!ran) return fail(ran.error());
     const auto& [status, out] = *ran;
     // The summary is the run's last line on stdout.

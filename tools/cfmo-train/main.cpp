@@ -49,7 +49,7 @@ static int run(int argc, char** argv) {
   std::signal(SIGXFSZ, SIG_IGN);
   if (compare) return compare_modes(argc, argv, config, json);
 
-  auto world = cfmo::world_from_environment();
+  auto world = cfmo::comm::world_from_environment();
   if (!world) return fail(world.error());
   const bool launched = world->has_value() && (*world)->launched;  // a worker of our own launcher
   // One run at a time in a run directory. The process that owns the run holds the lock for
@@ -64,13 +64,14 @@ static int run(int argc, char** argv) {
   if (config.workers > 1 && !launched && (!world->has_value() || (*world)->size == 1)) {
     // One host, no launcher: start the workers here and relay their output, if they fit.
     if (auto fits = cfmo::check_workers_fit(config, config.workers); !fits) return fail(fits.error());
-    auto status = cfmo::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
+    auto status =
+        cfmo::comm::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
     if (!status) return fail(status.error());
     return *status;
   }
-  std::unique_ptr<cfmo::Communicator> comm;
+  std::unique_ptr<cfmo::comm::Communicator> comm;
   if (world->has_value() && (*world)->size > 1) {
-    auto connected = cfmo::connect_world(*world, {config.rendezvous, config.peer_timeout});
+    auto connected = cfmo::comm::connect_world(*world, {config.rendezvous, config.peer_timeout});
     if (!connected) return fail(connected.error());
     comm = std::move(*connected);
     options.comm = comm.get();

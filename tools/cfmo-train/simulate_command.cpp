@@ -120,7 +120,7 @@ int run_simulate(int argc, char** argv) {
   options.network.topology = *top;
   options.network.bandwidth = bandwidth_gbit * 1e9 / 8;
   options.network.latency = latency_us * 1e-6;
-  auto dtype = parse_wire_dtype(delta_dtype);
+  auto dtype = comm::parse_wire_dtype(delta_dtype);
   if (!dtype) return fail(make_error(ErrorKind::kUsage, "--delta-dtype: {}", dtype.error().message));
   s.delta_dtype = *dtype;
   auto outer_kind = parse_outer_kind(outer);

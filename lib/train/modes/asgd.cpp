@@ -14,7 +14,7 @@ namespace {
 
 class AsgdMode final : public AsyncMode {
  public:
-  AsgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
+  AsgdMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
            std::unique_ptr<Optimizer> shard_optimizer, const ModeResume& resume)
       : AsyncMode(settings, comm, initial, resume, OwnerState::kOptimizer, /*replicated=*/false),
         optimizer_(std::move(shard_optimizer)) {
@@ -51,8 +51,8 @@ class AsgdMode final : public AsyncMode {
       put(out, static_cast<uint32_t>(settings_.delta_dtype));
       put(out, base_version_[static_cast<size_t>(j)]);
       put(out, lr);
-      encode_floats(settings_.delta_dtype, grads.subspan(first, n),
-                    residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, n), out);
+      comm::encode_floats(settings_.delta_dtype, grads.subspan(first, n),
+                          residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, n), out);
       comm_.post(j, channels::kGradShard, std::move(out));
       ++awaiting_[static_cast<size_t>(j)];
       awaiting_owner_[static_cast<size_t>(j)] = j;
@@ -120,7 +120,7 @@ class AsgdMode final : public AsyncMode {
       return;
     }
     incoming_.resize(shard_size(comm_.rank()));
-    if (!decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
+    if (!comm::decode_floats(static_cast<comm::WireDtype>(dtype), m, incoming_)) return;
     // Classic asynchronous SGD applies every gradient, however stale (its
     // workers wait instead once they are max_staleness rounds ahead).
     std::lock_guard lock(mutex_);

@@ -52,8 +52,8 @@ class AsyncMode : public Mode {
   /// (cfmo) or the shard optimizer's state (asgd).
   enum class OwnerState : uint8_t { kOuterMomentum, kOptimizer };
 
-  AsyncMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume,
-            OwnerState owner_state_kind, bool replicated);
+  AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
+            const ModeResume& resume, OwnerState owner_state_kind, bool replicated);
   ~AsyncMode() override;
 
   bool stop_requested() const override { return stop_.load(); }
@@ -211,7 +211,7 @@ class AsyncMode : public Mode {
   virtual int64_t owner_steps(int /*shard*/) const { return 0; }
 
   const ModeSettings settings_;
-  Communicator& comm_;
+  comm::Communicator& comm_;
   const std::vector<size_t> bounds_;
 
   // Worker side (training thread).

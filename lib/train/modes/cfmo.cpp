@@ -25,7 +25,8 @@ namespace {
 
 class CfmoMode final : public AsyncMode {
  public:
-  CfmoMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume)
+  CfmoMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
+           const ModeResume& resume)
       : AsyncMode(settings, comm, initial, resume, OwnerState::kOuterMomentum, /*replicated=*/true),
         snapshot_(initial.size(), 0.0f) {
     // Every rank starts from the same state, so each backup's replica starts as its owner's shard.
@@ -120,8 +121,9 @@ class CfmoMode final : public AsyncMode {
       put(out, static_cast<uint32_t>(j));
       put(out, static_cast<uint32_t>(settings_.delta_dtype) | (last ? kLastRound : 0u));
       put(out, base_version_[static_cast<size_t>(j)]);
-      encode_floats(settings_.delta_dtype, delta_,
-                    residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count), out);
+      comm::encode_floats(settings_.delta_dtype, delta_,
+                          residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count),
+                          out);
       comm_.post(owner, channels::kDeltaShard, std::move(out));
       ++awaiting_[static_cast<size_t>(j)];
       awaiting_owner_[static_cast<size_t>(j)] = owner;
@@ -183,7 +185,7 @@ class CfmoMode final : public AsyncMode {
     if (dtype > 2) return;
     const std::span<const std::byte> encoded = m;
     incoming_.resize(shard_size(static_cast<int>(shard)));
-    if (!decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
+    if (!comm::decode_floats(static_cast<comm::WireDtype>(dtype), m, incoming_)) return;
     refresh_membership();
     std::lock_guard lock(mutex_);
     ++stats_.contributions_received;
@@ -273,7 +275,7 @@ class CfmoMode final : public AsyncMode {
     const auto it = replicas_.find(j);
     if (kind != kReplicaApply || it == replicas_.end() || !take(m, weight) || !take(m, dtype) || dtype > 2) return;
     replica_incoming_.resize(shard_size(j));
-    if (!decode_floats(static_cast<WireDtype>(dtype), m, replica_incoming_)) return;
+    if (!comm::decode_floats(static_cast<comm::WireDtype>(dtype), m, replica_incoming_)) return;
     it->second.outer.apply(it->second.values, replica_incoming_, weight);
     it->second.version = version;
   }

@@ -13,7 +13,7 @@ namespace {
 constexpr auto kNap = std::chrono::milliseconds(5);
 }  // namespace
 
-ElasticGroup::ElasticGroup(Communicator& comm, Channel channel, double peer_timeout_s)
+ElasticGroup::ElasticGroup(comm::Communicator& comm, comm::Channel channel, double peer_timeout_s)
     : comm_(comm), channel_(channel), peer_timeout_s_(peer_timeout_s) {
   for (int r = 0; r < comm.size(); ++r) members_.push_back(r);
   comm_.on_message(channel_, [this](int from, std::span<const std::byte> m) { on_message(from, m); });

@@ -42,7 +42,7 @@ namespace cfmo::modes {
 
 class ElasticGroup {
  public:
-  ElasticGroup(Communicator& comm, Channel channel, double peer_timeout_s);
+  ElasticGroup(comm::Communicator& comm, comm::Channel channel, double peer_timeout_s);
   ~ElasticGroup();
   ElasticGroup(const ElasticGroup&) = delete;
   ElasticGroup& operator=(const ElasticGroup&) = delete;
@@ -84,8 +84,8 @@ class ElasticGroup {
   /// Under lock: whether a message asks for a re-forming beyond the current epoch (and which epoch).
   bool reform_asked_locked(uint32_t& epoch) const;
 
-  Communicator& comm_;
-  const Channel channel_;
+  comm::Communicator& comm_;
+  const comm::Channel channel_;
   const double peer_timeout_s_;
 
   std::mutex mutex_;

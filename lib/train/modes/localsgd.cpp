@@ -17,7 +17,7 @@ namespace {
 
 class LocalSgdMode final : public LockstepMode {
  public:
-  LocalSgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
+  LocalSgdMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
                const ModeResume& resume)
       : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), outer_(settings, initial.size(), 1) {
     if (settings.elastic) group_ = std::make_unique<ElasticGroup>(comm, channels::kElastic, settings.peer_timeout_s);
@@ -71,7 +71,7 @@ class LocalSgdMode final : public LockstepMode {
   }
 
   ModeSettings settings_;
-  Communicator& comm_;
+  comm::Communicator& comm_;
   FloatBuffer global_;
   OuterOptimizer outer_;
   FloatBuffer delta_;

@@ -16,7 +16,7 @@ namespace {
 
 class SyncMode final : public LockstepMode {
  public:
-  SyncMode(Communicator& comm, const ModeSettings& settings) : comm_(comm) {
+  SyncMode(comm::Communicator& comm, const ModeSettings& settings) : comm_(comm) {
     if (settings.elastic) group_ = std::make_unique<ElasticGroup>(comm, channels::kElastic, settings.peer_timeout_s);
   }
   std::string_view name() const override { return "sync"; }
@@ -64,7 +64,7 @@ class SyncMode final : public LockstepMode {
   ModeStats stats() const override { return stats_; }
 
  private:
-  Communicator& comm_;
+  comm::Communicator& comm_;
   FloatBuffer buffer_;
   ModeStats stats_;
   DeviceReduce device_reduce_;

@@ -92,7 +92,7 @@ std::vector<size_t> shard_bounds(size_t size, int shards) {
   return bounds;
 }
 
-Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, Communicator* comm,
+Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, comm::Communicator* comm,
                                         const std::vector<ParamInfo>& layout, std::span<const float> initial,
                                         const OptimizerConfig& optimizer_config, const ModeResume& resume) {
   (void)layout;
