@@ -160,8 +160,8 @@ class Model {
   void set_layout(std::vector<ParamInfo> layout, size_t size);
 
   std::vector<ParamInfo> params_;
-  FloatBuffer parameters_;
-  FloatBuffer gradients_;
+  tensor::FloatBuffer parameters_;
+  tensor::FloatBuffer gradients_;
 };
 
 /// Softmax cross-entropy over rows of `logits` [batch, classes]. Returns the

@@ -11,7 +11,7 @@
 
 namespace cfmo {
 
-using ops::Trans;
+using tensor::ops::Trans;
 
 void expert_forward(const float* x, int n, const ExpertTensors& w, int c, int d, float* fc, float* act, float* y) {
   if (n == 0) return;
@@ -74,8 +74,8 @@ void MoeMlp::forward(const float* x, const float* residual, int rows, const floa
   probs_.resize(r * e_count);
   lse_.resize(r);
   if (rows > 0) {
-    ops::gemm(Trans::kNo, Trans::kNo, rows, experts_, dim_, 1.0f, x, dim_, router, experts_, 0.0f, logits_.data(),
-              experts_);
+    tensor::ops::gemm(Trans::kNo, Trans::kNo, rows, experts_, dim_, 1.0f, x, dim_, router, experts_, 0.0f,
+                      logits_.data(), experts_);
   }
   moe::Routing& routing = routing_;
   routing.tokens = rows;
@@ -311,10 +311,10 @@ void MoeMlp::backward(const float* dy, const float* x, const float* router, floa
   }
   if (rows_ > 0) {
     // d router += x^T d logits; dx += d logits router^T.
-    ops::gemm(Trans::kYes, Trans::kNo, dim_, experts_, rows_, 1.0f, x, dim_, d_logits_.data(), experts_, 1.0f, d_router,
-              experts_);
-    ops::gemm(Trans::kNo, Trans::kYes, rows_, dim_, experts_, 1.0f, d_logits_.data(), experts_, router, experts_, 1.0f,
-              dx, dim_);
+    tensor::ops::gemm(Trans::kYes, Trans::kNo, dim_, experts_, rows_, 1.0f, x, dim_, d_logits_.data(), experts_, 1.0f,
+                      d_router, experts_);
+    tensor::ops::gemm(Trans::kNo, Trans::kYes, rows_, dim_, experts_, 1.0f, d_logits_.data(), experts_, router,
+                      experts_, 1.0f, dx, dim_);
   }
 }
 

@@ -27,7 +27,7 @@ Result<Simulation> simulation_for(const MoeConfig& config, int rank, int ranks);
 /// Moves this rank's experts to a device (a CUDA one: the GPU of the rank
 /// `local_rank` on its host) and returns the device's description. The tool
 /// passes cuda/moe_experts.h's place_experts: moe does not link the CUDA backend.
-using PlaceExperts = std::function<Result<std::string>(std::vector<ExpertFfn>&, const Device&, int local_rank)>;
+using PlaceExperts = std::function<Result<std::string>(std::vector<ExpertFfn>&, const tensor::Device&, int local_rank)>;
 
 struct BenchmarkOptions {
   comm::Communicator* comm = nullptr;

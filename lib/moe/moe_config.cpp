@@ -140,7 +140,7 @@ Result<MoePlan> validate(const MoeConfig& c) {
   }
   if (c.in_flight < 1 || c.in_flight > 64) return usage("in-flight", "must be in 1..64");
   if (c.threads < 1 || c.threads > 1024) return usage("threads", "must be in 1..1024");
-  CFMO_ASSIGN_OR_RETURN(plan.device, parse_device(c.device));
+  CFMO_ASSIGN_OR_RETURN(plan.device, tensor::parse_device(c.device));
   if (c.ranks < 1 || c.ranks > 1024) return usage("ranks", "must be in 1..1024");
   if (!(c.peer_timeout > 0)) return usage("peer-timeout", "must be positive");
   if (c.format != "table" && c.format != "json" && c.format != "csv") {

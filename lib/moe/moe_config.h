@@ -60,7 +60,7 @@ struct MoePlan {
   comm::WireDtype dtype = comm::WireDtype::kFp32;
   LatePolicy late_policy = LatePolicy::kResidual;
   double deadline_s = -1;  ///< < 0: auto (from the warmup's round trips)
-  Device device;           ///< where the experts' GEMMs run
+  tensor::Device device;   ///< where the experts' GEMMs run
 };
 
 /// Registers every field of `config` in `table` with its help text.

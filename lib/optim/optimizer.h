@@ -36,7 +36,7 @@ struct OptimizerConfig {
 /// A named state buffer, laid out like the parameters.
 struct OptimizerState {
   std::string name;  ///< "exp_avg", "exp_avg_sq", "momentum_buffer"
-  FloatBuffer* buffer;
+  tensor::FloatBuffer* buffer;
 };
 
 class Optimizer {
@@ -84,7 +84,7 @@ void clip_to_norm(std::span<float> grads, double max_norm, double norm);
 /// Scratch space for newton_schulz, kept across steps: the buffers are
 /// large enough that allocating them per call means mmap and page faults.
 struct NewtonSchulzWorkspace {
-  FloatBuffer x, x_next, gram, poly;
+  tensor::FloatBuffer x, x_next, gram, poly;
 };
 
 /// Orthogonalises the row-major matrix `g` [rows, cols] in place with

@@ -170,7 +170,8 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
 
   const std::map<std::string, std::string> optim_meta = {
       {"cfmo.optimizer", data.optimizer_name}, {"cfmo.optimizer_steps", std::to_string(data.optimizer_steps)}};
-  auto write_optimizer = [&](const std::string& file, const std::vector<std::pair<std::string, FloatBuffer>>& state) {
+  auto write_optimizer = [&](const std::string& file,
+                             const std::vector<std::pair<std::string, tensor::FloatBuffer>>& state) {
     std::vector<TensorRef> state_tensors;
     for (const auto& [state_name, buffer] : state) {
       for (auto& t : tensors_of(buffer, "." + state_name)) state_tensors.push_back(std::move(t));
@@ -310,7 +311,7 @@ bool negative(const TrainPosition& p) { return p.step < 0 || p.epoch < 0 || p.ba
 }  // namespace
 
 Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimizer& optimizer, CheckpointWorld* world,
-                                      FloatBuffer* outer_momentum) {
+                                      tensor::FloatBuffer* outer_momentum) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
   TrainPosition position;

@@ -54,15 +54,15 @@ struct CheckpointWorld {
 struct CheckpointData {
   TrainPosition position;
   CheckpointWorld world;
-  FloatBuffer params;
+  tensor::FloatBuffer params;
   std::string optimizer_name;
   int64_t optimizer_steps = 0;
-  std::vector<std::pair<std::string, FloatBuffer>> optimizer_state;
-  FloatBuffer outer_momentum;  ///< empty: none
+  std::vector<std::pair<std::string, tensor::FloatBuffer>> optimizer_state;
+  tensor::FloatBuffer outer_momentum;  ///< empty: none
   /// Ranks 1 to W-1's own inner optimizer state (rank 0's is
   /// optimizer_state), where the ranks' optimizers drift apart between
   /// rounds (localsgd); empty: every rank resumes with rank 0's.
-  std::vector<std::vector<std::pair<std::string, FloatBuffer>>> rank_optimizer_state;
+  std::vector<std::vector<std::pair<std::string, tensor::FloatBuffer>>> rank_optimizer_state;
 };
 
 /// Copies the model's parameters and the optimizer's state.
@@ -137,7 +137,7 @@ Result<DirLock> lock_run_dir(const std::filesystem::path& run_dir);
 /// `outer_momentum` (the model's layout; left empty when the checkpoint has
 /// none), when given, receive the rest.
 Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, Model& model, Optimizer& optimizer,
-                                      CheckpointWorld* world = nullptr, FloatBuffer* outer_momentum = nullptr);
+                                      CheckpointWorld* world = nullptr, tensor::FloatBuffer* outer_momentum = nullptr);
 
 /// Rank `rank`'s own inner optimizer state, where the checkpoint holds one
 /// for it (state.json's rank_optimizers, written by localsgd runs of several

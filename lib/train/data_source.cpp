@@ -33,7 +33,8 @@ class ImageSource final : public DataSource {
   void for_each_eval_batch(int chunk, const std::function<void(const Examples&)>& f) override {
     // Converted to floats a chunk at a time, so the set itself stays in bytes.
     const Dataset& test = split_.test;
-    FloatBuffer floats(static_cast<size_t>(std::min<int64_t>(chunk, test.count)) * static_cast<size_t>(test.features));
+    tensor::FloatBuffer floats(static_cast<size_t>(std::min<int64_t>(chunk, test.count)) *
+                               static_cast<size_t>(test.features));
     for (int64_t first = 0; first < test.count; first += chunk) {
       const int64_t n = std::min<int64_t>(chunk, test.count - first);
       test.rows_to_float(first, n, floats.data());
@@ -45,7 +46,7 @@ class ImageSource final : public DataSource {
 
  private:
   DataSplit split_;
-  FloatBuffer inputs_;
+  tensor::FloatBuffer inputs_;
   std::vector<int32_t> labels_;
 };
 

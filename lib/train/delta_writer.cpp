@@ -44,8 +44,8 @@ void DeltaWriter::close() { writer_.close(); }
 void DeltaWriter::submit(int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
                          std::span<const float> delta) {
   writer_.submit_with([&] {
-    return Job{round_offset_ + round, step, base_version, FloatBuffer(base.begin(), base.end()),
-               FloatBuffer(delta.begin(), delta.end())};
+    return Job{round_offset_ + round, step, base_version, tensor::FloatBuffer(base.begin(), base.end()),
+               tensor::FloatBuffer(delta.begin(), delta.end())};
   });
 }
 

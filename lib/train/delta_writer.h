@@ -44,8 +44,8 @@ class DeltaWriter {
     int64_t round = 0;
     int64_t step = 0;
     int64_t base_version = 0;
-    FloatBuffer base;
-    FloatBuffer delta;
+    tensor::FloatBuffer base;
+    tensor::FloatBuffer delta;
   };
   Status write(Job& job);
 

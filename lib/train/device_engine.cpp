@@ -22,7 +22,7 @@ class CpuEngine final : public DeviceEngine {
  public:
   CpuEngine(Model& model, Optimizer& optimizer, DataSource& data) : model_(model), optimizer_(optimizer), data_(data) {}
 
-  std::string description() const override { return "cpu (" + ops::blas_info() + ")"; }
+  std::string description() const override { return "cpu (" + tensor::ops::blas_info() + ")"; }
   bool host_resident() const override { return true; }
 
   Result<float> forward_backward(const BatchRequest& request) override {
@@ -104,7 +104,7 @@ class CudaEngine final : public DeviceEngine {
     const DataSplit& data = *source.images();
     std::unique_ptr<CudaEngine> e(new CudaEngine(model, optimizer));
     const int rank = options.comm != nullptr ? options.comm->rank() : 0;
-    const Device device = device_for_rank(options.device, options.local_rank >= 0 ? options.local_rank : rank);
+    const tensor::Device device = device_for_rank(options.device, options.local_rank >= 0 ? options.local_rank : rank);
     CFMO_ASSIGN_OR_RETURN(e->ctx_, cuda::Context::create(device.index));
     CFMO_ASSIGN_OR_RETURN(e->model_, cuda::CudaMlp::create(*e->ctx_, model));
     CFMO_ASSIGN_OR_RETURN(e->optimizer_,

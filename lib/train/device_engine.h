@@ -71,7 +71,7 @@ class DeviceEngine {
 };
 
 struct DeviceEngineOptions {
-  Device device;
+  tensor::Device device;
   /// The host communicator; with `device_collectives`, a CUDA engine also
   /// connects NCCL over it (every rank calls make_device_engine together then).
   comm::Communicator* comm = nullptr;

@@ -69,8 +69,8 @@ Result<std::unique_ptr<Model>> TrainingRun::gather_whole_model(CheckpointData& p
   std::unordered_map<std::string, const ParamInfo*> by_name;
   for (const ParamInfo& p : whole->params()) by_name.emplace(p.name, &p);
   const size_t states = part.optimizer_state.size();
-  FloatBuffer params(whole->num_params(), 0.0f);
-  std::vector<FloatBuffer> state(states, FloatBuffer(whole->num_params(), 0.0f));
+  tensor::FloatBuffer params(whole->num_params(), 0.0f);
+  std::vector<tensor::FloatBuffer> state(states, tensor::FloatBuffer(whole->num_params(), 0.0f));
   // The replicated prefix is laid out alike in both models.
   std::copy_n(part.params.begin(), replicated, params.begin());
   for (size_t s = 0; s < states; ++s) std::copy_n(part.optimizer_state[s].second.begin(), replicated, state[s].begin());

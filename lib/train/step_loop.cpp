@@ -248,8 +248,8 @@ Status TrainingRun::clip_gradients() {
   // The whole gradient's norm: this rank's replicated part (the all-reduced
   // one in sync) and every rank's experts, each held by one rank.
   CFMO_ASSIGN_OR_RETURN(auto grads, engine->host_gradients());
-  const double dense = ops::norm2(replicated_part(grads));
-  const double local = ops::norm2(grads.subspan(replicated_part(grads).size()));
+  const double dense = tensor::ops::norm2(replicated_part(grads));
+  const double local = tensor::ops::norm2(grads.subspan(replicated_part(grads).size()));
   std::array<float, 1> experts{static_cast<float>(local * local)};
   CFMO_TRY(comm->all_reduce_sum(experts));
   clip_to_norm(grads, config.clip_grad_norm, std::sqrt(dense * dense + static_cast<double>(experts[0])));

@@ -120,7 +120,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (!(c.capacity_factor > 0) || c.capacity_factor > 1e6) return usage("capacity-factor", "must be in (0, 1e6]");
   CFMO_TRY(moe::parse_drop_policy(c.drop_policy));
   if (c.expert_parallel) CFMO_TRY(check_expert_parallel(c.model, std::max(1, c.workers)));
-  CFMO_ASSIGN_OR_RETURN(plan.device, parse_device(c.device));
+  CFMO_ASSIGN_OR_RETURN(plan.device, tensor::parse_device(c.device));
   plan.context = model_context(c.model);
   if (plan.device.is_cuda() && plan.context > 0) {
     return usage("device", fmt::format("{}: the CUDA engine does not run this model yet ({})", c.device, c.model));

@@ -93,7 +93,7 @@ struct TrainPlan {
   OptimizerKind optimizer = OptimizerKind::kAdamW;
   comm::WireDtype delta_dtype = comm::WireDtype::kBf16;
   Schedule::Kind schedule = Schedule::Kind::kConstant;
-  Device device;
+  tensor::Device device;
   double time_limit_s = 0;  ///< 0: no time limit
   int context = 0;          ///< the model's context (a language model); 0 for the MLP
 

@@ -57,7 +57,7 @@ TrainingRun::TrainingRun(const TrainConfig& config, const TrainPlan& plan, const
       announced(static_cast<size_t>(world), false) {}
 
 Status TrainingRun::set_up() {
-  ops::set_num_threads(config.threads);
+  tensor::ops::set_num_threads(config.threads);
 #if defined(__x86_64__)
   // Flush denormals to zero on this thread: Adam's first moment of a weight
   // that stops receiving gradient decays into the denormal range within a
@@ -109,7 +109,7 @@ Status TrainingRun::load_model_and_optimizer() {
 Status TrainingRun::resume_from_checkpoint() {
   if (options.resume.empty()) return {};
   CheckpointWorld saved;
-  FloatBuffer outer;
+  tensor::FloatBuffer outer;
   CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model(), *optimizer, &saved, &outer));
   CFMO_TRY(check_resumable(options.resume, saved, config, world));
   CFMO_TRY(check_positions(options.resume, pos, saved, optimizer->step_count(), train_examples, config.batch_size));
@@ -262,7 +262,7 @@ Status TrainingRun::open_outputs() {
   summary.model = model_spec;
   summary.optimizer = config.optimizer;
   summary.data = source->description();
-  summary.blas = ops::blas_info();
+  summary.blas = tensor::ops::blas_info();
   summary.device = engine->description();
   summary.parameters = model().num_trainable();
   summary.context = context;
@@ -385,9 +385,9 @@ Status TrainingRun::gather_optimizers() {
     auto& per_rank = gathered.emplace_back();
     size_t at = 0;
     for (const auto& s : state) {
-      per_rank.emplace_back(s.name,
-                            FloatBuffer(theirs[p].begin() + static_cast<std::ptrdiff_t>(at),
-                                        theirs[p].begin() + static_cast<std::ptrdiff_t>(at + s.buffer->size())));
+      per_rank.emplace_back(
+          s.name, tensor::FloatBuffer(theirs[p].begin() + static_cast<std::ptrdiff_t>(at),
+                                      theirs[p].begin() + static_cast<std::ptrdiff_t>(at + s.buffer->size())));
       at += s.buffer->size();
     }
   }

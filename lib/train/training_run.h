@@ -174,7 +174,7 @@ struct TrainingRun {
   /// state: the ranks' optimizers drift apart between rounds (localsgd).
   bool gathers_optimizers = false;
   int64_t gathered_step = -1;                                              ///< the step `gathered` is of
-  std::vector<std::vector<std::pair<std::string, FloatBuffer>>> gathered;  ///< rank 0: ranks 1..W-1's
+  std::vector<std::vector<std::pair<std::string, tensor::FloatBuffer>>> gathered;  ///< rank 0: ranks 1..W-1's
 
   // The loop's state.
   std::vector<int64_t> order;

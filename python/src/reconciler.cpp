@@ -228,7 +228,7 @@ Status Reconciler::reconcile(const Buffers& moments) {
 
 Status Reconciler::reduce_gradients(const Buffers& grads, int count, float lr) {
   if (!uses_gradients()) return {};
-  FloatBuffer flat(flat_.size(), 0.0f);
+  tensor::FloatBuffer flat(flat_.size(), 0.0f);
   for (size_t t = 0; t < tensors_.size(); ++t) {
     std::memcpy(flat.data() + layout_[t].offset, grads[t], tensors_[t].size * sizeof(float));
   }

@@ -124,7 +124,7 @@ class Reconciler {
   std::vector<TensorView> tensors_;
   ReconcilerSettings settings_;
   std::vector<ParamInfo> layout_;
-  FloatBuffer flat_;  ///< the modes' flat vector: filled only when a mode works on it
+  tensor::FloatBuffer flat_;  ///< the modes' flat vector: filled only when a mode works on it
   TrainPosition position_;
   std::unique_ptr<DeltaWriter> delta_writer_;
   std::unique_ptr<Mode> mode_;

@@ -78,8 +78,9 @@ TEST_F(Cuda, GemmMatchesTheCpuForEveryTranspose) {
       auto dc = on_device<float>(c);
       ASSERT_TRUE(gemm(*ctx_, ta ? Trans::kYes : Trans::kNo, tb ? Trans::kYes : Trans::kNo, m, n, k, 0.5f, da.data(),
                        lda, db.data(), ldb, 0.25f, dc.data(), n));
-      ops::gemm(ta ? ops::Trans::kYes : ops::Trans::kNo, tb ? ops::Trans::kYes : ops::Trans::kNo, m, n, k, 0.5f,
-                a.data(), lda, b.data(), ldb, 0.25f, c.data(), n);
+      tensor::ops::gemm(ta ? tensor::ops::Trans::kYes : tensor::ops::Trans::kNo,
+                        tb ? tensor::ops::Trans::kYes : tensor::ops::Trans::kNo, m, n, k, 0.5f, a.data(), lda, b.data(),
+                        ldb, 0.25f, c.data(), n);
       EXPECT_LT(relative_error(to_host(dc), c), 1e-5) << "trans_a " << ta << " trans_b " << tb;
     }
   }
@@ -250,10 +251,10 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, CudaTrain, ::testing::Values("sgd", "adamw"
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  if (cfmo::Status usable = cfmo::check_device(cfmo::Device{cfmo::DeviceKind::kCuda, 0}); !usable) {
+  if (cfmo::Status usable = cfmo::check_device(cfmo::tensor::Device{cfmo::tensor::DeviceKind::kCuda, 0}); !usable) {
     std::printf("skipped: %s\n", usable.error().message.c_str());
     return 77;  // meson's "skipped"
   }
-  std::printf("device: %s\n", cfmo::device_description({cfmo::DeviceKind::kCuda, 0}).c_str());
+  std::printf("device: %s\n", cfmo::device_description({cfmo::tensor::DeviceKind::kCuda, 0}).c_str());
   return RUN_ALL_TESTS();
 }

@@ -235,7 +235,7 @@ OptimizerConfig muon_nesterov_config() {
   return config;
 }
 
-FloatBuffer* find_state(Optimizer& opt, const std::string& name) {
+tensor::FloatBuffer* find_state(Optimizer& opt, const std::string& name) {
   for (auto& s : opt.state()) {
     if (s.name == name) return s.buffer;
   }
@@ -388,7 +388,7 @@ TEST(TestOptimOptimizer, ScaleFirstMomentSgdDiscountsMomentumBuffer) {
   opt->step(params, kGrads[0], 0.1f);
   const auto after_first = params;
   opt->scale_first_moment(0.5f);
-  FloatBuffer* buffer = find_state(*opt, "momentum_buffer");
+  tensor::FloatBuffer* buffer = find_state(*opt, "momentum_buffer");
   ASSERT_NE(buffer, nullptr);
   for (size_t i = 0; i < params.size(); ++i) EXPECT_FLOAT_EQ((*buffer)[i], 0.5f * kGrads[0][i]);
   opt->step(params, kGrads[1], 0.1f);
@@ -405,8 +405,8 @@ TEST(TestOptimOptimizer, ScaleFirstMomentAdamLeavesSecondMoment) {
   ASSERT_NE(opt, nullptr);
   auto params = kParams;
   opt->step(params, kGrads[0], 0.01f);
-  const FloatBuffer exp_avg = *find_state(*opt, "exp_avg");
-  const FloatBuffer exp_avg_sq = *find_state(*opt, "exp_avg_sq");
+  const tensor::FloatBuffer exp_avg = *find_state(*opt, "exp_avg");
+  const tensor::FloatBuffer exp_avg_sq = *find_state(*opt, "exp_avg_sq");
   opt->scale_first_moment(0.25f);
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_FLOAT_EQ((*find_state(*opt, "exp_avg"))[i], 0.25f * exp_avg[i]);
@@ -419,9 +419,9 @@ TEST(TestOptimOptimizer, ScaleFirstMomentMuonScalesBothFirstMoments) {
   ASSERT_NE(opt, nullptr);
   auto params = muon_params();
   opt->step(params, muon_grads()[0], 0.02f);
-  const FloatBuffer momentum = *find_state(*opt, "momentum_buffer");
-  const FloatBuffer exp_avg = *find_state(*opt, "exp_avg");
-  const FloatBuffer exp_avg_sq = *find_state(*opt, "exp_avg_sq");
+  const tensor::FloatBuffer momentum = *find_state(*opt, "momentum_buffer");
+  const tensor::FloatBuffer exp_avg = *find_state(*opt, "exp_avg");
+  const tensor::FloatBuffer exp_avg_sq = *find_state(*opt, "exp_avg_sq");
   opt->scale_first_moment(0.5f);
   for (size_t i = 0; i < kMuonSize; ++i) {
     EXPECT_FLOAT_EQ((*find_state(*opt, "momentum_buffer"))[i], 0.5f * momentum[i]);

@@ -125,7 +125,7 @@ TEST(Checkpoint, KeepsTheWorldAndTheOuterMomentumOfSeveralWorkers) {
 
   Fixture loaded("adamw");
   CheckpointWorld world;
-  FloatBuffer outer;
+  tensor::FloatBuffer outer;
   auto position = load_checkpoint(*path, loaded.model, *loaded.optimizer, &world, &outer);
   ASSERT_TRUE(position) << position.error().message;
   EXPECT_EQ(position->step, 9);

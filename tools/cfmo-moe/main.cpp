@@ -87,7 +87,7 @@ static int run(int argc, char** argv) {
 
   auto simulation = cfmo::moe::simulation_for(config, rank, ranks);
   if (!simulation) return fail(simulation.error());
-  cfmo::ops::set_num_threads(config.threads);
+  cfmo::tensor::ops::set_num_threads(config.threads);
 
   cfmo::moe::BenchmarkOptions options;
   options.comm = comm.get();

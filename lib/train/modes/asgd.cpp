@@ -143,7 +143,7 @@ class AsgdMode final : public AsyncMode {
   int64_t owner_steps(int) const override { return optimizer_->step_count(); }
 
   std::unique_ptr<Optimizer> optimizer_;  ///< progress thread: the inner optimizer for my shard
-  FloatBuffer incoming_;                  ///< progress thread
+  tensor::FloatBuffer incoming_;          ///< progress thread
 };
 
 }  // namespace

@@ -101,7 +101,7 @@ class AsyncMode : public Mode {
   /// An owner's state of a shard it serves: the shard's values and the
   /// contributions applied to them.
   struct Served {
-    FloatBuffer values;
+    tensor::FloatBuffer values;
     int64_t version = 0;
   };
 
@@ -215,9 +215,9 @@ class AsyncMode : public Mode {
   const std::vector<size_t> bounds_;
 
   // Worker side (training thread).
-  FloatBuffer base_;                   ///< the global parameters as last received, per shard
+  tensor::FloatBuffer base_;           ///< the global parameters as last received, per shard
   std::vector<int64_t> base_version_;  ///< their versions
-  FloatBuffer residual_;               ///< error feedback for lossy wire dtypes
+  tensor::FloatBuffer residual_;       ///< error feedback for lossy wire dtypes
   std::vector<int> awaiting_ = std::vector<int>(static_cast<size_t>(comm_.size()), 0);
   TrainPosition position_;  ///< as last reported
 

@@ -329,7 +329,7 @@ class CfmoMode final : public AsyncMode {
 
   /// A backup's copy of an owner's shard.
   struct Replica {
-    FloatBuffer values;
+    tensor::FloatBuffer values;
     int64_t version = 0;
     OuterOptimizer outer;
   };
@@ -344,14 +344,14 @@ class CfmoMode final : public AsyncMode {
   /// In a delta's dtype field: the sender's last round, answered without the shard.
   static constexpr uint32_t kLastRound = 0x100;
 
-  FloatBuffer snapshot_;
+  tensor::FloatBuffer snapshot_;
   std::vector<int64_t> sent_at_ =
       std::vector<int64_t>(static_cast<size_t>(comm_.size()), -1);  ///< step of each shard's last send
-  FloatBuffer delta_;
-  FloatBuffer full_delta_;  ///< for the delta sink
+  tensor::FloatBuffer delta_;
+  tensor::FloatBuffer full_delta_;  ///< for the delta sink
   int64_t last_step_ = 0;
-  FloatBuffer incoming_;          ///< progress thread
-  FloatBuffer replica_incoming_;  ///< progress thread
+  tensor::FloatBuffer incoming_;          ///< progress thread
+  tensor::FloatBuffer replica_incoming_;  ///< progress thread
 };
 
 }  // namespace

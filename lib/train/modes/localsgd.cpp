@@ -72,9 +72,9 @@ class LocalSgdMode final : public LockstepMode {
 
   ModeSettings settings_;
   comm::Communicator& comm_;
-  FloatBuffer global_;
+  tensor::FloatBuffer global_;
   OuterOptimizer outer_;
-  FloatBuffer delta_;
+  tensor::FloatBuffer delta_;
   int64_t since_sync_ = 0;
   int64_t last_step_ = 0;
   ModeStats stats_;

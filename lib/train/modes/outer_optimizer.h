@@ -45,8 +45,8 @@ class OuterOptimizer {
   float mu_;
   int per_round_;
   int in_round_ = 0;
-  FloatBuffer momentum_;
-  FloatBuffer round_sum_;
+  tensor::FloatBuffer momentum_;
+  tensor::FloatBuffer round_sum_;
 };
 
 }  // namespace cfmo

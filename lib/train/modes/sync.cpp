@@ -65,7 +65,7 @@ class SyncMode final : public LockstepMode {
 
  private:
   comm::Communicator& comm_;
-  FloatBuffer buffer_;
+  tensor::FloatBuffer buffer_;
   ModeStats stats_;
   DeviceReduce device_reduce_;
   std::unique_ptr<ElasticGroup> group_;  ///< with --elastic
