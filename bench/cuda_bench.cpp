@@ -54,7 +54,7 @@ Result<double> time_ms(const Context& ctx, int reps, int inner, F&& body) {
 }
 
 Status bench_step(Context& ctx, const std::string& model_spec, int batch, int reps) {
-  const DataSplit data = make_synthetic(1, std::max<int64_t>(batch, 1024) * 2, 16);
+  const data::DataSplit data = data::make_synthetic(1, std::max<int64_t>(batch, 1024) * 2, 16);
   CFMO_ASSIGN_OR_RETURN(MlpSpec spec, MlpSpec::parse(model_spec, data.train.features, data.train.classes));
   Mlp host(spec);
   host.init(1);
@@ -62,7 +62,7 @@ Status bench_step(Context& ctx, const std::string& model_spec, int batch, int re
   OptimizerConfig config;
   CFMO_ASSIGN_OR_RETURN(auto optimizer, CudaOptimizer::create(ctx, config, host.params(), host.num_params()));
   CFMO_ASSIGN_OR_RETURN(DeviceDataset train, DeviceDataset::upload(ctx, data.train, "train set"));
-  const auto order = epoch_order(1, 0, data.train.count);
+  const auto order = data::epoch_order(1, 0, data.train.count);
   const std::span<const int64_t> indices(order.data(), static_cast<size_t>(batch));
   CFMO_ASSIGN_OR_RETURN(const double step_ms, time_ms(ctx, reps, 10, [&]() -> Status {
                           CFMO_TRY(model->forward_backward(train, indices));

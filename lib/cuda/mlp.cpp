@@ -9,7 +9,7 @@ namespace cfmo::cuda {
 
 #define CFMO_LAUNCH(call, what) CFMO_CUDA_TRY(call, what)
 
-Result<DeviceDataset> DeviceDataset::upload(const Context& ctx, const Dataset& data, std::string_view what) {
+Result<DeviceDataset> DeviceDataset::upload(const Context& ctx, const data::Dataset& data, std::string_view what) {
   DeviceDataset d;
   d.count_ = data.count;
   d.features_ = data.features;

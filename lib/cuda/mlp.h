@@ -20,7 +20,7 @@ namespace cfmo::cuda {
 /// sends only the batch's example indices.
 class DeviceDataset {
  public:
-  static Result<DeviceDataset> upload(const Context& ctx, const Dataset& data, std::string_view what);
+  static Result<DeviceDataset> upload(const Context& ctx, const data::Dataset& data, std::string_view what);
   int64_t count() const { return count_; }
   int features() const { return features_; }
   const uint8_t* pixels() const { return pixels_.data(); }

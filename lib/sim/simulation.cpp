@@ -55,7 +55,7 @@ Sizer make_sizer(const SimulateOptions& options, int workers) {
 
 /// The trainer's loop (train/step_loop.cpp) on a virtual clock.
 void run_worker(Worker& w, int rank, int workers, const SimulateOptions& options, bool lockstep, Scheduler& scheduler,
-                StepTimes& times, const Dataset* train) {
+                StepTimes& times, const data::Dataset* train) {
   Mode& mode = *w.mode;
   const std::span<float> params = w.model ? w.model->parameters() : std::span<float>(w.params);
   const std::span<float> grads = w.model ? w.model->gradients() : std::span<float>(w.grads);
@@ -114,14 +114,14 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   optimizer.momentum = 0.9;
   std::vector<ParamInfo> layout = {{"stand-in", {static_cast<int64_t>(kStandIn)}, 0, kStandIn}};
   std::vector<float> initial(kStandIn, 0.0f);
-  std::optional<DataSplit> data;
+  std::optional<data::DataSplit> data;
   DataShape shape;
   if (options.math) {
     if (workers > kMaxMathWorkers) {
       return make_error(ErrorKind::kUsage, "--math: at most {} workers ({} asked): every worker trains its model",
                         kMaxMathWorkers, workers);
     }
-    CFMO_ASSIGN_OR_RETURN(data, load_data(options.data, options.step_times.seed));
+    CFMO_ASSIGN_OR_RETURN(data, data::load_data(options.data, options.step_times.seed));
     shape = {InputKind::kFeatures, data->train.features, data->train.classes};
     CFMO_ASSIGN_OR_RETURN(auto first, make_model(options.model, shape));
     first->init(options.step_times.seed);
@@ -143,7 +143,7 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
     CFMO_ASSIGN_OR_RETURN(w.optimizer, make_optimizer(optimizer, layout, initial.size()));
     CFMO_ASSIGN_OR_RETURN(w.mode, make_mode(settings, &world.rank(r), layout, initial, optimizer));
   }
-  const Dataset* train = data ? &data->train : nullptr;
+  const data::Dataset* train = data ? &data->train : nullptr;
   for (int r = 0; r < workers; ++r) {
     scheduler.spawn([&, r] {
       run_worker(crew[static_cast<size_t>(r)], r, workers, options, entry.traits.lockstep, scheduler, times, train);
@@ -197,7 +197,7 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   row.events = scheduler.events_run();
   if (data) {
     // finish left the global parameters on rank 0 (on every rank in the lockstep modes).
-    const Dataset& test = data->test;
+    const data::Dataset& test = data->test;
     std::vector<float> rows(static_cast<size_t>(test.count) * static_cast<size_t>(test.features));
     test.rows_to_float(0, test.count, rows.data());
     const EvalResult eval =

@@ -45,11 +45,11 @@ class DataSource {
   /// Calls `f` with the evaluation examples, at most `chunk` at a time.
   virtual void for_each_eval_batch(int chunk, const std::function<void(const Examples&)>& f) = 0;
   /// The image split, for an engine that uploads it whole (CUDA); null for token data.
-  virtual const DataSplit* images() const { return nullptr; }
+  virtual const data::DataSplit* images() const { return nullptr; }
 };
 
 /// An image set in memory (Fashion-MNIST, synthetic), as DataSource.
-std::unique_ptr<DataSource> make_image_source(DataSplit split);
+std::unique_ptr<DataSource> make_image_source(data::DataSplit split);
 
 /// The data `config` names, for worker `rank` of `world` (token windows come
 /// from each worker's own part of the training tokens); `context` is the

@@ -101,7 +101,7 @@ class CudaEngine final : public DeviceEngine {
                         options.device.to_string(), host.spec_string());
     }
     Mlp& model = *mlp;
-    const DataSplit& data = *source.images();
+    const data::DataSplit& data = *source.images();
     std::unique_ptr<CudaEngine> e(new CudaEngine(model, optimizer));
     const int rank = options.comm != nullptr ? options.comm->rank() : 0;
     const tensor::Device device = device_for_rank(options.device, options.local_rank >= 0 ? options.local_rank : rank);

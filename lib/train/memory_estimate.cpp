@@ -35,11 +35,11 @@ Result<uint64_t> estimate_worker_bytes(const TrainConfig& config) {
   // sizes; token data is memory-mapped and shared, an image set is held.
   DataShape shape;
   uint64_t data_bytes = 0;
-  if (is_token_spec(config.data)) {
+  if (data::is_token_spec(config.data)) {
     const bool text = config.data.starts_with("text:");
-    shape = {InputKind::kTokens, 0, config.vocab_size > 0 ? config.vocab_size : text ? 256 : kGpt2VocabSize};
+    shape = {InputKind::kTokens, 0, config.vocab_size > 0 ? config.vocab_size : text ? 256 : data::kGpt2VocabSize};
   } else {
-    CFMO_ASSIGN_OR_RETURN(const DatasetSize data, data_shape(config.data));
+    CFMO_ASSIGN_OR_RETURN(const data::DatasetSize data, data::data_shape(config.data));
     shape = {InputKind::kFeatures, data.features, data.classes};
     // A byte a pixel and an int32 label an example.
     data_bytes = static_cast<uint64_t>(data.train + data.test) * (static_cast<uint64_t>(data.features) + 4);

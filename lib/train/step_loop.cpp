@@ -102,7 +102,7 @@ Status TrainingRun::train_step() {
   request.count = share;
   if (source->indexed()) {
     if (order_epoch != pos.epoch) {
-      order = epoch_order(static_cast<uint64_t>(config.seed), pos.epoch, train_examples);
+      order = data::epoch_order(static_cast<uint64_t>(config.seed), pos.epoch, train_examples);
       order_epoch = pos.epoch;
     }
     const int64_t first = pos.batch_in_epoch * global_batch + slot * share;

@@ -23,7 +23,7 @@ namespace cfmo {
 
 struct TrainConfig {
   // data and model
-  std::string data = kDefaultFashionMnistDir;
+  std::string data = data::kDefaultFashionMnistDir;
   std::string val_data;    ///< token data: validation from other files ("" = the last val_split of --data)
   double val_split = 0.1;  ///< token data: the share of the tokens that validates
   int vocab_size = 0;      ///< token data: 0 = 256 for text, 50257 for llm.c token files

@@ -188,9 +188,9 @@ py::dict stats_of(const Reconciler& r) {
 }
 
 /// A data set as numpy arrays: (features uint8 [count, features], labels int32 [count]).
-py::tuple dataset_arrays(cfmo::Dataset d) {
-  auto* held = new cfmo::Dataset(std::move(d));
-  py::capsule owner(held, [](void* p) { delete static_cast<cfmo::Dataset*>(p); });
+py::tuple dataset_arrays(cfmo::data::Dataset d) {
+  auto* held = new cfmo::data::Dataset(std::move(d));
+  py::capsule owner(held, [](void* p) { delete static_cast<cfmo::data::Dataset*>(p); });
   const std::vector<py::ssize_t> shape = {held->count, held->features};
   return py::make_tuple(py::array_t<uint8_t>(shape, held->pixels.data(), owner),
                         py::array_t<int32_t>({held->count}, held->labels.data(), owner));
@@ -416,10 +416,10 @@ PYBIND11_MODULE(_cfmo, m) {
   m.def(
       "load_data",
       [](const std::string& spec, uint64_t seed) {
-        auto split = check(cfmo::load_data(spec, seed));
+        auto split = check(cfmo::data::load_data(spec, seed));
         return py::make_tuple(dataset_arrays(std::move(split.train)), dataset_arrays(std::move(split.test)));
       },
-      py::arg("spec") = cfmo::kDefaultFashionMnistDir, py::arg("seed") = 1,
+      py::arg("spec") = cfmo::data::kDefaultFashionMnistDir, py::arg("seed") = 1,
       "cfmo-train's --data: Fashion-MNIST's IDX files in a directory (Debian's dataset-fashion-mnist by default) "
       "or 'synthetic[:TRAIN[:TEST]]'; ((train_x, train_y), (test_x, test_y)), pixels as uint8.");
   m.def("launch_local", &launch, py::arg("workers"), py::arg("argv"), py::arg("grace_s") = 10.0,

@@ -121,7 +121,7 @@ TEST_F(Cuda, MlpForwardBackwardMatchesTheCpu) {
 }
 
 TEST_F(Cuda, DeviceDatasetBatchesAndEvaluationMatchTheCpu) {
-  DataSplit data = make_synthetic(3, 600, 250);
+  data::DataSplit data = data::make_synthetic(3, 600, 250);
   auto spec = MlpSpec::parse("mlp:64", data.train.features, data.train.classes);
   ASSERT_TRUE(spec);
   Mlp cpu(*spec);
@@ -131,10 +131,10 @@ TEST_F(Cuda, DeviceDatasetBatchesAndEvaluationMatchTheCpu) {
   auto train = DeviceDataset::upload(*ctx_, data.train, "train set");
   auto test = DeviceDataset::upload(*ctx_, data.test, "test set");
   ASSERT_TRUE(train && test);
-  const auto order = epoch_order(3, 0, data.train.count);
+  const auto order = data::epoch_order(3, 0, data.train.count);
   std::vector<float> inputs(static_cast<size_t>(50) * data.train.features);
   std::vector<int32_t> labels(50);
-  gather_batch(data.train, order, 100, 50, inputs.data(), labels.data());
+  data::gather_batch(data.train, order, 100, 50, inputs.data(), labels.data());
   const float cpu_loss = cpu.forward_backward(inputs.data(), labels.data(), 50);
   auto gpu_loss = (*gpu)->forward_backward(*train, std::span<const int64_t>(order).subspan(100, 50));
   ASSERT_TRUE(gpu_loss) << gpu_loss.error().message;
