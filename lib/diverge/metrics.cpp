@@ -6,7 +6,7 @@
 
 namespace cfmo {
 
-Divergence divergence(const DeltaStats& stats) {
+Divergence divergence(const ckpt::DeltaStats& stats) {
   constexpr double kUndefined = std::numeric_limits<double>::quiet_NaN();
   Divergence d;
   d.delta_l2 = std::sqrt(stats.delta_sq);

@@ -26,6 +26,6 @@ struct Divergence {
 };
 
 /// Over the finite values (DeltaStats leaves non-finite ones out of its sums).
-Divergence divergence(const DeltaStats& stats);
+Divergence divergence(const ckpt::DeltaStats& stats);
 
 }  // namespace cfmo

@@ -25,7 +25,7 @@ std::string rank_optimizer_file(int rank) { return fmt::format("optimizer-rank-{
 
 /// Reads an optimizer state file of this model into `optimizer`'s buffers.
 Status read_optimizer_state(const fs::path& file, const Model& model, Optimizer& optimizer) {
-  CFMO_ASSIGN_OR_RETURN(auto state_file, SafetensorsFile::read(file));
+  CFMO_ASSIGN_OR_RETURN(auto state_file, ckpt::SafetensorsFile::read(file));
   for (const auto& s : optimizer.state()) {
     for (const auto& p : model.params()) {
       CFMO_TRY(
@@ -84,11 +84,11 @@ void prune_checkpoints(const fs::path& root, int64_t current, int keep) {
 }  // namespace
 
 Status save_model(const fs::path& path, const Model& model, const std::map<std::string, std::string>& metadata) {
-  std::vector<TensorRef> tensors;
+  std::vector<ckpt::TensorRef> tensors;
   for (const auto& p : model.params()) {
     tensors.push_back({p.name, "F32", p.shape, as_bytes(model.parameters().data() + p.offset, p.size)});
   }
-  return write_safetensors(path, tensors, metadata);
+  return ckpt::write_safetensors(path, tensors, metadata);
 }
 
 CheckpointData checkpoint_data(const Model& model, Optimizer& optimizer, const TrainPosition& position) {
@@ -158,7 +158,7 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
   } remove_temp{temp_dir};
 
   auto tensors_of = [&](std::span<const float> flat, const std::string& suffix) {
-    std::vector<TensorRef> tensors;
+    std::vector<ckpt::TensorRef> tensors;
     for (const auto& p : layout) {
       tensors.push_back({p.name + suffix, "F32", p.shape, as_bytes(flat.data() + p.offset, p.size)});
     }
@@ -166,17 +166,17 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
   };
   const std::map<std::string, std::string> model_meta = {
       {"format", "pt"}, {"cfmo.model", model_spec}, {"cfmo.step", std::to_string(position.step)}};
-  CFMO_TRY(write_safetensors(temp_dir / "model.safetensors", tensors_of(data.params, ""), model_meta));
+  CFMO_TRY(ckpt::write_safetensors(temp_dir / "model.safetensors", tensors_of(data.params, ""), model_meta));
 
   const std::map<std::string, std::string> optim_meta = {
       {"cfmo.optimizer", data.optimizer_name}, {"cfmo.optimizer_steps", std::to_string(data.optimizer_steps)}};
   auto write_optimizer = [&](const std::string& file,
                              const std::vector<std::pair<std::string, tensor::FloatBuffer>>& state) {
-    std::vector<TensorRef> state_tensors;
+    std::vector<ckpt::TensorRef> state_tensors;
     for (const auto& [state_name, buffer] : state) {
       for (auto& t : tensors_of(buffer, "." + state_name)) state_tensors.push_back(std::move(t));
     }
-    return write_safetensors(temp_dir / file, state_tensors, optim_meta);
+    return ckpt::write_safetensors(temp_dir / file, state_tensors, optim_meta);
   };
   CFMO_TRY(write_optimizer("optimizer.safetensors", data.optimizer_state));
   nlohmann::ordered_json rank_files = nlohmann::ordered_json::array();
@@ -185,8 +185,8 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
     CFMO_TRY(write_optimizer(rank_files.back().get<std::string>(), data.rank_optimizer_state[k]));
   }
   if (!data.outer_momentum.empty()) {
-    CFMO_TRY(write_safetensors(temp_dir / "outer.safetensors", tensors_of(data.outer_momentum, ".outer_momentum"),
-                               {{"cfmo.state", "outer_momentum"}}));
+    CFMO_TRY(ckpt::write_safetensors(temp_dir / "outer.safetensors", tensors_of(data.outer_momentum, ".outer_momentum"),
+                                     {{"cfmo.state", "outer_momentum"}}));
   }
 
   nlohmann::ordered_json state = {{"format", "cfmo-checkpoint"},
@@ -375,7 +375,7 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
                       optimizer_name, optimizer.name());
   }
 
-  CFMO_ASSIGN_OR_RETURN(auto params, SafetensorsFile::read(dir / "model.safetensors"));
+  CFMO_ASSIGN_OR_RETURN(auto params, ckpt::SafetensorsFile::read(dir / "model.safetensors"));
   for (const auto& p : model.params()) {
     CFMO_TRY(params.read_f32(p.name, p.shape, model.parameters().subspan(p.offset, p.size)));
   }
@@ -389,7 +389,7 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
   if (outer_momentum != nullptr) {
     outer_momentum->clear();
     if (!outer_file.empty()) {
-      CFMO_ASSIGN_OR_RETURN(auto outer, SafetensorsFile::read(dir / outer_file));
+      CFMO_ASSIGN_OR_RETURN(auto outer, ckpt::SafetensorsFile::read(dir / outer_file));
       outer_momentum->assign(model.num_params(), 0.0f);
       for (const auto& p : model.params()) {
         CFMO_TRY(outer.read_f32(p.name + ".outer_momentum", p.shape,

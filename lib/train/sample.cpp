@@ -62,7 +62,7 @@ Result<std::vector<int32_t>> sample_tokens(Model& model, std::vector<int32_t> pr
 
 Result<std::unique_ptr<Model>> load_saved_model(const std::filesystem::path& dir) {
   const auto path = dir / "model.safetensors";
-  CFMO_ASSIGN_OR_RETURN(auto file, SafetensorsFile::read(path));
+  CFMO_ASSIGN_OR_RETURN(auto file, ckpt::SafetensorsFile::read(path));
   const auto spec = file.metadata().find("cfmo.model");
   if (spec == file.metadata().end()) {
     return make_error(ErrorKind::kInput, "'{}': no cfmo.model in its metadata", path.string());
