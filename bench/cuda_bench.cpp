@@ -59,7 +59,7 @@ Status bench_step(Context& ctx, const std::string& model_spec, int batch, int re
   Mlp host(spec);
   host.init(1);
   CFMO_ASSIGN_OR_RETURN(auto model, CudaMlp::create(ctx, host));
-  OptimizerConfig config;
+  optim::OptimizerConfig config;
   CFMO_ASSIGN_OR_RETURN(auto optimizer, CudaOptimizer::create(ctx, config, host.params(), host.num_params()));
   CFMO_ASSIGN_OR_RETURN(DeviceDataset train, DeviceDataset::upload(ctx, data.train, "train set"));
   const auto order = data::epoch_order(1, 0, data.train.count);

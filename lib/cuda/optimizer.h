@@ -18,7 +18,7 @@ namespace cfmo::cuda {
 
 class CudaOptimizer {
  public:
-  static Result<std::unique_ptr<CudaOptimizer>> create(Context& ctx, const OptimizerConfig& config,
+  static Result<std::unique_ptr<CudaOptimizer>> create(Context& ctx, const optim::OptimizerConfig& config,
                                                        const std::vector<ParamInfo>& layout, size_t size);
 
   /// One update of the device `params` from the device `grads`.
@@ -27,14 +27,14 @@ class CudaOptimizer {
   Status scale_first_moment(float factor, size_t offset, size_t count);
 
   /// Copies the state into `host` (an optimizer of the same name and size), with the step count.
-  Status download_state(Optimizer& host);
+  Status download_state(optim::Optimizer& host);
   /// Copies `host`'s state and step count to the device (a resumed run).
-  Status upload_state(Optimizer& host);
+  Status upload_state(optim::Optimizer& host);
 
   int64_t step_count() const { return steps_; }
 
  private:
-  CudaOptimizer(Context& ctx, OptimizerConfig config, std::vector<ParamInfo> layout)
+  CudaOptimizer(Context& ctx, optim::OptimizerConfig config, std::vector<ParamInfo> layout)
       : ctx_(ctx), config_(std::move(config)), layout_(std::move(layout)) {}
   struct Named {
     std::string name;
@@ -44,7 +44,7 @@ class CudaOptimizer {
   Status muon_matrix(float* p, const float* g, const ParamInfo& info, float lr);
 
   Context& ctx_;
-  OptimizerConfig config_;
+  optim::OptimizerConfig config_;
   std::vector<ParamInfo> layout_;
   int64_t steps_ = 0;
   std::vector<Named> state_;  ///< "momentum_buffer", "exp_avg", "exp_avg_sq" as the optimizer has them

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
-namespace cfmo {
+namespace cfmo::optim {
 
 AdamCoefficients adam_coefficients(const OptimizerConfig& c, int64_t step, float lr) {
   const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(step));
@@ -294,4 +294,4 @@ Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config,
   return make_error(ErrorKind::kInternal, "unknown optimizer kind");
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::optim

@@ -14,7 +14,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::optim {
 
 enum class OptimizerKind { kSgd, kAdam, kAdamW, kMuon };
 
@@ -92,4 +92,4 @@ struct NewtonSchulzWorkspace {
 void newton_schulz(std::span<float> g, int rows, int cols, int steps, NewtonSchulzWorkspace& workspace);
 void newton_schulz(std::span<float> g, int rows, int cols, int steps);
 
-}  // namespace cfmo
+}  // namespace cfmo::optim

@@ -22,7 +22,7 @@ struct Worker {
   std::unique_ptr<Mode> mode;
   std::vector<float> params;
   std::vector<float> grads;
-  std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<optim::Optimizer> optimizer;
   double compute_s = 0;
   double loop_s = 0;
   int64_t steps = 0;
@@ -109,8 +109,8 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   settings.delta_sink = nullptr;
   // The asynchronous modes share the lockstep modes' budget of samples (as a real run's --steps).
   settings.sample_budget = entry.traits.asynchronous ? options.steps * options.batch * workers : 0;
-  OptimizerConfig optimizer;
-  optimizer.kind = OptimizerKind::kSgd;
+  optim::OptimizerConfig optimizer;
+  optimizer.kind = optim::OptimizerKind::kSgd;
   optimizer.momentum = 0.9;
   std::vector<ParamInfo> layout = {{"stand-in", {static_cast<int64_t>(kStandIn)}, 0, kStandIn}};
   std::vector<float> initial(kStandIn, 0.0f);
@@ -140,7 +140,7 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
       w.params = initial;
       w.grads.assign(kStandIn, 0.0f);
     }
-    CFMO_ASSIGN_OR_RETURN(w.optimizer, make_optimizer(optimizer, layout, initial.size()));
+    CFMO_ASSIGN_OR_RETURN(w.optimizer, optim::make_optimizer(optimizer, layout, initial.size()));
     CFMO_ASSIGN_OR_RETURN(w.mode, make_mode(settings, &world.rank(r), layout, initial, optimizer));
   }
   const data::Dataset* train = data ? &data->train : nullptr;

@@ -24,7 +24,7 @@ constexpr int kStateVersion = 1;
 std::string rank_optimizer_file(int rank) { return fmt::format("optimizer-rank-{}.safetensors", rank); }
 
 /// Reads an optimizer state file of this model into `optimizer`'s buffers.
-Status read_optimizer_state(const fs::path& file, const Model& model, Optimizer& optimizer) {
+Status read_optimizer_state(const fs::path& file, const Model& model, optim::Optimizer& optimizer) {
   CFMO_ASSIGN_OR_RETURN(auto state_file, ckpt::SafetensorsFile::read(file));
   for (const auto& s : optimizer.state()) {
     for (const auto& p : model.params()) {
@@ -91,7 +91,7 @@ Status save_model(const fs::path& path, const Model& model, const std::map<std::
   return ckpt::write_safetensors(path, tensors, metadata);
 }
 
-CheckpointData checkpoint_data(const Model& model, Optimizer& optimizer, const TrainPosition& position) {
+CheckpointData checkpoint_data(const Model& model, optim::Optimizer& optimizer, const TrainPosition& position) {
   CheckpointData data;
   data.position = position;
   data.params.assign(model.parameters().begin(), model.parameters().end());
@@ -222,7 +222,7 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
   return final_dir;
 }
 
-Result<fs::path> save_checkpoint(const fs::path& run_dir, const Model& model, Optimizer& optimizer,
+Result<fs::path> save_checkpoint(const fs::path& run_dir, const Model& model, optim::Optimizer& optimizer,
                                  const TrainPosition& position, const std::string& config_toml, int keep) {
   return write_checkpoint(run_dir, model.spec_string(), model.params(), checkpoint_data(model, optimizer, position),
                           config_toml, keep);
@@ -310,8 +310,8 @@ bool negative(const TrainPosition& p) { return p.step < 0 || p.epoch < 0 || p.ba
 
 }  // namespace
 
-Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimizer& optimizer, CheckpointWorld* world,
-                                      tensor::FloatBuffer* outer_momentum) {
+Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, optim::Optimizer& optimizer,
+                                      CheckpointWorld* world, tensor::FloatBuffer* outer_momentum) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
   TrainPosition position;
@@ -401,7 +401,7 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
   return position;
 }
 
-Result<bool> load_rank_optimizer(const fs::path& dir, const Model& model, Optimizer& optimizer, int rank) {
+Result<bool> load_rank_optimizer(const fs::path& dir, const Model& model, optim::Optimizer& optimizer, int rank) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
   size_t files = 0;

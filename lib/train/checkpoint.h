@@ -66,7 +66,7 @@ struct CheckpointData {
 };
 
 /// Copies the model's parameters and the optimizer's state.
-CheckpointData checkpoint_data(const Model& model, Optimizer& optimizer, const TrainPosition& position);
+CheckpointData checkpoint_data(const Model& model, optim::Optimizer& optimizer, const TrainPosition& position);
 
 /// Writes a checkpoint of a model of this spec ("mlp:256,128") and layout and
 /// keeps only the newest `keep`; returns its directory.
@@ -76,7 +76,7 @@ Result<std::filesystem::path> write_checkpoint(const std::filesystem::path& run_
 
 /// Writes a checkpoint of one worker's model and optimizer (write_checkpoint of checkpoint_data).
 Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_dir, const Model& model,
-                                              Optimizer& optimizer, const TrainPosition& position,
+                                              optim::Optimizer& optimizer, const TrainPosition& position,
                                               const std::string& config_toml, int keep);
 
 /// Writes checkpoints on a thread of its own, one at a time, so that the
@@ -136,15 +136,16 @@ Result<DirLock> lock_run_dir(const std::filesystem::path& run_dir);
 /// optimizer's name must match; errors name the file and tensor. `world` and
 /// `outer_momentum` (the model's layout; left empty when the checkpoint has
 /// none), when given, receive the rest.
-Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, Model& model, Optimizer& optimizer,
-                                      CheckpointWorld* world = nullptr, tensor::FloatBuffer* outer_momentum = nullptr);
+Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, Model& model,
+                                      optim::Optimizer& optimizer, CheckpointWorld* world = nullptr,
+                                      tensor::FloatBuffer* outer_momentum = nullptr);
 
 /// Rank `rank`'s own inner optimizer state, where the checkpoint holds one
 /// for it (state.json's rank_optimizers, written by localsgd runs of several
 /// workers): true when it was read into `optimizer`, false when there is
 /// none (rank 0, or an older checkpoint). Errors name the file and tensor.
-Result<bool> load_rank_optimizer(const std::filesystem::path& checkpoint_dir, const Model& model, Optimizer& optimizer,
-                                 int rank);
+Result<bool> load_rank_optimizer(const std::filesystem::path& checkpoint_dir, const Model& model,
+                                 optim::Optimizer& optimizer, int rank);
 
 /// A loaded checkpoint's positions (`position` and each of `world.ranks`)
 /// against the data they index: `examples` training examples cut into

@@ -20,7 +20,8 @@ namespace {
 /// The model and optimizer in host memory, OpenBLAS for the GEMMs.
 class CpuEngine final : public DeviceEngine {
  public:
-  CpuEngine(Model& model, Optimizer& optimizer, DataSource& data) : model_(model), optimizer_(optimizer), data_(data) {}
+  CpuEngine(Model& model, optim::Optimizer& optimizer, DataSource& data)
+      : model_(model), optimizer_(optimizer), data_(data) {}
 
   std::string description() const override { return "cpu (" + tensor::ops::blas_info() + ")"; }
   bool host_resident() const override { return true; }
@@ -46,8 +47,8 @@ class CpuEngine final : public DeviceEngine {
   }
   Result<std::span<float>> host_parameters() override { return model_.parameters(); }
   Status parameters_changed() override { return {}; }
-  Optimizer& mode_optimizer() override { return optimizer_; }
-  Result<Optimizer*> host_optimizer() override { return &optimizer_; }
+  optim::Optimizer& mode_optimizer() override { return optimizer_; }
+  Result<optim::Optimizer*> host_optimizer() override { return &optimizer_; }
   Status optimizer_changed() override { return {}; }
 
   Result<EvalResult> evaluate() override {
@@ -61,7 +62,7 @@ class CpuEngine final : public DeviceEngine {
 
  private:
   Model& model_;
-  Optimizer& optimizer_;
+  optim::Optimizer& optimizer_;
   DataSource& data_;
 };
 
@@ -69,20 +70,20 @@ class CpuEngine final : public DeviceEngine {
 
 /// What the modes see of an optimizer whose state is on the device: the
 /// momentum discount runs there; the state buffers are the host mirror's.
-class DeviceOptimizerView final : public Optimizer {
+class DeviceOptimizerView final : public optim::Optimizer {
  public:
-  DeviceOptimizerView(Optimizer& host, cuda::CudaOptimizer& device) : host_(host), device_(device) {}
+  DeviceOptimizerView(optim::Optimizer& host, cuda::CudaOptimizer& device) : host_(host), device_(device) {}
   std::string_view name() const override { return host_.name(); }
   void step(std::span<float>, std::span<const float>, float) override {}  // DeviceEngine::step updates on the device
   void scale_first_moment(float factor, size_t offset, size_t count) override {
     status_ = device_.scale_first_moment(factor, offset, count);
   }
-  std::vector<OptimizerState> state() override { return host_.state(); }
+  std::vector<optim::OptimizerState> state() override { return host_.state(); }
   /// scale_first_moment cannot return an error through Optimizer's interface: it is kept here.
   Status take_status() { return std::exchange(status_, Status{}); }
 
  private:
-  Optimizer& host_;
+  optim::Optimizer& host_;
   cuda::CudaOptimizer& device_;
   Status status_;
 };
@@ -92,7 +93,8 @@ class DeviceOptimizerView final : public Optimizer {
 class CudaEngine final : public DeviceEngine {
  public:
   static Result<std::unique_ptr<DeviceEngine>> create(const DeviceEngineOptions& options, Model& host,
-                                                      Optimizer& optimizer, const OptimizerConfig& optimizer_config,
+                                                      optim::Optimizer& optimizer,
+                                                      const optim::OptimizerConfig& optimizer_config,
                                                       DataSource& source) {
     // The device model is the MLP's; any other is refused before the device is touched.
     auto* mlp = dynamic_cast<Mlp*>(&host);
@@ -160,8 +162,8 @@ class CudaEngine final : public DeviceEngine {
     CFMO_TRY(view_->take_status());
     return model_->upload_parameters(host_.parameters());
   }
-  Optimizer& mode_optimizer() override { return *view_; }
-  Result<Optimizer*> host_optimizer() override {
+  optim::Optimizer& mode_optimizer() override { return *view_; }
+  Result<optim::Optimizer*> host_optimizer() override {
     CFMO_TRY(view_->take_status());
     CFMO_TRY(optimizer_->download_state(host_optimizer_));
     return &host_optimizer_;
@@ -197,10 +199,10 @@ class CudaEngine final : public DeviceEngine {
   }
 
  private:
-  CudaEngine(Mlp& host, Optimizer& host_optimizer) : host_(host), host_optimizer_(host_optimizer) {}
+  CudaEngine(Mlp& host, optim::Optimizer& host_optimizer) : host_(host), host_optimizer_(host_optimizer) {}
 
   Mlp& host_;
-  Optimizer& host_optimizer_;
+  optim::Optimizer& host_optimizer_;
   std::unique_ptr<cuda::Context> ctx_;
   std::unique_ptr<cuda::CudaMlp> model_;
   std::unique_ptr<cuda::CudaOptimizer> optimizer_;
@@ -219,7 +221,8 @@ class CudaEngine final : public DeviceEngine {
 }  // namespace
 
 Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptions& options, Model& model,
-                                                         Optimizer& optimizer, const OptimizerConfig& optimizer_config,
+                                                         optim::Optimizer& optimizer,
+                                                         const optim::OptimizerConfig& optimizer_config,
                                                          DataSource& data) {
   if (options.device.is_cuda() && model.input_kind() != InputKind::kFeatures) {
     return make_error(ErrorKind::kUsage, "--device {}: the CUDA engine does not run this model yet ({})",

@@ -50,9 +50,9 @@ class DeviceEngine {
 
   /// The optimizer as the modes see it: scale_first_moment acts where the
   /// state lives. Its step() is not for callers: use DeviceEngine::step.
-  virtual Optimizer& mode_optimizer() = 0;
+  virtual optim::Optimizer& mode_optimizer() = 0;
   /// The host optimizer, its state current (for a checkpoint).
-  virtual Result<Optimizer*> host_optimizer() = 0;
+  virtual Result<optim::Optimizer*> host_optimizer() = 0;
   /// The host optimizer's state was loaded (a resume): the engine takes it.
   virtual Status optimizer_changed() = 0;
 
@@ -84,7 +84,8 @@ struct DeviceEngineOptions {
 /// keeps using as the host mirror) and the data (an image set is uploaded
 /// once on CUDA). kUsage when the device does not run this model.
 Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptions& options, Model& model,
-                                                         Optimizer& optimizer, const OptimizerConfig& optimizer_config,
+                                                         optim::Optimizer& optimizer,
+                                                         const optim::OptimizerConfig& optimizer_config,
                                                          DataSource& data);
 
 }  // namespace cfmo

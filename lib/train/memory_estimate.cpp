@@ -47,9 +47,9 @@ Result<uint64_t> estimate_worker_bytes(const TrainConfig& config) {
   CFMO_ASSIGN_OR_RETURN(const auto model, make_model(config.model, shape, moe_options(config)));
   const uint64_t params = model->num_params();
   // The optimizer's state buffers, each of the parameters' size.
-  CFMO_ASSIGN_OR_RETURN(const OptimizerKind optimizer_kind, parse_optimizer_kind(config.optimizer));
-  const OptimizerConfig optim_config = optimizer_config(config, optimizer_kind);
-  CFMO_ASSIGN_OR_RETURN(auto optimizer, make_optimizer(optim_config, model->params(), model->num_params()));
+  CFMO_ASSIGN_OR_RETURN(const optim::OptimizerKind optimizer_kind, optim::parse_optimizer_kind(config.optimizer));
+  const optim::OptimizerConfig optim_config = optimizer_config(config, optimizer_kind);
+  CFMO_ASSIGN_OR_RETURN(auto optimizer, optim::make_optimizer(optim_config, model->params(), model->num_params()));
   const uint64_t optimizer_copies = optimizer->state().size();
   // The mode's own copies of the parameters: a reduce buffer (sync), the
   // round's anchor, delta and outer momentum (localsgd, cfmo), the owners'

@@ -114,7 +114,8 @@ class Mode {
   /// True when the mode applies updates itself (asgd's owners), not the local optimizer.
   virtual bool owns_update() const { return false; }
   /// After the update (`position` counts it): reconcile, rebase, report progress.
-  virtual Status after_step(const TrainPosition& /*position*/, std::span<float> /*params*/, Optimizer& /*optimizer*/) {
+  virtual Status after_step(const TrainPosition& /*position*/, std::span<float> /*params*/,
+                            optim::Optimizer& /*optimizer*/) {
     return {};
   }
   /// True when the stop is decided together: this worker's wish to stop
@@ -143,7 +144,7 @@ class Mode {
   virtual std::string agreed_reason() const { return {}; }
   /// After the loop: the last reconciliation and the end handshake. Leaves the
   /// global parameters in `params` on the keeper (on every rank for sync and localsgd).
-  virtual Status finish(std::span<float> /*params*/, Optimizer& /*optimizer*/) { return {}; }
+  virtual Status finish(std::span<float> /*params*/, optim::Optimizer& /*optimizer*/) { return {}; }
   /// True when this rank's parameters are the global ones now (after
   /// after_step): always in sync, right after a round in localsgd, never in
   /// cfmo and asgd, where the owners hold them.
@@ -214,7 +215,7 @@ struct ModeContext {
   const ModeSettings& settings;
   comm::Communicator& comm;
   std::span<const float> initial;  ///< the parameters every rank starts from (the same everywhere)
-  const OptimizerConfig& optimizer_config;
+  const optim::OptimizerConfig& optimizer_config;
   const ModeResume& resume;
 };
 
@@ -239,7 +240,7 @@ std::string mode_names();
 /// `initial` is the parameters every rank starts from (the same everywhere).
 Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, comm::Communicator* comm,
                                         const std::vector<ParamInfo>& layout, std::span<const float> initial,
-                                        const OptimizerConfig& optimizer_config, const ModeResume& resume = {});
+                                        const optim::OptimizerConfig& optimizer_config, const ModeResume& resume = {});
 
 /// The W contiguous shards of a flat vector of `size` floats, on 16-float
 /// boundaries: shard j is [bounds[j], bounds[j + 1]).

@@ -252,7 +252,7 @@ Status TrainingRun::clip_gradients() {
   const double local = tensor::ops::norm2(grads.subspan(replicated_part(grads).size()));
   std::array<float, 1> experts{static_cast<float>(local * local)};
   CFMO_TRY(comm->all_reduce_sum(experts));
-  clip_to_norm(grads, config.clip_grad_norm, std::sqrt(dense * dense + static_cast<double>(experts[0])));
+  optim::clip_to_norm(grads, config.clip_grad_norm, std::sqrt(dense * dense + static_cast<double>(experts[0])));
   return engine->gradients_changed();
 }
 

@@ -125,7 +125,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (plan.device.is_cuda() && plan.context > 0) {
     return usage("device", fmt::format("{}: the CUDA engine does not run this model yet ({})", c.device, c.model));
   }
-  CFMO_ASSIGN_OR_RETURN(plan.optimizer, parse_optimizer_kind(c.optimizer));
+  CFMO_ASSIGN_OR_RETURN(plan.optimizer, optim::parse_optimizer_kind(c.optimizer));
   if (!(c.lr > 0) || !std::isfinite(c.lr)) return usage("lr", "must be a positive number");
   if (!(c.momentum >= 0 && c.momentum < 1)) return usage("momentum", "must be in [0, 1)");
   if (!(c.beta1 >= 0 && c.beta1 < 1)) return usage("beta1", "must be in [0, 1)");
@@ -134,7 +134,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (!(c.weight_decay >= 0) || !std::isfinite(c.weight_decay)) return usage("weight-decay", "must be >= 0");
   if (c.ns_steps < 1 || c.ns_steps > 100) return usage("ns-steps", "must be in 1..100");
   if (!(c.clip_grad_norm >= 0)) return usage("clip-grad-norm", "must be >= 0");
-  CFMO_ASSIGN_OR_RETURN(plan.schedule, Schedule::parse_kind(c.schedule));
+  CFMO_ASSIGN_OR_RETURN(plan.schedule, optim::Schedule::parse_kind(c.schedule));
   if (c.warmup_steps < 0) return usage("warmup-steps", "must be >= 0");
   if (!(c.min_lr >= 0 && c.min_lr <= c.lr)) return usage("min-lr", "must be in [0, lr]");
   if (c.epochs < 0) return usage("epochs", "must be >= 0");
@@ -152,7 +152,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.epochs == 0 && c.steps == 0 && c.tokens == 0 && c.time_limit.empty()) {
     return usage("epochs", "give --epochs, --steps, --tokens or --time-limit so the run ends");
   }
-  if (plan.schedule == Schedule::Kind::kCosine && c.epochs == 0 && c.steps == 0 && c.tokens == 0) {
+  if (plan.schedule == optim::Schedule::Kind::kCosine && c.epochs == 0 && c.steps == 0 && c.tokens == 0) {
     return usage("schedule", "cosine needs a known length: --epochs, --steps or --tokens");
   }
   if (c.batch_size < 1 || c.batch_size > 1 << 20) return usage("batch-size", "must be in 1..1048576");
@@ -167,7 +167,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.expert_parallel && c.elastic) {
     return usage("elastic", "not with --expert-parallel: a lost worker's experts exist nowhere else");
   }
-  if (plan.traits().owners_optimize && plan.optimizer == OptimizerKind::kMuon) {
+  if (plan.traits().owners_optimize && plan.optimizer == optim::OptimizerKind::kMuon) {
     return usage("optimizer", "muon needs whole matrices; asgd's owners update shards: use sgd, adam or adamw");
   }
   if (c.sync_interval < 1) return usage("sync-interval", "must be >= 1");
@@ -189,8 +189,8 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   return plan;
 }
 
-OptimizerConfig optimizer_config(const TrainConfig& c, OptimizerKind kind) {
-  OptimizerConfig o;
+optim::OptimizerConfig optimizer_config(const TrainConfig& c, optim::OptimizerKind kind) {
+  optim::OptimizerConfig o;
   o.kind = kind;
   o.momentum = c.momentum;
   o.nesterov = c.nesterov;

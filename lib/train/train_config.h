@@ -90,9 +90,9 @@ void add_train_options(OptionTable& table, TrainConfig& config);
 struct TrainPlan {
   ModeKind mode = ModeKind::kSync;
   OuterKind outer_optimizer = OuterKind::kNesterov;
-  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  optim::OptimizerKind optimizer = optim::OptimizerKind::kAdamW;
   comm::WireDtype delta_dtype = comm::WireDtype::kBf16;
-  Schedule::Kind schedule = Schedule::Kind::kConstant;
+  optim::Schedule::Kind schedule = optim::Schedule::Kind::kConstant;
   tensor::Device device;
   double time_limit_s = 0;  ///< 0: no time limit
   int context = 0;          ///< the model's context (a language model); 0 for the MLP
@@ -109,7 +109,7 @@ Result<TrainPlan> make_plan(const TrainConfig& config);
 Status validate(const TrainConfig& config);
 
 /// The inner optimizer's settings from the config's flags.
-OptimizerConfig optimizer_config(const TrainConfig& config, OptimizerKind kind);
+optim::OptimizerConfig optimizer_config(const TrainConfig& config, optim::OptimizerKind kind);
 
 /// How the model's Mixture-of-Experts layers train (--aux-loss, --z-loss,
 /// --capacity-factor, --drop-policy), for make_model; call after validate.

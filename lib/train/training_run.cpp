@@ -102,7 +102,7 @@ Status TrainingRun::load_model_and_optimizer() {
   }
 
   optim_config = optimizer_config(config, plan.optimizer);
-  CFMO_ASSIGN_OR_RETURN(optimizer, make_optimizer(optim_config, model().params(), model().num_params()));
+  CFMO_ASSIGN_OR_RETURN(optimizer, optim::make_optimizer(optim_config, model().params(), model().num_params()));
   return {};
 }
 
@@ -268,7 +268,7 @@ Status TrainingRun::open_outputs() {
   summary.context = context;
   summary.flops_per_example = model().flops_per_example();
   summary.flops_formula = model().flops_formula();
-  if (plan.optimizer == OptimizerKind::kMuon) {
+  if (plan.optimizer == optim::OptimizerKind::kMuon) {
     for (const auto& p : model().params())
       (p.is_matrix() ? summary.muon_tensors : summary.adamw_tensors).push_back(p.name);
   }

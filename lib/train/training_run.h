@@ -136,8 +136,8 @@ struct TrainingRun {
   int vocab = 0;
   int context = 0;
   int64_t sample_every = 0;
-  OptimizerConfig optim_config;
-  std::unique_ptr<Optimizer> optimizer;
+  optim::OptimizerConfig optim_config;
+  std::unique_ptr<optim::Optimizer> optimizer;
   TrainPosition pos;
   ModeResume resume;
 
@@ -151,7 +151,7 @@ struct TrainingRun {
   ModeSettings settings;
   Heterogeneity simulated;
   double time_limit_s = 0;
-  Schedule schedule;
+  optim::Schedule schedule;
 
   std::filesystem::path run_dir;
   std::unique_ptr<DeltaWriter> delta_writer;

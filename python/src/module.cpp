@@ -256,7 +256,7 @@ std::unique_ptr<Reconciler> make_reconciler(std::shared_ptr<World> world, const 
   auto get = [&](const char* key, auto fallback) {
     return optimizer.contains(key) ? optimizer[key].cast<decltype(fallback)>() : fallback;
   };
-  auto optimizer_kind = parse_optimizer_kind(get("name", std::string("adamw")));
+  auto optimizer_kind = optim::parse_optimizer_kind(get("name", std::string("adamw")));
   if (!optimizer_kind) throw ErrorException(as_keyword_error(optimizer_kind.error()));
   s.optimizer.kind = *optimizer_kind;
   s.optimizer.momentum = get("momentum", 0.0);

@@ -15,7 +15,7 @@ namespace {
 /// The Optimizer the modes see: PyTorch steps the parameters itself, so this
 /// one only discounts its first moments (scale_first_moment, the cfmo mode's
 /// rebase) in the buffers the caller passed for the call.
-class FirstMoments final : public Optimizer {
+class FirstMoments final : public optim::Optimizer {
  public:
   FirstMoments(const std::vector<ParamInfo>& layout, Buffers moments) : layout_(layout), moments_(std::move(moments)) {}
   std::string_view name() const override { return "torch"; }
@@ -31,7 +31,7 @@ class FirstMoments final : public Optimizer {
       for (size_t i = lo; i < hi; ++i) m[i - p.offset] *= factor;
     }
   }
-  std::vector<OptimizerState> state() override { return {}; }
+  std::vector<optim::OptimizerState> state() override { return {}; }
 
  private:
   const std::vector<ParamInfo>& layout_;
@@ -67,7 +67,7 @@ Status validate_settings(const ReconcilerSettings& s) {
   c.peer_timeout = s.mode.peer_timeout_s;
   c.steps = 1;
   if (s.mode.kind == ModeKind::kAsgd) {  // only asgd runs an optimizer of libcfmo's
-    c.optimizer = std::string(optimizer_kind_name(s.optimizer.kind));
+    c.optimizer = std::string(optim::optimizer_kind_name(s.optimizer.kind));
     c.momentum = s.optimizer.momentum;
     c.beta1 = s.optimizer.beta1;
     c.beta2 = s.optimizer.beta2;

@@ -36,7 +36,7 @@ struct TensorView {
 
 struct ReconcilerSettings {
   ModeSettings mode;          ///< name, H, beta, outer step, wire dtype, peer timeout
-  OptimizerConfig optimizer;  ///< asgd: what the owners run on their shards
+  optim::OptimizerConfig optimizer;  ///< asgd: what the owners run on their shards
   std::string out;            ///< run directory for the .cfd deltas; empty: none
 };
 

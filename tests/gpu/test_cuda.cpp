@@ -157,11 +157,11 @@ TEST_P(CudaOptimizers, StepsMatchTheCpu) {
   ASSERT_TRUE(spec);
   Mlp model(*spec);
   model.init(2);
-  OptimizerConfig config;
-  config.kind = parse_optimizer_kind(GetParam()).value();
+  optim::OptimizerConfig config;
+  config.kind = optim::parse_optimizer_kind(GetParam()).value();
   config.weight_decay = 0.01;
-  config.nesterov = config.kind == OptimizerKind::kSgd;
-  auto cpu = make_optimizer(config, model.params(), model.num_params());
+  config.nesterov = config.kind == optim::OptimizerKind::kSgd;
+  auto cpu = optim::make_optimizer(config, model.params(), model.num_params());
   ASSERT_TRUE(cpu);
   auto gpu = CudaOptimizer::create(*ctx_, config, model.params(), model.num_params());
   ASSERT_TRUE(gpu) << gpu.error().message;
@@ -178,7 +178,7 @@ TEST_P(CudaOptimizers, StepsMatchTheCpu) {
     }
   }
   EXPECT_LT(relative_error(to_host(params), cpu_params), 1e-4) << GetParam();
-  auto mirror = make_optimizer(config, model.params(), model.num_params());
+  auto mirror = optim::make_optimizer(config, model.params(), model.num_params());
   ASSERT_TRUE(mirror);
   ASSERT_TRUE((*gpu)->download_state(**mirror));
   EXPECT_EQ((*mirror)->step_count(), (*cpu)->step_count());
@@ -196,8 +196,8 @@ TEST_F(Cuda, ClipGradNormMatchesTheCpu) {
   auto grads = random_vector(10007, 4);
   auto d = on_device<float>(grads);
   DeviceArray<double> scratch;
-  ASSERT_TRUE(clip_grad_norm(*ctx_, d.data(), d.size(), 3.0, scratch));
-  cfmo::clip_grad_norm(grads, 3.0);
+  ASSERT_TRUE(optim::clip_grad_norm(*ctx_, d.data(), d.size(), 3.0, scratch));
+  cfmo::optim::clip_grad_norm(grads, 3.0);
   EXPECT_LT(relative_error(to_host(d), grads), 1e-6);
 }
 

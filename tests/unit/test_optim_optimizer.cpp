@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::optim {
 namespace {
 
 using Trajectory = std::vector<std::vector<float>>;
@@ -587,4 +587,4 @@ TEST(TestOptimOptimizer, ClipGradNormLeavesSmallOrDisabledAlone) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::optim

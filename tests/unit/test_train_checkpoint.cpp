@@ -24,9 +24,9 @@ using testing::TempDir;
 struct Fixture {
   explicit Fixture(const std::string& optimizer_name) : model(MlpSpec{6, {5}, 3}) {
     model.init(7);
-    OptimizerConfig config;
-    config.kind = parse_optimizer_kind(optimizer_name).value();
-    optimizer = std::move(make_optimizer(config, model.params(), model.num_params())).value();
+    optim::OptimizerConfig config;
+    config.kind = optim::parse_optimizer_kind(optimizer_name).value();
+    optimizer = std::move(optim::make_optimizer(config, model.params(), model.num_params())).value();
     // Give the state non-trivial values by taking two steps.
     std::vector<float> inputs(4 * 6);
     std::iota(inputs.begin(), inputs.end(), 0.0f);
@@ -38,7 +38,7 @@ struct Fixture {
     }
   }
   Mlp model;
-  std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<optim::Optimizer> optimizer;
 };
 
 TEST(Checkpoint, RoundTripRestoresParametersStateAndPosition) {
@@ -240,8 +240,8 @@ TEST(Checkpoint, RefusesAnotherOptimizerOrModel) {
   EXPECT_NE(wrong_optimizer.error().message.find("adamw"), std::string::npos);
 
   Mlp wider(MlpSpec{6, {7}, 3});
-  OptimizerConfig config;
-  auto optimizer = std::move(make_optimizer(config, wider.params(), wider.num_params())).value();
+  optim::OptimizerConfig config;
+  auto optimizer = std::move(optim::make_optimizer(config, wider.params(), wider.num_params())).value();
   auto wrong_shape = load_checkpoint(*path, wider, *optimizer);
   ASSERT_FALSE(wrong_shape);
   EXPECT_EQ(wrong_shape.error().kind, ErrorKind::kInput);

@@ -23,8 +23,8 @@ struct Cluster {
   Cluster(int workers, ModeSettings settings, comm::LoopbackOptions options = {})
       : world(comm::make_loopback_world(workers, options)) {
     settings.delta_dtype = comm::WireDtype::kFp32;  // exact sums
-    OptimizerConfig sgd;
-    sgd.kind = OptimizerKind::kSgd;
+    optim::OptimizerConfig sgd;
+    sgd.kind = optim::OptimizerKind::kSgd;
     sgd.momentum = 0.9;
     const std::vector<ParamInfo> layout = {{"w", {static_cast<int64_t>(kSize)}, 0, kSize}};
     for (int r = 0; r < workers; ++r) {
@@ -32,7 +32,7 @@ struct Cluster {
       EXPECT_TRUE(mode) << mode.error().message;
       modes.push_back(std::move(*mode));
       params.push_back(initial);
-      optimizers.push_back(std::move(*make_optimizer(sgd, layout, kSize)));
+      optimizers.push_back(std::move(*optim::make_optimizer(sgd, layout, kSize)));
     }
   }
   ~Cluster() { modes.clear(); }  // before the communicators their handlers are on
@@ -101,7 +101,7 @@ struct Cluster {
   comm::LoopbackWorld world;
   std::vector<std::unique_ptr<Mode>> modes;
   std::vector<std::vector<float>> params;
-  std::vector<std::unique_ptr<Optimizer>> optimizers;
+  std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
 };
 
 ModeSettings settings_for(const char* name, int sync_interval = 1) {

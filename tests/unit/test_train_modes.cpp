@@ -93,7 +93,7 @@ TEST(ModeTable, RowsAreInModeKindOrderAndTheirNamesParseBack) {
 
 TEST(ModeTable, OneWorkerTrainsAloneWhateverTheMode) {
   const std::vector<float> initial(40, 0.5f);
-  OptimizerConfig optimizer;
+  optim::OptimizerConfig optimizer;
   for (const auto& entry : mode_table()) {
     ModeSettings settings;
     settings.kind = entry.kind;

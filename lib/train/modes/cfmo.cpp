@@ -56,7 +56,7 @@ class CfmoMode final : public AsyncMode {
   bool needs_params(const TrainPosition& position) const override {
     return position.step % settings_.sync_interval == 0 || inbox_pending();
   }
-  Status after_step(const TrainPosition& position, std::span<float> params, Optimizer& optimizer) override {
+  Status after_step(const TrainPosition& position, std::span<float> params, optim::Optimizer& optimizer) override {
     last_step_ = position.step;
     if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
       report_progress(position);
@@ -72,7 +72,7 @@ class CfmoMode final : public AsyncMode {
     return {};
   }
 
-  Status finish(std::span<float> params, Optimizer& optimizer) override {
+  Status finish(std::span<float> params, optim::Optimizer& optimizer) override {
     CFMO_TRY(cut_off());
     const auto start = Clock::now();
     const auto deadline = start + seconds(settings_.peer_timeout_s);
@@ -147,7 +147,7 @@ class CfmoMode final : public AsyncMode {
   }
 
   /// θ_k ← θ̄_new + (θ_k − θ_snapshot) on the shard; stale momentum discounted.
-  void rebase(FreshShard& f, std::span<float> params, Optimizer& optimizer) {
+  void rebase(FreshShard& f, std::span<float> params, optim::Optimizer& optimizer) {
     auto& waiting = awaiting_[static_cast<size_t>(f.shard)];
     waiting = std::max(0, waiting - 1);
     record_staleness(f.staleness, f.dropped);

@@ -30,7 +30,7 @@ class LocalSgdMode final : public LockstepMode {
   bool needs_params(const TrainPosition& position) const override {
     return position.step % settings_.sync_interval == 0;
   }
-  Status after_step(const TrainPosition& position, std::span<float> params, Optimizer&) override {
+  Status after_step(const TrainPosition& position, std::span<float> params, optim::Optimizer&) override {
     last_step_ = position.step;
     since_sync_ = position.step % settings_.sync_interval;
     if (since_sync_ != 0) return {};
@@ -38,7 +38,7 @@ class LocalSgdMode final : public LockstepMode {
   }
   bool params_are_global() const override { return since_sync_ == 0; }
   std::span<const float> outer_momentum() const override { return outer_.momentum(); }
-  Status finish(std::span<float> params, Optimizer&) override {
+  Status finish(std::span<float> params, optim::Optimizer&) override {
     // Every rank took the same number of steps, so all agree whether one more round is due.
     return since_sync_ != 0 ? reconcile(params) : Status{};
   }

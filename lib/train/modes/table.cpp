@@ -94,7 +94,7 @@ std::vector<size_t> shard_bounds(size_t size, int shards) {
 
 Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, comm::Communicator* comm,
                                         const std::vector<ParamInfo>& layout, std::span<const float> initial,
-                                        const OptimizerConfig& optimizer_config, const ModeResume& resume) {
+                                        const optim::OptimizerConfig& optimizer_config, const ModeResume& resume) {
   (void)layout;
   const ModeEntry& entry = mode_entry(settings.kind);
   if (comm == nullptr || comm->size() == 1) return modes::make_solo(entry.name);
