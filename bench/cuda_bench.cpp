@@ -55,8 +55,9 @@ Result<double> time_ms(const Context& ctx, int reps, int inner, F&& body) {
 
 Status bench_step(Context& ctx, const std::string& model_spec, int batch, int reps) {
   const data::DataSplit data = data::make_synthetic(1, std::max<int64_t>(batch, 1024) * 2, 16);
-  CFMO_ASSIGN_OR_RETURN(MlpSpec spec, MlpSpec::parse(model_spec, data.train.features, data.train.classes));
-  Mlp host(spec);
+  CFMO_ASSIGN_OR_RETURN(model::MlpSpec spec,
+                        model::MlpSpec::parse(model_spec, data.train.features, data.train.classes));
+  model::Mlp host(spec);
   host.init(1);
   CFMO_ASSIGN_OR_RETURN(auto model, CudaMlp::create(ctx, host));
   optim::OptimizerConfig config;

@@ -8,7 +8,7 @@
 namespace cfmo::cuda {
 
 Result<std::unique_ptr<CudaOptimizer>> CudaOptimizer::create(Context& ctx, const optim::OptimizerConfig& config,
-                                                             const std::vector<ParamInfo>& layout, size_t size) {
+                                                             const std::vector<model::ParamInfo>& layout, size_t size) {
   std::vector<std::string> names;
   switch (config.kind) {
     case optim::OptimizerKind::kSgd:
@@ -95,7 +95,7 @@ Status CudaOptimizer::step(float* params, const float* grads, float lr) {
   return {};
 }
 
-Status CudaOptimizer::muon_matrix(float* p, const float* g, const ParamInfo& info, float lr) {
+Status CudaOptimizer::muon_matrix(float* p, const float* g, const model::ParamInfo& info, float lr) {
   constexpr float a = 3.4445f;
   constexpr float b = -4.7750f;
   constexpr float c = 2.0315f;

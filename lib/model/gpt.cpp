@@ -11,7 +11,7 @@
 #include <charconv>
 #include <cmath>
 
-namespace cfmo {
+namespace cfmo::model {
 
 using tensor::ops::Trans;
 
@@ -892,4 +892,4 @@ void attention_backward(float* dqkv, float* scratch, const float* dout, const fl
 
 }  // namespace gpt
 
-}  // namespace cfmo
+}  // namespace cfmo::model

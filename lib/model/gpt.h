@@ -35,7 +35,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 
 struct GptSpec {
   int layers = 2;
@@ -202,4 +202,4 @@ inline constexpr int kAttentionBlock = 32;
 
 }  // namespace gpt
 
-}  // namespace cfmo
+}  // namespace cfmo::model

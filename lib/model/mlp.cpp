@@ -7,7 +7,7 @@
 #include <charconv>
 #include <cmath>
 
-namespace cfmo {
+namespace cfmo::model {
 
 Result<MlpSpec> MlpSpec::parse(std::string_view text, int inputs, int classes) {
   constexpr std::string_view kPrefix = "mlp:";
@@ -170,4 +170,4 @@ EvalResult Mlp::evaluate(const float* inputs, const int32_t* labels, int64_t cou
   return result;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 
 struct MlpSpec {
   int inputs = 784;
@@ -66,4 +66,4 @@ class Mlp final : public Model {
   tensor::FloatBuffer grad_z_;  ///< scratch for dL/dZ of the current layer
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 
 /// What a tensor is, for the optimizers: Muon orthogonalises kMatrix tensors
 /// and leaves the rest to AdamW; GPT-2 practice decays only matrices.
@@ -171,4 +171,4 @@ class Model {
 double softmax_cross_entropy(const float* logits, const int32_t* labels, int batch, int classes, float* dlogits,
                              float grad_scale, int64_t* correct);
 
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <numeric>
 
-namespace cfmo {
+namespace cfmo::model {
 
 using tensor::ops::Trans;
 
@@ -395,4 +395,4 @@ nlohmann::ordered_json MoeStats::to_json() const {
   return out;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::model

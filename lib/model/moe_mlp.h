@@ -32,7 +32,7 @@
 #include <utility>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 
 /// One expert's tensors in a flat buffer (parameters or their gradients).
 struct ExpertTensors {
@@ -175,4 +175,4 @@ class MoeStats {
   double wait_s_ = 0;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::model

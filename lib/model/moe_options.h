@@ -5,7 +5,7 @@
 
 #include "moe/router.h"
 
-namespace cfmo {
+namespace cfmo::model {
 
 struct MoeOptions {
   double aux_loss = 0.01;  ///< coefficient of the load-balancing loss
@@ -19,4 +19,4 @@ struct MoeOptions {
   int expert_ranks = 1;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::model

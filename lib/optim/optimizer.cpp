@@ -63,7 +63,7 @@ void scale_range(tensor::FloatBuffer& buffer, float factor, size_t offset, size_
 /// decay `wd` only where the tensor takes it (a GPT's matrices, not its
 /// biases, norms and embeddings); the whole buffer when `layout` is empty.
 template <typename F>
-void for_each_tensor(const std::vector<ParamInfo>& layout, size_t size, double wd, F&& f) {
+void for_each_tensor(const std::vector<model::ParamInfo>& layout, size_t size, double wd, F&& f) {
   if (layout.empty()) {
     f(size_t{0}, size, static_cast<float>(wd));
     return;
@@ -73,7 +73,7 @@ void for_each_tensor(const std::vector<ParamInfo>& layout, size_t size, double w
 
 class Sgd final : public Optimizer {
  public:
-  Sgd(const OptimizerConfig& config, std::vector<ParamInfo> layout, size_t size)
+  Sgd(const OptimizerConfig& config, std::vector<model::ParamInfo> layout, size_t size)
       : config_(config), layout_(std::move(layout)), buffer_(size, 0.0f) {}
   std::string_view name() const override { return "sgd"; }
 
@@ -91,13 +91,13 @@ class Sgd final : public Optimizer {
 
  private:
   OptimizerConfig config_;
-  std::vector<ParamInfo> layout_;
+  std::vector<model::ParamInfo> layout_;
   tensor::FloatBuffer buffer_;
 };
 
 class Adam final : public Optimizer {
  public:
-  Adam(const OptimizerConfig& config, std::vector<ParamInfo> layout, size_t size, bool decoupled)
+  Adam(const OptimizerConfig& config, std::vector<model::ParamInfo> layout, size_t size, bool decoupled)
       : config_(config),
         layout_(std::move(layout)),
         decoupled_(decoupled),
@@ -122,7 +122,7 @@ class Adam final : public Optimizer {
 
  private:
   OptimizerConfig config_;
-  std::vector<ParamInfo> layout_;
+  std::vector<model::ParamInfo> layout_;
   bool decoupled_;
   tensor::FloatBuffer exp_avg_;
   tensor::FloatBuffer exp_avg_sq_;
@@ -134,7 +134,7 @@ class Adam final : public Optimizer {
 /// (Moonshot AI, "Muon is Scalable for LLM Training", 2025): one --lr serves both.
 class Muon final : public Optimizer {
  public:
-  Muon(const OptimizerConfig& config, std::vector<ParamInfo> layout, size_t size)
+  Muon(const OptimizerConfig& config, std::vector<model::ParamInfo> layout, size_t size)
       : config_(config),
         layout_(std::move(layout)),
         momentum_(size, 0.0f),
@@ -184,7 +184,7 @@ class Muon final : public Optimizer {
 
  private:
   OptimizerConfig config_;
-  std::vector<ParamInfo> layout_;
+  std::vector<model::ParamInfo> layout_;
   tensor::FloatBuffer momentum_;
   tensor::FloatBuffer exp_avg_;
   tensor::FloatBuffer exp_avg_sq_;
@@ -279,8 +279,8 @@ std::string_view optimizer_kind_name(OptimizerKind kind) {
   return "?";
 }
 
-Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config, const std::vector<ParamInfo>& layout,
-                                                  size_t size) {
+Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config,
+                                                  const std::vector<model::ParamInfo>& layout, size_t size) {
   switch (config.kind) {
     case OptimizerKind::kSgd:
       return std::unique_ptr<Optimizer>(std::make_unique<Sgd>(config, layout, size));

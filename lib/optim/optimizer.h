@@ -71,8 +71,8 @@ struct AdamCoefficients {
 AdamCoefficients adam_coefficients(const OptimizerConfig& config, int64_t step, float lr);
 
 /// Builds the optimizer named in `config` for a model of this layout.
-Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config, const std::vector<ParamInfo>& layout,
-                                                  size_t size);
+Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config,
+                                                  const std::vector<model::ParamInfo>& layout, size_t size);
 
 /// Scales `grads` so their global L2 norm is at most `max_norm` (0: no-op).
 /// Returns the norm before clipping.

@@ -17,7 +17,7 @@ namespace {
 
 /// One simulated worker: the mode and what the trainer keeps around it.
 struct Worker {
-  std::unique_ptr<Model> model;  ///< --math only
+  std::unique_ptr<model::Model> model;  ///< --math only
   std::vector<float> batch;      ///< --math: this step's rows
   std::unique_ptr<Mode> mode;
   std::vector<float> params;
@@ -112,18 +112,18 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   optim::OptimizerConfig optimizer;
   optimizer.kind = optim::OptimizerKind::kSgd;
   optimizer.momentum = 0.9;
-  std::vector<ParamInfo> layout = {{"stand-in", {static_cast<int64_t>(kStandIn)}, 0, kStandIn}};
+  std::vector<model::ParamInfo> layout = {{"stand-in", {static_cast<int64_t>(kStandIn)}, 0, kStandIn}};
   std::vector<float> initial(kStandIn, 0.0f);
   std::optional<data::DataSplit> data;
-  DataShape shape;
+  model::DataShape shape;
   if (options.math) {
     if (workers > kMaxMathWorkers) {
       return make_error(ErrorKind::kUsage, "--math: at most {} workers ({} asked): every worker trains its model",
                         kMaxMathWorkers, workers);
     }
     CFMO_ASSIGN_OR_RETURN(data, data::load_data(options.data, options.step_times.seed));
-    shape = {InputKind::kFeatures, data->train.features, data->train.classes};
-    CFMO_ASSIGN_OR_RETURN(auto first, make_model(options.model, shape));
+    shape = {model::InputKind::kFeatures, data->train.features, data->train.classes};
+    CFMO_ASSIGN_OR_RETURN(auto first, model::make_model(options.model, shape));
     first->init(options.step_times.seed);
     layout = first->params();
     initial.assign(first->parameters().begin(), first->parameters().end());
@@ -133,7 +133,7 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   for (int r = 0; r < workers; ++r) {
     Worker& w = crew[static_cast<size_t>(r)];
     if (options.math) {
-      CFMO_ASSIGN_OR_RETURN(w.model, make_model(options.model, shape));
+      CFMO_ASSIGN_OR_RETURN(w.model, model::make_model(options.model, shape));
       w.model->init(options.step_times.seed);  // the same start everywhere
       w.batch.resize(static_cast<size_t>(options.batch) * static_cast<size_t>(shape.features));
     } else {
@@ -200,7 +200,7 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
     const data::Dataset& test = data->test;
     std::vector<float> rows(static_cast<size_t>(test.count) * static_cast<size_t>(test.features));
     test.rows_to_float(0, test.count, rows.data());
-    const EvalResult eval =
+    const model::EvalResult eval =
         crew[0].model->evaluate({static_cast<int>(test.count), rows.data(), test.labels.data(), nullptr});
     row.test_loss = eval.loss();
     row.test_accuracy = eval.accuracy();

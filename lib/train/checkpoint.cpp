@@ -24,7 +24,7 @@ constexpr int kStateVersion = 1;
 std::string rank_optimizer_file(int rank) { return fmt::format("optimizer-rank-{}.safetensors", rank); }
 
 /// Reads an optimizer state file of this model into `optimizer`'s buffers.
-Status read_optimizer_state(const fs::path& file, const Model& model, optim::Optimizer& optimizer) {
+Status read_optimizer_state(const fs::path& file, const model::Model& model, optim::Optimizer& optimizer) {
   CFMO_ASSIGN_OR_RETURN(auto state_file, ckpt::SafetensorsFile::read(file));
   for (const auto& s : optimizer.state()) {
     for (const auto& p : model.params()) {
@@ -83,7 +83,7 @@ void prune_checkpoints(const fs::path& root, int64_t current, int keep) {
 
 }  // namespace
 
-Status save_model(const fs::path& path, const Model& model, const std::map<std::string, std::string>& metadata) {
+Status save_model(const fs::path& path, const model::Model& model, const std::map<std::string, std::string>& metadata) {
   std::vector<ckpt::TensorRef> tensors;
   for (const auto& p : model.params()) {
     tensors.push_back({p.name, "F32", p.shape, as_bytes(model.parameters().data() + p.offset, p.size)});
@@ -91,7 +91,7 @@ Status save_model(const fs::path& path, const Model& model, const std::map<std::
   return ckpt::write_safetensors(path, tensors, metadata);
 }
 
-CheckpointData checkpoint_data(const Model& model, optim::Optimizer& optimizer, const TrainPosition& position) {
+CheckpointData checkpoint_data(const model::Model& model, optim::Optimizer& optimizer, const TrainPosition& position) {
   CheckpointData data;
   data.position = position;
   data.params.assign(model.parameters().begin(), model.parameters().end());
@@ -133,7 +133,7 @@ Status put_in_place(const fs::path& temp_dir, const fs::path& final_dir) {
 }  // namespace
 
 Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& model_spec,
-                                  const std::vector<ParamInfo>& layout, const CheckpointData& data,
+                                  const std::vector<model::ParamInfo>& layout, const CheckpointData& data,
                                   const std::string& config_toml, int keep) {
   const fs::path root = run_dir / "checkpoints";
   std::error_code ec;
@@ -222,13 +222,13 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
   return final_dir;
 }
 
-Result<fs::path> save_checkpoint(const fs::path& run_dir, const Model& model, optim::Optimizer& optimizer,
+Result<fs::path> save_checkpoint(const fs::path& run_dir, const model::Model& model, optim::Optimizer& optimizer,
                                  const TrainPosition& position, const std::string& config_toml, int keep) {
   return write_checkpoint(run_dir, model.spec_string(), model.params(), checkpoint_data(model, optimizer, position),
                           config_toml, keep);
 }
 
-CheckpointWriter::CheckpointWriter(fs::path run_dir, std::string model_spec, std::vector<ParamInfo> layout,
+CheckpointWriter::CheckpointWriter(fs::path run_dir, std::string model_spec, std::vector<model::ParamInfo> layout,
                                    std::string config_toml, int keep)
     : run_dir_(std::move(run_dir)),
       spec_(std::move(model_spec)),
@@ -310,7 +310,7 @@ bool negative(const TrainPosition& p) { return p.step < 0 || p.epoch < 0 || p.ba
 
 }  // namespace
 
-Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, optim::Optimizer& optimizer,
+Result<TrainPosition> load_checkpoint(const fs::path& dir, model::Model& model, optim::Optimizer& optimizer,
                                       CheckpointWorld* world, tensor::FloatBuffer* outer_momentum) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
@@ -401,7 +401,8 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, optim::
   return position;
 }
 
-Result<bool> load_rank_optimizer(const fs::path& dir, const Model& model, optim::Optimizer& optimizer, int rank) {
+Result<bool> load_rank_optimizer(const fs::path& dir, const model::Model& model, optim::Optimizer& optimizer,
+                                 int rank) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
   size_t files = 0;

@@ -66,16 +66,16 @@ struct CheckpointData {
 };
 
 /// Copies the model's parameters and the optimizer's state.
-CheckpointData checkpoint_data(const Model& model, optim::Optimizer& optimizer, const TrainPosition& position);
+CheckpointData checkpoint_data(const model::Model& model, optim::Optimizer& optimizer, const TrainPosition& position);
 
 /// Writes a checkpoint of a model of this spec ("mlp:256,128") and layout and
 /// keeps only the newest `keep`; returns its directory.
 Result<std::filesystem::path> write_checkpoint(const std::filesystem::path& run_dir, const std::string& model_spec,
-                                               const std::vector<ParamInfo>& layout, const CheckpointData& data,
+                                               const std::vector<model::ParamInfo>& layout, const CheckpointData& data,
                                                const std::string& config_toml, int keep);
 
 /// Writes a checkpoint of one worker's model and optimizer (write_checkpoint of checkpoint_data).
-Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_dir, const Model& model,
+Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_dir, const model::Model& model,
                                               optim::Optimizer& optimizer, const TrainPosition& position,
                                               const std::string& config_toml, int keep);
 
@@ -84,7 +84,7 @@ Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_d
 /// more waits; a newer one replaces it (the replaced one counts as skipped).
 class CheckpointWriter {
  public:
-  CheckpointWriter(std::filesystem::path run_dir, std::string model_spec, std::vector<ParamInfo> layout,
+  CheckpointWriter(std::filesystem::path run_dir, std::string model_spec, std::vector<model::ParamInfo> layout,
                    std::string config_toml, int keep);
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -107,7 +107,7 @@ class CheckpointWriter {
 
   const std::filesystem::path run_dir_;
   const std::string spec_;
-  const std::vector<ParamInfo> layout_;
+  const std::vector<model::ParamInfo> layout_;
   const std::string config_toml_;
   const int keep_;
   std::atomic<int64_t> last_step_{-1};
@@ -117,7 +117,7 @@ class CheckpointWriter {
 };
 
 /// Writes the parameters alone as a safetensors file (the run's final model).
-Status save_model(const std::filesystem::path& path, const Model& model,
+Status save_model(const std::filesystem::path& path, const model::Model& model,
                   const std::map<std::string, std::string>& metadata);
 
 /// `path` is a checkpoint directory or a run directory (its latest checkpoint);
@@ -136,7 +136,7 @@ Result<DirLock> lock_run_dir(const std::filesystem::path& run_dir);
 /// optimizer's name must match; errors name the file and tensor. `world` and
 /// `outer_momentum` (the model's layout; left empty when the checkpoint has
 /// none), when given, receive the rest.
-Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, Model& model,
+Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, model::Model& model,
                                       optim::Optimizer& optimizer, CheckpointWorld* world = nullptr,
                                       tensor::FloatBuffer* outer_momentum = nullptr);
 
@@ -144,7 +144,7 @@ Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_di
 /// for it (state.json's rank_optimizers, written by localsgd runs of several
 /// workers): true when it was read into `optimizer`, false when there is
 /// none (rank 0, or an older checkpoint). Errors name the file and tensor.
-Result<bool> load_rank_optimizer(const std::filesystem::path& checkpoint_dir, const Model& model,
+Result<bool> load_rank_optimizer(const std::filesystem::path& checkpoint_dir, const model::Model& model,
                                  optim::Optimizer& optimizer, int rank);
 
 /// A loaded checkpoint's positions (`position` and each of `world.ranks`)

@@ -13,11 +13,13 @@ class ImageSource final : public DataSource {
   explicit ImageSource(data::DataSplit split) : split_(std::move(split)) {}
 
   std::string description() const override { return split_.source; }
-  DataShape shape() const override { return {InputKind::kFeatures, split_.train.features, split_.train.classes}; }
+  model::DataShape shape() const override {
+    return {model::InputKind::kFeatures, split_.train.features, split_.train.classes};
+  }
   int64_t train_examples() const override { return split_.train.count; }
   bool indexed() const override { return true; }
 
-  Examples train_batch(const BatchRequest& request) override {
+  model::Examples train_batch(const BatchRequest& request) override {
     const data::Dataset& train = split_.train;
     const auto features = static_cast<size_t>(train.features);
     const size_t n = request.indices.size();
@@ -30,7 +32,7 @@ class ImageSource final : public DataSource {
     return {static_cast<int>(n), inputs_.data(), labels_.data(), nullptr};
   }
 
-  void for_each_eval_batch(int chunk, const std::function<void(const Examples&)>& f) override {
+  void for_each_eval_batch(int chunk, const std::function<void(const model::Examples&)>& f) override {
     // Converted to floats a chunk at a time, so the set itself stays in bytes.
     const data::Dataset& test = split_.test;
     tensor::FloatBuffer floats(static_cast<size_t>(std::min<int64_t>(chunk, test.count)) *
@@ -58,17 +60,17 @@ class TokenSource final : public DataSource {
       : split_(std::move(split)), sampler_(sampler), context_(sampler.context()) {}
 
   std::string description() const override { return split_.source; }
-  DataShape shape() const override { return {InputKind::kTokens, 0, split_.vocab_size}; }
+  model::DataShape shape() const override { return {model::InputKind::kTokens, 0, split_.vocab_size}; }
   int64_t train_examples() const override { return std::max<int64_t>(1, split_.train.size() / context_); }
   bool indexed() const override { return false; }
 
-  Examples train_batch(const BatchRequest& request) override {
+  model::Examples train_batch(const BatchRequest& request) override {
     windows_.resize(static_cast<size_t>(request.count) * static_cast<size_t>(context_ + 1));
     sampler_.fill(split_.train, request.step, request.count, windows_.data());
     return {request.count, nullptr, nullptr, windows_.data()};
   }
 
-  void for_each_eval_batch(int chunk, const std::function<void(const Examples&)>& f) override {
+  void for_each_eval_batch(int chunk, const std::function<void(const model::Examples&)>& f) override {
     const int64_t count = data::val_window_count(split_.val.size(), context_);
     const auto width = static_cast<size_t>(context_ + 1);
     std::vector<int32_t> windows(static_cast<size_t>(std::min<int64_t>(chunk, count)) * width);

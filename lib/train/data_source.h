@@ -33,7 +33,7 @@ class DataSource {
   virtual ~DataSource() = default;
   /// For the summary: the directory read, "synthetic", "text: 431 files".
   virtual std::string description() const = 0;
-  virtual DataShape shape() const = 0;
+  virtual model::DataShape shape() const = 0;
   /// Examples in one epoch of the training data (for token data, its training
   /// tokens over the context: one pass over them in windows).
   virtual int64_t train_examples() const = 0;
@@ -41,9 +41,9 @@ class DataSource {
   /// source draws them from the step.
   virtual bool indexed() const = 0;
   /// The request's examples, copied into the source's scratch (valid until the next call).
-  virtual Examples train_batch(const BatchRequest& request) = 0;
+  virtual model::Examples train_batch(const BatchRequest& request) = 0;
   /// Calls `f` with the evaluation examples, at most `chunk` at a time.
-  virtual void for_each_eval_batch(int chunk, const std::function<void(const Examples&)>& f) = 0;
+  virtual void for_each_eval_batch(int chunk, const std::function<void(const model::Examples&)>& f) = 0;
   /// The image split, for an engine that uploads it whole (CUDA); null for token data.
   virtual const data::DataSplit* images() const { return nullptr; }
 };

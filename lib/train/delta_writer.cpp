@@ -14,7 +14,8 @@ namespace {
 constexpr size_t kQueueLimit = 2;
 }  // namespace
 
-DeltaWriter::DeltaWriter(std::filesystem::path run_dir, int rank, std::vector<ParamInfo> layout, int64_t round_offset)
+DeltaWriter::DeltaWriter(std::filesystem::path run_dir, int rank, std::vector<model::ParamInfo> layout,
+                         int64_t round_offset)
     : run_dir_(run_dir),
       dir_(ckpt::delta_path(run_dir, rank, 0).parent_path()),
       rank_(rank),

@@ -20,7 +20,7 @@ namespace {
 /// The model and optimizer in host memory, OpenBLAS for the GEMMs.
 class CpuEngine final : public DeviceEngine {
  public:
-  CpuEngine(Model& model, optim::Optimizer& optimizer, DataSource& data)
+  CpuEngine(model::Model& model, optim::Optimizer& optimizer, DataSource& data)
       : model_(model), optimizer_(optimizer), data_(data) {}
 
   std::string description() const override { return "cpu (" + tensor::ops::blas_info() + ")"; }
@@ -51,17 +51,17 @@ class CpuEngine final : public DeviceEngine {
   Result<optim::Optimizer*> host_optimizer() override { return &optimizer_; }
   Status optimizer_changed() override { return {}; }
 
-  Result<EvalResult> evaluate() override {
+  Result<model::EvalResult> evaluate() override {
     // Token windows are large (context x vocabulary logits each): a few at a time.
     const int chunk = model_.context() > 0 ? 8 : 1000;
-    EvalResult total;
-    data_.for_each_eval_batch(chunk, [&](const Examples& batch) { total.add(model_.evaluate(batch)); });
+    model::EvalResult total;
+    data_.for_each_eval_batch(chunk, [&](const model::Examples& batch) { total.add(model_.evaluate(batch)); });
     CFMO_TRY(model_.take_status());
     return total;
   }
 
  private:
-  Model& model_;
+  model::Model& model_;
   optim::Optimizer& optimizer_;
   DataSource& data_;
 };
@@ -92,17 +92,17 @@ class DeviceOptimizerView final : public optim::Optimizer {
 /// set uploaded once; NCCL for the lockstep modes' collectives.
 class CudaEngine final : public DeviceEngine {
  public:
-  static Result<std::unique_ptr<DeviceEngine>> create(const DeviceEngineOptions& options, Model& host,
+  static Result<std::unique_ptr<DeviceEngine>> create(const DeviceEngineOptions& options, model::Model& host,
                                                       optim::Optimizer& optimizer,
                                                       const optim::OptimizerConfig& optimizer_config,
                                                       DataSource& source) {
     // The device model is the MLP's; any other is refused before the device is touched.
-    auto* mlp = dynamic_cast<Mlp*>(&host);
+    auto* mlp = dynamic_cast<model::Mlp*>(&host);
     if (mlp == nullptr || source.images() == nullptr) {
       return make_error(ErrorKind::kUsage, "--device {}: the CUDA engine does not run this model yet ({})",
                         options.device.to_string(), host.spec_string());
     }
-    Mlp& model = *mlp;
+    model::Mlp& model = *mlp;
     const data::DataSplit& data = *source.images();
     std::unique_ptr<CudaEngine> e(new CudaEngine(model, optimizer));
     const int rank = options.comm != nullptr ? options.comm->rank() : 0;
@@ -170,7 +170,7 @@ class CudaEngine final : public DeviceEngine {
   }
   Status optimizer_changed() override { return optimizer_->upload_state(host_optimizer_); }
 
-  Result<EvalResult> evaluate() override { return model_->evaluate(*test_); }
+  Result<model::EvalResult> evaluate() override { return model_->evaluate(*test_); }
 
   bool has_device_all_reduce() const override { return nccl_ != nullptr; }
   Status device_all_reduce_gradients(std::span<float> extras) override {
@@ -199,9 +199,9 @@ class CudaEngine final : public DeviceEngine {
   }
 
  private:
-  CudaEngine(Mlp& host, optim::Optimizer& host_optimizer) : host_(host), host_optimizer_(host_optimizer) {}
+  CudaEngine(model::Mlp& host, optim::Optimizer& host_optimizer) : host_(host), host_optimizer_(host_optimizer) {}
 
-  Mlp& host_;
+  model::Mlp& host_;
   optim::Optimizer& host_optimizer_;
   std::unique_ptr<cuda::Context> ctx_;
   std::unique_ptr<cuda::CudaMlp> model_;
@@ -220,11 +220,11 @@ class CudaEngine final : public DeviceEngine {
 
 }  // namespace
 
-Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptions& options, Model& model,
+Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptions& options, model::Model& model,
                                                          optim::Optimizer& optimizer,
                                                          const optim::OptimizerConfig& optimizer_config,
                                                          DataSource& data) {
-  if (options.device.is_cuda() && model.input_kind() != InputKind::kFeatures) {
+  if (options.device.is_cuda() && model.input_kind() != model::InputKind::kFeatures) {
     return make_error(ErrorKind::kUsage, "--device {}: the CUDA engine does not run this model yet ({})",
                       options.device.to_string(), model.spec_string());
   }

@@ -57,7 +57,7 @@ class DeviceEngine {
   virtual Status optimizer_changed() = 0;
 
   /// Loss and accuracy over the evaluation data (the test set, the validation windows).
-  virtual Result<EvalResult> evaluate() = 0;
+  virtual Result<model::EvalResult> evaluate() = 0;
 
   /// Sums `extras` (host floats) over ranks together with the gradients each
   /// weighted by extras[0] (this rank's example count), on the device, and
@@ -83,7 +83,7 @@ struct DeviceEngineOptions {
 /// The engine for `options.device`, over `model` and `optimizer` (which it
 /// keeps using as the host mirror) and the data (an image set is uploaded
 /// once on CUDA). kUsage when the device does not run this model.
-Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptions& options, Model& model,
+Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptions& options, model::Model& model,
                                                          optim::Optimizer& optimizer,
                                                          const optim::OptimizerConfig& optimizer_config,
                                                          DataSource& data);

@@ -239,7 +239,7 @@ std::string mode_names();
 /// The mode for `settings.kind`; `comm` is null for a single worker.
 /// `initial` is the parameters every rank starts from (the same everywhere).
 Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, comm::Communicator* comm,
-                                        const std::vector<ParamInfo>& layout, std::span<const float> initial,
+                                        const std::vector<model::ParamInfo>& layout, std::span<const float> initial,
                                         const optim::OptimizerConfig& optimizer_config, const ModeResume& resume = {});
 
 /// The W contiguous shards of a flat vector of `size` floats, on 16-float

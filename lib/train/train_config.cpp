@@ -114,14 +114,14 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   auto usage = [](std::string_view flag, std::string_view why) {
     return make_error(ErrorKind::kUsage, "--{}: {}", flag, why);
   };
-  CFMO_TRY(check_model_spec(c.model));
+  CFMO_TRY(model::check_model_spec(c.model));
   if (!(c.aux_loss >= 0) || !std::isfinite(c.aux_loss)) return usage("aux-loss", "must be >= 0");
   if (!(c.z_loss >= 0) || !std::isfinite(c.z_loss)) return usage("z-loss", "must be >= 0");
   if (!(c.capacity_factor > 0) || c.capacity_factor > 1e6) return usage("capacity-factor", "must be in (0, 1e6]");
   CFMO_TRY(moe::parse_drop_policy(c.drop_policy));
-  if (c.expert_parallel) CFMO_TRY(check_expert_parallel(c.model, std::max(1, c.workers)));
+  if (c.expert_parallel) CFMO_TRY(model::check_expert_parallel(c.model, std::max(1, c.workers)));
   CFMO_ASSIGN_OR_RETURN(plan.device, tensor::parse_device(c.device));
-  plan.context = model_context(c.model);
+  plan.context = model::model_context(c.model);
   if (plan.device.is_cuda() && plan.context > 0) {
     return usage("device", fmt::format("{}: the CUDA engine does not run this model yet ({})", c.device, c.model));
   }
@@ -202,8 +202,8 @@ optim::OptimizerConfig optimizer_config(const TrainConfig& c, optim::OptimizerKi
   return o;
 }
 
-MoeOptions moe_options(const TrainConfig& c) {
-  MoeOptions o;
+model::MoeOptions moe_options(const TrainConfig& c) {
+  model::MoeOptions o;
   o.aux_loss = c.aux_loss;
   o.z_loss = c.z_loss;
   o.capacity_factor = c.capacity_factor;

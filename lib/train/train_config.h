@@ -113,7 +113,7 @@ optim::OptimizerConfig optimizer_config(const TrainConfig& config, optim::Optimi
 
 /// How the model's Mixture-of-Experts layers train (--aux-loss, --z-loss,
 /// --capacity-factor, --drop-policy), for make_model; call after validate.
-MoeOptions moe_options(const TrainConfig& config);
+model::MoeOptions moe_options(const TrainConfig& config);
 
 /// parse_heterogeneity (core/heterogeneity.h) of the config's --slowdown and --straggler for `rank`.
 Result<Heterogeneity> heterogeneity_for(const TrainConfig& config, int rank);

@@ -74,17 +74,17 @@ Status TrainingRun::set_up() {
 
 Status TrainingRun::load_model_and_optimizer() {
   CFMO_ASSIGN_OR_RETURN(source, load_data_source(config, rank, world, plan.context));
-  MoeOptions moe = moe_options(config);
+  model::MoeOptions moe = moe_options(config);
   if (expert_parallel) {
     moe.expert_rank = rank;
     moe.expert_ranks = world;
   }
-  CFMO_ASSIGN_OR_RETURN(model_ptr, make_model(config.model, source->shape(), moe));
+  CFMO_ASSIGN_OR_RETURN(model_ptr, model::make_model(config.model, source->shape(), moe));
   model().init(static_cast<uint64_t>(config.seed));  // the same on every rank
   model_spec = model().spec_string();
-  if (expert_parallel) static_cast<Gpt&>(model()).set_expert_parallel(comm);
+  if (expert_parallel) static_cast<model::Gpt&>(model()).set_expert_parallel(comm);
   replicated = model().replicated_size();
-  for (const ParamInfo& p : model().params()) {
+  for (const model::ParamInfo& p : model().params()) {
     if (p.offset < replicated) replicated_layout.push_back(p);
   }
   train_examples = source->train_examples();
@@ -302,7 +302,7 @@ double TrainingRun::epochs_done() const {
 
 Status TrainingRun::evaluate(bool final) {
   const auto t0 = Clock::now();
-  CFMO_ASSIGN_OR_RETURN(const EvalResult r, engine->evaluate());
+  CFMO_ASSIGN_OR_RETURN(const model::EvalResult r, engine->evaluate());
   EvalEvent event{pos.step, epochs_done(), r.loss(), r.accuracy(), seconds_since(run_start), final};
   summary.test_loss = event.test_loss;
   if (context > 0) summary.val_loss = event.test_loss;
@@ -400,7 +400,7 @@ Status TrainingRun::write_global_checkpoint(CheckpointData data) {
     CFMO_ASSIGN_OR_RETURN(whole_model, gather_whole_model(data));
   }
   if (!checkpoints) return {};
-  const Model& layout_of = whole_model ? *whole_model : model();
+  const model::Model& layout_of = whole_model ? *whole_model : model();
   CFMO_TRY(
       write_checkpoint(run_dir, model_spec, layout_of.params(), data, options.config_toml, config.keep_checkpoints));
   return {};

@@ -78,7 +78,7 @@ struct TrainingRun {
 
   // shared by the phases
   TrainObserver& observer() { return options.observer != nullptr ? *options.observer : null_observer; }
-  Model& model() { return *model_ptr; }
+  model::Model& model() { return *model_ptr; }
   /// metrics.jsonl's "epoch": epochs completed, fractional within an epoch (as step/steps-per-epoch).
   double epochs_done() const;
   Status evaluate(bool final);
@@ -92,7 +92,7 @@ struct TrainingRun {
   /// experts (parameters and optimizer state) and returns the whole model
   /// with `part` (its own checkpoint data) completed in that model's layout;
   /// the others send theirs and get null.
-  Result<std::unique_ptr<Model>> gather_whole_model(CheckpointData& part);
+  Result<std::unique_ptr<model::Model>> gather_whole_model(CheckpointData& part);
   /// Writes a checkpoint (rank 0) of the global state; with
   /// --expert-parallel every rank calls it and the experts gather first.
   Status write_global_checkpoint(CheckpointData data);
@@ -124,10 +124,10 @@ struct TrainingRun {
   // What the run trains, in the order they must be destroyed backwards (the
   // engine refers to the model, the optimizer and the data).
   std::unique_ptr<DataSource> source;
-  std::unique_ptr<Model> model_ptr;
+  std::unique_ptr<model::Model> model_ptr;
   std::string model_spec;
   size_t replicated = 0;                     ///< model().replicated_size(): what the mode reconciles
-  std::vector<ParamInfo> replicated_layout;  ///< its tensors
+  std::vector<model::ParamInfo> replicated_layout;  ///< its tensors
   /// The part of a flat buffer in the model's layout that the mode sees.
   std::span<float> replicated_part(std::span<float> flat) const {
     return flat.first(std::min(flat.size(), replicated));
@@ -166,7 +166,7 @@ struct TrainingRun {
   int keeper = 0;                  ///< finish: the rank that keeps the run
   /// --expert-parallel, rank 0: the whole model of the last checkpoint, for
   /// the final model.safetensors (dropped after a mid-run checkpoint).
-  std::unique_ptr<Model> whole_model;
+  std::unique_ptr<model::Model> whole_model;
   int64_t last_checkpoint_step = -1;
   std::unique_ptr<CheckpointWriter> checkpoint_writer;
   bool checkpoint_due = false;  ///< an epoch end or --checkpoint-every asked for one

@@ -17,14 +17,15 @@ namespace {
 /// rebase) in the buffers the caller passed for the call.
 class FirstMoments final : public optim::Optimizer {
  public:
-  FirstMoments(const std::vector<ParamInfo>& layout, Buffers moments) : layout_(layout), moments_(std::move(moments)) {}
+  FirstMoments(const std::vector<model::ParamInfo>& layout, Buffers moments)
+      : layout_(layout), moments_(std::move(moments)) {}
   std::string_view name() const override { return "torch"; }
   void step(std::span<float>, std::span<const float>, float) override {}
   void scale_first_moment(float factor, size_t offset, size_t count) override {
     const size_t end = count > SIZE_MAX - offset ? SIZE_MAX : offset + count;
     for (size_t t = 0; t < layout_.size() && t < moments_.size(); ++t) {
       float* m = moments_[t];
-      const ParamInfo& p = layout_[t];
+      const model::ParamInfo& p = layout_[t];
       const size_t lo = std::max(offset, p.offset);
       const size_t hi = std::min(end, p.offset + p.size);
       if (m == nullptr || lo >= hi) continue;
@@ -34,7 +35,7 @@ class FirstMoments final : public optim::Optimizer {
   std::vector<optim::OptimizerState> state() override { return {}; }
 
  private:
-  const std::vector<ParamInfo>& layout_;
+  const std::vector<model::ParamInfo>& layout_;
   const Buffers moments_;
 };
 
@@ -96,9 +97,10 @@ uint32_t layout_hash(const std::vector<TensorView>& tensors) {
 
 Reconciler::Reconciler(std::shared_ptr<World> world, std::vector<TensorView> tensors, ReconcilerSettings settings)
     : world_(std::move(world)), tensors_(std::move(tensors)), settings_(std::move(settings)) {
-  LayoutBuilder builder;
+  model::LayoutBuilder builder;
   for (const auto& t : tensors_) {
-    builder.add(layout_, t.name, t.shape, t.shape.size() == 2 ? ParamKind::kMatrix : ParamKind::kBias, true);
+    builder.add(layout_, t.name, t.shape, t.shape.size() == 2 ? model::ParamKind::kMatrix : model::ParamKind::kBias,
+                true);
   }
   flat_.assign(builder.size(), 0.0f);
 }

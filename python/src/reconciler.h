@@ -95,7 +95,7 @@ class Reconciler {
   int rank() const { return world_->rank(); }
   int size() const { return world_->size(); }
   const TrainPosition& position() const { return position_; }
-  const std::vector<ParamInfo>& layout() const { return layout_; }
+  const std::vector<model::ParamInfo>& layout() const { return layout_; }
   std::vector<size_t> shard_bounds() const;
   ModeStats mode_stats() const { return mode_->stats(); }
   comm::CommStats comm_stats() const;
@@ -123,7 +123,7 @@ class Reconciler {
   std::shared_ptr<World> world_;
   std::vector<TensorView> tensors_;
   ReconcilerSettings settings_;
-  std::vector<ParamInfo> layout_;
+  std::vector<model::ParamInfo> layout_;
   tensor::FloatBuffer flat_;  ///< the modes' flat vector: filled only when a mode works on it
   TrainPosition position_;
   std::unique_ptr<DeltaWriter> delta_writer_;

@@ -100,9 +100,9 @@ Batch random_batch(int batch, int features, int classes, uint64_t seed) {
 }
 
 TEST_F(Cuda, MlpForwardBackwardMatchesTheCpu) {
-  auto spec = MlpSpec::parse("mlp:96,40", 130, 10);
+  auto spec = model::MlpSpec::parse("mlp:96,40", 130, 10);
   ASSERT_TRUE(spec);
-  Mlp cpu(*spec);
+  model::Mlp cpu(*spec);
   cpu.init(5);
   auto gpu = CudaMlp::create(*ctx_, cpu);
   ASSERT_TRUE(gpu) << gpu.error().message;
@@ -122,9 +122,9 @@ TEST_F(Cuda, MlpForwardBackwardMatchesTheCpu) {
 
 TEST_F(Cuda, DeviceDatasetBatchesAndEvaluationMatchTheCpu) {
   data::DataSplit data = data::make_synthetic(3, 600, 250);
-  auto spec = MlpSpec::parse("mlp:64", data.train.features, data.train.classes);
+  auto spec = model::MlpSpec::parse("mlp:64", data.train.features, data.train.classes);
   ASSERT_TRUE(spec);
-  Mlp cpu(*spec);
+  model::Mlp cpu(*spec);
   cpu.init(8);
   auto gpu = CudaMlp::create(*ctx_, cpu);
   ASSERT_TRUE(gpu) << gpu.error().message;
@@ -142,7 +142,7 @@ TEST_F(Cuda, DeviceDatasetBatchesAndEvaluationMatchTheCpu) {
 
   std::vector<float> test_inputs(static_cast<size_t>(data.test.count) * data.test.features);
   data.test.rows_to_float(0, data.test.count, test_inputs.data());
-  const EvalResult want = cpu.evaluate(test_inputs.data(), data.test.labels.data(), data.test.count, 100);
+  const model::EvalResult want = cpu.evaluate(test_inputs.data(), data.test.labels.data(), data.test.count, 100);
   auto got = (*gpu)->evaluate(*test, 100);
   ASSERT_TRUE(got) << got.error().message;
   EXPECT_EQ(got->count, want.count);
@@ -153,9 +153,9 @@ TEST_F(Cuda, DeviceDatasetBatchesAndEvaluationMatchTheCpu) {
 class CudaOptimizers : public Cuda, public ::testing::WithParamInterface<std::string> {};
 
 TEST_P(CudaOptimizers, StepsMatchTheCpu) {
-  auto spec = MlpSpec::parse("mlp:48,24", 70, 10);
+  auto spec = model::MlpSpec::parse("mlp:48,24", 70, 10);
   ASSERT_TRUE(spec);
-  Mlp model(*spec);
+  model::Mlp model(*spec);
   model.init(2);
   optim::OptimizerConfig config;
   config.kind = optim::parse_optimizer_kind(GetParam()).value();

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 namespace {
 
 using testing::dot;
@@ -404,4 +404,4 @@ TEST(TestModelGpt, GoldenLossMatchesPyTorch) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 namespace {
 
 using testing::random_tokens;
@@ -198,4 +198,4 @@ TEST(TestModelMoeParallel, MakeModelRefusesFewerExpertsThanRanksInOneLine) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::model

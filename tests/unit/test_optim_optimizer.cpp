@@ -151,11 +151,11 @@ constexpr float kTorchTolerance = 1e-6f;
 // still catches a 1% error in an update of about 5e-3.
 constexpr float kMuonTolerance = 1e-5f;
 
-std::vector<ParamInfo> flat_layout(size_t size) { return {{"p", {static_cast<int64_t>(size)}, 0, size}}; }
+std::vector<model::ParamInfo> flat_layout(size_t size) { return {{"p", {static_cast<int64_t>(size)}, 0, size}}; }
 
 /// A wide weight, a bias, a tall weight (transposed inside Newton-Schulz) and a
 /// bias, contiguous; the same layout as MUON_LAYOUT in the reference script.
-std::vector<ParamInfo> muon_layout() {
+std::vector<model::ParamInfo> muon_layout() {
   return {{"layers.0.weight", {3, 5}, 0, 15},
           {"layers.0.bias", {3}, 15, 3},
           {"layers.1.weight", {4, 3}, 18, 12},
@@ -184,7 +184,8 @@ Trajectory muon_grads() {
   return grads;
 }
 
-std::unique_ptr<Optimizer> make(const OptimizerConfig& config, const std::vector<ParamInfo>& layout, size_t size) {
+std::unique_ptr<Optimizer> make(const OptimizerConfig& config, const std::vector<model::ParamInfo>& layout,
+                                size_t size) {
   auto made = make_optimizer(config, layout, size);
   if (!made) {
     ADD_FAILURE() << made.error().message;
@@ -194,9 +195,9 @@ std::unique_ptr<Optimizer> make(const OptimizerConfig& config, const std::vector
 }
 
 /// Runs `config` over the gradients and compares the parameters after every step.
-void expect_trajectory(const OptimizerConfig& config, const std::vector<ParamInfo>& layout, std::vector<float> params,
-                       const Trajectory& grads, const std::vector<float>& lrs, const Trajectory& expected,
-                       float tolerance) {
+void expect_trajectory(const OptimizerConfig& config, const std::vector<model::ParamInfo>& layout,
+                       std::vector<float> params, const Trajectory& grads, const std::vector<float>& lrs,
+                       const Trajectory& expected, float tolerance) {
   ASSERT_EQ(expected.size(), lrs.size());
   auto opt = make(config, layout, params.size());
   ASSERT_NE(opt, nullptr);

@@ -22,7 +22,7 @@ namespace fs = std::filesystem;
 using testing::TempDir;
 
 struct Fixture {
-  explicit Fixture(const std::string& optimizer_name) : model(MlpSpec{6, {5}, 3}) {
+  explicit Fixture(const std::string& optimizer_name) : model(model::MlpSpec{6, {5}, 3}) {
     model.init(7);
     optim::OptimizerConfig config;
     config.kind = optim::parse_optimizer_kind(optimizer_name).value();
@@ -37,7 +37,7 @@ struct Fixture {
       optimizer->step(model.parameters(), model.gradients(), 0.01f);
     }
   }
-  Mlp model;
+  model::Mlp model;
   std::unique_ptr<optim::Optimizer> optimizer;
 };
 
@@ -239,7 +239,7 @@ TEST(Checkpoint, RefusesAnotherOptimizerOrModel) {
   EXPECT_EQ(wrong_optimizer.error().kind, ErrorKind::kUsage);
   EXPECT_NE(wrong_optimizer.error().message.find("adamw"), std::string::npos);
 
-  Mlp wider(MlpSpec{6, {7}, 3});
+  model::Mlp wider(model::MlpSpec{6, {7}, 3});
   optim::OptimizerConfig config;
   auto optimizer = std::move(optim::make_optimizer(config, wider.params(), wider.num_params())).value();
   auto wrong_shape = load_checkpoint(*path, wider, *optimizer);

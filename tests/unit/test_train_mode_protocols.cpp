@@ -26,7 +26,7 @@ struct Cluster {
     optim::OptimizerConfig sgd;
     sgd.kind = optim::OptimizerKind::kSgd;
     sgd.momentum = 0.9;
-    const std::vector<ParamInfo> layout = {{"w", {static_cast<int64_t>(kSize)}, 0, kSize}};
+    const std::vector<model::ParamInfo> layout = {{"w", {static_cast<int64_t>(kSize)}, 0, kSize}};
     for (int r = 0; r < workers; ++r) {
       auto mode = make_mode(settings, world.ranks[static_cast<size_t>(r)].get(), layout, initial, sgd);
       EXPECT_TRUE(mode) << mode.error().message;

@@ -152,7 +152,7 @@ Result<std::unique_ptr<Mode>> make_asgd(const ModeContext& c) {
   const auto bounds = shard_bounds(c.initial.size(), c.comm.size());
   const size_t own = bounds[static_cast<size_t>(c.comm.rank()) + 1] - bounds[static_cast<size_t>(c.comm.rank())];
   // The owner's optimizer sees its shard as one flat tensor: element-wise optimizers only.
-  std::vector<ParamInfo> shard_layout = {{"shard", {static_cast<int64_t>(own)}, 0, own}};
+  std::vector<model::ParamInfo> shard_layout = {{"shard", {static_cast<int64_t>(own)}, 0, own}};
   CFMO_ASSIGN_OR_RETURN(auto optimizer, optim::make_optimizer(c.optimizer_config, shard_layout, own));
   return std::unique_ptr<Mode>(
       std::make_unique<AsgdMode>(c.settings, c.comm, c.initial, std::move(optimizer), c.resume));

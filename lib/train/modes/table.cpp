@@ -93,7 +93,7 @@ std::vector<size_t> shard_bounds(size_t size, int shards) {
 }
 
 Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, comm::Communicator* comm,
-                                        const std::vector<ParamInfo>& layout, std::span<const float> initial,
+                                        const std::vector<model::ParamInfo>& layout, std::span<const float> initial,
                                         const optim::OptimizerConfig& optimizer_config, const ModeResume& resume) {
   (void)layout;
   const ModeEntry& entry = mode_entry(settings.kind);
