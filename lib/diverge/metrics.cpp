@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 Divergence divergence(const ckpt::DeltaStats& stats) {
   constexpr double kUndefined = std::numeric_limits<double>::quiet_NaN();
@@ -31,4 +31,4 @@ Divergence divergence(const ckpt::DeltaStats& stats) {
   return d;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -16,7 +16,7 @@
 #include <map>
 #include <set>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace fs = std::filesystem;
 
 namespace {
@@ -577,4 +577,4 @@ std::string format_csv(const Report& report) {
   return out;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

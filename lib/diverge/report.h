@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 /// One PATH of a report.
 struct ReportInput {
@@ -113,4 +113,4 @@ std::string format_csv(const Report& report);
 std::string format_csv_header();
 std::string format_csv_rows(const DeltaRow& row);
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
 ckpt::DeltaStats stats(double base_sq, double delta_sq, double dot) {
@@ -58,4 +58,4 @@ TEST(DivergenceTest, CountsAndMaximumPassThrough) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -12,7 +12,7 @@
 #include <limits>
 #include <sstream>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
 namespace fs = std::filesystem;
@@ -359,4 +359,4 @@ TEST_F(ReportTest, NonFiniteValuesAreCountedInTheDeltaAndTheBase) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -7,7 +7,7 @@
 
 #include <limits>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
 namespace fs = std::filesystem;
@@ -135,4 +135,4 @@ TEST(SelectionTest, LastCountsRoundsAfterTheOtherFilters) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -6,7 +6,7 @@
 
 #include <limits>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
 namespace fs = std::filesystem;
@@ -89,4 +89,4 @@ TEST_F(ViolationsTest, UndefinedRelativeL2IsNotHeldToTheLimit) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::diverge

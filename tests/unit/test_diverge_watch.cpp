@@ -7,7 +7,7 @@
 
 #include <chrono>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
 namespace fs = std::filesystem;
@@ -65,4 +65,4 @@ TEST_F(WatchTest, TheRunDirectoryMustExist) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::diverge
