@@ -3,8 +3,8 @@
 
 #include "comm/communicator.h"
 
-namespace cfmo::channels {
+namespace cfmo::moe::channels {
 
 inline constexpr comm::Channel kExperts{8};  ///< the async engine's tokens, results and end markers
 
-}  // namespace cfmo::channels
+}  // namespace cfmo::moe::channels

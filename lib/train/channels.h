@@ -4,7 +4,7 @@
 
 #include "comm/communicator.h"
 
-namespace cfmo::channels {
+namespace cfmo::train::channels {
 
 inline constexpr comm::Channel kDeltaShard{1};  ///< cfmo: a delta shard for its owner
 inline constexpr comm::Channel kFreshShard{2};  ///< cfmo/asgd: an owner's current shard, back to a worker
@@ -22,4 +22,4 @@ inline constexpr comm::Channel kReplica{
 inline constexpr comm::Channel kElastic{13};   ///< sync --elastic, localsgd: the group's sums and re-forming
 inline constexpr comm::Channel kGathered{12};  ///< cfmo/asgd: the keeper holds every final shard: the others may leave
 
-}  // namespace cfmo::channels
+}  // namespace cfmo::train::channels

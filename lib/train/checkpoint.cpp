@@ -14,7 +14,7 @@
 #include <climits>
 #include <cmath>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace fs = std::filesystem;
 namespace {
 
@@ -480,4 +480,4 @@ TrainPosition resume_position(TrainPosition position, int64_t batches_per_epoch)
   return position;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -29,7 +29,7 @@
 #include <utility>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 /// Where a run is: enough to continue it exactly.
 struct TrainPosition {
@@ -163,4 +163,4 @@ Status check_positions(const std::filesystem::path& checkpoint_dir, const TrainP
 /// start of the next, where the training loop would have turned to it.
 TrainPosition resume_position(TrainPosition position, int64_t batches_per_epoch);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

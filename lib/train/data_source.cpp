@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 class ImageSource final : public DataSource {
@@ -123,4 +123,4 @@ Result<std::unique_ptr<DataSource>> load_data_source(const TrainConfig& config, 
   return make_image_source(std::move(split));
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 struct TrainConfig;
 
@@ -56,4 +56,4 @@ std::unique_ptr<DataSource> make_image_source(data::DataSplit split);
 /// model's, for token data (0 before the model is known).
 Result<std::unique_ptr<DataSource>> load_data_source(const TrainConfig& config, int rank, int world, int context);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -8,7 +8,7 @@
 #include <cinttypes>
 #include <cstdio>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 // Two rounds may wait; a third is skipped rather than waited for.
 constexpr size_t kQueueLimit = 2;
@@ -67,4 +67,4 @@ Status DeltaWriter::write(Job& job) {
   return ckpt::write_cfd(ckpt::delta_path(run_dir_, rank_, job.round), info, tensors);
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -14,7 +14,7 @@
 #include <span>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 class DeltaWriter {
  public:
@@ -57,4 +57,4 @@ class DeltaWriter {
   BackgroundWriter<Job> writer_;  ///< last: its thread starts after, and stops before, the members it uses
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <utility>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 /// The model and optimizer in host memory, OpenBLAS for the GEMMs.
@@ -239,4 +239,4 @@ Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptio
 #endif
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -24,7 +24,7 @@
 #include <span>
 #include <string>
 
-namespace cfmo {
+namespace cfmo::train {
 
 class DeviceEngine {
  public:
@@ -88,4 +88,4 @@ Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptio
                                                          const optim::OptimizerConfig& optimizer_config,
                                                          DataSource& data);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -12,7 +12,7 @@
 #include <cstring>
 #include <unordered_map>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 namespace {
 
 /// [u64 header bytes][header: a JSON array of tensor names][pad to 4][floats]:
@@ -108,4 +108,4 @@ Result<std::unique_ptr<model::Model>> TrainingRun::gather_whole_model(Checkpoint
   return whole;
 }
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

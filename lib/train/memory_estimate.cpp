@@ -12,7 +12,7 @@
 #include <sstream>
 #include <string>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 // A worker's private memory before its data and model: the program, its
@@ -88,4 +88,4 @@ Status check_workers_fit(const TrainConfig& config, int workers) {
                     workers, workers, human_bytes(*per_worker), human_bytes(needed), human_bytes(*available));
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

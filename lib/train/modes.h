@@ -43,7 +43,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 /// The modes, in the order of mode_table() (and of --compare).
 enum class ModeKind : uint8_t { kSync, kLocalSgd, kAsgd, kCfmo };
@@ -246,4 +246,4 @@ Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, comm::Comm
 /// boundaries: shard j is [bounds[j], bounds[j + 1]).
 std::vector<size_t> shard_bounds(size_t size, int shards);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

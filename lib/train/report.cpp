@@ -8,7 +8,7 @@
 
 #include <iterator>
 
-namespace cfmo {
+namespace cfmo::train {
 
 namespace {
 
@@ -211,4 +211,4 @@ std::string summary_text(const TrainSummary& s) {
   return text;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -10,7 +10,7 @@
 #include <mutex>
 #include <thread>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 
 Result<TrainSummary> TrainingRun::finish() {
   CFMO_TRY(last_reconciliation());
@@ -184,4 +184,4 @@ void TrainingRun::add_totals() {
   summary.model_metrics = model().run_metrics();
 }
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

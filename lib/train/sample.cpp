@@ -10,7 +10,7 @@
 #include <numeric>
 #include <sstream>
 
-namespace cfmo {
+namespace cfmo::train {
 
 Result<std::vector<int32_t>> sample_tokens(model::Model& model, std::vector<int32_t> prompt,
                                            const SampleOptions& options) {
@@ -106,4 +106,4 @@ std::string tokens_to_text(const std::vector<int32_t>& tokens, int vocab) {
   return text;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 struct SampleOptions {
   int tokens = 200;          ///< tokens to generate
@@ -38,4 +38,4 @@ std::string tokens_to_text(const std::vector<int32_t>& tokens, int vocab);
 /// separated by spaces (kUsage naming --prompt when they are not).
 Result<std::vector<int32_t>> text_to_tokens(const std::string& text, int vocab);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -12,7 +12,7 @@
 #include <cmath>
 #include <thread>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 namespace {
 
 /// A sample's text on one line of a log: newlines as \\n, other control bytes as spaces.
@@ -293,4 +293,4 @@ Status TrainingRun::at_step_end() {
   return {};
 }
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

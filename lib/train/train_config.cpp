@@ -9,7 +9,7 @@
 #include <charconv>
 #include <cmath>
 
-namespace cfmo {
+namespace cfmo::train {
 
 void add_train_options(OptionTable& t, TrainConfig& c) {
   const std::string data = "Data and model";
@@ -216,4 +216,4 @@ Result<Heterogeneity> heterogeneity_for(const TrainConfig& c, int rank) {
   return parse_heterogeneity(c.slowdown, c.straggler, rank, c.workers);
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

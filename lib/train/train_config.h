@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 struct TrainConfig {
   // data and model
@@ -97,7 +97,7 @@ struct TrainPlan {
   double time_limit_s = 0;  ///< 0: no time limit
   int context = 0;          ///< the model's context (a language model); 0 for the MLP
 
-  const ModeEntry& mode_entry() const { return cfmo::mode_entry(mode); }
+  const ModeEntry& mode_entry() const { return cfmo::train::mode_entry(mode); }
   const ModeTraits& traits() const { return mode_entry().traits; }
 };
 
@@ -118,4 +118,4 @@ model::MoeOptions moe_options(const TrainConfig& config);
 /// parse_heterogeneity (core/heterogeneity.h) of the config's --slowdown and --straggler for `rank`.
 Result<Heterogeneity> heterogeneity_for(const TrainConfig& config, int rank);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -19,7 +19,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 struct StepEvent {
   int64_t step = 0;
@@ -67,4 +67,4 @@ struct TrainOptions {
 /// unreadable data or checkpoints, kCheckFailed when the loss diverges.
 Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& options);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -12,7 +12,7 @@
 
 #include <algorithm>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 namespace {
 
 /// A checkpoint resumes in the mode and with the batch size that wrote it
@@ -446,4 +446,4 @@ Status TrainingRun::announce_lost() {
   return {};
 }
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

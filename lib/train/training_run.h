@@ -33,7 +33,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 
 using Clock = std::chrono::steady_clock;
 
@@ -197,4 +197,4 @@ struct TrainingRun {
   std::string stopped_by;
 };
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

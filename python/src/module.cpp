@@ -92,7 +92,7 @@ Buffers buffers_of(const Reconciler& r, const py::list& list, const char* what, 
   return out;
 }
 
-py::dict position_dict(const TrainPosition& p) {
+py::dict position_dict(const train::TrainPosition& p) {
   py::dict d;
   d["step"] = p.step;
   d["samples"] = p.samples;
@@ -102,9 +102,9 @@ py::dict position_dict(const TrainPosition& p) {
   return d;
 }
 
-TrainPosition position_from(const py::handle& h) {
+train::TrainPosition position_from(const py::handle& h) {
   const auto d = py::reinterpret_borrow<py::dict>(h);
-  TrainPosition p;
+  train::TrainPosition p;
   p.step = d["step"].cast<int64_t>();
   p.samples = d["samples"].cast<int64_t>();
   p.epoch = d.contains("epoch") ? d["epoch"].cast<int64_t>() : 0;
@@ -160,7 +160,7 @@ ReconcilerState state_from_dict(const py::dict& d) {
 }
 
 py::dict stats_of(const Reconciler& r) {
-  const ModeStats m = r.mode_stats();
+  const train::ModeStats m = r.mode_stats();
   const comm::CommStats c = r.comm_stats();
   py::dict d;
   d["rank"] = r.rank();
@@ -236,13 +236,13 @@ std::unique_ptr<Reconciler> make_reconciler(std::shared_ptr<World> world, const 
     tensors.push_back(std::move(v));
   }
   ReconcilerSettings s;
-  auto kind = parse_mode(mode);
+  auto kind = train::parse_mode(mode);
   if (!kind) throw ErrorException(as_keyword_error(kind.error()));
   s.mode.kind = *kind;
   s.mode.sync_interval = sync_interval;
   s.mode.staleness_discount = staleness_beta;
   s.mode.max_staleness = max_staleness;
-  auto outer_kind = parse_outer_kind(outer);
+  auto outer_kind = train::parse_outer_kind(outer);
   if (!outer_kind) throw ErrorException(as_keyword_error(outer_kind.error()));
   s.mode.outer_optimizer = *outer_kind;
   s.mode.outer_lr = outer_lr;

@@ -56,8 +56,8 @@ namespace {
 
 /// The settings checked by cfmo-train's own rules, so both accept the same values.
 Status validate_settings(const ReconcilerSettings& s) {
-  TrainConfig c;
-  c.mode = std::string(mode_entry(s.mode.kind).name);
+  train::TrainConfig c;
+  c.mode = std::string(train::mode_entry(s.mode.kind).name);
   c.sync_interval = s.mode.sync_interval;
   c.staleness_discount = s.mode.staleness_discount;
   c.max_staleness = s.mode.max_staleness;
@@ -67,7 +67,7 @@ Status validate_settings(const ReconcilerSettings& s) {
   c.delta_dtype = std::string(to_string(s.mode.delta_dtype));
   c.peer_timeout = s.mode.peer_timeout_s;
   c.steps = 1;
-  if (s.mode.kind == ModeKind::kAsgd) {  // only asgd runs an optimizer of libcfmo's
+  if (s.mode.kind == train::ModeKind::kAsgd) {  // only asgd runs an optimizer of libcfmo's
     c.optimizer = std::string(optim::optimizer_kind_name(s.optimizer.kind));
     c.momentum = s.optimizer.momentum;
     c.beta1 = s.optimizer.beta1;
@@ -159,21 +159,22 @@ Status Reconciler::check_same_tensors() {
   return {};
 }
 
-Status Reconciler::start_mode(std::span<const float> initial, const ModeResume& resume) {
+Status Reconciler::start_mode(std::span<const float> initial, const train::ModeResume& resume) {
   mode_.reset();
   delta_writer_.reset();
-  ModeSettings mode = settings_.mode;
-  const bool writes_deltas = mode_entry(mode.kind).traits.writes_deltas;
+  train::ModeSettings mode = settings_.mode;
+  const bool writes_deltas = train::mode_entry(mode.kind).traits.writes_deltas;
   if (!settings_.out.empty() && size() > 1 && writes_deltas) {
     // A resumed run continues after its deltas, as cfmo-train's does.
-    const int64_t offset = position_.step > 0 ? DeltaWriter::last_round(settings_.out, rank()) : 0;
-    delta_writer_ = std::make_unique<DeltaWriter>(settings_.out, rank(), layout_, offset);
+    const int64_t offset = position_.step > 0 ? train::DeltaWriter::last_round(settings_.out, rank()) : 0;
+    delta_writer_ = std::make_unique<train::DeltaWriter>(settings_.out, rank(), layout_, offset);
     mode.delta_sink = [writer = delta_writer_.get()](int64_t round, int64_t step, int64_t base_version,
                                                      std::span<const float> base, std::span<const float> delta) {
       writer->submit(round, step, base_version, base, delta);
     };
   }
-  CFMO_ASSIGN_OR_RETURN(mode_, make_mode(mode, world_->comm.get(), layout_, initial, settings_.optimizer, resume));
+  CFMO_ASSIGN_OR_RETURN(mode_,
+                        train::make_mode(mode, world_->comm.get(), layout_, initial, settings_.optimizer, resume));
   // No rank posts before every rank's handlers are registered.
   if (size() > 1) CFMO_TRY(world_->comm->barrier());
   return {};
@@ -210,7 +211,7 @@ bool Reconciler::tick(int64_t samples) {
 }
 
 Status Reconciler::reconcile(const Buffers& moments) {
-  const bool async = mode_entry(settings_.mode.kind).traits.asynchronous;
+  const bool async = train::mode_entry(settings_.mode.kind).traits.asynchronous;
   if (async && rank() != 0) {
     // The others train on without a lost peer, but not without the budget keeper and gatherer.
     const auto lost = lost_ranks();
@@ -258,7 +259,7 @@ Status Reconciler::finish(const Buffers& moments) {
   return {};
 }
 
-std::vector<size_t> Reconciler::shard_bounds() const { return cfmo::shard_bounds(flat_.size(), size()); }
+std::vector<size_t> Reconciler::shard_bounds() const { return cfmo::train::shard_bounds(flat_.size(), size()); }
 
 comm::CommStats Reconciler::comm_stats() const { return world_->comm ? world_->comm->stats() : comm::CommStats{}; }
 
@@ -295,7 +296,7 @@ Result<ReconcilerState> Reconciler::state_dict() {
   }
   if (!finished_ && !mode_->request_snapshot()) return s;  // not rank 0: the owners answer it
   // Rank 0: the owners answer on their progress threads, whatever their training threads do.
-  std::optional<GlobalState> global = finished_ ? mode_->final_state() : std::nullopt;
+  std::optional<train::GlobalState> global = finished_ ? mode_->final_state() : std::nullopt;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(settings_.mode.peer_timeout_s);
   while (!global && !finished_ && std::chrono::steady_clock::now() < deadline) {
     global = mode_->take_snapshot();
@@ -342,7 +343,7 @@ Status Reconciler::load_state_dict(const ReconcilerState& s) {
     std::copy(s.params.begin(), s.params.end(), flat_.begin());
     scatter();
   }
-  ModeResume resume;
+  train::ModeResume resume;
   resume.outer_momentum = s.outer_momentum;
   resume.owner_state = s.owner_state;
   resume.owner_steps = s.owner_steps;

@@ -223,7 +223,7 @@ TEST_F(Cuda, NcclAllReduceOfOneRankIsTheIdentity) {
 class CudaTrain : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaTrain, FollowsTheCpuRun) {
-  TrainConfig config;
+  train::TrainConfig config;
   config.data = "synthetic:2048:512";
   config.model = "mlp:64,32";
   config.epochs = 0;
@@ -232,10 +232,10 @@ TEST_P(CudaTrain, FollowsTheCpuRun) {
   config.lr = config.optimizer == "sgd" ? 0.05 : 1e-3;
   config.clip_grad_norm = 1.0;
   config.quiet = true;
-  auto cpu = train(config, {});
+  auto cpu = train::train(config, {});
   ASSERT_TRUE(cpu) << cpu.error().message;
   config.device = "cuda";
-  auto gpu = train(config, {});
+  auto gpu = train::train(config, {});
   ASSERT_TRUE(gpu) << gpu.error().message;
   EXPECT_NE(gpu->device.find("cuda"), std::string::npos) << gpu->device;
   EXPECT_EQ(gpu->steps, cpu->steps);

@@ -15,7 +15,7 @@
 #include <csignal>
 #include <numeric>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 namespace fs = std::filesystem;
@@ -382,4 +382,4 @@ TEST(Checkpoint, OnlyACheckpointInRunCheckpointsBelongsToARun) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -14,7 +14,7 @@
 #include <optional>
 #include <thread>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 constexpr size_t kSize = 96;  // shards of 48 floats for 2 workers, 32 for 3 (16-float boundaries)
@@ -588,4 +588,4 @@ TEST(AsgdProtocol, OwnersApplyEveryGradientAndWorkersTakeTheFreshShards) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 ModeSettings outer(const char* name, double lr, double mu) {
@@ -106,4 +106,4 @@ TEST(ModeTable, OneWorkerTrainsAloneWhateverTheMode) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -14,7 +14,7 @@
 #include <cmath>
 #include <fstream>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 using testing::TempDir;
@@ -294,4 +294,4 @@ TEST(Trainer, GptRefusesImagesAndTheMlpRefusesText) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::train

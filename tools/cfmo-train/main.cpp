@@ -27,7 +27,7 @@ using cfmo::train_tool::fail;
 // The first SIGINT/SIGTERM asks the trainer to stop cleanly (checkpoint, summary).
 std::atomic<bool>& g_stop = cfmo::tool::stop_requested();
 
-int compare_modes(int argc, char** argv, const cfmo::TrainConfig& config, bool json) {
+int compare_modes(int argc, char** argv, const cfmo::train::TrainConfig& config, bool json) {
   return cfmo::train_tool::compare_modes(argc, argv, config, json, g_stop);
 }
 
@@ -36,8 +36,8 @@ int compare_modes(int argc, char** argv, const cfmo::TrainConfig& config, bool j
 static int run(int argc, char** argv) {
   if (argc >= 2 && std::string_view(argv[1]) == "sample") return cfmo::train_tool::run_sample(argc - 1, argv + 1);
   if (argc >= 2 && std::string_view(argv[1]) == "simulate") return cfmo::train_tool::run_simulate(argc - 1, argv + 1);
-  cfmo::TrainConfig config;
-  cfmo::TrainOptions options;
+  cfmo::train::TrainConfig config;
+  cfmo::train::TrainOptions options;
   CommandLine line;
   if (auto done = parse_train_command_line(argc, argv, config, options, line)) return *done;
   const bool json = line.json;
@@ -57,13 +57,13 @@ static int run(int argc, char** argv) {
   // under another launcher, before the rendezvous, so no rank of a second run gets to write.
   std::optional<cfmo::DirLock> run_lock;
   if (!config.out.empty() && !launched && (!world->has_value() || (*world)->rank == 0)) {
-    auto lock = cfmo::lock_run_dir(config.out);
+    auto lock = cfmo::train::lock_run_dir(config.out);
     if (!lock) return fail(lock.error());
     run_lock = std::move(*lock);
   }
   if (config.workers > 1 && !launched && (!world->has_value() || (*world)->size == 1)) {
     // One host, no launcher: start the workers here and relay their output, if they fit.
-    if (auto fits = cfmo::check_workers_fit(config, config.workers); !fits) return fail(fits.error());
+    if (auto fits = cfmo::train::check_workers_fit(config, config.workers); !fits) return fail(fits.error());
     auto status =
         cfmo::comm::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
     if (!status) return fail(status.error());
@@ -82,7 +82,7 @@ static int run(int argc, char** argv) {
   options.stop = &g_stop;
   options.observer = &observer;
 
-  auto summary = cfmo::train(config, options);
+  auto summary = cfmo::train::train(config, options);
   observer.clear_line();
   // The goodbye tells the other ranks why this one leaves: they then fail
   // with this root cause, and the run ends with its status.
@@ -90,7 +90,7 @@ static int run(int argc, char** argv) {
   comm.reset();  // say goodbye to the other ranks before reporting
   if (!summary) return fail(summary.error());
   if (summary->rank != summary->keeper) return summary->stopped_by == "interrupt" ? cfmo::tool::stop_status() : 0;
-  fmt::print("{}", json ? summary->to_json() + "\n" : cfmo::summary_text(*summary));
+  fmt::print("{}", json ? summary->to_json() + "\n" : cfmo::train::summary_text(*summary));
   return summary->stopped_by == "interrupt" ? cfmo::tool::stop_status() : 0;
 }
 

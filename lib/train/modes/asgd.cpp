@@ -9,7 +9,7 @@
 
 #include <memory>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 
 class AsgdMode final : public AsyncMode {
@@ -158,4 +158,4 @@ Result<std::unique_ptr<Mode>> make_asgd(const ModeContext& c) {
       std::make_unique<AsgdMode>(c.settings, c.comm, c.initial, std::move(optimizer), c.resume));
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -3,7 +3,7 @@
 #include "train/modes/quorum.h"
 #include "train/modes/wire.h"
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
 AsyncMode::AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
                      const ModeResume& resume, OwnerState owner_state_kind, bool replicated)
@@ -414,4 +414,4 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
   snapshot_ = PartialGlobalState();
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

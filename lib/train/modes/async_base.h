@@ -44,7 +44,7 @@
 #include <thread>
 #include <vector>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
 class AsyncMode : public Mode {
  public:
@@ -286,4 +286,4 @@ class AsyncMode : public Mode {
   std::optional<GlobalState> final_;         ///< the keeper: the end's state, until taken
 };
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

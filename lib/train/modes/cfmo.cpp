@@ -20,7 +20,7 @@
 #include <cmath>
 #include <memory>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 
 class CfmoMode final : public AsyncMode {
@@ -360,4 +360,4 @@ Result<std::unique_ptr<Mode>> make_cfmo(const ModeContext& c) {
   return std::unique_ptr<Mode>(std::make_unique<CfmoMode>(c.settings, c.comm, c.initial, c.resume));
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <map>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 // How long a wait sleeps without news: losses are found by the transport, not announced.
 constexpr auto kNap = std::chrono::milliseconds(5);
@@ -301,4 +301,4 @@ Result<bool> ElasticGroup::reform(std::span<float> data) {
   }
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

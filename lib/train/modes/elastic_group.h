@@ -38,7 +38,7 @@
 #include <span>
 #include <vector>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
 class ElasticGroup {
  public:
@@ -101,4 +101,4 @@ class ElasticGroup {
   uint32_t target_epoch_ = 0;  ///< a re-forming asked for this epoch
 };
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <memory>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 
 class LocalSgdMode final : public LockstepMode {
@@ -87,4 +87,4 @@ Result<std::unique_ptr<Mode>> make_localsgd(const ModeContext& c) {
   return std::unique_ptr<Mode>(std::make_unique<LocalSgdMode>(c.settings, c.comm, c.initial, c.resume));
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -9,7 +9,7 @@
 #include <string>
 #include <string_view>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
 /// A lockstep stop vote, carried by a collective as two counts:
 /// workers that want to stop for a time limit, and for an interrupt.
@@ -54,4 +54,4 @@ class LockstepMode : public Mode {
   StopVote vote_;
 };
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

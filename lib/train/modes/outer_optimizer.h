@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <span>
 
-namespace cfmo {
+namespace cfmo::train {
 
 /// The outer step on (a range of) the global parameters, fed with weighted
 /// deltas. localsgd feeds it once per round with the sum of the W deltas
@@ -49,4 +49,4 @@ class OuterOptimizer {
   tensor::FloatBuffer round_sum_;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::train

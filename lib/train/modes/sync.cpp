@@ -11,7 +11,7 @@
 #include <algorithm>
 #include <memory>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 
 class SyncMode final : public LockstepMode {
@@ -77,4 +77,4 @@ Result<std::unique_ptr<Mode>> make_sync(const ModeContext& c) {
   return std::unique_ptr<Mode>(std::make_unique<SyncMode>(c.comm, c.settings));
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <array>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace modes {
 
 // Each mode's file defines its factory.
@@ -101,4 +101,4 @@ Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, comm::Comm
   return entry.make({settings, *comm, initial, optimizer_config, resume});
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train
