@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
   }
   auto ctx = Context::create(device);
   if (!ctx) return fail(ctx.error());
-  std::fprintf(stderr, "cuda-bench: %s\n", device_description({tensor::DeviceKind::kCuda, device}).c_str());
+  std::fprintf(stderr, "cuda-bench: %s\n", cuda::device_description({tensor::DeviceKind::kCuda, device}).c_str());
   for (size_t i = 0; i < models.size(); ++i) {
     if (Status s = bench_step(**ctx, models[i], batches[i], reps); !s) return fail(s.error());
   }

@@ -6,7 +6,7 @@
 #include "cuda/runtime.h"
 #endif
 
-namespace cfmo {
+namespace cfmo::cuda {
 
 tensor::Device device_for_rank(const tensor::Device& device, int local_rank) {
   if (!device.is_cuda() || device.index >= 0) return device;
@@ -41,4 +41,4 @@ std::string device_description(const tensor::Device& device) {
 #endif
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::cuda

@@ -11,7 +11,7 @@
 #include <string>
 #include <string_view>
 
-namespace cfmo {
+namespace cfmo::cuda {
 
 /// The device of one rank: "cuda" becomes cuda:(local_rank mod the number of
 /// GPUs), `local_rank` being its index among its host's ranks (the world's,
@@ -29,4 +29,4 @@ Status check_device(const tensor::Device& device, std::string_view flag = "--dev
 /// "NVIDIA H200 (cuda:0, compute 9.0, 139 GiB)" or "cpu", for reports.
 std::string device_description(const tensor::Device& device);
 
-}  // namespace cfmo
+}  // namespace cfmo::cuda

@@ -106,7 +106,8 @@ class CudaEngine final : public DeviceEngine {
     const data::DataSplit& data = *source.images();
     std::unique_ptr<CudaEngine> e(new CudaEngine(model, optimizer));
     const int rank = options.comm != nullptr ? options.comm->rank() : 0;
-    const tensor::Device device = device_for_rank(options.device, options.local_rank >= 0 ? options.local_rank : rank);
+    const tensor::Device device =
+        cuda::device_for_rank(options.device, options.local_rank >= 0 ? options.local_rank : rank);
     CFMO_ASSIGN_OR_RETURN(e->ctx_, cuda::Context::create(device.index));
     CFMO_ASSIGN_OR_RETURN(e->model_, cuda::CudaMlp::create(*e->ctx_, model));
     CFMO_ASSIGN_OR_RETURN(e->optimizer_,
@@ -116,7 +117,7 @@ class CudaEngine final : public DeviceEngine {
     e->train_ = std::make_unique<cuda::DeviceDataset>(std::move(train));
     e->test_ = std::make_unique<cuda::DeviceDataset>(std::move(test));
     e->view_ = std::make_unique<DeviceOptimizerView>(optimizer, *e->optimizer_);
-    e->description_ = device_description(device);
+    e->description_ = cuda::device_description(device);
     if (options.device_collectives && options.comm != nullptr && options.comm->size() > 1) {
       // NCCL refuses two ranks on one GPU: such ranks reduce over UCX, through host memory.
       CFMO_ASSIGN_OR_RETURN(const bool distinct, cuda::NcclComm::one_gpu_per_rank(*e->ctx_, *options.comm));
@@ -228,7 +229,7 @@ Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptio
     return make_error(ErrorKind::kUsage, "--device {}: the CUDA engine does not run this model yet ({})",
                       options.device.to_string(), model.spec_string());
   }
-  CFMO_TRY(check_device(options.device));
+  CFMO_TRY(cuda::check_device(options.device));
   if (!options.device.is_cuda())
     return std::unique_ptr<DeviceEngine>(std::make_unique<CpuEngine>(model, optimizer, data));
 #if CFMO_HAVE_CUDA

@@ -251,10 +251,11 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, CudaTrain, ::testing::Values("sgd", "adamw"
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  if (cfmo::Status usable = cfmo::check_device(cfmo::tensor::Device{cfmo::tensor::DeviceKind::kCuda, 0}); !usable) {
+  if (cfmo::Status usable = cfmo::cuda::check_device(cfmo::tensor::Device{cfmo::tensor::DeviceKind::kCuda, 0});
+      !usable) {
     std::printf("skipped: %s\n", usable.error().message.c_str());
     return 77;  // meson's "skipped"
   }
-  std::printf("device: %s\n", cfmo::device_description({cfmo::tensor::DeviceKind::kCuda, 0}).c_str());
+  std::printf("device: %s\n", cfmo::cuda::device_description({cfmo::tensor::DeviceKind::kCuda, 0}).c_str());
   return RUN_ALL_TESTS();
 }

@@ -58,7 +58,7 @@ static int run(int argc, char** argv) {
   auto plan = cfmo::moe::validate(config);
   if (!plan) return fail(plan.error());
   // Before any rank starts: "no CUDA device" is one line and exit 2, from the launcher too.
-  if (auto usable = cfmo::check_device(plan->device); !usable) return fail(usable.error());
+  if (auto usable = cfmo::cuda::check_device(plan->device); !usable) return fail(usable.error());
   // --slowdown and --straggler are checked against --ranks here; under a launcher, again against its world.
   if (auto simulated = cfmo::moe::simulation_for(config, 0, config.ranks); !simulated) return fail(simulated.error());
   if (print_config) {

@@ -81,7 +81,7 @@ std::optional<int> parse_train_command_line(int argc, char** argv, train::TrainC
   }
 
   // Before any worker starts: "no CUDA device" is one line and exit 2, from the launcher too.
-  if (auto usable = check_device(plan->device); !usable) return fail(usable.error());
+  if (auto usable = cuda::check_device(plan->device); !usable) return fail(usable.error());
   return std::nullopt;
 }
 
