@@ -94,13 +94,13 @@ int run(int argc, char** argv) {
     const auto& entry = kSubcommands[i];
     Invocation& inv = invocations[i];
     inv.id = entry.id;
-    inv.app = app.add_subcommand(std::string(cfmo::to_string(entry.id)), entry.description);
+    inv.app = app.add_subcommand(std::string(cfmo::diverge::to_string(entry.id)), entry.description);
     inv.app->get_formatter()->column_width(34);
     inv.register_cli(*inv.app, entry.id, entry.paths_help);
   }
 
   std::array<std::string_view, kSubcommands.size()> names;
-  for (size_t i = 0; i < names.size(); ++i) names[i] = cfmo::to_string(kSubcommands[i].id);
+  for (size_t i = 0; i < names.size(); ++i) names[i] = cfmo::diverge::to_string(kSubcommands[i].id);
   if (auto done = cfmo::tool::check_subcommand_word(argc, argv, names, kTool)) return *done;
   if (auto done = cfmo::tool::parse_command_line(app, argc, argv, "cfmo-diverge", true)) return *done;
 
