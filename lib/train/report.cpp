@@ -14,8 +14,8 @@ namespace {
 
 /// Every field of a WorkerReport with its JSON key, once: `f(key, member)`
 /// for a const or a mutable report, so to_json and from_json stay in step.
-template <typename diverge::Report, typename F>
-void visit_fields(diverge::Report& w, F&& f) {
+template <typename Report, typename F>
+void visit_fields(Report& w, F&& f) {
   f("rank", w.rank);
   f("steps", w.steps);
   f("samples", w.samples);
