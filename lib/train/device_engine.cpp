@@ -38,7 +38,7 @@ class CpuEngine final : public DeviceEngine {
   Result<std::span<float>> host_gradients() override { return model_.gradients(); }
   Status gradients_changed() override { return {}; }
   Status clip_gradients(double max_norm) override {
-    clip_grad_norm(model_.gradients(), max_norm);
+    optim::clip_grad_norm(model_.gradients(), max_norm);
     return {};
   }
   Status step(float lr) override {
