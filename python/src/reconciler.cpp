@@ -75,7 +75,7 @@ Status validate_settings(const ReconcilerSettings& s) {
     c.eps = s.optimizer.eps;
     c.weight_decay = s.optimizer.weight_decay;
   }
-  auto status = diverge::validate(c);
+  auto status = train::validate(c);
   if (!status) return as_keyword_error(status.error());
   return {};
 }

@@ -47,7 +47,7 @@ TEST_F(ConfigTest, TopLevelKeysThenTheSubcommandsTableThenFlags) {
   EXPECT_EQ(check->config.max_rel_l2, "0.02");
   EXPECT_EQ(check->config.max_abs, "0.5");
   EXPECT_EQ(check->config.format, "json");
-  auto plan = train::validate(check->config, Subcommand::kCheck);
+  auto plan = validate(check->config, Subcommand::kCheck);
   ASSERT_TRUE(plan) << plan.error().message;
   EXPECT_DOUBLE_EQ(*plan->thresholds.max_rel_l2, 0.02);
   EXPECT_DOUBLE_EQ(*plan->thresholds.max_abs, 0.5);
@@ -62,7 +62,7 @@ TEST_F(ConfigTest, TopLevelKeysThenTheSubcommandsTableThenFlags) {
 
   auto watch = parse(Subcommand::kWatch, {});
   ASSERT_TRUE(load_diverge_config(watch->table, file, Subcommand::kWatch));
-  auto watch_plan = train::validate(watch->config, Subcommand::kWatch);
+  auto watch_plan = validate(watch->config, Subcommand::kWatch);
   ASSERT_TRUE(watch_plan) << watch_plan.error().message;
   EXPECT_DOUBLE_EQ(watch_plan->interval_s, 0.25);
   EXPECT_FALSE(watch_plan->timeout_s);
@@ -121,7 +121,7 @@ TEST(ValidateTest, ValuesAreCheckedAndErrorsNameTheFlag) {
   auto expect_error = [](Subcommand s, const std::function<void(DivergeConfig&)>& edit, const std::string& flag) {
     DivergeConfig c;
     edit(c);
-    auto plan = train::validate(c, s);
+    auto plan = validate(c, s);
     ASSERT_FALSE(plan) << flag;
     EXPECT_EQ(plan.error().kind, ErrorKind::kUsage);
     EXPECT_NE(plan.error().message.find(flag), std::string::npos) << plan.error().message;
@@ -160,14 +160,14 @@ TEST(ValidateTest, ValuesAreCheckedAndErrorsNameTheFlag) {
   DivergeConfig off;
   off.max_rel_l2 = "off";
   off.max_nonfinite = -1;
-  auto plan = train::validate(off, Subcommand::kCheck);
+  auto plan = validate(off, Subcommand::kCheck);
   ASSERT_TRUE(plan);
   EXPECT_FALSE(plan->thresholds.max_rel_l2);
   EXPECT_FALSE(plan->thresholds.max_nonfinite);
   // report holds nothing to limits; plot draws the default line.
-  EXPECT_FALSE(train::validate(DivergeConfig{}, Subcommand::kReport)->thresholds.max_rel_l2);
-  EXPECT_DOUBLE_EQ(*train::validate(DivergeConfig{}, Subcommand::kPlot)->thresholds.max_rel_l2, 0.05);
-  EXPECT_EQ(train::validate(DivergeConfig{}, Subcommand::kPlot)->format, OutputFormat::kSvg);
+  EXPECT_FALSE(validate(DivergeConfig{}, Subcommand::kReport)->thresholds.max_rel_l2);
+  EXPECT_DOUBLE_EQ(*validate(DivergeConfig{}, Subcommand::kPlot)->thresholds.max_rel_l2, 0.05);
+  EXPECT_EQ(validate(DivergeConfig{}, Subcommand::kPlot)->format, OutputFormat::kSvg);
 }
 
 }  // namespace

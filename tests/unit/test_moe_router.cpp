@@ -213,17 +213,17 @@ TEST(MoeConfig, ParsesSweepsAndRejectsBadValues) {
   for (const char* bad : {"", "0", "8:4", "a", "4,", ":4"}) EXPECT_FALSE(parse_sweep(bad)) << bad;
   for (const char* bad : {"zipf", "zipf:0", "hot:1.5", "hot:x", "normal"}) EXPECT_FALSE(parse_routing(bad)) << bad;
   MoeConfig c;
-  EXPECT_TRUE(diverge::validate(c));
+  EXPECT_TRUE(validate(c));
   c.top_k = 13;
-  auto r = diverge::validate(c);
+  auto r = validate(c);
   ASSERT_FALSE(r);
   EXPECT_EQ(r.error().kind, ErrorKind::kUsage);
   EXPECT_NE(r.error().message.find("--top-k"), std::string::npos);
   c = MoeConfig{};
   c.deadline = "soon";
-  EXPECT_FALSE(diverge::validate(c));
+  EXPECT_FALSE(validate(c));
   c.deadline = "2ms";
-  EXPECT_NEAR(diverge::validate(c)->deadline_s, 0.002, 1e-12);
+  EXPECT_NEAR(validate(c)->deadline_s, 0.002, 1e-12);
 }
 
 }  // namespace
