@@ -196,7 +196,7 @@ TEST_F(Cuda, ClipGradNormMatchesTheCpu) {
   auto grads = random_vector(10007, 4);
   auto d = on_device<float>(grads);
   DeviceArray<double> scratch;
-  ASSERT_TRUE(optim::clip_grad_norm(*ctx_, d.data(), d.size(), 3.0, scratch));
+  ASSERT_TRUE(clip_grad_norm(*ctx_, d.data(), d.size(), 3.0, scratch));
   cfmo::optim::clip_grad_norm(grads, 3.0);
   EXPECT_LT(relative_error(to_host(d), grads), 1e-6);
 }

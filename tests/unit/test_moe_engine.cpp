@@ -78,7 +78,7 @@ bool sync_and_async_agree(comm::Communicator& comm, const Layer& layer, std::str
   if (async->last_output != sync->last_output) return why = "async differs from sync", false;
   if (async->late != 0) return why = "late results with no deadline", false;
   if (sync->tokens != 4 * layer.tokens || sync->iterations != 4) return why = "wrong counts", false;
-  auto summary = diverge::summarize(comm, settings_for("sync", layer), *sync, check);
+  auto summary = summarize(comm, settings_for("sync", layer), *sync, check);
   if (!summary || summary->check != "pass") return why = "summary check", false;
   return true;
 }
@@ -167,7 +167,7 @@ TEST(MoeEngine, AsyncWithATinyDeadlineCountsLateTokensAndStaysCorrectForTheRest)
     if (!record) return why = record.error().message, false;
     const CheckValues check = reference_check(rank.setup, 3, layer.ffn, 4, *record);
     if (check.ontime_max_abs_err != 0) return why = "on-time tokens differ from the reference", false;
-    auto summary = diverge::summarize(comm, settings_for("async", layer), *record, check);
+    auto summary = summarize(comm, settings_for("async", layer), *record, check);
     if (!summary) return why = summary.error().message, false;
     if (summary->late_frac <= 0) return why = "nothing late", false;
     if (summary->check != "pass") return why = "check", false;
