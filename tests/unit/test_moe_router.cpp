@@ -198,7 +198,7 @@ TEST(MoeDispatch, RowsRoundTripInBf16) {
   EXPECT_EQ(rows[0][0], 1.0f);
 }
 
-TEST(model::MoeStats, PercentilesAreNearestRank) {
+TEST(MoeStats, PercentilesAreNearestRank) {
   std::vector<double> v;
   for (int i = 100; i >= 1; --i) v.push_back(i);
   EXPECT_EQ(percentile(v, 0.5), 50);
