@@ -30,7 +30,7 @@ int fail(const cfmo::Error& error) { return cfmo::tool::fail(kTool, error); }
 
 /// One subcommand's command line, and its CLI11 app.
 struct Invocation : cfmo::diverge::DivergeCommandLine {
-  diverge::Subcommand id{};
+  Subcommand id{};
   CLI::App* app = nullptr;
 };
 
@@ -52,28 +52,28 @@ using Output = cfmo::Result<cfmo::diverge::CommandOutput>;
 
 /// The subcommands, as a table (ninja's way): name, one line of help, body.
 struct SubcommandEntry {
-  diverge::Subcommand id;
+  Subcommand id;
   const char* description;
   const char* paths_help;
   Output (*run)(const Invocation&, const cfmo::diverge::DivergePlan&);
 };
 
 constexpr std::array<SubcommandEntry, 4> kSubcommands = {{
-    {diverge::Subcommand::kReport, "relative L2, cosine, max |delta| and non-finite values per tensor and per delta",
+    {Subcommand::kReport, "relative L2, cosine, max |delta| and non-finite values per tensor and per delta",
      "run directories, .cfd files",
      [](const Invocation& inv, const cfmo::diverge::DivergePlan& plan) {
        return cfmo::diverge::run_report(inv.config, plan, inv.paths);
      }},
-    {diverge::Subcommand::kCheck, "exit 1 when a delta exceeds a limit (for cron jobs and CI)",
+    {Subcommand::kCheck, "exit 1 when a delta exceeds a limit (for cron jobs and CI)",
      "run directories, .cfd files",
      [](const Invocation& inv, const cfmo::diverge::DivergePlan& plan) {
        return cfmo::diverge::run_check(inv.config, plan, inv.paths);
      }},
-    {diverge::Subcommand::kPlot, "relative L2 per rank over rounds, as SVG or terminal sparklines", "the run directory",
+    {Subcommand::kPlot, "relative L2 per rank over rounds, as SVG or terminal sparklines", "the run directory",
      [](const Invocation& inv, const cfmo::diverge::DivergePlan& plan) {
        return cfmo::diverge::run_plot(inv.config, plan, inv.paths, cfmo::tool::terminal_columns(STDOUT_FILENO));
      }},
-    {diverge::Subcommand::kWatch, "follow a training run, printing each new delta as it lands", "the run directory",
+    {Subcommand::kWatch, "follow a training run, printing each new delta as it lands", "the run directory",
      [](const Invocation& inv, const cfmo::diverge::DivergePlan& plan) {
        cfmo::tool::catch_stop_signals();
        return cfmo::diverge::run_watch(inv.config, plan, inv.paths, print, [] { return g_stop.load(); });
