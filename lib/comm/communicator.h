@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 /// An independent message stream between ranks: a message is handled by the
 /// handler registered for its channel. The transport knows no channel by
@@ -109,4 +109,4 @@ class Communicator {
   virtual CommStats stats() const = 0;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

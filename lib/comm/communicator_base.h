@@ -11,7 +11,7 @@
 #include <atomic>
 #include <mutex>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 /// Registration waits for a running handler, so an owner that unregisters
 /// (with nullptr) before it is destroyed is never called afterwards, and
@@ -109,4 +109,4 @@ class CommunicatorBase : public Communicator {
   std::atomic<double> collective_wait_s_{0};
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

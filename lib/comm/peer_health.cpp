@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 // In a goodbye's first byte, beside the failure's kind: the leaving rank's run failed.
 constexpr uint8_t kFailedLeaving = 0x80;
@@ -124,4 +124,4 @@ void PeerHealth::on_goodbye(int peer, std::span<const std::byte> payload) {
   }
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

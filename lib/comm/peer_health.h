@@ -15,7 +15,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 class PeerHealth {
  public:
@@ -71,4 +71,4 @@ class PeerHealth {
   Error left_with_{ErrorKind::kPeer, {}};            ///< this rank's own failure (leave_with)
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

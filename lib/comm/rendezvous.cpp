@@ -18,7 +18,7 @@
 #include <span>
 #include <thread>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -397,4 +397,4 @@ Result<Rendezvous> exchange_addresses(const RendezvousConfig& config, int rank, 
   return out;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

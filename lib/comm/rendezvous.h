@@ -26,7 +26,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 /// A hello's rank when the process takes whichever rank is free (--join).
 inline constexpr int kAnyRank = -1;
@@ -88,4 +88,4 @@ Result<Rendezvous> exchange_addresses(const RendezvousConfig& config, int rank, 
 /// A listening TCP socket on host, port 0 = any free port. Returns the fd and the port.
 Result<std::pair<int, uint16_t>> listen_tcp(const std::string& host, uint16_t port);
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <utility>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -1009,4 +1009,4 @@ Result<std::unique_ptr<Communicator>> connect_ucx(int rank, int size, const Rend
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

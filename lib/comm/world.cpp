@@ -23,7 +23,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 std::optional<int> env_int(const char* name) {
@@ -368,4 +368,4 @@ Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInf
   return connect_ucx(world->rank, world->size, rendezvous, ucx);
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

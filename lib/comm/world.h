@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 struct WorldInfo {
   int rank = 0;
@@ -82,4 +82,4 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
 /// through; returns its exit status and what it wrote on stdout.
 Result<std::pair<int, std::string>> run_self(const std::vector<std::string>& args);
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
-namespace cfmo {
+namespace cfmo::model {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -46,7 +46,7 @@ size_t total_of(std::span<const uint32_t> counts) {
 
 }  // namespace
 
-ExpertExchange::ExpertExchange(Communicator& comm, moe::ExpertPlacement placement, int layers,
+ExpertExchange::ExpertExchange(comm::Communicator& comm, moe::ExpertPlacement placement, int layers,
                                std::vector<int> moe_layers, int dim, int expert_dim, double deadline_s,
                                TensorsOf tensors_of)
     : comm_(comm),
@@ -68,11 +68,11 @@ ExpertExchange::ExpertExchange(Communicator& comm, moe::ExpertPlacement placemen
   done_.assign(r, 0);
   lost_.assign(r, 0);
   round_trips_.assign(r, {});
-  comm_.on_message_owned(channels::kModelExperts,
+  comm_.on_message_owned(moe::channels::kModelExperts,
                          [this](int from, std::vector<std::byte> payload) { on_message(from, std::move(payload)); });
 }
 
-ExpertExchange::~ExpertExchange() { comm_.on_message_owned(channels::kModelExperts, nullptr); }
+ExpertExchange::~ExpertExchange() { comm_.on_message_owned(moe::channels::kModelExperts, nullptr); }
 
 void ExpertExchange::on_message(int from, std::vector<std::byte> payload) {
   if (payload.size() < sizeof(Header) || from < 0 || from >= ranks_) return;
@@ -209,7 +209,7 @@ bool ExpertExchange::handle(Message& m) {
     const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(float);
     std::vector<std::byte> reply = start_message(Header{kResults, h.pass, h.layer, 0, 0, 0}, counts, rows, row_bytes);
     serve_rows(from, layer, pass, (h.flags & kEval) != 0, counts, data, &reply, rows_offset(counts.size()));
-    comm_.post(from, channels::kModelExperts, std::move(reply));
+    comm_.post(from, moe::channels::kModelExperts, std::move(reply));
     return true;
   }
   if (h.kind == kGrads) {
@@ -225,7 +225,7 @@ bool ExpertExchange::handle(Message& m) {
     std::vector<std::byte> reply =
         start_message(Header{kGradResults, h.pass, h.layer, 0, 0, 0}, s.counts, rows, row_bytes);
     serve_grads(from, layer, pass, data, &reply, rows_offset(s.counts.size()));
-    comm_.post(from, channels::kModelExperts, std::move(reply));
+    comm_.post(from, moe::channels::kModelExperts, std::move(reply));
     return true;
   }
   // A reply: for the exchange this rank waits in, or late.
@@ -325,14 +325,14 @@ void ExpertExchange::forward(int layer, const float* x, int top_k, const moe::Di
     const Header h{kRows, static_cast<uint32_t>(pass_), static_cast<uint32_t>(layer),
                    0,     budget_us(deadline),          training_ ? 0u : static_cast<uint32_t>(kEval)};
     std::vector<std::byte> message = start_message(h, plan.counts[pi], 0, row_bytes);
-    moe::encode_rows(x, dim_, top_k, plan.slots[pi], WireDtype::kFp32, message);
-    comm_.post(p, channels::kModelExperts, std::move(message));
+    moe::encode_rows(x, dim_, top_k, plan.slots[pi], comm::WireDtype::kFp32, message);
+    comm_.post(p, moe::channels::kModelExperts, std::move(message));
     request_.awaiting[pi] = plan.slots[pi].empty() ? 0 : 1;
   }
   // The own rows for the own experts, while the rest travel.
   const auto me = static_cast<size_t>(rank_);
   std::vector<std::byte> own;
-  moe::encode_rows(x, dim_, top_k, plan.slots[me], WireDtype::kFp32, own);
+  moe::encode_rows(x, dim_, top_k, plan.slots[me], comm::WireDtype::kFp32, own);
   results[me].resize(own.size());
   seen_rows_[me][static_cast<size_t>(layer)] = pass_;
   serve_rows(rank_, layer, pass_, !training_, plan.counts[me], reinterpret_cast<const float*>(own.data()), &results[me],
@@ -370,7 +370,7 @@ void ExpertExchange::backward(int layer, const moe::DispatchPlan& plan,
                    send ? 0u : static_cast<uint32_t>(kSkip)};
     std::vector<std::byte> message = start_message(h, {}, send ? plan.slots[pi].size() : 0, row_bytes);
     if (send) std::memcpy(message.data() + rows_offset(0), d_out[pi].data(), plan.slots[pi].size() * row_bytes);
-    comm_.post(p, channels::kModelExperts, std::move(message));
+    comm_.post(p, moe::channels::kModelExperts, std::move(message));
     request_.awaiting[pi] = send ? 1 : 0;
   }
   const auto me = static_cast<size_t>(rank_);
@@ -435,7 +435,7 @@ Status ExpertExchange::finish() {
   finishing_ = true;
   stash_.clear();
   for (int p = 0; p < ranks_; ++p) {
-    if (p != rank_) comm_.post(p, channels::kModelExperts, start_message(Header{kDone, 0, 0, 0, 0, 0}, {}, 0, 0));
+    if (p != rank_) comm_.post(p, moe::channels::kModelExperts, start_message(Header{kDone, 0, 0, 0, 0, 0}, {}, 0, 0));
   }
   // The deferred chunks are served now: this rank's parameters no longer change.
   std::deque<Message> again;
@@ -450,4 +450,4 @@ Status ExpertExchange::finish() {
   return {};
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::model

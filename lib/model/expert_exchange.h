@@ -35,7 +35,7 @@
 #include <mutex>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 
 class ExpertExchange {
  public:
@@ -47,7 +47,7 @@ class ExpertExchange {
   /// (no deadline over the first kWarmupPasses training passes, then 1.5 x
   /// the median over peers of each peer's median round trip in them).
   /// `layers` blocks, of which `moe_layers` have experts.
-  ExpertExchange(Communicator& comm, moe::ExpertPlacement placement, int layers, std::vector<int> moe_layers, int dim,
+  ExpertExchange(comm::Communicator& comm, moe::ExpertPlacement placement, int layers, std::vector<int> moe_layers, int dim,
                  int expert_dim, double deadline_s, TensorsOf tensors_of);
   ~ExpertExchange();
   ExpertExchange(const ExpertExchange&) = delete;
@@ -130,7 +130,7 @@ class ExpertExchange {
   void refresh_lost();
   void note_round_trip(int peer, double seconds);
 
-  Communicator& comm_;
+  comm::Communicator& comm_;
   moe::ExpertPlacement placement_;
   int rank_;
   int ranks_;
@@ -164,4 +164,4 @@ class ExpertExchange {
   std::vector<float> scratch_;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::model

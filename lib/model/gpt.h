@@ -36,7 +36,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 
 struct GptSpec {
   int layers = 2;
@@ -94,7 +94,7 @@ class Gpt final : public Model {
   /// of `comm` (of MoeOptions::expert_ranks ranks, this one expert_rank):
   /// by collectives, or with MoeOptions::async_dispatch through an
   /// ExpertExchange (model/expert_exchange.h).
-  void set_expert_parallel(Communicator* comm);
+  void set_expert_parallel(comm::Communicator* comm);
   Status take_status() override;
   Status finish_exchanges() override;
   /// Async dispatch: the experts of the ranks found lost (their tokens take the residual).
@@ -156,17 +156,17 @@ class Gpt final : public Model {
   MoeStats window_stats_, run_stats_;
   int workspace_batch_ = 0;
   // Activations, each [batch * context, width] unless noted; per layer where backward needs them.
-  FloatBuffer residual_;   ///< [layers + 1] x the stream entering each block (and leaving the last)
-  FloatBuffer residual2_;  ///< [layers] x the stream after attention
-  FloatBuffer ln1_, ln1_stats_, ln2_, ln2_stats_;  ///< [layers] x normalised [.., C]; mean, rstd [.., 2]
-  FloatBuffer qkv_;                                ///< [layers] x [.., 3C]
-  FloatBuffer probs_;                              ///< [layers] x [batch, heads, T, T] attention weights
-  FloatBuffer attn_;                               ///< [layers] x heads' outputs before c_proj [.., C]
-  FloatBuffer fc_, gelu_;                          ///< [dense layers] x [.., 4C]
-  FloatBuffer lnf_, lnf_stats_;
-  FloatBuffer logits_;  ///< [.., V]; its gradient in place
+  tensor::FloatBuffer residual_;   ///< [layers + 1] x the stream entering each block (and leaving the last)
+  tensor::FloatBuffer residual2_;  ///< [layers] x the stream after attention
+  tensor::FloatBuffer ln1_, ln1_stats_, ln2_, ln2_stats_;  ///< [layers] x normalised [.., C]; mean, rstd [.., 2]
+  tensor::FloatBuffer qkv_;                                ///< [layers] x [.., 3C]
+  tensor::FloatBuffer probs_;                              ///< [layers] x [batch, heads, T, T] attention weights
+  tensor::FloatBuffer attn_;                               ///< [layers] x heads' outputs before c_proj [.., C]
+  tensor::FloatBuffer fc_, gelu_;                          ///< [dense layers] x [.., 4C]
+  tensor::FloatBuffer lnf_, lnf_stats_;
+  tensor::FloatBuffer logits_;  ///< [.., V]; its gradient in place
   // Backward scratch, one layer's worth.
-  FloatBuffer d_stream_, d_norm_, d_attn_, d_qkv_, d_wide_, d_scores_;
+  tensor::FloatBuffer d_stream_, d_norm_, d_attn_, d_qkv_, d_wide_, d_scores_;
   std::vector<int32_t> targets_;
 };
 
@@ -212,4 +212,4 @@ inline constexpr int kAttentionBlock = 32;
 
 }  // namespace gpt
 
-}  // namespace cfmo
+}  // namespace cfmo::model

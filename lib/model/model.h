@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 
 /// What a tensor is, for the optimizers: Muon orthogonalises kMatrix tensors
 /// and leaves the rest to AdamW; GPT-2 practice decays only matrices.
@@ -167,8 +167,8 @@ class Model {
   void set_layout(std::vector<ParamInfo> layout, size_t size);
 
   std::vector<ParamInfo> params_;
-  FloatBuffer parameters_;
-  FloatBuffer gradients_;
+  tensor::FloatBuffer parameters_;
+  tensor::FloatBuffer gradients_;
 };
 
 /// Softmax cross-entropy over rows of `logits` [batch, classes]. Returns the
@@ -178,4 +178,4 @@ class Model {
 double softmax_cross_entropy(const float* logits, const int32_t* labels, int batch, int classes, float* dlogits,
                              float grad_scale, int64_t* correct);
 
-}  // namespace cfmo
+}  // namespace cfmo::model

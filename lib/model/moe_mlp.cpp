@@ -10,9 +10,9 @@
 #include <cstring>
 #include <numeric>
 
-namespace cfmo {
+namespace cfmo::model {
 
-using ops::Trans;
+using tensor::ops::Trans;
 
 void expert_forward(const float* x, int n, const ExpertTensors& w, int c, int d, float* fc, float* act, float* y) {
   if (n == 0) return;
@@ -25,9 +25,9 @@ void expert_backward_inputs(const float* dy, int n, const float* fc, const Exper
                             float* dx) {
   if (n == 0) return;
   // linear_backward's dx products, without its weight gradients.
-  ops::gemm(Trans::kNo, Trans::kYes, n, d, c, 1.0f, dy, c, w.proj_w, c, 0.0f, d_act, d);
+  tensor::ops::gemm(Trans::kNo, Trans::kYes, n, d, c, 1.0f, dy, c, w.proj_w, c, 0.0f, d_act, d);
   gpt::gelu_backward(d_act, d_act, fc, static_cast<size_t>(n) * static_cast<size_t>(d));
-  ops::gemm(Trans::kNo, Trans::kYes, n, c, d, 1.0f, d_act, d, w.fc_w, d, 0.0f, dx, c);
+  tensor::ops::gemm(Trans::kNo, Trans::kYes, n, c, d, 1.0f, d_act, d, w.fc_w, d, 0.0f, dx, c);
 }
 
 void expert_backward_weights(const float* dy, int n, const float* x, const float* act, const float* d_act,
@@ -55,7 +55,7 @@ MoeMlp::MoeMlp(int dim, int experts, int top_k, int expert_dim, const MoeOptions
       rank_(options.expert_rank),
       placement_{experts, options.expert_ranks, /*strided=*/true} {}
 
-void MoeMlp::set_expert_parallel(Communicator* comm, ExpertExchange* exchange, int layer) {
+void MoeMlp::set_expert_parallel(comm::Communicator* comm, ExpertExchange* exchange, int layer) {
   comm_ = comm;
   exchange_ = exchange;
   layer_ = layer;
@@ -96,8 +96,8 @@ void MoeMlp::forward(const float* x, const float* residual, int rows, const floa
   probs_.resize(r * e_count);
   lse_.resize(r);
   if (rows > 0) {
-    ops::gemm(Trans::kNo, Trans::kNo, rows, experts_, dim_, 1.0f, x, dim_, router, experts_, 0.0f, logits_.data(),
-              experts_);
+    tensor::ops::gemm(Trans::kNo, Trans::kNo, rows, experts_, dim_, 1.0f, x, dim_, router, experts_, 0.0f,
+                      logits_.data(), experts_);
   }
   moe::Routing& routing = routing_;
   routing.tokens = rows;
@@ -159,7 +159,7 @@ void MoeMlp::forward(const float* x, const float* residual, int rows, const floa
   std::vector<const float*> result_rows(routing.expert.size(), nullptr);
   std::vector<float> unused;
   for (size_t p = 0; p < results_.size(); ++p) {
-    moe::locate_results(results_[p], plan_.slots[p], WireDtype::kFp32, dim_, unused, result_rows);
+    moe::locate_results(results_[p], plan_.slots[p], comm::WireDtype::kFp32, dim_, unused, result_rows);
   }
   moe::combine(residual, routing, result_rows, dim_, y);
 }
@@ -180,7 +180,7 @@ Status MoeMlp::dispatch_forward(const float* x, std::span<const ExpertTensors> e
   send_.resize(ranks);
   for (size_t p = 0; p < ranks; ++p) {
     send_[p].clear();
-    moe::encode_rows(x, dim_, top_k_, plan_.slots[p], WireDtype::kFp32, send_[p]);
+    moe::encode_rows(x, dim_, top_k_, plan_.slots[p], comm::WireDtype::kFp32, send_[p]);
   }
   auto start = moe::Clock::now();
   CFMO_ASSIGN_OR_RETURN(incoming_, moe::exchange_counts(comm_, plan_, local_experts()));
@@ -355,10 +355,10 @@ void MoeMlp::backward(const float* dy, const float* x, const float* router, floa
   }
   if (rows_ > 0) {
     // d router += x^T d logits; dx += d logits router^T.
-    ops::gemm(Trans::kYes, Trans::kNo, dim_, experts_, rows_, 1.0f, x, dim_, d_logits_.data(), experts_, 1.0f, d_router,
-              experts_);
-    ops::gemm(Trans::kNo, Trans::kYes, rows_, dim_, experts_, 1.0f, d_logits_.data(), experts_, router, experts_, 1.0f,
-              dx, dim_);
+    tensor::ops::gemm(Trans::kYes, Trans::kNo, dim_, experts_, rows_, 1.0f, x, dim_, d_logits_.data(), experts_, 1.0f,
+                      d_router, experts_);
+    tensor::ops::gemm(Trans::kNo, Trans::kYes, rows_, dim_, experts_, 1.0f, d_logits_.data(), experts_, router,
+                      experts_, 1.0f, dx, dim_);
   }
 }
 
@@ -445,4 +445,4 @@ nlohmann::ordered_json MoeStats::to_json() const {
   return out;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::model

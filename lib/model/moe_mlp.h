@@ -32,7 +32,7 @@
 #include <utility>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 
 class ExpertExchange;
 
@@ -61,7 +61,7 @@ class MoeMlp {
   /// options.expert_rank (with one rank: none needed): by its collectives
   /// (sync dispatch), or, given `exchange` (--dispatch async), as block
   /// `layer` of the model's ExpertExchange.
-  void set_expert_parallel(Communicator* comm, ExpertExchange* exchange = nullptr, int layer = -1);
+  void set_expert_parallel(comm::Communicator* comm, ExpertExchange* exchange = nullptr, int layer = -1);
   const moe::ExpertPlacement& placement() const { return placement_; }
   /// Experts this rank holds.
   int local_experts() const { return placement_.count(rank_); }
@@ -125,7 +125,7 @@ class MoeMlp {
   int rows_ = 0;
   double aux_loss_ = 0;
   double z_loss_ = 0;
-  Communicator* comm_ = nullptr;
+  comm::Communicator* comm_ = nullptr;
   ExpertExchange* exchange_ = nullptr;
   int layer_ = -1;
   std::vector<uint8_t> have_;  ///< async: [rank] its results came in time
@@ -196,4 +196,4 @@ class MoeStats {
   int64_t kept_ = 0, late_ = 0, late_grads_ = 0;  ///< assignments (async dispatch)
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -5,7 +5,7 @@
 
 #include "moe/router.h"
 
-namespace cfmo {
+namespace cfmo::model {
 
 struct MoeOptions {
   double aux_loss = 0.01;  ///< coefficient of the load-balancing loss
@@ -24,4 +24,4 @@ struct MoeOptions {
   double dispatch_deadline_s = -1;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -14,7 +14,7 @@
 #include <climits>
 #include <cmath>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace fs = std::filesystem;
 namespace {
 
@@ -26,8 +26,8 @@ std::string rank_optimizer_file(int rank) { return fmt::format("optimizer-rank-{
 std::string wire_residual_file(int rank) { return fmt::format("wire-rank-{}.safetensors", rank); }
 
 /// Reads an optimizer state file of this model into `optimizer`'s buffers.
-Status read_optimizer_state(const fs::path& file, const Model& model, Optimizer& optimizer) {
-  CFMO_ASSIGN_OR_RETURN(auto state_file, SafetensorsFile::read(file));
+Status read_optimizer_state(const fs::path& file, const model::Model& model, optim::Optimizer& optimizer) {
+  CFMO_ASSIGN_OR_RETURN(auto state_file, ckpt::SafetensorsFile::read(file));
   for (const auto& s : optimizer.state()) {
     for (const auto& p : model.params()) {
       CFMO_TRY(
@@ -85,15 +85,15 @@ void prune_checkpoints(const fs::path& root, int64_t current, int keep) {
 
 }  // namespace
 
-Status save_model(const fs::path& path, const Model& model, const std::map<std::string, std::string>& metadata) {
-  std::vector<TensorRef> tensors;
+Status save_model(const fs::path& path, const model::Model& model, const std::map<std::string, std::string>& metadata) {
+  std::vector<ckpt::TensorRef> tensors;
   for (const auto& p : model.params()) {
     tensors.push_back({p.name, "F32", p.shape, as_bytes(model.parameters().data() + p.offset, p.size)});
   }
-  return write_safetensors(path, tensors, metadata);
+  return ckpt::write_safetensors(path, tensors, metadata);
 }
 
-CheckpointData checkpoint_data(const Model& model, Optimizer& optimizer, const TrainPosition& position) {
+CheckpointData checkpoint_data(const model::Model& model, optim::Optimizer& optimizer, const TrainPosition& position) {
   CheckpointData data;
   data.position = position;
   data.params.assign(model.parameters().begin(), model.parameters().end());
@@ -135,7 +135,7 @@ Status put_in_place(const fs::path& temp_dir, const fs::path& final_dir) {
 }  // namespace
 
 Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& model_spec,
-                                  const std::vector<ParamInfo>& layout, const CheckpointData& data,
+                                  const std::vector<model::ParamInfo>& layout, const CheckpointData& data,
                                   const std::string& config_toml, int keep) {
   const fs::path root = run_dir / "checkpoints";
   std::error_code ec;
@@ -160,7 +160,7 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
   } remove_temp{temp_dir};
 
   auto tensors_of = [&](std::span<const float> flat, const std::string& suffix) {
-    std::vector<TensorRef> tensors;
+    std::vector<ckpt::TensorRef> tensors;
     for (const auto& p : layout) {
       tensors.push_back({p.name + suffix, "F32", p.shape, as_bytes(flat.data() + p.offset, p.size)});
     }
@@ -168,16 +168,17 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
   };
   const std::map<std::string, std::string> model_meta = {
       {"format", "pt"}, {"cfmo.model", model_spec}, {"cfmo.step", std::to_string(position.step)}};
-  CFMO_TRY(write_safetensors(temp_dir / "model.safetensors", tensors_of(data.params, ""), model_meta));
+  CFMO_TRY(ckpt::write_safetensors(temp_dir / "model.safetensors", tensors_of(data.params, ""), model_meta));
 
   const std::map<std::string, std::string> optim_meta = {
       {"cfmo.optimizer", data.optimizer_name}, {"cfmo.optimizer_steps", std::to_string(data.optimizer_steps)}};
-  auto write_optimizer = [&](const std::string& file, const std::vector<std::pair<std::string, FloatBuffer>>& state) {
-    std::vector<TensorRef> state_tensors;
+  auto write_optimizer = [&](const std::string& file,
+                             const std::vector<std::pair<std::string, tensor::FloatBuffer>>& state) {
+    std::vector<ckpt::TensorRef> state_tensors;
     for (const auto& [state_name, buffer] : state) {
       for (auto& t : tensors_of(buffer, "." + state_name)) state_tensors.push_back(std::move(t));
     }
-    return write_safetensors(temp_dir / file, state_tensors, optim_meta);
+    return ckpt::write_safetensors(temp_dir / file, state_tensors, optim_meta);
   };
   CFMO_TRY(write_optimizer("optimizer.safetensors", data.optimizer_state));
   nlohmann::ordered_json rank_files = nlohmann::ordered_json::array();
@@ -191,12 +192,12 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
       auto sums = tensors_of(data.outer_round_sum, ".outer_round_sum");
       tensors.insert(tensors.end(), sums.begin(), sums.end());
     }
-    CFMO_TRY(write_safetensors(temp_dir / "outer.safetensors", tensors, {{"cfmo.state", "outer_momentum"}}));
+    CFMO_TRY(ckpt::write_safetensors(temp_dir / "outer.safetensors", tensors, {{"cfmo.state", "outer_momentum"}}));
   }
   nlohmann::ordered_json residual_files = nlohmann::ordered_json::array();
   for (size_t k = 0; k < data.wire_residuals.size(); ++k) {
     residual_files.push_back(wire_residual_file(static_cast<int>(k)));
-    CFMO_TRY(write_safetensors(temp_dir / residual_files.back().get<std::string>(),
+    CFMO_TRY(ckpt::write_safetensors(temp_dir / residual_files.back().get<std::string>(),
                                tensors_of(data.wire_residuals[k], ".wire_residual"),
                                {{"cfmo.state", "wire_residual"}}));
   }
@@ -242,13 +243,13 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
   return final_dir;
 }
 
-Result<fs::path> save_checkpoint(const fs::path& run_dir, const Model& model, Optimizer& optimizer,
+Result<fs::path> save_checkpoint(const fs::path& run_dir, const model::Model& model, optim::Optimizer& optimizer,
                                  const TrainPosition& position, const std::string& config_toml, int keep) {
   return write_checkpoint(run_dir, model.spec_string(), model.params(), checkpoint_data(model, optimizer, position),
                           config_toml, keep);
 }
 
-CheckpointWriter::CheckpointWriter(fs::path run_dir, std::string model_spec, std::vector<ParamInfo> layout,
+CheckpointWriter::CheckpointWriter(fs::path run_dir, std::string model_spec, std::vector<model::ParamInfo> layout,
                                    std::string config_toml, int keep)
     : run_dir_(std::move(run_dir)),
       spec_(std::move(model_spec)),
@@ -330,8 +331,8 @@ bool negative(const TrainPosition& p) { return p.step < 0 || p.epoch < 0 || p.ba
 
 }  // namespace
 
-Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimizer& optimizer, CheckpointWorld* world,
-                                      FloatBuffer* outer_momentum, FloatBuffer* outer_round_sum) {
+Result<TrainPosition> load_checkpoint(const fs::path& dir, model::Model& model, optim::Optimizer& optimizer, CheckpointWorld* world,
+                                      tensor::FloatBuffer* outer_momentum, tensor::FloatBuffer* outer_round_sum) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
   TrainPosition position;
@@ -416,7 +417,7 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
                       optimizer_name, optimizer.name());
   }
 
-  CFMO_ASSIGN_OR_RETURN(auto params, SafetensorsFile::read(dir / "model.safetensors"));
+  CFMO_ASSIGN_OR_RETURN(auto params, ckpt::SafetensorsFile::read(dir / "model.safetensors"));
   for (const auto& p : model.params()) {
     CFMO_TRY(params.read_f32(p.name, p.shape, model.parameters().subspan(p.offset, p.size)));
   }
@@ -430,7 +431,7 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
   if (outer_momentum != nullptr) {
     outer_momentum->clear();
     if (!outer_file.empty()) {
-      CFMO_ASSIGN_OR_RETURN(auto outer, SafetensorsFile::read(dir / outer_file));
+      CFMO_ASSIGN_OR_RETURN(auto outer, ckpt::SafetensorsFile::read(dir / outer_file));
       outer_momentum->assign(model.num_params(), 0.0f);
       for (const auto& p : model.params()) {
         CFMO_TRY(outer.read_f32(p.name + ".outer_momentum", p.shape,
@@ -450,7 +451,8 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
   return position;
 }
 
-Result<bool> load_rank_optimizer(const fs::path& dir, const Model& model, Optimizer& optimizer, int rank) {
+Result<bool> load_rank_optimizer(const fs::path& dir, const model::Model& model, optim::Optimizer& optimizer,
+                                 int rank) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
   size_t files = 0;
@@ -470,7 +472,7 @@ Result<bool> load_rank_optimizer(const fs::path& dir, const Model& model, Optimi
   return true;
 }
 
-Result<FloatBuffer> load_wire_residual(const fs::path& dir, const Model& model, int rank) {
+Result<tensor::FloatBuffer> load_wire_residual(const fs::path& dir, const model::Model& model, int rank) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
   size_t files = 0;
@@ -480,10 +482,10 @@ Result<FloatBuffer> load_wire_residual(const fs::path& dir, const Model& model, 
   } catch (const nlohmann::json::exception& e) {
     return make_error(ErrorKind::kInput, "'{}': {}", state_path.string(), e.what());
   }
-  FloatBuffer out;
+  tensor::FloatBuffer out;
   if (rank < 0 || static_cast<size_t>(rank) >= files) return out;
   // load_checkpoint checked the names.
-  CFMO_ASSIGN_OR_RETURN(auto file, SafetensorsFile::read(dir / wire_residual_file(rank)));
+  CFMO_ASSIGN_OR_RETURN(auto file, ckpt::SafetensorsFile::read(dir / wire_residual_file(rank)));
   out.assign(model.num_params(), 0.0f);
   for (const auto& p : model.params()) {
     CFMO_TRY(file.read_f32(p.name + ".wire_residual", p.shape, std::span<float>(out).subspan(p.offset, p.size)));
@@ -553,4 +555,4 @@ TrainPosition resume_position(TrainPosition position, int64_t batches_per_epoch)
   return position;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

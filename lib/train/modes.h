@@ -43,7 +43,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 /// The modes, in the order of mode_table() (and of --compare).
 enum class ModeKind : uint8_t { kSync, kLocalSgd, kAsgd, kCfmo };
@@ -61,7 +61,7 @@ struct ModeSettings {
   OuterKind outer_optimizer = OuterKind::kNesterov;
   double outer_lr = 0.5;
   double outer_momentum = 0.8;
-  WireDtype delta_dtype = WireDtype::kBf16;
+  comm::WireDtype delta_dtype = comm::WireDtype::kBf16;
   int64_t sample_budget = 0;  ///< async modes: stop when all workers together saw this many (0: no budget)
   double peer_timeout_s = 10;
   bool elastic = false;  ///< sync, localsgd: a lost worker leaves the group, the others go on
@@ -127,7 +127,8 @@ class Mode {
   /// True when the mode applies updates itself (asgd's owners), not the local optimizer.
   virtual bool owns_update() const { return false; }
   /// After the update (`position` counts it): reconcile, rebase, report progress.
-  virtual Status after_step(const TrainPosition& /*position*/, std::span<float> /*params*/, Optimizer& /*optimizer*/) {
+  virtual Status after_step(const TrainPosition& /*position*/, std::span<float> /*params*/,
+                            optim::Optimizer& /*optimizer*/) {
     return {};
   }
   /// True when the stop is decided together: this worker's wish to stop
@@ -156,7 +157,7 @@ class Mode {
   virtual std::string agreed_reason() const { return {}; }
   /// After the loop: the last reconciliation and the end handshake. Leaves the
   /// global parameters in `params` on the keeper (on every rank for sync and localsgd).
-  virtual Status finish(std::span<float> /*params*/, Optimizer& /*optimizer*/) { return {}; }
+  virtual Status finish(std::span<float> /*params*/, optim::Optimizer& /*optimizer*/) { return {}; }
   /// True when this rank's parameters are the global ones now (after
   /// after_step): always in sync, right after a round in localsgd, never in
   /// cfmo and asgd, where the owners hold them.
@@ -192,7 +193,7 @@ class Mode {
   /// shards, its own back from the rank that served it) and localsgd with
   /// --elastic (the group's leader, at its next round). Fails (kPeer) when the
   /// state does not come within the peer timeout; other modes take no joins (kUsage).
-  virtual Status join(std::span<float> /*params*/, Optimizer& /*optimizer*/, TrainPosition& /*position*/) {
+  virtual Status join(std::span<float> /*params*/, optim::Optimizer& /*optimizer*/, TrainPosition& /*position*/) {
     return make_error(ErrorKind::kUsage, "--join: --mode {} takes no joining worker", name());
   }
   /// The rank that keeps the budget and writes the checkpoints, the final
@@ -240,9 +241,9 @@ struct ModeTraits {
 /// Everything a mode's factory is given; `comm` has two ranks or more.
 struct ModeContext {
   const ModeSettings& settings;
-  Communicator& comm;
+  comm::Communicator& comm;
   std::span<const float> initial;  ///< the parameters every rank starts from (the same everywhere)
-  const OptimizerConfig& optimizer_config;
+  const optim::OptimizerConfig& optimizer_config;
   const ModeResume& resume;
 };
 
@@ -265,12 +266,12 @@ std::string mode_names();
 
 /// The mode for `settings.kind`; `comm` is null for a single worker.
 /// `initial` is the parameters every rank starts from (the same everywhere).
-Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, Communicator* comm,
-                                        const std::vector<ParamInfo>& layout, std::span<const float> initial,
-                                        const OptimizerConfig& optimizer_config, const ModeResume& resume = {});
+Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, comm::Communicator* comm,
+                                        const std::vector<model::ParamInfo>& layout, std::span<const float> initial,
+                                        const optim::OptimizerConfig& optimizer_config, const ModeResume& resume = {});
 
 /// The W contiguous shards of a flat vector of `size` floats, on 16-float
 /// boundaries: shard j is [bounds[j], bounds[j + 1]).
 std::vector<size_t> shard_bounds(size_t size, int shards);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

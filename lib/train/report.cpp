@@ -8,7 +8,7 @@
 
 #include <iterator>
 
-namespace cfmo {
+namespace cfmo::train {
 
 namespace {
 
@@ -231,4 +231,4 @@ std::string summary_text(const TrainSummary& s) {
   return text;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -13,7 +13,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 struct WorkerReport {
   int rank = 0;
@@ -119,4 +119,4 @@ struct TrainSummary {
 /// The summary as the lines cfmo-train prints without --json, each ending in a newline.
 std::string summary_text(const TrainSummary& summary);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

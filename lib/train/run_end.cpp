@@ -12,7 +12,7 @@
 #include <mutex>
 #include <thread>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 
 Result<TrainSummary> TrainingRun::finish() {
   CFMO_TRY(last_reconciliation());
@@ -82,7 +82,7 @@ WorkerReport TrainingRun::own_report(const ModeStats& mode_stats, int64_t deltas
   struct rusage usage {};
   if (getrusage(RUSAGE_SELF, &usage) == 0) own.peak_rss_bytes = static_cast<int64_t>(usage.ru_maxrss) * 1024;
   if (comm != nullptr) {
-    const CommStats cs = comm->stats();
+    const comm::CommStats cs = comm->stats();
     own.bytes_sent = cs.bytes_sent;
     own.bytes_received = cs.bytes_received;
   }
@@ -209,4 +209,4 @@ void TrainingRun::add_totals() {
   summary.model_metrics = model().run_metrics();
 }
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

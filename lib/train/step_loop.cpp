@@ -12,7 +12,7 @@
 #include <cmath>
 #include <thread>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 namespace {
 
 /// A sample's text on one line of a log: newlines as \\n, other control bytes as spaces.
@@ -104,7 +104,7 @@ Status TrainingRun::train_step() {
   request.count = share;
   if (source->indexed()) {
     if (order_epoch != pos.epoch) {
-      order = epoch_order(static_cast<uint64_t>(config.seed), pos.epoch, train_examples);
+      order = data::epoch_order(static_cast<uint64_t>(config.seed), pos.epoch, train_examples);
       order_epoch = pos.epoch;
     }
     const int64_t first = pos.batch_in_epoch * global_batch + slot * share;
@@ -250,12 +250,12 @@ Status TrainingRun::clip_gradients() {
   // The whole gradient's norm: this rank's replicated part (the all-reduced
   // one in sync) and every rank's experts, each held by one rank.
   CFMO_ASSIGN_OR_RETURN(auto grads, engine->host_gradients());
-  const double dense = ops::norm2(replicated_part(grads));
-  const double local = ops::norm2(grads.subspan(replicated_part(grads).size()));
+  const double dense = tensor::ops::norm2(replicated_part(grads));
+  const double local = tensor::ops::norm2(grads.subspan(replicated_part(grads).size()));
   std::array<float, 1> experts{static_cast<float>(local * local)};
   // cfmo: no collective in a step; the norm over this rank's experts.
   if (traits.lockstep) CFMO_TRY(comm->all_reduce_sum(experts));
-  clip_to_norm(grads, config.clip_grad_norm, std::sqrt(dense * dense + static_cast<double>(experts[0])));
+  optim::clip_to_norm(grads, config.clip_grad_norm, std::sqrt(dense * dense + static_cast<double>(experts[0])));
   return engine->gradients_changed();
 }
 
@@ -299,4 +299,4 @@ Status TrainingRun::at_step_end() {
   return {};
 }
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

@@ -13,7 +13,7 @@
 #include <limits>
 #include <iterator>
 
-namespace cfmo {
+namespace cfmo::train {
 
 namespace {
 
@@ -150,12 +150,12 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   auto usage = [](std::string_view flag, std::string_view why) {
     return make_error(ErrorKind::kUsage, "--{}: {}", flag, why);
   };
-  CFMO_TRY(check_model_spec(c.model));
+  CFMO_TRY(model::check_model_spec(c.model));
   if (!(c.aux_loss >= 0) || !std::isfinite(c.aux_loss)) return usage("aux-loss", "must be >= 0");
   if (!(c.z_loss >= 0) || !std::isfinite(c.z_loss)) return usage("z-loss", "must be >= 0");
   if (!(c.capacity_factor > 0) || c.capacity_factor > 1e6) return usage("capacity-factor", "must be in (0, 1e6]");
   CFMO_TRY(moe::parse_drop_policy(c.drop_policy));
-  if (c.expert_parallel) CFMO_TRY(check_expert_parallel(c.model, std::max(1, c.workers)));
+  if (c.expert_parallel) CFMO_TRY(model::check_expert_parallel(c.model, std::max(1, c.workers)));
   if (c.dispatch != "sync" && c.dispatch != "async") {
     return usage("dispatch", fmt::format("'{}' is not sync or async", c.dispatch));
   }
@@ -163,12 +163,12 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.dispatch == "async" && !c.expert_parallel) {
     return usage("dispatch", "async needs --expert-parallel (without it every worker holds every expert)");
   }
-  CFMO_ASSIGN_OR_RETURN(plan.device, parse_device(c.device));
-  plan.context = model_context(c.model);
+  CFMO_ASSIGN_OR_RETURN(plan.device, tensor::parse_device(c.device));
+  plan.context = model::model_context(c.model);
   if (plan.device.is_cuda() && plan.context > 0) {
     return usage("device", fmt::format("{}: the CUDA engine does not run this model yet ({})", c.device, c.model));
   }
-  CFMO_ASSIGN_OR_RETURN(plan.optimizer, parse_optimizer_kind(c.optimizer));
+  CFMO_ASSIGN_OR_RETURN(plan.optimizer, optim::parse_optimizer_kind(c.optimizer));
   if (!(c.lr > 0) || !std::isfinite(c.lr)) return usage("lr", "must be a positive number");
   if (!(c.momentum >= 0 && c.momentum < 1)) return usage("momentum", "must be in [0, 1)");
   if (!(c.beta1 >= 0 && c.beta1 < 1)) return usage("beta1", "must be in [0, 1)");
@@ -177,7 +177,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (!(c.weight_decay >= 0) || !std::isfinite(c.weight_decay)) return usage("weight-decay", "must be >= 0");
   if (c.ns_steps < 1 || c.ns_steps > 100) return usage("ns-steps", "must be in 1..100");
   if (!(c.clip_grad_norm >= 0)) return usage("clip-grad-norm", "must be >= 0");
-  CFMO_ASSIGN_OR_RETURN(plan.schedule, Schedule::parse_kind(c.schedule));
+  CFMO_ASSIGN_OR_RETURN(plan.schedule, optim::Schedule::parse_kind(c.schedule));
   if (c.warmup_steps < 0) return usage("warmup-steps", "must be >= 0");
   if (!(c.min_lr >= 0 && c.min_lr <= c.lr)) return usage("min-lr", "must be in [0, lr]");
   if (c.epochs < 0) return usage("epochs", "must be >= 0");
@@ -195,7 +195,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.epochs == 0 && c.steps == 0 && c.tokens == 0 && c.time_limit.empty()) {
     return usage("epochs", "give --epochs, --steps, --tokens or --time-limit so the run ends");
   }
-  if (plan.schedule == Schedule::Kind::kCosine && c.epochs == 0 && c.steps == 0 && c.tokens == 0) {
+  if (plan.schedule == optim::Schedule::Kind::kCosine && c.epochs == 0 && c.steps == 0 && c.tokens == 0) {
     return usage("schedule", "cosine needs a known length: --epochs, --steps or --tokens");
   }
   if (c.batch_size < 1 || c.batch_size > 1 << 20) return usage("batch-size", "must be in 1..1048576");
@@ -220,7 +220,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.expert_parallel && c.elastic) {
     return usage("elastic", "not with --expert-parallel: a lost worker's experts exist nowhere else");
   }
-  if (plan.traits().owners_optimize && plan.optimizer == OptimizerKind::kMuon) {
+  if (plan.traits().owners_optimize && plan.optimizer == optim::OptimizerKind::kMuon) {
     return usage("optimizer", "muon needs whole matrices; asgd's owners update shards: use sgd, adam or adamw");
   }
   if (c.sync_interval < 1) return usage("sync-interval", "must be >= 1");
@@ -229,7 +229,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   CFMO_ASSIGN_OR_RETURN(plan.outer_optimizer, parse_outer_kind(c.outer_optimizer));
   if (!(c.outer_lr > 0)) return usage("outer-lr", "must be positive");
   if (!(c.outer_momentum >= 0 && c.outer_momentum < 1)) return usage("outer-momentum", "must be in [0, 1)");
-  auto dtype = parse_wire_dtype(c.delta_dtype);
+  auto dtype = comm::parse_wire_dtype(c.delta_dtype);
   if (!dtype) return usage("delta-dtype", fmt::format("'{}' is not fp32, bf16 or int8", c.delta_dtype));
   plan.delta_dtype = *dtype;
   if (!(c.peer_timeout > 0)) return usage("peer-timeout", "must be positive");
@@ -243,7 +243,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
     return usage("deterministic", "stops by --steps, --epochs or --tokens, not --time-limit");
   }
   if (!c.join.empty()) {
-    if (auto where = parse_rendezvous(c.join); !where) return usage("join", where.error().message);
+    if (auto where = comm::parse_rendezvous(c.join); !where) return usage("join", where.error().message);
     if (plan.mode != ModeKind::kCfmo && !(plan.mode == ModeKind::kLocalSgd && c.elastic)) {
       return usage("join", fmt::format("a worker joins a running run in --mode cfmo, or localsgd with --elastic; "
                                        "not {}{}",
@@ -303,8 +303,8 @@ Status check_join_fits(std::string_view run_config, std::string_view own_config)
   return {};
 }
 
-OptimizerConfig optimizer_config(const TrainConfig& c, OptimizerKind kind) {
-  OptimizerConfig o;
+optim::OptimizerConfig optimizer_config(const TrainConfig& c, optim::OptimizerKind kind) {
+  optim::OptimizerConfig o;
   o.kind = kind;
   o.momentum = c.momentum;
   o.nesterov = c.nesterov;
@@ -316,8 +316,8 @@ OptimizerConfig optimizer_config(const TrainConfig& c, OptimizerKind kind) {
   return o;
 }
 
-MoeOptions moe_options(const TrainConfig& c) {
-  MoeOptions o;
+model::MoeOptions moe_options(const TrainConfig& c) {
+  model::MoeOptions o;
   o.aux_loss = c.aux_loss;
   o.z_loss = c.z_loss;
   o.capacity_factor = c.capacity_factor;
@@ -333,4 +333,4 @@ Result<Heterogeneity> heterogeneity_for(const TrainConfig& c, int rank) {
   return parse_heterogeneity(c.slowdown, c.straggler, rank, c.workers);
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

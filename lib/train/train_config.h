@@ -19,11 +19,11 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 struct TrainConfig {
   // data and model
-  std::string data = kDefaultFashionMnistDir;
+  std::string data = data::kDefaultFashionMnistDir;
   std::string val_data;    ///< token data: validation from other files ("" = the last val_split of --data)
   double val_split = 0.1;  ///< token data: the share of the tokens that validates
   int vocab_size = 0;      ///< token data: 0 = 256 for text, 50257 for llm.c token files
@@ -94,14 +94,14 @@ void add_train_options(OptionTable& table, TrainConfig& config);
 struct TrainPlan {
   ModeKind mode = ModeKind::kSync;
   OuterKind outer_optimizer = OuterKind::kNesterov;
-  OptimizerKind optimizer = OptimizerKind::kAdamW;
-  WireDtype delta_dtype = WireDtype::kBf16;
-  Schedule::Kind schedule = Schedule::Kind::kConstant;
-  Device device;
+  optim::OptimizerKind optimizer = optim::OptimizerKind::kAdamW;
+  comm::WireDtype delta_dtype = comm::WireDtype::kBf16;
+  optim::Schedule::Kind schedule = optim::Schedule::Kind::kConstant;
+  tensor::Device device;
   double time_limit_s = 0;  ///< 0: no time limit
   int context = 0;          ///< the model's context (a language model); 0 for the MLP
 
-  const ModeEntry& mode_entry() const { return cfmo::mode_entry(mode); }
+  const ModeEntry& mode_entry() const { return cfmo::train::mode_entry(mode); }
   const ModeTraits& traits() const { return mode_entry().traits; }
 };
 
@@ -121,14 +121,14 @@ Status validate(const TrainConfig& config);
 Status check_join_fits(std::string_view run_config, std::string_view own_config);
 
 /// The inner optimizer's settings from the config's flags.
-OptimizerConfig optimizer_config(const TrainConfig& config, OptimizerKind kind);
+optim::OptimizerConfig optimizer_config(const TrainConfig& config, optim::OptimizerKind kind);
 
 /// How the model's Mixture-of-Experts layers train (--aux-loss, --z-loss,
 /// --capacity-factor, --drop-policy, --dispatch, --dispatch-deadline), for
 /// make_model; call after validate.
-MoeOptions moe_options(const TrainConfig& config);
+model::MoeOptions moe_options(const TrainConfig& config);
 
 /// parse_heterogeneity (core/heterogeneity.h) of the config's --slowdown and --straggler for `rank`.
 Result<Heterogeneity> heterogeneity_for(const TrainConfig& config, int rank);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -15,7 +15,7 @@
 #include <optional>
 #include <thread>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 namespace {
 
 /// A checkpoint resumes in the mode and with the batch size that wrote it
@@ -62,7 +62,7 @@ TrainingRun::TrainingRun(const TrainConfig& config, const TrainPlan& plan, const
       announced(static_cast<size_t>(world), false) {}
 
 Status TrainingRun::set_up() {
-  ops::set_num_threads(config.threads);
+  tensor::ops::set_num_threads(config.threads);
 #if defined(__x86_64__)
   // Flush denormals to zero on this thread: Adam's first moment of a weight
   // that stops receiving gradient decays into the denormal range within a
@@ -90,17 +90,17 @@ Status TrainingRun::join_run() {
 
 Status TrainingRun::load_model_and_optimizer() {
   CFMO_ASSIGN_OR_RETURN(source, load_data_source(config, rank, world, plan.context));
-  MoeOptions moe = moe_options(config);
+  model::MoeOptions moe = moe_options(config);
   if (expert_parallel) {
     moe.expert_rank = rank;
     moe.expert_ranks = world;
   }
-  CFMO_ASSIGN_OR_RETURN(model_ptr, make_model(config.model, source->shape(), moe));
+  CFMO_ASSIGN_OR_RETURN(model_ptr, model::make_model(config.model, source->shape(), moe));
   model().init(static_cast<uint64_t>(config.seed));  // the same on every rank
   model_spec = model().spec_string();
-  if (expert_parallel) static_cast<Gpt&>(model()).set_expert_parallel(comm);
+  if (expert_parallel) static_cast<model::Gpt&>(model()).set_expert_parallel(comm);
   replicated = model().replicated_size();
-  for (const ParamInfo& p : model().params()) {
+  for (const model::ParamInfo& p : model().params()) {
     if (p.offset < replicated) replicated_layout.push_back(p);
   }
   train_examples = source->train_examples();
@@ -118,15 +118,15 @@ Status TrainingRun::load_model_and_optimizer() {
   }
 
   optim_config = optimizer_config(config, plan.optimizer);
-  CFMO_ASSIGN_OR_RETURN(optimizer, make_optimizer(optim_config, model().params(), model().num_params()));
+  CFMO_ASSIGN_OR_RETURN(optimizer, optim::make_optimizer(optim_config, model().params(), model().num_params()));
   return {};
 }
 
 Status TrainingRun::resume_from_checkpoint() {
   if (options.resume.empty()) return {};
   CheckpointWorld saved;
-  FloatBuffer outer;
-  FloatBuffer round_sum;
+  tensor::FloatBuffer outer;
+  tensor::FloatBuffer round_sum;
   CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model(), *optimizer, &saved, &outer, &round_sum));
   CFMO_TRY(check_resumable(options.resume, saved, config, world));
   CFMO_TRY(check_positions(options.resume, pos, saved, optimizer->step_count(), train_examples, config.batch_size));
@@ -151,7 +151,7 @@ Status TrainingRun::resume_from_checkpoint() {
                                     round_sum.begin() + static_cast<ptrdiff_t>(std::min(round_sum.size(), replicated)));
     }
     if (!expert_parallel) {
-      CFMO_ASSIGN_OR_RETURN(const FloatBuffer residual, load_wire_residual(options.resume, model(), rank));
+      CFMO_ASSIGN_OR_RETURN(const tensor::FloatBuffer residual, load_wire_residual(options.resume, model(), rank));
       resume.wire_residual.assign(residual.begin(), residual.end());
     }
   }
@@ -298,13 +298,13 @@ Status TrainingRun::open_outputs() {
   summary.model = model_spec;
   summary.optimizer = config.optimizer;
   summary.data = source->description();
-  summary.blas = ops::blas_info();
+  summary.blas = tensor::ops::blas_info();
   summary.device = engine->description();
   summary.parameters = model().num_trainable();
   summary.context = context;
   summary.flops_per_example = model().flops_per_example();
   summary.flops_formula = model().flops_formula();
-  if (plan.optimizer == OptimizerKind::kMuon) {
+  if (plan.optimizer == optim::OptimizerKind::kMuon) {
     for (const auto& p : model().params())
       (p.is_matrix() ? summary.muon_tensors : summary.adamw_tensors).push_back(p.name);
   }
@@ -341,7 +341,7 @@ double TrainingRun::epochs_done() const {
 
 Status TrainingRun::evaluate(bool final) {
   const auto t0 = Clock::now();
-  CFMO_ASSIGN_OR_RETURN(const EvalResult r, engine->evaluate());
+  CFMO_ASSIGN_OR_RETURN(const model::EvalResult r, engine->evaluate());
   EvalEvent event{pos.step, epochs_done(), r.loss(), r.accuracy(), seconds_since(run_start), final};
   summary.test_loss = event.test_loss;
   if (context > 0) summary.val_loss = event.test_loss;
@@ -479,7 +479,7 @@ Status TrainingRun::gather_optimizers() {
     if (p > 0) {
       auto& per_rank = gathered.emplace_back();
       for (const auto& s : state) {
-        per_rank.emplace_back(s.name, FloatBuffer(at, at + s.buffer->size()));
+        per_rank.emplace_back(s.name, tensor::FloatBuffer(at, at + s.buffer->size()));
         at += s.buffer->size();
       }
     } else {
@@ -501,7 +501,7 @@ Status TrainingRun::write_global_checkpoint(CheckpointData data) {
     CFMO_ASSIGN_OR_RETURN(whole_model, gather_whole_model(data));
   }
   if (!checkpoints) return {};
-  const Model& layout_of = whole_model ? *whole_model : model();
+  const model::Model& layout_of = whole_model ? *whole_model : model();
   CFMO_TRY(
       write_checkpoint(run_dir, model_spec, layout_of.params(), data, options.config_toml, config.keep_checkpoints));
   return {};
@@ -592,4 +592,4 @@ Status TrainingRun::announce_lost() {
   return {};
 }
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

@@ -33,7 +33,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 
 using Clock = std::chrono::steady_clock;
 
@@ -80,7 +80,7 @@ struct TrainingRun {
 
   // shared by the phases
   TrainObserver& observer() { return options.observer != nullptr ? *options.observer : null_observer; }
-  Model& model() { return *model_ptr; }
+  model::Model& model() { return *model_ptr; }
   /// metrics.jsonl's "epoch": epochs completed, fractional within an epoch (as step/steps-per-epoch).
   double epochs_done() const;
   Status evaluate(bool final);
@@ -94,7 +94,7 @@ struct TrainingRun {
   /// experts (parameters and optimizer state) and returns the whole model
   /// with `part` (its own checkpoint data) completed in that model's layout;
   /// the others send theirs and get null.
-  Result<std::unique_ptr<Model>> gather_whole_model(CheckpointData& part);
+  Result<std::unique_ptr<model::Model>> gather_whole_model(CheckpointData& part);
   /// Writes a checkpoint (rank 0) of the global state; with
   /// --expert-parallel every rank calls it and the experts gather first.
   Status write_global_checkpoint(CheckpointData data);
@@ -118,7 +118,7 @@ struct TrainingRun {
   const TrainOptions& options;
   const Clock::time_point run_start = Clock::now();
   TrainObserver null_observer;
-  Communicator* comm;
+  comm::Communicator* comm;
   const int rank;
   const int world;
   const ModeTraits traits;
@@ -137,10 +137,10 @@ struct TrainingRun {
   // What the run trains, in the order they must be destroyed backwards (the
   // engine refers to the model, the optimizer and the data).
   std::unique_ptr<DataSource> source;
-  std::unique_ptr<Model> model_ptr;
+  std::unique_ptr<model::Model> model_ptr;
   std::string model_spec;
   size_t replicated = 0;                     ///< model().replicated_size(): what the mode reconciles
-  std::vector<ParamInfo> replicated_layout;  ///< its tensors
+  std::vector<model::ParamInfo> replicated_layout;  ///< its tensors
   /// The part of a flat buffer in the model's layout that the mode sees.
   std::span<float> replicated_part(std::span<float> flat) const {
     return flat.first(std::min(flat.size(), replicated));
@@ -149,8 +149,8 @@ struct TrainingRun {
   int vocab = 0;
   int context = 0;
   int64_t sample_every = 0;
-  OptimizerConfig optim_config;
-  std::unique_ptr<Optimizer> optimizer;
+  optim::OptimizerConfig optim_config;
+  std::unique_ptr<optim::Optimizer> optimizer;
   TrainPosition pos;
   ModeResume resume;
 
@@ -164,7 +164,7 @@ struct TrainingRun {
   ModeSettings settings;
   Heterogeneity simulated;
   double time_limit_s = 0;
-  Schedule schedule;
+  optim::Schedule schedule;
 
   std::filesystem::path run_dir;
   std::unique_ptr<DeltaWriter> delta_writer;
@@ -179,7 +179,7 @@ struct TrainingRun {
   int keeper = 0;                  ///< finish: the rank that keeps the run
   /// --expert-parallel, rank 0: the whole model of the last checkpoint, for
   /// the final model.safetensors (dropped after a mid-run checkpoint).
-  std::unique_ptr<Model> whole_model;
+  std::unique_ptr<model::Model> whole_model;
   int64_t last_checkpoint_step = -1;
   std::unique_ptr<CheckpointWriter> checkpoint_writer;
   bool checkpoint_due = false;  ///< an epoch end or --checkpoint-every asked for one
@@ -187,9 +187,9 @@ struct TrainingRun {
   /// state: the ranks' optimizers drift apart between rounds (localsgd).
   bool gathers_optimizers = false;
   int64_t gathered_step = -1;                                              ///< the step `gathered` is of
-  std::vector<std::vector<std::pair<std::string, FloatBuffer>>> gathered;  ///< rank 0: ranks 1..W-1's
+  std::vector<std::vector<std::pair<std::string, tensor::FloatBuffer>>> gathered;  ///< rank 0: ranks 1..W-1's
   std::vector<int64_t> gathered_steps;            ///< rank 0: every rank's optimizer steps then
-  std::vector<FloatBuffer> gathered_residuals;    ///< rank 0: every rank's error feedback (cfmo), or none
+  std::vector<tensor::FloatBuffer> gathered_residuals;    ///< rank 0: every rank's error feedback (cfmo), or none
   std::vector<TrainPosition> gathered_positions;  ///< rank 0: every rank's position then
   /// Adds what gather_optimizers gathered at this step to `data`.
   void add_gathered(CheckpointData& data) const;
@@ -218,4 +218,4 @@ struct TrainingRun {
   std::string stopped_by;
 };
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

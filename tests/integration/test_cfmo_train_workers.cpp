@@ -47,7 +47,7 @@ nlohmann::json last_json(const std::string& out) {
 }
 
 std::vector<float> parameters(const fs::path& file) {
-  auto st = SafetensorsFile::read(file);
+  auto st = ckpt::SafetensorsFile::read(file);
   EXPECT_TRUE(st) << (st ? "" : st.error().message);
   std::vector<float> all;
   if (!st) return all;
@@ -124,7 +124,7 @@ TEST(CfmoTrainWorkers, ReconcilingModesWriteEachRanksDeltasForCfmoDiverge) {
       int files = 0;
       for (const auto& e : fs::directory_iterator(deltas)) {
         ++files;
-        auto cfd = CfdFile::open(e.path());
+        auto cfd = ckpt::CfdFile::open(e.path());
         ASSERT_TRUE(cfd) << cfd.error().message;
         EXPECT_EQ(cfd->info().rank, rank);
         EXPECT_GT(cfd->info().round, 0);
@@ -480,7 +480,7 @@ void expect_whole(const fs::path& checkpoint) {
   std::vector<std::string> files = {"model.safetensors", "optimizer.safetensors"};
   if (state.contains("outer")) files.push_back(state["outer"]);
   for (const auto& file : files) {
-    auto st = SafetensorsFile::read(checkpoint / file);
+    auto st = ckpt::SafetensorsFile::read(checkpoint / file);
     EXPECT_TRUE(st) << file << ": " << (st ? "" : st.error().message);
   }
   EXPECT_TRUE(fs::is_regular_file(checkpoint / "config.toml"));
@@ -832,7 +832,7 @@ TEST(CfmoTrainWorkers, MixtureOfExpertsTrainsInEveryModeAndReportsItsExperts) {
       EXPECT_GE(steps, 1);
     }
     // The experts' tensors are in the model, by their names.
-    auto st = SafetensorsFile::read(run_dir / "model.safetensors");
+    auto st = ckpt::SafetensorsFile::read(run_dir / "model.safetensors");
     ASSERT_TRUE(st) << st.error().message;
     bool router = false, expert = false;
     for (const auto& e : st->tensors()) {
@@ -866,7 +866,7 @@ TEST(CfmoTrainWorkers, MixtureOfExpertsCheckpointsAndResumes) {
 
 std::map<std::string, std::vector<float>> tensors_of(const fs::path& file) {
   std::map<std::string, std::vector<float>> out;
-  auto st = SafetensorsFile::read(file);
+  auto st = ckpt::SafetensorsFile::read(file);
   EXPECT_TRUE(st) << (st ? "" : st.error().message);
   if (!st) return out;
   for (const auto& e : st->tensors()) {

@@ -21,7 +21,7 @@
 #include <mutex>
 #include <thread>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 constexpr Channel kTestChannel{8};
@@ -554,4 +554,4 @@ TEST(Rendezvous, AJoinerIsOfferedAFreeRankAndMayDecline) {
   EXPECT_EQ(admitted.load(), 2);
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

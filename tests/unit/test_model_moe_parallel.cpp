@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 namespace {
 
 using testing::random_tokens;
@@ -55,7 +55,7 @@ std::map<std::string, std::vector<float>> by_name(const Model& m, std::span<cons
 }
 
 /// W ranks of `spec` over `world`, sync or async dispatch (deadline_s as MoeOptions's).
-std::vector<std::unique_ptr<Gpt>> dispatch_parts(const GptSpec& spec, LoopbackWorld& world, uint64_t seed, bool async,
+std::vector<std::unique_ptr<Gpt>> dispatch_parts(const GptSpec& spec, comm::LoopbackWorld& world, uint64_t seed, bool async,
                                                  double deadline_s) {
   const auto ranks = static_cast<int>(world.ranks.size());
   std::vector<std::unique_ptr<Gpt>> parts;
@@ -71,7 +71,7 @@ std::vector<std::unique_ptr<Gpt>> dispatch_parts(const GptSpec& spec, LoopbackWo
 }
 
 /// Each rank's model of `world`, initialised from `seed`, exchanging through its communicator (sync dispatch).
-std::vector<std::unique_ptr<Gpt>> expert_parallel_parts(const GptSpec& spec, LoopbackWorld& world, uint64_t seed) {
+std::vector<std::unique_ptr<Gpt>> expert_parallel_parts(const GptSpec& spec, comm::LoopbackWorld& world, uint64_t seed) {
   return dispatch_parts(spec, world, seed, /*async=*/false, -1);
 }
 
@@ -108,7 +108,7 @@ TEST(TestModelMoeParallel, SyncDispatchGivesTheLossAndGradientsOfOneProcessHoldi
   const float whole_loss = whole.forward_backward(windows(tokens, kRanks * kBatch));
   const auto whole_grads = by_name(whole, whole.gradients());
 
-  LoopbackWorld world = make_loopback_world(kRanks);
+  comm::LoopbackWorld world = comm::make_loopback_world(kRanks);
   const auto parts = expert_parallel_parts(spec, world, 7);
   std::vector<float> losses(kRanks);
   std::vector<std::thread> threads;
@@ -161,7 +161,7 @@ TEST(TestModelMoeParallel, EvaluationRoutesThroughTheOwnersToo) {
   whole.init(3);
   const EvalResult expected = whole.evaluate(windows(tokens, 3));
 
-  LoopbackWorld world = make_loopback_world(kRanks);
+  comm::LoopbackWorld world = comm::make_loopback_world(kRanks);
   const auto parts = expert_parallel_parts(spec, world, 3);
   std::vector<EvalResult> results(kRanks);
   std::vector<std::thread> threads;
@@ -176,7 +176,7 @@ TEST(TestModelMoeParallel, EvaluationRoutesThroughTheOwnersToo) {
 TEST(TestModelMoeParallel, ALostPeerFailsThePassWithAPeerErrorAndTheTokensTakeTheResidual) {
   const GptSpec spec = small_moe();
   const auto tokens = random_tokens(spec, 2, 5);
-  LoopbackWorld world = make_loopback_world(2, {.peer_timeout_s = 0.2});
+  comm::LoopbackWorld world = comm::make_loopback_world(2, {.peer_timeout_s = 0.2});
   Gpt part(spec, exact_options(0, 2));
   part.init(1);
   part.set_expert_parallel(world.ranks[0].get());
@@ -213,7 +213,7 @@ TEST(TestModelMoeParallel, AsyncDispatchWithoutADeadlineEqualsSyncBitForBit) {
     std::vector<float> params;
   };
   auto train = [&](bool async) {
-    LoopbackWorld world = make_loopback_world(kRanks);
+    comm::LoopbackWorld world = comm::make_loopback_world(kRanks);
     auto parts = dispatch_parts(spec, world, 5, async, ExpertExchange::kNoDeadline);
     std::vector<Trace> traces(kRanks);
     on_every_rank(kRanks, [&](int r) {
@@ -276,7 +276,7 @@ TEST(TestModelMoeParallel, ALateResultTakesTheResidualPathAndItsGradientIsSkippe
   const float expected_loss = reference.forward_backward(windows(tokens, kBatch));
   const auto expected = by_name(reference, reference.gradients());
 
-  LoopbackWorld world = make_loopback_world(kRanks);
+  comm::LoopbackWorld world = comm::make_loopback_world(kRanks);
   world.network->hold(1, 0);  // rank 1's results never reach rank 0 in time
   auto parts = dispatch_parts(spec, world, 8, /*async=*/true, /*deadline_s=*/0.05);
   std::vector<float> losses(kRanks);
@@ -311,7 +311,7 @@ TEST(TestModelMoeParallel, ALateResultTakesTheResidualPathAndItsGradientIsSkippe
 TEST(TestModelMoeParallel, AsyncDispatchGoesOnWithoutALostRankAndNamesItsExperts) {
   const GptSpec spec = small_moe();
   const auto tokens = random_tokens(spec, 2, 5);
-  LoopbackWorld world = make_loopback_world(2, {.peer_timeout_s = 0.2});
+  comm::LoopbackWorld world = comm::make_loopback_world(2, {.peer_timeout_s = 0.2});
   MoeOptions o = exact_options(0, 2);
   o.async_dispatch = true;
   o.dispatch_deadline_s = ExpertExchange::kNoDeadline;  // only the loss ends the wait
@@ -344,4 +344,4 @@ TEST(TestModelMoeParallel, MakeModelRefusesFewerExpertsThanRanksInOneLine) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -15,18 +15,18 @@
 #include <csignal>
 #include <numeric>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 namespace fs = std::filesystem;
 using testing::TempDir;
 
 struct Fixture {
-  explicit Fixture(const std::string& optimizer_name) : model(MlpSpec{6, {5}, 3}) {
+  explicit Fixture(const std::string& optimizer_name) : model(model::MlpSpec{6, {5}, 3}) {
     model.init(7);
-    OptimizerConfig config;
-    config.kind = parse_optimizer_kind(optimizer_name).value();
-    optimizer = std::move(make_optimizer(config, model.params(), model.num_params())).value();
+    optim::OptimizerConfig config;
+    config.kind = optim::parse_optimizer_kind(optimizer_name).value();
+    optimizer = std::move(optim::make_optimizer(config, model.params(), model.num_params())).value();
     // Give the state non-trivial values by taking two steps.
     std::vector<float> inputs(4 * 6);
     std::iota(inputs.begin(), inputs.end(), 0.0f);
@@ -37,8 +37,8 @@ struct Fixture {
       optimizer->step(model.parameters(), model.gradients(), 0.01f);
     }
   }
-  Mlp model;
-  std::unique_ptr<Optimizer> optimizer;
+  model::Mlp model;
+  std::unique_ptr<optim::Optimizer> optimizer;
 };
 
 TEST(Checkpoint, RoundTripRestoresParametersStateAndPosition) {
@@ -125,7 +125,7 @@ TEST(Checkpoint, KeepsTheWorldAndTheOuterMomentumOfSeveralWorkers) {
 
   Fixture loaded("adamw");
   CheckpointWorld world;
-  FloatBuffer outer;
+  tensor::FloatBuffer outer;
   auto position = load_checkpoint(*path, loaded.model, *loaded.optimizer, &world, &outer);
   ASSERT_TRUE(position) << position.error().message;
   EXPECT_EQ(position->step, 9);
@@ -167,7 +167,7 @@ TEST(Checkpoint, KeepsTheOwnersPendingRoundsAndEveryRanksOwnState) {
   data.world.rank_optimizer_steps = {2, 1};
   const size_t n = f.model.num_params();
   auto ramp = [n](float scale) {
-    FloatBuffer v(n);
+    tensor::FloatBuffer v(n);
     for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>(i) * scale;
     return v;
   };
@@ -182,8 +182,8 @@ TEST(Checkpoint, KeepsTheOwnersPendingRoundsAndEveryRanksOwnState) {
 
   Fixture loaded("adamw");
   CheckpointWorld world;
-  FloatBuffer outer;
-  FloatBuffer round_sum;
+  tensor::FloatBuffer outer;
+  tensor::FloatBuffer round_sum;
   ASSERT_TRUE(load_checkpoint(*path, loaded.model, *loaded.optimizer, &world, &outer, &round_sum));
   EXPECT_EQ(world.shard_versions, (std::vector<int64_t>{14, 16}));
   EXPECT_EQ(world.outer_in_round, (std::vector<int64_t>{1, 0}));
@@ -309,9 +309,9 @@ TEST(Checkpoint, RefusesAnotherOptimizerOrModel) {
   EXPECT_EQ(wrong_optimizer.error().kind, ErrorKind::kUsage);
   EXPECT_NE(wrong_optimizer.error().message.find("adamw"), std::string::npos);
 
-  Mlp wider(MlpSpec{6, {7}, 3});
-  OptimizerConfig config;
-  auto optimizer = std::move(make_optimizer(config, wider.params(), wider.num_params())).value();
+  model::Mlp wider(model::MlpSpec{6, {7}, 3});
+  optim::OptimizerConfig config;
+  auto optimizer = std::move(optim::make_optimizer(config, wider.params(), wider.num_params())).value();
   auto wrong_shape = load_checkpoint(*path, wider, *optimizer);
   ASSERT_FALSE(wrong_shape);
   EXPECT_EQ(wrong_shape.error().kind, ErrorKind::kInput);
@@ -452,4 +452,4 @@ TEST(Checkpoint, OnlyACheckpointInRunCheckpointsBelongsToARun) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -14,25 +14,25 @@
 #include <optional>
 #include <thread>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 constexpr size_t kSize = 96;  // shards of 48 floats for 2 workers, 32 for 3 (16-float boundaries)
 
 struct Cluster {
-  Cluster(int workers, ModeSettings settings, LoopbackOptions options = {})
-      : world(make_loopback_world(workers, options)) {
-    settings.delta_dtype = WireDtype::kFp32;  // exact sums
-    OptimizerConfig sgd;
-    sgd.kind = OptimizerKind::kSgd;
+  Cluster(int workers, ModeSettings settings, comm::LoopbackOptions options = {})
+      : world(comm::make_loopback_world(workers, options)) {
+    settings.delta_dtype = comm::WireDtype::kFp32;  // exact sums
+    optim::OptimizerConfig sgd;
+    sgd.kind = optim::OptimizerKind::kSgd;
     sgd.momentum = 0.9;
-    const std::vector<ParamInfo> layout = {{"w", {static_cast<int64_t>(kSize)}, 0, kSize}};
+    const std::vector<model::ParamInfo> layout = {{"w", {static_cast<int64_t>(kSize)}, 0, kSize}};
     for (int r = 0; r < workers; ++r) {
       auto mode = make_mode(settings, world.ranks[static_cast<size_t>(r)].get(), layout, initial, sgd);
       EXPECT_TRUE(mode) << mode.error().message;
       modes.push_back(std::move(*mode));
       params.push_back(initial);
-      optimizers.push_back(std::move(*make_optimizer(sgd, layout, kSize)));
+      optimizers.push_back(std::move(*optim::make_optimizer(sgd, layout, kSize)));
     }
   }
   ~Cluster() { modes.clear(); }  // before the communicators their handlers are on
@@ -98,10 +98,10 @@ struct Cluster {
   }
 
   std::vector<float> initial = std::vector<float>(kSize, 1.0f);
-  LoopbackWorld world;
+  comm::LoopbackWorld world;
   std::vector<std::unique_ptr<Mode>> modes;
   std::vector<std::vector<float>> params;
-  std::vector<std::unique_ptr<Optimizer>> optimizers;
+  std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
 };
 
 ModeSettings settings_for(const char* name, int sync_interval = 1) {
@@ -673,4 +673,4 @@ TEST(AsgdProtocol, OwnersApplyEveryGradientAndWorkersTakeTheFreshShards) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::train

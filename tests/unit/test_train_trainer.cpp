@@ -15,7 +15,7 @@
 #include <fstream>
 #include <functional>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 using testing::TempDir;
@@ -226,7 +226,7 @@ TEST(Trainer, GptTokensBudgetAndResumeExactness) {
   EXPECT_EQ(whole->steps, 20);
   EXPECT_EQ(whole->stopped_by, "tokens");
   // The run directory loads as a Hugging Face GPT-2: names, Conv1D shapes and config.json.
-  auto file = SafetensorsFile::read(dir.path() / "whole" / "model.safetensors");
+  auto file = ckpt::SafetensorsFile::read(dir.path() / "whole" / "model.safetensors");
   ASSERT_TRUE(file) << file.error().message;
   ASSERT_NE(file->find("h.1.attn.c_attn.weight"), nullptr);
   EXPECT_EQ(file->find("h.1.attn.c_attn.weight")->shape, (std::vector<int64_t>{16, 48}));
@@ -336,4 +336,4 @@ TEST(Trainer, GptRefusesImagesAndTheMlpRefusesText) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::train

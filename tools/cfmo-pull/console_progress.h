@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo::pulltool {
+namespace cfmo::pull_tool {
 
 class ConsoleProgress final : public oci::PullSink {
  public:
@@ -175,4 +175,4 @@ class ConsoleProgress final : public oci::PullSink {
   std::chrono::steady_clock::time_point last_draw_{};
 };
 
-}  // namespace cfmo::pulltool
+}  // namespace cfmo::pull_tool

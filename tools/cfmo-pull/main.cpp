@@ -112,12 +112,12 @@ int run(int argc, char** argv) {
       plan->fetch.registry.stop = &cfmo::tool::stop_requested();
       cfmo::tool::catch_stop_signals();
     }
-    using Progress = cfmo::pulltool::ConsoleProgress;
+    using Progress = cfmo::pull_tool::ConsoleProgress;
     Progress progress(kTool, Progress::mode_for(plan->progress), !line.config.quiet);
     oci::CommandHooks hooks;
     hooks.progress = &progress;
-    hooks.start_detached = cfmo::pulltool::start_detached;
-    hooks.serve_detached = cfmo::pulltool::serve_detached;
+    hooks.start_detached = cfmo::pull_tool::start_detached;
+    hooks.serve_detached = cfmo::pull_tool::serve_detached;
     return finish(kSubcommands[i].run(line, *plan, hooks));
   }
   return static_cast<int>(cfmo::ErrorKind::kUsage);  // unreachable: CLI11 requires a subcommand

@@ -31,7 +31,7 @@ using cfmo::train_tool::fail;
 // The first SIGINT/SIGTERM asks the trainer to stop cleanly (checkpoint, summary).
 std::atomic<bool>& g_stop = cfmo::tool::stop_requested();
 
-int compare_modes(int argc, char** argv, const cfmo::TrainConfig& config, bool json) {
+int compare_modes(int argc, char** argv, const cfmo::train::TrainConfig& config, bool json) {
   return cfmo::train_tool::compare_modes(argc, argv, config, json, g_stop);
 }
 
@@ -69,8 +69,8 @@ static int run(int argc, char** argv) {
   const auto process_start = process_started();
   if (argc >= 2 && std::string_view(argv[1]) == "sample") return cfmo::train_tool::run_sample(argc - 1, argv + 1);
   if (argc >= 2 && std::string_view(argv[1]) == "simulate") return cfmo::train_tool::run_simulate(argc - 1, argv + 1);
-  cfmo::TrainConfig config;
-  cfmo::TrainOptions options;
+  cfmo::train::TrainConfig config;
+  cfmo::train::TrainOptions options;
   CommandLine line;
   if (auto done = parse_train_command_line(argc, argv, config, options, line)) return *done;
   const bool json = line.json;
@@ -82,7 +82,7 @@ static int run(int argc, char** argv) {
   std::signal(SIGXFSZ, SIG_IGN);
   if (compare) return compare_modes(argc, argv, config, json);
 
-  auto world = cfmo::world_from_environment();
+  auto world = cfmo::comm::world_from_environment();
   if (!world) return fail(world.error());
   const bool joining = !config.join.empty();  // a place in a run under way: no launcher, no lock of its own
   if (joining && !options.resume.empty()) {
@@ -95,20 +95,21 @@ static int run(int argc, char** argv) {
   // under another launcher, before the rendezvous, so no rank of a second run gets to write.
   std::optional<cfmo::DirLock> run_lock;
   if (!config.out.empty() && !launched && (!world->has_value() || (*world)->rank == 0)) {
-    auto lock = cfmo::lock_run_dir(config.out);
+    auto lock = cfmo::train::lock_run_dir(config.out);
     if (!lock) return fail(lock.error());
     run_lock = std::move(*lock);
   }
   if (config.workers > 1 && !launched && (!world->has_value() || (*world)->size == 1)) {
     // One host, no launcher: start the workers here and relay their output, if they fit.
-    if (auto fits = cfmo::check_workers_fit(config, config.workers); !fits) return fail(fits.error());
-    auto status = cfmo::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
+    if (auto fits = cfmo::train::check_workers_fit(config, config.workers); !fits) return fail(fits.error());
+    auto status =
+        cfmo::comm::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
     if (!status) return fail(status.error());
     return *status;
   }
-  std::unique_ptr<cfmo::Communicator> comm;
+  std::unique_ptr<cfmo::comm::Communicator> comm;
   if (joining || (world->has_value() && (*world)->size > 1)) {
-    cfmo::WorldOptions connect;
+    cfmo::comm::WorldOptions connect;
     connect.rendezvous = config.rendezvous;
     connect.peer_timeout_s = config.peer_timeout;
     connect.join = config.join;
@@ -116,9 +117,9 @@ static int run(int argc, char** argv) {
     // rank restarted into a run under way) declines one that is not its own.
     connect.description = options.config_toml;
     connect.check = [&options](std::string_view run_config) {
-      return cfmo::check_join_fits(run_config, options.config_toml);
+      return cfmo::train::check_join_fits(run_config, options.config_toml);
     };
-    auto connected = cfmo::connect_world(*world, connect);
+    auto connected = cfmo::comm::connect_world(*world, connect);
     if (!connected) return fail(connected.error());
     comm = std::move(*connected);
     options.comm = comm.get();
@@ -130,7 +131,7 @@ static int run(int argc, char** argv) {
   options.stop = &g_stop;
   options.observer = &observer;
 
-  auto summary = cfmo::train(config, options);
+  auto summary = cfmo::train::train(config, options);
   observer.clear_line();
   // The goodbye tells the other ranks why this one leaves: they then fail
   // with this root cause, and the run ends with its status.
@@ -138,7 +139,7 @@ static int run(int argc, char** argv) {
   comm.reset();  // say goodbye to the other ranks before reporting
   if (!summary) return fail(summary.error());
   if (summary->rank != summary->keeper) return summary->stopped_by == "interrupt" ? cfmo::tool::stop_status() : 0;
-  fmt::print("{}", json ? summary->to_json() + "\n" : cfmo::summary_text(*summary));
+  fmt::print("{}", json ? summary->to_json() + "\n" : cfmo::train::summary_text(*summary));
   return summary->stopped_by == "interrupt" ? cfmo::tool::stop_status() : 0;
 }
 

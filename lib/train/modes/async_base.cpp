@@ -3,16 +3,16 @@
 #include "train/modes/quorum.h"
 #include "train/modes/wire.h"
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
-AsyncMode::AsyncMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
+AsyncMode::AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
                      const ModeResume& resume, OwnerState owner_state_kind, bool replicated)
     : settings_(settings),
       comm_(comm),
       bounds_(shard_bounds(initial.size(), comm.size())),
       base_(initial.begin(), initial.end()),
       base_version_(static_cast<size_t>(comm.size()), 0),
-      residual_(settings.delta_dtype == WireDtype::kFp32 ? 0 : initial.size(), 0.0f),
+      residual_(settings.delta_dtype == comm::WireDtype::kFp32 ? 0 : initial.size(), 0.0f),
       replicated_(replicated),
       owner_state_kind_(owner_state_kind),
       done_from_(static_cast<size_t>(comm.size()), false),
@@ -57,8 +57,8 @@ AsyncMode::AsyncMode(const ModeSettings& settings, Communicator& comm, std::span
 }
 
 AsyncMode::~AsyncMode() {
-  for (Channel c : {channels::kFreshShard, channels::kProgress, channels::kStop, channels::kDone, channels::kGather,
-                    channels::kGathered, channels::kCheckpoint}) {
+  for (comm::Channel c : {channels::kFreshShard, channels::kProgress, channels::kStop, channels::kDone,
+                          channels::kGather, channels::kGathered, channels::kCheckpoint}) {
     comm_.on_message(c, nullptr);
   }
 }
@@ -510,4 +510,4 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
   snapshot_ = PartialGlobalState();
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -46,7 +46,7 @@
 #include <thread>
 #include <vector>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
 class AsyncMode : public Mode {
  public:
@@ -55,8 +55,8 @@ class AsyncMode : public Mode {
   /// steps (cfmo), or the shard optimizer's state and steps (asgd).
   enum class OwnerState : uint8_t { kOuterMomentum, kOptimizer };
 
-  AsyncMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume,
-            OwnerState owner_state_kind, bool replicated);
+  AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
+            const ModeResume& resume, OwnerState owner_state_kind, bool replicated);
   ~AsyncMode() override;
 
   bool stop_requested() const override { return stop_.load(); }
@@ -109,7 +109,7 @@ class AsyncMode : public Mode {
   /// An owner's state of a shard it serves: the shard's values and the
   /// contributions applied to them.
   struct Served {
-    FloatBuffer values;
+    tensor::FloatBuffer values;
     int64_t version = 0;
   };
 
@@ -237,13 +237,13 @@ class AsyncMode : public Mode {
   virtual int64_t owner_steps(int /*shard*/) const { return 0; }
 
   const ModeSettings settings_;
-  Communicator& comm_;
+  comm::Communicator& comm_;
   const std::vector<size_t> bounds_;
 
   // Worker side (training thread).
-  FloatBuffer base_;                   ///< the global parameters as last received, per shard
+  tensor::FloatBuffer base_;           ///< the global parameters as last received, per shard
   std::vector<int64_t> base_version_;  ///< their versions
-  FloatBuffer residual_;               ///< error feedback for lossy wire dtypes
+  tensor::FloatBuffer residual_;       ///< error feedback for lossy wire dtypes
   std::vector<int> awaiting_ = std::vector<int>(static_cast<size_t>(comm_.size()), 0);
   TrainPosition position_;  ///< as last reported
 
@@ -320,4 +320,4 @@ class AsyncMode : public Mode {
   std::optional<GlobalState> final_;         ///< the keeper: the end's state, until taken
 };
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -30,12 +30,13 @@
 #include <cmath>
 #include <memory>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 
 class CfmoMode final : public AsyncMode {
  public:
-  CfmoMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume)
+  CfmoMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
+           const ModeResume& resume)
       : AsyncMode(settings, comm, initial, resume, OwnerState::kOuterMomentum, /*replicated=*/true),
         snapshot_(initial.size(), 0.0f) {
     // Every rank starts from the same state, so each backup's replica starts
@@ -70,14 +71,14 @@ class CfmoMode final : public AsyncMode {
     stop_serving_owner_state();
   }
   std::string_view name() const override { return "cfmo"; }
-  Status join(std::span<float> params, Optimizer&, TrainPosition& position) override {
+  Status join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
     return take_global_state(params, position);
   }
 
   bool needs_params(const TrainPosition& position) const override {
     return position.step % settings_.sync_interval == 0 || inbox_pending();
   }
-  Status after_step(const TrainPosition& position, std::span<float> params, Optimizer& optimizer) override {
+  Status after_step(const TrainPosition& position, std::span<float> params, optim::Optimizer& optimizer) override {
     last_step_ = position.step;
     if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
       report_progress(position);
@@ -99,7 +100,7 @@ class CfmoMode final : public AsyncMode {
   /// parameters are the global ones (and the owners hold no pending round).
   bool params_are_global() const override { return settings_.deterministic && round_done_at_ == last_step_; }
 
-  Status finish(std::span<float> params, Optimizer& optimizer) override {
+  Status finish(std::span<float> params, optim::Optimizer& optimizer) override {
     CFMO_TRY(cut_off());
     const auto start = Clock::now();
     const auto deadline = start + seconds(settings_.peer_timeout_s);
@@ -120,7 +121,7 @@ class CfmoMode final : public AsyncMode {
   /// and rebased. A lost rank ends the run: its contributions to the rounds
   /// in progress would never come, and going on without them is not the
   /// order an uninterrupted run has.
-  Status await_round(std::span<float> params, Optimizer& optimizer) {
+  Status await_round(std::span<float> params, optim::Optimizer& optimizer) {
     const auto start = Clock::now();
     Status status;
     while (outstanding() > 0) {
@@ -190,8 +191,9 @@ class CfmoMode final : public AsyncMode {
       put(out, static_cast<uint32_t>(j));
       put(out, static_cast<uint32_t>(settings_.delta_dtype) | (last ? kLastRound : 0u));
       put(out, base_version_[static_cast<size_t>(j)]);
-      encode_floats(settings_.delta_dtype, delta_,
-                    residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count), out);
+      comm::encode_floats(settings_.delta_dtype, delta_,
+                          residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count),
+                          out);
       comm_.post(owner, channels::kDeltaShard, std::move(out));
       ++awaiting_[static_cast<size_t>(j)];
       awaiting_owner_[static_cast<size_t>(j)] = owner;
@@ -215,7 +217,7 @@ class CfmoMode final : public AsyncMode {
   }
 
   /// θ_k ← θ̄_new + (θ_k − θ_snapshot) on the shard; stale momentum discounted.
-  void rebase(FreshShard& f, std::span<float> params, Optimizer& optimizer) {
+  void rebase(FreshShard& f, std::span<float> params, optim::Optimizer& optimizer) {
     auto& waiting = awaiting_[static_cast<size_t>(f.shard)];
     waiting = std::max(0, waiting - 1);
     record_staleness(f.staleness, f.dropped);
@@ -254,7 +256,7 @@ class CfmoMode final : public AsyncMode {
     if (dtype > 2) return;
     const std::span<const std::byte> encoded = m;
     incoming_.resize(shard_size(static_cast<int>(shard)));
-    if (!finished && !decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
+    if (!finished && !comm::decode_floats(static_cast<comm::WireDtype>(dtype), m, incoming_)) return;
     refresh_membership();
     std::lock_guard lock(mutex_);
     if (settings_.deterministic) {
@@ -413,7 +415,7 @@ class CfmoMode final : public AsyncMode {
     const auto it = replicas_.find(j);
     if (kind != kReplicaApply || it == replicas_.end() || !take(m, weight) || !take(m, dtype) || dtype > 2) return;
     replica_incoming_.resize(shard_size(j));
-    if (!decode_floats(static_cast<WireDtype>(dtype), m, replica_incoming_)) return;
+    if (!comm::decode_floats(static_cast<comm::WireDtype>(dtype), m, replica_incoming_)) return;
     it->second.outer.apply(it->second.values, replica_incoming_, weight);
     it->second.version = version;
   }
@@ -505,7 +507,7 @@ class CfmoMode final : public AsyncMode {
 
   /// A backup's copy of an owner's shard.
   struct Replica {
-    FloatBuffer values;
+    tensor::FloatBuffer values;
     int64_t version = 0;
     OuterOptimizer outer;
   };
@@ -554,14 +556,14 @@ class CfmoMode final : public AsyncMode {
   std::vector<bool> finished_ = std::vector<bool>(static_cast<size_t>(comm_.size()), false);  ///< under mutex_
   int64_t round_done_at_ = -1;  ///< --deterministic: the step of the last round whose replies are all in
 
-  FloatBuffer snapshot_;
+  tensor::FloatBuffer snapshot_;
   std::vector<int64_t> sent_at_ =
       std::vector<int64_t>(static_cast<size_t>(comm_.size()), -1);  ///< step of each shard's last send
-  FloatBuffer delta_;
-  FloatBuffer full_delta_;  ///< for the delta sink
+  tensor::FloatBuffer delta_;
+  tensor::FloatBuffer full_delta_;  ///< for the delta sink
   int64_t last_step_ = 0;
-  FloatBuffer incoming_;          ///< progress thread
-  FloatBuffer replica_incoming_;  ///< progress thread
+  tensor::FloatBuffer incoming_;          ///< progress thread
+  tensor::FloatBuffer replica_incoming_;  ///< progress thread
 };
 
 }  // namespace
@@ -570,4 +572,4 @@ Result<std::unique_ptr<Mode>> make_cfmo(const ModeContext& c) {
   return std::unique_ptr<Mode>(std::make_unique<CfmoMode>(c.settings, c.comm, c.initial, c.resume));
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -7,13 +7,13 @@
 #include <algorithm>
 #include <map>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 // How long a wait sleeps without news: losses are found by the transport, not announced.
 constexpr auto kNap = std::chrono::milliseconds(5);
 }  // namespace
 
-ElasticGroup::ElasticGroup(Communicator& comm, Channel channel, double peer_timeout_s)
+ElasticGroup::ElasticGroup(comm::Communicator& comm, comm::Channel channel, double peer_timeout_s)
     : comm_(comm), channel_(channel), peer_timeout_s_(peer_timeout_s) {
   for (int r = 0; r < comm.size(); ++r) members_.push_back(r);
   comm_.on_message(channel_, [this](int from, std::span<const std::byte> m) { on_message(from, m); });
@@ -399,4 +399,4 @@ Result<bool> ElasticGroup::reform(std::span<float> data) {
   }
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

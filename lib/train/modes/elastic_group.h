@@ -45,11 +45,11 @@
 #include <span>
 #include <vector>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
 class ElasticGroup {
  public:
-  ElasticGroup(Communicator& comm, Channel channel, double peer_timeout_s);
+  ElasticGroup(comm::Communicator& comm, comm::Channel channel, double peer_timeout_s);
   ~ElasticGroup();
   ElasticGroup(const ElasticGroup&) = delete;
   ElasticGroup& operator=(const ElasticGroup&) = delete;
@@ -123,8 +123,8 @@ class ElasticGroup {
   /// Under lock: whether a message asks for a re-forming beyond the current epoch (and which epoch).
   bool reform_asked_locked(uint32_t& epoch) const;
 
-  Communicator& comm_;
-  const Channel channel_;
+  comm::Communicator& comm_;
+  const comm::Channel channel_;
   const double peer_timeout_s_;
 
   std::mutex mutex_;
@@ -143,4 +143,4 @@ class ElasticGroup {
   std::function<std::vector<std::byte>()> welcome_;
 };
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -13,12 +13,12 @@
 #include <algorithm>
 #include <memory>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 
 class LocalSgdMode final : public LockstepMode {
  public:
-  LocalSgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
+  LocalSgdMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
                const ModeResume& resume)
       : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), outer_(settings, initial.size(), 1) {
     if (settings.elastic) {
@@ -43,7 +43,7 @@ class LocalSgdMode final : public LockstepMode {
   bool needs_params(const TrainPosition& position) const override {
     return position.step % settings_.sync_interval == 0;
   }
-  Status after_step(const TrainPosition& position, std::span<float> params, Optimizer&) override {
+  Status after_step(const TrainPosition& position, std::span<float> params, optim::Optimizer&) override {
     last_step_ = position.step;
     position_ = position;
     since_sync_ = position.step % settings_.sync_interval;
@@ -52,13 +52,13 @@ class LocalSgdMode final : public LockstepMode {
   }
   bool params_are_global() const override { return since_sync_ == 0; }
   std::span<const float> outer_momentum() const override { return outer_.momentum(); }
-  Status finish(std::span<float> params, Optimizer&) override {
+  Status finish(std::span<float> params, optim::Optimizer&) override {
     // Every rank took the same number of steps, so all agree whether one more round is due.
     return since_sync_ != 0 ? reconcile(params) : Status{};
   }
   ModeStats stats() const override { return stats_; }
   bool survives_losses() const override { return group_ != nullptr; }
-  Status join(std::span<float> params, Optimizer&, TrainPosition& position) override {
+  Status join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
     if (!group_) return make_error(ErrorKind::kUsage, "--join: localsgd takes joining workers only with --elastic");
     // The leader takes a joiner in at the end of a round: up to H steps away.
     CFMO_ASSIGN_OR_RETURN(auto welcome, group_->join(std::max(60.0, 4 * settings_.peer_timeout_s)));
@@ -108,10 +108,10 @@ class LocalSgdMode final : public LockstepMode {
   }
 
   ModeSettings settings_;
-  Communicator& comm_;
-  FloatBuffer global_;
+  comm::Communicator& comm_;
+  tensor::FloatBuffer global_;
   OuterOptimizer outer_;
-  FloatBuffer delta_;
+  tensor::FloatBuffer delta_;
   int64_t since_sync_ = 0;
   int64_t last_step_ = 0;
   TrainPosition position_;  ///< as after_step last saw it: a joiner's welcome
@@ -125,4 +125,4 @@ Result<std::unique_ptr<Mode>> make_localsgd(const ModeContext& c) {
   return std::unique_ptr<Mode>(std::make_unique<LocalSgdMode>(c.settings, c.comm, c.initial, c.resume));
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

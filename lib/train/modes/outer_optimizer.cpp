@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-namespace cfmo {
+namespace cfmo::train {
 
 OuterOptimizer::OuterOptimizer(const ModeSettings& settings, size_t size, int contributions_per_round)
     : nesterov_(settings.outer_optimizer == OuterKind::kNesterov),
@@ -43,4 +43,4 @@ void OuterOptimizer::restore(int in_round, std::span<const float> momentum, std:
   }
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

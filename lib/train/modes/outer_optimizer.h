@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <span>
 
-namespace cfmo {
+namespace cfmo::train {
 
 /// The outer step on (a range of) the global parameters, fed with weighted
 /// deltas. localsgd feeds it once per round with the sum of the W deltas
@@ -49,8 +49,8 @@ class OuterOptimizer {
   float mu_;
   int per_round_;
   int in_round_ = 0;
-  FloatBuffer momentum_;
-  FloatBuffer round_sum_;
+  tensor::FloatBuffer momentum_;
+  tensor::FloatBuffer round_sum_;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::train
