@@ -418,8 +418,11 @@ TEST(CfmoTrainWorkers, ElasticLocalSgdTakesAKilledWorkerBackAtARound) {
 TEST(CfmoTrainWorkers, CfmoKilledWorkersRejoinAndAJoinWithOtherFlagsIsRefused) {
   TempDir dir;
   const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
-  const std::vector<std::string> run_flags = {
-      "--mode", "cfmo", "--epochs", "1500", "--log-every", "1", "--json", "--out", (dir / "run").string()};
+  const std::vector<std::string> run_flags = {"--mode",      "cfmo", "--epochs", "0",     "--time-limit",        "40s",
+                                              "--log-every", "1",    "--json",   "--out", (dir / "run").string()};
+  // A time limit, not a budget of samples: two losses found after
+  // --peer-timeout each and two joins must fit in the run however fast the
+  // machine trains (1500 epochs could end before the first join).
   Ranks ranks;
   // Rank 2 restarted with the same command: it rejoins as rank 2.
   ASSERT_NO_FATAL_FAILURE(start_three_and_restart_rank_two(ranks, dir, address, run_flags));
