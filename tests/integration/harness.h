@@ -2,6 +2,8 @@
 // Runs a real binary with arguments and captures its exit status, stdout and
 // stderr; kills it after a timeout so a hang fails the test instead of CI.
 
+#include "support/temp_dir.h"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -196,24 +198,9 @@ inline int free_port() {
 }
 
 /// A fresh directory removed at the end of the test.
-class TempDir {
+class TempDir : public ScratchDir {
  public:
-  TempDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "cfmo-test-XXXXXX").string();
-    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp");
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::filesystem::path& path() const { return path_; }
-  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  std::filesystem::path path_;
+  TempDir() : ScratchDir("cfmo-test") {}
 };
 
 }  // namespace cfmo::testing
