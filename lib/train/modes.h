@@ -58,6 +58,9 @@ struct ModeSettings {
   int sync_interval = 10;           ///< H: local steps between reconciliations
   double staleness_discount = 0.9;  ///< beta
   int max_staleness = 4;            ///< rounds; older contributions are dropped
+  /// cfmo, asgd: the ranks that serve the K shards of the global parameters
+  /// (shard j by rank j); 0: owner_count's default.
+  int owners = 0;
   OuterKind outer_optimizer = OuterKind::kNesterov;
   double outer_lr = 0.5;
   double outer_momentum = 0.8;
@@ -240,6 +243,15 @@ std::string mode_names();
 Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, Communicator* comm,
                                         const std::vector<ParamInfo>& layout, std::span<const float> initial,
                                         const OptimizerConfig& optimizer_config, const ModeResume& resume = {});
+
+/// The owners' count by default: at most this many shards. Why 64: see owner_count.
+inline constexpr int kDefaultOwners = 64;
+
+/// K, the shards of cfmo and asgd on `world` ranks: `settings.owners`, or
+/// min(world, kDefaultOwners), never more than `world`. Each worker sends K
+/// messages a round and holds K connections to owners (not W); each owner
+/// still hears from every worker.
+int owner_count(const ModeSettings& settings, int world);
 
 /// The W contiguous shards of a flat vector of `size` floats, on 16-float
 /// boundaries: shard j is [bounds[j], bounds[j + 1]).

@@ -28,17 +28,19 @@ class CfmoMode final : public AsyncMode {
   CfmoMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume)
       : AsyncMode(settings, comm, initial, resume, OwnerState::kOuterMomentum, /*replicated=*/true),
         snapshot_(initial.size(), 0.0f) {
-    // Every rank starts from the same state, so each backup's replica starts as its owner's shard.
+    // Every rank starts from the same state, so each backup's replica starts
+    // as its owner's shard. Rank j < K owns shard j; rank j + 1 backs it up.
     const int me = comm.rank();
     const int w = comm.size();
-    outer_.emplace(me, starting_outer(me, resume));
-    const int before = (me + w - 1) % w;
-    Replica& r = replicas_.emplace(before, Replica{{}, 0, starting_outer(before, resume)}).first->second;
-    r.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before)]),
-                    initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before) + 1]));
-    {
+    if (me < shards_) {
+      outer_.emplace(me, starting_outer(me, resume));
       std::lock_guard lock(mutex_);
       backup_[me] = backup_of_locked(me);
+    }
+    if (const int before = (me + w - 1) % w; before < shards_) {
+      Replica& r = replicas_.emplace(before, Replica{{}, 0, starting_outer(before, resume)}).first->second;
+      r.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before)]),
+                      initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before) + 1]));
     }
     comm.on_message(channels::kDeltaShard, [this](int from, std::span<const std::byte> m) { on_delta(from, m); });
     comm.on_message(channels::kReplica, [this](int, std::span<const std::byte> m) { on_replica(m); });
@@ -89,18 +91,18 @@ class CfmoMode final : public AsyncMode {
  private:
   void send_round(std::span<const float> params, bool only_idle, bool last = false) {
     refresh_membership();
-    std::vector<int> owners(static_cast<size_t>(comm_.size()), -1);
+    owners_.resize(static_cast<size_t>(shards_));
     {
       std::lock_guard lock(mutex_);
-      for (int j = 0; j < comm_.size(); ++j) owners[static_cast<size_t>(j)] = owner_of_locked(j);
+      for (int j = 0; j < shards_; ++j) owners_[static_cast<size_t>(j)] = owner_of_locked(j);
     }
     uint64_t sent = 0;
     bool skipped = false;
-    for (int j = 0; j < comm_.size(); ++j) {
-      const int owner = owners[static_cast<size_t>(j)];
+    for (int j = 0; j < shards_; ++j) {
+      const int owner = owners_[static_cast<size_t>(j)];
       if (owner < 0) continue;
       // The reply of a lost owner never comes: its shard goes to the new one.
-      if (awaiting_owner_[static_cast<size_t>(j)] != owner) awaiting_[static_cast<size_t>(j)] = 0;
+      if (awaiting_owner_[static_cast<size_t>(j)] != owner) forget_replies(j);
       if (only_idle && awaiting_[static_cast<size_t>(j)] > 0) {
         skipped = true;
         continue;
@@ -117,14 +119,14 @@ class CfmoMode final : public AsyncMode {
       delta_.resize(count);
       for (size_t i = 0; i < count; ++i) delta_[i] = params[first + i] - base_[first + i];
       std::vector<std::byte> out;
+      out.reserve(kDeltaHeader + encoded_size(settings_.delta_dtype, count));
       put(out, static_cast<uint32_t>(j));
       put(out, static_cast<uint32_t>(settings_.delta_dtype) | (last ? kLastRound : 0u));
       put(out, base_version_[static_cast<size_t>(j)]);
       encode_floats(settings_.delta_dtype, delta_,
                     residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count), out);
       comm_.post(owner, channels::kDeltaShard, std::move(out));
-      ++awaiting_[static_cast<size_t>(j)];
-      awaiting_owner_[static_cast<size_t>(j)] = owner;
+      await_reply(j, owner);
       ++sent;
     }
     int64_t round = 0;
@@ -146,8 +148,7 @@ class CfmoMode final : public AsyncMode {
 
   /// θ_k ← θ̄_new + (θ_k − θ_snapshot) on the shard; stale momentum discounted.
   void rebase(FreshShard& f, std::span<float> params, Optimizer& optimizer) {
-    auto& waiting = awaiting_[static_cast<size_t>(f.shard)];
-    waiting = std::max(0, waiting - 1);
+    reply_came(f.shard);
     record_staleness(f.staleness, f.dropped);
     const size_t first = bounds_[static_cast<size_t>(f.shard)];
     if (f.values.size() != bounds_[static_cast<size_t>(f.shard) + 1] - first) return;
@@ -175,7 +176,7 @@ class CfmoMode final : public AsyncMode {
     uint32_t shard = 0;
     uint32_t dtype = 0;
     int64_t base_version = 0;
-    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || shard >= static_cast<uint32_t>(comm_.size())) {
+    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || shard >= static_cast<uint32_t>(shards_)) {
       return;
     }
     const bool last = (dtype & kLastRound) != 0;
@@ -217,6 +218,7 @@ class CfmoMode final : public AsyncMode {
       return;
     }
     std::vector<std::byte> out;
+    out.reserve(24 + encoded.size());
     put(out, kReplicaApply);
     put(out, static_cast<uint32_t>(shard));
     put(out, served_.at(shard).version);
@@ -247,7 +249,7 @@ class CfmoMode final : public AsyncMode {
     uint32_t kind = 0;
     uint32_t shard = 0;
     int64_t version = 0;
-    if (!take(m, kind) || !take(m, shard) || !take(m, version) || shard >= static_cast<uint32_t>(comm_.size())) {
+    if (!take(m, kind) || !take(m, shard) || !take(m, version) || shard >= static_cast<uint32_t>(shards_)) {
       return;
     }
     const int j = static_cast<int>(shard);
@@ -284,7 +286,7 @@ class CfmoMode final : public AsyncMode {
   /// its backup changed.
   void on_membership_change_locked(const std::vector<int>&) override {
     const int me = comm_.rank();
-    for (int j = 0; j < comm_.size(); ++j) {
+    for (int j = 0; j < shards_; ++j) {
       if (owner_of_locked(j) != me || served_.count(j) != 0) continue;
       Served taken;
       const auto r = replicas_.find(j);
@@ -341,10 +343,13 @@ class CfmoMode final : public AsyncMode {
 
   /// In a delta's dtype field: the sender's last round, answered without the shard.
   static constexpr uint32_t kLastRound = 0x100;
+  /// A delta's bytes before its floats: shard, dtype, base version.
+  static constexpr size_t kDeltaHeader = 16;
 
   FloatBuffer snapshot_;
   std::vector<int64_t> sent_at_ =
-      std::vector<int64_t>(static_cast<size_t>(comm_.size()), -1);  ///< step of each shard's last send
+      std::vector<int64_t>(static_cast<size_t>(shards_), -1);  ///< step of each shard's last send
+  std::vector<int> owners_;                                    ///< send_round's: each shard's owner now
   FloatBuffer delta_;
   FloatBuffer full_delta_;  ///< for the delta sink
   int64_t last_step_ = 0;
