@@ -75,7 +75,7 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         "cfmo: rounds after which a contribution is dropped; asgd: rounds of unanswered pushes before a worker waits",
         dist);
   t.add("owners", &c.owners,
-        "cfmo, asgd: K, the ranks 0..K-1 that own the K shards of the global parameters (0: min(workers, 64))", dist);
+        "cfmo, asgd: K, the ranks 0..K-1 that own the K shards of the global parameters (0: min(workers, 16))", dist);
   t.add("outer_optimizer", &c.outer_optimizer,
         "outer step on the deltas (localsgd, cfmo): nesterov (momentum once per round of W contributions) or avg",
         dist);
