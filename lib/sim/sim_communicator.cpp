@@ -77,10 +77,14 @@ void SimWorld::post(int from, int to, Channel channel, std::vector<std::byte> pa
   ++messages_;
   auto& queue = inbound_[static_cast<size_t>(to)];
   Message m{arrival, scheduler_.take_order(), from, channel.id, std::move(payload)};
-  // A link delivers in the order sent, so a message goes last but where
-  // latencies differ (between racks): then before those due later.
+  // A link delivers in the order sent, so a message goes last, but for one to
+  // itself (no link: it arrives now, before a busy rank's whole backlog) and
+  // where latencies differ (between racks): then before those due later.
+  // (A scan from the back made asgd's self-messages cost the backlog each.)
   auto at = queue.end();
-  while (at != queue.begin() && std::prev(at)->t > arrival) --at;
+  if (at != queue.begin() && std::prev(at)->t > arrival) {
+    at = std::upper_bound(queue.begin(), queue.end(), arrival, [](double t, const Message& q) { return t < q.t; });
+  }
   const bool first = at == queue.begin();
   queue.insert(at, std::move(m));
   if (first) arm(to);  // the event of the one it overtook stays, and finds it no longer first

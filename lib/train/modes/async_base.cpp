@@ -446,6 +446,7 @@ void AsyncMode::on_gather(int from, std::span<const std::byte> m) {
   if (take_owner_shards(m, gather)) {
     gather.state.ranks[static_cast<size_t>(from)] = p;
     gathered_from_.mark(from);
+    done_from_.mark(from);  // a rank gathers once done: a keeper new since it said so counts it
   }
 }
 

@@ -275,7 +275,8 @@ class AsyncMode : public Mode {
     PartialGlobalState(int shards, int world) : received(static_cast<size_t>(shards), false) {
       state.ranks.resize(static_cast<size_t>(world));
       state.versions.assign(static_cast<size_t>(shards), 0);
-      state.owner_steps.assign(static_cast<size_t>(shards), 0);
+      // Per rank, as a checkpoint records them: rank j < K owns shard j, the others none (0).
+      state.owner_steps.assign(static_cast<size_t>(world), 0);
     }
     GlobalState state;
     std::vector<bool> received;
