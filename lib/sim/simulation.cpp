@@ -176,6 +176,7 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   SimulateRow row;
   row.mode = std::string(entry.name);
   row.workers = workers;
+  row.owners = entry.traits.asynchronous ? owner_count(settings, workers) : 0;
   double wait_sum = 0;
   double finish_sum = 0;
   double received_sum = 0;
