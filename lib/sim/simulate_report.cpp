@@ -55,32 +55,32 @@ std::string simulate_table(const std::vector<SimulateRow>& rows) {
 nlohmann::ordered_json simulate_json(const std::vector<SimulateRow>& rows, const SimulateOptions& options) {
   nlohmann::ordered_json runs = nlohmann::ordered_json::array();
   for (const auto& r : rows) {
-    runs.push_back(
-        {{"mode", r.mode},
-         {"workers", r.workers},
-         {"steps", r.steps},
-         {"samples", r.samples},
-         {"virtual_s", r.virtual_s},
-         {"samples_per_s", r.samples_per_s},
-         {"solo_samples_per_s", r.solo_samples_per_s},
-         {"efficiency", r.efficiency},
-         {"wait_s", {{"mean", r.wait_s_mean}, {"max", r.wait_s_max}}},
-         {"finish_wait_s_mean", r.finish_wait_s_mean},
-         {"rounds", r.rounds},
-         {"messages", r.messages},
-         {"links",
-          {{"host_up", link_json(r.host_uplinks)},
-           {"host_down", link_json(r.host_downlinks)},
-           {"spine_up", link_json(r.spine_uplinks)}}},
-         {"owners",
-          {{"count", r.owners}, {"received_max", r.owner_received_max}, {"received_mean", r.owner_received_mean}}},
-         {"keeper_messages", r.keeper_messages},
-         {"contributions_dropped", r.contributions_dropped},
-         {"staleness_histogram", r.staleness_histogram},
-         {"test_loss", r.test_loss >= 0 ? nlohmann::ordered_json(r.test_loss) : nullptr},
-         {"test_accuracy", r.test_accuracy >= 0 ? nlohmann::ordered_json(r.test_accuracy) : nullptr},
-         {"wall_s", r.wall_s},
-         {"events", r.events}});
+    const nlohmann::ordered_json owners = {
+        {"count", r.owners}, {"received_max", r.owner_received_max}, {"received_mean", r.owner_received_mean}};
+    runs.push_back({{"mode", r.mode},
+                    {"workers", r.workers},
+                    {"steps", r.steps},
+                    {"samples", r.samples},
+                    {"virtual_s", r.virtual_s},
+                    {"samples_per_s", r.samples_per_s},
+                    {"solo_samples_per_s", r.solo_samples_per_s},
+                    {"efficiency", r.efficiency},
+                    {"wait_s", {{"mean", r.wait_s_mean}, {"max", r.wait_s_max}}},
+                    {"finish_wait_s_mean", r.finish_wait_s_mean},
+                    {"rounds", r.rounds},
+                    {"messages", r.messages},
+                    {"links",
+                     {{"host_up", link_json(r.host_uplinks)},
+                      {"host_down", link_json(r.host_downlinks)},
+                      {"spine_up", link_json(r.spine_uplinks)}}},
+                    {"owners", owners},
+                    {"keeper_messages", r.keeper_messages},
+                    {"contributions_dropped", r.contributions_dropped},
+                    {"staleness_histogram", r.staleness_histogram},
+                    {"test_loss", r.test_loss >= 0 ? nlohmann::ordered_json(r.test_loss) : nullptr},
+                    {"test_accuracy", r.test_accuracy >= 0 ? nlohmann::ordered_json(r.test_accuracy) : nullptr},
+                    {"wall_s", r.wall_s},
+                    {"events", r.events}});
   }
   const auto& n = options.network;
   return {{"simulate",
