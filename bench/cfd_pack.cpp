@@ -42,8 +42,8 @@ bool to_int(const char* text, int64_t& out) {
 
 int main(int argc, char** argv) {
   if (argc < 4) return usage();
-  cfmo::CfdFileInfo info;
-  cfmo::CfdWriteOptions options;
+  cfmo::ckpt::CfdFileInfo info;
+  cfmo::ckpt::CfdWriteOptions options;
   std::string raw_path;
   bool xor_base = false;
   for (int i = 4; i < argc; ++i) {
@@ -56,8 +56,8 @@ int main(int argc, char** argv) {
     const char* value = argv[++i];
     int64_t n = 0;
     if (flag == "--transform" || flag == "--codec") {
-      auto t = cfmo::parse_cfd_transform(value);
-      auto c = cfmo::parse_cfd_codec(value);
+      auto t = cfmo::ckpt::parse_cfd_transform(value);
+      auto c = cfmo::ckpt::parse_cfd_codec(value);
       if (flag == "--transform" && t) {
         options.transform = *t;
       } else if (flag == "--codec" && c) {
@@ -83,8 +83,8 @@ int main(int argc, char** argv) {
       return usage();
     }
   }
-  auto base = cfmo::SafetensorsFile::read(argv[1]);
-  auto local = cfmo::SafetensorsFile::read(argv[2]);
+  auto base = cfmo::ckpt::SafetensorsFile::read(argv[1]);
+  auto local = cfmo::ckpt::SafetensorsFile::read(argv[2]);
   for (const auto* file : {&base, &local}) {
     if (!*file) {
       fmt::print(stderr, "cfd-pack: {}\n", file->error().message);
@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
   }
   std::vector<std::vector<float>> bases;
   std::vector<std::vector<float>> deltas;
-  std::vector<cfmo::CfdTensorInput> inputs;
+  std::vector<cfmo::ckpt::CfdTensorInput> inputs;
   for (const auto& entry : base->tensors()) {
     std::vector<float> b(static_cast<size_t>(entry.elements()));
     std::vector<float> l(b.size());
@@ -116,7 +116,7 @@ int main(int argc, char** argv) {
     inputs.push_back({entry.name, entry.shape, bases[t], deltas[t]});
   }
   if (xor_base) info.metadata["cfd-pack"] = "xor-base: bits of local XOR base, not a delta";
-  if (auto written = cfmo::write_cfd(argv[3], info, inputs, options); !written) {
+  if (auto written = cfmo::ckpt::write_cfd(argv[3], info, inputs, options); !written) {
     fmt::print(stderr, "cfd-pack: {}\n", written.error().message);
     return 5;
   }

@@ -35,7 +35,7 @@ double pct(std::vector<double> v, double q) {
   return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1))];
 }
 
-int run_rank(cfmo::Communicator& comm, int iters, bool barrier, bool layout, double touch,
+int run_rank(cfmo::comm::Communicator& comm, int iters, bool barrier, bool layout, double touch,
              const std::vector<long>& sizes) {
   const int n = comm.size();
   auto report = [&](const char* what, long size, std::vector<double>& t) {
@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: comm-a2a [--ranks N] [--iters N] [--barrier] [--layout] [--touch F] SIZE...\n");
     return 2;
   }
-  auto listener = cfmo::listen_tcp("127.0.0.1", 0);
+  auto listener = cfmo::comm::listen_tcp("127.0.0.1", 0);
   if (!listener) {
     std::fprintf(stderr, "%s\n", listener.error().message.c_str());
     return 4;
@@ -143,11 +143,11 @@ int main(int argc, char** argv) {
     const pid_t pid = fork();
     if (pid == 0) {
       if (rank != 0) close(listener->first);
-      cfmo::RendezvousConfig config;
+      cfmo::comm::RendezvousConfig config;
       config.port = listener->second;
       config.listen_fd = rank == 0 ? listener->first : -1;
       config.timeout_s = 30;
-      auto comm = cfmo::connect_ucx(rank, ranks, config);
+      auto comm = cfmo::comm::connect_ucx(rank, ranks, config);
       if (!comm) {
         std::fprintf(stderr, "rank %d: %s\n", rank, comm.error().message.c_str());
         _exit(4);

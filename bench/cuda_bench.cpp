@@ -54,15 +54,16 @@ Result<double> time_ms(const Context& ctx, int reps, int inner, F&& body) {
 }
 
 Status bench_step(Context& ctx, const std::string& model_spec, int batch, int reps) {
-  const DataSplit data = make_synthetic(1, std::max<int64_t>(batch, 1024) * 2, 16);
-  CFMO_ASSIGN_OR_RETURN(MlpSpec spec, MlpSpec::parse(model_spec, data.train.features, data.train.classes));
-  Mlp host(spec);
+  const data::DataSplit data = data::make_synthetic(1, std::max<int64_t>(batch, 1024) * 2, 16);
+  CFMO_ASSIGN_OR_RETURN(model::MlpSpec spec,
+                        model::MlpSpec::parse(model_spec, data.train.features, data.train.classes));
+  model::Mlp host(spec);
   host.init(1);
   CFMO_ASSIGN_OR_RETURN(auto model, CudaMlp::create(ctx, host));
-  OptimizerConfig config;
+  optim::OptimizerConfig config;
   CFMO_ASSIGN_OR_RETURN(auto optimizer, CudaOptimizer::create(ctx, config, host.params(), host.num_params()));
   CFMO_ASSIGN_OR_RETURN(DeviceDataset train, DeviceDataset::upload(ctx, data.train, "train set"));
-  const auto order = epoch_order(1, 0, data.train.count);
+  const auto order = data::epoch_order(1, 0, data.train.count);
   const std::span<const int64_t> indices(order.data(), static_cast<size_t>(batch));
   CFMO_ASSIGN_OR_RETURN(const double step_ms, time_ms(ctx, reps, 10, [&]() -> Status {
                           CFMO_TRY(model->forward_backward(train, indices));
@@ -157,7 +158,7 @@ int main(int argc, char** argv) {
   }
   auto ctx = Context::create(device);
   if (!ctx) return fail(ctx.error());
-  std::fprintf(stderr, "cuda-bench: %s\n", device_description({DeviceKind::kCuda, device}).c_str());
+  std::fprintf(stderr, "cuda-bench: %s\n", cuda::device_description({tensor::DeviceKind::kCuda, device}).c_str());
   for (size_t i = 0; i < models.size(); ++i) {
     if (Status s = bench_step(**ctx, models[i], batches[i], reps); !s) return fail(s.error());
   }

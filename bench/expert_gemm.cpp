@@ -29,7 +29,7 @@ using Clock = std::chrono::steady_clock;
 
 /// Expert rows computed in `seconds` by one process.
 double run_one(int first_expert, int experts, int hidden, int ffn, int rows, double seconds) {
-  cfmo::ops::set_num_threads(1);
+  cfmo::tensor::ops::set_num_threads(1);
   std::vector<cfmo::moe::ExpertFfn> ffns;
   for (int e = 0; e < experts; ++e) ffns.emplace_back(1, first_expert + e, hidden, ffn);
   std::vector<float> x(static_cast<size_t>(rows) * static_cast<size_t>(hidden));

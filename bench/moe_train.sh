@@ -7,7 +7,10 @@
 #   moe-cfmo     the same, --mode cfmo
 #   dense-sync   the dense GPT of the same active parameters (expert_dim 256:
 #                two experts of 2 C D = the dense MLP's 8 C^2), --mode sync
-#   moe-ep-*     expert parallel (--expert-parallel), where cfmo-train has it
+#   moe-ep-*     expert parallel (--expert-parallel), where cfmo-train has it:
+#                moe-ep-sync (sync mode, sync dispatch), moe-ep-sync-async
+#                (sync mode, --dispatch async), moe-ep-cfmo (cfmo mode,
+#                --dispatch async: the issue's target, >= 1.5x moe-ep-sync)
 #
 # The rows run alternately (rep 1 of every row, then rep 2, ...) so that a
 # change in the machine's load spreads over all of them; tokens/s, val_loss
@@ -41,12 +44,19 @@ if grep -q -- '--expert-parallel' <<< "$help"; then
   rows+=("moe-ep-sync|$moe|--mode sync --expert-parallel")
 fi
 if grep -q -- '--dispatch ' <<< "$help"; then
+  rows+=("moe-ep-sync-async|$moe|--mode sync --expert-parallel --dispatch async")
   rows+=("moe-ep-cfmo|$moe|--mode cfmo --expert-parallel --dispatch async")
+fi
+# ROWS=moe-ep-sync,moe-ep-cfmo runs only those rows.
+if [ -n "${ROWS:-}" ]; then
+  kept=()
+  for row in "${rows[@]}"; do [[ ",$ROWS," == *",${row%%|*},"* ]] && kept+=("$row"); done
+  rows=("${kept[@]}")
 fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-command="REPS=$REPS TOKENS=$TOKENS WORKERS=$WORKERS SLOWDOWN=$SLOWDOWN VAL_TOKENS=$VAL_TOKENS bench/moe_train.sh"
+command="REPS=$REPS TOKENS=$TOKENS WORKERS=$WORKERS SLOWDOWN=$SLOWDOWN VAL_TOKENS=$VAL_TOKENS${ROWS:+ ROWS=$ROWS} bench/moe_train.sh"
 common=(--data "$DATA" --batch-size 16 --workers "$WORKERS" --slowdown "$SLOWDOWN" --tokens "$TOKENS" --epochs 0
   --val-tokens "$VAL_TOKENS" --lr 0.003 --beta2 0.95 --quiet --json)
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -87,23 +97,25 @@ for name, model, flags in rows:
     per_rank = [median([r[i] for r in ranks_rss if len(r) > i]) for i in range(max(map(len, ranks_rss), default=0))]
     waits = [median([r[i] for r in wait if len(r) > i]) for i in range(max(map(len, wait), default=0))]
     out[name] = (median(speed), median(loss), median(rss), len(speed), model, flags, moe, per_rank, waits)
-print("| row | model | flags | runs | tokens/s (median) | val_loss (median) | peak RSS of a rank, MB | each rank's peak RSS, MB | each rank's dispatch wait, s | dispatch/combine p50, us | aux loss | dropped |")
-print("| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | ---: |")
+print("| row | model | flags | runs | tokens/s (median) | val_loss (median) | peak RSS of a rank, MB | each rank's peak RSS, MB | each rank's dispatch wait, s | dispatch/combine p50, us | late (rank 0) | aux loss | dropped |")
+print("| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |")
 for name, (s, l, r, n, model, flags, moe, per_rank, waits) in out.items():
     aux = f"{moe['aux_loss']:.3f}" if moe else "-"
     drop = f"{100 * moe['dropped_share']:.1f}%" if moe else "-"
     d = (moe or {}).get("dispatch")
     times = f"{d['dispatch_p50_us']:.0f}/{d['combine_p50_us']:.0f}" if d else "-"
+    late = f"{100 * d['late_share']:.1f}%" if d and "late_share" in d else "-"
     ranks = " ".join(f"{v:.0f}" for v in per_rank) or "-"
     waited = " ".join(f"{v:.2f}" for v in waits) if any(waits) else "-"
-    print(f"| {name} | `{model}` | `{flags}` | {n} | {s:.0f} | {l:.4f} | {r:.0f} | {ranks} | {waited} | {times} | {aux} | {drop} |")
+    print(f"| {name} | `{model}` | `{flags}` | {n} | {s:.0f} | {l:.4f} | {r:.0f} | {ranks} | {waited} | {times} | {late} | {aux} | {drop} |")
 def ratio(a, b, what):
     if a in out and b in out and out[b][0] > 0:
         print(f"\n{a} / {b}: tokens/s {out[a][0] / out[b][0]:.2f}x, val_loss {out[a][1] / out[b][1]:.4f}x" +
               (f", peak RSS {out[a][2] / out[b][2]:.2f}x" if out[b][2] > 0 else "") + f" ({what})")
 ratio("moe-cfmo", "moe-sync", "cfmo against sync, every rank holding every expert")
 ratio("moe-sync", "dense-sync", "the MoE against the dense GPT of the same active parameters")
-ratio("moe-ep-cfmo", "moe-ep-sync", "expert parallel: cfmo with async dispatch against sync with sync dispatch")
+ratio("moe-ep-cfmo", "moe-ep-sync", "expert parallel: cfmo with async dispatch against sync with sync dispatch; target 1.5x")
+ratio("moe-ep-sync-async", "moe-ep-sync", "expert parallel, sync mode: async dispatch against sync dispatch")
 ratio("moe-ep-sync", "moe-sync", "expert parallel against every rank holding every expert")
 EOF
 )

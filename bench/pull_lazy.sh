@@ -1,42 +1,64 @@
 #!/usr/bin/env bash
-# cfmo-pull mount --lazy against a full pull, on one local registry:
-#   full      cfmo-pull pull REF --output rootfs:DIR, then the first file read
-#   lazy      cfmo-pull pull REF --output oci:DIR --cold lazy, mount --lazy,
-#             then the same file read through the mount
-# (time from the pull's start to the file's bytes: the container's first
-# output, without the container), the bytes the lazy mount fetched, the
-# sequential read throughput of every file through the mount with a cold
-# cache (fetched by ranges), through a new mount whose span cache is on
-# disk (cached), and of the full pull's rootfs (local disk, page cache
-# warm), and the mount daemon's peak RSS (VmHWM).
+# cfmo-pull mount --lazy against a full pull and against skopeo + umoci, on
+# one local docker-registry (a free 127.0.0.1 port), over the 2 GB bench
+# image (bench/oci-fixture: 4 gzip layers of 512M, files of 8M, half of them
+# random):
+#   full      cfmo-pull pull REF --output rootfs:DIR, then the entry point
+#   skopeo    skopeo copy docker://REF oci:DIR && umoci unpack, then the entry point
+#   lazy      cfmo-pull pull REF --output oci:DIR --cold lazy (the indexes
+#             found in the registry, pushed there by `index --push`),
+#             mount --lazy, then the entry point through the mount
+# The entry point reads the first 4 KiB of a few files (ENTRY_FILES, the
+# first in path order): the time from the pull's start to that is the
+# container's time to first output, without the container. Also: the bytes
+# the lazy mount fetched by then (stats.json), the sequential read
+# throughput of every file through the mount with a cold span cache (fetched
+# by ranges), through a new mount over the cached spans, and of the full
+# pull's rootfs (page cache warm); and peak RSS from /usr/bin/time -v of
+# each phase. The lazy phase runs in a PID namespace of its own (unshare
+# --fork --pid --mount-proc) so that the mount's daemon, which detaches, is
+# reaped inside it and counted in /usr/bin/time's figure (the largest
+# process of the phase); the daemon's own VmHWM is printed beside it.
 #
-#   bench/pull_lazy.sh            LAYERS=2 LAYER_SIZE=128M FILE_SIZE=1M RANDOM_SHARE=0.5
+#   bench/pull_lazy.sh      LAYERS=4 LAYER_SIZE=512M FILE_SIZE=8M RANDOM_SHARE=0.5 ENTRY_FILES=3
+#                           MAX_MEMORY=64M (the mount's --max-memory) SKOPEO=1 (0: no skopeo row)
 #
-# The image is bench/oci-fixture's, pushed with curl through the registry's
-# upload API (skopeo is not needed). The indexes come from `cfmo-pull index`
-# on the full pull, copied into the lazy pull's directory (the registry does
-# not hold them yet). Needs root (FUSE and allow_other) and Debian's
-# docker-registry.
+# Needs root (unshare; FUSE), Debian's docker-registry, and for the skopeo
+# row skopeo and umoci (scripts/install-deps.sh --bench). The figures of the
+# last run are in bench/RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 PULL=$(realpath "$BUILD/tools/cfmo-pull")
 FIXTURE=$BUILD/bench/oci-fixture
-LAYERS=${LAYERS:-2}
-LAYER_SIZE=${LAYER_SIZE:-128M}
-FILE_SIZE=${FILE_SIZE:-1M}
+LAYERS=${LAYERS:-4}
+LAYER_SIZE=${LAYER_SIZE:-512M}
+FILE_SIZE=${FILE_SIZE:-8M}
 RANDOM_SHARE=${RANDOM_SHARE:-0.5}
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/cfmo-lazy-bench-XXXXXX")
+ENTRY_FILES=${ENTRY_FILES:-3}
+MAX_MEMORY=${MAX_MEMORY:-64M}
+SKOPEO=${SKOPEO:-1}
+for cmd in /usr/bin/docker-registry /usr/bin/time /usr/bin/unshare python3 curl; do
+  command -v "$cmd" >/dev/null || { echo "pull_lazy.sh: $cmd is not installed" >&2; exit 2; }
+done
+if [ "$SKOPEO" = 1 ]; then
+  for cmd in skopeo umoci; do
+    command -v "$cmd" >/dev/null || { echo "pull_lazy.sh: $cmd is not installed (scripts/install-deps.sh --bench), or SKOPEO=0" >&2; exit 2; }
+  done
+fi
+WORK=$(mktemp -d "${TMPDIR:-/var/tmp}/cfmo-lazy-bench-XXXXXX")
 REG_PID=
 cleanup() {
-  for m in "$WORK"/mnt*; do [ -d "$m" ] && "$PULL" umount "$m" >/dev/null 2>&1 || true; done
+  [ -d "$WORK/mnt" ] && "$PULL" umount "$WORK/mnt" >/dev/null 2>&1 || true
   [ -n "$REG_PID" ] && kill "$REG_PID" 2>/dev/null || true
-  "$PULL" rm "$WORK/lazy" -q 2>/dev/null || true
+  for d in lazy full; do [ -d "$WORK/$d" ] && "$PULL" rm "$WORK/$d" -q 2>/dev/null || true; done
   rm -rf "$WORK"
 }
 trap cleanup EXIT
 now() { date +%s.%N; }
 secs() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", b - a}'; }
+json() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"; }
+max_rss_mb() { awk -F': ' '/Maximum resident set size/ {printf "%.0f", $2 / 1024}' "$1"; }
 
 "$FIXTURE" --layers "$LAYERS" --layer-size "$LAYER_SIZE" --file-size "$FILE_SIZE" --random "$RANDOM_SHARE" \
   --tag v1 "$WORK/image" >/dev/null
@@ -59,47 +81,86 @@ curl -sf -X PUT -H 'Content-Type: application/vnd.oci.image.manifest.v1+json' \
   --data-binary "@$WORK/image/blobs/sha256/$manifest" "$URL/v2/bench/lazy/manifests/v1" >/dev/null
 REF=127.0.0.1:$PORT/bench/lazy:v1
 IMAGE_BYTES=$(du -cb "$WORK"/image/blobs/sha256/* | tail -1 | cut -f1)
+rm -rf "$WORK/image"
+sync
 
-# Full: the rootfs, then its first file.
+# Full: the rootfs, then the entry point's files.
 t0=$(now)
-"$PULL" pull "$REF" --output "rootfs:$WORK/rootfs" --cache "$WORK/cache" --plain-http -q
-FIRST=$(cd "$WORK/rootfs" && find . -type f -size +0 | sort | head -1)
-head -c 4096 "$WORK/rootfs/$FIRST" >/dev/null
+/usr/bin/time -v -o "$WORK/time-full.txt" "$PULL" pull "$REF" --output "rootfs:$WORK/rootfs" --cache "$WORK/cache" --plain-http -q
+mapfile -t FILES < <(cd "$WORK/rootfs" && find . -type f -size +0 | sort | head -"$ENTRY_FILES")
+entry() { for f in "${FILES[@]}"; do head -c 4096 "$1/$f" >/dev/null; done; }
+entry "$WORK/rootfs"
 FULL_S=$(secs "$t0" "$(now)")
+rm -rf "$WORK/cache"
 
-# The indexes, made once from a full layout.
+# skopeo + umoci: the same, the rootfs umoci unpacks.
+SKOPEO_S=-
+if [ "$SKOPEO" = 1 ]; then
+  sync
+  t0=$(now)
+  /usr/bin/time -v -o "$WORK/time-skopeo.txt" skopeo copy -q --src-tls-verify=false "docker://$REF" "oci:$WORK/skopeo:v1"
+  /usr/bin/time -v -o "$WORK/time-umoci.txt" umoci unpack --image "$WORK/skopeo:v1" "$WORK/bundle" >/dev/null
+  entry "$WORK/bundle/rootfs"
+  SKOPEO_S=$(secs "$t0" "$(now)")
+  rm -rf "$WORK/skopeo" "$WORK/bundle"
+fi
+
+# The indexes, made once from a full layout and pushed to the registry (not timed: done once per image).
 "$PULL" pull "$REF" --output "oci:$WORK/full" --plain-http -q
-"$PULL" index "$WORK/full" -q
-
-# Lazy: the pull without layers, the indexes, the mount, the same file.
-t0=$(now)
-"$PULL" pull "$REF" --output "oci:$WORK/lazy" --plain-http --cold lazy -q
-cp -r "$WORK/full/cfmo-index" "$WORK/lazy/"
-mkdir -p "$WORK/mnt"
-PID=$("$PULL" mount "$WORK/lazy" "$WORK/mnt" --lazy --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["pid"])')
-head -c 4096 "$WORK/mnt/$FIRST" >/dev/null
-LAZY_S=$(secs "$t0" "$(now)")
-FIRST_FETCHED=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["bytes_fetched"])' "$WORK/lazy/cfmo-lazy-cache/stats.json")
+"$PULL" index "$WORK/full" --push -q
+"$PULL" rm "$WORK/full" -q
 
 read_all() { # DIR: seconds to cat every file, and the bytes
   local t; t=$(now)
   local bytes; bytes=$(cd "$1" && find . -type f -print0 | xargs -0 cat | wc -c)
   echo "$(secs "$t" "$(now)") $bytes"
 }
-read -r COLD_S BYTES < <(read_all "$WORK/mnt")
-ALL_FETCHED=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["bytes_fetched"])' "$WORK/lazy/cfmo-lazy-cache/stats.json")
-RSS_KB=$(awk '/VmHWM/ {print $2}' "/proc/$PID/status")
-"$PULL" umount "$WORK/mnt" -q
-PID=$("$PULL" mount "$WORK/lazy" "$WORK/mnt" --lazy --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["pid"])')
-read -r CACHED_S _ < <(read_all "$WORK/mnt")
-RSS2_KB=$(awk '/VmHWM/ {print $2}' "/proc/$PID/status")
-"$PULL" umount "$WORK/mnt" -q
+# Lazy: the pull without layers, the mount, the entry point; then every file
+# cold, then every file through a second mount over the cached spans.
+lazy_phase() {
+  mount_lazy() {
+    "$PULL" mount "$WORK/lazy" "$WORK/mnt" --lazy --json --max-memory "$MAX_MEMORY" --cache-size 4G |
+      python3 -c 'import json,sys; print(json.load(sys.stdin)["pid"])'
+  }
+  local t0 pid
+  t0=$(now)
+  "$PULL" pull "$REF" --output "oci:$WORK/lazy" --plain-http --cold lazy -q
+  mkdir -p "$WORK/mnt"
+  pid=$(mount_lazy)
+  entry "$WORK/mnt"
+  secs "$t0" "$(now)" >"$WORK/lazy-first.txt"
+  cp "$WORK/lazy/cfmo-lazy-cache/stats.json" "$WORK/stats-first.json"
+  read_all "$WORK/mnt" >"$WORK/lazy-cold.txt"
+  cp "$WORK/lazy/cfmo-lazy-cache/stats.json" "$WORK/stats-all.json"
+  awk '/VmHWM/ {print $2}' "/proc/$pid/status" >"$WORK/hwm-cold.txt"
+  "$PULL" umount "$WORK/mnt" -q
+  pid=$(mount_lazy)
+  read_all "$WORK/mnt" >"$WORK/lazy-cached.txt"
+  awk '/VmHWM/ {print $2}' "/proc/$pid/status" >"$WORK/hwm-cached.txt"
+  "$PULL" umount "$WORK/mnt" -q
+}
+export PULL REF WORK MAX_MEMORY
+export -f now secs entry read_all lazy_phase
+FILES_LIST=$(printf '%q ' "${FILES[@]}")
+sync
+/usr/bin/time -v -o "$WORK/time-lazy.txt" /usr/bin/unshare --fork --pid --mount-proc \
+  bash -c "FILES=($FILES_LIST); lazy_phase"
+LAZY_S=$(cat "$WORK/lazy-first.txt")
+FIRST_FETCHED=$(json "$WORK/stats-first.json" bytes_fetched)
+ALL_FETCHED=$(json "$WORK/stats-all.json" bytes_fetched)
+read -r COLD_S BYTES <"$WORK/lazy-cold.txt"
+read -r CACHED_S _ <"$WORK/lazy-cached.txt"
 read_all "$WORK/rootfs" >/dev/null  # the page cache warm for the local figure
 read -r LOCAL_S _ < <(read_all "$WORK/rootfs")
 
+pct() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.1f", 100 * a / b}'; }
 mbps() { awk -v b="$1" -v s="$2" 'BEGIN {printf "%.0f", b / 1048576 / (s > 0 ? s : 0.001)}'; }
 echo "image: $LAYERS gzip layers of $LAYER_SIZE, files of $FILE_SIZE ($RANDOM_SHARE random): $IMAGE_BYTES bytes compressed, $BYTES uncompressed"
-echo "first file ($FIRST): full pull + rootfs $FULL_S s; lazy pull + mount + read $LAZY_S s ($(awk -v a="$LAZY_S" -v b="$FULL_S" 'BEGIN {printf "%.0f", 100 * a / b}')% of the full)"
-echo "bytes fetched by the mount before the first file: $FIRST_FETCHED ($(awk -v a="$FIRST_FETCHED" -v b="$IMAGE_BYTES" 'BEGIN {printf "%.2f", 100 * a / b}')% of the image); after every file: $ALL_FETCHED"
-echo "reading every file: mount cold $(mbps "$BYTES" "$COLD_S") MB/s ($COLD_S s), mount with its span cache $(mbps "$BYTES" "$CACHED_S") MB/s ($CACHED_S s), local rootfs (page cache) $(mbps "$BYTES" "$LOCAL_S") MB/s ($LOCAL_S s)"
-echo "mount daemon peak RSS: $((RSS_KB / 1024)) MB cold, $((RSS2_KB / 1024)) MB cached (default --max-memory 2G, --jobs 4)"
+echo "entry point (the first 4 KiB of ${#FILES[@]} files: ${FILES[*]})"
+echo "  full pull (cfmo-pull rootfs) + entry:   $FULL_S s; peak RSS $(max_rss_mb "$WORK/time-full.txt") MB; fetched $IMAGE_BYTES bytes"
+if [ "$SKOPEO" = 1 ]; then
+  echo "  skopeo copy + umoci unpack + entry:     $SKOPEO_S s; peak RSS $(max_rss_mb "$WORK/time-skopeo.txt") MB (skopeo), $(max_rss_mb "$WORK/time-umoci.txt") MB (umoci); fetched $IMAGE_BYTES bytes"
+fi
+echo "  lazy pull + mount --lazy + entry:       $LAZY_S s ($(pct "$LAZY_S" "$FULL_S")% of the full pull); fetched $FIRST_FETCHED bytes ($(pct "$FIRST_FETCHED" "$IMAGE_BYTES")% of the image)"
+echo "reading every file: mount cold $(mbps "$BYTES" "$COLD_S") MB/s ($COLD_S s, $ALL_FETCHED bytes fetched), mount over its span cache $(mbps "$BYTES" "$CACHED_S") MB/s ($CACHED_S s), local rootfs (page cache) $(mbps "$BYTES" "$LOCAL_S") MB/s ($LOCAL_S s)"
+echo "peak RSS of the lazy phase (/usr/bin/time -v, its largest process): $(max_rss_mb "$WORK/time-lazy.txt") MB; the mount daemon's VmHWM: $(($(cat "$WORK/hwm-cold.txt") / 1024)) MB cold, $(($(cat "$WORK/hwm-cached.txt") / 1024)) MB cached (--max-memory $MAX_MEMORY, --jobs 4)"

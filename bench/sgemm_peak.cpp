@@ -21,7 +21,7 @@ int main(int argc, char** argv) {
   app.add_option("--seconds", seconds, "how long to multiply")->check(CLI::Range(0.1, 600.0));
   app.add_option("--threads", threads, "BLAS threads")->check(CLI::Range(1, 1024));
   if (auto done = cfmo::tool::parse_command_line(app, argc, argv, "sgemm-peak")) return *done;
-  cfmo::ops::set_num_threads(threads);
+  cfmo::tensor::ops::set_num_threads(threads);
   const auto n = static_cast<size_t>(size);
   std::vector<float> a(n * n), b(n * n), c(n * n);
   for (size_t i = 0; i < a.size(); ++i) {
@@ -29,8 +29,8 @@ int main(int argc, char** argv) {
     b[i] = static_cast<float>(i % 5) * 0.5f - 1.0f;
   }
   auto multiply = [&] {
-    cfmo::ops::gemm(cfmo::ops::Trans::kNo, cfmo::ops::Trans::kNo, size, size, size, 1.0f, a.data(), size, b.data(),
-                    size, 0.0f, c.data(), size);
+    cfmo::tensor::ops::gemm(cfmo::tensor::ops::Trans::kNo, cfmo::tensor::ops::Trans::kNo, size, size, size, 1.0f,
+                            a.data(), size, b.data(), size, 0.0f, c.data(), size);
   };
   multiply();  // warm: pages, caches, the BLAS's own buffers
   using Clock = std::chrono::steady_clock;
@@ -44,6 +44,6 @@ int main(int argc, char** argv) {
     ++calls;
   } while (Clock::now() < end);
   std::printf("{\"threads\":%d,\"size\":%d,\"calls\":%d,\"gflops\":%.1f,\"blas\":\"%s\"}\n", threads, size, calls,
-              2.0 * size * size * size / best / 1e9, cfmo::ops::blas_info().c_str());
+              2.0 * size * size * size / best / 1e9, cfmo::tensor::ops::blas_info().c_str());
   return 0;
 }

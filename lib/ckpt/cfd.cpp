@@ -24,7 +24,7 @@
 
 static_assert(std::endian::native == std::endian::little, ".cfd I/O assumes a little-endian host");
 
-namespace cfmo {
+namespace cfmo::ckpt {
 namespace {
 
 constexpr std::array<unsigned char, 8> kMagic = {0x89, 'C', 'F', 'D', '\r', '\n', 0x1a, '\n'};
@@ -870,4 +870,4 @@ Result<DeltaStats> CfdFile::verify(const Tensor& tensor, int threads) const {
   return tensor.stats;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::ckpt

@@ -26,7 +26,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::ckpt {
 
 /// How a chunk's floats become the bytes zstd compresses.
 enum class CfdTransform {
@@ -178,4 +178,4 @@ class CfdFile {
   CfdLimits limits_;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::ckpt

@@ -10,7 +10,7 @@
 // vector crosses an ABI boundary, so GCC's note about the vector ABI does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-namespace cfmo {
+namespace cfmo::ckpt {
 namespace {
 
 // Everything a kernel calls is forced inline, so it is compiled for the
@@ -181,4 +181,4 @@ DeltaStats pair_stats(std::span<const float> base, std::span<const float> local)
       [ b, l ](size_t i) __attribute__((always_inline)) { return std::bit_cast<uint32_t>(l[i] - b[i]); });
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::ckpt

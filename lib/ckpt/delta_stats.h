@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <span>
 
-namespace cfmo {
+namespace cfmo::ckpt {
 
 struct DeltaStats {
   int64_t elements = 0;
@@ -36,4 +36,4 @@ DeltaStats delta_only_stats(std::span<const float> delta);
 /// delta) against `base`, without materialising the delta.
 DeltaStats pair_stats(std::span<const float> base, std::span<const float> local);
 
-}  // namespace cfmo
+}  // namespace cfmo::ckpt

@@ -12,7 +12,7 @@
 
 static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
 
-namespace cfmo {
+namespace cfmo::ckpt {
 namespace {
 
 Error corrupt(const std::string& source, std::string_view what) {
@@ -194,4 +194,4 @@ Status SafetensorsFile::read_f32(std::string_view name, const std::vector<int64_
   return {};
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::ckpt

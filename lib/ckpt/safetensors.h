@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::ckpt {
 
 /// A tensor to write: bytes in the dtype's little-endian layout.
 struct TensorRef {
@@ -70,4 +70,4 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::ckpt

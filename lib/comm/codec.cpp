@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstring>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 constexpr size_t kInt8Chunk = 256;
@@ -130,4 +130,4 @@ Status decode_floats(WireDtype dtype, std::span<const std::byte>& in, std::span<
   return {};
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 enum class WireDtype : uint8_t { kFp32 = 0, kBf16 = 1, kInt8 = 2 };
 
@@ -29,4 +29,4 @@ Status decode_floats(WireDtype dtype, std::span<const std::byte>& in, std::span<
 /// Bytes that encode_floats appends for `count` values.
 size_t encoded_size(WireDtype dtype, size_t count);
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 Status Collectives::all_reduce_sum(std::span<float> data) {
   const int w = transport_.size();
@@ -75,4 +75,4 @@ Status Collectives::all_to_all_v(const std::vector<std::span<const std::byte>>& 
   return transport_.exchange(++tag_, sends, receives, "all-to-all");
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -20,7 +20,7 @@
 #include <span>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 class Collectives {
  public:
@@ -40,4 +40,4 @@ class Collectives {
   std::vector<float> scratch_;  ///< the chunk being received during the reduce-scatter
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 /// An independent message stream between ranks: a message is handled by the
 /// handler registered for its channel. The transport knows no channel by
@@ -91,6 +91,15 @@ class Communicator {
   /// Why `rank` is lost ("no message for 10.0s"); empty while it is not.
   virtual std::string lost_reason(int /*rank*/) const { return {}; }
 
+  /// The ranks that joined the run while this rank was in it (a new process
+  /// in the place of a lost rank: `cfmo-train --join`, a restarted rank), one
+  /// entry per join, in order; such a rank is no longer in lost_ranks().
+  virtual std::vector<int> joined_ranks() const { return {}; }
+  /// This rank joined a run already under way: the others are past their
+  /// start, so it may take part in no collective (their sequence is theirs),
+  /// only in messages.
+  virtual bool joined() const { return false; }
+
   /// This rank is about to leave because of its own failure (not the
   /// network's): the goodbye it sends on leaving carries `error`, so that a
   /// peer that cannot go on without it fails with this root cause, its kind
@@ -100,4 +109,4 @@ class Communicator {
   virtual CommStats stats() const = 0;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

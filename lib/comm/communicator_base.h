@@ -11,7 +11,7 @@
 #include <atomic>
 #include <mutex>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 /// Registration waits for a running handler, so an owner that unregisters
 /// (with nullptr) before it is destroyed is never called afterwards, and
@@ -81,6 +81,7 @@ class CommunicatorBase : public Communicator {
   std::vector<int> lost_ranks() const override { return peers_.lost_ranks(); }
   Status health() const override { return peers_.health(); }
   std::string lost_reason(int rank) const override { return peers_.lost_reason(rank); }
+  std::vector<int> joined_ranks() const override { return peers_.joined_ranks(); }
   void leave_with(const Error& error) override { peers_.leave_with(error); }
 
   CommStats stats() const override {
@@ -108,4 +109,4 @@ class CommunicatorBase : public Communicator {
   std::atomic<double> collective_wait_s_{0};
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

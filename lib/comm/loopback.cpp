@@ -16,7 +16,7 @@
 #include <thread>
 #include <tuple>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 using LoopbackClock = std::chrono::steady_clock;
 
@@ -360,4 +360,4 @@ LoopbackWorld make_loopback_world(int size, const LoopbackOptions& options) {
   return world;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -43,7 +43,7 @@
 #include <memory>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 struct LoopbackOptions {
   double peer_timeout_s = 10;  ///< a silenced peer is found lost this long after it went quiet
@@ -74,4 +74,4 @@ struct LoopbackWorld {
 /// `size` ranks (at least 1), connected, their progress threads running.
 LoopbackWorld make_loopback_world(int size, const LoopbackOptions& options = {});
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 // In a goodbye's first byte, beside the failure's kind: the leaving rank's run failed.
 constexpr uint8_t kFailedLeaving = 0x80;
@@ -36,6 +36,18 @@ std::vector<int> PeerHealth::lost_ranks() const {
     if (!lost_[r].empty()) out.push_back(static_cast<int>(r));
   }
   return out;
+}
+
+void PeerHealth::rejoined(int peer) {
+  std::lock_guard lock(mutex_);
+  lost_[static_cast<size_t>(peer)].clear();
+  departed_[static_cast<size_t>(peer)] = false;
+  joined_.push_back(peer);
+}
+
+std::vector<int> PeerHealth::joined_ranks() const {
+  std::lock_guard lock(mutex_);
+  return joined_;
 }
 
 Status PeerHealth::first_lost_locked() const {
@@ -112,4 +124,4 @@ void PeerHealth::on_goodbye(int peer, std::span<const std::byte> payload) {
   }
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -15,7 +15,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 class PeerHealth {
  public:
@@ -30,6 +30,11 @@ class PeerHealth {
   bool stopping() const { return stopping_.load(); }
 
   std::vector<int> lost_ranks() const;
+  /// A new process took the place of `peer` (a join): it is live again, and
+  /// its join is recorded (joined_ranks).
+  void rejoined(int peer);
+  /// The ranks that joined the run while this rank was in it, one entry per join, in order.
+  std::vector<int> joined_ranks() const;
   /// The root cause another rank reported, else a kPeer error naming the first lost rank; ok if none.
   Status health() const;
   std::string lost_reason(int peer) const;
@@ -60,9 +65,10 @@ class PeerHealth {
   mutable std::mutex mutex_;
   std::vector<std::string> lost_;                    ///< per rank: why it is lost, empty while alive
   std::vector<bool> departed_;                       ///< per rank: said goodbye
+  std::vector<int> joined_;                          ///< see joined_ranks()
   std::string first_failure_;                        ///< the first failure any rank reported, e.g. "rank 2 lost: .."
   ErrorKind first_failure_kind_ = ErrorKind::kPeer;  ///< and its kind: the status the run ends with
   Error left_with_{ErrorKind::kPeer, {}};            ///< this rank's own failure (leave_with)
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -15,14 +15,15 @@
 #include <charconv>
 #include <chrono>
 #include <cstring>
+#include <span>
 #include <thread>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr uint32_t kMagic = 0x4346'4D4F;  // "CFMO"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;          // 2: joins
 constexpr uint32_t kMaxAddress = 1 << 20;
 
 /// A socket, closed when it goes out of scope.
@@ -178,38 +179,181 @@ Result<std::pair<int, uint16_t>> listen_tcp(const std::string& host, uint16_t po
   return make_error(ErrorKind::kUsage, "rendezvous: cannot listen on {}:{}: {}", host, port, last_error);
 }
 
-Result<std::vector<std::vector<std::byte>>> exchange_addresses(const RendezvousConfig& config, int rank, int size,
-                                                               const std::vector<std::byte>& own_address) {
-  const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(config.timeout_s * 1000));
-  std::vector<std::vector<std::byte>> table(static_cast<size_t>(size));
-  if (rank != 0) {
-    CFMO_ASSIGN_OR_RETURN(Socket s, connect_with_retry(config, deadline));
-    const std::string what = fmt::format("talking to rank 0 at {}:{}", config.host, config.port);
-    CFMO_TRY(send_u32s(s.get(),
-                       {kMagic, kVersion, static_cast<uint32_t>(rank), static_cast<uint32_t>(size),
-                        static_cast<uint32_t>(own_address.size())},
-                       deadline, what));
-    CFMO_TRY(send_all(s.get(), own_address.data(), own_address.size(), deadline, what));
-    CFMO_ASSIGN_OR_RETURN(uint32_t count, recv_u32(s.get(), deadline, what));
-    if (count != static_cast<uint32_t>(size)) {
-      return peer_error(fmt::format("rank 0 runs {} ranks, this rank was started for {}", count, size));
-    }
-    for (auto& address : table) {
-      CFMO_ASSIGN_OR_RETURN(uint32_t length, recv_u32(s.get(), deadline, what));
-      if (length > kMaxAddress) return peer_error("rank 0 sent an oversized address");
-      address.resize(length);
-      CFMO_TRY(recv_all(s.get(), address.data(), length, deadline, what));
-    }
-    return table;
-  }
+namespace {
 
-  Socket listener;
+constexpr uint32_t kAnswerTable = 0;
+constexpr uint32_t kAnswerOffer = 1;
+constexpr uint32_t kAnswerRefusal = 2;
+constexpr uint32_t kAny = ~uint32_t{0};
+
+Status send_bytes(int fd, std::span<const std::byte> bytes, Clock::time_point deadline, std::string_view what) {
+  CFMO_TRY(send_u32s(fd, {static_cast<uint32_t>(bytes.size())}, deadline, what));
+  return send_all(fd, bytes.data(), bytes.size(), deadline, what);
+}
+
+Result<std::vector<std::byte>> recv_bytes(int fd, Clock::time_point deadline, std::string_view what) {
+  CFMO_ASSIGN_OR_RETURN(uint32_t length, recv_u32(fd, deadline, what));
+  if (length > kMaxAddress) return peer_error(fmt::format("{}: an oversized field", what));
+  std::vector<std::byte> out(length);
+  CFMO_TRY(recv_all(fd, out.data(), length, deadline, what));
+  return out;
+}
+
+Status send_table(int fd, const std::vector<std::vector<std::byte>>& table, Clock::time_point deadline,
+                  std::string_view what) {
+  CFMO_TRY(send_u32s(fd, {static_cast<uint32_t>(table.size())}, deadline, what));
+  for (const auto& address : table) CFMO_TRY(send_bytes(fd, address, deadline, what));
+  return {};
+}
+
+Result<std::vector<std::vector<std::byte>>> recv_table(int fd, uint32_t size, Clock::time_point deadline,
+                                                       std::string_view what) {
+  CFMO_ASSIGN_OR_RETURN(uint32_t count, recv_u32(fd, deadline, what));
+  if (count != size) return peer_error(fmt::format("rank 0 runs {} ranks, this rank was started for {}", count, size));
+  std::vector<std::vector<std::byte>> table(count);
+  for (auto& address : table) {
+    CFMO_ASSIGN_OR_RETURN(address, recv_bytes(fd, deadline, what));
+  }
+  return table;
+}
+
+Status send_refusal(int fd, bool retry, std::string_view reason, std::string_view description,
+                    Clock::time_point deadline) {
+  CFMO_TRY(send_u32s(fd, {kAnswerRefusal, retry ? 1u : 0u}, deadline, "refusing a join"));
+  CFMO_TRY(send_bytes(fd, std::as_bytes(std::span(reason.data(), reason.size())), deadline, "refusing a join"));
+  return send_bytes(fd, std::as_bytes(std::span(description.data(), description.size())), deadline, "refusing a join");
+}
+
+/// A joiner's look at the run's description (none while the run starts).
+Status check_description(const RendezvousConfig& config, const std::vector<std::byte>& description) {
+  if (!config.check || description.empty()) return {};
+  return config.check(std::string_view(reinterpret_cast<const char*>(description.data()), description.size()));
+}
+
+/// A process other than rank 0: its hello, then the table (the start) or a
+/// join (the run is under way); a refusal that may pass is retried until the deadline.
+Result<Rendezvous> ask_rank_zero(const RendezvousConfig& config, int rank, int size,
+                                 const std::vector<std::byte>& own_address, Clock::time_point deadline) {
+  const std::string where = fmt::format("{}:{}", config.host, config.port);
+  const std::string what = fmt::format("talking to rank 0 at {}", where);
+  std::string refused;
+  for (;;) {
+    if (!refused.empty() && Clock::now() >= deadline) {
+      return peer_error(fmt::format("no place in the run at {} within {:.0f}s: {}", where, config.timeout_s, refused));
+    }
+    CFMO_ASSIGN_OR_RETURN(Socket s, connect_with_retry(config, deadline));
+    CFMO_TRY(send_u32s(
+        s.get(), {kMagic, kVersion, rank == kAnyRank ? kAny : static_cast<uint32_t>(rank), static_cast<uint32_t>(size)},
+        deadline, what));
+    CFMO_TRY(send_bytes(s.get(), own_address, deadline, what));
+    auto answer = recv_u32(s.get(), deadline, what);
+    if (!answer) {
+      // A rank of the start fails as it always did; a joiner dropped while
+      // the run was starting (or by a rank 0 busy with another) asks again.
+      if (rank != kAnyRank) return answer.error();
+      refused = answer.error().message;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      continue;
+    }
+    if (*answer == kAnswerTable) {
+      if (rank == kAnyRank) return peer_error("rank 0 answered a join with the table of a starting run");
+      Rendezvous out;
+      out.rank = rank;
+      out.size = size;
+      CFMO_ASSIGN_OR_RETURN(out.addresses, recv_table(s.get(), static_cast<uint32_t>(size), deadline, what));
+      return out;
+    }
+    if (*answer == kAnswerRefusal) {
+      CFMO_ASSIGN_OR_RETURN(uint32_t retry, recv_u32(s.get(), deadline, what));
+      CFMO_ASSIGN_OR_RETURN(auto reason, recv_bytes(s.get(), deadline, what));
+      CFMO_ASSIGN_OR_RETURN(auto description, recv_bytes(s.get(), deadline, what));
+      refused.assign(reinterpret_cast<const char*>(reason.data()), reason.size());
+      // A process that does not fit the run learns it now, not after waiting for a free rank.
+      CFMO_TRY(check_description(config, description));
+      if (retry == 0) return make_error(ErrorKind::kUsage, "joining the run at {}: {}", where, refused);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      continue;
+    }
+    if (*answer != kAnswerOffer) return peer_error(fmt::format("{}: unknown answer {}", what, *answer));
+    Rendezvous out;
+    out.joined = true;
+    CFMO_ASSIGN_OR_RETURN(uint32_t offered, recv_u32(s.get(), deadline, what));
+    CFMO_ASSIGN_OR_RETURN(uint32_t world, recv_u32(s.get(), deadline, what));
+    CFMO_ASSIGN_OR_RETURN(auto description, recv_bytes(s.get(), deadline, what));
+    if (world < 2 || offered >= world)
+      return peer_error(fmt::format("{}: rank 0 offered rank {} of {}", what, offered, world));
+    if (const Status fits = check_description(config, description); !fits) {
+      // Declined: rank 0 takes nobody in, the run goes on as it was.
+      [[maybe_unused]] auto declined = send_u32s(s.get(), {0u}, deadline, what);
+      return fits.error();
+    }
+    CFMO_TRY(send_u32s(s.get(), {1u}, deadline, what));
+    out.rank = static_cast<int>(offered);
+    out.size = static_cast<int>(world);
+    CFMO_ASSIGN_OR_RETURN(out.addresses, recv_table(s.get(), world, deadline, what));
+    out.lost.resize(world);
+    for (uint32_t r = 0; r < world; ++r) {
+      CFMO_ASSIGN_OR_RETURN(uint32_t lost, recv_u32(s.get(), deadline, what));
+      out.lost[r] = lost != 0;
+    }
+    return out;
+  }
+}
+
+struct Hello {
+  uint32_t rank = 0;
+  uint32_t size = 0;
+  std::vector<std::byte> address;
+};
+
+/// A hello on a just accepted connection; an error for a stranger's bytes.
+Result<Hello> read_hello(int fd, Clock::time_point deadline) {
+  CFMO_ASSIGN_OR_RETURN(uint32_t magic, recv_u32(fd, deadline, "reading a hello"));
+  CFMO_ASSIGN_OR_RETURN(uint32_t version, recv_u32(fd, deadline, "reading a hello"));
+  if (magic != kMagic || version != kVersion) return peer_error("a hello of another program or version");
+  Hello h;
+  CFMO_ASSIGN_OR_RETURN(h.rank, recv_u32(fd, deadline, "reading a hello"));
+  CFMO_ASSIGN_OR_RETURN(h.size, recv_u32(fd, deadline, "reading a hello"));
+  CFMO_ASSIGN_OR_RETURN(h.address, recv_bytes(fd, deadline, "reading an address"));
+  return h;
+}
+
+}  // namespace
+
+Status serve_join(int socket, int size, const std::string& description, const JoinHooks& hooks, double timeout_s) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  CFMO_ASSIGN_OR_RETURN(Hello hello, read_hello(socket, std::min(deadline, Clock::now() + std::chrono::seconds(5))));
+  const int asked = hello.rank == kAny ? kAnyRank : static_cast<int>(std::min<uint32_t>(hello.rank, 1u << 30));
+  const JoinHooks::Decision decision = hooks.decide(asked, static_cast<int>(std::min<uint32_t>(hello.size, 1u << 30)));
+  if (decision.rank < 0) return send_refusal(socket, decision.retry, decision.refusal, description, deadline);
+  const std::string what = fmt::format("offering rank {} to a joining process", decision.rank);
+  CFMO_TRY(send_u32s(socket, {kAnswerOffer, static_cast<uint32_t>(decision.rank), static_cast<uint32_t>(size)},
+                     deadline, what));
+  CFMO_TRY(send_bytes(socket, std::as_bytes(std::span(description.data(), description.size())), deadline, what));
+  CFMO_ASSIGN_OR_RETURN(uint32_t accepted, recv_u32(socket, deadline, what));
+  if (accepted == 0) return {};  // it did not fit (its flags): nothing changes
+  CFMO_ASSIGN_OR_RETURN(auto admitted, hooks.admit(decision.rank, hello.address));
+  CFMO_TRY(send_table(socket, admitted.first, deadline, what));
+  for (const bool lost : admitted.second) CFMO_TRY(send_u32s(socket, {lost ? 1u : 0u}, deadline, what));
+  return {};
+}
+
+Result<Rendezvous> exchange_addresses(const RendezvousConfig& config, int rank, int size,
+                                      const std::vector<std::byte>& own_address) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(config.timeout_s * 1000));
+  if (rank != 0) return ask_rank_zero(config, rank, size, own_address, deadline);
+
+  Rendezvous out;
+  out.rank = 0;
+  out.size = size;
   if (config.listen_fd >= 0) {
-    listener = Socket(config.listen_fd);
+    out.listener = Socket(config.listen_fd);
   } else {
     CFMO_ASSIGN_OR_RETURN(auto bound, listen_tcp(config.host, config.port));
-    listener = Socket(bound.first);
+    out.listener = Socket(bound.first);
   }
+  auto& table = out.addresses;
+  table.assign(static_cast<size_t>(size), {});
   table[0] = own_address;
   std::vector<Socket> peers(static_cast<size_t>(size));
   int joined = 1;
@@ -221,41 +365,36 @@ Result<std::vector<std::vector<std::byte>>> exchange_addresses(const RendezvousC
       }
       return peer_error(fmt::format("rank(s) {} did not arrive within {:.0f}s", missing, config.timeout_s));
     }
-    pollfd p{listener.get(), POLLIN, 0};
+    pollfd p{out.listener.get(), POLLIN, 0};
     if (::poll(&p, 1, remaining_ms(deadline)) <= 0) continue;
-    Socket s(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    Socket s(::accept4(out.listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
     if (s.get() < 0) continue;
     // A stranger (a port scan, a wrong client) is dropped, not fatal.
     const auto hello_deadline = std::min(deadline, Clock::now() + std::chrono::seconds(5));
-    auto magic = recv_u32(s.get(), hello_deadline, "reading a hello");
-    if (!magic || *magic != kMagic) continue;
-    auto version = recv_u32(s.get(), hello_deadline, "reading a hello");
-    auto peer_rank = recv_u32(s.get(), hello_deadline, "reading a hello");
-    auto peer_size = recv_u32(s.get(), hello_deadline, "reading a hello");
-    auto length = recv_u32(s.get(), hello_deadline, "reading a hello");
-    if (!version || !peer_rank || !peer_size || !length || *version != kVersion || *length > kMaxAddress) continue;
-    if (*peer_size != static_cast<uint32_t>(size)) {
-      return peer_error(fmt::format("rank {} was started for {} ranks, rank 0 for {}", *peer_rank, *peer_size, size));
+    auto hello = read_hello(s.get(), hello_deadline);
+    if (!hello) continue;
+    if (hello->rank == kAny) {
+      // A join while the run starts: it asks again once the run is under way.
+      [[maybe_unused]] auto refused = send_refusal(s.get(), true, "the run is still starting", {}, hello_deadline);
+      continue;
     }
-    if (*peer_rank == 0 || *peer_rank >= static_cast<uint32_t>(size) || peers[*peer_rank].get() >= 0) {
-      return peer_error(fmt::format("two processes claim rank {}", *peer_rank));
+    if (hello->size != static_cast<uint32_t>(size)) {
+      return peer_error(fmt::format("rank {} was started for {} ranks, rank 0 for {}", hello->rank, hello->size, size));
     }
-    std::vector<std::byte> address(*length);
-    if (!recv_all(s.get(), address.data(), address.size(), hello_deadline, "reading an address")) continue;
-    table[*peer_rank] = std::move(address);
-    peers[*peer_rank] = std::move(s);
+    if (hello->rank == 0 || hello->rank >= static_cast<uint32_t>(size) || peers[hello->rank].get() >= 0) {
+      return peer_error(fmt::format("two processes claim rank {}", hello->rank));
+    }
+    table[hello->rank] = std::move(hello->address);
+    peers[hello->rank] = std::move(s);
     ++joined;
   }
   for (int r = 1; r < size; ++r) {
     const int fd = peers[static_cast<size_t>(r)].get();
     const std::string what = fmt::format("answering rank {}", r);
-    CFMO_TRY(send_u32s(fd, {static_cast<uint32_t>(size)}, deadline, what));
-    for (const auto& address : table) {
-      CFMO_TRY(send_u32s(fd, {static_cast<uint32_t>(address.size())}, deadline, what));
-      CFMO_TRY(send_all(fd, address.data(), address.size(), deadline, what));
-    }
+    CFMO_TRY(send_u32s(fd, {kAnswerTable}, deadline, what));
+    CFMO_TRY(send_table(fd, table, deadline, what));
   }
-  return table;
+  return out;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -4,7 +4,7 @@
 #include <cstring>
 #include <mutex>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 class SoloCommunicator final : public Communicator {
@@ -66,4 +66,4 @@ class SoloCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_solo_communicator() { return std::make_unique<SoloCommunicator>(); }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -7,8 +7,8 @@
 
 #include <memory>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 std::unique_ptr<Communicator> make_solo_communicator();
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -23,7 +23,7 @@
 #include <span>
 #include <string_view>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 struct SendTo {
   int peer = -1;
@@ -49,4 +49,4 @@ class PointToPoint {
                           std::string_view what) = 0;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <ucp/api/ucp.h>
 #include <ucs/config/global_opts.h>
 #include <unistd.h>
@@ -15,8 +16,11 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <future>
 #include <initializer_list>
 #include <memory>
 #include <mutex>
@@ -24,7 +28,7 @@
 #include <type_traits>
 #include <utility>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -34,7 +38,11 @@ using Clock = std::chrono::steady_clock;
 constexpr uint8_t kCollective = 0;
 constexpr uint8_t kHeartbeat = 0xFF;
 constexpr uint8_t kGoodbye = 0xFE;  // a rank is leaving on purpose: its disconnect is not a failure
-static_assert(kLastClientChannel < kGoodbye);
+// Joins: [u8 kRejoinedNote][u32 rank][its address] rank 0 to the others, [u8 kJoinAck][u32 rank] back.
+constexpr uint8_t kMembership = 0xFD;
+constexpr uint8_t kRejoinedNote = 1;
+constexpr uint8_t kJoinAck = 2;
+static_assert(kLastClientChannel < kMembership);
 constexpr ucp_tag_t kChannelMask = ucp_tag_t{0xFF} << 56;
 constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
 // Collective messages up to this size are sent eagerly (see post_send).
@@ -115,100 +123,128 @@ struct Pending {
   std::vector<std::byte> payload;  ///< a send's bytes, or a probed receive's buffer
   uint8_t channel = 0;             ///< for probed receives: whose handler gets it
   bool is_receive = false;
+  uint32_t incarnation = 0;  ///< of `peer`: a failure of an earlier one (before a join) is not the new one's
 };
+
+/// A UCP context and worker, made before the rendezvous: the worker's
+/// address is what the rendezvous carries, and a joining process learns its
+/// rank only from it.
+struct UcxWorker {
+  UcpContext context;  ///< declared before the worker: the worker goes first
+  UcpWorker worker;
+  int worker_fd = -1;
+  std::vector<std::byte> address;
+};
+
+/// UCX (1.13 at least) keeps shared memory and CMA away from endpoints
+/// that ask for peer error handling unless told they may claim it: the
+/// shared-memory FIFOs (sysv, posix) have no failure reporting of their own
+/// and CMA cannot invalidate a registration. Without these, every byte
+/// between two ranks on one host goes over TCP loopback (bench/RESULTS.md
+/// has by how much). Peer failure is still seen: UCX's keepalive checks that a local
+/// peer's process is alive, and the heartbeats here mark a silent peer
+/// lost. CMA's rendezvous has the receiver read the sender's buffer
+/// (get), so a peer found lost can at most read a send buffer of this
+/// rank, never write into its memory. A UCX_* variable the user set wins.
+void allow_shared_memory(ucp_config_t* config) {
+  const auto user_set = [](std::initializer_list<const char*> names) {
+    return std::any_of(names.begin(), names.end(), [](const char* n) { return std::getenv(n) != nullptr; });
+  };
+  if (!user_set({"UCX_MM_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_POSIX_ERROR_HANDLING"})) {
+    ucp_config_modify(config, "MM_ERROR_HANDLING", "y");  // unknown to another UCX: ignored
+  }
+  // CMA's memory domain reads its options without the CMA_ prefix.
+  if (!user_set({"UCX_CMA_MEMORY_INVALIDATE"})) ucp_config_modify(config, "MEMORY_INVALIDATE", "y");
+  // A local peer that died is seen by that keepalive (a look at its
+  // process), every 20 s by default: every second, as TCP's reset was.
+  if (!user_set({"UCX_KEEPALIVE_INTERVAL"})) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
+}
+
+Result<UcxWorker> open_worker() {
+  // UCX logs to stdout, where --json goes; unless the user asked for UCX's
+  // own logging, keep only its errors (they still name the transport).
+  if (std::getenv("UCX_LOG_LEVEL") == nullptr) ucs_global_opts.log_component.log_level = UCS_LOG_LEVEL_ERROR;
+  ucp_config_t* read_config = nullptr;
+  ucs_status_t status = ucp_config_read(nullptr, nullptr, &read_config);
+  if (status != UCS_OK) return ucx_error("reading the UCX configuration", status);
+  const UcpConfig config(read_config);
+  allow_shared_memory(config.get());
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = 0;
+  UcxWorker out;
+  ucp_context_h context = nullptr;
+  status = ucp_init(&params, config.get(), &context);
+  if (status != UCS_OK) return ucx_error("ucp_init", status);
+  out.context.reset(context);
+
+  ucp_worker_params_t worker_params{};
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  // Created here, then used by the progress thread or by the caller of a
+  // collective, whichever holds worker_mutex_: serialized, never concurrent.
+  worker_params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+  ucp_worker_h worker = nullptr;
+  status = ucp_worker_create(out.context.get(), &worker_params, &worker);
+  if (status != UCS_OK) return ucx_error("ucp_worker_create", status);
+  out.worker.reset(worker);
+  if (ucp_worker_get_efd(worker, &out.worker_fd) != UCS_OK) out.worker_fd = -1;  // then the thread polls
+
+  ucp_address_t* got_address = nullptr;
+  size_t address_length = 0;
+  status = ucp_worker_get_address(worker, &got_address, &address_length);
+  if (status != UCS_OK) return ucx_error("ucp_worker_get_address", status);
+  const UcpAddress address(got_address, UcpAddressRelease{worker});
+  const auto* address_bytes = reinterpret_cast<const std::byte*>(address.get());
+  out.address.assign(address_bytes, address_bytes + address_length);
+  return out;
+}
 
 class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
  public:
-  UcxCommunicator(int rank, int size, UcxOptions options)
-      : CommunicatorBase(rank, size), rank_(rank), size_(size), options_(options), collectives_(*this) {
+  UcxCommunicator(int rank, int size, UcxOptions options, UcxWorker opened, bool joined)
+      : CommunicatorBase(rank, size),
+        rank_(rank),
+        size_(size),
+        joined_(joined),
+        options_(options),
+        context_(std::move(opened.context)),
+        worker_(std::move(opened.worker)),
+        worker_fd_(opened.worker_fd),
+        collectives_(*this) {
     last_heard_.assign(static_cast<size_t>(size), Clock::now());
+    incarnation_.assign(static_cast<size_t>(size), 0);
+    current_context_.assign(static_cast<size_t>(size), nullptr);
   }
 
   ~UcxCommunicator() override { shutdown(); }
 
-  Status init(const RendezvousConfig& rendezvous) {
-    // UCX logs to stdout, where --json goes; unless the user asked for UCX's
-    // own logging, keep only its errors (they still name the transport).
-    if (std::getenv("UCX_LOG_LEVEL") == nullptr) ucs_global_opts.log_component.log_level = UCS_LOG_LEVEL_ERROR;
-    ucp_config_t* read_config = nullptr;
-    ucs_status_t status = ucp_config_read(nullptr, nullptr, &read_config);
-    if (status != UCS_OK) return ucx_error("reading the UCX configuration", status);
-    const UcpConfig config(read_config);
-    allow_shared_memory(config.get());
-    ucp_params_t params{};
-    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-    params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
-    params.mt_workers_shared = 0;
-    ucp_context_h context = nullptr;
-    status = ucp_init(&params, config.get(), &context);
-    if (status != UCS_OK) return ucx_error("ucp_init", status);
-    context_.reset(context);
-
-    ucp_worker_params_t worker_params{};
-    worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    // Created here, then used by the progress thread or by the caller of a
-    // collective, whichever holds worker_mutex_: serialized, never concurrent.
-    worker_params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
-    ucp_worker_h worker = nullptr;
-    status = ucp_worker_create(context_.get(), &worker_params, &worker);
-    if (status != UCS_OK) return ucx_error("ucp_worker_create", status);
-    worker_.reset(worker);
-    if (ucp_worker_get_efd(worker, &worker_fd_) != UCS_OK) worker_fd_ = -1;  // then the thread polls
-
-    ucp_address_t* got_address = nullptr;
-    size_t address_length = 0;
-    status = ucp_worker_get_address(worker, &got_address, &address_length);
-    if (status != UCS_OK) return ucx_error("ucp_worker_get_address", status);
-    const UcpAddress address(got_address, UcpAddressRelease{worker});
-    const auto* address_bytes = reinterpret_cast<const std::byte*>(address.get());
-    std::vector<std::byte> own(address_bytes, address_bytes + address_length);
-
-    CFMO_ASSIGN_OR_RETURN(auto table, exchange_addresses(rendezvous, rank_, size_, own));
+  /// Connects to every peer of `met` (the rendezvous' table) but the lost
+  /// ones, and starts the progress thread; rank 0 also the join service.
+  Status connect(Rendezvous& met, std::string description) {
     endpoints_.assign(static_cast<size_t>(size_), nullptr);
-    error_contexts_.resize(static_cast<size_t>(size_));
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_) continue;
-      error_contexts_[static_cast<size_t>(peer)] = {this, peer};
-      ucp_ep_params_t ep_params{};
-      ep_params.field_mask =
-          UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-      ep_params.address = reinterpret_cast<const ucp_address_t*>(table[static_cast<size_t>(peer)].data());
-      ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-      ep_params.err_handler.cb = &UcxCommunicator::on_endpoint_error;
-      ep_params.err_handler.arg = &error_contexts_[static_cast<size_t>(peer)];
-      status = ucp_ep_create(worker, &ep_params, &endpoints_[static_cast<size_t>(peer)]);
-      if (status != UCS_OK) return ucx_error(fmt::format("connecting to rank {}", peer), status);
+      if (peer < static_cast<int>(met.lost.size()) && met.lost[static_cast<size_t>(peer)]) {
+        peers_.mark_lost(peer, "lost before this rank joined");
+        continue;
+      }
+      CFMO_TRY(open_endpoint(peer, met.addresses[static_cast<size_t>(peer)]));
     }
     wake_fd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     const auto now = Clock::now();
     std::fill(last_heard_.begin(), last_heard_.end(), now);
     progress_thread_ = std::thread([this] { progress_loop(); });
+    if (met.listener) {
+      addresses_ = std::move(met.addresses);
+      description_ = std::move(description);
+      join_listener_ = std::move(met.listener);
+      join_thread_ = std::thread([this] { join_loop(); });
+    }
     return {};
   }
 
-  /// UCX (1.13 at least) keeps shared memory and CMA away from endpoints
-  /// that ask for peer error handling unless told they may claim it: the
-  /// shared-memory FIFOs (sysv, posix) have no failure reporting of their own
-  /// and CMA cannot invalidate a registration. Without these, every byte
-  /// between two ranks on one host goes over TCP loopback (bench/RESULTS.md
-  /// has by how much). Peer failure is still seen: UCX's keepalive checks that a local
-  /// peer's process is alive, and the heartbeats here mark a silent peer
-  /// lost. CMA's rendezvous has the receiver read the sender's buffer
-  /// (get), so a peer found lost can at most read a send buffer of this
-  /// rank, never write into its memory. A UCX_* variable the user set wins.
-  static void allow_shared_memory(ucp_config_t* config) {
-    const auto user_set = [](std::initializer_list<const char*> names) {
-      return std::any_of(names.begin(), names.end(), [](const char* n) { return std::getenv(n) != nullptr; });
-    };
-    if (!user_set({"UCX_MM_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_POSIX_ERROR_HANDLING"})) {
-      ucp_config_modify(config, "MM_ERROR_HANDLING", "y");  // unknown to another UCX: ignored
-    }
-    // CMA's memory domain reads its options without the CMA_ prefix.
-    if (!user_set({"UCX_CMA_MEMORY_INVALIDATE"})) ucp_config_modify(config, "MEMORY_INVALIDATE", "y");
-    // A local peer that died is seen by that keepalive (a look at its
-    // process), every 20 s by default: every second, as TCP's reset was.
-    if (!user_set({"UCX_KEEPALIVE_INTERVAL"})) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
-  }
+  bool joined() const override { return joined_; }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -245,6 +281,9 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   }
 
  private:
+  // A joiner's exchange with the join service, from its hello to its table.
+  static constexpr double kJoinTimeoutS = 10;
+
   struct ErrorContext {
     UcxCommunicator* self = nullptr;
     int peer = -1;
@@ -252,12 +291,157 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
 
   static void on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto* context = static_cast<ErrorContext*>(arg);
+    // An endpoint to an earlier process in that rank's place (before a join): not the peer's.
+    if (context->self->current_context_[static_cast<size_t>(context->peer)] != context) return;
     context->self->mark_lost(context->peer, fmt::format("connection error: {}", ucs_status_string(status)));
   }
 
   void mark_lost(int peer, std::string why) { peers_.mark_lost(peer, std::move(why)); }
   bool departed(int peer) const { return peers_.departed(peer); }
   bool is_lost(int peer) const { return peers_.is_lost(peer); }
+
+  /// Opens the endpoint to `peer` at `address` (again after a join: a new process in its place).
+  Status open_endpoint(int peer, const std::vector<std::byte>& address) {
+    const auto p = static_cast<size_t>(peer);
+    ErrorContext& context = error_contexts_.emplace_back(ErrorContext{this, peer});
+    current_context_[p] = &context;
+    ucp_ep_params_t ep_params{};
+    ep_params.field_mask =
+        UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep_params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep_params.err_handler.cb = &UcxCommunicator::on_endpoint_error;
+    ep_params.err_handler.arg = &context;
+    const ucs_status_t status = ucp_ep_create(worker_.get(), &ep_params, &endpoints_[p]);
+    if (status != UCS_OK) {
+      endpoints_[p] = nullptr;
+      return ucx_error(fmt::format("connecting to rank {}", peer), status);
+    }
+    return {};
+  }
+
+  // ---- joins: on the thread that holds the worker, but for the join service's own thread ----
+
+  /// A new process took `peer`'s place at `address`: the old endpoint goes
+  /// (what it still had in flight fails without blaming the new process),
+  /// the new one comes, and the peer is live again.
+  void take_rejoined(int peer, const std::vector<std::byte>& address) {
+    const auto p = static_cast<size_t>(peer);
+    ++incarnation_[p];
+    current_context_[p] = nullptr;
+    force_close(peer);
+    if (Status opened = open_endpoint(peer, address); !opened) {
+      mark_lost(peer, opened.error().message);
+      return;
+    }
+    last_heard_[p] = Clock::now();
+    peers_.rejoined(peer);
+  }
+
+  static std::vector<std::byte> membership_note(uint8_t kind, int rank, std::span<const std::byte> address = {}) {
+    std::vector<std::byte> out(5 + address.size());
+    out[0] = static_cast<std::byte>(kind);
+    const auto who = static_cast<uint32_t>(rank);
+    std::memcpy(out.data() + 1, &who, 4);
+    if (!address.empty()) std::memcpy(out.data() + 5, address.data(), address.size());
+    return out;
+  }
+
+  void on_membership(int from, const std::vector<std::byte>& m) {
+    if (m.size() < 5) return;
+    uint32_t who = 0;
+    std::memcpy(&who, m.data() + 1, 4);
+    if (who >= static_cast<uint32_t>(size_) || static_cast<int>(who) == rank_) return;
+    const auto kind = static_cast<uint8_t>(m[0]);
+    if (kind == kRejoinedNote && from == 0) {
+      take_rejoined(static_cast<int>(who), std::vector<std::byte>(m.begin() + 5, m.end()));
+      send_now(from, kMembership, 0, membership_note(kJoinAck, static_cast<int>(who)));
+    } else if (kind == kJoinAck) {
+      {
+        std::lock_guard lock(join_mutex_);
+        join_acks_.push_back(from);
+      }
+      join_cv_.notify_all();
+    }
+  }
+
+  /// Rank 0's join service: one process at a time, until this rank shuts down.
+  void join_loop() {
+    pthread_setname_np(pthread_self(), "cfmo-join");
+    JoinHooks hooks;
+    hooks.decide = [this](int rank, int size) { return decide_join(rank, size); };
+    hooks.admit = [this](int rank, const std::vector<std::byte>& address) { return admit(rank, address); };
+    while (!join_stop_.load()) {
+      pollfd p{join_listener_.get(), POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      const Fd s(::accept4(join_listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (s.get() < 0) continue;
+      // What goes wrong with one joiner concerns it alone: the run goes on.
+      [[maybe_unused]] const Status served = serve_join(s.get(), size_, description_, hooks, kJoinTimeoutS);
+    }
+  }
+
+  JoinHooks::Decision decide_join(int rank, int size) const {
+    if (size != 0 && size != size_) {
+      return {-1, fmt::format("the run has {} ranks; this process was started for {}", size_, size), false};
+    }
+    if (peers_.stopping() || join_stop_.load()) return {-1, "the run is ending", false};
+    if (rank == kAnyRank) {
+      for (int r = 1; r < size_; ++r) {
+        if (is_lost(r)) return {r, {}, true};
+      }
+      return {-1, fmt::format("no rank is free: all {} ranks are alive", size_), true};
+    }
+    if (rank <= 0 || rank >= size_) {
+      return {-1, fmt::format("rank {} cannot join a run of {} ranks whose rank 0 serves the joins", rank, size_),
+              false};
+    }
+    if (!is_lost(rank)) return {-1, fmt::format("rank {} is still alive in the run", rank), true};
+    return {rank, {}, true};
+  }
+
+  /// Takes the joiner in as `rank` here and at every live peer (each answers
+  /// once it has; a peer lost meanwhile is not waited for), then gives it
+  /// every rank's address and which are lost.
+  Result<std::pair<std::vector<std::vector<std::byte>>, std::vector<bool>>> admit(
+      int rank, const std::vector<std::byte>& address) {
+    {
+      std::lock_guard lock(join_mutex_);
+      join_acks_.clear();
+    }
+    auto told = std::make_shared<std::promise<std::vector<int>>>();
+    auto told_future = told->get_future();
+    enqueue([this, rank, address, told] {
+      take_rejoined(rank, address);
+      std::vector<int> peers;
+      const auto note = membership_note(kRejoinedNote, rank, address);
+      for (int peer = 1; peer < size_; ++peer) {
+        if (peer == rank || is_lost(peer) || departed(peer)) continue;
+        send_now(peer, kMembership, 0, note);
+        peers.push_back(peer);
+      }
+      told->set_value(std::move(peers));
+    });
+    const auto deadline = Clock::now() + std::chrono::duration<double>(options_.peer_timeout_s + 2);
+    while (told_future.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
+      if (join_stop_.load() || Clock::now() > deadline) {
+        return make_error(ErrorKind::kPeer, "rank 0 could not take rank {} in", rank);
+      }
+    }
+    const std::vector<int> peers = told_future.get();
+    {
+      std::unique_lock lock(join_mutex_);
+      join_cv_.wait_until(lock, deadline, [&] {
+        return join_stop_.load() || std::all_of(peers.begin(), peers.end(), [&](int p) {
+                 return is_lost(p) || std::find(join_acks_.begin(), join_acks_.end(), p) != join_acks_.end();
+               });
+      });
+    }
+    addresses_[static_cast<size_t>(rank)] = address;
+    std::vector<bool> lost(static_cast<size_t>(size_), false);
+    for (int r = 0; r < size_; ++r) lost[static_cast<size_t>(r)] = r != rank && is_lost(r);
+    return std::pair{addresses_, lost};
+  }
 
   void enqueue(std::function<void()> command) {
     {
@@ -329,7 +513,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
       mark_lost(peer, fmt::format("send failed: {}", ucs_status_string(UCS_PTR_STATUS(request))));
       return;
     }
-    pending_.push_back(Pending{UcpRequest(request), peer, std::move(payload), channel, false});
+    pending_.push_back(Pending{UcpRequest(request), peer, std::move(payload), channel, false,
+                               incarnation_[static_cast<size_t>(peer)]});
   }
 
   /// Probes for messages on channels that have a handler, starting their receives.
@@ -343,7 +528,9 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
       probed_.clear();
       for (int c = 1; c < 256; ++c) {
         const auto channel = static_cast<uint8_t>(c);
-        if (handlers_.has(channel) || channel == kHeartbeat || channel == kGoodbye) probed_.push_back(channel);
+        if (handlers_.has(channel) || channel == kHeartbeat || channel == kGoodbye || channel == kMembership) {
+          probed_.push_back(channel);
+        }
       }
     }
     for (const uint8_t channel : probed_) {
@@ -377,12 +564,14 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   }
 
   void complete_receive(Pending& p) {
-    if (p.channel != kHeartbeat && p.channel != kGoodbye) {
+    if (p.channel != kHeartbeat && p.channel != kGoodbye && p.channel != kMembership) {
       stats_bytes_received_ += p.payload.size();
       ++stats_messages_received_;
     }
     if (p.channel == kGoodbye) {
       peers_.on_goodbye(p.peer, p.payload);
+    } else if (p.channel == kMembership) {
+      on_membership(p.peer, p.payload);
     } else if (p.channel != kHeartbeat) {
       handlers_.deliver(p.peer, p.channel, p.payload);
     }
@@ -404,7 +593,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
       pending_.pop_back();
       p.request.reset();
       if (status == UCS_OK && p.is_receive) complete_receive(p);
-      if (status != UCS_OK && status != UCS_ERR_CANCELED && p.peer >= 0) {
+      if (status != UCS_OK && status != UCS_ERR_CANCELED && p.peer >= 0 && p.peer < size_ &&
+          p.incarnation == incarnation_[static_cast<size_t>(p.peer)]) {
         mark_lost(p.peer, fmt::format("transfer failed: {}", ucs_status_string(status)));
       }
     }
@@ -646,6 +836,9 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   }
 
   void shutdown() {
+    join_stop_ = true;
+    join_cv_.notify_all();
+    if (join_thread_.joinable()) join_thread_.join();
     if (!progress_thread_.joinable()) {
       release();
       return;
@@ -757,12 +950,15 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
 
   const int rank_;
   const int size_;
+  const bool joined_;                ///< this rank joined a run under way
   bool unclosed_endpoints_ = false;  ///< a forced close that did not finish: see release()
   const UcxOptions options_;
   UcpContext context_;  ///< declared before the worker: the worker goes first
   UcpWorker worker_;
   std::vector<ucp_ep_h> endpoints_;
-  std::vector<ErrorContext> error_contexts_;
+  std::deque<ErrorContext> error_contexts_;     ///< one per endpoint ever opened (their addresses stay)
+  std::vector<ErrorContext*> current_context_;  ///< per peer: its endpoint's now
+  std::vector<uint32_t> incarnation_;           ///< per peer: how many processes took its place (joins)
   int worker_fd_ = -1;
   Fd wake_fd_;
 
@@ -787,18 +983,30 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   Clock::time_point last_heartbeat_{};
   Clock::time_point last_activity_{};
   Collectives collectives_;  ///< on the thread that holds worker_mutex_
+
+  // Rank 0's join service (its own thread, cfmo-join).
+  Fd join_listener_;
+  std::thread join_thread_;
+  std::atomic<bool> join_stop_{false};
+  std::vector<std::vector<std::byte>> addresses_;  ///< join thread: every rank's address now
+  std::string description_;                        ///< what a joiner is shown
+  std::mutex join_mutex_;                          ///< guards join_acks_
+  std::condition_variable join_cv_;
+  std::vector<int> join_acks_;  ///< the peers that took up the join being admitted
 };
 
 }  // namespace
 
 Result<std::unique_ptr<Communicator>> connect_ucx(int rank, int size, const RendezvousConfig& rendezvous,
                                                   const UcxOptions& options) {
-  if (size < 1 || rank < 0 || rank >= size) {
+  if (rank != kAnyRank && (size < 1 || rank < 0 || rank >= size)) {
     return make_error(ErrorKind::kUsage, "rank {} is not in a world of {} ranks", rank, size);
   }
-  auto comm = std::make_unique<UcxCommunicator>(rank, size, options);
-  CFMO_TRY(comm->init(rendezvous));
+  CFMO_ASSIGN_OR_RETURN(UcxWorker opened, open_worker());
+  CFMO_ASSIGN_OR_RETURN(Rendezvous met, exchange_addresses(rendezvous, rank, size, opened.address));
+  auto comm = std::make_unique<UcxCommunicator>(met.rank, met.size, options, std::move(opened), met.joined);
+  CFMO_TRY(comm->connect(met, rendezvous.description));
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -11,7 +11,7 @@
 
 #include <memory>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 struct UcxOptions {
   double peer_timeout_s = 10;  ///< a peer silent this long is lost
@@ -24,4 +24,4 @@ struct UcxOptions {
 Result<std::unique_ptr<Communicator>> connect_ucx(int rank, int size, const RendezvousConfig& rendezvous,
                                                   const UcxOptions& options = {});
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -23,7 +23,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 std::optional<int> env_int(const char* name) {
@@ -343,6 +343,14 @@ Result<std::pair<int, std::string>> run_self(const std::vector<std::string>& arg
 
 Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInfo>& world,
                                                     const WorldOptions& options) {
+  UcxOptions ucx;
+  ucx.peer_timeout_s = options.peer_timeout_s;
+  if (!options.join.empty()) {
+    CFMO_ASSIGN_OR_RETURN(RendezvousConfig rendezvous, parse_rendezvous(options.join));
+    rendezvous.timeout_s = std::max(60.0, options.peer_timeout_s);
+    rendezvous.check = options.check;
+    return connect_ucx(kAnyRank, 0, rendezvous, ucx);
+  }
   if (!world || world->size <= 1) return make_solo_communicator();
   // Our own launcher's address wins: its rank 0 listens on the socket it inherited.
   std::string address = world->launched ? "" : options.rendezvous;
@@ -355,9 +363,9 @@ Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInf
     rendezvous.listen_fd = std::atoi(fd);
   }
   rendezvous.timeout_s = std::max(60.0, options.peer_timeout_s);
-  UcxOptions ucx;
-  ucx.peer_timeout_s = options.peer_timeout_s;
+  rendezvous.description = options.description;
+  rendezvous.check = options.check;
   return connect_ucx(world->rank, world->size, rendezvous, ucx);
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -11,6 +11,7 @@
 /// the rank its Communicator: UCX through the rendezvous, or the solo one.
 
 #include "comm/communicator.h"
+#include "comm/rendezvous.h"
 #include "core/error.h"
 
 #include <atomic>
@@ -20,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::comm {
 
 struct WorldInfo {
   int rank = 0;
@@ -41,12 +42,21 @@ struct WorldOptions {
   double peer_timeout_s = 10;
   /// What the error says to do when several ranks have no rendezvous address.
   std::string rendezvous_hint = "set --rendezvous or CFMO_RENDEZVOUS";
+  /// host:port of a running run's rank 0 (--join): this process takes the
+  /// place of a lost rank there, whatever the environment says.
+  std::string join{};
+  /// Rank 0: what a joining process is shown; a joiner (or a rank whose run
+  /// is already under way): its look at that, an error declining (comm/rendezvous.h).
+  std::string description{};
+  JoinCheck check{};
 };
 
 /// This rank's Communicator in `world` (from world_from_environment): over
 /// UCX for a world of several ranks, after the rendezvous (which waits for
 /// the others at least 60 s), else the solo one. kUsage when several ranks
 /// have no rendezvous address, naming the variables that said how many.
+/// With `options.join`, the place of a lost rank in the run there (waiting
+/// for one at least 60 s); its rank and size are the communicator's.
 Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInfo>& world, const WorldOptions& options);
 
 /// Starts `workers` copies of this program (argv as given) with RANK,
@@ -72,4 +82,4 @@ Result<int> launch_local(int workers, char** argv, const std::atomic<bool>* inte
 /// through; returns its exit status and what it wrote on stdout.
 Result<std::pair<int, std::string>> run_self(const std::vector<std::string>& args);
 
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -6,21 +6,21 @@
 #include "cuda/runtime.h"
 #endif
 
-namespace cfmo {
+namespace cfmo::cuda {
 
-Device device_for_rank(const Device& device, int local_rank) {
+tensor::Device device_for_rank(const tensor::Device& device, int local_rank) {
   if (!device.is_cuda() || device.index >= 0) return device;
   const int local = std::max(0, local_rank);
   int count = 1;
 #if CFMO_HAVE_CUDA
   count = std::max(1, cuda::device_count());
 #endif
-  return Device{DeviceKind::kCuda, local % count};
+  return tensor::Device{tensor::DeviceKind::kCuda, local % count};
 }
 
 bool cuda_built() { return CFMO_HAVE_CUDA != 0; }
 
-Status check_device(const Device& device, std::string_view flag) {
+Status check_device(const tensor::Device& device, std::string_view flag) {
   if (!device.is_cuda()) return {};
 #if CFMO_HAVE_CUDA
   return cuda::check_device(device.index < 0 ? 0 : device.index, flag, device.to_string());
@@ -32,7 +32,7 @@ Status check_device(const Device& device, std::string_view flag) {
 #endif
 }
 
-std::string device_description(const Device& device) {
+std::string device_description(const tensor::Device& device) {
   if (!device.is_cuda()) return "cpu";
 #if CFMO_HAVE_CUDA
   return cuda::describe_device(device.index < 0 ? 0 : device.index);
@@ -41,4 +41,4 @@ std::string device_description(const Device& device) {
 #endif
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::cuda

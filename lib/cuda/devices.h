@@ -11,12 +11,12 @@
 #include <string>
 #include <string_view>
 
-namespace cfmo {
+namespace cfmo::cuda {
 
 /// The device of one rank: "cuda" becomes cuda:(local_rank mod the number of
 /// GPUs), `local_rank` being its index among its host's ranks (the world's,
 /// comm/world.h: WorldInfo::local_rank). A CPU or a fixed ordinal is returned as it is.
-Device device_for_rank(const Device& device, int local_rank);
+tensor::Device device_for_rank(const tensor::Device& device, int local_rank);
 
 /// True when this build has the CUDA backend.
 bool cuda_built();
@@ -24,9 +24,9 @@ bool cuda_built();
 /// Checks that `device` can be used in this process: always true for the CPU;
 /// for CUDA, a kUsage error "no CUDA device" with the reason (built without
 /// CUDA, no driver, no such ordinal) otherwise.
-Status check_device(const Device& device, std::string_view flag = "--device");
+Status check_device(const tensor::Device& device, std::string_view flag = "--device");
 
 /// "NVIDIA H200 (cuda:0, compute 9.0, 139 GiB)" or "cpu", for reports.
-std::string device_description(const Device& device);
+std::string device_description(const tensor::Device& device);
 
-}  // namespace cfmo
+}  // namespace cfmo::cuda

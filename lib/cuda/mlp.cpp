@@ -9,7 +9,7 @@ namespace cfmo::cuda {
 
 #define CFMO_LAUNCH(call, what) CFMO_CUDA_TRY(call, what)
 
-Result<DeviceDataset> DeviceDataset::upload(const Context& ctx, const Dataset& data, std::string_view what) {
+Result<DeviceDataset> DeviceDataset::upload(const Context& ctx, const data::Dataset& data, std::string_view what) {
   DeviceDataset d;
   d.count_ = data.count;
   d.features_ = data.features;
@@ -21,7 +21,7 @@ Result<DeviceDataset> DeviceDataset::upload(const Context& ctx, const Dataset& d
   return d;
 }
 
-Result<std::unique_ptr<CudaMlp>> CudaMlp::create(Context& ctx, const Mlp& model) {
+Result<std::unique_ptr<CudaMlp>> CudaMlp::create(Context& ctx, const model::Mlp& model) {
   std::unique_ptr<CudaMlp> m(new CudaMlp(ctx));
   m->widths_.push_back(model.spec().inputs);
   for (int h : model.spec().hidden) m->widths_.push_back(h);
@@ -107,8 +107,9 @@ Status CudaMlp::backward(const float* inputs, const int32_t* labels, int batch) 
     const float* dz = grad_z_.data();
     CFMO_TRY(gemm(ctx_, Trans::kYes, Trans::kNo, out, in, batch, 1.0f, dz, out, a, in, 0.0f, dw, in));
     // db = column sums of dz [batch, out]: read column-major it is [out, batch], times a vector of ones.
-    CFMO_CUBLAS_TRY(cublasSgemv(ctx_.blas(), CUBLAS_OP_N, out, batch, &one, dz, out, ones_.data(), 1, &zero, db, 1),
-                    "bias gradient");
+    CFMO_CUBLAS_TRY(
+        ctx_.cublas().sgemv(ctx_.blas(), CUBLAS_OP_N, out, batch, &one, dz, out, ones_.data(), 1, &zero, db, 1),
+        "bias gradient");
     if (l == 0) break;
     CFMO_TRY(
         gemm(ctx_, Trans::kNo, Trans::kNo, batch, in, out, 1.0f, dz, out, weight(l), in, 0.0f, grad_a_.data(), in));
@@ -151,7 +152,7 @@ Result<float> CudaMlp::forward_backward(const float* inputs, const int32_t* labe
   return static_cast<float>(loss / batch);
 }
 
-Result<EvalResult> CudaMlp::evaluate(const DeviceDataset& data, int chunk) {
+Result<model::EvalResult> CudaMlp::evaluate(const DeviceDataset& data, int chunk) {
   chunk = static_cast<int>(std::min<int64_t>(chunk, std::max<int64_t>(data.count(), 1)));
   CFMO_TRY(ensure_workspace(chunk));
   CFMO_TRY(loss_.zero(ctx_.stream(), "clearing the loss"));
@@ -172,7 +173,7 @@ Result<EvalResult> CudaMlp::evaluate(const DeviceDataset& data, int chunk) {
     // wait anyway so the order of host writes and device reads is plain to see.
     CFMO_TRY(ctx_.synchronize("evaluation"));
   }
-  EvalResult result;
+  model::EvalResult result;
   unsigned long long correct = 0;
   CFMO_CUDA_TRY(cudaMemcpyAsync(&result.loss_sum, loss_.data(), sizeof(double), cudaMemcpyDeviceToHost, ctx_.stream()),
                 "reading the evaluation");

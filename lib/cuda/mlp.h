@@ -20,7 +20,7 @@ namespace cfmo::cuda {
 /// sends only the batch's example indices.
 class DeviceDataset {
  public:
-  static Result<DeviceDataset> upload(const Context& ctx, const Dataset& data, std::string_view what);
+  static Result<DeviceDataset> upload(const Context& ctx, const data::Dataset& data, std::string_view what);
   int64_t count() const { return count_; }
   int features() const { return features_; }
   const uint8_t* pixels() const { return pixels_.data(); }
@@ -36,12 +36,12 @@ class DeviceDataset {
 class CudaMlp {
  public:
   /// A model with `model`'s layout; its parameters are uploaded.
-  static Result<std::unique_ptr<CudaMlp>> create(Context& ctx, const Mlp& model);
+  static Result<std::unique_ptr<CudaMlp>> create(Context& ctx, const model::Mlp& model);
 
   size_t num_params() const { return size_; }
   float* parameters() { return parameters_.data(); }
   float* gradients() { return gradients_.data(); }
-  const std::vector<ParamInfo>& params() const { return params_; }
+  const std::vector<model::ParamInfo>& params() const { return params_; }
 
   Status upload_parameters(std::span<const float> host);
   Status download_parameters(std::span<float> host);  ///< waits for the copy
@@ -57,7 +57,7 @@ class CudaMlp {
   Result<float> forward_backward(const float* inputs, const int32_t* labels, int batch);
 
   /// Loss and correct predictions over a whole data set, `chunk` rows at a time.
-  Result<EvalResult> evaluate(const DeviceDataset& data, int chunk = 1000);
+  Result<model::EvalResult> evaluate(const DeviceDataset& data, int chunk = 1000);
 
  private:
   CudaMlp(Context& ctx) : ctx_(ctx) {}
@@ -71,7 +71,7 @@ class CudaMlp {
 
   Context& ctx_;
   std::vector<int> widths_;
-  std::vector<ParamInfo> params_;
+  std::vector<model::ParamInfo> params_;
   size_t size_ = 0;
   DeviceArray<float> parameters_;
   DeviceArray<float> gradients_;

@@ -53,7 +53,7 @@ class CudaExpert final : public moe::ExpertDevice {
   CudaExpert(std::shared_ptr<DeviceShared> shared, int hidden, int ffn)
       : shared_(std::move(shared)), hidden_(hidden), ffn_(ffn) {}
 
-  Status upload(const FloatBuffer& w1, const FloatBuffer& w2) {
+  Status upload(const tensor::FloatBuffer& w1, const tensor::FloatBuffer& w2) {
     const cudaStream_t stream = shared_->ctx->stream();
     CFMO_TRY(w1_.resize(w1.size(), "expert weights"));
     CFMO_TRY(w2_.resize(w2.size(), "expert weights"));
@@ -114,9 +114,9 @@ Status attach_experts(std::vector<moe::ExpertFfn>& experts, int ordinal) {
 
 #endif
 
-Result<std::string> place_experts(std::vector<moe::ExpertFfn>& experts, const Device& device, int local_rank) {
+Result<std::string> place_experts(std::vector<moe::ExpertFfn>& experts, const tensor::Device& device, int local_rank) {
   if (!device.is_cuda()) return std::string("cpu");
-  const Device mine = device_for_rank(device, local_rank);
+  const tensor::Device mine = device_for_rank(device, local_rank);
 #if CFMO_HAVE_CUDA
   CFMO_TRY(attach_experts(experts, mine.index));
 #else

@@ -17,6 +17,6 @@ namespace cfmo::cuda {
 /// `local_rank`: device_for_rank) and returns the device's description;
 /// "cpu" leaves them where they are. kUsage "no CUDA device" where it cannot
 /// be used, in a build without CUDA too.
-Result<std::string> place_experts(std::vector<moe::ExpertFfn>& experts, const Device& device, int local_rank);
+Result<std::string> place_experts(std::vector<moe::ExpertFfn>& experts, const tensor::Device& device, int local_rank);
 
 }  // namespace cfmo::cuda

@@ -25,7 +25,7 @@ std::string NcclComm::version() {
   return fmt::format("NCCL {}.{}.{}", v / 10000, (v / 100) % 100, v % 100);
 }
 
-Result<bool> NcclComm::one_gpu_per_rank(const Context& ctx, Communicator& host) {
+Result<bool> NcclComm::one_gpu_per_rank(const Context& ctx, comm::Communicator& host) {
   // Every rank's "host/PCI bus id" to every rank, then the same comparison everywhere.
   constexpr size_t kHostBytes = 256;
   constexpr size_t kIdBytes = kHostBytes + 32;
@@ -49,7 +49,7 @@ Result<bool> NcclComm::one_gpu_per_rank(const Context& ctx, Communicator& host) 
   return true;
 }
 
-Result<std::unique_ptr<NcclComm>> NcclComm::create(Context& ctx, Communicator& host, double timeout_s) {
+Result<std::unique_ptr<NcclComm>> NcclComm::create(Context& ctx, comm::Communicator& host, double timeout_s) {
   std::unique_ptr<NcclComm> nc(new NcclComm(ctx, host, timeout_s));
   const int rank = host.rank();
   const int world = host.size();

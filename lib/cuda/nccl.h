@@ -22,7 +22,7 @@ class NcclComm {
   /// Every rank of `host` calls this together: rank 0's NCCL id travels over
   /// `host` (an all-to-all-v), then NCCL connects the devices. `timeout_s`
   /// bounds each wait when a peer goes silent without the host noticing.
-  static Result<std::unique_ptr<NcclComm>> create(Context& ctx, Communicator& host, double timeout_s);
+  static Result<std::unique_ptr<NcclComm>> create(Context& ctx, comm::Communicator& host, double timeout_s);
   ~NcclComm();
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
@@ -32,19 +32,19 @@ class NcclComm {
 
   /// True when every rank of `host` has a GPU of its own (NCCL refuses two
   /// ranks on one device). Collective: every rank calls it, all get the same answer.
-  static Result<bool> one_gpu_per_rank(const Context& ctx, Communicator& host);
+  static Result<bool> one_gpu_per_rank(const Context& ctx, comm::Communicator& host);
 
   /// "NCCL 2.28.9", for reports.
   static std::string version();
 
  private:
-  NcclComm(Context& ctx, Communicator& host, double timeout_s) : ctx_(ctx), host_(host), timeout_s_(timeout_s) {}
+  NcclComm(Context& ctx, comm::Communicator& host, double timeout_s) : ctx_(ctx), host_(host), timeout_s_(timeout_s) {}
   /// Waits until NCCL's pending work (and, with `stream_too`, the stream) is done,
   /// failing on an NCCL error, a lost host peer or the timeout.
   Status wait(std::string_view what, bool stream_too);
 
   Context& ctx_;
-  Communicator& host_;
+  comm::Communicator& host_;
   double timeout_s_;
   ncclComm_t comm_ = nullptr;
   bool aborted_ = false;

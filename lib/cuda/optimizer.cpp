@@ -7,18 +7,18 @@
 
 namespace cfmo::cuda {
 
-Result<std::unique_ptr<CudaOptimizer>> CudaOptimizer::create(Context& ctx, const OptimizerConfig& config,
-                                                             const std::vector<ParamInfo>& layout, size_t size) {
+Result<std::unique_ptr<CudaOptimizer>> CudaOptimizer::create(Context& ctx, const optim::OptimizerConfig& config,
+                                                             const std::vector<model::ParamInfo>& layout, size_t size) {
   std::vector<std::string> names;
   switch (config.kind) {
-    case OptimizerKind::kSgd:
+    case optim::OptimizerKind::kSgd:
       names = {"momentum_buffer"};
       break;
-    case OptimizerKind::kAdam:
-    case OptimizerKind::kAdamW:
+    case optim::OptimizerKind::kAdam:
+    case optim::OptimizerKind::kAdamW:
       names = {"exp_avg", "exp_avg_sq"};
       break;
-    case OptimizerKind::kMuon:
+    case optim::OptimizerKind::kMuon:
       names = {"momentum_buffer", "exp_avg", "exp_avg_sq"};
       break;
   }
@@ -29,7 +29,7 @@ Result<std::unique_ptr<CudaOptimizer>> CudaOptimizer::create(Context& ctx, const
     CFMO_TRY(state.buffer.zero(ctx.stream(), "allocating optimizer state"));
     opt->state_.push_back(std::move(state));
   }
-  if (config.kind == OptimizerKind::kMuon) {
+  if (config.kind == optim::OptimizerKind::kMuon) {
     size_t largest = 0;
     for (const auto& p : layout) largest = std::max(largest, p.size);
     size_t gram = 0;
@@ -60,7 +60,7 @@ Status CudaOptimizer::step(float* params, const float* grads, float lr) {
   const cudaStream_t stream = ctx_.stream();
   const auto wd = static_cast<float>(config_.weight_decay);
   const size_t n = state_.front().buffer.size();
-  if (config_.kind == OptimizerKind::kSgd) {
+  if (config_.kind == optim::OptimizerKind::kSgd) {
     CFMO_CUDA_TRY(kernels::sgd_step(params, grads, find("momentum_buffer")->data(), n, lr,
                                     static_cast<float>(config_.momentum), wd, config_.nesterov, steps_ == 0, stream),
                   "SGD step");
@@ -68,11 +68,11 @@ Status CudaOptimizer::step(float* params, const float* grads, float lr) {
     return {};
   }
   ++steps_;
-  const auto k = adam_coefficients(config_, steps_, lr);
+  const auto k = optim::adam_coefficients(config_, steps_, lr);
   float* m = find("exp_avg")->data();
   float* v = find("exp_avg_sq")->data();
-  if (config_.kind == OptimizerKind::kAdam || config_.kind == OptimizerKind::kAdamW) {
-    const bool decoupled = config_.kind == OptimizerKind::kAdamW;
+  if (config_.kind == optim::OptimizerKind::kAdam || config_.kind == optim::OptimizerKind::kAdamW) {
+    const bool decoupled = config_.kind == optim::OptimizerKind::kAdamW;
     CFMO_CUDA_TRY(
         kernels::adam_step(params, grads, m, v, n, static_cast<float>(config_.beta1), static_cast<float>(config_.beta2),
                            k.step_size, k.inv_sqrt_bc2, static_cast<float>(config_.eps), decoupled ? 0.0f : wd,
@@ -95,7 +95,7 @@ Status CudaOptimizer::step(float* params, const float* grads, float lr) {
   return {};
 }
 
-Status CudaOptimizer::muon_matrix(float* p, const float* g, const ParamInfo& info, float lr) {
+Status CudaOptimizer::muon_matrix(float* p, const float* g, const model::ParamInfo& info, float lr) {
   constexpr float a = 3.4445f;
   constexpr float b = -4.7750f;
   constexpr float c = 2.0315f;
@@ -147,7 +147,7 @@ Status CudaOptimizer::scale_first_moment(float factor, size_t offset, size_t cou
   return {};
 }
 
-Status CudaOptimizer::download_state(Optimizer& host) {
+Status CudaOptimizer::download_state(optim::Optimizer& host) {
   for (auto& target : host.state()) {
     DeviceArray<float>* source = find(target.name);
     if (source == nullptr || target.buffer->size() != source->size()) {
@@ -159,7 +159,7 @@ Status CudaOptimizer::download_state(Optimizer& host) {
   return ctx_.synchronize("downloading optimizer state");
 }
 
-Status CudaOptimizer::upload_state(Optimizer& host) {
+Status CudaOptimizer::upload_state(optim::Optimizer& host) {
   for (auto& source : host.state()) {
     DeviceArray<float>* target = find(source.name);
     if (target == nullptr || source.buffer->size() != target->size()) {

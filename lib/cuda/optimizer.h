@@ -18,8 +18,8 @@ namespace cfmo::cuda {
 
 class CudaOptimizer {
  public:
-  static Result<std::unique_ptr<CudaOptimizer>> create(Context& ctx, const OptimizerConfig& config,
-                                                       const std::vector<ParamInfo>& layout, size_t size);
+  static Result<std::unique_ptr<CudaOptimizer>> create(Context& ctx, const optim::OptimizerConfig& config,
+                                                       const std::vector<model::ParamInfo>& layout, size_t size);
 
   /// One update of the device `params` from the device `grads`.
   Status step(float* params, const float* grads, float lr);
@@ -27,25 +27,25 @@ class CudaOptimizer {
   Status scale_first_moment(float factor, size_t offset, size_t count);
 
   /// Copies the state into `host` (an optimizer of the same name and size), with the step count.
-  Status download_state(Optimizer& host);
+  Status download_state(optim::Optimizer& host);
   /// Copies `host`'s state and step count to the device (a resumed run).
-  Status upload_state(Optimizer& host);
+  Status upload_state(optim::Optimizer& host);
 
   int64_t step_count() const { return steps_; }
 
  private:
-  CudaOptimizer(Context& ctx, OptimizerConfig config, std::vector<ParamInfo> layout)
+  CudaOptimizer(Context& ctx, optim::OptimizerConfig config, std::vector<model::ParamInfo> layout)
       : ctx_(ctx), config_(std::move(config)), layout_(std::move(layout)) {}
   struct Named {
     std::string name;
     DeviceArray<float> buffer;
   };
   DeviceArray<float>* find(const std::string& name);
-  Status muon_matrix(float* p, const float* g, const ParamInfo& info, float lr);
+  Status muon_matrix(float* p, const float* g, const model::ParamInfo& info, float lr);
 
   Context& ctx_;
-  OptimizerConfig config_;
-  std::vector<ParamInfo> layout_;
+  optim::OptimizerConfig config_;
+  std::vector<model::ParamInfo> layout_;
   int64_t steps_ = 0;
   std::vector<Named> state_;  ///< "momentum_buffer", "exp_avg", "exp_avg_sq" as the optimizer has them
   // Muon's scratch, sized for the largest matrix.

@@ -7,7 +7,10 @@ Error cuda_error(cudaError_t code, std::string_view what) {
 }
 
 Error cublas_error(cublasStatus_t code, std::string_view what) {
-  return make_error(ErrorKind::kInternal, "cuBLAS: {}: {}", what, cublasGetStatusString(code));
+  // The status text needs the library; a code reaches here only after a call through it succeeded in loading.
+  const Result<const CublasApi*> api = cublas_api();
+  return make_error(ErrorKind::kInternal, "cuBLAS: {}: {}", what,
+                    api ? (*api)->status_string(code) : std::to_string(static_cast<int>(code)));
 }
 
 Status check_device(int ordinal, std::string_view flag, std::string_view shown) {
@@ -47,16 +50,17 @@ Result<std::unique_ptr<Context>> Context::create(int ordinal) {
   ctx->ordinal_ = ordinal;
   CFMO_CUDA_TRY(cudaSetDevice(ordinal), fmt::format("selecting cuda:{}", ordinal));
   CFMO_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->stream_, cudaStreamNonBlocking), "creating a stream");
-  CFMO_CUBLAS_TRY(cublasCreate(&ctx->blas_), "creating a handle");
-  CFMO_CUBLAS_TRY(cublasSetStream(ctx->blas_, ctx->stream_), "binding the handle to the stream");
+  CFMO_ASSIGN_OR_RETURN(ctx->api_, cublas_api());
+  CFMO_CUBLAS_TRY(ctx->api_->create(&ctx->blas_), "creating a handle");
+  CFMO_CUBLAS_TRY(ctx->api_->set_stream(ctx->blas_, ctx->stream_), "binding the handle to the stream");
   // FP32 GEMMs stay FP32 (no TF32 tensor-core rounding): training on the GPU
   // must match the CPU path within float tolerance.
-  CFMO_CUBLAS_TRY(cublasSetMathMode(ctx->blas_, CUBLAS_DEFAULT_MATH), "setting the math mode");
+  CFMO_CUBLAS_TRY(ctx->api_->set_math_mode(ctx->blas_, CUBLAS_DEFAULT_MATH), "setting the math mode");
   return ctx;
 }
 
 Context::~Context() {
-  if (blas_ != nullptr) cublasDestroy(blas_);
+  if (blas_ != nullptr) api_->destroy(blas_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
@@ -72,7 +76,7 @@ Status gemm(const Context& ctx, Trans trans_a, Trans trans_b, int m, int n, int 
   // each with its own transpose flag, and m and n trade places.
   const cublasOperation_t op_a = trans_a == Trans::kYes ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = trans_b == Trans::kYes ? CUBLAS_OP_T : CUBLAS_OP_N;
-  CFMO_CUBLAS_TRY(cublasSgemm(ctx.blas(), op_b, op_a, n, m, k, &alpha, b, ldb, a, lda, &beta, c, ldc),
+  CFMO_CUBLAS_TRY(ctx.cublas().sgemm(ctx.blas(), op_b, op_a, n, m, k, &alpha, b, ldb, a, lda, &beta, c, ldc),
                   fmt::format("sgemm {}x{}x{}", m, n, k));
   return {};
 }

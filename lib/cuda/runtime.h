@@ -4,6 +4,7 @@
 /// Built only where the CUDA toolkit was found (CFMO_HAVE_CUDA).
 
 #include "core/error.h"
+#include "cuda/cublas_api.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -120,6 +121,7 @@ class Context {
   int ordinal() const { return ordinal_; }
   cudaStream_t stream() const { return stream_; }
   cublasHandle_t blas() const { return blas_; }
+  const CublasApi& cublas() const { return *api_; }
   /// Waits for the stream; the first error of an earlier asynchronous call surfaces here.
   Status synchronize(std::string_view what) const;
 
@@ -127,6 +129,7 @@ class Context {
   Context() = default;
   int ordinal_ = 0;
   cudaStream_t stream_ = nullptr;
+  const CublasApi* api_ = nullptr;
   cublasHandle_t blas_ = nullptr;
 };
 

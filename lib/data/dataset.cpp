@@ -12,7 +12,7 @@
 #include <cstring>
 #include <memory>
 
-namespace cfmo {
+namespace cfmo::data {
 namespace {
 
 constexpr uint32_t kImageMagic = 0x00000803;  // unsigned byte, 3 dimensions
@@ -334,4 +334,4 @@ void gather_batch(const Dataset& data, const std::vector<int64_t>& order, int64_
   }
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::data

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::data {
 
 struct Dataset {
   int64_t count = 0;
@@ -71,4 +71,4 @@ std::vector<int64_t> epoch_order(uint64_t seed, int64_t epoch, int64_t count);
 void gather_batch(const Dataset& data, const std::vector<int64_t>& order, int64_t first, int n, float* inputs,
                   int32_t* labels);
 
-}  // namespace cfmo
+}  // namespace cfmo::data

@@ -18,7 +18,7 @@
 #include <set>
 #include <string_view>
 
-namespace cfmo {
+namespace cfmo::data {
 namespace {
 
 namespace fs = std::filesystem;
@@ -391,4 +391,4 @@ int64_t val_window_count(int64_t val_tokens, int context) {
   return (val_tokens - 1) / context;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::data

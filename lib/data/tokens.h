@@ -30,7 +30,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::data {
 
 /// The magic and version of llm.c's token files (llm.c dev/data/data_common.py).
 inline constexpr int32_t kLlmcTokenMagic = 20240520;
@@ -138,4 +138,4 @@ class WindowSampler {
 int64_t val_window_count(int64_t val_tokens, int context);
 inline int64_t val_window_start(int64_t window, int context) { return window * context; }
 
-}  // namespace cfmo
+}  // namespace cfmo::data

@@ -13,7 +13,7 @@
 #include <chrono>
 #include <thread>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
 using Json = nlohmann::ordered_json;
@@ -276,4 +276,4 @@ Result<CommandOutput> run_watch(const DivergeConfig& config, const DivergePlan& 
   return out;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

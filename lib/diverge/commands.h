@@ -16,7 +16,7 @@ namespace CLI {
 class App;
 }  // namespace CLI
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 /// The paths a subcommand was given: PATHs (report, check), RUNDIR (plot,
 /// watch), and the checkpoint pair of --base/--against.
@@ -71,4 +71,4 @@ Result<CommandOutput> run_plot(const DivergeConfig& config, const DivergePlan& p
 Result<CommandOutput> run_watch(const DivergeConfig& config, const DivergePlan& plan, const CommandPaths& paths,
                                 const std::function<void(std::string_view)>& emit, const std::function<bool()>& stop);
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <sstream>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 namespace {
 
@@ -174,4 +174,4 @@ Result<DivergePlan> validate(const DivergeConfig& c, Subcommand s) {
   return plan;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

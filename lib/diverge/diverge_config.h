@@ -20,7 +20,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 enum class Subcommand { kReport, kCheck, kPlot, kWatch };
 
@@ -75,4 +75,4 @@ struct DivergePlan {
 };
 Result<DivergePlan> validate(const DivergeConfig& config, Subcommand subcommand);
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

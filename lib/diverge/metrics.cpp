@@ -4,9 +4,9 @@
 #include <cmath>
 #include <limits>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
-Divergence divergence(const DeltaStats& stats) {
+Divergence divergence(const ckpt::DeltaStats& stats) {
   constexpr double kUndefined = std::numeric_limits<double>::quiet_NaN();
   Divergence d;
   d.delta_l2 = std::sqrt(stats.delta_sq);
@@ -31,4 +31,4 @@ Divergence divergence(const DeltaStats& stats) {
   return d;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

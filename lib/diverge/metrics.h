@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 struct Divergence {
   double rel_l2 = 0;           ///< NaN (undefined) when the base is zero and the delta is not
@@ -26,6 +26,6 @@ struct Divergence {
 };
 
 /// Over the finite values (DeltaStats leaves non-finite ones out of its sums).
-Divergence divergence(const DeltaStats& stats);
+Divergence divergence(const ckpt::DeltaStats& stats);
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -8,7 +8,7 @@
 #include <map>
 #include <set>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 std::vector<PlotSeries> rel_l2_series(const Report& report) {
   std::map<int, PlotSeries> by_rank;
@@ -278,4 +278,4 @@ std::string render_sparklines(std::span<const PlotSeries> series, std::optional<
   return out;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 struct PlotSeries {
   int rank = 0;
@@ -41,4 +41,4 @@ std::string render_svg(std::span<const PlotSeries> series, const SvgOptions& opt
 /// do not fit).
 std::string render_sparklines(std::span<const PlotSeries> series, std::optional<double> threshold, int columns);
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

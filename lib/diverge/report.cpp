@@ -16,7 +16,7 @@
 #include <map>
 #include <set>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace fs = std::filesystem;
 
 namespace {
@@ -62,9 +62,9 @@ struct CfdItem {
 
 Status read_cfd_batch(std::span<const CfdItem> items, const ReportOptions& options, GlobUse& globs,
                       std::vector<DeltaRow>& out) {
-  std::vector<std::optional<Result<CfdFile>>> opened(items.size());
+  std::vector<std::optional<Result<ckpt::CfdFile>>> opened(items.size());
   parallel_for(items.size(), options.threads, "cfd-open",
-               [&](size_t i) { opened[i].emplace(CfdFile::open(items[i].path)); });
+               [&](size_t i) { opened[i].emplace(ckpt::CfdFile::open(items[i].path)); });
   struct Wanted {
     size_t file;
     size_t tensor;
@@ -74,7 +74,7 @@ Status read_cfd_batch(std::span<const CfdItem> items, const ReportOptions& optio
   for (size_t i = 0; i < items.size(); ++i) {
     auto& file = *opened[i];
     if (!file) return std::move(file).error();
-    const CfdFileInfo& info = file->info();
+    const ckpt::CfdFileInfo& info = file->info();
     if (const auto& e = items[i].expected; e && (e->rank != info.rank || e->round != info.round)) {
       return make_error(ErrorKind::kInput, "'{}': the header says rank {} round {}, the file name rank {} round {}",
                         items[i].path.string(), info.rank, info.round, e->rank, e->round);
@@ -87,7 +87,7 @@ Status read_cfd_batch(std::span<const CfdItem> items, const ReportOptions& optio
   }
 
   // Reading and reducing: every frame of every wanted tensor is one task.
-  std::vector<std::vector<DeltaStats>> reduced(wanted.size());
+  std::vector<std::vector<ckpt::DeltaStats>> reduced(wanted.size());
   if (!options.header_only) {
     struct Task {
       size_t wanted;
@@ -102,7 +102,7 @@ Status read_cfd_batch(std::span<const CfdItem> items, const ReportOptions& optio
     std::vector<std::optional<Error>> errors(tasks.size());
     parallel_for(tasks.size(), options.threads, "cfd-reduce", [&](size_t j) {
       const auto& [w, k] = tasks[j];
-      const CfdFile& file = **opened[wanted[w].file];
+      const ckpt::CfdFile& file = **opened[wanted[w].file];
       auto stats = file.reduce_frame(file.tensors()[wanted[w].tensor], k);
       if (stats) {
         reduced[w][k] = *stats;
@@ -117,7 +117,7 @@ Status read_cfd_batch(std::span<const CfdItem> items, const ReportOptions& optio
 
   size_t w = 0;
   for (size_t i : kept_files) {
-    const CfdFile& file = **opened[i];
+    const ckpt::CfdFile& file = **opened[i];
     DeltaRow row;
     row.source = items[i].path.string();
     row.rank = file.info().rank;
@@ -127,7 +127,7 @@ Status read_cfd_batch(std::span<const CfdItem> items, const ReportOptions& optio
     for (; w < wanted.size() && wanted[w].file == i; ++w) {
       const auto& tensor = file.tensors()[wanted[w].tensor];
       if (!options.header_only) {
-        DeltaStats merged;
+        ckpt::DeltaStats merged;
         for (const auto& part : reduced[w]) merged.merge(part);
         CFMO_TRY(file.check_reduced(tensor, merged));
       }
@@ -162,7 +162,8 @@ float half_to_float(uint16_t h) {
 }
 
 // Values [first, first + out.size()) of a floating-point tensor, as float32.
-void to_floats(const SafetensorsFile& file, const SafetensorsFile::Entry& entry, size_t first, std::span<float> out) {
+void to_floats(const ckpt::SafetensorsFile& file, const ckpt::SafetensorsFile::Entry& entry, size_t first,
+               std::span<float> out) {
   const auto bytes = file.bytes(entry);
   const std::byte* p = bytes.data();
   const size_t n = out.size();
@@ -186,20 +187,21 @@ void to_floats(const SafetensorsFile& file, const SafetensorsFile::Entry& entry,
 
 Result<DeltaRow> compare_checkpoints(const fs::path& base_path, const fs::path& local_path,
                                      const ReportOptions& options, GlobUse& globs, std::vector<std::string>& notes) {
-  std::optional<Result<SafetensorsFile>> files[2];
+  std::optional<Result<ckpt::SafetensorsFile>> files[2];
   const fs::path* paths[2] = {&base_path, &local_path};
-  parallel_for(2, options.threads, "st-read", [&](size_t i) { files[i].emplace(SafetensorsFile::read(*paths[i])); });
+  parallel_for(2, options.threads, "st-read",
+               [&](size_t i) { files[i].emplace(ckpt::SafetensorsFile::read(*paths[i])); });
   for (auto& f : files) {
     if (!*f) return std::move(*f).error();
   }
-  const SafetensorsFile& base = **files[0];
-  const SafetensorsFile& local = **files[1];
+  const ckpt::SafetensorsFile& base = **files[0];
+  const ckpt::SafetensorsFile& local = **files[1];
   const std::string b = base_path.string();
   const std::string l = local_path.string();
 
   struct Pair {
-    const SafetensorsFile::Entry* base;
-    const SafetensorsFile::Entry* local;
+    const ckpt::SafetensorsFile::Entry* base;
+    const ckpt::SafetensorsFile::Entry* local;
   };
   std::vector<Pair> pairs;
   std::vector<std::string> skipped;
@@ -242,7 +244,7 @@ Result<DeltaRow> compare_checkpoints(const fs::path& base_path, const fs::path& 
     for (size_t first = 0; first < n; first += kPairChunk) tasks.push_back({p, first, std::min(kPairChunk, n - first)});
   }
   first_task.push_back(tasks.size());
-  std::vector<DeltaStats> parts(tasks.size());
+  std::vector<ckpt::DeltaStats> parts(tasks.size());
   parallel_for(tasks.size(), options.threads, "st-reduce", [&](size_t j) {
     const Task& task = tasks[j];
     thread_local std::vector<float> base_values;
@@ -251,14 +253,14 @@ Result<DeltaRow> compare_checkpoints(const fs::path& base_path, const fs::path& 
     local_values.resize(task.count);
     to_floats(base, *pairs[task.pair].base, task.first, base_values);
     to_floats(local, *pairs[task.pair].local, task.first, local_values);
-    parts[j] = pair_stats(base_values, local_values);
+    parts[j] = ckpt::pair_stats(base_values, local_values);
   });
 
   DeltaRow row;
   row.source = l;
   row.base_source = b;
   for (size_t p = 0; p < pairs.size(); ++p) {
-    DeltaStats stats;
+    ckpt::DeltaStats stats;
     for (size_t j = first_task[p]; j < first_task[p + 1]; ++j) stats.merge(parts[j]);
     stats.elements = pairs[p].base->elements();
     row.tensors.push_back({pairs[p].base->name, pairs[p].base->shape, stats, {}});
@@ -575,4 +577,4 @@ std::string format_csv(const Report& report) {
   return out;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

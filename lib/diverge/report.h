@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 /// One PATH of a report.
 struct ReportInput {
@@ -36,7 +36,7 @@ ReportInput classify_path(const std::filesystem::path& path);
 struct TensorRow {
   std::string name;
   std::vector<int64_t> shape;
-  DeltaStats stats;
+  ckpt::DeltaStats stats;
   Divergence divergence;
 };
 
@@ -49,7 +49,7 @@ struct DeltaRow {
   std::optional<int64_t> step;
   std::optional<int64_t> base_version;
   std::vector<TensorRow> tensors;  ///< the selected tensors, in file order
-  DeltaStats total;                ///< over the selected tensors
+  ckpt::DeltaStats total;          ///< over the selected tensors
   Divergence overall;
 };
 
@@ -113,4 +113,4 @@ std::string format_csv(const Report& report);
 std::string format_csv_header();
 std::string format_csv_rows(const DeltaRow& row);
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

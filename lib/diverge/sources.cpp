@@ -8,7 +8,7 @@
 #include <limits>
 #include <set>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace fs = std::filesystem;
 
 namespace {
@@ -186,4 +186,4 @@ std::vector<DeltaFileRef> select_deltas(const std::vector<DeltaFileRef>& deltas,
   return out;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

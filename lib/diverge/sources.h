@@ -16,7 +16,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 /// One delta file of a run directory, named by its path.
 struct DeltaFileRef {
@@ -63,4 +63,4 @@ Result<std::vector<RoundRange>> parse_rounds(const std::vector<std::string>& val
 /// Applies ranks, rounds and `last` to a run's deltas (ordered as list_deltas orders them).
 std::vector<DeltaFileRef> select_deltas(const std::vector<DeltaFileRef>& deltas, const Selection& selection);
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -5,7 +5,7 @@
 #include <charconv>
 #include <cmath>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 Result<double> parse_fraction(std::string_view text, std::string_view flag) {
   auto bad = [&](std::string_view why) { return make_error(ErrorKind::kUsage, "{}: '{}' {}", flag, text, why); };
@@ -95,4 +95,4 @@ std::string describe(const Thresholds& thresholds) {
   return out.empty() ? "no limits" : out;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

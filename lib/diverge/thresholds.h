@@ -10,7 +10,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 struct Thresholds {
   std::optional<double> max_rel_l2;      ///< a fraction (0.05 for 5%), per delta
@@ -41,4 +41,4 @@ std::vector<Violation> find_violations(const DeltaRow& row, const Thresholds& th
 /// "5%, max |delta| 0.01, non-finite 0" for messages.
 std::string describe(const Thresholds& thresholds);
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

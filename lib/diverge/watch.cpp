@@ -1,6 +1,6 @@
 #include "diverge/watch.h"
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace fs = std::filesystem;
 
 Result<RunWatcher> RunWatcher::open(const fs::path& run_dir) {
@@ -28,4 +28,4 @@ bool RunWatcher::finished() const {
   return !ec && model_time >= newest_;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

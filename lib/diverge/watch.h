@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::diverge {
 
 class RunWatcher {
  public:
@@ -36,4 +36,4 @@ class RunWatcher {
   std::filesystem::file_time_type newest_ = std::filesystem::file_time_type::min();
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -3,7 +3,7 @@
 #include "model/gpt.h"
 #include "model/mlp.h"
 
-namespace cfmo {
+namespace cfmo::model {
 
 Result<std::unique_ptr<Model>> make_model(std::string_view spec, const DataShape& data, const MoeOptions& moe) {
   if (spec.starts_with("gpt:")) {
@@ -50,4 +50,4 @@ Status check_model_spec(std::string_view spec) {
   return {};
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -9,7 +9,7 @@
 #include <memory>
 #include <string_view>
 
-namespace cfmo {
+namespace cfmo::model {
 
 /// What the data offers a model.
 struct DataShape {
@@ -35,4 +35,4 @@ Status check_expert_parallel(std::string_view spec, int ranks);
 /// Checks the spec's syntax alone (for configuration validation before the data is read).
 Status check_model_spec(std::string_view spec);
 
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -11,9 +11,9 @@
 #include <charconv>
 #include <cmath>
 
-namespace cfmo {
+namespace cfmo::model {
 
-using ops::Trans;
+using tensor::ops::Trans;
 
 Result<GptSpec> GptSpec::parse(std::string_view text, int vocab) {
   constexpr std::string_view kPrefix = "gpt:";
@@ -154,10 +154,54 @@ moe::ExpertPlacement Gpt::expert_placement() const {
 
 int Gpt::local_experts() const { return expert_placement().count(moe_options_.expert_rank); }
 
-void Gpt::set_expert_parallel(Communicator* comm) {
-  for (auto& layer : moe_) {
-    if (layer) layer->set_expert_parallel(comm);
+void Gpt::set_expert_parallel(comm::Communicator* comm) {
+  exchange_.reset();
+  if (comm != nullptr && moe_options_.async_dispatch && moe_options_.expert_ranks > 1) {
+    std::vector<int> moe_layers;
+    for (int l = 0; l < spec_.layers; ++l) {
+      if (spec_.is_moe_layer(l)) moe_layers.push_back(l);
+    }
+    exchange_ = std::make_unique<ExpertExchange>(
+        *comm, expert_placement(), spec_.layers, std::move(moe_layers), spec_.dim, spec_.expert_dim,
+        moe_options_.dispatch_deadline_s, [this](int layer, bool grads) { return expert_tensors(layer, grads); });
   }
+  for (int l = 0; l < spec_.layers; ++l) {
+    if (auto& layer = moe_[static_cast<size_t>(l)]) layer->set_expert_parallel(comm, exchange_.get(), l);
+  }
+}
+
+Status Gpt::finish_exchanges() { return exchange_ ? exchange_->finish() : Status{}; }
+
+std::vector<int> Gpt::experts_held_by(int rank) const {
+  std::vector<int> out;
+  if (moe_options_.expert_ranks <= 1) return out;
+  const moe::ExpertPlacement placement = expert_placement();
+  for (int e = 0; e < spec_.experts; ++e) {
+    if (placement.owner(e) == rank) out.push_back(e);
+  }
+  return out;
+}
+
+std::vector<int> Gpt::lost_experts() const {
+  std::vector<int> out;
+  if (!exchange_) return out;
+  for (const int r : exchange_->lost_ranks()) {
+    const auto held = experts_held_by(r);
+    out.insert(out.end(), held.begin(), held.end());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void Gpt::add_exchange_figures(nlohmann::ordered_json& j) const {
+  if (!exchange_ || !j.is_object() || !j.contains("dispatch")) return;
+  auto& d = j["dispatch"];
+  d["deadline_us"] = exchange_->deadline_s() == ExpertExchange::kNoDeadline
+                         ? nlohmann::ordered_json(nullptr)
+                         : nlohmann::ordered_json(exchange_->deadline_s() * 1e6);
+  d["skipped_chunks"] = exchange_->skipped_chunks();
+  d["skipped_grads"] = exchange_->skipped_grads();
+  d["lost_experts"] = lost_experts();
 }
 
 Status Gpt::take_status() {
@@ -241,10 +285,15 @@ std::string Gpt::flops_formula() const {
 nlohmann::ordered_json Gpt::take_metrics() {
   nlohmann::ordered_json j = window_stats_.to_json();
   window_stats_ = MoeStats{};
+  add_exchange_figures(j);
   return j;
 }
 
-nlohmann::ordered_json Gpt::run_metrics() const { return run_stats_.to_json(); }
+nlohmann::ordered_json Gpt::run_metrics() const {
+  nlohmann::ordered_json j = run_stats_.to_json();
+  add_exchange_figures(j);
+  return j;
+}
 
 std::string Gpt::hf_config_json() const {
   if (spec_.is_moe()) return {};  // GPT2LMHeadModel has no experts
@@ -351,7 +400,8 @@ void Gpt::forward_rows(const int32_t* tokens, int batch, int t, int stride) {
     gpt::attention_forward(attn, probs_.data() + ul * probs_slot, qkv, batch, t, c, spec_.heads);
     // mid = (in + b) + attn c_proj: the residual and bias in one pass, the product added by a GEMM with beta 1.
     gpt::add_rows(mid, in, param(block_tensor(l, kAttnProjB)), rows, c);
-    ops::gemm(Trans::kNo, Trans::kNo, rows, c, c, 1.0f, attn, c, param(block_tensor(l, kAttnProjW)), c, 1.0f, mid, c);
+    tensor::ops::gemm(Trans::kNo, Trans::kNo, rows, c, c, 1.0f, attn, c, param(block_tensor(l, kAttnProjW)), c, 1.0f,
+                      mid, c);
     gpt::layernorm_forward(ln2, ln2_stats_.data() + ul * n * 2, mid, param(block_tensor(l, kLn2W)),
                            param(block_tensor(l, kLn2B)), rows, c);
     if (MoeMlp* moe = moe_[ul].get()) {
@@ -364,19 +414,21 @@ void Gpt::forward_rows(const int32_t* tokens, int batch, int t, int stride) {
     gpt::linear_forward(fc, ln2, param(block_tensor(l, kFcW)), param(block_tensor(l, kFcB)), rows, c, 4 * c);
     gpt::gelu_forward(gelu, fc, static_cast<size_t>(rows) * 4 * uc);
     gpt::add_rows(out, mid, param(block_tensor(l, kFcProjB)), rows, c);
-    ops::gemm(Trans::kNo, Trans::kNo, rows, c, 4 * c, 1.0f, gelu, 4 * c, param(block_tensor(l, kFcProjW)), c, 1.0f, out,
-              c);
+    tensor::ops::gemm(Trans::kNo, Trans::kNo, rows, c, 4 * c, 1.0f, gelu, 4 * c, param(block_tensor(l, kFcProjW)), c,
+                      1.0f, out, c);
   }
   const float* last = residual_.data() + static_cast<size_t>(spec_.layers) * n * uc;
   gpt::layernorm_forward(lnf_.data(), lnf_stats_.data(), last, param(ln_f()), param(ln_f() + 1), rows, c);
   // Tied head: logits = ln_f(x) wte^T.
-  ops::gemm(Trans::kNo, Trans::kYes, rows, spec_.vocab, c, 1.0f, lnf_.data(), c, wte, c, 0.0f, logits_.data(),
-            spec_.vocab);
+  tensor::ops::gemm(Trans::kNo, Trans::kYes, rows, spec_.vocab, c, 1.0f, lnf_.data(), c, wte, c, 0.0f, logits_.data(),
+                    spec_.vocab);
 }
 
 double Gpt::forward(const int32_t* tokens, int batch, int64_t* correct) {
   const int t = spec_.context;
+  if (exchange_) exchange_->begin_pass(/*training=*/false);
   forward_rows(tokens, batch, t, t + 1);
+  if (exchange_) exchange_->end_pass();
   for (int b = 0; b < batch; ++b) {
     const int32_t* window = tokens + static_cast<size_t>(b) * static_cast<size_t>(t + 1);
     std::copy(window + 1, window + 1 + t, targets_.begin() + static_cast<ptrdiff_t>(b) * t);
@@ -404,6 +456,7 @@ float Gpt::forward_backward(const Examples& batch) {
   const int rows = batch.count * t;
   const auto uc = static_cast<size_t>(c);
   const auto urows = static_cast<size_t>(rows);
+  if (exchange_) exchange_->begin_pass(/*training=*/true);
   forward_rows(batch.tokens, batch.count, t, t + 1);
   for (int b = 0; b < batch.count; ++b) {
     const int32_t* window = batch.tokens + static_cast<size_t>(b) * static_cast<size_t>(t + 1);
@@ -435,10 +488,10 @@ float Gpt::forward_backward(const Examples& batch) {
                             static_cast<size_t>(t) * static_cast<size_t>(t);
   const float* dlogits = logits_.data();
   // Head: d ln_f = dlogits wte; d wte += dlogits^T ln_f.
-  ops::gemm(Trans::kNo, Trans::kNo, rows, c, spec_.vocab, 1.0f, dlogits, spec_.vocab, param(0), c, 0.0f, d_norm_.data(),
-            c);
-  ops::gemm(Trans::kYes, Trans::kNo, spec_.vocab, c, rows, 1.0f, dlogits, spec_.vocab, lnf_.data(), c, 1.0f, grad(0),
-            c);
+  tensor::ops::gemm(Trans::kNo, Trans::kNo, rows, c, spec_.vocab, 1.0f, dlogits, spec_.vocab, param(0), c, 0.0f,
+                    d_norm_.data(), c);
+  tensor::ops::gemm(Trans::kYes, Trans::kNo, spec_.vocab, c, rows, 1.0f, dlogits, spec_.vocab, lnf_.data(), c, 1.0f,
+                    grad(0), c);
   float* dx = d_stream_.data();  // d loss / d the residual stream, walking down
   std::fill(dx, dx + urows * uc, 0.0f);
   // The bias gradient of the dense MLP's c_proj whose output is the stream
@@ -502,6 +555,8 @@ float Gpt::forward_backward(const Examples& batch) {
       }
     }
   }
+  // Async dispatch: the gradients of the rows this rank served, added now.
+  if (exchange_) exchange_->end_pass();
   if (moe_layers > 0) {
     std::vector<const MoeMlp*> layers;
     for (const auto& layer : moe_) {
@@ -801,13 +856,13 @@ void linear_forward(float* y, const float* x, const float* w, const float* bias,
   // The bias first and the product added to it (beta 1): OpenBLAS's beta 0
   // is a pass zeroing y, and a bias added after would be a second one.
   if (bias != nullptr) fill_rows_kernel(y, nullptr, bias, n, out);
-  ops::gemm(Trans::kNo, Trans::kNo, n, out, in, 1.0f, x, in, w, out, bias != nullptr ? 1.0f : 0.0f, y, out);
+  tensor::ops::gemm(Trans::kNo, Trans::kNo, n, out, in, 1.0f, x, in, w, out, bias != nullptr ? 1.0f : 0.0f, y, out);
 }
 
 void linear_backward(float* dx, float* dw, float* dbias, const float* dy, const float* x, const float* w, int n, int in,
                      int out) {
-  if (dx != nullptr) ops::gemm(Trans::kNo, Trans::kYes, n, in, out, 1.0f, dy, out, w, out, 0.0f, dx, in);
-  ops::gemm(Trans::kYes, Trans::kNo, in, out, n, 1.0f, x, in, dy, out, 1.0f, dw, out);
+  if (dx != nullptr) tensor::ops::gemm(Trans::kNo, Trans::kYes, n, in, out, 1.0f, dy, out, w, out, 0.0f, dx, in);
+  tensor::ops::gemm(Trans::kYes, Trans::kNo, in, out, n, 1.0f, x, in, dy, out, 1.0f, dw, out);
   if (dbias != nullptr) column_sums_add_kernel(dbias, dy, n, out);
 }
 
@@ -838,11 +893,11 @@ void attention_forward(float* out, float* probs, const float* qkv, int batch, in
         const int rb = i1 - i0;
         float* s = p + static_cast<size_t>(i0) * ut;
         // Scores of the block's queries against the keys up to its last row only.
-        ops::gemm(Trans::kNo, Trans::kYes, rb, i1, hs, scale, q + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld,
-                  k, ld, 0.0f, s, t);
+        tensor::ops::gemm(Trans::kNo, Trans::kYes, rb, i1, hs, scale,
+                          q + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld, k, ld, 0.0f, s, t);
         causal_softmax_kernel(s, ut, rb, i0, i1);
-        ops::gemm(Trans::kNo, Trans::kNo, rb, hs, i1, 1.0f, s, t, v, ld, 0.0f,
-                  o + static_cast<size_t>(i0) * static_cast<size_t>(c), c);
+        tensor::ops::gemm(Trans::kNo, Trans::kNo, rb, hs, i1, 1.0f, s, t, v, ld, 0.0f,
+                          o + static_cast<size_t>(i0) * static_cast<size_t>(c), c);
       }
     }
   }
@@ -876,14 +931,14 @@ void attention_backward(float* dqkv, float* scratch, const float* dout, const fl
         const float* dob = d_o + static_cast<size_t>(i0) * static_cast<size_t>(c);
         float* ds = scratch;
         // dP = dO V^T; dV += P^T dO (keys up to the block's last row).
-        ops::gemm(Trans::kNo, Trans::kYes, rb, i1, hs, 1.0f, dob, c, v, ld, 0.0f, ds, t);
-        ops::gemm(Trans::kYes, Trans::kNo, i1, hs, rb, 1.0f, pb, t, dob, c, beta, dv, ld);
+        tensor::ops::gemm(Trans::kNo, Trans::kYes, rb, i1, hs, 1.0f, dob, c, v, ld, 0.0f, ds, t);
+        tensor::ops::gemm(Trans::kYes, Trans::kNo, i1, hs, rb, 1.0f, pb, t, dob, c, beta, dv, ld);
         causal_softmax_backward_kernel(ds, pb, ut, rb, i0, i1);
         // dQ = scale dS K; dK += scale dS^T Q.
-        ops::gemm(Trans::kNo, Trans::kNo, rb, hs, i1, scale, ds, t, k, ld, 0.0f,
-                  dq + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld);
-        ops::gemm(Trans::kYes, Trans::kNo, i1, hs, rb, scale, ds, t,
-                  q + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld, beta, dk, ld);
+        tensor::ops::gemm(Trans::kNo, Trans::kNo, rb, hs, i1, scale, ds, t, k, ld, 0.0f,
+                          dq + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld);
+        tensor::ops::gemm(Trans::kYes, Trans::kNo, i1, hs, rb, scale, ds, t,
+                          q + static_cast<size_t>(i0) * static_cast<size_t>(ld), ld, beta, dk, ld);
       }
     }
   }
@@ -891,4 +946,4 @@ void attention_backward(float* dqkv, float* scratch, const float* dout, const fl
 
 }  // namespace gpt
 
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -25,6 +25,7 @@
 /// expert-parallel mode can tell the replicated prefix from the experts.
 
 #include "core/error.h"
+#include "model/expert_exchange.h"
 #include "model/model.h"
 #include "model/moe_mlp.h"
 #include "tensor/buffer.h"
@@ -35,7 +36,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 
 struct GptSpec {
   int layers = 2;
@@ -90,9 +91,15 @@ class Gpt final : public Model {
   /// by block, then expert: rank, rank + W, ...).
   int local_experts() const;
   /// --expert-parallel: the MoE layers exchange rows with the other ranks
-  /// of `comm` (of MoeOptions::expert_ranks ranks, this one expert_rank).
-  void set_expert_parallel(Communicator* comm);
+  /// of `comm` (of MoeOptions::expert_ranks ranks, this one expert_rank):
+  /// by collectives, or with MoeOptions::async_dispatch through an
+  /// ExpertExchange (model/expert_exchange.h).
+  void set_expert_parallel(comm::Communicator* comm);
   Status take_status() override;
+  Status finish_exchanges() override;
+  /// Async dispatch: the experts of the ranks found lost (their tokens take the residual).
+  std::vector<int> lost_experts() const;
+  std::vector<int> experts_held_by(int rank) const override;
   double exchange_wait_s() const override { return run_stats_.wait_s(); }
   size_t replicated_size() const override { return moe_options_.expert_ranks > 1 ? dense_size_ : num_params(); }
   /// The Mixture-of-Experts MLP of block `layer`, or null for a dense block.
@@ -134,6 +141,8 @@ class Gpt final : public Model {
   void ensure_workspace(int batch);
   /// Runs the model over `rows` = batch x `t` positions (t <= context) into logits_.
   void forward_rows(const int32_t* tokens, int batch, int t, int stride);
+  /// Async dispatch's figures beside the layers' (the deadline, skipped work, lost experts).
+  void add_exchange_figures(nlohmann::ordered_json& j) const;
 
   GptSpec spec_;
   MoeOptions moe_options_;
@@ -143,20 +152,21 @@ class Gpt final : public Model {
   int ln_f_ = 0;
   size_t dense_size_ = 0;
   std::vector<std::unique_ptr<MoeMlp>> moe_;  ///< [layer]; null for a dense block
+  std::unique_ptr<ExpertExchange> exchange_;  ///< --dispatch async
   MoeStats window_stats_, run_stats_;
   int workspace_batch_ = 0;
   // Activations, each [batch * context, width] unless noted; per layer where backward needs them.
-  FloatBuffer residual_;   ///< [layers + 1] x the stream entering each block (and leaving the last)
-  FloatBuffer residual2_;  ///< [layers] x the stream after attention
-  FloatBuffer ln1_, ln1_stats_, ln2_, ln2_stats_;  ///< [layers] x normalised [.., C]; mean, rstd [.., 2]
-  FloatBuffer qkv_;                                ///< [layers] x [.., 3C]
-  FloatBuffer probs_;                              ///< [layers] x [batch, heads, T, T] attention weights
-  FloatBuffer attn_;                               ///< [layers] x heads' outputs before c_proj [.., C]
-  FloatBuffer fc_, gelu_;                          ///< [dense layers] x [.., 4C]
-  FloatBuffer lnf_, lnf_stats_;
-  FloatBuffer logits_;  ///< [.., V]; its gradient in place
+  tensor::FloatBuffer residual_;   ///< [layers + 1] x the stream entering each block (and leaving the last)
+  tensor::FloatBuffer residual2_;  ///< [layers] x the stream after attention
+  tensor::FloatBuffer ln1_, ln1_stats_, ln2_, ln2_stats_;  ///< [layers] x normalised [.., C]; mean, rstd [.., 2]
+  tensor::FloatBuffer qkv_;                                ///< [layers] x [.., 3C]
+  tensor::FloatBuffer probs_;                              ///< [layers] x [batch, heads, T, T] attention weights
+  tensor::FloatBuffer attn_;                               ///< [layers] x heads' outputs before c_proj [.., C]
+  tensor::FloatBuffer fc_, gelu_;                          ///< [dense layers] x [.., 4C]
+  tensor::FloatBuffer lnf_, lnf_stats_;
+  tensor::FloatBuffer logits_;  ///< [.., V]; its gradient in place
   // Backward scratch, one layer's worth.
-  FloatBuffer d_stream_, d_norm_, d_attn_, d_qkv_, d_wide_, d_scores_;
+  tensor::FloatBuffer d_stream_, d_norm_, d_attn_, d_qkv_, d_wide_, d_scores_;
   std::vector<int32_t> targets_;
 };
 
@@ -202,4 +212,4 @@ inline constexpr int kAttentionBlock = 32;
 
 }  // namespace gpt
 
-}  // namespace cfmo
+}  // namespace cfmo::model

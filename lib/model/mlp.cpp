@@ -7,7 +7,7 @@
 #include <charconv>
 #include <cmath>
 
-namespace cfmo {
+namespace cfmo::model {
 
 Result<MlpSpec> MlpSpec::parse(std::string_view text, int inputs, int classes) {
   constexpr std::string_view kPrefix = "mlp:";
@@ -104,7 +104,7 @@ void Mlp::ensure_workspace(int batch) {
   if (batch <= workspace_batch_) return;
   workspace_batch_ = batch;
   const auto b = static_cast<size_t>(batch);
-  activations_.assign(widths_.size(), FloatBuffer());
+  activations_.assign(widths_.size(), tensor::FloatBuffer());
   int widest = 0;
   for (size_t l = 1; l < widths_.size(); ++l) {
     activations_[l].resize(b * static_cast<size_t>(widths_[l]));
@@ -123,8 +123,9 @@ void Mlp::forward(const float* inputs, int batch) {
     const int out = widths_[l + 1];
     const bool last = l == layers() - 1;
     float* z = last ? logits_.data() : activations_[l + 1].data();
-    ops::gemm(ops::Trans::kNo, ops::Trans::kYes, batch, out, in, 1.0f, a, in, weight(l), in, 0.0f, z, out);
-    ops::add_bias_rows(z, bias(l), batch, out, !last);
+    tensor::ops::gemm(tensor::ops::Trans::kNo, tensor::ops::Trans::kYes, batch, out, in, 1.0f, a, in, weight(l), in,
+                      0.0f, z, out);
+    tensor::ops::add_bias_rows(z, bias(l), batch, out, !last);
     a = z;
   }
 }
@@ -144,13 +145,15 @@ float Mlp::forward_backward(const float* inputs, const int32_t* labels, int batc
     float* dw = gradients_.data() + w.offset;
     float* db = gradients_.data() + bp.offset;
     const float* dz = grad_z_.data();
-    ops::gemm(ops::Trans::kYes, ops::Trans::kNo, out, in, batch, 1.0f, dz, out, a, in, 0.0f, dw, in);
-    ops::column_sums(dz, batch, out, db);
+    tensor::ops::gemm(tensor::ops::Trans::kYes, tensor::ops::Trans::kNo, out, in, batch, 1.0f, dz, out, a, in, 0.0f, dw,
+                      in);
+    tensor::ops::column_sums(dz, batch, out, db);
     if (l == 0) break;  // no gradient is needed for the inputs
-    ops::gemm(ops::Trans::kNo, ops::Trans::kNo, batch, in, out, 1.0f, dz, out, weight(l), in, 0.0f, grad_a_.data(), in);
+    tensor::ops::gemm(tensor::ops::Trans::kNo, tensor::ops::Trans::kNo, batch, in, out, 1.0f, dz, out, weight(l), in,
+                      0.0f, grad_a_.data(), in);
     // ReLU backward: dZ = dA where the activation was positive.
-    ops::relu_backward(activations_[l].data(), grad_a_.data(), grad_z_.data(),
-                       static_cast<size_t>(batch) * static_cast<size_t>(in));
+    tensor::ops::relu_backward(activations_[l].data(), grad_a_.data(), grad_z_.data(),
+                               static_cast<size_t>(batch) * static_cast<size_t>(in));
   }
   return static_cast<float>(loss / batch);
 }
@@ -167,4 +170,4 @@ EvalResult Mlp::evaluate(const float* inputs, const int32_t* labels, int64_t cou
   return result;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 
 struct MlpSpec {
   int inputs = 784;
@@ -60,10 +60,10 @@ class Mlp final : public Model {
   std::vector<int> widths_;  ///< inputs, hidden..., classes
 
   int workspace_batch_ = 0;
-  std::vector<FloatBuffer> activations_;  ///< [layer] -> [batch, widths_[layer]] for layer >= 1
-  FloatBuffer logits_;
-  FloatBuffer grad_a_;  ///< scratch for dL/dA of the layer below
-  FloatBuffer grad_z_;  ///< scratch for dL/dZ of the current layer
+  std::vector<tensor::FloatBuffer> activations_;  ///< [layer] -> [batch, widths_[layer]] for layer >= 1
+  tensor::FloatBuffer logits_;
+  tensor::FloatBuffer grad_a_;  ///< scratch for dL/dA of the layer below
+  tensor::FloatBuffer grad_z_;  ///< scratch for dL/dZ of the current layer
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-namespace cfmo {
+namespace cfmo::model {
 
 std::string_view to_string(ParamKind kind) {
   switch (kind) {
@@ -67,4 +67,4 @@ double softmax_cross_entropy(const float* logits, const int32_t* labels, int bat
   return total;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::model

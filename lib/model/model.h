@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 
 /// What a tensor is, for the optimizers: Muon orthogonalises kMatrix tensors
 /// and leaves the rest to AdamW; GPT-2 practice decays only matrices.
@@ -146,6 +146,13 @@ class Model {
   /// other processes (expert parallelism: a lost peer), kPeer; a model that
   /// exchanges nothing never fails.
   virtual Status take_status() { return {}; }
+  /// After this process's last pass: what its passes exchange with other
+  /// processes is served until every other process has finished its own
+  /// (async expert dispatch); nothing for a model that exchanges nothing.
+  virtual Status finish_exchanges() { return {}; }
+  /// The experts (by number) that only process `rank` holds (expert
+  /// parallelism); none for a model that is not spread.
+  virtual std::vector<int> experts_held_by(int /*rank*/) const { return {}; }
   /// Floats at the start of the flat buffer that every rank holds and the
   /// modes reconcile; the rest (expert parallelism: this rank's experts) is
   /// this rank's alone. All of it for a model that is not spread.
@@ -160,8 +167,8 @@ class Model {
   void set_layout(std::vector<ParamInfo> layout, size_t size);
 
   std::vector<ParamInfo> params_;
-  FloatBuffer parameters_;
-  FloatBuffer gradients_;
+  tensor::FloatBuffer parameters_;
+  tensor::FloatBuffer gradients_;
 };
 
 /// Softmax cross-entropy over rows of `logits` [batch, classes]. Returns the
@@ -171,4 +178,4 @@ class Model {
 double softmax_cross_entropy(const float* logits, const int32_t* labels, int batch, int classes, float* dlogits,
                              float grad_scale, int64_t* correct);
 
-}  // namespace cfmo
+}  // namespace cfmo::model

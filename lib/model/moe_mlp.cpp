@@ -1,5 +1,6 @@
 #include "model/moe_mlp.h"
 
+#include "model/expert_exchange.h"
 #include "model/gpt.h"
 #include "moe/stats.h"
 #include "tensor/ops.h"
@@ -9,9 +10,9 @@
 #include <cstring>
 #include <numeric>
 
-namespace cfmo {
+namespace cfmo::model {
 
-using ops::Trans;
+using tensor::ops::Trans;
 
 void expert_forward(const float* x, int n, const ExpertTensors& w, int c, int d, float* fc, float* act, float* y) {
   if (n == 0) return;
@@ -20,12 +21,29 @@ void expert_forward(const float* x, int n, const ExpertTensors& w, int c, int d,
   gpt::linear_forward(y, act, w.proj_w, w.proj_b, n, d, c);
 }
 
+void expert_backward_inputs(const float* dy, int n, const float* fc, const ExpertTensors& w, int c, int d, float* d_act,
+                            float* dx) {
+  if (n == 0) return;
+  // linear_backward's dx products, without its weight gradients.
+  tensor::ops::gemm(Trans::kNo, Trans::kYes, n, d, c, 1.0f, dy, c, w.proj_w, c, 0.0f, d_act, d);
+  gpt::gelu_backward(d_act, d_act, fc, static_cast<size_t>(n) * static_cast<size_t>(d));
+  tensor::ops::gemm(Trans::kNo, Trans::kYes, n, c, d, 1.0f, d_act, d, w.fc_w, d, 0.0f, dx, c);
+}
+
+void expert_backward_weights(const float* dy, int n, const float* x, const float* act, const float* d_act,
+                             const ExpertTensors& g, int c, int d) {
+  if (n == 0) return;
+  gpt::linear_backward(nullptr, g.proj_w, g.proj_b, dy, act, nullptr, n, d, c);
+  gpt::linear_backward(nullptr, g.fc_w, g.fc_b, d_act, x, nullptr, n, c, d);
+}
+
 void expert_backward(const float* dy, int n, const float* x, const float* fc, const float* act, const ExpertTensors& w,
                      const ExpertTensors& g, int c, int d, float* d_act, float* dx) {
-  if (n == 0) return;
-  gpt::linear_backward(d_act, g.proj_w, g.proj_b, dy, act, w.proj_w, n, d, c);
-  gpt::gelu_backward(d_act, d_act, fc, static_cast<size_t>(n) * static_cast<size_t>(d));
-  gpt::linear_backward(dx, g.fc_w, g.fc_b, d_act, x, w.fc_w, n, c, d);
+  // The same products as one linear_backward per layer, each gradient
+  // buffer written by the same call: async dispatch adds the weight
+  // gradients later, in this order, and matches bit for bit.
+  expert_backward_inputs(dy, n, fc, w, c, d, d_act, dx);
+  expert_backward_weights(dy, n, x, act, d_act, g, c, d);
 }
 
 MoeMlp::MoeMlp(int dim, int experts, int top_k, int expert_dim, const MoeOptions& options)
@@ -37,7 +55,11 @@ MoeMlp::MoeMlp(int dim, int experts, int top_k, int expert_dim, const MoeOptions
       rank_(options.expert_rank),
       placement_{experts, options.expert_ranks, /*strided=*/true} {}
 
-void MoeMlp::set_expert_parallel(Communicator* comm) { comm_ = comm; }
+void MoeMlp::set_expert_parallel(comm::Communicator* comm, ExpertExchange* exchange, int layer) {
+  comm_ = comm;
+  exchange_ = exchange;
+  layer_ = layer;
+}
 
 namespace {
 
@@ -74,8 +96,8 @@ void MoeMlp::forward(const float* x, const float* residual, int rows, const floa
   probs_.resize(r * e_count);
   lse_.resize(r);
   if (rows > 0) {
-    ops::gemm(Trans::kNo, Trans::kNo, rows, experts_, dim_, 1.0f, x, dim_, router, experts_, 0.0f, logits_.data(),
-              experts_);
+    tensor::ops::gemm(Trans::kNo, Trans::kNo, rows, experts_, dim_, 1.0f, x, dim_, router, experts_, 0.0f,
+                      logits_.data(), experts_);
   }
   moe::Routing& routing = routing_;
   routing.tokens = rows;
@@ -115,7 +137,14 @@ void MoeMlp::forward(const float* x, const float* residual, int rows, const floa
   // The kept assignments by owner rank (with one rank: all of them, by
   // expert), dispatched as cfmo-moe dispatches them; the owners compute and
   // send the results back, which combine with the gates.
-  if (status_) status_ = dispatch_forward(x, experts);
+  if (exchange_ != nullptr) {
+    // Async: late ranks' results stay empty (their assignments take the residual).
+    timing_ = Timing{};
+    plan_ = moe::plan_dispatch(routing_, placement_);
+    exchange_->forward(layer_, x, top_k_, plan_, results_, have_, timing_);
+  } else if (status_) {
+    status_ = dispatch_forward(x, experts);
+  }
   if (!status_) {
     // A failed exchange (a peer lost): every token takes the residual path; the run ends with the status.
     const auto ranks = static_cast<size_t>(placement_.ranks);
@@ -130,7 +159,7 @@ void MoeMlp::forward(const float* x, const float* residual, int rows, const floa
   std::vector<const float*> result_rows(routing.expert.size(), nullptr);
   std::vector<float> unused;
   for (size_t p = 0; p < results_.size(); ++p) {
-    moe::locate_results(results_[p], plan_.slots[p], WireDtype::kFp32, dim_, unused, result_rows);
+    moe::locate_results(results_[p], plan_.slots[p], comm::WireDtype::kFp32, dim_, unused, result_rows);
   }
   moe::combine(residual, routing, result_rows, dim_, y);
 }
@@ -151,7 +180,7 @@ Status MoeMlp::dispatch_forward(const float* x, std::span<const ExpertTensors> e
   send_.resize(ranks);
   for (size_t p = 0; p < ranks; ++p) {
     send_[p].clear();
-    moe::encode_rows(x, dim_, top_k_, plan_.slots[p], WireDtype::kFp32, send_[p]);
+    moe::encode_rows(x, dim_, top_k_, plan_.slots[p], comm::WireDtype::kFp32, send_[p]);
   }
   auto start = moe::Clock::now();
   CFMO_ASSIGN_OR_RETURN(incoming_, moe::exchange_counts(comm_, plan_, local_experts()));
@@ -195,39 +224,11 @@ Status MoeMlp::dispatch_forward(const float* x, std::span<const ExpertTensors> e
   return combined;
 }
 
-void MoeMlp::backward(const float* dy, const float* x, const float* router, float* d_router,
-                      std::span<const ExpertTensors> experts, std::span<const ExpertTensors> d_experts, float* dx,
-                      float aux_weight, float z_weight) {
-  const auto r = static_cast<size_t>(rows_);
-  const auto e_count = static_cast<size_t>(experts_);
+void MoeMlp::backward_exchange(std::span<const ExpertTensors> experts, std::span<const ExpertTensors> d_experts) {
   const auto c = static_cast<size_t>(dim_);
   const auto d = static_cast<size_t>(expert_dim_);
-  const auto k = static_cast<size_t>(top_k_);
   const auto ranks = static_cast<size_t>(placement_.ranks);
   const size_t row = c * sizeof(float);
-  // y_t = residual_t + sum_j gate_tj out_a: d out_a = gate_a dy_t, d gate_a = dy_t . out_a.
-  // The d out rows go to the experts' ranks in the order the results came
-  // back (the combine's transpose), the d in rows return in the order the
-  // rows went (the dispatch's).
-  d_gate_.assign(r * k, 0.0f);
-  for (size_t p = 0; p < ranks; ++p) {
-    const auto& slots = plan_.slots[p];
-    send_[p].resize(slots.size() * row);
-    auto* dout = reinterpret_cast<float*>(send_[p].data());
-    const auto* out = reinterpret_cast<const float*>(results_[p].data());
-    const bool have = results_[p].size() == send_[p].size();
-    for (size_t i = 0; i < slots.size(); ++i) {
-      const auto a = static_cast<size_t>(slots[i]);
-      const float* dyt = dy + (a / k) * c;
-      const float g = routing_.gate[a];
-      float dot = 0;
-      for (size_t j = 0; j < c; ++j) {
-        dout[i * c + j] = g * dyt[j];
-        if (have) dot += dyt[j] * out[i * c + j];
-      }
-      d_gate_[a] = dot;
-    }
-  }
   const size_t received = in_.size() / c;
   d_out_.resize(received * c);
   d_in_.resize(received * c);
@@ -268,14 +269,57 @@ void MoeMlp::backward(const float* dy, const float* x, const float* router, floa
     status_ = moe::exchange_buffers(comm_, received_, results_);
     timing_.combine_s += moe::seconds_between(start, moe::Clock::now());
   }
-  if (status_) {
-    for (size_t p = 0; p < ranks; ++p) {
-      const auto& slots = plan_.slots[p];
-      const auto* source = reinterpret_cast<const float*>(results_[p].data());
-      for (size_t i = 0; i < slots.size(); ++i) {
-        float* target = dx + static_cast<size_t>(slots[i] / top_k_) * c;
-        for (size_t j = 0; j < c; ++j) target[j] += source[i * c + j];
+}
+
+void MoeMlp::backward(const float* dy, const float* x, const float* router, float* d_router,
+                      std::span<const ExpertTensors> experts, std::span<const ExpertTensors> d_experts, float* dx,
+                      float aux_weight, float z_weight) {
+  const auto r = static_cast<size_t>(rows_);
+  const auto e_count = static_cast<size_t>(experts_);
+  const auto c = static_cast<size_t>(dim_);
+  const auto k = static_cast<size_t>(top_k_);
+  const auto ranks = static_cast<size_t>(placement_.ranks);
+  const size_t row = c * sizeof(float);
+  // y_t = residual_t + sum_j gate_tj out_a: d out_a = gate_a dy_t, d gate_a = dy_t . out_a.
+  // The d out rows go to the experts' ranks in the order the results came
+  // back (the combine's transpose), the d in rows return in the order the
+  // rows went (the dispatch's).
+  d_gate_.assign(r * k, 0.0f);
+  send_.resize(ranks);
+  results_.resize(ranks);
+  for (size_t p = 0; p < ranks; ++p) {
+    const auto& slots = plan_.slots[p];
+    send_[p].resize(slots.size() * row);
+    auto* dout = reinterpret_cast<float*>(send_[p].data());
+    const auto* out = reinterpret_cast<const float*>(results_[p].data());
+    const bool have = results_[p].size() == send_[p].size();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const auto a = static_cast<size_t>(slots[i]);
+      const float* dyt = dy + (a / k) * c;
+      const float g = routing_.gate[a];
+      float dot = 0;
+      for (size_t j = 0; j < c; ++j) {
+        dout[i * c + j] = g * dyt[j];
+        if (have) dot += dyt[j] * out[i * c + j];
       }
+      d_gate_[a] = dot;
+    }
+  }
+  if (exchange_ != nullptr) {
+    // Async: the owners keep what they served; late rows' gradients stay empty.
+    std::vector<uint8_t> had(ranks, 0);
+    for (size_t p = 0; p < ranks; ++p) had[p] = results_[p].size() == send_[p].size() ? 1 : 0;
+    exchange_->backward(layer_, plan_, send_, had, results_, timing_);
+  } else {
+    backward_exchange(experts, d_experts);
+  }
+  for (size_t p = 0; p < ranks && status_; ++p) {
+    const auto& slots = plan_.slots[p];
+    if (results_[p].size() != slots.size() * row) continue;  // late: no gradient to the token through them
+    const auto* source = reinterpret_cast<const float*>(results_[p].data());
+    for (size_t i = 0; i < slots.size(); ++i) {
+      float* target = dx + static_cast<size_t>(slots[i] / top_k_) * c;
+      for (size_t j = 0; j < c; ++j) target[j] += source[i * c + j];
     }
   }
 
@@ -311,10 +355,10 @@ void MoeMlp::backward(const float* dy, const float* x, const float* router, floa
   }
   if (rows_ > 0) {
     // d router += x^T d logits; dx += d logits router^T.
-    ops::gemm(Trans::kYes, Trans::kNo, dim_, experts_, rows_, 1.0f, x, dim_, d_logits_.data(), experts_, 1.0f, d_router,
-              experts_);
-    ops::gemm(Trans::kNo, Trans::kYes, rows_, dim_, experts_, 1.0f, d_logits_.data(), experts_, router, experts_, 1.0f,
-              dx, dim_);
+    tensor::ops::gemm(Trans::kYes, Trans::kNo, dim_, experts_, rows_, 1.0f, x, dim_, d_logits_.data(), experts_, 1.0f,
+                      d_router, experts_);
+    tensor::ops::gemm(Trans::kNo, Trans::kYes, rows_, dim_, experts_, 1.0f, d_logits_.data(), experts_, router,
+                      experts_, 1.0f, dx, dim_);
   }
 }
 
@@ -326,6 +370,9 @@ void MoeStats::add_timing(std::span<const MoeMlp* const> layers) {
     dispatch_us_.push_back(t.dispatch_s * 1e6);
     combine_us_.push_back(t.combine_s * 1e6);
     wait_s_ += t.dispatch_s + t.combine_s;
+    kept_ += t.kept;
+    late_ += t.late;
+    late_grads_ += t.late_grads;
   }
 }
 
@@ -385,14 +432,17 @@ nlohmann::ordered_json MoeStats::to_json() const {
       {"layers", layers}};
   if (exchanges_) {
     // Sync dispatch: nothing is late (every rank waits for every result).
+    const auto share = [&](int64_t n) { return kept_ > 0 ? static_cast<double>(n) / static_cast<double>(kept_) : 0.0; };
     out["dispatch"] = {{"dispatch_p50_us", moe::percentile(dispatch_us_, 0.5)},
                        {"dispatch_p99_us", moe::percentile(dispatch_us_, 0.99)},
                        {"combine_p50_us", moe::percentile(combine_us_, 0.5)},
                        {"combine_p99_us", moe::percentile(combine_us_, 0.99)},
                        {"wait_s", wait_s_},
-                       {"late_share", 0.0}};
+                       {"late_share", share(late_)},
+                       {"late", late_},
+                       {"late_grad_share", share(late_grads_)}};
   }
   return out;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::model

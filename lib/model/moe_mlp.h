@@ -32,7 +32,9 @@
 #include <utility>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
+
+class ExpertExchange;
 
 /// One expert's tensors in a flat buffer (parameters or their gradients).
 struct ExpertTensors {
@@ -56,8 +58,10 @@ class MoeMlp {
   MoeMlp(int dim, int experts, int top_k, int expert_dim, const MoeOptions& options);
 
   /// The rows travel through `comm`, of options.expert_ranks ranks, this one
-  /// options.expert_rank (with one rank: none needed).
-  void set_expert_parallel(Communicator* comm);
+  /// options.expert_rank (with one rank: none needed): by its collectives
+  /// (sync dispatch), or, given `exchange` (--dispatch async), as block
+  /// `layer` of the model's ExpertExchange.
+  void set_expert_parallel(comm::Communicator* comm, ExpertExchange* exchange = nullptr, int layer = -1);
   const moe::ExpertPlacement& placement() const { return placement_; }
   /// Experts this rank holds.
   int local_experts() const { return placement_.count(rank_); }
@@ -87,6 +91,9 @@ class MoeMlp {
   struct Timing {
     double dispatch_s = 0;
     double combine_s = 0;
+    int64_t kept = 0;        ///< kept assignments (async dispatch)
+    int64_t late = 0;        ///< of those, whose result was late: residual, no gradient
+    int64_t late_grads = 0;  ///< on time forward, but the rows' gradient came late (not added to dx)
   };
   const Timing& timing() const { return timing_; }
   bool exchanges() const { return comm_ != nullptr; }
@@ -106,6 +113,9 @@ class MoeMlp {
   Status dispatch_forward(const float* x, std::span<const ExpertTensors> experts);
   /// Rows received from `rank` in the last forward.
   size_t rows_from(size_t rank) const;
+  /// Sync dispatch's backward exchanges: the results' gradients to the
+  /// owners, the experts' backward there, the rows' gradients into results_.
+  void backward_exchange(std::span<const ExpertTensors> experts, std::span<const ExpertTensors> d_experts);
 
   int dim_;
   int experts_;
@@ -115,7 +125,10 @@ class MoeMlp {
   int rows_ = 0;
   double aux_loss_ = 0;
   double z_loss_ = 0;
-  Communicator* comm_ = nullptr;
+  comm::Communicator* comm_ = nullptr;
+  ExpertExchange* exchange_ = nullptr;
+  int layer_ = -1;
+  std::vector<uint8_t> have_;  ///< async: [rank] its results came in time
   Status status_;
   Timing timing_;
   int rank_ = 0;
@@ -137,9 +150,15 @@ class MoeMlp {
 /// keeping the pre-activation fc [n, D] and activation act [n, D] for backward.
 void expert_forward(const float* x, int n, const ExpertTensors& w, int c, int d, float* fc, float* act, float* y);
 /// Its backward from dy [n, C]: gradients += into g, dx [n, C] overwritten;
-/// d_act [n, D] is scratch.
+/// d_act [n, D] is scratch. The two halves below, in turn.
 void expert_backward(const float* dy, int n, const float* x, const float* fc, const float* act, const ExpertTensors& w,
                      const ExpertTensors& g, int c, int d, float* d_act, float* dx);
+/// dx [n, C] (overwritten) from dy, leaving d_act [n, D] (overwritten) for the weights' half.
+void expert_backward_inputs(const float* dy, int n, const float* fc, const ExpertTensors& w, int c, int d, float* d_act,
+                            float* dx);
+/// The weight gradients += into g from dy and the d_act the inputs' half left.
+void expert_backward_weights(const float* dy, int n, const float* x, const float* act, const float* d_act,
+                             const ExpertTensors& g, int c, int d);
 
 /// What the MoE layers of a run did over a window of training passes, for
 /// metrics.jsonl and the summary: per layer the auxiliary losses, the expert
@@ -158,7 +177,8 @@ class MoeStats {
   double wait_s() const { return wait_s_; }
   /// {"aux_loss", "z_loss", "dropped_share", "layers": [{"layer", "aux_loss", "z_loss", "load_min", ...}]};
   /// with expert parallelism also "dispatch": {"dispatch_p50_us", "dispatch_p99_us", "combine_p50_us",
-  /// "combine_p99_us", "wait_s", "late_share"} (per layer and pass; wait_s the sum).
+  /// "combine_p99_us", "wait_s", "late_share", "late", "late_grad_share"} (per layer and pass; wait_s
+  /// the sum; late: kept assignments whose result missed the deadline, late_grad: whose rows' gradient did).
   nlohmann::ordered_json to_json() const;
 
  private:
@@ -173,6 +193,7 @@ class MoeStats {
   bool exchanges_ = false;
   std::vector<double> dispatch_us_, combine_us_;  ///< per pass and layer
   double wait_s_ = 0;
+  int64_t kept_ = 0, late_ = 0, late_grads_ = 0;  ///< assignments (async dispatch)
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::model

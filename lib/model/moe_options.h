@@ -5,7 +5,7 @@
 
 #include "moe/router.h"
 
-namespace cfmo {
+namespace cfmo::model {
 
 struct MoeOptions {
   double aux_loss = 0.01;  ///< coefficient of the load-balancing loss
@@ -17,6 +17,11 @@ struct MoeOptions {
   /// optimizer state); 1 rank holds them all.
   int expert_rank = 0;
   int expert_ranks = 1;
+  /// --dispatch async: the exchanges without collectives, up to a deadline
+  /// (model/expert_exchange.h); --dispatch-deadline in seconds: < 0
+  /// adaptive, infinity none.
+  bool async_dispatch = false;
+  double dispatch_deadline_s = -1;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -56,7 +56,7 @@ struct IterationInFlight {
 
 }  // namespace
 
-AsyncEngine::AsyncEngine(Communicator& comm) : comm_(comm) {
+AsyncEngine::AsyncEngine(comm::Communicator& comm) : comm_(comm) {
   comm_.on_message_owned(channels::kExperts,
                          [this](int from, std::vector<std::byte> payload) { on_message(from, std::move(payload)); });
 }
@@ -194,7 +194,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
     const auto finish_start = Clock::now();
     rows.assign(assignments, nullptr);
     late_mask.assign(assignments, 0);
-    if (s.dtype != WireDtype::kFp32) decoded.resize(assignments * h);
+    if (s.dtype != comm::WireDtype::kFp32) decoded.resize(assignments * h);
     for (size_t p = 0; p < r_count; ++p) {
       const auto& slots = f.plan.slots[p];
       if (f.have[p]) {
@@ -319,7 +319,7 @@ Result<RankRecord> AsyncEngine::run(const EngineSetup& s, int64_t first_iteratio
       for (const auto& [iteration, slots] : recent) {
         if (static_cast<uint32_t>(iteration) != hd.iteration) continue;
         std::vector<const float*> late_rows(assignments, nullptr);
-        if (s.dtype != WireDtype::kFp32) decoded.resize(assignments * h);
+        if (s.dtype != comm::WireDtype::kFp32) decoded.resize(assignments * h);
         locate_results(std::span<const std::byte>(m.bytes).subspan(offset), slots[from], s.dtype, hidden, decoded,
                        late_rows);
         for (int32_t a : slots[from]) {

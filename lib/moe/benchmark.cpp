@@ -78,7 +78,7 @@ namespace {
 
 /// 1.5 times the median across ranks of each rank's median warmup round trip:
 /// generous for the typical rank, without letting one slow rank set it.
-Result<double> auto_deadline(Communicator& comm, const RankRecord& warmup) {
+Result<double> auto_deadline(comm::Communicator& comm, const RankRecord& warmup) {
   std::vector<float> medians(static_cast<size_t>(comm.size()), 0.0f);
   medians[static_cast<size_t>(comm.rank())] = static_cast<float>(percentile(warmup.roundtrip_us, 0.5));
   CFMO_TRY(comm.all_reduce_sum(medians));
@@ -90,7 +90,7 @@ Result<double> auto_deadline(Communicator& comm, const RankRecord& warmup) {
 
 Result<std::vector<ModeSummary>> run_benchmark(const MoeConfig& config, const MoePlan& plan,
                                                const BenchmarkOptions& options) {
-  Communicator& comm = *options.comm;
+  comm::Communicator& comm = *options.comm;
   const int rank = comm.rank();
   const auto seed = static_cast<uint64_t>(config.seed);
   auto note = [&](const std::string& text) {

@@ -27,10 +27,10 @@ Result<Simulation> simulation_for(const MoeConfig& config, int rank, int ranks);
 /// Moves this rank's experts to a device (a CUDA one: the GPU of the rank
 /// `local_rank` on its host) and returns the device's description. The tool
 /// passes cuda/moe_experts.h's place_experts: moe does not link the CUDA backend.
-using PlaceExperts = std::function<Result<std::string>(std::vector<ExpertFfn>&, const Device&, int local_rank)>;
+using PlaceExperts = std::function<Result<std::string>(std::vector<ExpertFfn>&, const tensor::Device&, int local_rank)>;
 
 struct BenchmarkOptions {
-  Communicator* comm = nullptr;
+  comm::Communicator* comm = nullptr;
   int local_rank = -1;         ///< the rank's index on its host, for "cuda" (device_for_rank); -1: its rank
   PlaceExperts place_experts;  ///< needed for a --device other than cpu
   Simulation simulation;

@@ -30,7 +30,7 @@ DispatchPlan plan_dispatch(const Routing& routing, const ExpertPlacement& placem
   return plan;
 }
 
-Status exchange_buffers(Communicator* comm, std::vector<std::vector<std::byte>>& out,
+Status exchange_buffers(comm::Communicator* comm, std::vector<std::vector<std::byte>>& out,
                         std::vector<std::vector<std::byte>>& in) {
   if (comm == nullptr) {
     in.resize(1);
@@ -46,7 +46,7 @@ Status exchange_buffers(Communicator* comm, std::vector<std::vector<std::byte>>&
   return comm->all_to_all_v(send_spans, recv_spans);
 }
 
-Result<std::vector<std::vector<uint32_t>>> exchange_counts(Communicator* comm, const DispatchPlan& plan,
+Result<std::vector<std::vector<uint32_t>>> exchange_counts(comm::Communicator* comm, const DispatchPlan& plan,
                                                            int local_experts) {
   const size_t ranks = plan.counts.size();
   const auto mine = static_cast<size_t>(local_experts);
@@ -66,9 +66,9 @@ Result<std::vector<std::vector<uint32_t>>> exchange_counts(Communicator* comm, c
   return counts;
 }
 
-size_t row_bytes(WireDtype dtype, int hidden) { return encoded_size(dtype, static_cast<size_t>(hidden)); }
+size_t row_bytes(comm::WireDtype dtype, int hidden) { return comm::encoded_size(dtype, static_cast<size_t>(hidden)); }
 
-void encode_rows(const float* x, int hidden, int top_k, std::span<const int32_t> slots, WireDtype dtype,
+void encode_rows(const float* x, int hidden, int top_k, std::span<const int32_t> slots, comm::WireDtype dtype,
                  std::vector<std::byte>& out) {
   const size_t bytes = row_bytes(dtype, hidden);
   const size_t at = out.size();
@@ -77,35 +77,35 @@ void encode_rows(const float* x, int hidden, int top_k, std::span<const int32_t>
   for (size_t i = 0; i < slots.size(); ++i) {
     const float* source = x + static_cast<size_t>(slots[i] / top_k) * static_cast<size_t>(hidden);
     std::byte* target = out.data() + at + i * bytes;
-    if (dtype == WireDtype::kFp32) {
+    if (dtype == comm::WireDtype::kFp32) {
       std::memcpy(target, source, bytes);
     } else {
       row.clear();
-      encode_floats(dtype, std::span<const float>(source, static_cast<size_t>(hidden)), {}, row);
+      comm::encode_floats(dtype, std::span<const float>(source, static_cast<size_t>(hidden)), {}, row);
       std::memcpy(target, row.data(), bytes);
     }
   }
 }
 
-void compute_block(ExpertFfn& expert, const std::byte* rows, size_t count, WireDtype dtype, int hidden, std::byte* out,
-                   std::vector<float>& scratch) {
+void compute_block(ExpertFfn& expert, const std::byte* rows, size_t count, comm::WireDtype dtype, int hidden,
+                   std::byte* out, std::vector<float>& scratch) {
   if (count == 0) return;
-  if (dtype == WireDtype::kFp32) {
+  if (dtype == comm::WireDtype::kFp32) {
     expert.forward(reinterpret_cast<const float*>(rows), static_cast<int64_t>(count), reinterpret_cast<float*>(out));
     return;
   }
   const size_t n = count * static_cast<size_t>(hidden);
   if (scratch.size() < 2 * n) scratch.resize(2 * n);
   std::span<const std::byte> in(rows, count * row_bytes(dtype, hidden));
-  (void)decode_floats(dtype, in, std::span<float>(scratch.data(), n));
+  (void)comm::decode_floats(dtype, in, std::span<float>(scratch.data(), n));
   expert.forward(scratch.data(), static_cast<int64_t>(count), scratch.data() + n);
   std::vector<std::byte> encoded;
-  encode_floats(dtype, std::span<const float>(scratch.data() + n, n), {}, encoded);
+  comm::encode_floats(dtype, std::span<const float>(scratch.data() + n, n), {}, encoded);
   std::memcpy(out, encoded.data(), encoded.size());
 }
 
 void compute_rows(std::span<const std::byte> rows, std::span<const uint32_t> counts, std::vector<ExpertFfn>& experts,
-                  WireDtype dtype, int hidden, std::vector<std::byte>& out, size_t offset,
+                  comm::WireDtype dtype, int hidden, std::vector<std::byte>& out, size_t offset,
                   std::vector<float>& scratch) {
   const size_t bytes = row_bytes(dtype, hidden);
   size_t total = 0;
@@ -119,17 +119,17 @@ void compute_rows(std::span<const std::byte> rows, std::span<const uint32_t> cou
   }
 }
 
-void locate_results(std::span<const std::byte> results, std::span<const int32_t> slots, WireDtype dtype, int hidden,
-                    std::vector<float>& decoded, std::vector<const float*>& rows) {
+void locate_results(std::span<const std::byte> results, std::span<const int32_t> slots, comm::WireDtype dtype,
+                    int hidden, std::vector<float>& decoded, std::vector<const float*>& rows) {
   const size_t bytes = row_bytes(dtype, hidden);
   const auto h = static_cast<size_t>(hidden);
   for (size_t i = 0; i < slots.size() && (i + 1) * bytes <= results.size(); ++i) {
     const auto a = static_cast<size_t>(slots[i]);
-    if (dtype == WireDtype::kFp32) {
+    if (dtype == comm::WireDtype::kFp32) {
       rows[a] = reinterpret_cast<const float*>(results.data() + i * bytes);
     } else {
       std::span<const std::byte> in = results.subspan(i * bytes, bytes);
-      (void)decode_floats(dtype, in, std::span<float>(decoded.data() + a * h, h));
+      (void)comm::decode_floats(dtype, in, std::span<float>(decoded.data() + a * h, h));
       rows[a] = decoded.data() + a * h;
     }
   }

@@ -34,39 +34,40 @@ DispatchPlan plan_dispatch(const Routing& routing, const ExpertPlacement& placem
 /// One all-to-all-v of a byte buffer per rank: out[p] goes to rank p and
 /// in[p] (sized by the caller) receives rank p's. With no communicator (a
 /// single rank) in[0] takes out[0].
-Status exchange_buffers(Communicator* comm, std::vector<std::vector<std::byte>>& out,
+Status exchange_buffers(comm::Communicator* comm, std::vector<std::vector<std::byte>>& out,
                         std::vector<std::vector<std::byte>>& in);
 
 /// The layout of a dispatch: every rank learns how many rows each rank
 /// sends it for each of its `local_experts` experts (an all-to-all-v of
 /// uint32 counts); [source rank][local expert].
-Result<std::vector<std::vector<uint32_t>>> exchange_counts(Communicator* comm, const DispatchPlan& plan,
+Result<std::vector<std::vector<uint32_t>>> exchange_counts(comm::Communicator* comm, const DispatchPlan& plan,
                                                            int local_experts);
 
 /// Bytes of one row of `hidden` floats on the wire.
-size_t row_bytes(WireDtype dtype, int hidden);
+size_t row_bytes(comm::WireDtype dtype, int hidden);
 
 /// Appends the rows of x [tokens, hidden] that `slots` name (assignment a is
 /// token a / top_k) to `out`, encoded.
-void encode_rows(const float* x, int hidden, int top_k, std::span<const int32_t> slots, WireDtype dtype,
+void encode_rows(const float* x, int hidden, int top_k, std::span<const int32_t> slots, comm::WireDtype dtype,
                  std::vector<std::byte>& out);
 
 /// One expert block: `count` encoded rows in, `count` encoded results out
 /// (fp32: the GEMM reads and writes the wire buffers directly).
-void compute_block(ExpertFfn& expert, const std::byte* rows, size_t count, WireDtype dtype, int hidden, std::byte* out,
-                   std::vector<float>& scratch);
+void compute_block(ExpertFfn& expert, const std::byte* rows, size_t count, comm::WireDtype dtype, int hidden,
+                   std::byte* out, std::vector<float>& scratch);
 
 /// The receiving side: computes `rows` (encoded, counts[i] for local expert
 /// i, in order) with `experts` and writes the encoded results to `out` from
 /// `offset` on (resized to fit; for fp32 the GEMM writes there directly).
 /// `scratch` is the caller's, kept between calls.
 void compute_rows(std::span<const std::byte> rows, std::span<const uint32_t> counts, std::vector<ExpertFfn>& experts,
-                  WireDtype dtype, int hidden, std::vector<std::byte>& out, size_t offset, std::vector<float>& scratch);
+                  comm::WireDtype dtype, int hidden, std::vector<std::byte>& out, size_t offset,
+                  std::vector<float>& scratch);
 
 /// Points rows[a] at each result row of `slots` in `results` (encoded);
 /// bf16 rows are decoded into `decoded` (assignment-indexed, hidden floats each).
-void locate_results(std::span<const std::byte> results, std::span<const int32_t> slots, WireDtype dtype, int hidden,
-                    std::vector<float>& decoded, std::vector<const float*>& rows);
+void locate_results(std::span<const std::byte> results, std::span<const int32_t> slots, comm::WireDtype dtype,
+                    int hidden, std::vector<float>& decoded, std::vector<const float*>& rows);
 
 /// y_t = x_t + sum over j (in order) of gate[t,j] * rows[t,j]; a null row is
 /// the residual path (the assignment contributes nothing).

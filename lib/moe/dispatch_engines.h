@@ -42,7 +42,7 @@ InputPool make_inputs(uint64_t seed, int rank, int64_t tokens, int hidden, int64
 
 /// What one rank of one run needs; pointers are the caller's and outlive the run.
 struct EngineSetup {
-  Communicator* comm = nullptr;
+  comm::Communicator* comm = nullptr;
   ExpertPlacement placement;
   const Router* router = nullptr;
   std::vector<ExpertFfn>* experts = nullptr;  ///< this rank's, in expert order
@@ -50,7 +50,7 @@ struct EngineSetup {
   Pacer* pacer = nullptr;
   int top_k = 1;
   int64_t capacity = -1;  ///< per expert per source rank; < 0: dropless
-  WireDtype dtype = WireDtype::kFp32;
+  comm::WireDtype dtype = comm::WireDtype::kFp32;
   LatePolicy late_policy = LatePolicy::kResidual;
   int in_flight = 2;
 };
@@ -93,7 +93,7 @@ Result<RankRecord> run_sync(const EngineSetup& setup, int64_t first_iteration, i
 /// destruction.
 class AsyncEngine {
  public:
-  explicit AsyncEngine(Communicator& comm);
+  explicit AsyncEngine(comm::Communicator& comm);
   ~AsyncEngine();
   AsyncEngine(const AsyncEngine&) = delete;
   AsyncEngine& operator=(const AsyncEngine&) = delete;
@@ -111,7 +111,7 @@ class AsyncEngine {
   };
   void on_message(int from, std::vector<std::byte> payload);
 
-  Communicator& comm_;
+  comm::Communicator& comm_;
   uint32_t run_ = 0;
   std::atomic<uint32_t> accepted_run_{0};  ///< messages of other runs are dropped on arrival
   std::mutex mutex_;                       ///< guards inbox_

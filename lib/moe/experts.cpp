@@ -58,11 +58,11 @@ void ExpertFfn::forward(const float* x, int64_t rows, float* out) {
   const size_t inner = static_cast<size_t>(rows) * static_cast<size_t>(ffn_);
   if (inner_.size() < inner) inner_.resize(inner);
   const int m = static_cast<int>(rows);
-  ops::gemm(ops::Trans::kNo, ops::Trans::kNo, m, ffn_, hidden_, 1.0f, x, hidden_, w1_.data(), ffn_, 0.0f, inner_.data(),
-            ffn_);
+  tensor::ops::gemm(tensor::ops::Trans::kNo, tensor::ops::Trans::kNo, m, ffn_, hidden_, 1.0f, x, hidden_, w1_.data(),
+                    ffn_, 0.0f, inner_.data(), ffn_);
   for (size_t i = 0; i < inner; ++i) inner_[i] = std::max(inner_[i], 0.0f);
-  ops::gemm(ops::Trans::kNo, ops::Trans::kNo, m, hidden_, ffn_, 1.0f, inner_.data(), ffn_, w2_.data(), hidden_, 0.0f,
-            out, hidden_);
+  tensor::ops::gemm(tensor::ops::Trans::kNo, tensor::ops::Trans::kNo, m, hidden_, ffn_, 1.0f, inner_.data(), ffn_,
+                    w2_.data(), hidden_, 0.0f, out, hidden_);
 }
 
 }  // namespace cfmo::moe

@@ -71,16 +71,16 @@ class ExpertFfn {
   int expert() const { return expert_; }
   int hidden() const { return hidden_; }
   int ffn() const { return ffn_; }
-  const FloatBuffer& w1() const { return w1_; }
-  const FloatBuffer& w2() const { return w2_; }
+  const tensor::FloatBuffer& w1() const { return w1_; }
+  const tensor::FloatBuffer& w2() const { return w2_; }
 
  private:
   int expert_;
   int hidden_;
   int ffn_;
-  FloatBuffer w1_;
-  FloatBuffer w2_;
-  FloatBuffer inner_;  ///< scratch [rows, ffn]
+  tensor::FloatBuffer w1_;
+  tensor::FloatBuffer w2_;
+  tensor::FloatBuffer inner_;  ///< scratch [rows, ffn]
   std::unique_ptr<ExpertDevice> device_;
   Status status_;
 };

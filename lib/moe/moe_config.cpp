@@ -99,9 +99,9 @@ Result<MoePlan> validate(const MoeConfig& c) {
   CFMO_ASSIGN_OR_RETURN(plan.drop_policy, parse_drop_policy(c.drop_policy));
   CFMO_ASSIGN_OR_RETURN(plan.routing, parse_routing(c.routing));
   if (c.dtype == "fp32") {
-    plan.dtype = WireDtype::kFp32;
+    plan.dtype = comm::WireDtype::kFp32;
   } else if (c.dtype == "bf16") {
-    plan.dtype = WireDtype::kBf16;
+    plan.dtype = comm::WireDtype::kBf16;
   } else {
     return usage("dtype", fmt::format("'{}': expected fp32 or bf16", c.dtype));
   }
@@ -140,7 +140,7 @@ Result<MoePlan> validate(const MoeConfig& c) {
   }
   if (c.in_flight < 1 || c.in_flight > 64) return usage("in-flight", "must be in 1..64");
   if (c.threads < 1 || c.threads > 1024) return usage("threads", "must be in 1..1024");
-  CFMO_ASSIGN_OR_RETURN(plan.device, parse_device(c.device));
+  CFMO_ASSIGN_OR_RETURN(plan.device, tensor::parse_device(c.device));
   if (c.ranks < 1 || c.ranks > 1024) return usage("ranks", "must be in 1..1024");
   if (!(c.peer_timeout > 0)) return usage("peer-timeout", "must be positive");
   if (c.format != "table" && c.format != "json" && c.format != "csv") {

@@ -57,10 +57,10 @@ struct MoePlan {
   std::vector<int64_t> sizes;      ///< tokens per rank, one run per size
   RoutingSkew routing;
   DropPolicy drop_policy = DropPolicy::kResidual;
-  WireDtype dtype = WireDtype::kFp32;
+  comm::WireDtype dtype = comm::WireDtype::kFp32;
   LatePolicy late_policy = LatePolicy::kResidual;
   double deadline_s = -1;  ///< < 0: auto (from the warmup's round trips)
-  Device device;           ///< where the experts' GEMMs run
+  tensor::Device device;   ///< where the experts' GEMMs run
 };
 
 /// Registers every field of `config` in `table` with its help text.

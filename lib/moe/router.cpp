@@ -127,9 +127,9 @@ Routing Router::route(const float* x, int64_t tokens, uint64_t stream, int64_t f
   r.load.assign(e_count, 0);
   std::vector<float> logits(static_cast<size_t>(tokens) * e_count);
   if (tokens > 0) {
-    ops::gemm(ops::Trans::kNo, ops::Trans::kNo, static_cast<int>(tokens), experts_, hidden_,
-              1.0f / std::sqrt(static_cast<float>(hidden_)), x, hidden_, weights_.data(), experts_, 0.0f, logits.data(),
-              experts_);
+    tensor::ops::gemm(tensor::ops::Trans::kNo, tensor::ops::Trans::kNo, static_cast<int>(tokens), experts_, hidden_,
+                      1.0f / std::sqrt(static_cast<float>(hidden_)), x, hidden_, weights_.data(), experts_, 0.0f,
+                      logits.data(), experts_);
   }
   std::vector<float> bias(e_count, 0.0f);
   if (skew_.kind == RoutingSkew::Kind::kZipf) {

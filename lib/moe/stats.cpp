@@ -68,7 +68,7 @@ double percentile(std::vector<double> samples, double q) {
   return samples[index - 1];
 }
 
-Result<ModeSummary> summarize(Communicator& comm, const RunSettings& settings, const RankRecord& record,
+Result<ModeSummary> summarize(comm::Communicator& comm, const RunSettings& settings, const RankRecord& record,
                               const CheckValues& check) {
   const auto ranks = static_cast<size_t>(comm.size());
   const auto me = static_cast<size_t>(comm.rank());
@@ -172,7 +172,7 @@ Result<ModeSummary> summarize(Communicator& comm, const RunSettings& settings, c
   return s;
 }
 
-Result<double> global_relative_error(Communicator& comm, std::span<const float> a, std::span<const float> b) {
+Result<double> global_relative_error(comm::Communicator& comm, std::span<const float> a, std::span<const float> b) {
   double diff = 0;
   double ref = 0;
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) {

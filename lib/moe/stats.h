@@ -63,11 +63,11 @@ struct ModeSummary {
 };
 
 /// Every rank calls it with its own record (a collective): every rank gets the summary.
-Result<ModeSummary> summarize(Communicator& comm, const RunSettings& settings, const RankRecord& record,
+Result<ModeSummary> summarize(comm::Communicator& comm, const RunSettings& settings, const RankRecord& record,
                               const CheckValues& check);
 
 /// Relative L2 error ||a - b|| / ||b|| over every rank's vectors (a collective).
-Result<double> global_relative_error(Communicator& comm, std::span<const float> a, std::span<const float> b);
+Result<double> global_relative_error(comm::Communicator& comm, std::span<const float> a, std::span<const float> b);
 
 /// Nearest-rank percentile (q in [0, 1]) of unsorted samples.
 double percentile(std::vector<double> samples, double q);

@@ -30,7 +30,7 @@ Routing route_iteration(const EngineSetup& s, int64_t iteration) {
 }
 
 Result<RankRecord> run_sync(const EngineSetup& s, int64_t first_iteration, int64_t iterations) {
-  Communicator& comm = *s.comm;
+  comm::Communicator& comm = *s.comm;
   const int ranks = comm.size();
   const int me = comm.rank();
   const int hidden = s.inputs->hidden;
@@ -87,7 +87,7 @@ Result<RankRecord> run_sync(const EngineSetup& s, int64_t first_iteration, int64
     const auto combine_start = Clock::now();
     CFMO_TRY(exchange_buffers(&comm, replies, results));
     rows.assign(routing.expert.size(), nullptr);
-    if (s.dtype != WireDtype::kFp32) decoded.resize(routing.expert.size() * static_cast<size_t>(hidden));
+    if (s.dtype != comm::WireDtype::kFp32) decoded.resize(routing.expert.size() * static_cast<size_t>(hidden));
     for (size_t p = 0; p < r_count; ++p) locate_results(results[p], plan.slots[p], s.dtype, hidden, decoded, rows);
     combine(x, routing, rows, hidden, output.data());
     const auto end = Clock::now();

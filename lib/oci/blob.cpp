@@ -270,7 +270,7 @@ Result<bool> file_matches(const fs::path& path, const std::string& digest, int64
 /// Blobs at least this large have their blocks reserved before the download.
 constexpr int64_t kPreallocateFrom = 1 << 20;
 
-Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, const fs::path& layout,
+Result<BlobResult> fetch_blob(RegistryApi& client, const Descriptor& blob, const fs::path& layout,
                               const std::string& what, const BlobFetchOptions& options) {
   BlobResult result;
   const fs::path final_path = blob_path(layout, blob.digest);

@@ -53,7 +53,7 @@ std::filesystem::path blob_path(const std::filesystem::path& layout, const std::
 /// Fetches `blob` (from /v2/<repo>/blobs/<digest>) into `layout`. A digest
 /// or size mismatch is kInput, and the partial file is removed so the next
 /// run starts clean; a network failure keeps it for resuming.
-Result<BlobResult> fetch_blob(RegistryClient& client, const Descriptor& blob, const std::filesystem::path& layout,
+Result<BlobResult> fetch_blob(RegistryApi& client, const Descriptor& blob, const std::filesystem::path& layout,
                               const std::string& what, const BlobFetchOptions& options = {});
 
 /// Checks that a file holds `digest` and `size` (for blobs already present).

@@ -201,7 +201,7 @@ CommandResult run_inspect(const PullCommandLine& line, const PullPlan& plan, con
   if (config.image.empty()) return usage("inspect: which image? give REF (or image in the --config file)");
   CFMO_ASSIGN_OR_RETURN(const Reference ref, parse_reference(config.image));
   PullOptions options = plan.pull;
-  options.observer = hooks.observer;
+  if (hooks.progress != nullptr) options.sinks.push_back(hooks.progress);
   CFMO_ASSIGN_OR_RETURN(const ResolvedImage image, inspect_image(ref, options));
   int64_t total = 0;
   for (const auto& l : image.parsed.layers) total += l.size;
@@ -237,7 +237,7 @@ CommandResult run_pull(const PullCommandLine& line, const PullPlan& plan, const 
   if (config.output.empty()) return usage("pull: --output oci:DIR[:tag] or rootfs:DIR is required");
   CFMO_ASSIGN_OR_RETURN(const Outputs outputs, parse_outputs(config, ref));
   PullOptions options = plan.pull;
-  options.observer = hooks.observer;
+  if (hooks.progress != nullptr) options.sinks.push_back(hooks.progress);
 
   std::optional<RootfsReport> rootfs;
   PullReport report;
@@ -309,7 +309,7 @@ CommandResult run_fetch(const PullCommandLine& line, const PullPlan& plan, const
     CFMO_ASSIGN_OR_RETURN(const LayerSpec spec, parse_layer_spec(line.args[i], "fetch"));
     options.layers.push_back(spec);
   }
-  options.observer = hooks.observer;
+  if (hooks.progress != nullptr) options.sinks.push_back(hooks.progress);
   CFMO_ASSIGN_OR_RETURN(const PullReport report, fetch_layers(dir, options));
   CommandOutput out;
   if (line.config.json) {
@@ -440,9 +440,71 @@ CommandResult run_status(const PullCommandLine& line, const PullPlan&, const Com
 
 namespace {
 
-/// The lazy mount: prepared here (where errors can still be told), then
-/// served by a process the tool starts (hooks.serve_detached).
-CommandResult run_lazy_mount(const PullCommandLine& line, const PullPlan& plan, const CommandHooks& hooks) {
+/// A directory removed when it goes out of scope, with what a pull put in it.
+struct PullDirGuard {
+  fs::path dir;
+  ~PullDirGuard() {
+    if (dir.empty()) return;
+    (void)remove_pull(dir);
+    remove_tree(dir);
+  }
+};
+
+/// The image `arg` names when it is not a directory but a reference that
+/// names its registry, tag or digest (a path that does not exist, such as
+/// out/typo, stays a path, and its error says so).
+std::optional<Reference> image_argument(const std::string& arg) {
+  std::error_code ec;
+  if (fs::exists(arg, ec) || arg.find('/') == std::string::npos) return std::nullopt;
+  auto ref = parse_reference(arg);
+  if (!ref) return std::nullopt;
+  const std::string first = arg.substr(0, arg.find('/'));
+  const std::string last = arg.substr(arg.rfind('/') + 1);
+  const bool names_registry = first.find_first_of(".:") != std::string::npos || first == "localhost";
+  const bool names_version = last.find_first_of(":@") != std::string::npos;
+  if (!names_registry && !names_version) return std::nullopt;
+  return *ref;
+}
+
+/// `mount --lazy REF`: the image's layout under --cache (CACHE/lazy/NAME-HEX,
+/// named by its manifest's digest, so every mount of the image shares its
+/// indexes and span cache): the manifest, the config and the indexes the
+/// registry holds for it, no layer. A layout already there for the same
+/// manifest is used as it is. `made` is set to a layout made now, for the
+/// caller to remove if the mount fails.
+Result<fs::path> lazy_layout(const PullCommandLine& line, const PullPlan& plan, const CommandHooks& hooks,
+                             const Reference& ref, PullDirGuard& made, CommandOutput& out) {
+  PullOptions options = plan.pull;
+  if (hooks.progress != nullptr) options.sinks.push_back(hooks.progress);
+  CFMO_ASSIGN_OR_RETURN(const ResolvedImage image, resolve_image(ref, options));
+  const fs::path cache = line.config.cache.empty() ? default_blob_cache() : fs::path(line.config.cache);
+  std::string name = ref.repository;
+  std::replace(name.begin(), name.end(), '/', '_');
+  const fs::path dir = fs::absolute(cache / "lazy" / fmt::format("{}-{}", name, image.manifest.digest.substr(7, 16)));
+  std::error_code ec;
+  if (fs::exists(state_path(dir), ec)) {
+    if (auto state = read_state(dir); state && state->manifest_digest == image.manifest.digest) return dir;
+  }
+  if (!fs::exists(dir, ec)) made.dir = dir;
+  // Pinned to the digest just resolved: a tag that moves meanwhile cannot mix two images.
+  Reference pinned = ref;
+  pinned.digest = image.manifest.digest;
+  options.cold = ColdStrategy::kLazy;
+  options.hot.clear();
+  options.memory_store = false;
+  options.background = false;
+  options.ready_file.clear();
+  CFMO_ASSIGN_OR_RETURN(const PullReport report,
+                        pull_to_layout(pinned, options, dir, ref.tag.empty() ? "latest" : ref.tag));
+  CFMO_TRY(indexes_from_registry(dir.string(), report, plan, line.config.quiet || line.config.json, out));
+  return dir;
+}
+
+/// The lazy mount of the pull in `dir`: prepared here (where errors can
+/// still be told), then served by a process the tool starts
+/// (hooks.serve_detached). `shown` names what is mounted (DIR, or REF).
+CommandResult run_lazy_mount(const PullCommandLine& line, const PullPlan& plan, const CommandHooks& hooks,
+                             const fs::path& dir, const std::string& shown, CommandOutput out) {
   const PullConfig& config = line.config;
   LazyMountOptions options;
   options.cache_bytes = plan.cache_bytes;
@@ -455,7 +517,7 @@ CommandResult run_lazy_mount(const PullCommandLine& line, const PullPlan& plan, 
   if (!config.record.empty()) options.record = fs::absolute(config.record, ec);
   if (!config.prefetch.empty()) options.prefetch = fs::absolute(config.prefetch, ec);
   options.writable = config.writable;
-  CFMO_ASSIGN_OR_RETURN(const auto mount, LazyMount::prepare(line.args[0], line.args[1], options));
+  CFMO_ASSIGN_OR_RETURN(const auto mount, LazyMount::prepare(dir, line.args[1], options));
   CFMO_ASSIGN_OR_RETURN(const int pid, hooks.serve_detached(*mount));
   const auto& report = mount->report();
   std::string writes;
@@ -473,11 +535,9 @@ CommandResult run_lazy_mount(const PullCommandLine& line, const PullPlan& plan, 
   const bool pending =
       std::any_of(report.layers.begin(), report.layers.end(), [](const LazyLayer& l) { return !l.local; });
   if (config.background && pending) {
-    CFMO_ASSIGN_OR_RETURN(background_pid,
-                          start_background_fetch(hooks, config, line.args[0], plan.fetch.buffer_memory));
+    CFMO_ASSIGN_OR_RETURN(background_pid, start_background_fetch(hooks, config, dir, plan.fetch.buffer_memory));
   }
-  CommandOutput out;
-  if (!config.quiet && !config.json) out.notes = report.notes;
+  if (!config.quiet && !config.json) out.notes.insert(out.notes.end(), report.notes.begin(), report.notes.end());
   if (config.json) {
     Json layers = Json::array();
     for (const auto& l : report.layers) {
@@ -490,6 +550,8 @@ CommandResult run_lazy_mount(const PullCommandLine& line, const PullPlan& plan, 
     }
     out.text = json_text(Json{{"mounted", true},
                               {"lazy", true},
+                              {"image", shown == dir.string() ? Json(nullptr) : Json(shown)},
+                              {"dir", dir.string()},
                               {"mountpoint", line.args[1]},
                               {"pid", pid},
                               {"background_pid", background_pid > 0 ? Json(background_pid) : Json(nullptr)},
@@ -508,7 +570,11 @@ CommandResult run_lazy_mount(const PullCommandLine& line, const PullPlan& plan, 
     out.text = fmt::format(
         "{}: mounted {} lazily at {} ({} layer(s), {} of them read from the registry on first access; "
         "pid {}, log {}){}\n",
-        kTool, line.args[0], line.args[1], report.layers.size(), cold, pid, report.log.string(), writes);
+        kTool, shown, line.args[1], report.layers.size(), cold, pid, report.log.string(), writes);
+    if (shown != dir.string()) {
+      out.text += fmt::format("{}: its layout, indexes and span cache are kept in {} ('{} rm' it to reclaim)\n", kTool,
+                              dir.string(), kTool);
+    }
   }
   return out;
 }
@@ -538,9 +604,27 @@ Json mount_json(const MountReport& report, const std::string& mountpoint) {
 }  // namespace
 
 CommandResult run_mount(const PullCommandLine& line, const PullPlan& plan, const CommandHooks& hooks) {
-  if (line.args.size() != 2) return usage("mount: give the pull's DIR and the MOUNTPOINT");
+  if (line.args.size() != 2)
+    return usage("mount: give the pull's DIR (or, with --lazy, an image REF) and the MOUNTPOINT");
   const PullConfig& config = line.config;
-  if (config.lazy) return run_lazy_mount(line, plan, hooks);
+  const auto ref = config.lazy ? image_argument(line.args[0]) : std::nullopt;
+  if (!ref && (!config.platform.empty() || !config.cache.empty())) {
+    return usage("mount: --platform and --cache are for 'mount --lazy REF' (an image not pulled here)");
+  }
+  if (config.lazy) {
+    if (!ref) return run_lazy_mount(line, plan, hooks, line.args[0], line.args[0], {});
+    // Checked before anything is fetched for it.
+    std::error_code ec;
+    if (!fs::is_directory(line.args[1], ec)) {
+      return usage(fmt::format("mount point '{}': not a directory", line.args[1]));
+    }
+    PullDirGuard made;
+    CommandOutput out;
+    CFMO_ASSIGN_OR_RETURN(const fs::path dir, lazy_layout(line, plan, hooks, *ref, made, out));
+    CFMO_ASSIGN_OR_RETURN(out, run_lazy_mount(line, plan, hooks, dir, line.args[0], std::move(out)));
+    made.dir.clear();  // mounted: the layout stays, the mount's cache
+    return out;
+  }
   MountOptions options;
   options.partial = config.partial;
   options.writable = config.writable;
@@ -620,16 +704,6 @@ CommandResult list_indexes(const PullCommandLine& line, const fs::path& dir) {
 
 namespace {
 
-/// A directory removed when it goes out of scope, with what a pull put in it.
-struct PullDirGuard {
-  fs::path dir;
-  ~PullDirGuard() {
-    if (dir.empty()) return;
-    (void)remove_pull(dir);
-    remove_tree(dir);
-  }
-};
-
 /// `index REF --push`: the image pulled whole into a temporary layout under
 /// the blob cache, indexed there, pushed, and the layout removed.
 Result<fs::path> pull_for_index(const PullCommandLine& line, const PullPlan& plan, const CommandHooks& hooks,
@@ -647,7 +721,7 @@ Result<fs::path> pull_for_index(const PullCommandLine& line, const PullPlan& pla
   options.hot.clear();
   options.memory_store = false;
   options.background = false;
-  options.observer = hooks.observer;
+  if (hooks.progress != nullptr) options.sinks.push_back(hooks.progress);
   CFMO_TRY(pull_to_layout(ref, options, guard.dir, ref.tag.empty() ? "latest" : ref.tag));
   return guard.dir;
 }
@@ -702,9 +776,10 @@ CommandResult run_index(const PullCommandLine& line, const PullPlan& plan, const
         from_ref ? std::string()
                  : fmt::format("; index {} ({})", r.path.string(), human_bytes(static_cast<int64_t>(r.index_bytes)));
     text += r.indexed
-                ? fmt::format("{}: layer {} {}: {} entries, {} checkpoint(s), {} uncompressed{}\n", kTool, r.layer,
+                ? fmt::format("{}: layer {} {}: {} entries, {} checkpoint(s), {} uncompressed{}{}\n", kTool, r.layer,
                               r.digest.substr(0, 19), r.entries, r.checkpoints,
-                              human_bytes(static_cast<int64_t>(r.uncompressed_size)), where)
+                              human_bytes(static_cast<int64_t>(r.uncompressed_size)), where,
+                              r.note.empty() ? "" : "; " + r.note)
                 : fmt::format("{}: layer {} {}: not indexed: {}\n", kTool, r.layer, r.digest.substr(0, 19), r.note);
   }
   Json pushed_json = nullptr;

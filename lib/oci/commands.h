@@ -56,7 +56,7 @@ struct CommandOutput {
 
 /// What the tool lends the subcommands.
 struct CommandHooks {
-  PullObserver* observer = nullptr;  ///< progress of pull, fetch and inspect; may be null
+  PullSink* progress = nullptr;  ///< the progress of pull, fetch and inspect (a sink of theirs); may be null
   /// Starts `argv` (this program again) detached, its output appended to
   /// `log`; returns its pid (pull and mount --background).
   std::function<Result<int>(const std::vector<std::string>& argv, const std::string& log)> start_detached;

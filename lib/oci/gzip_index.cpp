@@ -4,11 +4,14 @@
 // read, and libarchive remains the unpacker. Checkpoints follow zran.c:
 // inflate with Z_BLOCK stops at every deflate block boundary, and a
 // checkpoint is taken at one when `span` bytes of output have passed since
-// the last.
+// the last. A zstd layer's checkpoints are frame starts, where a fresh
+// decoder begins: zstd's streaming decoder stops at the end of each frame
+// (it returns 0 there), which is where the next frame's bytes start.
 #include "oci/gzip_index.h"
 
 #include "core/atomic_file.h"
 #include "oci/blob.h"
+#include "oci/hot_set.h"
 #include "oci/pull_state.h"
 #include "oci/unpack.h"
 
@@ -16,6 +19,7 @@
 #include <openssl/evp.h>
 #include <unistd.h>
 #include <zlib.h>
+#include <zstd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -36,6 +40,8 @@ constexpr size_t kExtensionLimit = 16 << 20;  ///< a pax or GNU long-name header
 constexpr char kMagic[8] = {'C', 'F', 'M', 'O', 'L', 'I', 'D', 'X'};
 /// Version 2 added each entry's mtime; version 1 files are still read (their times are the epoch).
 constexpr uint32_t kVersion = 2;
+/// zstd's default window cap (128 MiB), as the unpacker has it: a frame asking for more is refused, not allocated.
+constexpr int kZstdWindowLogMax = 27;
 
 uint64_t round_up(uint64_t n) { return (n + kBlock - 1) / kBlock * kBlock; }
 
@@ -494,6 +500,69 @@ Status index_plain(BlobReader& blob, LayerIndex& index, TarWalker& walker) {
   return {};
 }
 
+struct ZstdFree {
+  void operator()(ZSTD_DCtx* ctx) const { ZSTD_freeDCtx(ctx); }
+};
+using ZstdDecoder = std::unique_ptr<ZSTD_DCtx, ZstdFree>;
+
+ZstdDecoder zstd_decoder() {
+  ZstdDecoder d(ZSTD_createDCtx());
+  if (d) ZSTD_DCtx_setParameter(d.get(), ZSTD_d_windowLogMax, kZstdWindowLogMax);
+  return d;
+}
+
+Status index_zstd(BlobReader& blob, LayerIndex& index, TarWalker& walker, const std::string& what) {
+  ZstdDecoder d = zstd_decoder();
+  if (!d) return make_error(ErrorKind::kInternal, "{}: zstd failed to start", what);
+  std::vector<unsigned char> out(ZSTD_DStreamOutSize());
+  ZSTD_inBuffer in{nullptr, 0, 0};
+  uint64_t total_out = 0;
+  size_t rc = 1;  ///< ZSTD_decompressStream's last answer: 0 at a frame's end
+  // A frame's end becomes a checkpoint only once more input is known to follow it.
+  bool boundary = false;
+  uint64_t boundary_in = 0;
+  uint64_t boundary_out = 0;
+  IndexCheckpoint first;  // the first frame starts at the layer's first byte
+  blob.cut(0);
+  index.checkpoints.push_back(std::move(first));
+  index.members = 0;
+  bool full = false;  ///< the last call filled the output: call again before asking for input
+  while (true) {
+    if (in.pos == in.size && !full) {
+      CFMO_ASSIGN_OR_RETURN(const bool more, blob.refill());
+      if (!more) break;
+      in = {blob.data(), blob.size(), 0};
+    }
+    if (boundary && boundary_out - index.checkpoints.back().out >= index.span) {
+      IndexCheckpoint c;
+      c.in = boundary_in;
+      c.out = boundary_out;
+      if (auto closed = blob.cut(c.in)) index.checkpoints.back().span_sha256 = *closed;
+      index.checkpoints.push_back(std::move(c));
+    }
+    boundary = false;
+    ZSTD_outBuffer o{out.data(), out.size(), 0};
+    rc = ZSTD_decompressStream(d.get(), &o, &in);
+    if (ZSTD_isError(rc)) {
+      return make_error(ErrorKind::kInput, "{}: not a valid zstd stream ({}, at compressed byte {})", what,
+                        ZSTD_getErrorName(rc), blob.start() + in.pos);
+    }
+    full = rc != 0 && o.pos == o.size;  // 0: the frame is done and flushed
+    total_out += o.pos;
+    CFMO_TRY(walker.feed(out.data(), o.pos));
+    if (rc == 0) {
+      ++index.members;
+      boundary = true;
+      boundary_in = blob.start() + in.pos;
+      boundary_out = total_out;
+    }
+  }
+  if (rc != 0) return make_error(ErrorKind::kInput, "{}: the zstd stream is truncated", what);
+  if (auto closed = blob.cut(blob.start() + blob.size())) index.checkpoints.back().span_sha256 = *closed;
+  index.uncompressed_size = total_out;
+  return {};
+}
+
 /// Little-endian fields, appended.
 class Writer {
  public:
@@ -560,6 +629,15 @@ Error bad_index(const std::string& what, std::string_view problem) {
   return make_error(ErrorKind::kInput, "index '{}': {}", what, problem);
 }
 
+/// Appends what of `produced` bytes of output at uncompressed `position` falls in [offset, offset + length).
+void keep(std::string& out, uint64_t position, const unsigned char* data, uint64_t produced, uint64_t offset,
+          uint64_t length) {
+  if (position + produced <= offset) return;
+  const uint64_t from = position >= offset ? 0 : offset - position;
+  const uint64_t take = std::min<uint64_t>(produced - from, length - out.size());
+  out.append(reinterpret_cast<const char*>(data) + from, take);
+}
+
 /// Checks a span's bytes against the index before they are used.
 Result<std::string> verified_span(const LayerIndex& index, CompressedSource& source, size_t k,
                                   const std::string& what) {
@@ -602,6 +680,10 @@ std::pair<uint64_t, uint64_t> LayerIndex::span_range(size_t k) const {
   return {checkpoints[k].in, k + 1 < checkpoints.size() ? checkpoints[k + 1].in : compressed_size};
 }
 
+bool LayerIndex::lazily_loadable() const {
+  return compression != IndexedCompression::kZstd || checkpoints.size() > 1 || uncompressed_size <= span;
+}
+
 fs::path index_path(const fs::path& dir, const std::string& digest) {
   return dir / kIndexDir / digest.substr(std::string_view("sha256:").size());
 }
@@ -641,6 +723,7 @@ class RangeSink : public BodySink {
                         what_, status);
     }
     body.clear();
+    body.reserve(length_);  // once: growing by doubling held twice the span at its end
     return {};
   }
   Status write(std::string_view chunk) override {
@@ -676,22 +759,27 @@ Result<LayerIndex> build_layer_index(const fs::path& blob, const Descriptor& lay
                                      const std::string& what) {
   if (span < kMinSpan) return make_error(ErrorKind::kUsage, "--span {}: at least 64K", span);
   CFMO_ASSIGN_OR_RETURN(const Compression compression, layer_compression(layer.media_type));
-  if (compression == Compression::kZstd) {
-    return make_error(ErrorKind::kInput, "{}: zstd is not indexed (not lazily loadable; it is fetched whole)", what);
-  }
   BlobReader reader(blob);
   if (!reader.is_open()) {
     return make_error(ErrorKind::kInput, "'{}': cannot open: {}", blob.string(), std::strerror(errno));
   }
   LayerIndex index;
-  index.compression = compression == Compression::kGzip ? IndexedCompression::kGzip : IndexedCompression::kNone;
   index.span = span;
   index.layer_digest = layer.digest;
   TarWalker walker(index.entries, what);
-  if (compression == Compression::kGzip) {
-    CFMO_TRY(index_gzip(reader, index, walker, what));
-  } else {
-    CFMO_TRY(index_plain(reader, index, walker));
+  switch (compression) {
+    case Compression::kGzip:
+      index.compression = IndexedCompression::kGzip;
+      CFMO_TRY(index_gzip(reader, index, walker, what));
+      break;
+    case Compression::kZstd:
+      index.compression = IndexedCompression::kZstd;
+      CFMO_TRY(index_zstd(reader, index, walker, what));
+      break;
+    case Compression::kNone:
+      index.compression = IndexedCompression::kNone;
+      CFMO_TRY(index_plain(reader, index, walker));
+      break;
   }
   CFMO_TRY(walker.finish());
   std::error_code ec;
@@ -764,7 +852,7 @@ Result<LayerIndex> parse_index(std::string_view bytes, const std::string& what) 
   r.u8();
   r.u8();
   r.u8();
-  if (compression > 1) return bad_index(what, fmt::format("unknown compression {}", compression));
+  if (compression > 2) return bad_index(what, fmt::format("unknown compression {}", compression));
   index.compression = static_cast<IndexedCompression>(compression);
   index.span = r.u64();
   index.compressed_size = r.u64();
@@ -784,8 +872,10 @@ Result<LayerIndex> parse_index(std::string_view bytes, const std::string& what) 
     const bool ordered =
         k == 0 ? c.out == 0 : c.out > index.checkpoints.back().out && c.in > index.checkpoints.back().in;
     const bool plain = index.compression == IndexedCompression::kNone;
+    const bool frames = index.compression == IndexedCompression::kZstd;
     if (c.bits > 7 || !ordered || c.in > index.compressed_size || c.out > index.uncompressed_size ||
-        (plain && (c.in != c.out || !c.window.empty()))) {
+        (plain && (c.in != c.out || !c.window.empty())) || (frames && (c.bits != 0 || !c.window.empty())) ||
+        (k == 0 && (plain || frames) && c.in != 0)) {
       return bad_index(what, fmt::format("checkpoint {} is out of order or out of range", k));
     }
     index.checkpoints.push_back(std::move(c));
@@ -828,6 +918,90 @@ Result<LayerIndex> read_index(const fs::path& path) {
   return parse_index(bytes, path.string());
 }
 
+namespace {
+
+/// read_range of a zstd layer: a new decoder at checkpoint `first` (a frame's start), fed the spans from there on.
+Result<std::string> read_zstd(const LayerIndex& index, CompressedSource& source, size_t first, uint64_t offset,
+                              uint64_t length, const std::string& what) {
+  ZstdDecoder d = zstd_decoder();
+  if (!d) return make_error(ErrorKind::kInternal, "{}: zstd failed to start", what);
+  std::string out;
+  out.reserve(length);
+  uint64_t position = index.checkpoints[first].out;
+  std::vector<unsigned char> buffer(ZSTD_DStreamOutSize());
+  std::string span;
+  ZSTD_inBuffer in{nullptr, 0, 0};
+  size_t next = first;
+  bool full = false;
+  while (out.size() < length) {
+    if (in.pos == in.size && !full) {
+      if (next >= index.checkpoints.size()) {
+        return make_error(ErrorKind::kInput, "{}: the layer ends before byte {}", what, offset + length);
+      }
+      CFMO_ASSIGN_OR_RETURN(span, verified_span(index, source, next, what));
+      ++next;
+      in = {span.data(), span.size(), 0};
+    }
+    ZSTD_outBuffer o{buffer.data(), buffer.size(), 0};
+    const size_t rc = ZSTD_decompressStream(d.get(), &o, &in);
+    if (ZSTD_isError(rc)) {
+      return make_error(ErrorKind::kInput, "{}: decoding from checkpoint {} failed ({})", what, first,
+                        ZSTD_getErrorName(rc));
+    }
+    full = o.pos == o.size;
+    keep(out, position, buffer.data(), o.pos, offset, length);
+    position += o.pos;
+  }
+  return out;
+}
+
+}  // namespace
+
+struct LayerStream::Codec {
+  ZstdDecoder decoder = zstd_decoder();
+  std::string chunk;
+  ZSTD_inBuffer in{nullptr, 0, 0};
+  bool full = false;
+};
+
+LayerStream::LayerStream(const LayerIndex& index, CompressedSource& source, std::string what)
+    : codec_(std::make_unique<Codec>()),
+      source_(source),
+      what_(std::move(what)),
+      compressed_size_(index.compressed_size),
+      uncompressed_size_(index.uncompressed_size) {}
+
+LayerStream::~LayerStream() = default;
+
+Result<std::string> LayerStream::read(uint64_t length) {
+  if (!codec_->decoder) return make_error(ErrorKind::kInternal, "{}: zstd failed to start", what_);
+  length = std::min(length, uncompressed_size_ - position_);
+  std::string out(length, '\0');
+  size_t done = 0;
+  Codec& c = *codec_;
+  while (done < length) {
+    if (c.in.pos == c.in.size && !c.full) {
+      if (fed_ >= compressed_size_) {
+        return make_error(ErrorKind::kInput, "{}: the zstd stream ends at byte {} of {}", what_, position_ + done,
+                          uncompressed_size_);
+      }
+      CFMO_ASSIGN_OR_RETURN(c.chunk, source_.read(fed_, std::min<uint64_t>(1 << 20, compressed_size_ - fed_)));
+      if (c.chunk.empty()) return make_error(ErrorKind::kInput, "{}: the blob is shorter than the index says", what_);
+      fed_ += c.chunk.size();
+      c.in = {c.chunk.data(), c.chunk.size(), 0};
+    }
+    ZSTD_outBuffer o{out.data(), length, done};
+    const size_t rc = ZSTD_decompressStream(c.decoder.get(), &o, &c.in);
+    if (ZSTD_isError(rc)) {
+      return make_error(ErrorKind::kInput, "{}: corrupt zstd stream ({})", what_, ZSTD_getErrorName(rc));
+    }
+    c.full = o.pos == o.size;
+    done = o.pos;
+  }
+  position_ += length;
+  return out;
+}
+
 Result<std::string> read_range(const LayerIndex& index, CompressedSource& source, uint64_t offset, uint64_t length,
                                const std::string& what) {
   if (length == 0) return std::string();
@@ -848,6 +1022,7 @@ Result<std::string> read_range(const LayerIndex& index, CompressedSource& source
     }
     return out;
   }
+  if (index.compression == IndexedCompression::kZstd) return read_zstd(index, source, first, offset, length, what);
   const IndexCheckpoint& start = index.checkpoints[first];
   Inflater inf;
   if (inflateInit2(&inf.z, -15) != Z_OK) return make_error(ErrorKind::kInternal, "{}: zlib failed to start", what);
@@ -894,11 +1069,7 @@ Result<std::string> read_range(const LayerIndex& index, CompressedSource& source
     z.avail_out = static_cast<uInt>(buffer.size());
     const int rc = inflate(&z, Z_NO_FLUSH);
     const uint64_t produced = buffer.size() - z.avail_out;
-    if (position + produced > offset) {
-      const uint64_t from = position >= offset ? 0 : offset - position;
-      const uint64_t take = std::min<uint64_t>(produced - from, length - out.size());
-      out.append(reinterpret_cast<const char*>(buffer.data()) + from, take);
-    }
+    keep(out, position, buffer.data(), produced, offset, length);
     position += produced;
     if (rc == Z_STREAM_END) {
       if (raw) {
@@ -943,8 +1114,7 @@ Result<std::vector<std::pair<size_t, LayerIndex>>> read_pull_indexes(const fs::p
   std::vector<std::pair<size_t, LayerIndex>> out;
   for (size_t i = 0; i < state.layers.size(); ++i) {
     const auto& layer = state.layers[i];
-    CFMO_ASSIGN_OR_RETURN(const Compression compression, layer_compression(layer.blob.media_type));
-    if (compression == Compression::kZstd || layer.status != LayerStatus::kFetched) continue;
+    if (layer.status != LayerStatus::kFetched) continue;
     const fs::path path = index_path(dir, layer.blob.digest);
     std::error_code ec;
     if (!fs::exists(path, ec)) {
@@ -959,6 +1129,11 @@ Result<std::vector<std::pair<size_t, LayerIndex>>> read_pull_indexes(const fs::p
     out.emplace_back(i, std::move(index));
   }
   return out;
+}
+
+std::string not_lazily_loadable(const LayerIndex& index) {
+  return fmt::format("one zstd frame of {}: not lazily loadable (a lazy mount fetches it whole)",
+                     human_bytes(static_cast<int64_t>(index.uncompressed_size)));
 }
 
 const char* entry_type_name(char type) {
@@ -993,12 +1168,9 @@ Result<std::vector<LayerIndexReport>> index_pull(const fs::path& dir, uint64_t s
     report.digest = layer.blob.digest;
     report.media_type = layer.blob.media_type;
     const std::string what = fmt::format("layer {} ({})", short_digest(layer.blob.digest), i);
-    CFMO_ASSIGN_OR_RETURN(const Compression compression, layer_compression(layer.blob.media_type));
     const fs::path blob = blob_path(dir, layer.blob.digest);
     std::error_code ec;
-    if (compression == Compression::kZstd) {
-      report.note = "zstd: not lazily loadable, fetched whole";
-    } else if (layer.status != LayerStatus::kFetched || !fs::exists(blob, ec)) {
+    if (layer.status != LayerStatus::kFetched || !fs::exists(blob, ec)) {
       report.note = "not fetched yet ('cfmo-pull fetch' brings it)";
     } else {
       CFMO_ASSIGN_OR_RETURN(const LayerIndex index, build_layer_index(blob, layer.blob, span, what));
@@ -1016,6 +1188,7 @@ Result<std::vector<LayerIndexReport>> index_pull(const fs::path& dir, uint64_t s
       report.members = index.members;
       report.uncompressed_size = index.uncompressed_size;
       report.index_bytes = bytes.size();
+      if (!index.lazily_loadable()) report.note = not_lazily_loadable(index);
     }
     reports.push_back(std::move(report));
   }

@@ -11,7 +11,12 @@
 /// own is verified on its own. A file's bytes are inflated from the nearest
 /// checkpoint before them (inflatePrime and inflateSetDictionary), crossing
 /// gzip member boundaries. An uncompressed tar is indexed by its own offsets
-/// (checkpoints without windows); a zstd layer is not indexed here.
+/// (checkpoints without windows). A zstd layer is indexed by its own frames:
+/// each frame decodes on its own, so a checkpoint is a frame's start (the
+/// first after `span` bytes of output), again without a window; a layer of
+/// one frame has a single checkpoint, and is not lazily loadable (a span
+/// would be the whole layer): it is fetched whole, then read from its start
+/// (LayerStream).
 
 #include "core/error.h"
 #include "oci/manifest.h"
@@ -20,6 +25,7 @@
 #include <array>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -29,7 +35,7 @@ namespace cfmo::oci {
 inline constexpr uint64_t kDefaultIndexSpan = uint64_t{4} << 20;
 inline constexpr const char* kIndexDir = "cfmo-index";
 
-enum class IndexedCompression : uint8_t { kNone = 0, kGzip = 1 };
+enum class IndexedCompression : uint8_t { kNone = 0, kGzip = 1, kZstd = 2 };
 enum class IndexWhiteout : uint8_t { kNone = 0, kFile = 1, kOpaque = 2 };
 
 struct IndexEntry {
@@ -63,7 +69,7 @@ struct LayerIndex {
   std::string layer_digest;
   uint64_t compressed_size = 0;
   uint64_t uncompressed_size = 0;
-  uint32_t members = 0;  ///< gzip members (1 for most layers; several for concatenated streams)
+  uint32_t members = 0;  ///< gzip members (1 for most layers; several for concatenated streams), or zstd frames
   std::vector<IndexCheckpoint> checkpoints;
   std::vector<IndexEntry> entries;
 
@@ -73,11 +79,14 @@ struct LayerIndex {
   std::pair<size_t, size_t> spans_for(uint64_t offset, uint64_t length) const;
   /// Checkpoint k's span in the compressed layer: [begin, end).
   std::pair<uint64_t, uint64_t> span_range(size_t k) const;
+  /// Whether a read needs only the spans that hold it: false for a zstd
+  /// layer of one frame larger than one span (its one span is the layer).
+  bool lazily_loadable() const;
 };
 
-/// Reads the layer blob at `blob` once and indexes it. A zstd layer, or a
-/// tar the index cannot describe, is kInput naming it; `span` below 64 KiB
-/// is kUsage.
+/// Reads the layer blob at `blob` once and indexes it. A tar the index
+/// cannot describe, or a stream that does not decode, is kInput naming it;
+/// `span` below 64 KiB is kUsage.
 Result<LayerIndex> build_layer_index(const std::filesystem::path& blob, const Descriptor& layer, uint64_t span,
                                      const std::string& what);
 
@@ -115,7 +124,7 @@ class FileSource : public CompressedSource {
 /// kPeer, said as such: a caller can fetch the layer whole instead.
 class RegistrySource : public CompressedSource {
  public:
-  RegistrySource(RegistryClient& client, std::string digest, std::string what)
+  RegistrySource(RegistryApi& client, std::string digest, std::string what)
       : client_(client), digest_(std::move(digest)), what_(std::move(what)) {}
   Result<std::string> read(uint64_t offset, uint64_t length) override;
   uint64_t bytes_fetched() const { return fetched_; }
@@ -124,7 +133,7 @@ class RegistrySource : public CompressedSource {
   bool ranges_refused() const { return ranges_refused_; }
 
  private:
-  RegistryClient& client_;
+  RegistryApi& client_;
   std::string digest_;
   std::string what_;
   uint64_t fetched_ = 0;
@@ -138,6 +147,31 @@ class RegistrySource : public CompressedSource {
 Result<std::string> read_range(const LayerIndex& index, CompressedSource& source, uint64_t offset, uint64_t length,
                                const std::string& what);
 
+/// The uncompressed stream of a layer read from its start, for a layer that
+/// is not lazily loadable (one zstd frame), once its blob is local: the
+/// blob's digest was checked when it was fetched, so its spans are not
+/// checked again. Holds one input chunk and the codec's window.
+class LayerStream {
+ public:
+  LayerStream(const LayerIndex& index, CompressedSource& source, std::string what);
+  ~LayerStream();
+  LayerStream(const LayerStream&) = delete;
+  LayerStream& operator=(const LayerStream&) = delete;
+  /// The next up to `length` bytes (fewer only at the layer's end).
+  Result<std::string> read(uint64_t length);
+  uint64_t position() const { return position_; }
+
+ private:
+  struct Codec;
+  std::unique_ptr<Codec> codec_;
+  CompressedSource& source_;
+  std::string what_;
+  uint64_t compressed_size_ = 0;
+  uint64_t uncompressed_size_ = 0;
+  uint64_t position_ = 0;  ///< uncompressed bytes handed out
+  uint64_t fed_ = 0;       ///< compressed bytes read from the source
+};
+
 /// A regular file's contents (a hard link: its target's).
 Result<std::string> read_entry(const LayerIndex& index, CompressedSource& source, const IndexEntry& entry,
                                const std::string& what);
@@ -148,7 +182,7 @@ struct LayerIndexReport {
   std::string digest;
   std::string media_type;
   bool indexed = false;
-  std::string note;  ///< why not (zstd, not fetched), empty when indexed
+  std::string note;  ///< why not (not fetched), or why a lazy mount fetches it whole (one zstd frame)
   std::filesystem::path path;
   size_t entries = 0;
   size_t checkpoints = 0;
@@ -157,13 +191,16 @@ struct LayerIndexReport {
   uint64_t index_bytes = 0;
 };
 
-/// Indexes every fetched gzip or uncompressed layer of the pull in `dir`
-/// into DIR/cfmo-index/; the others are reported with the reason.
+/// Indexes every fetched layer of the pull in `dir` into DIR/cfmo-index/;
+/// the others are reported with the reason.
 Result<std::vector<LayerIndexReport>> index_pull(const std::filesystem::path& dir, uint64_t span);
 
 /// The indexes `index_pull` made for the pull in `dir`, with their layer
-/// numbers; a fetched gzip or plain layer without one is kInput.
+/// numbers; a fetched layer without one is kInput.
 Result<std::vector<std::pair<size_t, LayerIndex>>> read_pull_indexes(const std::filesystem::path& dir);
+
+/// Why a layer whose index is not lazily_loadable() is fetched whole, in a few words.
+std::string not_lazily_loadable(const LayerIndex& index);
 
 /// "file", "hardlink", "symlink", "char", "block", "dir", "fifo".
 const char* entry_type_name(char type);

@@ -71,7 +71,7 @@ RegistryPool::RegistryPool(Reference ref, std::vector<Endpoint> endpoints, Regis
       notify_(std::move(notify)),
       clients_(endpoints_.size()) {}
 
-Result<RegistryClient*> RegistryPool::client(size_t i) {
+Result<RegistryApi*> RegistryPool::client(size_t i) {
   if (clients_[i]) return clients_[i].get();
   const Endpoint& e = endpoints_[i];
   Reference ref = ref_;
@@ -81,16 +81,20 @@ Result<RegistryClient*> RegistryPool::client(size_t i) {
   // The origin is there to fall back on: a mirror gets one retry, not the
   // whole backoff schedule, so a dead mirror costs seconds, not minutes.
   if (e.mirror) options.retries = std::min(options.retries, 1);
+  if (options.connect) {
+    CFMO_ASSIGN_OR_RETURN(clients_[i], options.connect(ref, options));
+    return clients_[i].get();
+  }
   CFMO_ASSIGN_OR_RETURN(auto credentials, load_credentials(e.host, auth_file_));
   clients_[i] = std::make_unique<RegistryClient>(std::move(ref), std::move(options), std::move(credentials));
   return clients_[i].get();
 }
 
-Status RegistryPool::each_until_ok(const std::string& what, const std::function<Status(RegistryClient&)>& request) {
+Status RegistryPool::each_until_ok(const std::string& what, const std::function<Status(RegistryApi&)>& request) {
   for (size_t i = 0; i < endpoints_.size(); ++i) {
     const bool last = i + 1 == endpoints_.size();
     if (!last && health_ && health_->down(i)) continue;
-    CFMO_ASSIGN_OR_RETURN(RegistryClient * c, client(i));
+    CFMO_ASSIGN_OR_RETURN(RegistryApi * c, client(i));
     auto done = request(*c);
     if (done || last || options_.stopped()) return done;
     const Error& error = done.error();

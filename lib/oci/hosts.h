@@ -57,13 +57,13 @@ class RegistryPool {
 
   /// Runs `request` against each live endpoint in order until one succeeds;
   /// the origin's error is the answer when every host failed.
-  Status each_until_ok(const std::string& what, const std::function<Status(RegistryClient&)>& request);
+  Status each_until_ok(const std::string& what, const std::function<Status(RegistryApi&)>& request);
 
   const std::vector<Endpoint>& endpoints() const { return endpoints_; }
   const Reference& reference() const { return ref_; }
 
  private:
-  Result<RegistryClient*> client(size_t i);
+  Result<RegistryApi*> client(size_t i);
 
   Reference ref_;
   std::vector<Endpoint> endpoints_;
@@ -71,7 +71,7 @@ class RegistryPool {
   std::string auth_file_;
   std::shared_ptr<EndpointHealth> health_;
   Notify notify_;
-  std::vector<std::unique_ptr<RegistryClient>> clients_;
+  std::vector<std::unique_ptr<RegistryApi>> clients_;
 };
 
 }  // namespace cfmo::oci

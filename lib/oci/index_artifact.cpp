@@ -35,12 +35,12 @@ std::string fallback_tag(const std::string& digest) {
   return tag.substr(0, 128);
 }
 
-std::string blob_api(const RegistryClient& client, const std::string& digest) {
+std::string blob_api(const RegistryApi& client, const std::string& digest) {
   return "/v2/" + client.reference().repository + "/blobs/" + digest;
 }
 
 /// A blob into the repository, unless it is there already: POST an upload, PUT its bytes.
-Status upload_blob(RegistryClient& client, const std::string& body, const std::string& what) {
+Status upload_blob(RegistryApi& client, const std::string& body, const std::string& what) {
   const std::string digest = sha256_digest(body);
   StringSink ignore(what, 1u << 20);
   if (client.get(blob_api(client, digest), {}, ignore, what, true)) return {};
@@ -57,7 +57,7 @@ Status upload_blob(RegistryClient& client, const std::string& body, const std::s
   return {};
 }
 
-Result<ResponseInfo> put_manifest(RegistryClient& client, const std::string& reference, const std::string& body,
+Result<ResponseInfo> put_manifest(RegistryApi& client, const std::string& reference, const std::string& body,
                                   const std::string& media_type, const std::string& what) {
   StringSink ignore(what, 1u << 20);
   return client.send("PUT", "/v2/" + client.reference().repository + "/manifests/" + reference,
@@ -97,7 +97,7 @@ bool is_not_found(const Error& error) {
 }
 
 /// The referrers of `subject`, through the API or its fallback tag; `via` says which. None: an empty array.
-Result<Json> referrers(RegistryClient& client, const std::string& subject, std::string& via) {
+Result<Json> referrers(RegistryApi& client, const std::string& subject, std::string& via) {
   const std::string repo = client.reference().repository;
   StringSink sink("the referrers of " + subject);
   auto api = client.get("/v2/" + repo + "/referrers/" + subject, {std::string("Accept: ") + kOciIndexType}, sink,
@@ -119,7 +119,7 @@ Result<Json> referrers(RegistryClient& client, const std::string& subject, std::
 
 }  // namespace
 
-Result<PushedIndexes> push_index_artifact(RegistryClient& client, const Descriptor& subject,
+Result<PushedIndexes> push_index_artifact(RegistryApi& client, const Descriptor& subject,
                                           const std::vector<IndexBlob>& blobs) {
   const std::string repo = client.reference().repository;
   const std::string what = fmt::format("index artifact of {}@{}", repo, subject.digest);
@@ -178,7 +178,7 @@ Result<PushedIndexes> push_index_artifact(RegistryClient& client, const Descript
   return pushed;
 }
 
-Result<std::optional<FoundIndexes>> find_index_artifact(RegistryClient& client, const std::string& subject_digest) {
+Result<std::optional<FoundIndexes>> find_index_artifact(RegistryApi& client, const std::string& subject_digest) {
   FoundIndexes found;
   CFMO_ASSIGN_OR_RETURN(const Json listed, referrers(client, subject_digest, found.via));
   const auto digest = newest_artifact(listed);
@@ -277,7 +277,7 @@ Result<PushedIndexes> push_pull_indexes(const fs::path& dir, const RegistryOptio
   const std::string auth_file = options.auth_file.empty() ? r.state.auth_file : options.auth_file;
   RegistryPool pool(r.ref, {r.endpoints.back()}, options, auth_file, nullptr);
   PushedIndexes pushed;
-  CFMO_TRY(pool.each_until_ok("pushing the indexes", [&](RegistryClient& client) -> Status {
+  CFMO_TRY(pool.each_until_ok("pushing the indexes", [&](RegistryApi& client) -> Status {
     CFMO_ASSIGN_OR_RETURN(pushed, push_index_artifact(client, subject, blobs));
     return {};
   }));
@@ -289,7 +289,7 @@ Result<std::optional<FoundIndexes>> fetch_pull_indexes(const fs::path& dir, cons
   RegistryPool pool(r.ref, r.endpoints, options, r.state.auth_file,
                     std::make_shared<EndpointHealth>(r.endpoints.size()));
   std::optional<FoundIndexes> found;
-  CFMO_TRY(pool.each_until_ok("the image's indexes", [&](RegistryClient& client) -> Status {
+  CFMO_TRY(pool.each_until_ok("the image's indexes", [&](RegistryApi& client) -> Status {
     CFMO_ASSIGN_OR_RETURN(found, find_index_artifact(client, r.state.manifest_digest));
     return {};
   }));

@@ -45,7 +45,7 @@ struct PushedIndexes {
 
 /// Pushes `blobs` as the index artifact of `subject` through `client` (the
 /// image's repository), then updates the fallback tag where needed.
-Result<PushedIndexes> push_index_artifact(RegistryClient& client, const Descriptor& subject,
+Result<PushedIndexes> push_index_artifact(RegistryApi& client, const Descriptor& subject,
                                           const std::vector<IndexBlob>& blobs);
 
 struct FoundIndexes {
@@ -56,7 +56,7 @@ struct FoundIndexes {
 
 /// The newest index artifact of the manifest `subject_digest`: none when the
 /// registry lists none; one listed but damaged is kInput naming it.
-Result<std::optional<FoundIndexes>> find_index_artifact(RegistryClient& client, const std::string& subject_digest);
+Result<std::optional<FoundIndexes>> find_index_artifact(RegistryApi& client, const std::string& subject_digest);
 
 /// `cfmo-pull index DIR --push`: the indexes in DIR/cfmo-index/ of the
 /// pull's layers, pushed to the pull's own registry (its hosts and auth file

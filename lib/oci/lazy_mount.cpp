@@ -19,12 +19,16 @@
 
 #include <fcntl.h>
 #include <fuse_lowlevel.h>
+#include <malloc.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#define ZSTD_STATIC_LINKING_ONLY  // ZSTD_frameHeader, ZSTD_estimateDStreamSize: the decoder's memory
+#include <zstd.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -267,11 +271,23 @@ Result<LazyTree> merge_indexes(const std::vector<const LayerIndex*>& layers) {
 }
 
 struct LazyMount::Impl {
+  /// A layer an index cannot seek (one zstd frame), local: read from its
+  /// start, the decoder kept where the last chunk ended, so that reading it
+  /// in order decodes it once.
+  struct Stream {
+    std::mutex mu;
+    std::unique_ptr<FileSource> source;
+    std::unique_ptr<LayerStream> reader;
+    uint64_t decoder_bytes = 0;  ///< the decoder's memory for the frame's window
+  };
+
   struct Layer {
     LazyLayer info;
-    LayerIndex index;
+    LayerIndex
+        index;  ///< for a stream layer, its checkpoints are every `span` bytes of output (chunks, not seek points)
     fs::path blob;
     std::string what;
+    std::unique_ptr<Stream> stream;  ///< set for a layer read from its start
   };
 
   fs::path dir;
@@ -406,13 +422,78 @@ struct LazyMount::Impl {
     for (const auto& [time, key] : found) remember(key, chunk_range(key).second - chunk_range(key).first);
   }
 
+  /// The memory making chunk `key` takes: its bytes, and the compressed span or the stream's input and decoder.
+  uint64_t chunk_memory(const ChunkKey& key) const {
+    const Layer& layer = layers[key.first];
+    const auto [begin, end] = chunk_range(key);
+    if (layer.stream) return (end - begin) + (1 << 20) + layer.stream->decoder_bytes;
+    const auto [in_begin, in_end] = layer.index.span_range(key.second);
+    return (end - begin) + (in_end - in_begin) + (256 << 10);
+  }
+
+  /// Writes a chunk's bytes into the cache (or counts the failure); returns what the chunk came to.
+  Status store(const ChunkKey& key, const Result<std::string>& bytes) {
+    Status written{};
+    if (bytes) {
+      const fs::path path = chunk_path(key);
+      std::error_code ec;
+      fs::create_directories(path.parent_path(), ec);
+      written = write_file_atomic(path, *bytes);
+    }
+    std::lock_guard lock(mu);
+    in_flight.erase(key);
+    cv.notify_all();
+    if (!bytes || !written) {
+      ++stats.errors;
+      save_stats();
+      return bytes ? written.error() : bytes.error();
+    }
+    ++stats.spans_inflated;
+    remember(key, bytes->size());
+    save_stats();
+    return {};
+  }
+
+  /// Chunk `key` of a stream layer: decoded on from where the last one
+  /// ended, or from the start; the chunks passed on the way are cached too.
+  Result<std::string> stream_chunk(const ChunkKey& key) {
+    const Layer& layer = layers[key.first];
+    Stream& st = *layer.stream;
+    std::lock_guard guard(st.mu);
+    const auto [begin, end] = chunk_range(key);
+    if (!st.reader || st.reader->position() > begin) {
+      st.source = std::make_unique<FileSource>(layer.blob);
+      st.reader = std::make_unique<LayerStream>(layer.index, *st.source, layer.what);
+    }
+    auto fail = [&](Error e) -> Result<std::string> {
+      st.reader.reset();  // where it stopped is unknown: the next chunk starts over
+      return e;
+    };
+    while (st.reader->position() < begin) {
+      const ChunkKey passed{key.first, static_cast<size_t>(st.reader->position() / layer.index.span)};
+      const auto [passed_begin, passed_end] = chunk_range(passed);
+      auto bytes = st.reader->read(passed_end - passed_begin);
+      if (!bytes) return fail(bytes.error());
+      bool wanted = false;
+      {
+        std::lock_guard lock(mu);
+        wanted = cached.count(passed) == 0 && in_flight.insert(passed).second;
+      }
+      if (wanted) (void)store(passed, bytes);
+    }
+    auto bytes = st.reader->read(end - begin);
+    if (!bytes) return fail(bytes.error());
+    return bytes;
+  }
+
   Result<std::string> inflate_chunk(const ChunkKey& key, RegistryPool& pool) {
     const Layer& layer = layers[key.first];
     const auto [begin, end] = chunk_range(key);
+    auto lease = budget->acquire(static_cast<size_t>(chunk_memory(key)));
+    if (layer.stream) return stream_chunk(key);
     const auto [in_begin, in_end] = layer.index.span_range(key.second);
     const std::string what =
         fmt::format("{} span {} (compressed bytes {}-{})", layer.what, key.second, in_begin, in_end);
-    auto lease = budget->acquire(static_cast<size_t>((end - begin) + (in_end - in_begin) + (256 << 10)));
     std::error_code ec;
     if (fs::exists(layer.blob, ec)) {
       FileSource source(layer.blob);
@@ -421,7 +502,7 @@ struct LazyMount::Impl {
     std::string out;
     int64_t fetched = 0;
     int64_t requests = 0;
-    const Status got = pool.each_until_ok(what, [&](RegistryClient& client) -> Status {
+    const Status got = pool.each_until_ok(what, [&](RegistryApi& client) -> Status {
       RegistrySource source(client, layer.info.digest, what);
       auto r = read_range(layer.index, source, begin, end - begin, what);
       fetched += static_cast<int64_t>(source.bytes_fetched());
@@ -453,25 +534,7 @@ struct LazyMount::Impl {
       }
       in_flight.insert(key);
     }
-    auto bytes = inflate_chunk(key, pool);
-    Status written{};
-    if (bytes) {
-      const fs::path path = chunk_path(key);
-      std::error_code ec;
-      fs::create_directories(path.parent_path(), ec);
-      written = write_file_atomic(path, *bytes);
-    }
-    std::lock_guard lock(mu);
-    in_flight.erase(key);
-    cv.notify_all();
-    if (!bytes || !written) {
-      ++stats.errors;
-      save_stats();
-      return bytes ? written.error() : bytes.error();
-    }
-    ++stats.spans_inflated;
-    remember(key, bytes->size());
-    save_stats();
+    CFMO_TRY(store(key, inflate_chunk(key, pool)));
     return chunk_path(key);
   }
 
@@ -585,8 +648,7 @@ struct LazyMount::Impl {
     if (report.upper && mounted_source(point) == kLazySubtype) {
       if (::umount2(point.c_str(), MNT_DETACH) == 0) remove_tree(report.upper->base);
     }
-    if (::umount2(report.fuse_point.c_str(), MNT_DETACH) != 0)
-      note(fmt::format("umount {}: {}", report.fuse_point.string(), std::strerror(errno)));
+    if (const Status detached = detach_mount(report.fuse_point); !detached) note(detached.error().message);
   }
 };
 
@@ -737,6 +799,74 @@ Result<std::optional<LayerIndex>> find_index(const fs::path& dir, const LayerSta
   return std::optional<LayerIndex>(std::move(index));
 }
 
+/// A local layer the index cannot seek, set to be read from its start: its
+/// checkpoints become chunk boundaries every `span` bytes of output, and the
+/// decoder's memory is taken from the frame's window size.
+Result<std::unique_ptr<LazyMount::Impl::Stream>> stream_layer(LayerIndex& index, const fs::path& blob) {
+  auto stream = std::make_unique<LazyMount::Impl::Stream>();
+  FileSource source(blob);
+  CFMO_ASSIGN_OR_RETURN(const std::string head,
+                        source.read(0, std::min<uint64_t>(ZSTD_FRAMEHEADERSIZE_MAX, index.compressed_size)));
+  ZSTD_frameHeader header{};
+  if (ZSTD_getFrameHeader(&header, head.data(), head.size()) != 0) {
+    return make_error(ErrorKind::kInput, "'{}': not a zstd frame at its start", blob.string());
+  }
+  stream->decoder_bytes = ZSTD_estimateDStreamSize(static_cast<size_t>(header.windowSize));
+  std::vector<IndexCheckpoint> chunks;
+  for (uint64_t out = 0; out < index.uncompressed_size; out += index.span) {
+    IndexCheckpoint c;
+    c.out = out;
+    chunks.push_back(std::move(c));
+  }
+  index.checkpoints = std::move(chunks);
+  return stream;
+}
+
+/// Without root: fusermount3 mounts `point` and sends the /dev/fuse
+/// descriptor back over a socket, the protocol libfuse itself uses for a
+/// user; done here because libfuse goes to fusermount3 only when mount(2)
+/// is refused, not when /dev/fuse cannot be opened (0600 in containers),
+/// and fuse_session_mount takes the descriptor as /dev/fd/N.
+Result<int> fusermount_mount(const fs::path& point, const std::string& options) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) {
+    return make_error(ErrorKind::kInternal, "FUSE: socketpair: {}", std::strerror(errno));
+  }
+  ::fcntl(sv[0], F_SETFD, FD_CLOEXEC);  // ours; sv[1] is fusermount3's
+  auto status = run_fusermount({"-o", options, "--", point.string()}, sv[1]);
+  ::close(sv[1]);
+  if (!status || *status != 0) {
+    ::close(sv[0]);
+    if (!status) return status.error();
+    return make_error(ErrorKind::kUsage,
+                      "mount point '{}': the FUSE mount failed: fusermount3 exited with {} (does this user own the "
+                      "mount point, may it use FUSE?)",
+                      point.string(), *status);
+  }
+  char byte = 0;
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr message{};
+  message.msg_iov = &iov;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof control;
+  ssize_t got = 0;
+  do {
+    got = ::recvmsg(sv[0], &message, MSG_CMSG_CLOEXEC);
+  } while (got < 0 && errno == EINTR);
+  ::close(sv[0]);
+  const cmsghdr* c = CMSG_FIRSTHDR(&message);
+  if (got <= 0 || c == nullptr || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) {
+    (void)detach_mount(point);
+    return make_error(ErrorKind::kInternal, "mount point '{}': fusermount3 mounted it but sent no descriptor",
+                      point.string());
+  }
+  int fd = -1;
+  std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
+  return fd;
+}
+
 }  // namespace
 
 LazyMount::LazyMount(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -781,7 +911,7 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
   CFMO_ASSIGN_OR_RETURN(m->endpoints, endpoints_for(m->ref, options.hosts.value_or(state.hosts)));
   m->auth_file = options.auth_file.value_or(state.auth_file);
 
-  // Layers without an index, or in a form an index cannot seek (zstd), are fetched whole first.
+  // Layers without an index, or that an index cannot seek (one zstd frame), are fetched whole first.
   std::vector<LazyLayer> infos(state.layers.size());
   std::vector<std::optional<LayerIndex>> indexes(state.layers.size());
   std::vector<size_t> whole;
@@ -792,15 +922,12 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
     info.digest = l.blob.digest;
     info.hot = l.hot;
     info.local = l.status == LayerStatus::kFetched && fs::exists(blob_path(dir, l.blob.digest), ec);
-    CFMO_ASSIGN_OR_RETURN(const Compression compression, layer_compression(l.blob.media_type));
-    if (compression == Compression::kZstd) {
-      return make_error(ErrorKind::kUsage,
-                        "layer {} ({}) is zstd: not lazily loadable (mount it without --lazy once fetched)", i,
-                        short_digest(l.blob.digest));
-    }
     CFMO_ASSIGN_OR_RETURN(indexes[i], find_index(dir, l, info.local, i, info));
     if (!indexes[i]) {
       info.whole_note = "no index: fetched whole, then indexed";
+      whole.push_back(i);
+    } else if (!indexes[i]->lazily_loadable() && !info.local) {
+      info.whole_note = not_lazily_loadable(*indexes[i]);
       whole.push_back(i);
     }
   }
@@ -810,7 +937,7 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
     RegistryPool pool(m->ref, m->endpoints, options.registry, m->auth_file,
                       std::make_shared<EndpointHealth>(m->endpoints.size()));
     bool refused = false;
-    const Status probe = pool.each_until_ok("a Range request", [&](RegistryClient& client) -> Status {
+    const Status probe = pool.each_until_ok("a Range request", [&](RegistryApi& client) -> Status {
       RegistrySource source(client, cold->digest, "a Range request");
       auto got = source.read(0, 1);
       refused = refused || source.ranges_refused();
@@ -851,6 +978,9 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
     layer.blob = blob_path(m->dir, infos[i].digest);
     layer.what = layer_name(i, infos[i].digest);
     m->report.index_bytes += static_cast<int64_t>(serialize_index(layer.index).size());
+    if (!layer.index.lazily_loadable()) {
+      CFMO_ASSIGN_OR_RETURN(layer.stream, stream_layer(layer.index, layer.blob));
+    }
     m->layers.push_back(std::move(layer));
   }
   for (const auto& l : m->layers) order.push_back(&l.index);
@@ -864,12 +994,9 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
   constexpr int64_t kBaseline = int64_t{24} << 20;
   const int64_t tree_bytes = static_cast<int64_t>(m->tree.nodes.size() * (sizeof(LazyNode) + 48));
   uint64_t largest = 0;
-  for (const auto& l : m->layers) {
-    for (size_t k = 0; k < l.index.checkpoints.size(); ++k) {
-      const auto [b, e] = m->chunk_range({static_cast<size_t>(&l - m->layers.data()), k});
-      const auto [ib, ie] = l.index.span_range(k);
-      largest = std::max<uint64_t>(largest, (e - b) + (ie - ib) + (256 << 10));
-    }
+  for (size_t l = 0; l < m->layers.size(); ++l) {
+    for (size_t k = 0; k < m->layers[l].index.checkpoints.size(); ++k)
+      largest = std::max(largest, m->chunk_memory({l, k}));
   }
   const int64_t left = options.max_memory - kBaseline - m->report.index_bytes - tree_bytes;
   if (left < static_cast<int64_t>(largest)) {
@@ -893,6 +1020,12 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
 
 Status LazyMount::mount() {
   Impl& m = *impl_;
+  // The spans (MiBs each) are allocated and freed by several threads; with
+  // glibc's sliding mmap threshold they soon came from per-thread arenas
+  // that keep what was freed, and the daemon's peak RSS passed
+  // --max-memory (87 MB under a 64M cap reading a 2 GB image). A fixed
+  // threshold keeps them mmapped, so RSS follows the budget.
+  ::mallopt(M_MMAP_THRESHOLD, 256 << 10);
   // Blocked from before the mount is there (a SIGTERM then waits for serve's
   // signalfd) and before any thread, so that only the signalfd sees them.
   const sigset_t signals = stop_signals();
@@ -914,7 +1047,17 @@ Status LazyMount::mount() {
   fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
   m.se = fuse_session_new(&args, &kOps, sizeof kOps, &m);
   if (m.se == nullptr) return make_error(ErrorKind::kInternal, "FUSE: cannot start a session (options '{}')", opts);
-  if (fuse_session_mount(m.se, m.report.fuse_point.c_str()) != 0) {
+  std::string target = m.report.fuse_point.string();
+  if (!running_as_root()) {
+    auto fd = fusermount_mount(m.report.fuse_point, opts);
+    if (!fd) {
+      fuse_session_destroy(m.se);
+      m.se = nullptr;
+      return fd.error();
+    }
+    target = fmt::format("/dev/fd/{}", *fd);
+  }
+  if (fuse_session_mount(m.se, target.c_str()) != 0) {
     fuse_session_destroy(m.se);
     m.se = nullptr;
     return make_error(ErrorKind::kUsage,
@@ -976,7 +1119,9 @@ Status LazyMount::serve() {
   for (auto& t : m.workers) t.join();
   m.workers.clear();
   ::close(sfd);
-  fuse_session_unmount(m.se);
+  fuse_session_unmount(m.se);  // a mount made through fusermount3 is not libfuse's to unmount:
+  if (!running_as_root() && lazy_mount_pid(mounted_source(m.report.fuse_point)) == ::getpid())
+    (void)detach_mount(m.report.fuse_point);
   fuse_session_destroy(m.se);
   m.se = nullptr;
   std::error_code ec;

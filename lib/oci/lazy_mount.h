@@ -22,6 +22,8 @@
 /// `cfmo-pull umount` sends) detaches the mount, so that the mount point is
 /// free at once, and answers EIO to whatever the processes still holding
 /// files open ask until they close them or a grace period passes.
+/// Without root, fusermount3 mounts and detaches it (mount.h's
+/// run_fusermount and detach_mount), as libfuse does for a user.
 
 #include "core/error.h"
 #include "oci/gzip_index.h"

@@ -11,8 +11,10 @@
 #include "oci/unpack.h"
 
 #include <signal.h>
+#include <spawn.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
@@ -172,23 +174,65 @@ std::string join_indices(const std::vector<size_t>& indices) {
 /// that only answers ENOTCONN: detached here.
 Status unmount_lazy(const fs::path& point, const std::string& source) {
   const int pid = lazy_mount_pid(source);
-  if (pid <= 0 || !process_alive(pid) || ::kill(pid, SIGTERM) != 0) {
-    if (::umount2(point.c_str(), MNT_DETACH) != 0) {
-      return make_error(errno == EPERM ? ErrorKind::kUsage : ErrorKind::kInternal, "'{}': umount failed: {}",
-                        point.string(), std::strerror(errno));
-    }
-    return {};
-  }
+  if (pid <= 0 || !process_alive(pid) || ::kill(pid, SIGTERM) != 0) return detach_mount(point);
   for (int i = 0; i < 600 && process_alive(pid); ++i) ::usleep(50000);
   if (process_alive(pid)) {
     return make_error(ErrorKind::kInternal, "'{}': the mount's daemon (pid {}) did not end within 30 s", point.string(),
                       pid);
   }
-  if (const auto still = mount_at(point); still && still->source == source) ::umount2(point.c_str(), MNT_DETACH);
+  if (const auto still = mount_at(point); still && still->source == source) return detach_mount(point);
   return {};
 }
 
 }  // namespace
+
+Status detach_mount(const fs::path& point) {
+  if (::umount2(point.c_str(), MNT_DETACH) == 0) return {};
+  if (errno != EPERM || ::geteuid() == 0) {
+    return make_error(ErrorKind::kInternal, "'{}': umount failed: {}", point.string(), std::strerror(errno));
+  }
+  // fusermount3 unmounts only a FUSE mount whose user_id is the caller's.
+  CFMO_ASSIGN_OR_RETURN(const int status, run_fusermount({"-u", "-q", "-z", "--", point.string()}));
+  if (status != 0) {
+    return make_error(ErrorKind::kUsage, "'{}': fusermount3 -u refused to unmount it (not this user's mount?)",
+                      point.string());
+  }
+  return {};
+}
+
+Result<int> run_fusermount(const std::vector<std::string>& args, int comm_fd) {
+  // The lazy mount's daemon blocks its stop signals; fusermount3 must not inherit that.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none;
+  sigemptyset(&none);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
+  std::vector<std::string> strings = {"fusermount3"};
+  strings.insert(strings.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& s : strings) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (!std::string_view(*e).starts_with("_FUSE_COMMFD=")) env_strings.emplace_back(*e);
+  }
+  if (comm_fd >= 0) env_strings.push_back("_FUSE_COMMFD=" + std::to_string(comm_fd));
+  std::vector<char*> env;
+  for (auto& s : env_strings) env.push_back(s.data());
+  env.push_back(nullptr);
+  pid_t child = 0;
+  const int spawned = ::posix_spawnp(&child, argv[0], nullptr, &attr, argv.data(), env.data());
+  posix_spawnattr_destroy(&attr);
+  if (spawned != 0) {
+    return make_error(ErrorKind::kUsage, "FUSE without root needs fusermount3 (Debian fuse3): {}",
+                      std::strerror(spawned));
+  }
+  int status = 0;
+  while (::waitpid(child, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
 
 std::string mount_unavailable_reason() {
   if (!kernel_has_overlay()) return "the kernel has no overlay file system (modprobe overlay)";
@@ -416,7 +460,11 @@ std::vector<std::string> mounts_using(const fs::path& dir) {
 
 Status unmount_image(const fs::path& mountpoint) {
   std::error_code ec;
-  const fs::path point = fs::weakly_canonical(fs::absolute(mountpoint, ec), ec);
+  // The mount point itself is not looked at: a FUSE mount whose daemon died answers ENOTCONN there.
+  fs::path absolute = fs::absolute(mountpoint, ec).lexically_normal();
+  if (absolute.has_parent_path() && absolute.filename().empty()) absolute = absolute.parent_path();
+  fs::path point = fs::weakly_canonical(absolute.parent_path(), ec) / absolute.filename();
+  if (std::error_code link_ec; fs::is_symlink(point, link_ec)) point = fs::weakly_canonical(point, ec);
   const auto entry = mount_at(point);
   if (!entry) return make_error(ErrorKind::kUsage, "'{}': nothing is mounted there", mountpoint.string());
   if (entry->fstype == std::string("fuse.") + kLazySubtype) return unmount_lazy(point, entry->source);

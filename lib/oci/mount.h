@@ -85,6 +85,18 @@ inline constexpr const char* kMountRecordDir = "cfmo-mounts";
 /// The source of what is mounted at `point` (the mount a lookup sees), or empty.
 std::string mounted_source(const std::filesystem::path& point);
 
+/// Runs fusermount3 (setuid root: FUSE mounts for a user who may not mount,
+/// or open /dev/fuse) with `args`, its signal mask cleared, and returns its
+/// exit status; `comm_fd` (when >= 0) is handed to it as _FUSE_COMMFD, the
+/// socket it sends the /dev/fuse descriptor back on. Not installed is kUsage.
+Result<int> run_fusermount(const std::vector<std::string>& args, int comm_fd = -1);
+
+/// Detaches what is mounted at `point` at once (MNT_DETACH): with umount2
+/// where the process may, else (not root) through fusermount3 -u -z, which
+/// unmounts a FUSE mount of this user's, as libfuse does without root.
+/// Neither allowed is kUsage naming the mount point.
+Status detach_mount(const std::filesystem::path& point);
+
 /// Unmounts a cfmo-pull overlay at `mountpoint` and removes its upper
 /// directory; anything else mounted there is kUsage.
 Status unmount_image(const std::filesystem::path& mountpoint);

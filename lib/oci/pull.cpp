@@ -4,7 +4,9 @@
 #include "core/atomic_file.h"
 #include "core/parallel.h"
 #include "oci/blob.h"
+#include "oci/blob_jobs.h"
 #include "oci/cleanup.h"
+#include "oci/layout_store.h"
 #include "oci/memory_budget.h"
 
 #include <linux/magic.h>
@@ -27,77 +29,6 @@ namespace fs = std::filesystem;
 using Json = nlohmann::ordered_json;
 using Clock = std::chrono::steady_clock;
 
-constexpr size_t kConfig = static_cast<size_t>(-1);  ///< a job's layer index for the config blob
-
-/// index.json with this image's entry added (or replacing one of the same name).
-Result<std::string> updated_index(const fs::path& dir, const Descriptor& manifest, const std::string& name) {
-  Json index = {{"schemaVersion", 2}, {"mediaType", kOciIndex}, {"manifests", Json::array()}};
-  if (fs::exists(dir / "index.json")) {
-    CFMO_ASSIGN_OR_RETURN(const auto text, read_file(dir / "index.json"));
-    index = Json::parse(text, nullptr, false);
-    if (index.is_discarded() || !index.is_object() || !index.contains("manifests") || !index["manifests"].is_array()) {
-      return make_error(ErrorKind::kInput, "'{}': not an OCI index", (dir / "index.json").string());
-    }
-  }
-  Json kept = Json::array();
-  for (const auto& entry : index["manifests"]) {
-    const bool same_name = entry.contains("annotations") && entry["annotations"].is_object() &&
-                           entry["annotations"].value("org.opencontainers.image.ref.name", "") == name;
-    if (!same_name) kept.push_back(entry);
-  }
-  Json descriptor = {{"mediaType", manifest.media_type}, {"digest", manifest.digest}, {"size", manifest.size}};
-  if (!name.empty()) descriptor["annotations"] = {{"org.opencontainers.image.ref.name", name}};
-  kept.push_back(descriptor);
-  index["manifests"] = kept;
-  return index.dump(2) + "\n";
-}
-
-Status prepare_layout(const fs::path& dir) {
-  std::error_code ec;
-  fs::create_directories(dir / "blobs" / "sha256", ec);
-  if (ec) return make_error(ErrorKind::kInternal, "output '{}': cannot create: {}", dir.string(), ec.message());
-  if (fs::exists(dir / "oci-layout")) {
-    CFMO_ASSIGN_OR_RETURN(const auto text, read_file(dir / "oci-layout"));
-    const auto j = nlohmann::json::parse(text, nullptr, false);
-    if (j.is_discarded() || !j.is_object() || j.value("imageLayoutVersion", "") != "1.0.0") {
-      return make_error(ErrorKind::kInput, "output '{}': oci-layout is not imageLayoutVersion 1.0.0", dir.string());
-    }
-  }
-  return {};
-}
-
-/// The manifest goes in last, so a layout never names blobs it lacks.
-Status finish_layout(const fs::path& dir, const std::string& manifest_body, const Descriptor& manifest,
-                     const std::string& tag, Descriptor& layout_manifest) {
-  std::string layout_body = manifest_body;
-  layout_manifest = manifest;
-  if (manifest.media_type == kDockerManifest) {
-    CFMO_ASSIGN_OR_RETURN(layout_body, docker_to_oci_manifest(layout_body, "manifest " + manifest.digest));
-    layout_manifest = {
-        std::string(kOciManifest), sha256_digest(layout_body), static_cast<int64_t>(layout_body.size()), {}};
-  }
-  CFMO_TRY(write_file_atomic(blob_path(dir, layout_manifest.digest), layout_body));
-  CFMO_TRY(write_file_atomic(dir / "oci-layout", "{\"imageLayoutVersion\":\"1.0.0\"}\n"));
-  CFMO_ASSIGN_OR_RETURN(const auto index, updated_index(dir, layout_manifest, tag));
-  return write_file_atomic(dir / "index.json", index);
-}
-
-/// DIR/blobs/sha256/<hex> made a symlink to the blob in the memory store
-/// (atomically: a reader sees the old entry or the link, never neither).
-Status link_blob(const fs::path& dir, const fs::path& target, const std::string& digest) {
-  const fs::path link = blob_path(dir, digest);
-  const fs::path temp = link.string() + ".link." + std::to_string(::getpid());
-  std::error_code ec;
-  fs::remove(temp, ec);
-  fs::create_symlink(target, temp, ec);
-  if (!ec) fs::rename(temp, link, ec);
-  if (ec) {
-    fs::remove(temp, ec);
-    return make_error(ErrorKind::kInternal, "'{}': cannot link to the memory store: {}", link.string(), ec.message());
-  }
-  return {};
-}
-
 int64_t free_bytes(const fs::path& dir) {
   struct statvfs info {};
   if (::statvfs(dir.c_str(), &info) != 0) return -1;
@@ -111,145 +42,6 @@ struct StateSaver {
   bool keep = true;
   Status operator()(PullState& state) const { return keep ? write_state(dir, state) : Status{}; }
 };
-
-/// One blob to fetch.
-struct BlobJob {
-  size_t layer = kConfig;
-  /// Other layers with the same digest (the empty layer of many images):
-  /// one download, recorded for each of them.
-  std::vector<size_t> also;
-  Descriptor blob;
-  fs::path store;     ///< the directory whose blobs/sha256/ receives the file (DIR, or the memory store)
-  bool link = false;  ///< make DIR's entry a symlink to it
-  std::string what;
-};
-
-struct JobOutcome {
-  BlobResult result;
-  double seconds = 0;
-  bool kept_on_disk = false;  ///< a hot blob found in DIR already, left there rather than fetched again
-};
-
-/// Whether DIR already holds the blob as a file of its own (a layer pulled
-/// cold before): then a hot job keeps it there instead of fetching it again.
-bool present_on_disk(const fs::path& dir, const Descriptor& blob) {
-  const fs::path path = blob_path(dir, blob.digest);
-  std::error_code ec;
-  if (!fs::is_regular_file(fs::symlink_status(path, ec))) return false;
-  auto matches = file_matches(path, blob.digest, blob.size);
-  return matches && *matches;
-}
-
-/// What every thread of one transfer shares.
-struct Transfer {
-  Reference ref;
-  std::vector<Endpoint> endpoints;
-  RegistryOptions registry;
-  std::string auth_file;
-  std::shared_ptr<EndpointHealth> health;
-  MemoryBudget* budget = nullptr;
-  PullObserver* observer = nullptr;
-  const LayerHooks* hooks = nullptr;
-  fs::path dir;
-  std::mutex notes_mutex;  ///< guards notes
-  std::vector<std::string> notes;
-  /// One pool per worker slot, kept across the hot and cold phases so its
-  /// connections and tokens carry over; a slot is used by one thread at a time.
-  std::vector<std::unique_ptr<RegistryPool>> slots;
-
-  void note(const std::string& message) {
-    {
-      std::lock_guard lock(notes_mutex);
-      notes.push_back(message);
-    }
-    if (observer != nullptr) observer->on_note(message);
-  }
-  RegistryPool pool() {
-    return RegistryPool(ref, endpoints, registry, auth_file, health, [this](const std::string& m) { note(m); });
-  }
-  RegistryPool& slot(size_t i) {
-    if (!slots[i]) slots[i] = std::make_unique<RegistryPool>(pool());
-    return *slots[i];
-  }
-};
-
-/// Fetches `jobs` on up to `threads` threads, each with its own clients and
-/// a write buffer from the budget; `done` is called for each job under one
-/// mutex, on the thread that fetched it. The first error stops the others
-/// taking new jobs and is returned.
-Status run_jobs(const std::vector<BlobJob>& jobs, int threads, Transfer& transfer,
-                const std::function<Status(const BlobJob&, const Result<JobOutcome>&)>& done) {
-  if (jobs.empty()) return {};
-  const size_t count = std::clamp<size_t>(static_cast<size_t>(std::max(threads, 1)), 1, jobs.size());
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex mutex;  // guards first_error and serialises `done`
-  std::optional<Error> first_error;
-  const size_t share = transfer.budget->share(count, 64 << 10, 4 << 20);
-  if (transfer.slots.size() < count) transfer.slots.resize(count);
-  parallel_for(count, static_cast<int>(count), "pull", [&](size_t slot) {
-    RegistryPool& pool = transfer.slot(slot);
-    for (size_t i = next++; i < jobs.size() && !failed.load(); i = next++) {
-      const BlobJob& job = jobs[i];
-      MemoryBudget::Lease lease = transfer.budget->acquire(share);
-      BlobFetchOptions fetch_options;
-      fetch_options.buffer_bytes = lease.bytes();
-      if (transfer.observer != nullptr && job.layer != kConfig) {
-        transfer.observer->on_layer_start(job.layer);
-        fetch_options.on_bytes = [&transfer, &job](int64_t bytes) {
-          transfer.observer->on_layer_bytes(job.layer, bytes);
-        };
-      }
-      const LayerHooks* hooks = job.layer != kConfig ? transfer.hooks : nullptr;
-      if (hooks != nullptr && hooks->observer) fetch_options.observer = hooks->observer(job.layer);
-      const auto start = Clock::now();
-      JobOutcome outcome;
-      int attempts = 0;
-      Status status;
-      if (job.link && present_on_disk(transfer.dir, job.blob)) {
-        outcome.result.already_present = true;
-        outcome.kept_on_disk = true;
-        transfer.note(fmt::format("hot {} is in '{}' already (pulled cold before): kept on disk", job.what,
-                                  transfer.dir.string()));
-        if (fetch_options.observer != nullptr) {
-          // The observer reads what fetch_blob would have left: the blob, complete.
-          fetch_options.observer->on_start(job.blob.size);
-        }
-      } else {
-        status = pool.each_until_ok(job.what, [&](RegistryClient& client) -> Status {
-          // Another host after one failed: the observer starts the blob again
-          // (the partial file may have been dropped after a mismatch).
-          if (attempts++ > 0 && fetch_options.observer != nullptr) fetch_options.observer->on_restart();
-          auto got = fetch_blob(client, job.blob, job.store, job.what, fetch_options);
-          if (!got) return std::move(got).error();
-          outcome.result.bytes_fetched += got->bytes_fetched;
-          outcome.result.already_present = got->already_present;
-          outcome.result.resumed = outcome.result.resumed || got->resumed;
-          return {};
-        });
-      }
-      lease.release();
-      if (status && job.link && !outcome.kept_on_disk) {
-        status = link_blob(transfer.dir, blob_path(job.store, job.blob.digest), job.blob.digest);
-      }
-      if (hooks != nullptr && hooks->done) {
-        const auto result = status ? Result<BlobResult>(outcome.result) : Result<BlobResult>(status.error());
-        hooks->done(job.layer, result);
-        for (const size_t k : job.also) hooks->done(k, result);
-      }
-      outcome.seconds = seconds_since(start);
-      std::lock_guard lock(mutex);
-      Status recorded = status ? done(job, outcome) : done(job, status.error());
-      if (!status || !recorded) {
-        if (!first_error) first_error = status ? recorded.error() : status.error();
-        failed.store(true);
-        return;
-      }
-    }
-  });
-  if (first_error) return *first_error;
-  return {};
-}
 
 std::string layer_what(size_t index, const std::string& digest) {
   return fmt::format("layer {} ({})", short_digest(digest), index);
@@ -299,9 +91,10 @@ BlobJob layer_job(const fs::path& dir, const PullState& state, size_t i) {
 /// Builds the job list's `done`: records each outcome in the state (written
 /// whole after each layer) and the report.
 std::function<Status(const BlobJob&, const Result<JobOutcome>&)> recorder(const StateSaver& save, PullState& state,
-                                                                          PullReport& report, PullObserver* observer) {
-  return [save, &state, &report, observer](const BlobJob& job, const Result<JobOutcome>& outcome) -> Status {
-    if (job.layer == kConfig) {
+                                                                          PullReport& report,
+                                                                          const std::vector<PullSink*>& sinks) {
+  return [save, &state, &report, &sinks](const BlobJob& job, const Result<JobOutcome>& outcome) -> Status {
+    if (job.layer == kConfigJob) {
       if (outcome) report.bytes_fetched += outcome->result.bytes_fetched;
       return {};
     }
@@ -323,7 +116,7 @@ std::function<Status(const BlobJob&, const Result<JobOutcome>&)> recorder(const 
         report.layers[k] = report_of(layer, k == job.layer ? fetched_state(outcome->result) : "present",
                                      outcome->seconds, k == job.layer ? outcome->result.bytes_fetched : 0);
       }
-      if (observer != nullptr) observer->on_layer_done(k, report.layers[k]);
+      for (auto* s : sinks) s->on_layer_done(k, report.layers[k]);
     }
     return save(state);
   };
@@ -332,7 +125,7 @@ std::function<Status(const BlobJob&, const Result<JobOutcome>&)> recorder(const 
 /// Adds layer `i` to `jobs`, or to the job already fetching its digest.
 void add_layer_job(std::vector<BlobJob>& jobs, const fs::path& dir, const PullState& state, size_t i) {
   for (auto& job : jobs) {
-    if (job.layer != kConfig && job.blob.digest == state.layers[i].blob.digest) {
+    if (job.layer != kConfigJob && job.blob.digest == state.layers[i].blob.digest) {
       if (job.layer != i && std::find(job.also.begin(), job.also.end(), i) == job.also.end()) job.also.push_back(i);
       return;
     }
@@ -385,12 +178,12 @@ void fill_report_from_state(PullReport& report, const PullState& state) {
   }
 }
 
-Status mark_ready(PullState& state, const StateSaver& save, double ready_s, PullObserver* observer) {
+Status mark_ready(PullState& state, const StateSaver& save, double ready_s, const std::vector<PullSink*>& sinks) {
   CFMO_TRY(write_ready_file(state, ready_s));
   state.ready = true;
   state.ready_s = ready_s;
   CFMO_TRY(save(state));
-  if (observer != nullptr) observer->on_ready(ready_s);
+  for (auto* s : sinks) s->on_ready(ready_s);
   return {};
 }
 
@@ -435,7 +228,7 @@ Result<std::string> docker_to_oci_manifest(std::string_view docker_manifest, con
   return j.dump();
 }
 
-Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform) {
+Result<ResolvedImage> resolve(RegistryApi& client, const Platform& platform) {
   ResolvedImage image;
   image.ref = client.reference();
   image.host = client.reference().api_host();
@@ -468,16 +261,34 @@ Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform) 
   return image;
 }
 
-Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& options) {
+namespace {
+
+/// Resolves `ref` on the first host that has it; `more` then runs on the same client.
+Result<ResolvedImage> resolve_with(const Reference& ref, const PullOptions& options,
+                                   const std::function<Status(RegistryApi&, ResolvedImage&)>& more) {
   CFMO_ASSIGN_OR_RETURN(auto endpoints, endpoints_for(ref, options.hosts));
   auto health = std::make_shared<EndpointHealth>(endpoints.size());
   RegistryPool pool(ref, std::move(endpoints), options.registry, options.registry.auth_file, health,
                     [&](const std::string& m) {
-                      if (options.observer != nullptr) options.observer->on_note(m);
+                      for (auto* s : options.sinks) s->on_note(m);
                     });
   ResolvedImage image;
-  CFMO_TRY(pool.each_until_ok("image " + ref.to_string(), [&](RegistryClient& client) -> Status {
+  CFMO_TRY(pool.each_until_ok("image " + ref.to_string(), [&](RegistryApi& client) -> Status {
     CFMO_ASSIGN_OR_RETURN(image, resolve(client, options.platform));
+    return more ? more(client, image) : Status{};
+  }));
+  image.ref = ref;
+  return image;
+}
+
+}  // namespace
+
+Result<ResolvedImage> resolve_image(const Reference& ref, const PullOptions& options) {
+  return resolve_with(ref, options, nullptr);
+}
+
+Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& options) {
+  return resolve_with(ref, options, [](RegistryApi& client, ResolvedImage& image) -> Status {
     const auto& config = image.parsed.config;
     StringSink sink("config " + config.digest);
     CFMO_TRY(client.get("/v2/" + client.reference().repository + "/blobs/" + config.digest, {}, sink,
@@ -487,9 +298,7 @@ Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& opt
     }
     image.config_body = std::move(sink.body);
     return {};
-  }));
-  image.ref = ref;
-  return image;
+  });
 }
 
 bool memory_backed(const fs::path& dir) {
@@ -513,12 +322,12 @@ fs::path memory_store_for(const fs::path& dir, const fs::path& memory_dir) {
 }
 
 Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& options, const fs::path& dir,
-                                  const std::string& tag, const LayerHooks* hooks) {
+                                  const std::string& tag) {
   const auto start = Clock::now();
   PullReport report;
   CFMO_TRY(prepare_layout(dir));
   Transfer transfer;
-  transfer.observer = options.observer;
+  transfer.sinks = options.sinks;
   const StateSaver save{dir, options.state_file};
   std::optional<DirLock> lock;
   if (options.state_file) {
@@ -541,15 +350,14 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
 
   {
     RegistryPool pool = transfer.pool();
-    CFMO_TRY(pool.each_until_ok("image " + ref.to_string(), [&](RegistryClient& client) -> Status {
+    CFMO_TRY(pool.each_until_ok("image " + ref.to_string(), [&](RegistryApi& client) -> Status {
       CFMO_ASSIGN_OR_RETURN(report.image, resolve(client, options.platform));
       return {};
     }));
   }
   const auto& image = report.image;
   const auto& layers = image.parsed.layers;
-  transfer.hooks = hooks;
-  if (hooks != nullptr && hooks->resolved) CFMO_TRY(hooks->resolved(image));
+  for (auto* s : transfer.sinks) CFMO_TRY(s->on_resolved(image));
 
   if (options.state_file && fs::exists(state_path(dir))) {
     CFMO_ASSIGN_OR_RETURN(const auto earlier, read_state(dir));
@@ -640,7 +448,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   // The registry's manifest is kept as a blob so a later fetch can check its layers against it.
   CFMO_TRY(write_file_atomic(blob_path(dir, image.manifest.digest), image.manifest_body));
   CFMO_TRY(save(state));
-  if (options.observer != nullptr) options.observer->on_plan(state);
+  for (auto* s : transfer.sinks) s->on_plan(state);
   report.layers.resize(layers.size());
   report.buffer_bytes = static_cast<int64_t>(budget.total());
   const auto finish_report = [&] {
@@ -652,19 +460,20 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
 
   // The config and the hot layers first.
   std::vector<BlobJob> first;
-  first.push_back({kConfig, {}, image.parsed.config, dir, false, "config " + short_digest(image.parsed.config.digest)});
+  first.push_back(
+      {kConfigJob, {}, image.parsed.config, dir, false, "config " + short_digest(image.parsed.config.digest)});
   for (size_t i = 0; i < layers.size(); ++i) {
     if (hot[i]) add_layer_job(first, dir, state, i);
   }
   // A cold layer with a hot one's digest comes with it.
   for (size_t i = 0; i < layers.size(); ++i) {
     if (!hot[i] && std::any_of(first.begin(), first.end(), [&](const BlobJob& j) {
-          return j.layer != kConfig && j.blob.digest == layers[i].digest;
+          return j.layer != kConfigJob && j.blob.digest == layers[i].digest;
         })) {
       add_layer_job(first, dir, state, i);
     }
   }
-  const auto done = recorder(save, state, report, options.observer);
+  const auto done = recorder(save, state, report, transfer.sinks);
   // A stop leaves a state that says so (a failure otherwise keeps this process as the fetcher, gone).
   const auto unless_stopped = [&](Status status) -> Status {
     if (status || !options.registry.stopped()) return status;
@@ -676,7 +485,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
 
   const bool any_hot = std::any_of(hot.begin(), hot.end(), [](bool h) { return h; });
   const bool cold_now = options.cold == ColdStrategy::kEager && !options.background;
-  if (any_hot || !cold_now) CFMO_TRY(mark_ready(state, save, seconds_since(start), options.observer));
+  if (any_hot || !cold_now) CFMO_TRY(mark_ready(state, save, seconds_since(start), transfer.sinks));
 
   if (cold_now) {
     std::vector<BlobJob> rest;
@@ -684,7 +493,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
       if (state.layers[i].status != LayerStatus::kFetched) add_layer_job(rest, dir, state, i);
     }
     CFMO_TRY(unless_stopped(run_jobs(rest, options.jobs, transfer, done)));
-    if (!any_hot) CFMO_TRY(mark_ready(state, save, seconds_since(start), options.observer));
+    if (!any_hot) CFMO_TRY(mark_ready(state, save, seconds_since(start), transfer.sinks));
   }
 
   if (all_fetched(state)) {
@@ -701,7 +510,7 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
   const auto start = Clock::now();
   PullReport report;
   Transfer transfer;
-  transfer.observer = options.observer;
+  transfer.sinks = options.sinks;
   if (!fs::exists(state_path(dir))) CFMO_TRY(read_state(dir));  // the "not a cfmo-pull directory" error
   CFMO_ASSIGN_OR_RETURN(
       auto lock,
@@ -774,7 +583,7 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
   }
   std::vector<BlobJob> jobs;
   if (!fs::exists(blob_path(dir, state.config.digest))) {
-    jobs.push_back({kConfig, {}, state.config, dir, false, "config " + short_digest(state.config.digest)});
+    jobs.push_back({kConfigJob, {}, state.config, dir, false, "config " + short_digest(state.config.digest)});
   }
   report.layers.resize(state.layers.size());
   // Hot layers first, as in the pull.
@@ -788,13 +597,13 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
   }
   state.fetcher_pid = ::getpid();
   CFMO_TRY(write_state(dir, state));
-  if (options.observer != nullptr) options.observer->on_plan(state);
-  const auto done = recorder(save, state, report, options.observer);
+  for (auto* s : transfer.sinks) s->on_plan(state);
+  const auto done = recorder(save, state, report, transfer.sinks);
   Status fetched = run_jobs(jobs, options.jobs, transfer, done);
   // A layer this run did not get to is pending again, not "fetching" by nobody.
   settle(state, !fetched && options.registry.stopped());
   if (fetched && !state.ready && hot_fetched(state)) {
-    fetched = mark_ready(state, save, state.ready_s >= 0 ? state.ready_s : seconds_since(start), nullptr);
+    fetched = mark_ready(state, save, state.ready_s >= 0 ? state.ready_s : seconds_since(start), {});
   }
   if (fetched && !state.complete && all_fetched(state)) {
     fetched = finish_layout(dir, *body, report.image.manifest, state.tag, report.layout_manifest);

@@ -12,6 +12,7 @@
 #include "oci/hosts.h"
 #include "oci/hot_set.h"
 #include "oci/manifest.h"
+#include "oci/pull_sink.h"
 #include "oci/pull_state.h"
 #include "oci/reference.h"
 #include "oci/registry.h"
@@ -46,23 +47,6 @@ struct LayerReport {
   int64_t bytes_fetched = 0;
 };
 
-/// Hears how a pull goes, from the threads doing it (calls may come from
-/// several threads at once; the observer serialises what it shares).
-class PullObserver {
- public:
-  virtual ~PullObserver() = default;
-  /// Once, before the first layer: every layer, hot or not, where it goes.
-  virtual void on_plan(const PullState& /*state*/) {}
-  virtual void on_layer_start(size_t /*layer*/) {}
-  /// The layer's bytes so far (resumed ones included).
-  virtual void on_layer_bytes(size_t /*layer*/, int64_t /*bytes*/) {}
-  virtual void on_layer_done(size_t /*layer*/, const LayerReport& /*report*/) {}
-  /// The hot layers are complete (and the ready file written).
-  virtual void on_ready(double /*seconds*/) {}
-  /// A warning or notice: a hot layer spilled to disk, a mirror given up.
-  virtual void on_note(const std::string& /*message*/) {}
-};
-
 struct PullOptions {
   RegistryOptions registry;  ///< its auth_file is read per host
   HostSettings hosts;
@@ -84,7 +68,8 @@ struct PullOptions {
   /// blob cache, where per-blob locks let pulls of other images go on).
   bool state_file = true;
   std::filesystem::path ready_file;  ///< written when the hot layers are complete; empty: none
-  PullObserver* observer = nullptr;
+  /// Fed in order as the pull goes (pull_sink.h): progress, a rootfs applier.
+  std::vector<PullSink*> sinks;
 };
 
 /// The image a reference resolves to.
@@ -124,7 +109,10 @@ struct PullReport {
 Result<std::string> docker_to_oci_manifest(std::string_view docker_manifest, const std::string& what);
 
 /// Fetches and verifies the manifest (through an index when there is one).
-Result<ResolvedImage> resolve(RegistryClient& client, const Platform& platform);
+Result<ResolvedImage> resolve(RegistryApi& client, const Platform& platform);
+
+/// Resolves `ref` through the mirrors, then the origin (no blob is fetched).
+Result<ResolvedImage> resolve_image(const Reference& ref, const PullOptions& options);
 
 /// Resolve and fetch the config too, for `inspect`.
 Result<ResolvedImage> inspect_image(const Reference& ref, const PullOptions& options);
@@ -136,22 +124,14 @@ std::filesystem::path memory_store_for(const std::filesystem::path& dir, const s
 /// Whether `dir` is in memory: on tmpfs or ramfs.
 bool memory_backed(const std::filesystem::path& dir);
 
-/// What a caller may attach to a pull to see its layers while they download
-/// (the rootfs unpacker does). `observer` and `done` are called on download
-/// threads; layers a lazy or skipping pull leaves out see neither.
-struct LayerHooks {
-  /// Called once the manifest is known, before any blob is fetched; an error stops the pull.
-  std::function<Status(const ResolvedImage&)> resolved;
-  /// Before layer `index` is fetched: an observer of its bytes, or null.
-  std::function<BlobObserver*(size_t index)> observer;
-  /// After layer `index` is fetched, present, or failed.
-  std::function<void(size_t index, const Result<BlobResult>&)> done;
-};
-
 /// Pulls `ref` into the OCI layout at `dir` (created if absent); blobs
-/// already there are not fetched again; `tag` names it in index.json.
+/// already there are not fetched again; `tag` names it in index.json. The
+/// layout (blobs, state file, index.json) is the puller's own store; each
+/// of `options.sinks` is fed the resolved image, the plan, every layer's
+/// bytes as they are written and its outcome (a layer a lazy or skipping
+/// pull leaves out gets no blob calls).
 Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& options, const std::filesystem::path& dir,
-                                  const std::string& tag, const LayerHooks* hooks = nullptr);
+                                  const std::string& tag);
 
 struct FetchOptions {
   RegistryOptions registry;
@@ -160,7 +140,7 @@ struct FetchOptions {
   int jobs = 4;
   int64_t buffer_memory = int64_t{16} << 20;
   std::vector<LayerSpec> layers;  ///< empty: every layer not fetched yet
-  PullObserver* observer = nullptr;
+  std::vector<PullSink*> sinks;   ///< fed as a pull feeds them
 };
 
 /// Brings the layers of an earlier pull into `dir` (cfmo-pull fetch, and the

@@ -75,6 +75,14 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
     t.add("replace", &c.replace, "replace a rootfs:DIR that is not empty, once the new tree is complete", image);
   }
 
+  if (s == kMount) {
+    t.add("platform", &c.platform, "--lazy REF: os/arch[/variant] to choose from an index (empty: this machine's)",
+          image);
+    t.add("cache", &c.cache,
+          "--lazy REF: where the image's layout, indexes and span cache are kept, in lazy/NAME-DIGEST (empty: "
+          "$XDG_CACHE_HOME/cfmo-pull, ~/.cache/cfmo-pull)",
+          image);
+  }
   if (s == kIndex) {
     t.add("cache", &c.cache,
           "index REF: where the image is pulled while it is indexed, removed after (empty: $XDG_CACHE_HOME/cfmo-pull, "

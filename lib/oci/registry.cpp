@@ -456,11 +456,12 @@ Result<ResponseInfo> RegistryClient::request(const std::string& url, const std::
   }
 }
 
-Result<std::pair<ResponseInfo, std::string>> RegistryClient::get_manifest(const std::string& reference) {
-  StringSink sink("manifest " + ref_.repository + ":" + reference);
+Result<std::pair<ResponseInfo, std::string>> RegistryApi::get_manifest(const std::string& reference) {
+  const std::string& repository = this->reference().repository;
+  StringSink sink("manifest " + repository + ":" + reference);
   CFMO_ASSIGN_OR_RETURN(
-      auto info, get("/v2/" + ref_.repository + "/manifests/" + reference, {std::string("Accept: ") + kManifestAccept},
-                     sink, "manifest " + ref_.repository + (reference.starts_with("sha256:") ? "@" : ":") + reference));
+      auto info, get("/v2/" + repository + "/manifests/" + reference, {std::string("Accept: ") + kManifestAccept}, sink,
+                     "manifest " + repository + (reference.starts_with("sha256:") ? "@" : ":") + reference));
   return std::make_pair(std::move(info), std::move(sink.body));
 }
 

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -19,6 +20,8 @@
 #include <vector>
 
 namespace cfmo::oci {
+
+class RegistryApi;
 
 /// The Accept list for manifests: OCI index and manifest, Docker manifest
 /// list and schema 2.
@@ -39,6 +42,10 @@ struct RegistryOptions {
   /// Set (by a signal handler) to stop: a transfer in flight is aborted within
   /// about a second, a backoff cut short, and the request fails as interrupted.
   const std::atomic<bool>* stop = nullptr;
+  /// Makes the client of one host (`ref.registry`, with `options.plain_http`
+  /// as its endpoint says); empty: a RegistryClient. Unit tests put an
+  /// in-process registry here.
+  std::function<Result<std::unique_ptr<RegistryApi>>(const Reference& ref, const RegistryOptions& options)> connect;
 
   bool stopped() const { return stop != nullptr && stop->load(std::memory_order_relaxed); }
 };
@@ -90,30 +97,52 @@ struct Credentials {
 /// An absent file is no credentials, not an error.
 Result<std::optional<Credentials>> load_credentials(const std::string& host, const std::string& auth_file);
 
-/// One registry and one repository. Not thread-safe: a parallel pull uses one
-/// client per thread (the token cache is shared through `share_tokens`).
-class RegistryClient {
+/// One registry host and one repository, as the pull, the index artifacts
+/// and the lazy mount speak to it: RegistryClient over libcurl, or an
+/// in-process fake in unit tests (RegistryOptions::connect). Not thread-safe:
+/// one per thread.
+class RegistryApi {
  public:
-  RegistryClient(Reference ref, RegistryOptions options, std::optional<Credentials> credentials);
-  ~RegistryClient();
-  RegistryClient(const RegistryClient&) = delete;
-  RegistryClient& operator=(const RegistryClient&) = delete;
+  virtual ~RegistryApi() = default;
 
   /// GET (or HEAD) /v2/<repo>/<kind>/<reference>; non-2xx answers after auth
   /// and retries are errors naming the object: 404 is kInput, others kPeer.
+  virtual Result<ResponseInfo> get(const std::string& api_path, const std::vector<std::string>& headers, BodySink& sink,
+                                   const std::string& what, bool head) = 0;
   Result<ResponseInfo> get(const std::string& api_path, const std::vector<std::string>& headers, BodySink& sink,
-                           const std::string& what, bool head = false);
+                           const std::string& what) {
+    return get(api_path, headers, sink, what, false);
+  }
 
   /// PUT or POST `body` to `target` (an API path, or an absolute URL such as
   /// an upload's Location), authenticated and retried as get() is.
+  virtual Result<ResponseInfo> send(const std::string& method, const std::string& target,
+                                    const std::vector<std::string>& headers, std::string_view body, BodySink& sink,
+                                    const std::string& what) = 0;
+
+  /// The reference's host (a mirror's, for a mirror) and repository.
+  virtual const Reference& reference() const = 0;
+
+  /// Fetches a manifest by tag or digest with full content negotiation (through get).
+  Result<std::pair<ResponseInfo, std::string>> get_manifest(const std::string& reference);
+};
+
+/// The libcurl RegistryApi. The token cache is per client.
+class RegistryClient : public RegistryApi {
+ public:
+  RegistryClient(Reference ref, RegistryOptions options, std::optional<Credentials> credentials);
+  ~RegistryClient() override;
+  RegistryClient(const RegistryClient&) = delete;
+  RegistryClient& operator=(const RegistryClient&) = delete;
+
+  using RegistryApi::get;
+  Result<ResponseInfo> get(const std::string& api_path, const std::vector<std::string>& headers, BodySink& sink,
+                           const std::string& what, bool head) override;
   Result<ResponseInfo> send(const std::string& method, const std::string& target,
                             const std::vector<std::string>& headers, std::string_view body, BodySink& sink,
-                            const std::string& what);
+                            const std::string& what) override;
 
-  /// Fetches a manifest by tag or digest with full content negotiation.
-  Result<std::pair<ResponseInfo, std::string>> get_manifest(const std::string& reference);
-
-  const Reference& reference() const { return ref_; }
+  const Reference& reference() const override { return ref_; }
   const RegistryOptions& options() const { return options_; }
   std::string base_url() const;
 

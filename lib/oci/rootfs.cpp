@@ -56,16 +56,16 @@ void remove_stale_staging(const fs::path& dir) {
 }
 
 /// One layer's download as the applier sees it.
-class LayerPipe : public BlobObserver {
+class LayerPipe {
  public:
-  void on_start(int64_t bytes_on_disk) override {
+  void on_start(int64_t bytes_on_disk) {
     std::lock_guard lock(mutex_);
     on_disk_ = bytes_on_disk;
     started_ = true;
     cv_.notify_all();
   }
 
-  void on_restart() override {
+  void on_restart() {
     std::lock_guard lock(mutex_);
     on_disk_ = 0;
     ++generation_;
@@ -73,7 +73,7 @@ class LayerPipe : public BlobObserver {
     cv_.notify_all();
   }
 
-  Status on_write(std::string_view chunk) override {
+  Status on_write(std::string_view chunk) {
     LayerUnpacker* live = nullptr;
     {
       std::lock_guard lock(mutex_);
@@ -90,13 +90,13 @@ class LayerPipe : public BlobObserver {
     return live->write(chunk);
   }
 
-  void done(const Result<BlobResult>& result, int64_t size) {
+  void done(const Error* error, int64_t size) {
     std::lock_guard lock(mutex_);
     finished_ = true;
-    if (result) {
+    if (error == nullptr) {
       on_disk_ = size;
     } else {
-      error_ = result.error();
+      error_ = *error;
     }
     cv_.notify_all();
   }
@@ -219,6 +219,74 @@ class LayerPipe : public BlobObserver {
   LayerUnpacker* live_ = nullptr;  ///< set while the applier has caught up
 };
 
+/// The rootfs as a sink of the pull: a LayerPipe per layer, fed by the
+/// downloading threads, and one applier thread that unpacks the layers in
+/// manifest order into the staging tree.
+class RootfsSink : public PullSink {
+ public:
+  RootfsSink(fs::path staging, fs::path layout, const UnpackOptions& unpack, std::vector<UnpackStats>& stats)
+      : staging_(std::move(staging)), layout_(std::move(layout)), unpack_(unpack), stats_(stats) {}
+  ~RootfsSink() override { finish(false); }
+  RootfsSink(const RootfsSink&) = delete;
+  RootfsSink& operator=(const RootfsSink&) = delete;
+
+  Status on_resolved(const ResolvedImage& image) override {
+    layers_ = image.parsed.layers;
+    for (const auto& layer : layers_) {
+      CFMO_ASSIGN_OR_RETURN(const Compression c, layer_compression(layer.media_type));
+      compressions_.push_back(c);
+      pipes_.push_back(std::make_unique<LayerPipe>());
+    }
+    stats_.resize(layers_.size());
+    applier_ = std::thread([this] { apply_all(); });
+    return {};
+  }
+  void on_blob_start(size_t layer, int64_t bytes_on_disk) override { pipes_[layer]->on_start(bytes_on_disk); }
+  void on_blob_restart(size_t layer) override { pipes_[layer]->on_restart(); }
+  Status on_blob_write(size_t layer, std::string_view chunk) override { return pipes_[layer]->on_write(chunk); }
+  void on_blob_done(size_t layer, const Error* error) override { pipes_[layer]->done(error, layers_[layer].size); }
+
+  /// The pull ended: the layers it did not fetch end the applier's wait, a
+  /// failed pull cancels the unpacking; then the applier is waited for.
+  void finish(bool pulled) {
+    for (size_t i = 0; i < pipes_.size(); ++i) pipes_[i]->not_fetched(fmt::format("layer {}", i));
+    if (!pulled) cancel_all();
+    if (applier_.joinable()) applier_.join();
+  }
+  /// The unpacking's error, if any, and whether it only stopped because the pull did.
+  const std::optional<Error>& error() const { return error_; }
+  bool cut_short() const { return cut_short_; }
+
+ private:
+  void cancel_all() {
+    for (auto& pipe : pipes_) pipe->cancel();
+  }
+  void apply_all() {
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const std::string what = fmt::format("layer {}… ({})", layers_[i].digest.substr(0, 19), i);
+      auto stats = pipes_[i]->apply(staging_, layout_, layers_[i], compressions_[i], unpack_, what);
+      if (!stats) {
+        error_ = std::move(stats).error();
+        cut_short_ = pipes_[i]->cut_short();
+        cancel_all();
+        return;
+      }
+      stats_[i] = *stats;
+    }
+  }
+
+  fs::path staging_;
+  fs::path layout_;
+  UnpackOptions unpack_;
+  std::vector<UnpackStats>& stats_;
+  std::vector<Descriptor> layers_;
+  std::vector<Compression> compressions_;
+  std::vector<std::unique_ptr<LayerPipe>> pipes_;
+  std::thread applier_;
+  std::optional<Error> error_;
+  bool cut_short_ = false;
+};
+
 }  // namespace
 
 fs::path default_blob_cache() {
@@ -282,60 +350,20 @@ Result<RootfsReport> pull_to_rootfs(const Reference& ref, const PullOptions& opt
 
   RootfsReport report;
   report.dir = target;
-  std::vector<std::unique_ptr<LayerPipe>> pipes;
-  std::vector<Compression> compressions;
-  std::vector<Descriptor> layers;
-  std::optional<Error> apply_error;
-  std::thread applier;
-  bool apply_cancelled = false;  ///< the applier stopped because the pull did
-  std::chrono::steady_clock::time_point downloads_done;
-
-  auto cancel_all = [&] {
-    for (auto& pipe : pipes) pipe->cancel();
-  };
-  auto run_applier = [&] {
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const std::string what = fmt::format("layer {}… ({})", layers[i].digest.substr(0, 19), i);
-      auto stats = pipes[i]->apply(staging, layout, layers[i], compressions[i], rootfs.unpack, what);
-      if (!stats) {
-        apply_error = std::move(stats).error();
-        apply_cancelled = pipes[i]->cut_short();
-        cancel_all();
-        return;
-      }
-      report.layers[i] = *stats;
-    }
-  };
-
-  LayerHooks hooks;
-  hooks.resolved = [&](const ResolvedImage& image) -> Status {
-    layers = image.parsed.layers;
-    for (const auto& layer : layers) {
-      CFMO_ASSIGN_OR_RETURN(const Compression c, layer_compression(layer.media_type));
-      compressions.push_back(c);
-      pipes.push_back(std::make_unique<LayerPipe>());
-    }
-    report.layers.resize(layers.size());
-    applier = std::thread(run_applier);
-    return {};
-  };
-  hooks.observer = [&](size_t index) -> BlobObserver* { return pipes[index].get(); };
-  hooks.done = [&](size_t index, const Result<BlobResult>& result) { pipes[index]->done(result, layers[index].size); };
-
+  RootfsSink sink(staging, layout, rootfs.unpack, report.layers);
   PullOptions inner = options;
   inner.memory_store = false;
   inner.ready_file.clear();  // ready means DIR in place, below
-  auto pulled = pull_to_layout(ref, inner, layout, tag, &hooks);
-  downloads_done = std::chrono::steady_clock::now();
-  for (size_t i = 0; i < pipes.size(); ++i) pipes[i]->not_fetched(fmt::format("layer {}", i));
-  if (!pulled) cancel_all();
-  if (applier.joinable()) applier.join();
+  inner.sinks.push_back(&sink);
+  auto pulled = pull_to_layout(ref, inner, layout, tag);
+  const auto downloads_done = std::chrono::steady_clock::now();
+  sink.finish(pulled.has_value());
   report.unpack_wait_s = seconds_since(downloads_done);
   // The first cause wins: an unpacking error cancels the downloads (whose
   // "cancelled" is then no news); a failed download stops the unpacking.
-  if (apply_error && !apply_cancelled) return *apply_error;
+  if (sink.error() && !sink.cut_short()) return *sink.error();
   if (!pulled) return std::move(pulled).error();
-  if (apply_error) return *apply_error;
+  if (sink.error()) return *sink.error();
   report.pull = std::move(*pulled);
   for (const auto& s : report.layers) {
     report.total.compressed_bytes += s.compressed_bytes;

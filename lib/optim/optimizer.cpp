@@ -7,7 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
-namespace cfmo {
+namespace cfmo::optim {
 
 AdamCoefficients adam_coefficients(const OptimizerConfig& c, int64_t step, float lr) {
   const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(step));
@@ -54,7 +54,7 @@ void scale_kernel(float* __restrict x, size_t n, float factor) {
   for (size_t i = 0; i < n; ++i) x[i] *= factor;
 }
 
-void scale_range(FloatBuffer& buffer, float factor, size_t offset, size_t count) {
+void scale_range(tensor::FloatBuffer& buffer, float factor, size_t offset, size_t count) {
   if (offset >= buffer.size()) return;
   scale_kernel(buffer.data() + offset, std::min(count, buffer.size() - offset), factor);
 }
@@ -63,7 +63,7 @@ void scale_range(FloatBuffer& buffer, float factor, size_t offset, size_t count)
 /// decay `wd` only where the tensor takes it (a GPT's matrices, not its
 /// biases, norms and embeddings); the whole buffer when `layout` is empty.
 template <typename F>
-void for_each_tensor(const std::vector<ParamInfo>& layout, size_t size, double wd, F&& f) {
+void for_each_tensor(const std::vector<model::ParamInfo>& layout, size_t size, double wd, F&& f) {
   if (layout.empty()) {
     f(size_t{0}, size, static_cast<float>(wd));
     return;
@@ -73,7 +73,7 @@ void for_each_tensor(const std::vector<ParamInfo>& layout, size_t size, double w
 
 class Sgd final : public Optimizer {
  public:
-  Sgd(const OptimizerConfig& config, std::vector<ParamInfo> layout, size_t size)
+  Sgd(const OptimizerConfig& config, std::vector<model::ParamInfo> layout, size_t size)
       : config_(config), layout_(std::move(layout)), buffer_(size, 0.0f) {}
   std::string_view name() const override { return "sgd"; }
 
@@ -91,13 +91,13 @@ class Sgd final : public Optimizer {
 
  private:
   OptimizerConfig config_;
-  std::vector<ParamInfo> layout_;
-  FloatBuffer buffer_;
+  std::vector<model::ParamInfo> layout_;
+  tensor::FloatBuffer buffer_;
 };
 
 class Adam final : public Optimizer {
  public:
-  Adam(const OptimizerConfig& config, std::vector<ParamInfo> layout, size_t size, bool decoupled)
+  Adam(const OptimizerConfig& config, std::vector<model::ParamInfo> layout, size_t size, bool decoupled)
       : config_(config),
         layout_(std::move(layout)),
         decoupled_(decoupled),
@@ -122,10 +122,10 @@ class Adam final : public Optimizer {
 
  private:
   OptimizerConfig config_;
-  std::vector<ParamInfo> layout_;
+  std::vector<model::ParamInfo> layout_;
   bool decoupled_;
-  FloatBuffer exp_avg_;
-  FloatBuffer exp_avg_sq_;
+  tensor::FloatBuffer exp_avg_;
+  tensor::FloatBuffer exp_avg_sq_;
 };
 
 /// Muon for the matrices (ParamInfo::is_matrix: a GPT's blocks' hidden
@@ -134,7 +134,7 @@ class Adam final : public Optimizer {
 /// (Moonshot AI, "Muon is Scalable for LLM Training", 2025): one --lr serves both.
 class Muon final : public Optimizer {
  public:
-  Muon(const OptimizerConfig& config, std::vector<ParamInfo> layout, size_t size)
+  Muon(const OptimizerConfig& config, std::vector<model::ParamInfo> layout, size_t size)
       : config_(config),
         layout_(std::move(layout)),
         momentum_(size, 0.0f),
@@ -184,11 +184,11 @@ class Muon final : public Optimizer {
 
  private:
   OptimizerConfig config_;
-  std::vector<ParamInfo> layout_;
-  FloatBuffer momentum_;
-  FloatBuffer exp_avg_;
-  FloatBuffer exp_avg_sq_;
-  FloatBuffer update_;
+  std::vector<model::ParamInfo> layout_;
+  tensor::FloatBuffer momentum_;
+  tensor::FloatBuffer exp_avg_;
+  tensor::FloatBuffer exp_avg_sq_;
+  tensor::FloatBuffer update_;
   NewtonSchulzWorkspace workspace_;
 };
 
@@ -208,15 +208,15 @@ void newton_schulz(std::span<float> g, int rows, int cols, int steps, NewtonSchu
   const int r = transpose ? cols : rows;
   const int k = transpose ? rows : cols;
   const size_t n = static_cast<size_t>(r) * static_cast<size_t>(k);
-  FloatBuffer& x = workspace.x;
-  FloatBuffer& x_next = workspace.x_next;
-  FloatBuffer& gram = workspace.gram;
-  FloatBuffer& poly = workspace.poly;
+  tensor::FloatBuffer& x = workspace.x;
+  tensor::FloatBuffer& x_next = workspace.x_next;
+  tensor::FloatBuffer& gram = workspace.gram;
+  tensor::FloatBuffer& poly = workspace.poly;
   x.resize(n);
   x_next.resize(n);
   gram.resize(static_cast<size_t>(r) * r);
   poly.resize(static_cast<size_t>(r) * r);
-  const float inv_norm = 1.0f / (static_cast<float>(ops::norm2(g)) + 1e-7f);
+  const float inv_norm = 1.0f / (static_cast<float>(tensor::ops::norm2(g)) + 1e-7f);
   if (transpose) {
     for (int i = 0; i < rows; ++i) {
       for (int j = 0; j < cols; ++j) {
@@ -226,14 +226,14 @@ void newton_schulz(std::span<float> g, int rows, int cols, int steps, NewtonSchu
   } else {
     for (size_t i = 0; i < n; ++i) x[i] = g[i] * inv_norm;
   }
-  using ops::Trans;
+  using tensor::ops::Trans;
   for (int s = 0; s < steps; ++s) {
     // A = X X^T; B = b A + c A A; X = a X + B X
-    ops::gemm(Trans::kNo, Trans::kYes, r, r, k, 1.0f, x.data(), k, x.data(), k, 0.0f, gram.data(), r);
+    tensor::ops::gemm(Trans::kNo, Trans::kYes, r, r, k, 1.0f, x.data(), k, x.data(), k, 0.0f, gram.data(), r);
     std::copy(gram.begin(), gram.end(), poly.begin());
-    ops::gemm(Trans::kNo, Trans::kNo, r, r, r, c, gram.data(), r, gram.data(), r, b, poly.data(), r);
+    tensor::ops::gemm(Trans::kNo, Trans::kNo, r, r, r, c, gram.data(), r, gram.data(), r, b, poly.data(), r);
     std::copy(x.begin(), x.end(), x_next.begin());
-    ops::gemm(Trans::kNo, Trans::kNo, r, k, r, 1.0f, poly.data(), r, x.data(), k, a, x_next.data(), k);
+    tensor::ops::gemm(Trans::kNo, Trans::kNo, r, k, r, 1.0f, poly.data(), r, x.data(), k, a, x_next.data(), k);
     x.swap(x_next);
   }
   if (transpose) {
@@ -246,7 +246,7 @@ void newton_schulz(std::span<float> g, int rows, int cols, int steps, NewtonSchu
 }
 
 double clip_grad_norm(std::span<float> grads, double max_norm) {
-  const double norm = ops::norm2(grads);
+  const double norm = tensor::ops::norm2(grads);
   clip_to_norm(grads, max_norm, norm);
   return norm;
 }
@@ -279,8 +279,8 @@ std::string_view optimizer_kind_name(OptimizerKind kind) {
   return "?";
 }
 
-Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config, const std::vector<ParamInfo>& layout,
-                                                  size_t size) {
+Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config,
+                                                  const std::vector<model::ParamInfo>& layout, size_t size) {
   switch (config.kind) {
     case OptimizerKind::kSgd:
       return std::unique_ptr<Optimizer>(std::make_unique<Sgd>(config, layout, size));
@@ -294,4 +294,4 @@ Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config,
   return make_error(ErrorKind::kInternal, "unknown optimizer kind");
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::optim

@@ -14,7 +14,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::optim {
 
 enum class OptimizerKind { kSgd, kAdam, kAdamW, kMuon };
 
@@ -36,7 +36,7 @@ struct OptimizerConfig {
 /// A named state buffer, laid out like the parameters.
 struct OptimizerState {
   std::string name;  ///< "exp_avg", "exp_avg_sq", "momentum_buffer"
-  FloatBuffer* buffer;
+  tensor::FloatBuffer* buffer;
 };
 
 class Optimizer {
@@ -71,8 +71,8 @@ struct AdamCoefficients {
 AdamCoefficients adam_coefficients(const OptimizerConfig& config, int64_t step, float lr);
 
 /// Builds the optimizer named in `config` for a model of this layout.
-Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config, const std::vector<ParamInfo>& layout,
-                                                  size_t size);
+Result<std::unique_ptr<Optimizer>> make_optimizer(const OptimizerConfig& config,
+                                                  const std::vector<model::ParamInfo>& layout, size_t size);
 
 /// Scales `grads` so their global L2 norm is at most `max_norm` (0: no-op).
 /// Returns the norm before clipping.
@@ -84,7 +84,7 @@ void clip_to_norm(std::span<float> grads, double max_norm, double norm);
 /// Scratch space for newton_schulz, kept across steps: the buffers are
 /// large enough that allocating them per call means mmap and page faults.
 struct NewtonSchulzWorkspace {
-  FloatBuffer x, x_next, gram, poly;
+  tensor::FloatBuffer x, x_next, gram, poly;
 };
 
 /// Orthogonalises the row-major matrix `g` [rows, cols] in place with
@@ -92,4 +92,4 @@ struct NewtonSchulzWorkspace {
 void newton_schulz(std::span<float> g, int rows, int cols, int steps, NewtonSchulzWorkspace& workspace);
 void newton_schulz(std::span<float> g, int rows, int cols, int steps);
 
-}  // namespace cfmo
+}  // namespace cfmo::optim

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <numbers>
 
-namespace cfmo {
+namespace cfmo::optim {
 
 Result<Schedule::Kind> Schedule::parse_kind(const std::string& text) {
   if (text == "constant") return Kind::kConstant;
@@ -22,4 +22,4 @@ double Schedule::at(int64_t step) const {
   return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + std::cos(std::numbers::pi * progress));
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::optim

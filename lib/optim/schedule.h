@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-namespace cfmo {
+namespace cfmo::optim {
 
 struct Schedule {
   enum class Kind { kConstant, kCosine };
@@ -21,4 +21,4 @@ struct Schedule {
   double at(int64_t step) const;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::optim

@@ -6,7 +6,7 @@
 
 namespace cfmo::sim {
 
-class SimWorld::Rank final : public Communicator {
+class SimWorld::Rank final : public comm::Communicator {
  public:
   Rank(SimWorld& world, int rank) : world_(world), rank_(rank) {}
 
@@ -29,7 +29,7 @@ class SimWorld::Rank final : public Communicator {
     stats_.collective_wait_s += waited;
     return s;
   }
-  void post(int peer, Channel channel, std::vector<std::byte> payload) override {
+  void post(int peer, comm::Channel channel, std::vector<std::byte> payload) override {
     if (peer < 0 || peer >= world_.size()) return;
     if (peer != rank_) {
       stats_.bytes_sent += payload.size();
@@ -37,13 +37,13 @@ class SimWorld::Rank final : public Communicator {
     }
     world_.post(rank_, peer, channel, std::move(payload));
   }
-  void on_message(Channel channel, Handler handler) override { handlers_.set(channel, std::move(handler)); }
-  void on_message_owned(Channel channel, OwnedHandler handler) override {
+  void on_message(comm::Channel channel, Handler handler) override { handlers_.set(channel, std::move(handler)); }
+  void on_message_owned(comm::Channel channel, OwnedHandler handler) override {
     handlers_.set_owned(channel, std::move(handler));
   }
   std::vector<int> lost_ranks() const override { return {}; }
   Status health() const override { return {}; }
-  CommStats stats() const override { return stats_; }
+  comm::CommStats stats() const override { return stats_; }
 
   void receive(int from, uint8_t channel, std::vector<std::byte>& payload) {
     if (from != rank_) {
@@ -56,8 +56,8 @@ class SimWorld::Rank final : public Communicator {
  private:
   SimWorld& world_;
   const int rank_;
-  HandlerTable handlers_;
-  CommStats stats_;
+  comm::HandlerTable handlers_;
+  comm::CommStats stats_;
 };
 
 SimWorld::SimWorld(Scheduler& scheduler, Network& network, int size, Sizer sizer)
@@ -69,9 +69,9 @@ SimWorld::SimWorld(Scheduler& scheduler, Network& network, int size, Sizer sizer
 
 SimWorld::~SimWorld() = default;
 
-Communicator& SimWorld::rank(int r) { return *ranks_[static_cast<size_t>(r)]; }
+comm::Communicator& SimWorld::rank(int r) { return *ranks_[static_cast<size_t>(r)]; }
 
-void SimWorld::post(int from, int to, Channel channel, std::vector<std::byte> payload) {
+void SimWorld::post(int from, int to, comm::Channel channel, std::vector<std::byte> payload) {
   const uint64_t bytes = sizer_ ? sizer_(channel, from, to, payload.size()) : payload.size();
   const double arrival = std::max(network_.deliver(from, to, bytes, scheduler_.time()), scheduler_.time());
   ++messages_;

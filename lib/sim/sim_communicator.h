@@ -24,11 +24,11 @@
 namespace cfmo::sim {
 
 /// The collectives' channel id for the sizer (the transports' own, 0).
-inline constexpr Channel kCollective{0};
+inline constexpr comm::Channel kCollective{0};
 
 /// Bytes on the network of a message of `payload` bytes (collectives: the
 /// buffer each rank puts in) from `from` to `to`.
-using Sizer = std::function<uint64_t(Channel channel, int from, int to, uint64_t payload)>;
+using Sizer = std::function<uint64_t(comm::Channel channel, int from, int to, uint64_t payload)>;
 
 class SimWorld final : private EventTarget {
  public:
@@ -37,7 +37,7 @@ class SimWorld final : private EventTarget {
   SimWorld(const SimWorld&) = delete;
   SimWorld& operator=(const SimWorld&) = delete;
 
-  Communicator& rank(int r);
+  comm::Communicator& rank(int r);
   int size() const { return static_cast<int>(ranks_.size()); }
   /// Messages handed to the network so far.
   uint64_t messages() const { return messages_; }
@@ -66,7 +66,7 @@ class SimWorld final : private EventTarget {
   };
 
   void fire(uint64_t slot) override;
-  void post(int from, int to, Channel channel, std::vector<std::byte> payload);
+  void post(int from, int to, comm::Channel channel, std::vector<std::byte> payload);
   Status meet(int rank, const std::function<double(double)>& finish, double& waited);
   Status all_reduce(int rank, std::span<float> data, double& waited);
   Status barrier(int rank, double& waited);

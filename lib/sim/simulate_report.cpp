@@ -97,23 +97,23 @@ nlohmann::ordered_json simulate_json(const std::vector<SimulateRow>& rows, const
 }
 
 std::string simulate_svg(const std::vector<SimulateRow>& rows) {
-  std::map<std::string, PlotSeries> by_mode;
+  std::map<std::string, diverge::PlotSeries> by_mode;
   std::vector<std::string> order;
   for (const auto& r : rows) {
     auto [it, fresh] = by_mode.try_emplace(r.mode);
     if (fresh) order.push_back(r.mode);
     it->second.points.emplace_back(r.workers, r.efficiency);
   }
-  std::vector<PlotSeries> series;
+  std::vector<diverge::PlotSeries> series;
   for (const auto& m : order) series.push_back(by_mode[m]);
-  SvgOptions options;
+  diverge::SvgOptions options;
   options.names = order;
   options.title = "Simulated efficiency against workers";
   options.subtitle = "cfmo-train simulate: total samples/s over the sum of the workers' solo samples/s";
   options.x_label = "workers";
   options.y_label = "efficiency (%)";
   options.log2_x = true;
-  return render_svg(series, options);
+  return diverge::render_svg(series, options);
 }
 
 }  // namespace cfmo::sim

@@ -17,12 +17,12 @@ namespace {
 
 /// One simulated worker: the mode and what the trainer keeps around it.
 struct Worker {
-  std::unique_ptr<Model> model;  ///< --math only
+  std::unique_ptr<model::Model> model;  ///< --math only
   std::vector<float> batch;      ///< --math: this step's rows
-  std::unique_ptr<Mode> mode;
+  std::unique_ptr<train::Mode> mode;
   std::vector<float> params;
   std::vector<float> grads;
-  std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<optim::Optimizer> optimizer;
   double compute_s = 0;
   double loop_s = 0;
   int64_t steps = 0;
@@ -37,20 +37,20 @@ constexpr size_t kStandIn = 1;
 Sizer make_sizer(const SimulateOptions& options, int workers) {
   if (options.math) return nullptr;  // the messages carry the model's own floats
   const auto params = static_cast<size_t>(options.params);
-  const int shards = owner_count(options.settings, workers);
-  auto bounds = std::make_shared<std::vector<size_t>>(shard_bounds(params, shards));
-  const WireDtype dtype = options.settings.delta_dtype;
-  return [bounds, params, dtype, shards](Channel channel, int from, int to, uint64_t payload) -> uint64_t {
+  const int shards = train::owner_count(options.settings, workers);
+  auto bounds = std::make_shared<std::vector<size_t>>(train::shard_bounds(params, shards));
+  const comm::WireDtype dtype = options.settings.delta_dtype;
+  return [bounds, params, dtype, shards](comm::Channel channel, int from, int to, uint64_t payload) -> uint64_t {
     // Shard j is served by rank j (no rank is lost here); ranks K and up serve none.
     auto shard = [&](int j) -> size_t {
       return j < shards ? (*bounds)[static_cast<size_t>(j) + 1] - (*bounds)[static_cast<size_t>(j)] : 0;
     };
     if (channel == kCollective) return payload + (params - kStandIn) * sizeof(float);
-    if (channel == channels::kDeltaShard || channel == channels::kGradShard) {
-      return payload + encoded_size(dtype, shard(to));
+    if (channel == train::channels::kDeltaShard || channel == train::channels::kGradShard) {
+      return payload + comm::encoded_size(dtype, shard(to));
     }
     // An owner's shard: raw floats.
-    if (channel == channels::kFreshShard || channel == channels::kGather) {
+    if (channel == train::channels::kFreshShard || channel == train::channels::kGather) {
       return payload + shard(from) * sizeof(float);
     }
     return payload;
@@ -59,11 +59,11 @@ Sizer make_sizer(const SimulateOptions& options, int workers) {
 
 /// The trainer's loop (train/step_loop.cpp) on a virtual clock.
 void run_worker(Worker& w, int rank, int workers, const SimulateOptions& options, bool lockstep, Scheduler& scheduler,
-                StepTimes& times, const Dataset* train) {
-  Mode& mode = *w.mode;
+                StepTimes& times, const data::Dataset* train) {
+  train::Mode& mode = *w.mode;
   const std::span<float> params = w.model ? w.model->parameters() : std::span<float>(w.params);
   const std::span<float> grads = w.model ? w.model->gradients() : std::span<float>(w.grads);
-  TrainPosition position;
+  train::TrainPosition position;
   // Asynchronous workers stop when the budget keeper says; this bound only
   // keeps a broken protocol from running forever.
   const int64_t cap = lockstep ? options.steps : options.steps * static_cast<int64_t>(workers) * 4;
@@ -100,15 +100,15 @@ void run_worker(Worker& w, int rank, int workers, const SimulateOptions& options
 
 }  // namespace
 
-Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, int workers) {
+Result<SimulateRow> simulate_one(const SimulateOptions& options, train::ModeKind kind, int workers) {
   const auto wall_start = std::chrono::steady_clock::now();
-  const ModeEntry& entry = mode_entry(kind);
+  const train::ModeEntry& entry = train::mode_entry(kind);
   CFMO_ASSIGN_OR_RETURN(StepTimes times, StepTimes::make(options.step_times, workers));
   Scheduler scheduler;
   Network network(workers, options.network);
   SimWorld world(scheduler, network, workers, make_sizer(options, workers));
 
-  ModeSettings settings = options.settings;
+  train::ModeSettings settings = options.settings;
   settings.kind = kind;
   settings.delta_sink = nullptr;
   // No rank is lost here, so the peer timeout only bounds the modes' waits;
@@ -119,21 +119,21 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   settings.peer_timeout_s = std::max(settings.peer_timeout_s, 3600.0);
   // The asynchronous modes share the lockstep modes' budget of samples (as a real run's --steps).
   settings.sample_budget = entry.traits.asynchronous ? options.steps * options.batch * workers : 0;
-  OptimizerConfig optimizer;
-  optimizer.kind = OptimizerKind::kSgd;
+  optim::OptimizerConfig optimizer;
+  optimizer.kind = optim::OptimizerKind::kSgd;
   optimizer.momentum = 0.9;
-  std::vector<ParamInfo> layout = {{"stand-in", {static_cast<int64_t>(kStandIn)}, 0, kStandIn}};
+  std::vector<model::ParamInfo> layout = {{"stand-in", {static_cast<int64_t>(kStandIn)}, 0, kStandIn}};
   std::vector<float> initial(kStandIn, 0.0f);
-  std::optional<DataSplit> data;
-  DataShape shape;
+  std::optional<data::DataSplit> data;
+  model::DataShape shape;
   if (options.math) {
     if (workers > kMaxMathWorkers) {
       return make_error(ErrorKind::kUsage, "--math: at most {} workers ({} asked): every worker trains its model",
                         kMaxMathWorkers, workers);
     }
-    CFMO_ASSIGN_OR_RETURN(data, load_data(options.data, options.step_times.seed));
-    shape = {InputKind::kFeatures, data->train.features, data->train.classes};
-    CFMO_ASSIGN_OR_RETURN(auto first, make_model(options.model, shape));
+    CFMO_ASSIGN_OR_RETURN(data, data::load_data(options.data, options.step_times.seed));
+    shape = {model::InputKind::kFeatures, data->train.features, data->train.classes};
+    CFMO_ASSIGN_OR_RETURN(auto first, model::make_model(options.model, shape));
     first->init(options.step_times.seed);
     layout = first->params();
     initial.assign(first->parameters().begin(), first->parameters().end());
@@ -143,17 +143,17 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   for (int r = 0; r < workers; ++r) {
     Worker& w = crew[static_cast<size_t>(r)];
     if (options.math) {
-      CFMO_ASSIGN_OR_RETURN(w.model, make_model(options.model, shape));
+      CFMO_ASSIGN_OR_RETURN(w.model, model::make_model(options.model, shape));
       w.model->init(options.step_times.seed);  // the same start everywhere
       w.batch.resize(static_cast<size_t>(options.batch) * static_cast<size_t>(shape.features));
     } else {
       w.params = initial;
       w.grads.assign(kStandIn, 0.0f);
     }
-    CFMO_ASSIGN_OR_RETURN(w.optimizer, make_optimizer(optimizer, layout, initial.size()));
-    CFMO_ASSIGN_OR_RETURN(w.mode, make_mode(settings, &world.rank(r), layout, initial, optimizer));
+    CFMO_ASSIGN_OR_RETURN(w.optimizer, optim::make_optimizer(optimizer, layout, initial.size()));
+    CFMO_ASSIGN_OR_RETURN(w.mode, train::make_mode(settings, &world.rank(r), layout, initial, optimizer));
   }
-  const Dataset* train = data ? &data->train : nullptr;
+  const data::Dataset* train = data ? &data->train : nullptr;
   for (int r = 0; r < workers; ++r) {
     world.bind_fiber(r, scheduler.spawn([&, r] {
       run_worker(crew[static_cast<size_t>(r)], r, workers, options, entry.traits.lockstep, scheduler, times, train);
@@ -176,13 +176,13 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   SimulateRow row;
   row.mode = std::string(entry.name);
   row.workers = workers;
-  row.owners = entry.traits.asynchronous ? owner_count(settings, workers) : 0;
+  row.owners = entry.traits.asynchronous ? train::owner_count(settings, workers) : 0;
   double wait_sum = 0;
   double finish_sum = 0;
   double received_sum = 0;
   for (int r = 0; r < workers; ++r) {
     const Worker& w = crew[static_cast<size_t>(r)];
-    const ModeStats stats = w.mode->stats();
+    const train::ModeStats stats = w.mode->stats();
     row.steps += w.steps;
     row.samples += w.samples;
     row.virtual_s = std::max(row.virtual_s, w.loop_s);
@@ -213,10 +213,10 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind kind, 
   row.events = scheduler.events_run();
   if (data) {
     // finish left the global parameters on rank 0 (on every rank in the lockstep modes).
-    const Dataset& test = data->test;
+    const data::Dataset& test = data->test;
     std::vector<float> rows(static_cast<size_t>(test.count) * static_cast<size_t>(test.features));
     test.rows_to_float(0, test.count, rows.data());
-    const EvalResult eval =
+    const model::EvalResult eval =
         crew[0].model->evaluate({static_cast<int>(test.count), rows.data(), test.labels.data(), nullptr});
     row.test_loss = eval.loss();
     row.test_accuracy = eval.accuracy();
@@ -233,8 +233,8 @@ Result<std::vector<SimulateRow>> simulate(const SimulateOptions& options,
   CFMO_TRY(StepTimes::make(options.step_times, *std::max_element(options.workers.begin(), options.workers.end())));
   std::vector<SimulateRow> rows;
   for (int workers : options.workers) {
-    for (ModeKind kind : options.modes) {
-      if (on_start) on_start(mode_entry(kind).name, workers);
+    for (train::ModeKind kind : options.modes) {
+      if (on_start) on_start(train::mode_entry(kind).name, workers);
       CFMO_ASSIGN_OR_RETURN(auto row, simulate_one(options, kind, workers));
       rows.push_back(std::move(row));
     }

@@ -27,11 +27,11 @@ namespace cfmo::sim {
 
 struct SimulateOptions {
   std::vector<int> workers = {8};  ///< one simulation per size (a sweep)
-  std::vector<ModeKind> modes = {ModeKind::kSync};
+  std::vector<train::ModeKind> modes = {train::ModeKind::kSync};
   int64_t steps = 1000;  ///< per worker: lockstep modes take exactly these; the asynchronous ones share the budget
   int batch = 32;        ///< samples per step and worker
   int64_t params = 124'000'000;  ///< the model's parameters: what the messages carry
-  ModeSettings settings;         ///< H, beta, max staleness, the outer step, the wire dtype
+  train::ModeSettings settings;  ///< H, beta, max staleness, the outer step, the wire dtype
   StepTimeOptions step_times;
   NetworkOptions network;
   /// --math: every worker trains a real model (its parameters travel and
@@ -78,7 +78,7 @@ struct SimulateRow {
 /// The rows, by size then mode; `on_start` is told before each simulation.
 Result<std::vector<SimulateRow>> simulate(const SimulateOptions& options,
                                           const std::function<void(std::string_view mode, int workers)>& on_start = {});
-Result<SimulateRow> simulate_one(const SimulateOptions& options, ModeKind mode, int workers);
+Result<SimulateRow> simulate_one(const SimulateOptions& options, train::ModeKind mode, int workers);
 
 /// The rows as a table, as cfmo-train --compare prints.
 std::string simulate_table(const std::vector<SimulateRow>& rows);

@@ -6,7 +6,7 @@
 #include <new>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::tensor {
 
 template <typename T, size_t Alignment = 64>
 struct AlignedAllocator {
@@ -35,4 +35,4 @@ struct AlignedAllocator {
 /// A flat, 64-byte aligned float vector: parameters, gradients, optimizer state.
 using FloatBuffer = std::vector<float, AlignedAllocator<float>>;
 
-}  // namespace cfmo
+}  // namespace cfmo::tensor

@@ -2,7 +2,7 @@
 
 #include <charconv>
 
-namespace cfmo {
+namespace cfmo::tensor {
 
 std::string Device::to_string() const {
   if (kind == DeviceKind::kCpu) return "cpu";
@@ -24,4 +24,4 @@ Result<Device> parse_device(std::string_view text, std::string_view flag) {
   return make_error(ErrorKind::kUsage, "{} '{}': expected cpu, cuda or cuda:N", flag, text);
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::tensor

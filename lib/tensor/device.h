@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-namespace cfmo {
+namespace cfmo::tensor {
 
 enum class DeviceKind { kCpu, kCuda };
 
@@ -23,4 +23,4 @@ struct Device {
 /// "cpu", "cuda" (each rank its local GPU) or "cuda:N"; else kUsage naming `flag`.
 Result<Device> parse_device(std::string_view text, std::string_view flag = "--device");
 
-}  // namespace cfmo
+}  // namespace cfmo::tensor

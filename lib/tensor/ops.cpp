@@ -10,7 +10,7 @@
 #include <cstdlib>
 #include <string_view>
 
-namespace cfmo::ops {
+namespace cfmo::tensor::ops {
 namespace {
 CBLAS_TRANSPOSE to_cblas(Trans t) { return t == Trans::kYes ? CblasTrans : CblasNoTrans; }
 }  // namespace
@@ -98,4 +98,4 @@ void axpy(float alpha, std::span<const float> x, std::span<float> y) {
   for (size_t i = 0; i < x.size(); ++i) y[i] += alpha * x[i];
 }
 
-}  // namespace cfmo::ops
+}  // namespace cfmo::tensor::ops

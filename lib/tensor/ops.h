@@ -8,7 +8,7 @@
 #include <span>
 #include <string>
 
-namespace cfmo::ops {
+namespace cfmo::tensor::ops {
 
 enum class Trans : uint8_t { kNo, kYes };
 
@@ -45,4 +45,4 @@ void scale(std::span<float> x, float alpha);
 /// y += alpha * x.
 void axpy(float alpha, std::span<const float> x, std::span<float> y);
 
-}  // namespace cfmo::ops
+}  // namespace cfmo::tensor::ops

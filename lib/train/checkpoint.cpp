@@ -14,7 +14,7 @@
 #include <climits>
 #include <cmath>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace fs = std::filesystem;
 namespace {
 
@@ -22,10 +22,12 @@ constexpr int kStateVersion = 1;
 
 /// The file of rank K's own inner optimizer state (K >= 1).
 std::string rank_optimizer_file(int rank) { return fmt::format("optimizer-rank-{}.safetensors", rank); }
+/// The file of rank K's error feedback.
+std::string wire_residual_file(int rank) { return fmt::format("wire-rank-{}.safetensors", rank); }
 
 /// Reads an optimizer state file of this model into `optimizer`'s buffers.
-Status read_optimizer_state(const fs::path& file, const Model& model, Optimizer& optimizer) {
-  CFMO_ASSIGN_OR_RETURN(auto state_file, SafetensorsFile::read(file));
+Status read_optimizer_state(const fs::path& file, const model::Model& model, optim::Optimizer& optimizer) {
+  CFMO_ASSIGN_OR_RETURN(auto state_file, ckpt::SafetensorsFile::read(file));
   for (const auto& s : optimizer.state()) {
     for (const auto& p : model.params()) {
       CFMO_TRY(
@@ -83,15 +85,15 @@ void prune_checkpoints(const fs::path& root, int64_t current, int keep) {
 
 }  // namespace
 
-Status save_model(const fs::path& path, const Model& model, const std::map<std::string, std::string>& metadata) {
-  std::vector<TensorRef> tensors;
+Status save_model(const fs::path& path, const model::Model& model, const std::map<std::string, std::string>& metadata) {
+  std::vector<ckpt::TensorRef> tensors;
   for (const auto& p : model.params()) {
     tensors.push_back({p.name, "F32", p.shape, as_bytes(model.parameters().data() + p.offset, p.size)});
   }
-  return write_safetensors(path, tensors, metadata);
+  return ckpt::write_safetensors(path, tensors, metadata);
 }
 
-CheckpointData checkpoint_data(const Model& model, Optimizer& optimizer, const TrainPosition& position) {
+CheckpointData checkpoint_data(const model::Model& model, optim::Optimizer& optimizer, const TrainPosition& position) {
   CheckpointData data;
   data.position = position;
   data.params.assign(model.parameters().begin(), model.parameters().end());
@@ -133,7 +135,7 @@ Status put_in_place(const fs::path& temp_dir, const fs::path& final_dir) {
 }  // namespace
 
 Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& model_spec,
-                                  const std::vector<ParamInfo>& layout, const CheckpointData& data,
+                                  const std::vector<model::ParamInfo>& layout, const CheckpointData& data,
                                   const std::string& config_toml, int keep) {
   const fs::path root = run_dir / "checkpoints";
   std::error_code ec;
@@ -158,7 +160,7 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
   } remove_temp{temp_dir};
 
   auto tensors_of = [&](std::span<const float> flat, const std::string& suffix) {
-    std::vector<TensorRef> tensors;
+    std::vector<ckpt::TensorRef> tensors;
     for (const auto& p : layout) {
       tensors.push_back({p.name + suffix, "F32", p.shape, as_bytes(flat.data() + p.offset, p.size)});
     }
@@ -166,16 +168,17 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
   };
   const std::map<std::string, std::string> model_meta = {
       {"format", "pt"}, {"cfmo.model", model_spec}, {"cfmo.step", std::to_string(position.step)}};
-  CFMO_TRY(write_safetensors(temp_dir / "model.safetensors", tensors_of(data.params, ""), model_meta));
+  CFMO_TRY(ckpt::write_safetensors(temp_dir / "model.safetensors", tensors_of(data.params, ""), model_meta));
 
   const std::map<std::string, std::string> optim_meta = {
       {"cfmo.optimizer", data.optimizer_name}, {"cfmo.optimizer_steps", std::to_string(data.optimizer_steps)}};
-  auto write_optimizer = [&](const std::string& file, const std::vector<std::pair<std::string, FloatBuffer>>& state) {
-    std::vector<TensorRef> state_tensors;
+  auto write_optimizer = [&](const std::string& file,
+                             const std::vector<std::pair<std::string, tensor::FloatBuffer>>& state) {
+    std::vector<ckpt::TensorRef> state_tensors;
     for (const auto& [state_name, buffer] : state) {
       for (auto& t : tensors_of(buffer, "." + state_name)) state_tensors.push_back(std::move(t));
     }
-    return write_safetensors(temp_dir / file, state_tensors, optim_meta);
+    return ckpt::write_safetensors(temp_dir / file, state_tensors, optim_meta);
   };
   CFMO_TRY(write_optimizer("optimizer.safetensors", data.optimizer_state));
   nlohmann::ordered_json rank_files = nlohmann::ordered_json::array();
@@ -184,8 +187,19 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
     CFMO_TRY(write_optimizer(rank_files.back().get<std::string>(), data.rank_optimizer_state[k]));
   }
   if (!data.outer_momentum.empty()) {
-    CFMO_TRY(write_safetensors(temp_dir / "outer.safetensors", tensors_of(data.outer_momentum, ".outer_momentum"),
-                               {{"cfmo.state", "outer_momentum"}}));
+    auto tensors = tensors_of(data.outer_momentum, ".outer_momentum");
+    if (data.outer_round_sum.size() == data.outer_momentum.size()) {
+      auto sums = tensors_of(data.outer_round_sum, ".outer_round_sum");
+      tensors.insert(tensors.end(), sums.begin(), sums.end());
+    }
+    CFMO_TRY(ckpt::write_safetensors(temp_dir / "outer.safetensors", tensors, {{"cfmo.state", "outer_momentum"}}));
+  }
+  nlohmann::ordered_json residual_files = nlohmann::ordered_json::array();
+  for (size_t k = 0; k < data.wire_residuals.size(); ++k) {
+    residual_files.push_back(wire_residual_file(static_cast<int>(k)));
+    CFMO_TRY(ckpt::write_safetensors(temp_dir / residual_files.back().get<std::string>(),
+                               tensors_of(data.wire_residuals[k], ".wire_residual"),
+                               {{"cfmo.state", "wire_residual"}}));
   }
 
   nlohmann::ordered_json state = {{"format", "cfmo-checkpoint"},
@@ -207,8 +221,16 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
     state["ranks"] = ranks;
   }
   if (!data.world.shard_optimizer_steps.empty()) state["shard_optimizer_steps"] = data.world.shard_optimizer_steps;
+  if (!data.world.shard_versions.empty()) state["shard_versions"] = data.world.shard_versions;
   if (!data.outer_momentum.empty()) state["outer"] = "outer.safetensors";
-  if (!rank_files.empty()) state["rank_optimizers"] = rank_files;
+  if (!data.outer_momentum.empty() && data.outer_round_sum.size() == data.outer_momentum.size()) {
+    state["outer_in_round"] = data.world.outer_in_round;
+  }
+  if (!rank_files.empty()) {
+    state["rank_optimizers"] = rank_files;
+    if (!data.world.rank_optimizer_steps.empty()) state["rank_optimizer_steps"] = data.world.rank_optimizer_steps;
+  }
+  if (!residual_files.empty()) state["wire_residuals"] = residual_files;
   CFMO_TRY(write_file_atomic(temp_dir / "state.json", state.dump(2) + "\n"));
   CFMO_TRY(write_file_atomic(temp_dir / "config.toml", config_toml));
   CFMO_TRY(fsync_directory(temp_dir));
@@ -221,13 +243,13 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
   return final_dir;
 }
 
-Result<fs::path> save_checkpoint(const fs::path& run_dir, const Model& model, Optimizer& optimizer,
+Result<fs::path> save_checkpoint(const fs::path& run_dir, const model::Model& model, optim::Optimizer& optimizer,
                                  const TrainPosition& position, const std::string& config_toml, int keep) {
   return write_checkpoint(run_dir, model.spec_string(), model.params(), checkpoint_data(model, optimizer, position),
                           config_toml, keep);
 }
 
-CheckpointWriter::CheckpointWriter(fs::path run_dir, std::string model_spec, std::vector<ParamInfo> layout,
+CheckpointWriter::CheckpointWriter(fs::path run_dir, std::string model_spec, std::vector<model::ParamInfo> layout,
                                    std::string config_toml, int keep)
     : run_dir_(std::move(run_dir)),
       spec_(std::move(model_spec)),
@@ -309,8 +331,8 @@ bool negative(const TrainPosition& p) { return p.step < 0 || p.epoch < 0 || p.ba
 
 }  // namespace
 
-Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimizer& optimizer, CheckpointWorld* world,
-                                      FloatBuffer* outer_momentum) {
+Result<TrainPosition> load_checkpoint(const fs::path& dir, model::Model& model, optim::Optimizer& optimizer, CheckpointWorld* world,
+                                      tensor::FloatBuffer* outer_momentum, tensor::FloatBuffer* outer_round_sum) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
   TrainPosition position;
@@ -338,6 +360,18 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
     if (state.contains("shard_optimizer_steps")) {
       recorded.shard_optimizer_steps = state.at("shard_optimizer_steps").get<std::vector<int64_t>>();
     }
+    recorded.shard_versions = state.value("shard_versions", std::vector<int64_t>());
+    recorded.outer_in_round = state.value("outer_in_round", std::vector<int64_t>());
+    recorded.rank_optimizer_steps = state.value("rank_optimizer_steps", std::vector<int64_t>());
+    if (state.contains("wire_residuals")) {
+      const auto files = state.at("wire_residuals").get<std::vector<std::string>>();
+      bool named = files.size() == static_cast<size_t>(recorded.workers);
+      for (size_t k = 0; named && k < files.size(); ++k) named = files[k] == wire_residual_file(static_cast<int>(k));
+      if (!named) {
+        return make_error(ErrorKind::kInput, "'{}': wire_residuals does not name wire-rank-0 to -{} of {} workers",
+                          state_path.string(), recorded.workers - 1, recorded.workers);
+      }
+    }
     outer_file = state.value("outer", std::string());
     if (state.contains("rank_optimizers")) {
       const auto files = state.at("rank_optimizers").get<std::vector<std::string>>();
@@ -354,15 +388,27 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
     return make_error(ErrorKind::kInput, "'{}': {}", state_path.string(), e.what());
   }
   bool bad_ranks = std::any_of(recorded.ranks.begin(), recorded.ranks.end(), negative);
-  for (int64_t s : recorded.shard_optimizer_steps) bad_ranks = bad_ranks || s < 0;
+  for (const auto* counts : {&recorded.shard_optimizer_steps, &recorded.shard_versions, &recorded.outer_in_round,
+                             &recorded.rank_optimizer_steps}) {
+    for (int64_t s : *counts) bad_ranks = bad_ranks || s < 0;
+  }
   if (negative(position) || bad_ranks) {
     return make_error(ErrorKind::kInput, "'{}': negative counters", state_path.string());
   }
   if (recorded.workers < 1 || recorded.batch_size < 0 ||
       (!recorded.ranks.empty() && recorded.ranks.size() != static_cast<size_t>(recorded.workers)) ||
       (!recorded.shard_optimizer_steps.empty() &&
-       recorded.shard_optimizer_steps.size() != static_cast<size_t>(recorded.workers))) {
-    return make_error(ErrorKind::kInput, "'{}': workers, ranks and shard_optimizer_steps disagree",
+       recorded.shard_optimizer_steps.size() != static_cast<size_t>(recorded.workers)) ||
+      // Per shard: K of them (--owners), at most one per worker, the same K for both.
+      recorded.shard_versions.size() > static_cast<size_t>(recorded.workers) ||
+      recorded.outer_in_round.size() > static_cast<size_t>(recorded.workers) ||
+      (!recorded.shard_versions.empty() && !recorded.outer_in_round.empty() &&
+       recorded.shard_versions.size() != recorded.outer_in_round.size()) ||
+      (!recorded.rank_optimizer_steps.empty() &&
+       recorded.rank_optimizer_steps.size() != static_cast<size_t>(recorded.workers))) {
+    return make_error(ErrorKind::kInput,
+                      "'{}': workers, ranks, shard_optimizer_steps, shard_versions, outer_in_round and "
+                      "rank_optimizer_steps disagree",
                       state_path.string());
   }
   if (!outer_file.empty() && outer_file != "outer.safetensors") {
@@ -374,7 +420,7 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
                       optimizer_name, optimizer.name());
   }
 
-  CFMO_ASSIGN_OR_RETURN(auto params, SafetensorsFile::read(dir / "model.safetensors"));
+  CFMO_ASSIGN_OR_RETURN(auto params, ckpt::SafetensorsFile::read(dir / "model.safetensors"));
   for (const auto& p : model.params()) {
     CFMO_TRY(params.read_f32(p.name, p.shape, model.parameters().subspan(p.offset, p.size)));
   }
@@ -388,11 +434,19 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
   if (outer_momentum != nullptr) {
     outer_momentum->clear();
     if (!outer_file.empty()) {
-      CFMO_ASSIGN_OR_RETURN(auto outer, SafetensorsFile::read(dir / outer_file));
+      CFMO_ASSIGN_OR_RETURN(auto outer, ckpt::SafetensorsFile::read(dir / outer_file));
       outer_momentum->assign(model.num_params(), 0.0f);
       for (const auto& p : model.params()) {
         CFMO_TRY(outer.read_f32(p.name + ".outer_momentum", p.shape,
                                 std::span<float>(*outer_momentum).subspan(p.offset, p.size)));
+      }
+      // The owners' pending rounds, where state.json counts them.
+      if (outer_round_sum != nullptr && !recorded.outer_in_round.empty()) {
+        outer_round_sum->assign(model.num_params(), 0.0f);
+        for (const auto& p : model.params()) {
+          CFMO_TRY(outer.read_f32(p.name + ".outer_round_sum", p.shape,
+                                  std::span<float>(*outer_round_sum).subspan(p.offset, p.size)));
+        }
       }
     }
   }
@@ -400,20 +454,46 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, Model& model, Optimiz
   return position;
 }
 
-Result<bool> load_rank_optimizer(const fs::path& dir, const Model& model, Optimizer& optimizer, int rank) {
+Result<bool> load_rank_optimizer(const fs::path& dir, const model::Model& model, optim::Optimizer& optimizer,
+                                 int rank) {
+  const fs::path state_path = dir / "state.json";
+  CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
+  size_t files = 0;
+  std::vector<int64_t> steps;
+  try {
+    const auto state = nlohmann::json::parse(text);
+    if (state.contains("rank_optimizers")) files = state.at("rank_optimizers").size();
+    steps = state.value("rank_optimizer_steps", std::vector<int64_t>());
+  } catch (const nlohmann::json::exception& e) {
+    return make_error(ErrorKind::kInput, "'{}': {}", state_path.string(), e.what());
+  }
+  // load_checkpoint checked the names and counts; rank 0's state is optimizer.safetensors.
+  if (rank < 1 || static_cast<size_t>(rank) > files) return false;
+  CFMO_TRY(read_optimizer_state(dir / rank_optimizer_file(rank), model, optimizer));
+  // Ranks whose batch was empty at an epoch's end did not step: their counts differ.
+  if (static_cast<size_t>(rank) < steps.size()) optimizer.set_step_count(steps[static_cast<size_t>(rank)]);
+  return true;
+}
+
+Result<tensor::FloatBuffer> load_wire_residual(const fs::path& dir, const model::Model& model, int rank) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
   size_t files = 0;
   try {
     const auto state = nlohmann::json::parse(text);
-    if (state.contains("rank_optimizers")) files = state.at("rank_optimizers").size();
+    if (state.contains("wire_residuals")) files = state.at("wire_residuals").size();
   } catch (const nlohmann::json::exception& e) {
     return make_error(ErrorKind::kInput, "'{}': {}", state_path.string(), e.what());
   }
-  // load_checkpoint checked the names; rank 0's state is optimizer.safetensors.
-  if (rank < 1 || static_cast<size_t>(rank) > files) return false;
-  CFMO_TRY(read_optimizer_state(dir / rank_optimizer_file(rank), model, optimizer));
-  return true;
+  tensor::FloatBuffer out;
+  if (rank < 0 || static_cast<size_t>(rank) >= files) return out;
+  // load_checkpoint checked the names.
+  CFMO_ASSIGN_OR_RETURN(auto file, ckpt::SafetensorsFile::read(dir / wire_residual_file(rank)));
+  out.assign(model.num_params(), 0.0f);
+  for (const auto& p : model.params()) {
+    CFMO_TRY(file.read_f32(p.name + ".wire_residual", p.shape, std::span<float>(out).subspan(p.offset, p.size)));
+  }
+  return out;
 }
 
 Status check_positions(const fs::path& dir, const TrainPosition& position, const CheckpointWorld& world,
@@ -478,4 +558,4 @@ TrainPosition resume_position(TrainPosition position, int64_t batches_per_epoch)
   return position;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

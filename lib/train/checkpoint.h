@@ -5,7 +5,8 @@
 ///   RUN/checkpoints/step-00001234/optimizer.safetensors  state, "<param>.<state>" per tensor
 ///   RUN/checkpoints/step-00001234/state.json             step, epoch, data position, counters, workers
 ///   RUN/checkpoints/step-00001234/outer.safetensors      outer momentum, "<param>.outer_momentum" (if any)
-///   RUN/checkpoints/step-00001234/optimizer-rank-K.safetensors  localsgd: rank K's own inner state (K >= 1)
+///   RUN/checkpoints/step-00001234/optimizer-rank-K.safetensors  localsgd, cfmo: rank K's own inner state (K >= 1)
+///   RUN/checkpoints/step-00001234/wire-rank-K.safetensors       cfmo --deterministic: rank K's error feedback
 ///   RUN/checkpoints/step-00001234/config.toml            the merged configuration
 ///   RUN/checkpoints/latest                               name of the newest complete checkpoint
 ///
@@ -29,7 +30,7 @@
 #include <utility>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 /// Where a run is: enough to continue it exactly.
 struct TrainPosition {
@@ -48,35 +49,42 @@ struct CheckpointWorld {
   int batch_size = 0;                          ///< 0: not recorded
   std::vector<TrainPosition> ranks;            ///< cfmo, asgd: each rank's; empty: every rank at the position
   std::vector<int64_t> shard_optimizer_steps;  ///< asgd: each owner's optimizer steps
+  std::vector<int64_t> shard_versions;         ///< cfmo, asgd: each shard's version (the staleness counters)
+  std::vector<int64_t> outer_in_round;         ///< cfmo with nesterov: each owner's pending round's contributions
+  std::vector<int64_t> rank_optimizer_steps;   ///< with per-rank optimizer state: each rank's optimizer steps
 };
 
 /// A checkpoint to write, with copies of everything, flat in the model's layout.
 struct CheckpointData {
   TrainPosition position;
   CheckpointWorld world;
-  FloatBuffer params;
+  tensor::FloatBuffer params;
   std::string optimizer_name;
   int64_t optimizer_steps = 0;
-  std::vector<std::pair<std::string, FloatBuffer>> optimizer_state;
-  FloatBuffer outer_momentum;  ///< empty: none
+  std::vector<std::pair<std::string, tensor::FloatBuffer>> optimizer_state;
+  tensor::FloatBuffer outer_momentum;   ///< empty: none
+  tensor::FloatBuffer outer_round_sum;  ///< cfmo: the owners' pending rounds' weighted sums; empty: none
   /// Ranks 1 to W-1's own inner optimizer state (rank 0's is
   /// optimizer_state), where the ranks' optimizers drift apart between
   /// rounds (localsgd); empty: every rank resumes with rank 0's.
-  std::vector<std::vector<std::pair<std::string, FloatBuffer>>> rank_optimizer_state;
+  std::vector<std::vector<std::pair<std::string, tensor::FloatBuffer>>> rank_optimizer_state;
+  /// Every rank's error feedback of a lossy --delta-dtype (cfmo
+  /// --deterministic), rank 0 first; empty: none.
+  std::vector<tensor::FloatBuffer> wire_residuals;
 };
 
 /// Copies the model's parameters and the optimizer's state.
-CheckpointData checkpoint_data(const Model& model, Optimizer& optimizer, const TrainPosition& position);
+CheckpointData checkpoint_data(const model::Model& model, optim::Optimizer& optimizer, const TrainPosition& position);
 
 /// Writes a checkpoint of a model of this spec ("mlp:256,128") and layout and
 /// keeps only the newest `keep`; returns its directory.
 Result<std::filesystem::path> write_checkpoint(const std::filesystem::path& run_dir, const std::string& model_spec,
-                                               const std::vector<ParamInfo>& layout, const CheckpointData& data,
+                                               const std::vector<model::ParamInfo>& layout, const CheckpointData& data,
                                                const std::string& config_toml, int keep);
 
 /// Writes a checkpoint of one worker's model and optimizer (write_checkpoint of checkpoint_data).
-Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_dir, const Model& model,
-                                              Optimizer& optimizer, const TrainPosition& position,
+Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_dir, const model::Model& model,
+                                              optim::Optimizer& optimizer, const TrainPosition& position,
                                               const std::string& config_toml, int keep);
 
 /// Writes checkpoints on a thread of its own, one at a time, so that the
@@ -84,7 +92,7 @@ Result<std::filesystem::path> save_checkpoint(const std::filesystem::path& run_d
 /// more waits; a newer one replaces it (the replaced one counts as skipped).
 class CheckpointWriter {
  public:
-  CheckpointWriter(std::filesystem::path run_dir, std::string model_spec, std::vector<ParamInfo> layout,
+  CheckpointWriter(std::filesystem::path run_dir, std::string model_spec, std::vector<model::ParamInfo> layout,
                    std::string config_toml, int keep);
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -107,7 +115,7 @@ class CheckpointWriter {
 
   const std::filesystem::path run_dir_;
   const std::string spec_;
-  const std::vector<ParamInfo> layout_;
+  const std::vector<model::ParamInfo> layout_;
   const std::string config_toml_;
   const int keep_;
   std::atomic<int64_t> last_step_{-1};
@@ -117,7 +125,7 @@ class CheckpointWriter {
 };
 
 /// Writes the parameters alone as a safetensors file (the run's final model).
-Status save_model(const std::filesystem::path& path, const Model& model,
+Status save_model(const std::filesystem::path& path, const model::Model& model,
                   const std::map<std::string, std::string>& metadata);
 
 /// `path` is a checkpoint directory or a run directory (its latest checkpoint);
@@ -136,15 +144,21 @@ Result<DirLock> lock_run_dir(const std::filesystem::path& run_dir);
 /// optimizer's name must match; errors name the file and tensor. `world` and
 /// `outer_momentum` (the model's layout; left empty when the checkpoint has
 /// none), when given, receive the rest.
-Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, Model& model, Optimizer& optimizer,
-                                      CheckpointWorld* world = nullptr, FloatBuffer* outer_momentum = nullptr);
+Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, model::Model& model, optim::Optimizer& optimizer,
+                                      CheckpointWorld* world = nullptr, tensor::FloatBuffer* outer_momentum = nullptr,
+                                      tensor::FloatBuffer* outer_round_sum = nullptr);
 
 /// Rank `rank`'s own inner optimizer state, where the checkpoint holds one
-/// for it (state.json's rank_optimizers, written by localsgd runs of several
-/// workers): true when it was read into `optimizer`, false when there is
-/// none (rank 0, or an older checkpoint). Errors name the file and tensor.
-Result<bool> load_rank_optimizer(const std::filesystem::path& checkpoint_dir, const Model& model, Optimizer& optimizer,
+/// for it (state.json's rank_optimizers, written by localsgd and cfmo runs of
+/// several workers), with its step count where rank_optimizer_steps has it:
+/// true when it was read into `optimizer`, false when there is none (rank 0,
+/// or an older checkpoint). Errors name the file and tensor.
+Result<bool> load_rank_optimizer(const std::filesystem::path& checkpoint_dir, const model::Model& model, optim::Optimizer& optimizer,
                                  int rank);
+
+/// Rank `rank`'s error feedback (state.json's wire_residuals) over the
+/// model's whole vector; empty where the checkpoint has none for it.
+Result<tensor::FloatBuffer> load_wire_residual(const std::filesystem::path& checkpoint_dir, const model::Model& model, int rank);
 
 /// A loaded checkpoint's positions (`position` and each of `world.ranks`)
 /// against the data they index: `examples` training examples cut into
@@ -162,4 +176,4 @@ Status check_positions(const std::filesystem::path& checkpoint_dir, const TrainP
 /// start of the next, where the training loop would have turned to it.
 TrainPosition resume_position(TrainPosition position, int64_t batches_per_epoch);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

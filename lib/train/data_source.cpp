@@ -5,20 +5,22 @@
 
 #include <algorithm>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 class ImageSource final : public DataSource {
  public:
-  explicit ImageSource(DataSplit split) : split_(std::move(split)) {}
+  explicit ImageSource(data::DataSplit split) : split_(std::move(split)) {}
 
   std::string description() const override { return split_.source; }
-  DataShape shape() const override { return {InputKind::kFeatures, split_.train.features, split_.train.classes}; }
+  model::DataShape shape() const override {
+    return {model::InputKind::kFeatures, split_.train.features, split_.train.classes};
+  }
   int64_t train_examples() const override { return split_.train.count; }
   bool indexed() const override { return true; }
 
-  Examples train_batch(const BatchRequest& request) override {
-    const Dataset& train = split_.train;
+  model::Examples train_batch(const BatchRequest& request) override {
+    const data::Dataset& train = split_.train;
     const auto features = static_cast<size_t>(train.features);
     const size_t n = request.indices.size();
     inputs_.resize(n * features);
@@ -30,10 +32,11 @@ class ImageSource final : public DataSource {
     return {static_cast<int>(n), inputs_.data(), labels_.data(), nullptr};
   }
 
-  void for_each_eval_batch(int chunk, const std::function<void(const Examples&)>& f) override {
+  void for_each_eval_batch(int chunk, const std::function<void(const model::Examples&)>& f) override {
     // Converted to floats a chunk at a time, so the set itself stays in bytes.
-    const Dataset& test = split_.test;
-    FloatBuffer floats(static_cast<size_t>(std::min<int64_t>(chunk, test.count)) * static_cast<size_t>(test.features));
+    const data::Dataset& test = split_.test;
+    tensor::FloatBuffer floats(static_cast<size_t>(std::min<int64_t>(chunk, test.count)) *
+                               static_cast<size_t>(test.features));
     for (int64_t first = 0; first < test.count; first += chunk) {
       const int64_t n = std::min<int64_t>(chunk, test.count - first);
       test.rows_to_float(first, n, floats.data());
@@ -41,11 +44,11 @@ class ImageSource final : public DataSource {
     }
   }
 
-  const DataSplit* images() const override { return &split_; }
+  const data::DataSplit* images() const override { return &split_; }
 
  private:
-  DataSplit split_;
-  FloatBuffer inputs_;
+  data::DataSplit split_;
+  tensor::FloatBuffer inputs_;
   std::vector<int32_t> labels_;
 };
 
@@ -53,28 +56,28 @@ class ImageSource final : public DataSource {
 /// own part of the tokens), evaluation over the exact validation windows.
 class TokenSource final : public DataSource {
  public:
-  TokenSource(TokenSplit split, WindowSampler sampler)
+  TokenSource(data::TokenSplit split, data::WindowSampler sampler)
       : split_(std::move(split)), sampler_(sampler), context_(sampler.context()) {}
 
   std::string description() const override { return split_.source; }
-  DataShape shape() const override { return {InputKind::kTokens, 0, split_.vocab_size}; }
+  model::DataShape shape() const override { return {model::InputKind::kTokens, 0, split_.vocab_size}; }
   int64_t train_examples() const override { return std::max<int64_t>(1, split_.train.size() / context_); }
   bool indexed() const override { return false; }
 
-  Examples train_batch(const BatchRequest& request) override {
+  model::Examples train_batch(const BatchRequest& request) override {
     windows_.resize(static_cast<size_t>(request.count) * static_cast<size_t>(context_ + 1));
     sampler_.fill(split_.train, request.step, request.count, windows_.data());
     return {request.count, nullptr, nullptr, windows_.data()};
   }
 
-  void for_each_eval_batch(int chunk, const std::function<void(const Examples&)>& f) override {
-    const int64_t count = val_window_count(split_.val.size(), context_);
+  void for_each_eval_batch(int chunk, const std::function<void(const model::Examples&)>& f) override {
+    const int64_t count = data::val_window_count(split_.val.size(), context_);
     const auto width = static_cast<size_t>(context_ + 1);
     std::vector<int32_t> windows(static_cast<size_t>(std::min<int64_t>(chunk, count)) * width);
     for (int64_t first = 0; first < count; first += chunk) {
       const int n = static_cast<int>(std::min<int64_t>(chunk, count - first));
       for (int i = 0; i < n; ++i) {
-        split_.val.copy(val_window_start(first + i, context_), context_ + 1,
+        split_.val.copy(data::val_window_start(first + i, context_), context_ + 1,
                         windows.data() + static_cast<size_t>(i) * width);
       }
       f({n, nullptr, nullptr, windows.data()});
@@ -82,41 +85,42 @@ class TokenSource final : public DataSource {
   }
 
  private:
-  TokenSplit split_;
-  WindowSampler sampler_;
+  data::TokenSplit split_;
+  data::WindowSampler sampler_;
   int context_;
   std::vector<int32_t> windows_;
 };
 
 }  // namespace
 
-std::unique_ptr<DataSource> make_image_source(DataSplit split) {
+std::unique_ptr<DataSource> make_image_source(data::DataSplit split) {
   return std::make_unique<ImageSource>(std::move(split));
 }
 
 Result<std::unique_ptr<DataSource>> load_data_source(const TrainConfig& config, int rank, int world, int context) {
-  if (is_token_spec(config.data)) {
+  if (data::is_token_spec(config.data)) {
     if (context <= 0) {
       return make_error(ErrorKind::kUsage, "--data '{}' is token data: train it with --model gpt:...", config.data);
     }
-    TokenDataOptions options;
+    data::TokenDataOptions options;
     options.spec = config.data;
     options.val_spec = config.val_data;
     options.val_split = config.val_split;
     options.vocab_size = config.vocab_size;
     options.context = context;
     options.val_tokens = config.val_tokens;
-    CFMO_ASSIGN_OR_RETURN(TokenSplit split, load_tokens(options));
-    CFMO_ASSIGN_OR_RETURN(WindowSampler sampler, WindowSampler::make(split.train.size(), context, rank, world,
-                                                                     static_cast<uint64_t>(config.seed)));
+    CFMO_ASSIGN_OR_RETURN(data::TokenSplit split, data::load_tokens(options));
+    CFMO_ASSIGN_OR_RETURN(
+        data::WindowSampler sampler,
+        data::WindowSampler::make(split.train.size(), context, rank, world, static_cast<uint64_t>(config.seed)));
     return std::unique_ptr<DataSource>(std::make_unique<TokenSource>(std::move(split), sampler));
   }
   if (!config.val_data.empty()) {
     return make_error(ErrorKind::kUsage, "--val-data '{}': only token data (text:, tokens:) has separate validation",
                       config.val_data);
   }
-  CFMO_ASSIGN_OR_RETURN(DataSplit split, load_data(config.data, static_cast<uint64_t>(config.seed)));
+  CFMO_ASSIGN_OR_RETURN(data::DataSplit split, data::load_data(config.data, static_cast<uint64_t>(config.seed)));
   return make_image_source(std::move(split));
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

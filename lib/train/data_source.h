@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 struct TrainConfig;
 
@@ -33,7 +33,7 @@ class DataSource {
   virtual ~DataSource() = default;
   /// For the summary: the directory read, "synthetic", "text: 431 files".
   virtual std::string description() const = 0;
-  virtual DataShape shape() const = 0;
+  virtual model::DataShape shape() const = 0;
   /// Examples in one epoch of the training data (for token data, its training
   /// tokens over the context: one pass over them in windows).
   virtual int64_t train_examples() const = 0;
@@ -41,19 +41,19 @@ class DataSource {
   /// source draws them from the step.
   virtual bool indexed() const = 0;
   /// The request's examples, copied into the source's scratch (valid until the next call).
-  virtual Examples train_batch(const BatchRequest& request) = 0;
+  virtual model::Examples train_batch(const BatchRequest& request) = 0;
   /// Calls `f` with the evaluation examples, at most `chunk` at a time.
-  virtual void for_each_eval_batch(int chunk, const std::function<void(const Examples&)>& f) = 0;
+  virtual void for_each_eval_batch(int chunk, const std::function<void(const model::Examples&)>& f) = 0;
   /// The image split, for an engine that uploads it whole (CUDA); null for token data.
-  virtual const DataSplit* images() const { return nullptr; }
+  virtual const data::DataSplit* images() const { return nullptr; }
 };
 
 /// An image set in memory (Fashion-MNIST, synthetic), as DataSource.
-std::unique_ptr<DataSource> make_image_source(DataSplit split);
+std::unique_ptr<DataSource> make_image_source(data::DataSplit split);
 
 /// The data `config` names, for worker `rank` of `world` (token windows come
 /// from each worker's own part of the training tokens); `context` is the
 /// model's, for token data (0 before the model is known).
 Result<std::unique_ptr<DataSource>> load_data_source(const TrainConfig& config, int rank, int world, int context);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -14,13 +14,13 @@
 #include <span>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 class DeltaWriter {
  public:
   /// Rounds are written as `round_offset` + the mode's round number (a resumed
   /// run continues after last_round(), rather than overwrite its deltas).
-  DeltaWriter(std::filesystem::path run_dir, int rank, std::vector<ParamInfo> layout, int64_t round_offset = 0);
+  DeltaWriter(std::filesystem::path run_dir, int rank, std::vector<model::ParamInfo> layout, int64_t round_offset = 0);
   /// The highest round with a delta of `rank` in the run directory, or 0.
   static int64_t last_round(const std::filesystem::path& run_dir, int rank);
   DeltaWriter(const DeltaWriter&) = delete;
@@ -44,17 +44,17 @@ class DeltaWriter {
     int64_t round = 0;
     int64_t step = 0;
     int64_t base_version = 0;
-    FloatBuffer base;
-    FloatBuffer delta;
+    tensor::FloatBuffer base;
+    tensor::FloatBuffer delta;
   };
   Status write(Job& job);
 
   const std::filesystem::path run_dir_;
   const std::filesystem::path dir_;  ///< RUN/deltas/rank-K, as ckpt/cfd.h's delta_path names it
   const int rank_;
-  const std::vector<ParamInfo> layout_;
+  const std::vector<model::ParamInfo> layout_;
   const int64_t round_offset_;
   BackgroundWriter<Job> writer_;  ///< last: its thread starts after, and stops before, the members it uses
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::train

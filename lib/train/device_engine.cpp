@@ -14,15 +14,16 @@
 #include <algorithm>
 #include <utility>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 /// The model and optimizer in host memory, OpenBLAS for the GEMMs.
 class CpuEngine final : public DeviceEngine {
  public:
-  CpuEngine(Model& model, Optimizer& optimizer, DataSource& data) : model_(model), optimizer_(optimizer), data_(data) {}
+  CpuEngine(model::Model& model, optim::Optimizer& optimizer, DataSource& data)
+      : model_(model), optimizer_(optimizer), data_(data) {}
 
-  std::string description() const override { return "cpu (" + ops::blas_info() + ")"; }
+  std::string description() const override { return "cpu (" + tensor::ops::blas_info() + ")"; }
   bool host_resident() const override { return true; }
 
   Result<float> forward_backward(const BatchRequest& request) override {
@@ -37,7 +38,7 @@ class CpuEngine final : public DeviceEngine {
   Result<std::span<float>> host_gradients() override { return model_.gradients(); }
   Status gradients_changed() override { return {}; }
   Status clip_gradients(double max_norm) override {
-    clip_grad_norm(model_.gradients(), max_norm);
+    optim::clip_grad_norm(model_.gradients(), max_norm);
     return {};
   }
   Status step(float lr) override {
@@ -46,22 +47,22 @@ class CpuEngine final : public DeviceEngine {
   }
   Result<std::span<float>> host_parameters() override { return model_.parameters(); }
   Status parameters_changed() override { return {}; }
-  Optimizer& mode_optimizer() override { return optimizer_; }
-  Result<Optimizer*> host_optimizer() override { return &optimizer_; }
+  optim::Optimizer& mode_optimizer() override { return optimizer_; }
+  Result<optim::Optimizer*> host_optimizer() override { return &optimizer_; }
   Status optimizer_changed() override { return {}; }
 
-  Result<EvalResult> evaluate() override {
+  Result<model::EvalResult> evaluate() override {
     // Token windows are large (context x vocabulary logits each): a few at a time.
     const int chunk = model_.context() > 0 ? 8 : 1000;
-    EvalResult total;
-    data_.for_each_eval_batch(chunk, [&](const Examples& batch) { total.add(model_.evaluate(batch)); });
+    model::EvalResult total;
+    data_.for_each_eval_batch(chunk, [&](const model::Examples& batch) { total.add(model_.evaluate(batch)); });
     CFMO_TRY(model_.take_status());
     return total;
   }
 
  private:
-  Model& model_;
-  Optimizer& optimizer_;
+  model::Model& model_;
+  optim::Optimizer& optimizer_;
   DataSource& data_;
 };
 
@@ -69,20 +70,20 @@ class CpuEngine final : public DeviceEngine {
 
 /// What the modes see of an optimizer whose state is on the device: the
 /// momentum discount runs there; the state buffers are the host mirror's.
-class DeviceOptimizerView final : public Optimizer {
+class DeviceOptimizerView final : public optim::Optimizer {
  public:
-  DeviceOptimizerView(Optimizer& host, cuda::CudaOptimizer& device) : host_(host), device_(device) {}
+  DeviceOptimizerView(optim::Optimizer& host, cuda::CudaOptimizer& device) : host_(host), device_(device) {}
   std::string_view name() const override { return host_.name(); }
   void step(std::span<float>, std::span<const float>, float) override {}  // DeviceEngine::step updates on the device
   void scale_first_moment(float factor, size_t offset, size_t count) override {
     status_ = device_.scale_first_moment(factor, offset, count);
   }
-  std::vector<OptimizerState> state() override { return host_.state(); }
+  std::vector<optim::OptimizerState> state() override { return host_.state(); }
   /// scale_first_moment cannot return an error through Optimizer's interface: it is kept here.
   Status take_status() { return std::exchange(status_, Status{}); }
 
  private:
-  Optimizer& host_;
+  optim::Optimizer& host_;
   cuda::CudaOptimizer& device_;
   Status status_;
 };
@@ -91,20 +92,22 @@ class DeviceOptimizerView final : public Optimizer {
 /// set uploaded once; NCCL for the lockstep modes' collectives.
 class CudaEngine final : public DeviceEngine {
  public:
-  static Result<std::unique_ptr<DeviceEngine>> create(const DeviceEngineOptions& options, Model& host,
-                                                      Optimizer& optimizer, const OptimizerConfig& optimizer_config,
+  static Result<std::unique_ptr<DeviceEngine>> create(const DeviceEngineOptions& options, model::Model& host,
+                                                      optim::Optimizer& optimizer,
+                                                      const optim::OptimizerConfig& optimizer_config,
                                                       DataSource& source) {
     // The device model is the MLP's; any other is refused before the device is touched.
-    auto* mlp = dynamic_cast<Mlp*>(&host);
+    auto* mlp = dynamic_cast<model::Mlp*>(&host);
     if (mlp == nullptr || source.images() == nullptr) {
       return make_error(ErrorKind::kUsage, "--device {}: the CUDA engine does not run this model yet ({})",
                         options.device.to_string(), host.spec_string());
     }
-    Mlp& model = *mlp;
-    const DataSplit& data = *source.images();
+    model::Mlp& model = *mlp;
+    const data::DataSplit& data = *source.images();
     std::unique_ptr<CudaEngine> e(new CudaEngine(model, optimizer));
     const int rank = options.comm != nullptr ? options.comm->rank() : 0;
-    const Device device = device_for_rank(options.device, options.local_rank >= 0 ? options.local_rank : rank);
+    const tensor::Device device =
+        cuda::device_for_rank(options.device, options.local_rank >= 0 ? options.local_rank : rank);
     CFMO_ASSIGN_OR_RETURN(e->ctx_, cuda::Context::create(device.index));
     CFMO_ASSIGN_OR_RETURN(e->model_, cuda::CudaMlp::create(*e->ctx_, model));
     CFMO_ASSIGN_OR_RETURN(e->optimizer_,
@@ -114,7 +117,7 @@ class CudaEngine final : public DeviceEngine {
     e->train_ = std::make_unique<cuda::DeviceDataset>(std::move(train));
     e->test_ = std::make_unique<cuda::DeviceDataset>(std::move(test));
     e->view_ = std::make_unique<DeviceOptimizerView>(optimizer, *e->optimizer_);
-    e->description_ = device_description(device);
+    e->description_ = cuda::device_description(device);
     if (options.device_collectives && options.comm != nullptr && options.comm->size() > 1) {
       // NCCL refuses two ranks on one GPU: such ranks reduce over UCX, through host memory.
       CFMO_ASSIGN_OR_RETURN(const bool distinct, cuda::NcclComm::one_gpu_per_rank(*e->ctx_, *options.comm));
@@ -160,15 +163,15 @@ class CudaEngine final : public DeviceEngine {
     CFMO_TRY(view_->take_status());
     return model_->upload_parameters(host_.parameters());
   }
-  Optimizer& mode_optimizer() override { return *view_; }
-  Result<Optimizer*> host_optimizer() override {
+  optim::Optimizer& mode_optimizer() override { return *view_; }
+  Result<optim::Optimizer*> host_optimizer() override {
     CFMO_TRY(view_->take_status());
     CFMO_TRY(optimizer_->download_state(host_optimizer_));
     return &host_optimizer_;
   }
   Status optimizer_changed() override { return optimizer_->upload_state(host_optimizer_); }
 
-  Result<EvalResult> evaluate() override { return model_->evaluate(*test_); }
+  Result<model::EvalResult> evaluate() override { return model_->evaluate(*test_); }
 
   bool has_device_all_reduce() const override { return nccl_ != nullptr; }
   Status device_all_reduce_gradients(std::span<float> extras) override {
@@ -197,10 +200,10 @@ class CudaEngine final : public DeviceEngine {
   }
 
  private:
-  CudaEngine(Mlp& host, Optimizer& host_optimizer) : host_(host), host_optimizer_(host_optimizer) {}
+  CudaEngine(model::Mlp& host, optim::Optimizer& host_optimizer) : host_(host), host_optimizer_(host_optimizer) {}
 
-  Mlp& host_;
-  Optimizer& host_optimizer_;
+  model::Mlp& host_;
+  optim::Optimizer& host_optimizer_;
   std::unique_ptr<cuda::Context> ctx_;
   std::unique_ptr<cuda::CudaMlp> model_;
   std::unique_ptr<cuda::CudaOptimizer> optimizer_;
@@ -218,14 +221,15 @@ class CudaEngine final : public DeviceEngine {
 
 }  // namespace
 
-Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptions& options, Model& model,
-                                                         Optimizer& optimizer, const OptimizerConfig& optimizer_config,
+Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptions& options, model::Model& model,
+                                                         optim::Optimizer& optimizer,
+                                                         const optim::OptimizerConfig& optimizer_config,
                                                          DataSource& data) {
-  if (options.device.is_cuda() && model.input_kind() != InputKind::kFeatures) {
+  if (options.device.is_cuda() && model.input_kind() != model::InputKind::kFeatures) {
     return make_error(ErrorKind::kUsage, "--device {}: the CUDA engine does not run this model yet ({})",
                       options.device.to_string(), model.spec_string());
   }
-  CFMO_TRY(check_device(options.device));
+  CFMO_TRY(cuda::check_device(options.device));
   if (!options.device.is_cuda())
     return std::unique_ptr<DeviceEngine>(std::make_unique<CpuEngine>(model, optimizer, data));
 #if CFMO_HAVE_CUDA
@@ -236,4 +240,4 @@ Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptio
 #endif
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -24,7 +24,7 @@
 #include <span>
 #include <string>
 
-namespace cfmo {
+namespace cfmo::train {
 
 class DeviceEngine {
  public:
@@ -50,14 +50,14 @@ class DeviceEngine {
 
   /// The optimizer as the modes see it: scale_first_moment acts where the
   /// state lives. Its step() is not for callers: use DeviceEngine::step.
-  virtual Optimizer& mode_optimizer() = 0;
+  virtual optim::Optimizer& mode_optimizer() = 0;
   /// The host optimizer, its state current (for a checkpoint).
-  virtual Result<Optimizer*> host_optimizer() = 0;
+  virtual Result<optim::Optimizer*> host_optimizer() = 0;
   /// The host optimizer's state was loaded (a resume): the engine takes it.
   virtual Status optimizer_changed() = 0;
 
   /// Loss and accuracy over the evaluation data (the test set, the validation windows).
-  virtual Result<EvalResult> evaluate() = 0;
+  virtual Result<model::EvalResult> evaluate() = 0;
 
   /// Sums `extras` (host floats) over ranks together with the gradients each
   /// weighted by extras[0] (this rank's example count), on the device, and
@@ -71,10 +71,10 @@ class DeviceEngine {
 };
 
 struct DeviceEngineOptions {
-  Device device;
+  tensor::Device device;
   /// The host communicator; with `device_collectives`, a CUDA engine also
   /// connects NCCL over it (every rank calls make_device_engine together then).
-  Communicator* comm = nullptr;
+  comm::Communicator* comm = nullptr;
   bool device_collectives = false;
   double peer_timeout_s = 10;
   int local_rank = -1;  ///< the rank's index on its host, for "cuda" (device_for_rank); -1: its rank
@@ -83,8 +83,9 @@ struct DeviceEngineOptions {
 /// The engine for `options.device`, over `model` and `optimizer` (which it
 /// keeps using as the host mirror) and the data (an image set is uploaded
 /// once on CUDA). kUsage when the device does not run this model.
-Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptions& options, Model& model,
-                                                         Optimizer& optimizer, const OptimizerConfig& optimizer_config,
+Result<std::unique_ptr<DeviceEngine>> make_device_engine(const DeviceEngineOptions& options, model::Model& model,
+                                                         optim::Optimizer& optimizer,
+                                                         const optim::OptimizerConfig& optimizer_config,
                                                          DataSource& data);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -12,16 +12,16 @@
 #include <cstring>
 #include <unordered_map>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 namespace {
 
 /// [u64 header bytes][header: a JSON array of tensor names][pad to 4][floats]:
 /// per tensor its parameters, then each optimizer state in order.
-std::vector<std::byte> pack_experts(const std::vector<ParamInfo>& layout, size_t replicated,
+std::vector<std::byte> pack_experts(const std::vector<model::ParamInfo>& layout, size_t replicated,
                                     const CheckpointData& part) {
   nlohmann::json names = nlohmann::json::array();
   std::vector<float> floats;
-  for (const ParamInfo& p : layout) {
+  for (const model::ParamInfo& p : layout) {
     if (p.offset < replicated) continue;
     names.push_back(p.name);
     const auto first = static_cast<ptrdiff_t>(p.offset);
@@ -45,7 +45,7 @@ std::vector<std::byte> pack_experts(const std::vector<ParamInfo>& layout, size_t
 
 }  // namespace
 
-Result<std::unique_ptr<Model>> TrainingRun::gather_whole_model(CheckpointData& part) {
+Result<std::unique_ptr<model::Model>> TrainingRun::gather_whole_model(CheckpointData& part) {
   const auto ranks = static_cast<size_t>(world);
   std::vector<std::vector<std::byte>> send(ranks);
   std::vector<std::vector<std::byte>> received(ranks);
@@ -63,14 +63,14 @@ Result<std::unique_ptr<Model>> TrainingRun::gather_whole_model(CheckpointData& p
     r.assign(n, std::byte{0});
   }
   CFMO_TRY(moe::exchange_buffers(comm, send, received));
-  if (rank != 0) return std::unique_ptr<Model>();
+  if (rank != 0) return std::unique_ptr<model::Model>();
 
-  CFMO_ASSIGN_OR_RETURN(auto whole, make_model(config.model, source->shape(), moe_options(config)));
-  std::unordered_map<std::string, const ParamInfo*> by_name;
-  for (const ParamInfo& p : whole->params()) by_name.emplace(p.name, &p);
+  CFMO_ASSIGN_OR_RETURN(auto whole, model::make_model(config.model, source->shape(), moe_options(config)));
+  std::unordered_map<std::string, const model::ParamInfo*> by_name;
+  for (const model::ParamInfo& p : whole->params()) by_name.emplace(p.name, &p);
   const size_t states = part.optimizer_state.size();
-  FloatBuffer params(whole->num_params(), 0.0f);
-  std::vector<FloatBuffer> state(states, FloatBuffer(whole->num_params(), 0.0f));
+  tensor::FloatBuffer params(whole->num_params(), 0.0f);
+  std::vector<tensor::FloatBuffer> state(states, tensor::FloatBuffer(whole->num_params(), 0.0f));
   // The replicated prefix is laid out alike in both models.
   std::copy_n(part.params.begin(), replicated, params.begin());
   for (size_t s = 0; s < states; ++s) std::copy_n(part.optimizer_state[s].second.begin(), replicated, state[s].begin());
@@ -90,7 +90,7 @@ Result<std::unique_ptr<Model>> TrainingRun::gather_whole_model(CheckpointData& p
       if (!name.is_string()) return bad();
       const auto found = by_name.find(name.get<std::string>());
       if (found == by_name.end()) return bad();
-      const ParamInfo& p = *found->second;
+      const model::ParamInfo& p = *found->second;
       if (at + (1 + states) * p.size * sizeof(float) > bytes.size()) return bad();
       std::memcpy(params.data() + p.offset, bytes.data() + at, p.size * sizeof(float));
       at += p.size * sizeof(float);
@@ -108,4 +108,4 @@ Result<std::unique_ptr<Model>> TrainingRun::gather_whole_model(CheckpointData& p
   return whole;
 }
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

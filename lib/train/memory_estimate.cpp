@@ -12,7 +12,7 @@
 #include <sstream>
 #include <string>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 // A worker's private memory before its data and model: the program, its
@@ -33,23 +33,26 @@ std::string human_bytes(uint64_t bytes) {
 Result<uint64_t> estimate_worker_bytes(const TrainConfig& config) {
   // The model is built (its parameters, not its data or workspaces) for its
   // sizes; token data is memory-mapped and shared, an image set is held.
-  DataShape shape;
+  model::DataShape shape;
   uint64_t data_bytes = 0;
-  if (is_token_spec(config.data)) {
+  if (data::is_token_spec(config.data)) {
     const bool text = config.data.starts_with("text:");
-    shape = {InputKind::kTokens, 0, config.vocab_size > 0 ? config.vocab_size : text ? 256 : kGpt2VocabSize};
+    shape = {model::InputKind::kTokens, 0,
+             config.vocab_size > 0 ? config.vocab_size
+             : text                ? 256
+                                   : data::kGpt2VocabSize};
   } else {
-    CFMO_ASSIGN_OR_RETURN(const DatasetSize data, data_shape(config.data));
-    shape = {InputKind::kFeatures, data.features, data.classes};
+    CFMO_ASSIGN_OR_RETURN(const data::DatasetSize data, data::data_shape(config.data));
+    shape = {model::InputKind::kFeatures, data.features, data.classes};
     // A byte a pixel and an int32 label an example.
     data_bytes = static_cast<uint64_t>(data.train + data.test) * (static_cast<uint64_t>(data.features) + 4);
   }
-  CFMO_ASSIGN_OR_RETURN(const auto model, make_model(config.model, shape, moe_options(config)));
+  CFMO_ASSIGN_OR_RETURN(const auto model, model::make_model(config.model, shape, moe_options(config)));
   const uint64_t params = model->num_params();
   // The optimizer's state buffers, each of the parameters' size.
-  CFMO_ASSIGN_OR_RETURN(const OptimizerKind optimizer_kind, parse_optimizer_kind(config.optimizer));
-  const OptimizerConfig optim_config = optimizer_config(config, optimizer_kind);
-  CFMO_ASSIGN_OR_RETURN(auto optimizer, make_optimizer(optim_config, model->params(), model->num_params()));
+  CFMO_ASSIGN_OR_RETURN(const optim::OptimizerKind optimizer_kind, optim::parse_optimizer_kind(config.optimizer));
+  const optim::OptimizerConfig optim_config = optimizer_config(config, optimizer_kind);
+  CFMO_ASSIGN_OR_RETURN(auto optimizer, optim::make_optimizer(optim_config, model->params(), model->num_params()));
   const uint64_t optimizer_copies = optimizer->state().size();
   // The mode's own copies of the parameters: a reduce buffer (sync), the
   // round's anchor, delta and outer momentum (localsgd, cfmo), the owners'
@@ -85,4 +88,4 @@ Status check_workers_fit(const TrainConfig& config, int workers) {
                     workers, workers, human_bytes(*per_worker), human_bytes(needed), human_bytes(*available));
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <optional>
 
-namespace cfmo {
+namespace cfmo::train {
 
 /// One worker's resident memory as configured, in bytes: from the data's
 /// and the model's sizes (without loading the data), plus what a process of
@@ -24,4 +24,4 @@ std::optional<uint64_t> available_memory();
 /// report what is wrong with the data themselves).
 Status check_workers_fit(const TrainConfig& config, int workers);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

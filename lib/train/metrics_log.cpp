@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace fs = std::filesystem;
 namespace {
 
@@ -57,4 +57,4 @@ Status MetricsLog::write(const nlohmann::ordered_json& line) {
   return {};
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

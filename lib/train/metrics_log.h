@@ -11,7 +11,7 @@
 #include <fstream>
 #include <memory>
 
-namespace cfmo {
+namespace cfmo::train {
 
 /// metrics.jsonl: one JSON object per line, flushed as written so a reader
 /// (cfmo-diverge watch, tail -f) sees each line whole. A default-constructed
@@ -28,4 +28,4 @@ class MetricsLog {
   std::filesystem::path path_;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -43,7 +43,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 /// The modes, in the order of mode_table() (and of --compare).
 enum class ModeKind : uint8_t { kSync, kLocalSgd, kAsgd, kCfmo };
@@ -64,10 +64,15 @@ struct ModeSettings {
   OuterKind outer_optimizer = OuterKind::kNesterov;
   double outer_lr = 0.5;
   double outer_momentum = 0.8;
-  WireDtype delta_dtype = WireDtype::kBf16;
+  comm::WireDtype delta_dtype = comm::WireDtype::kBf16;
   int64_t sample_budget = 0;  ///< async modes: stop when all workers together saw this many (0: no budget)
   double peer_timeout_s = 10;
   bool elastic = false;  ///< sync, localsgd: a lost worker leaves the group, the others go on
+  /// cfmo: a fixed order of messages. Each owner applies a round's
+  /// contributions in rank order once every rank's has arrived, and each
+  /// worker waits for its round's replies: a run is bitwise reproducible and
+  /// resumable, at the price of the waits (localsgd's). A loss ends it (status 4).
+  bool deterministic = false;
   /// Called at each reconciliation (localsgd, cfmo) with this rank's delta
   /// against its global base, on the training thread; empty: not called.
   std::function<void(int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
@@ -98,11 +103,19 @@ struct GlobalState {
   std::vector<int64_t> owner_steps;  ///< asgd: each owner's optimizer steps
   std::vector<TrainPosition> ranks;  ///< each rank's position, as last reported
   std::vector<int64_t> versions;     ///< each shard's version
+  /// cfmo with nesterov: the owners' round in progress, its weighted sum over
+  /// the whole vector and, per shard, its contributions so far; else empty.
+  std::vector<float> outer_round_sum;
+  std::vector<int64_t> outer_in_round;
 };
 
 /// What a resumed run hands its mode (from the checkpoint; empty: start afresh).
 struct ModeResume {
   std::vector<float> outer_momentum;            ///< over the whole vector
+  std::vector<float> outer_round_sum;           ///< cfmo: the owners' pending round, as in GlobalState
+  std::vector<int64_t> outer_in_round;          ///< cfmo: per shard
+  std::vector<int64_t> versions;                ///< cfmo, asgd: each shard's version (the staleness counters)
+  std::vector<float> wire_residual;             ///< cfmo: this rank's error feedback of a lossy --delta-dtype
   std::vector<std::vector<float>> owner_state;  ///< asgd: the owners' optimizer state, as in GlobalState
   std::vector<int64_t> owner_steps;             ///< asgd
   std::vector<TrainPosition> ranks;             ///< rank 0, async: the budget keeper's start
@@ -117,7 +130,8 @@ class Mode {
   /// True when the mode applies updates itself (asgd's owners), not the local optimizer.
   virtual bool owns_update() const { return false; }
   /// After the update (`position` counts it): reconcile, rebase, report progress.
-  virtual Status after_step(const TrainPosition& /*position*/, std::span<float> /*params*/, Optimizer& /*optimizer*/) {
+  virtual Status after_step(const TrainPosition& /*position*/, std::span<float> /*params*/,
+                            optim::Optimizer& /*optimizer*/) {
     return {};
   }
   /// True when the stop is decided together: this worker's wish to stop
@@ -146,7 +160,7 @@ class Mode {
   virtual std::string agreed_reason() const { return {}; }
   /// After the loop: the last reconciliation and the end handshake. Leaves the
   /// global parameters in `params` on the keeper (on every rank for sync and localsgd).
-  virtual Status finish(std::span<float> /*params*/, Optimizer& /*optimizer*/) { return {}; }
+  virtual Status finish(std::span<float> /*params*/, optim::Optimizer& /*optimizer*/) { return {}; }
   /// True when this rank's parameters are the global ones now (after
   /// after_step): always in sync, right after a round in localsgd, never in
   /// cfmo and asgd, where the owners hold them.
@@ -154,6 +168,9 @@ class Mode {
   /// The outer momentum over the whole vector where this rank holds it
   /// (localsgd with nesterov); empty otherwise.
   virtual std::span<const float> outer_momentum() const { return {}; }
+  /// This rank's error feedback of a lossy wire dtype (cfmo), over the whole
+  /// vector: part of its state in a checkpoint; empty where none.
+  virtual std::span<const float> wire_residual() const { return {}; }
   /// cfmo and asgd, the keeper: asks every owner for its shard (and its owner
   /// state) without waiting; a request supersedes one not yet answered.
   /// False where the mode has no owners.
@@ -170,6 +187,18 @@ class Mode {
   /// cfmo and asgd, the keeper: the samples `rank` trained in this run up to
   /// its last contribution that reached the keeper (what a lost rank adds to the run).
   virtual int64_t reconciled_samples(int /*rank*/) const { return 0; }
+  /// cfmo, the keeper: the samples earlier processes in `rank`'s place
+  /// trained up to their last contribution, before a new one joined there.
+  virtual int64_t retired_samples(int /*rank*/) const { return 0; }
+  /// This rank joined the run under way (Communicator::joined): takes the
+  /// global state from the ranks there into `params` and its place's last
+  /// position into `position`, before its first step; cfmo (its owners'
+  /// shards, its own back from the rank that served it) and localsgd with
+  /// --elastic (the group's leader, at its next round). Fails (kPeer) when the
+  /// state does not come within the peer timeout; other modes take no joins (kUsage).
+  virtual Status join(std::span<float> /*params*/, optim::Optimizer& /*optimizer*/, TrainPosition& /*position*/) {
+    return make_error(ErrorKind::kUsage, "--join: --mode {} takes no joining worker", name());
+  }
   /// The rank that keeps the budget and writes the checkpoints, the final
   /// model and the summary: rank 0, or in cfmo and asgd the lowest live rank
   /// (it moves when rank 0 is lost).
@@ -215,9 +244,9 @@ struct ModeTraits {
 /// Everything a mode's factory is given; `comm` has two ranks or more.
 struct ModeContext {
   const ModeSettings& settings;
-  Communicator& comm;
+  comm::Communicator& comm;
   std::span<const float> initial;  ///< the parameters every rank starts from (the same everywhere)
-  const OptimizerConfig& optimizer_config;
+  const optim::OptimizerConfig& optimizer_config;
   const ModeResume& resume;
 };
 
@@ -240,9 +269,9 @@ std::string mode_names();
 
 /// The mode for `settings.kind`; `comm` is null for a single worker.
 /// `initial` is the parameters every rank starts from (the same everywhere).
-Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, Communicator* comm,
-                                        const std::vector<ParamInfo>& layout, std::span<const float> initial,
-                                        const OptimizerConfig& optimizer_config, const ModeResume& resume = {});
+Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, comm::Communicator* comm,
+                                        const std::vector<model::ParamInfo>& layout, std::span<const float> initial,
+                                        const optim::OptimizerConfig& optimizer_config, const ModeResume& resume = {});
 
 /// The owners' count by default: at most this many shards (see owner_count).
 inline constexpr int kDefaultOwners = 16;
@@ -263,4 +292,4 @@ int owner_count(const ModeSettings& settings, int world);
 /// boundaries: shard j is [bounds[j], bounds[j + 1]).
 std::vector<size_t> shard_bounds(size_t size, int shards);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -8,7 +8,7 @@
 
 #include <iterator>
 
-namespace cfmo {
+namespace cfmo::train {
 
 namespace {
 
@@ -39,6 +39,8 @@ void visit_fields(Report& w, F&& f) {
   f("deltas_written", w.deltas_written);
   f("deltas_skipped", w.deltas_skipped);
   f("stopped_by", w.stopped_by);
+  f("joined", w.joined);
+  f("first_step_s", w.first_step_s);
 }
 
 nlohmann::ordered_json worker_json(const WorkerReport& w) {
@@ -75,7 +77,16 @@ std::string TrainSummary::to_json() const {
          {"step", l.step},
          {"wall_s", l.wall_s},
          {"why", l.why},
-         {"served_by", l.served_by < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(l.served_by)}});
+         {"served_by", l.served_by < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(l.served_by)},
+         {"experts", l.experts}});
+  }
+  nlohmann::ordered_json joined_json = nlohmann::ordered_json::array();
+  for (const auto& r : joined) {
+    joined_json.push_back({{"rank", r.rank},
+                           {"step", r.step},
+                           {"wall_s", r.wall_s},
+                           {"first_step_s", r.first_step_s < 0 ? nlohmann::ordered_json(nullptr)
+                                                               : nlohmann::ordered_json(r.first_step_s)}});
   }
   nlohmann::ordered_json slowdowns = nlohmann::ordered_json::object();
   for (const auto& item : slowdown) {
@@ -116,6 +127,7 @@ std::string TrainSummary::to_json() const {
       {"stopped_by", stopped_by},
       {"lost_ranks", lost_ranks},
       {"lost", lost_json},
+      {"joined", joined_json},
       {"settings",
        {{"sync_interval", mode_settings.sync_interval},
         {"staleness_discount", mode_settings.staleness_discount},
@@ -167,9 +179,17 @@ std::string summary_text(const TrainSummary& s) {
       if (l == s.lost.end()) {
         fmt::format_to(out, "  rank {}: lost during the run\n", r);
       } else {
-        fmt::format_to(out, "  rank {}: lost at step {}, {:.1f}s into the run ({}){}\n", r, l->step, l->wall_s, l->why,
-                       l->served_by >= 0 ? fmt::format(", its shard served by rank {}", l->served_by) : "");
+        fmt::format_to(out, "  rank {}: lost at step {}, {:.1f}s into the run ({}){}{}\n", r, l->step, l->wall_s,
+                       l->why, l->served_by >= 0 ? fmt::format(", its shard served by rank {}", l->served_by) : "",
+                       l->experts.empty() ? ""
+                                          : fmt::format(", its experts {} lost (their tokens take the residual)",
+                                                        fmt::join(l->experts, ",")));
       }
+    }
+    for (const auto& j : s.joined) {
+      fmt::format_to(
+          out, "  rank {}: joined at step {}, {:.1f}s into the run{}\n", j.rank, j.step, j.wall_s,
+          j.first_step_s >= 0 ? fmt::format(", its first step {:.2f}s after its start", j.first_step_s) : "");
     }
   }
   if (!s.slowdown.empty() || !s.straggler.empty()) {
@@ -212,4 +232,4 @@ std::string summary_text(const TrainSummary& s) {
   return text;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -13,7 +13,7 @@
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 struct WorkerReport {
   int rank = 0;
@@ -39,6 +39,8 @@ struct WorkerReport {
   std::string stopped_by;
   int64_t deltas_written = 0;  ///< .cfd files written to RUN/deltas/rank-K/
   int64_t deltas_skipped = 0;  ///< rounds not written because the disk fell behind
+  bool joined = false;         ///< this worker joined the run under way (--join, a restarted rank)
+  double first_step_s = -1;    ///< a joiner: seconds from its process's start to the end of its first step
 
   std::string to_json() const;
   static Result<WorkerReport> from_json(std::string_view text);
@@ -47,10 +49,19 @@ struct WorkerReport {
 /// A rank this one found lost during the run: when, and what became of its shard.
 struct LostRank {
   int rank = 0;
-  int64_t step = 0;    ///< this rank's step when it noticed
-  double wall_s = 0;   ///< seconds since this rank's start when it noticed
-  std::string why;     ///< the transport's reason, e.g. "no message for 10.0s"
-  int served_by = -1;  ///< cfmo: the rank serving its shard now; -1 where none does
+  int64_t step = 0;          ///< this rank's step when it noticed
+  double wall_s = 0;         ///< seconds since this rank's start when it noticed
+  std::string why;           ///< the transport's reason, e.g. "no message for 10.0s"
+  int served_by = -1;        ///< cfmo: the rank serving its shard now; -1 where none does
+  std::vector<int> experts;  ///< --expert-parallel: its experts, lost with it (their tokens take the residual)
+};
+
+/// A rank a new process joined during the run (in the place of a lost one).
+struct JoinedRank {
+  int rank = 0;
+  int64_t step = 0;          ///< this rank's step when it noticed
+  double wall_s = 0;         ///< seconds since this rank's start when it noticed
+  double first_step_s = -1;  ///< the joiner's own: from its start to the end of its first step (-1: it did not report)
 };
 
 struct TrainSummary {
@@ -93,7 +104,8 @@ struct TrainSummary {
   int keeper = 0;         ///< the rank that kept the run: rank 0, or the lowest live rank in cfmo and asgd
   double efficiency = 0;  ///< total samples/s over the sum of the workers' solo samples/s
   std::vector<int> lost_ranks;
-  std::vector<LostRank> lost;  ///< the same ranks, as this rank noticed each
+  std::vector<LostRank> lost;      ///< each loss this rank noticed (a rank lost, joined and lost again: twice)
+  std::vector<JoinedRank> joined;  ///< each join this rank noticed
   ModeSettings mode_settings;
   std::vector<std::string> slowdown;
   std::string straggler;
@@ -107,4 +119,4 @@ struct TrainSummary {
 /// The summary as the lines cfmo-train prints without --json, each ending in a newline.
 std::string summary_text(const TrainSummary& summary);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

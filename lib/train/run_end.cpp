@@ -4,13 +4,15 @@
 
 #include "core/atomic_file.h"
 
+#include <fmt/ranges.h>
+
 #include <sys/resource.h>
 
 #include <algorithm>
 #include <mutex>
 #include <thread>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 
 Result<TrainSummary> TrainingRun::finish() {
   CFMO_TRY(last_reconciliation());
@@ -33,6 +35,9 @@ Result<TrainSummary> TrainingRun::finish() {
   CFMO_TRY(gather_reports(own));
   if (rank == keeper) take_up_keeping();
   if (rank == keeper || expert_parallel) CFMO_TRY(write_final_outputs());
+  // This rank's passes are over (the final evaluation's too): async dispatch
+  // serves the others' rows until each is done.
+  CFMO_TRY(model().finish_exchanges());
   add_totals();
   return summary;
 }
@@ -70,12 +75,14 @@ WorkerReport TrainingRun::own_report(const ModeStats& mode_stats, int64_t deltas
   own.stopped_by = stopped_by;
   own.deltas_written = deltas_written;
   own.deltas_skipped = deltas_skipped;
+  own.joined = joining;
+  own.first_step_s = first_step_s;
   const auto moe = model_ptr->run_metrics();
   if (moe.is_object() && moe.contains("dispatch")) own.dispatch_wait_s = moe["dispatch"]["wait_s"].get<double>();
   struct rusage usage {};
   if (getrusage(RUSAGE_SELF, &usage) == 0) own.peak_rss_bytes = static_cast<int64_t>(usage.ru_maxrss) * 1024;
   if (comm != nullptr) {
-    const CommStats cs = comm->stats();
+    const comm::CommStats cs = comm->stats();
     own.bytes_sent = cs.bytes_sent;
     own.bytes_received = cs.bytes_received;
   }
@@ -116,6 +123,12 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
   }
   summary.lost_ranks = comm->lost_ranks();
   CFMO_TRY(announce_lost());
+  // The joiners' own figure of their start, from their reports.
+  for (auto& joined : summary.joined) {
+    for (const auto& w : summary.per_worker) {
+      if (w.rank == joined.rank && w.joined) joined.first_step_s = w.first_step_s;
+    }
+  }
   if (!mode->survives_losses()) CFMO_TRY(comm->health());
   return {};
 }
@@ -124,20 +137,30 @@ Status TrainingRun::write_final_outputs() {
   // Rank 0; with --expert-parallel every rank (the evaluation and the checkpoint are collectives then).
   // The final parameters are those of the last evaluation when the run ended on an epoch boundary.
   if (last_eval_step != pos.step || (world > 1 && !traits.evaluates_mid_run)) CFMO_TRY(evaluate(true));
+  // Async dispatch: the others' final passes are served before the gather
+  // below, a collective in which nobody serves.
+  CFMO_TRY(model().finish_exchanges());
+  if (expert_parallel && !comm->lost_ranks().empty()) {
+    // cfmo: a lost worker's experts exist nowhere else, so no whole model.
+    observer().on_warning(fmt::format("experts {} were lost with their workers: no checkpoint or model.safetensors",
+                                      fmt::join(lost_experts(), ",")));
+    return {};
+  }
   if (checkpoint_writer) {
     // Mid-run checkpoints first, then the end's, which holds the final global state.
     checkpoint_writer->close();
     CFMO_TRY(checkpoint_writer->status());
     if (checkpoints) {
       const auto global = mode->final_state();
-      CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(),
-                                checkpoint_of(model().parameters(), global ? &*global : nullptr), options.config_toml,
-                                config.keep_checkpoints));
+      CheckpointData data = checkpoint_of(model().parameters(), global ? &*global : nullptr);
+      add_gathered(data);  // cfmo --deterministic: every rank's own state at the end
+      CFMO_TRY(
+          write_checkpoint(run_dir, model_spec, model().params(), data, options.config_toml, config.keep_checkpoints));
     }
   } else if (last_checkpoint_step != pos.step || (expert_parallel && !whole_model)) {
     CFMO_TRY(checkpoint());  // with --expert-parallel every rank, and the whole model comes to rank 0
   }
-  if (!run_dir.empty() && rank == keeper) {
+  if (!run_dir.empty() && rank == keeper && (!expert_parallel || whole_model)) {
     CFMO_TRY(save_model(run_dir / "model.safetensors", whole_model ? *whole_model : model(),
                         {{"format", "pt"}, {"cfmo.model", model_spec}, {"cfmo.step", std::to_string(pos.step)}}));
     // Beside it, the Hugging Face config that makes RUN a model directory (the GPT's).
@@ -161,6 +184,8 @@ void TrainingRun::add_totals() {
       total_samples += mode->reconciled_samples(r);
     }
   }
+  // What earlier processes in a joined rank's place trained up to their last contribution.
+  for (int r = 0; r < world; ++r) total_samples += mode->retired_samples(r);
   for (const auto& w : summary.per_worker) {
     total_samples += w.samples;
     total_steps += w.steps;
@@ -184,4 +209,4 @@ void TrainingRun::add_totals() {
   summary.model_metrics = model().run_metrics();
 }
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

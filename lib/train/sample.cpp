@@ -10,10 +10,11 @@
 #include <numeric>
 #include <sstream>
 
-namespace cfmo {
+namespace cfmo::train {
 
-Result<std::vector<int32_t>> sample_tokens(Model& model, std::vector<int32_t> prompt, const SampleOptions& options) {
-  auto* gpt = dynamic_cast<Gpt*>(&model);
+Result<std::vector<int32_t>> sample_tokens(model::Model& model, std::vector<int32_t> prompt,
+                                           const SampleOptions& options) {
+  auto* gpt = dynamic_cast<model::Gpt*>(&model);
   if (gpt == nullptr) {
     return make_error(ErrorKind::kUsage, "sample: the model {} is not a language model", model.spec_string());
   }
@@ -60,9 +61,9 @@ Result<std::vector<int32_t>> sample_tokens(Model& model, std::vector<int32_t> pr
   return out;
 }
 
-Result<std::unique_ptr<Model>> load_saved_model(const std::filesystem::path& dir) {
+Result<std::unique_ptr<model::Model>> load_saved_model(const std::filesystem::path& dir) {
   const auto path = dir / "model.safetensors";
-  CFMO_ASSIGN_OR_RETURN(auto file, SafetensorsFile::read(path));
+  CFMO_ASSIGN_OR_RETURN(auto file, ckpt::SafetensorsFile::read(path));
   const auto spec = file.metadata().find("cfmo.model");
   if (spec == file.metadata().end()) {
     return make_error(ErrorKind::kInput, "'{}': no cfmo.model in its metadata", path.string());
@@ -71,9 +72,9 @@ Result<std::unique_ptr<Model>> load_saved_model(const std::filesystem::path& dir
   if (wte == nullptr || wte->shape.size() != 2 || wte->shape[0] < 1 || wte->shape[0] > 1 << 24) {
     return make_error(ErrorKind::kInput, "'{}': no wte.weight [vocab, dim]: not a language model", path.string());
   }
-  auto made = make_model(spec->second, {InputKind::kTokens, 0, static_cast<int>(wte->shape[0])});
+  auto made = model::make_model(spec->second, {model::InputKind::kTokens, 0, static_cast<int>(wte->shape[0])});
   if (!made) return make_error(ErrorKind::kInput, "'{}': {}", path.string(), made.error().message);
-  std::unique_ptr<Model> model = std::move(*made);
+  std::unique_ptr<model::Model> model = std::move(*made);
   for (const auto& p : model->params()) {
     CFMO_TRY(file.read_f32(p.name, p.shape, model->parameters().subspan(p.offset, p.size)));
   }
@@ -105,4 +106,4 @@ std::string tokens_to_text(const std::vector<int32_t>& tokens, int vocab) {
   return text;
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 struct SampleOptions {
   int tokens = 200;          ///< tokens to generate
@@ -24,11 +24,12 @@ struct SampleOptions {
 /// token, GPT-2's <|endoftext|>) by `options.tokens` tokens, each drawn from
 /// the model's next-token distribution over at most its context. kUsage when
 /// `model` is not a language model.
-Result<std::vector<int32_t>> sample_tokens(Model& model, std::vector<int32_t> prompt, const SampleOptions& options);
+Result<std::vector<int32_t>> sample_tokens(model::Model& model, std::vector<int32_t> prompt,
+                                           const SampleOptions& options);
 
 /// The model a run (or checkpoint) directory holds: its model.safetensors
 /// and the spec recorded in it. kInput naming the file when it is unreadable.
-Result<std::unique_ptr<Model>> load_saved_model(const std::filesystem::path& dir);
+Result<std::unique_ptr<model::Model>> load_saved_model(const std::filesystem::path& dir);
 
 /// Token ids as text: bytes for a byte-level vocabulary, else ids separated by spaces.
 std::string tokens_to_text(const std::vector<int32_t>& tokens, int vocab);
@@ -37,4 +38,4 @@ std::string tokens_to_text(const std::vector<int32_t>& tokens, int vocab);
 /// separated by spaces (kUsage naming --prompt when they are not).
 Result<std::vector<int32_t>> text_to_tokens(const std::string& text, int vocab);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -12,7 +12,7 @@
 #include <cmath>
 #include <thread>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 namespace {
 
 /// A sample's text on one line of a log: newlines as \\n, other control bytes as spaces.
@@ -35,12 +35,14 @@ Status TrainingRun::run_loop() {
   // Every worker starts its loop together: ranks finish loading data and
   // connecting at different times, and a loop started alone would count
   // time in which the others cannot yet run against the run's throughput.
-  if (world > 1) CFMO_TRY(comm->barrier());
+  // A joiner comes after the others passed theirs.
+  if (world > 1 && !joining) CFMO_TRY(comm->barrier());
   loop_start = Clock::now();
   for (;;) {
     CFMO_ASSIGN_OR_RETURN(const bool stop, should_stop());
     if (stop) break;
     CFMO_TRY(train_step());
+    if (joining && first_step_s < 0) CFMO_TRY(announce_own_join());
   }
   loop_s = seconds_since(loop_start);
   return {};
@@ -102,7 +104,7 @@ Status TrainingRun::train_step() {
   request.count = share;
   if (source->indexed()) {
     if (order_epoch != pos.epoch) {
-      order = epoch_order(static_cast<uint64_t>(config.seed), pos.epoch, train_examples);
+      order = data::epoch_order(static_cast<uint64_t>(config.seed), pos.epoch, train_examples);
       order_epoch = pos.epoch;
     }
     const int64_t first = pos.batch_in_epoch * global_batch + slot * share;
@@ -248,11 +250,12 @@ Status TrainingRun::clip_gradients() {
   // The whole gradient's norm: this rank's replicated part (the all-reduced
   // one in sync) and every rank's experts, each held by one rank.
   CFMO_ASSIGN_OR_RETURN(auto grads, engine->host_gradients());
-  const double dense = ops::norm2(replicated_part(grads));
-  const double local = ops::norm2(grads.subspan(replicated_part(grads).size()));
+  const double dense = tensor::ops::norm2(replicated_part(grads));
+  const double local = tensor::ops::norm2(grads.subspan(replicated_part(grads).size()));
   std::array<float, 1> experts{static_cast<float>(local * local)};
-  CFMO_TRY(comm->all_reduce_sum(experts));
-  clip_to_norm(grads, config.clip_grad_norm, std::sqrt(dense * dense + static_cast<double>(experts[0])));
+  // cfmo: no collective in a step; the norm over this rank's experts.
+  if (traits.lockstep) CFMO_TRY(comm->all_reduce_sum(experts));
+  optim::clip_to_norm(grads, config.clip_grad_norm, std::sqrt(dense * dense + static_cast<double>(experts[0])));
   return engine->gradients_changed();
 }
 
@@ -273,15 +276,18 @@ Status TrainingRun::at_step_end() {
   }
   if (async && !checkpoints && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
     take_up_keeping();
-    checkpoint_due = checkpoints;
+    checkpoint_due = checkpoints || gathers_optimizers;
   }
+  // cfmo with --expert-parallel: the experts gather by a collective, so only at the end.
+  if (expert_parallel && async) checkpoint_due = false;
   // The checkpoint policy: at once where this rank's parameters are the
   // global ones, else a snapshot asked of the owners and written when whole.
   if (checkpoint_due && mode->params_are_global()) {
     CFMO_TRY(checkpoint());
     whole_model.reset();
     checkpoint_due = false;
-  } else if (checkpoint_due && mode->request_snapshot()) {
+  } else if (checkpoint_due && !settings.deterministic && mode->request_snapshot()) {
+    // (--deterministic waits for a round's end, where every rank takes part.)
     checkpoint_due = false;
   }
   if (checkpoint_writer) {
@@ -293,4 +299,4 @@ Status TrainingRun::at_step_end() {
   return {};
 }
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

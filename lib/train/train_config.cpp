@@ -1,15 +1,35 @@
 #include "train/train_config.h"
 
+#include "comm/rendezvous.h"
 #include "model/factory.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "tensor/device.h"
 #include "train/modes.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <limits>
+#include <iterator>
 
-namespace cfmo {
+namespace cfmo::train {
+
+namespace {
+
+/// --dispatch-deadline in seconds: < 0 auto, infinity none.
+Result<double> parse_dispatch_deadline(const std::string& text) {
+  if (text == "auto") return -1.0;
+  if (text == "none") return std::numeric_limits<double>::infinity();
+  auto seconds = parse_duration(text);
+  if (!seconds) {
+    return make_error(ErrorKind::kUsage, "--dispatch-deadline: {}, auto or none", seconds.error().message);
+  }
+  if (!(*seconds > 0)) return make_error(ErrorKind::kUsage, "--dispatch-deadline: must be > 0, auto or none");
+  return *seconds;
+}
+
+}  // namespace
 
 void add_train_options(OptionTable& t, TrainConfig& c) {
   const std::string data = "Data and model";
@@ -36,6 +56,14 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
   t.add("drop_policy", &c.drop_policy, "over capacity: residual (the token skips that expert) or dropless", moe);
   t.add("expert_parallel", &c.expert_parallel,
         "expert e lives on worker e mod W only (its parameters and optimizer state); tokens travel to it and back",
+        moe);
+  t.add("dispatch", &c.dispatch,
+        "--expert-parallel's exchanges: sync (every rank waits for every other's tokens) or async (results up to "
+        "--dispatch-deadline; late tokens take the residual, their gradient is skipped)",
+        moe);
+  t.add("dispatch_deadline", &c.dispatch_deadline,
+        "async dispatch: how long an exchange waits (a duration, e.g. 20ms), auto (1.5 x the median peer's median "
+        "round trip of the first 4 steps) or none",
         moe);
 
   const std::string optim = "Optimizer";
@@ -94,6 +122,14 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         dist);
   t.add("keep_global_batch", &c.keep_global_batch,
         "sync --elastic: the workers left raise their batch to keep the global batch a lost worker shrank", dist);
+  t.add("deterministic", &c.deterministic,
+        "cfmo: owners apply each round in rank order and workers wait for its replies: bitwise reproducible runs "
+        "and resumes, stopped by steps; a lost worker ends the run (sync and localsgd always are)",
+        dist);
+  t.add("join", &c.join,
+        "host:port of a running run's rank 0 (its --rendezvous): take a lost rank's place there, with the run's flags "
+        "(cfmo, localsgd --elastic)",
+        dist);
 
   const std::string output = "Output";
   t.add("log_every", &c.log_every, "log a metrics line every N steps", output);
@@ -116,18 +152,25 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   auto usage = [](std::string_view flag, std::string_view why) {
     return make_error(ErrorKind::kUsage, "--{}: {}", flag, why);
   };
-  CFMO_TRY(check_model_spec(c.model));
+  CFMO_TRY(model::check_model_spec(c.model));
   if (!(c.aux_loss >= 0) || !std::isfinite(c.aux_loss)) return usage("aux-loss", "must be >= 0");
   if (!(c.z_loss >= 0) || !std::isfinite(c.z_loss)) return usage("z-loss", "must be >= 0");
   if (!(c.capacity_factor > 0) || c.capacity_factor > 1e6) return usage("capacity-factor", "must be in (0, 1e6]");
   CFMO_TRY(moe::parse_drop_policy(c.drop_policy));
-  if (c.expert_parallel) CFMO_TRY(check_expert_parallel(c.model, std::max(1, c.workers)));
-  CFMO_ASSIGN_OR_RETURN(plan.device, parse_device(c.device));
-  plan.context = model_context(c.model);
+  if (c.expert_parallel) CFMO_TRY(model::check_expert_parallel(c.model, std::max(1, c.workers)));
+  if (c.dispatch != "sync" && c.dispatch != "async") {
+    return usage("dispatch", fmt::format("'{}' is not sync or async", c.dispatch));
+  }
+  CFMO_TRY(parse_dispatch_deadline(c.dispatch_deadline));
+  if (c.dispatch == "async" && !c.expert_parallel) {
+    return usage("dispatch", "async needs --expert-parallel (without it every worker holds every expert)");
+  }
+  CFMO_ASSIGN_OR_RETURN(plan.device, tensor::parse_device(c.device));
+  plan.context = model::model_context(c.model);
   if (plan.device.is_cuda() && plan.context > 0) {
     return usage("device", fmt::format("{}: the CUDA engine does not run this model yet ({})", c.device, c.model));
   }
-  CFMO_ASSIGN_OR_RETURN(plan.optimizer, parse_optimizer_kind(c.optimizer));
+  CFMO_ASSIGN_OR_RETURN(plan.optimizer, optim::parse_optimizer_kind(c.optimizer));
   if (!(c.lr > 0) || !std::isfinite(c.lr)) return usage("lr", "must be a positive number");
   if (!(c.momentum >= 0 && c.momentum < 1)) return usage("momentum", "must be in [0, 1)");
   if (!(c.beta1 >= 0 && c.beta1 < 1)) return usage("beta1", "must be in [0, 1)");
@@ -136,7 +179,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (!(c.weight_decay >= 0) || !std::isfinite(c.weight_decay)) return usage("weight-decay", "must be >= 0");
   if (c.ns_steps < 1 || c.ns_steps > 100) return usage("ns-steps", "must be in 1..100");
   if (!(c.clip_grad_norm >= 0)) return usage("clip-grad-norm", "must be >= 0");
-  CFMO_ASSIGN_OR_RETURN(plan.schedule, Schedule::parse_kind(c.schedule));
+  CFMO_ASSIGN_OR_RETURN(plan.schedule, optim::Schedule::parse_kind(c.schedule));
   if (c.warmup_steps < 0) return usage("warmup-steps", "must be >= 0");
   if (!(c.min_lr >= 0 && c.min_lr <= c.lr)) return usage("min-lr", "must be in [0, lr]");
   if (c.epochs < 0) return usage("epochs", "must be >= 0");
@@ -154,7 +197,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.epochs == 0 && c.steps == 0 && c.tokens == 0 && c.time_limit.empty()) {
     return usage("epochs", "give --epochs, --steps, --tokens or --time-limit so the run ends");
   }
-  if (plan.schedule == Schedule::Kind::kCosine && c.epochs == 0 && c.steps == 0 && c.tokens == 0) {
+  if (plan.schedule == optim::Schedule::Kind::kCosine && c.epochs == 0 && c.steps == 0 && c.tokens == 0) {
     return usage("schedule", "cosine needs a known length: --epochs, --steps or --tokens");
   }
   if (c.batch_size < 1 || c.batch_size > 1 << 20) return usage("batch-size", "must be in 1..1048576");
@@ -162,14 +205,24 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.workers < 1 || c.workers > 1024) return usage("workers", "must be in 1..1024");
   CFMO_ASSIGN_OR_RETURN(plan.mode, parse_mode(c.mode));
   if (c.expert_parallel && !plan.traits().lockstep) {
-    // Every MoE layer's dispatch is a collective of all ranks: workers that
-    // step and stop on their own would wait in it for each other.
-    return usage("expert-parallel", fmt::format("needs a lockstep --mode (sync or localsgd), not {}", c.mode));
+    // Sync dispatch is a collective of all ranks per MoE layer: workers that
+    // step and stop on their own would wait in it for each other. Async
+    // dispatch waits to a deadline, and only cfmo keeps the experts out of
+    // its reconciliation (asgd's owners would step every rank's gradients).
+    if (plan.mode != ModeKind::kCfmo) {
+      return usage("expert-parallel", fmt::format("needs --mode sync, localsgd or cfmo, not {}", c.mode));
+    }
+    if (c.dispatch != "async") {
+      return usage("expert-parallel", "--mode cfmo needs --dispatch async (sync dispatch is a collective every step)");
+    }
+    if (c.dispatch_deadline == "none") {
+      return usage("dispatch-deadline", "none needs a lockstep --mode: cfmo's workers step and stop on their own");
+    }
   }
   if (c.expert_parallel && c.elastic) {
     return usage("elastic", "not with --expert-parallel: a lost worker's experts exist nowhere else");
   }
-  if (plan.traits().owners_optimize && plan.optimizer == OptimizerKind::kMuon) {
+  if (plan.traits().owners_optimize && plan.optimizer == optim::OptimizerKind::kMuon) {
     return usage("optimizer", "muon needs whole matrices; asgd's owners update shards: use sgd, adam or adamw");
   }
   if (c.sync_interval < 1) return usage("sync-interval", "must be >= 1");
@@ -179,11 +232,28 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   CFMO_ASSIGN_OR_RETURN(plan.outer_optimizer, parse_outer_kind(c.outer_optimizer));
   if (!(c.outer_lr > 0)) return usage("outer-lr", "must be positive");
   if (!(c.outer_momentum >= 0 && c.outer_momentum < 1)) return usage("outer-momentum", "must be in [0, 1)");
-  auto dtype = parse_wire_dtype(c.delta_dtype);
+  auto dtype = comm::parse_wire_dtype(c.delta_dtype);
   if (!dtype) return usage("delta-dtype", fmt::format("'{}' is not fp32, bf16 or int8", c.delta_dtype));
   plan.delta_dtype = *dtype;
   if (!(c.peer_timeout > 0)) return usage("peer-timeout", "must be positive");
   if (c.keep_global_batch && !c.elastic) return usage("keep-global-batch", "needs --elastic");
+  if (c.deterministic && plan.traits().owners_optimize) {
+    return usage("deterministic", "not in asgd: its owners apply each gradient as it arrives");
+  }
+  if (c.deterministic && plan.traits().asynchronous && !c.time_limit.empty()) {
+    // Each cfmo worker would stop at its own step, and the rounds and
+    // checkpoints every worker meets at would no longer be the same.
+    return usage("deterministic", "stops by --steps, --epochs or --tokens, not --time-limit");
+  }
+  if (!c.join.empty()) {
+    if (auto where = comm::parse_rendezvous(c.join); !where) return usage("join", where.error().message);
+    if (plan.mode != ModeKind::kCfmo && !(plan.mode == ModeKind::kLocalSgd && c.elastic)) {
+      return usage("join", fmt::format("a worker joins a running run in --mode cfmo, or localsgd with --elastic; "
+                                       "not {}{}",
+                                       c.mode, c.elastic ? " --elastic" : ""));
+    }
+    if (c.deterministic) return usage("join", "a --deterministic run takes no joins: a lost worker ends it");
+  }
   CFMO_TRY(heterogeneity_for(c, 0));
   if (c.log_every < 1) return usage("log-every", "must be >= 1");
   if (c.sample_every < 0) return usage("sample-every", "must be >= 0");
@@ -192,8 +262,52 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   return plan;
 }
 
-OptimizerConfig optimizer_config(const TrainConfig& c, OptimizerKind kind) {
-  OptimizerConfig o;
+namespace {
+
+/// "key = value" of each option in OptionTable::to_toml's text, in order.
+std::vector<std::pair<std::string, std::string>> option_lines(std::string_view toml) {
+  std::vector<std::pair<std::string, std::string>> out;
+  size_t at = 0;
+  while (at < toml.size()) {
+    size_t end = toml.find('\n', at);
+    if (end == std::string_view::npos) end = toml.size();
+    const std::string_view line = toml.substr(at, end - at);
+    at = end + 1;
+    const size_t eq = line.find(" = ");
+    if (line.empty() || line.front() == '#' || eq == std::string_view::npos) continue;
+    out.emplace_back(std::string(line.substr(0, eq)), std::string(line.substr(eq + 3)));
+  }
+  return out;
+}
+
+}  // namespace
+
+Status check_join_fits(std::string_view run_config, std::string_view own_config) {
+  // This process's own: where it writes and logs, how it computes, when it
+  // stops on its own, whom it asks; everything else must be the run's.
+  static constexpr std::string_view kOwn[] = {
+      "out",          "quiet",  "log_every",  "sample_every", "checkpoint_every", "keep_checkpoints",
+      "threads",      "device", "time_limit", "slowdown",     "straggler",        "rendezvous",
+      "peer_timeout", "join",   "workers"};
+  const auto theirs = option_lines(run_config);
+  if (theirs.empty()) return make_error(ErrorKind::kPeer, "--join: the run sent no configuration");
+  for (const auto& [key, value] : option_lines(own_config)) {
+    if (std::find(std::begin(kOwn), std::end(kOwn), key) != std::end(kOwn)) continue;
+    const auto it = std::find_if(theirs.begin(), theirs.end(), [&](const auto& kv) { return kv.first == key; });
+    const std::string flag = OptionTable::flag_for(key);
+    if (it == theirs.end()) {
+      return make_error(ErrorKind::kUsage, "--join: the run knows no {} (another cfmo-train version?)", flag);
+    }
+    if (it->second != value) {
+      return make_error(ErrorKind::kUsage, "--join: the run trains with {} {}, this worker was started with {} {}",
+                        flag, it->second, flag, value);
+    }
+  }
+  return {};
+}
+
+optim::OptimizerConfig optimizer_config(const TrainConfig& c, optim::OptimizerKind kind) {
+  optim::OptimizerConfig o;
   o.kind = kind;
   o.momentum = c.momentum;
   o.nesterov = c.nesterov;
@@ -205,13 +319,16 @@ OptimizerConfig optimizer_config(const TrainConfig& c, OptimizerKind kind) {
   return o;
 }
 
-MoeOptions moe_options(const TrainConfig& c) {
-  MoeOptions o;
+model::MoeOptions moe_options(const TrainConfig& c) {
+  model::MoeOptions o;
   o.aux_loss = c.aux_loss;
   o.z_loss = c.z_loss;
   o.capacity_factor = c.capacity_factor;
   const auto policy = moe::parse_drop_policy(c.drop_policy);
   if (policy) o.drop_policy = *policy;
+  o.async_dispatch = c.dispatch == "async";
+  const auto deadline = parse_dispatch_deadline(c.dispatch_deadline);
+  if (deadline) o.dispatch_deadline_s = *deadline;
   return o;
 }
 
@@ -219,4 +336,4 @@ Result<Heterogeneity> heterogeneity_for(const TrainConfig& c, int rank) {
   return parse_heterogeneity(c.slowdown, c.straggler, rank, c.workers);
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -19,11 +19,11 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 struct TrainConfig {
   // data and model
-  std::string data = kDefaultFashionMnistDir;
+  std::string data = data::kDefaultFashionMnistDir;
   std::string val_data;    ///< token data: validation from other files ("" = the last val_split of --data)
   double val_split = 0.1;  ///< token data: the share of the tokens that validates
   int vocab_size = 0;      ///< token data: 0 = 256 for text, 50257 for llm.c token files
@@ -35,7 +35,9 @@ struct TrainConfig {
   double z_loss = 0.001;
   double capacity_factor = 1.25;
   std::string drop_policy = "residual";
-  bool expert_parallel = false;  ///< expert e lives on rank e mod workers only
+  bool expert_parallel = false;   ///< expert e lives on rank e mod workers only
+  std::string dispatch = "sync";  ///< --expert-parallel's exchanges: sync (collectives) or async (to a deadline)
+  std::string dispatch_deadline = "auto";  ///< async: auto (adaptive), none, or a duration
   // inner optimizer
   std::string optimizer = "adamw";
   double lr = 1e-3;
@@ -75,6 +77,8 @@ struct TrainConfig {
   double peer_timeout = 10;
   bool elastic = false;            ///< sync: go on without a lost worker (cfmo and localsgd always do)
   bool keep_global_batch = false;  ///< sync --elastic: the survivors take a lost worker's share of each batch
+  bool deterministic = false;      ///< cfmo: a fixed order of messages (bitwise reproducible, exact resume)
+  std::string join;                ///< host:port of a running run's rank 0: take a lost rank's place there
   // output
   int64_t log_every = 100;
   int64_t sample_every = 0;  ///< a language model: print a short sample every N steps (0: never)
@@ -91,14 +95,14 @@ void add_train_options(OptionTable& table, TrainConfig& config);
 struct TrainPlan {
   ModeKind mode = ModeKind::kSync;
   OuterKind outer_optimizer = OuterKind::kNesterov;
-  OptimizerKind optimizer = OptimizerKind::kAdamW;
-  WireDtype delta_dtype = WireDtype::kBf16;
-  Schedule::Kind schedule = Schedule::Kind::kConstant;
-  Device device;
+  optim::OptimizerKind optimizer = optim::OptimizerKind::kAdamW;
+  comm::WireDtype delta_dtype = comm::WireDtype::kBf16;
+  optim::Schedule::Kind schedule = optim::Schedule::Kind::kConstant;
+  tensor::Device device;
   double time_limit_s = 0;  ///< 0: no time limit
   int context = 0;          ///< the model's context (a language model); 0 for the MLP
 
-  const ModeEntry& mode_entry() const { return cfmo::mode_entry(mode); }
+  const ModeEntry& mode_entry() const { return cfmo::train::mode_entry(mode); }
   const ModeTraits& traits() const { return mode_entry().traits; }
 };
 
@@ -109,14 +113,23 @@ Result<TrainPlan> make_plan(const TrainConfig& config);
 /// make_plan's checks alone.
 Status validate(const TrainConfig& config);
 
+/// A joining worker's look at the run it is offered (--join, a restarted
+/// rank): `run_config` is the run's configuration as rank 0 saved it (TOML,
+/// OptionTable::to_toml), `own_config` this worker's. kUsage naming the first
+/// flag they differ in; the flags that may differ are this process's own
+/// (where it writes, how it logs, its threads, device, time limit, simulated
+/// slowness, rendezvous, peer timeout).
+Status check_join_fits(std::string_view run_config, std::string_view own_config);
+
 /// The inner optimizer's settings from the config's flags.
-OptimizerConfig optimizer_config(const TrainConfig& config, OptimizerKind kind);
+optim::OptimizerConfig optimizer_config(const TrainConfig& config, optim::OptimizerKind kind);
 
 /// How the model's Mixture-of-Experts layers train (--aux-loss, --z-loss,
-/// --capacity-factor, --drop-policy), for make_model; call after validate.
-MoeOptions moe_options(const TrainConfig& config);
+/// --capacity-factor, --drop-policy, --dispatch, --dispatch-deadline), for
+/// make_model; call after validate.
+model::MoeOptions moe_options(const TrainConfig& config);
 
 /// parse_heterogeneity (core/heterogeneity.h) of the config's --slowdown and --straggler for `rank`.
 Result<Heterogeneity> heterogeneity_for(const TrainConfig& config, int rank);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -3,7 +3,7 @@
 
 #include "train/training_run.h"
 
-namespace cfmo {
+namespace cfmo::train {
 
 Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& options) {
   CFMO_ASSIGN_OR_RETURN(const TrainPlan plan, make_plan(config));
@@ -13,4 +13,4 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   return run.finish();
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

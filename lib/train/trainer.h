@@ -12,14 +12,16 @@
 #include "train/train_config.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 
 struct StepEvent {
   int64_t step = 0;
@@ -59,12 +61,14 @@ struct TrainOptions {
   std::string config_toml;                  ///< saved beside each checkpoint
   const std::atomic<bool>* stop = nullptr;  ///< set by a signal handler: stop cleanly
   TrainObserver* observer = nullptr;
-  Communicator* comm = nullptr;  ///< the other workers; null for a single worker
+  comm::Communicator* comm = nullptr;  ///< the other workers; null for a single worker
   int local_rank = -1;           ///< this worker's index on its host (comm/world.h); -1: its rank
+  /// When this process started (a joiner's first_step_s counts from it); default: when train() starts.
+  std::optional<std::chrono::steady_clock::time_point> process_start;
 };
 
 /// Trains as configured. Errors: kUsage for bad configuration, kInput for
 /// unreadable data or checkpoints, kCheckFailed when the loss diverges.
 Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& options);
 
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -11,8 +11,11 @@
 #endif
 
 #include <algorithm>
+#include <cstring>
+#include <optional>
+#include <thread>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 namespace {
 
 /// A checkpoint resumes in the mode and with the batch size that wrote it
@@ -54,10 +57,12 @@ TrainingRun::TrainingRun(const TrainConfig& config, const TrainPlan& plan, const
       traits(plan.traits()),
       async(world > 1 && traits.asynchronous),
       expert_parallel(world > 1 && config.expert_parallel),
+      joining(comm != nullptr && comm->joined()),
+      process_start(options.process_start.value_or(Clock::now())),
       announced(static_cast<size_t>(world), false) {}
 
 Status TrainingRun::set_up() {
-  ops::set_num_threads(config.threads);
+  tensor::ops::set_num_threads(config.threads);
 #if defined(__x86_64__)
   // Flush denormals to zero on this thread: Adam's first moment of a weight
   // that stops receiving gradient decays into the denormal range within a
@@ -69,22 +74,33 @@ Status TrainingRun::set_up() {
   CFMO_TRY(resume_from_checkpoint());
   CFMO_TRY(plan_length());
   CFMO_TRY(make_mode_and_engine());
+  CFMO_TRY(join_run());
   return open_outputs();
+}
+
+Status TrainingRun::join_run() {
+  if (!joining) return {};
+  CFMO_ASSIGN_OR_RETURN(auto params, engine->host_parameters());
+  CFMO_TRY(mode->join(replicated_part(params), engine->mode_optimizer(), pos));
+  CFMO_TRY(engine->parameters_changed());
+  // A position at the very end of an epoch continues with the next one.
+  pos = resume_position(pos, batches_per_epoch);
+  return {};
 }
 
 Status TrainingRun::load_model_and_optimizer() {
   CFMO_ASSIGN_OR_RETURN(source, load_data_source(config, rank, world, plan.context));
-  MoeOptions moe = moe_options(config);
+  model::MoeOptions moe = moe_options(config);
   if (expert_parallel) {
     moe.expert_rank = rank;
     moe.expert_ranks = world;
   }
-  CFMO_ASSIGN_OR_RETURN(model_ptr, make_model(config.model, source->shape(), moe));
+  CFMO_ASSIGN_OR_RETURN(model_ptr, model::make_model(config.model, source->shape(), moe));
   model().init(static_cast<uint64_t>(config.seed));  // the same on every rank
   model_spec = model().spec_string();
-  if (expert_parallel) static_cast<Gpt&>(model()).set_expert_parallel(comm);
+  if (expert_parallel) static_cast<model::Gpt&>(model()).set_expert_parallel(comm);
   replicated = model().replicated_size();
-  for (const ParamInfo& p : model().params()) {
+  for (const model::ParamInfo& p : model().params()) {
     if (p.offset < replicated) replicated_layout.push_back(p);
   }
   train_examples = source->train_examples();
@@ -102,15 +118,16 @@ Status TrainingRun::load_model_and_optimizer() {
   }
 
   optim_config = optimizer_config(config, plan.optimizer);
-  CFMO_ASSIGN_OR_RETURN(optimizer, make_optimizer(optim_config, model().params(), model().num_params()));
+  CFMO_ASSIGN_OR_RETURN(optimizer, optim::make_optimizer(optim_config, model().params(), model().num_params()));
   return {};
 }
 
 Status TrainingRun::resume_from_checkpoint() {
   if (options.resume.empty()) return {};
   CheckpointWorld saved;
-  FloatBuffer outer;
-  CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model(), *optimizer, &saved, &outer));
+  tensor::FloatBuffer outer;
+  tensor::FloatBuffer round_sum;
+  CFMO_ASSIGN_OR_RETURN(pos, load_checkpoint(options.resume, model(), *optimizer, &saved, &outer, &round_sum));
   CFMO_TRY(check_resumable(options.resume, saved, config, world));
   CFMO_TRY(check_positions(options.resume, pos, saved, optimizer->step_count(), train_examples, config.batch_size));
   if (saved.workers != world) {
@@ -123,7 +140,21 @@ Status TrainingRun::resume_from_checkpoint() {
   if (!expert_parallel) CFMO_TRY(load_rank_optimizer(options.resume, model(), *optimizer, rank));
   resume.outer_momentum.assign(outer.begin(),
                                outer.begin() + static_cast<ptrdiff_t>(std::min(outer.size(), replicated)));
-  if (saved.workers == world) resume.ranks = saved.ranks;
+  if (saved.workers == world) {
+    resume.ranks = saved.ranks;
+    // cfmo: the owners' pending rounds and the shards' versions, and this
+    // rank's error feedback, continue where the same shards exist.
+    resume.versions = saved.shard_versions;
+    resume.outer_in_round = saved.outer_in_round;
+    if (round_sum.size() == outer.size()) {
+      resume.outer_round_sum.assign(round_sum.begin(),
+                                    round_sum.begin() + static_cast<ptrdiff_t>(std::min(round_sum.size(), replicated)));
+    }
+    if (!expert_parallel) {
+      CFMO_ASSIGN_OR_RETURN(const tensor::FloatBuffer residual, load_wire_residual(options.resume, model(), rank));
+      resume.wire_residual.assign(residual.begin(), residual.end());
+    }
+  }
   if (traits.owners_optimize && world > 1) {
     // An asgd checkpoint's optimizer state is the owners'.
     for (const auto& s : optimizer->state()) resume.owner_state.emplace_back(s.buffer->begin(), s.buffer->end());
@@ -194,8 +225,11 @@ Status TrainingRun::plan_length() {
   settings.delta_dtype = plan.delta_dtype;
   settings.peer_timeout_s = config.peer_timeout;
   settings.elastic = config.elastic;
+  settings.deterministic = config.deterministic && async;
   int64_t schedule_steps = step_limit == INT64_MAX ? 0 : step_limit;
-  if (async) {
+  // --deterministic: the workers stop at the same step, as lockstep workers
+  // do, not when a shared budget's message happens to reach them.
+  if (async && !settings.deterministic) {
     // Asynchronous workers share a budget of samples, kept by rank 0: a fast
     // worker takes more steps than a slow one. The same budget as sync's.
     int64_t budget = INT64_MAX;
@@ -221,7 +255,8 @@ Status TrainingRun::make_mode_and_engine() {
   run_dir = config.out;
   // Each reconciliation's delta goes to RUN/deltas/rank-K/, for cfmo-diverge.
   if (!run_dir.empty() && world > 1 && traits.writes_deltas) {
-    const int64_t offset = options.resume.empty() ? 0 : DeltaWriter::last_round(run_dir, rank);
+    // A resumed run, or a joiner in a lost rank's place, continues its rounds' numbering.
+    const int64_t offset = options.resume.empty() && !joining ? 0 : DeltaWriter::last_round(run_dir, rank);
     delta_writer = std::make_unique<DeltaWriter>(run_dir, rank, replicated_layout, offset);
     settings.delta_sink = [this](int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
                                  std::span<const float> delta) {
@@ -254,7 +289,8 @@ Status TrainingRun::open_outputs() {
     std::filesystem::create_directories(run_dir, ec);
     if (ec) return make_error(ErrorKind::kUsage, "--out '{}': {}", run_dir.string(), ec.message());
     const std::string name = rank == 0 ? "metrics.jsonl" : fmt::format("metrics-rank-{}.jsonl", rank);
-    CFMO_ASSIGN_OR_RETURN(metrics, MetricsLog::open(run_dir / name, options.resume.empty() ? -1 : pos.step));
+    CFMO_ASSIGN_OR_RETURN(metrics,
+                          MetricsLog::open(run_dir / name, options.resume.empty() && !joining ? -1 : pos.step));
   }
 
   summary.mode = plan.mode_entry().name;
@@ -263,13 +299,13 @@ Status TrainingRun::open_outputs() {
   summary.model = model_spec;
   summary.optimizer = config.optimizer;
   summary.data = source->description();
-  summary.blas = ops::blas_info();
+  summary.blas = tensor::ops::blas_info();
   summary.device = engine->description();
   summary.parameters = model().num_trainable();
   summary.context = context;
   summary.flops_per_example = model().flops_per_example();
   summary.flops_formula = model().flops_formula();
-  if (plan.optimizer == OptimizerKind::kMuon) {
+  if (plan.optimizer == optim::OptimizerKind::kMuon) {
     for (const auto& p : model().params())
       (p.is_matrix() ? summary.muon_tensors : summary.adamw_tensors).push_back(p.name);
   }
@@ -289,6 +325,9 @@ Status TrainingRun::open_outputs() {
   // would fail it) nor --expert-parallel (each rank's layout differs) allows.
   gathers_optimizers = world > 1 && traits.lockstep && !traits.reduces_gradients && !run_dir.empty() &&
                        !expert_parallel && !config.elastic;
+  // cfmo --deterministic: every rank meets at each checkpoint's round, so
+  // every rank's own state goes in too.
+  gathers_optimizers = gathers_optimizers || (async && settings.deterministic && !run_dir.empty());
   joins_checkpoints = expert_parallel && !run_dir.empty();
   last_checkpoint_step = options.resume.empty() ? -1 : pos.step;
   take_up_keeping();
@@ -303,7 +342,7 @@ double TrainingRun::epochs_done() const {
 
 Status TrainingRun::evaluate(bool final) {
   const auto t0 = Clock::now();
-  CFMO_ASSIGN_OR_RETURN(const EvalResult r, engine->evaluate());
+  CFMO_ASSIGN_OR_RETURN(const model::EvalResult r, engine->evaluate());
   EvalEvent event{pos.step, epochs_done(), r.loss(), r.accuracy(), seconds_since(run_start), final};
   summary.test_loss = event.test_loss;
   if (context > 0) summary.val_loss = event.test_loss;
@@ -329,7 +368,12 @@ CheckpointData TrainingRun::checkpoint_of(std::span<const float> params, const G
   data.outer_momentum.assign(outer.begin(), outer.end());
   if (global != nullptr) {
     data.world.ranks = global->ranks;
+    data.world.shard_versions = global->versions;
     data.outer_momentum.assign(global->outer_momentum.begin(), global->outer_momentum.end());
+    if (global->outer_round_sum.size() == global->outer_momentum.size()) {
+      data.outer_round_sum.assign(global->outer_round_sum.begin(), global->outer_round_sum.end());
+      data.world.outer_in_round = global->outer_in_round;
+    }
     if (!global->owner_state.empty() && global->owner_state.size() == data.optimizer_state.size()) {
       // asgd: the owners ran the optimizer; rank 0's own never stepped.
       for (size_t i = 0; i < data.optimizer_state.size(); ++i) {
@@ -352,11 +396,44 @@ Status TrainingRun::checkpoint() {
   }
   if (!checkpoints && !gathers_optimizers) return {};
   CFMO_TRY(sync_host());
+  if (async) return deterministic_checkpoint();
   if (gathers_optimizers && gathered_step != pos.step) CFMO_TRY(gather_optimizers());
   last_checkpoint_step = pos.step;
   if (!checkpoints) return {};
   CheckpointData data = checkpoint_of(model().parameters(), nullptr);
+  add_gathered(data);
+  CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(), data, options.config_toml, config.keep_checkpoints));
+  return {};
+}
+
+void TrainingRun::add_gathered(CheckpointData& data) const {
+  if (gathered_step != pos.step) return;
   data.rank_optimizer_state = gathered;
+  data.world.rank_optimizer_steps = gathered_steps;
+  data.wire_residuals = gathered_residuals;
+  if (async) data.world.ranks = gathered_positions;  // where every rank is, not where its last report said
+}
+
+Status TrainingRun::deterministic_checkpoint() {
+  // Every rank is at this round's end (every reply in), so the owners hold
+  // the round's whole result and no contribution of the next: the
+  // next round's cannot be applied before the keeper's, which it sends after
+  // its request below on the same links.
+  if (gathered_step != pos.step) CFMO_TRY(gather_optimizers());
+  last_checkpoint_step = pos.step;
+  if (!checkpoints || !mode->request_snapshot()) return {};
+  const auto deadline = Clock::now() + std::chrono::duration<double>(2 * config.peer_timeout);
+  std::optional<GlobalState> global;
+  while (!(global = mode->take_snapshot()) && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  if (!global) {
+    return make_error(ErrorKind::kPeer,
+                      "--deterministic: the owners did not answer the checkpoint at step {} within {:.1f}s", pos.step,
+                      2 * config.peer_timeout);
+  }
+  CheckpointData data = checkpoint_of(global->params, &*global);
+  add_gathered(data);
   CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(), data, options.config_toml, config.keep_checkpoints));
   return {};
 }
@@ -364,33 +441,57 @@ Status TrainingRun::checkpoint() {
 Status TrainingRun::gather_optimizers() {
   CFMO_TRY(engine->host_optimizer());
   const auto state = optimizer->state();
+  const auto residual = mode->wire_residual();
   size_t floats = 0;
   for (const auto& s : state) floats += s.buffer->size();
-  // Each rank above 0 sends its state, the buffers one after the other; rank 0 receives them all.
-  std::vector<float> own;
-  if (rank != 0) {
-    own.reserve(floats);
-    for (const auto& s : state) own.insert(own.end(), s.buffer->begin(), s.buffer->end());
+  // What each rank has and rank 0 keeps: its optimizer's buffers one after
+  // the other, its error feedback, then its optimizer's steps and position
+  // (the same sizes on every rank).
+  struct Tail {
+    int64_t optimizer_steps;
+    TrainPosition position;
+  };
+  const size_t bytes = (floats + residual.size()) * sizeof(float) + sizeof(Tail);
+  std::vector<std::byte> own(bytes);
+  {
+    auto* at = reinterpret_cast<float*>(own.data());
+    for (const auto& s : state) at = std::copy(s.buffer->begin(), s.buffer->end(), at);
+    at = std::copy(residual.begin(), residual.end(), at);
+    const Tail tail{optimizer->step_count(), pos};
+    std::memcpy(at, &tail, sizeof(Tail));
   }
-  std::vector<std::vector<float>> theirs(rank == 0 ? static_cast<size_t>(world) : 0);
+  // Each rank above 0 sends its own to rank 0, which receives them all.
+  std::vector<std::vector<std::byte>> theirs(rank == 0 ? static_cast<size_t>(world) : 0);
   std::vector<std::span<const std::byte>> send(static_cast<size_t>(world));
   std::vector<std::span<std::byte>> recv(static_cast<size_t>(world));
-  if (rank != 0) send[0] = std::as_bytes(std::span<const float>(own));
+  if (rank != 0) send[0] = own;
   for (size_t p = 1; p < theirs.size(); ++p) {
-    theirs[p].resize(floats);
-    recv[p] = std::as_writable_bytes(std::span<float>(theirs[p]));
+    theirs[p].resize(bytes);
+    recv[p] = theirs[p];
   }
   CFMO_TRY(comm->all_to_all_v(send, recv));
   gathered.clear();
-  for (size_t p = 1; p < theirs.size(); ++p) {
-    auto& per_rank = gathered.emplace_back();
-    size_t at = 0;
-    for (const auto& s : state) {
-      per_rank.emplace_back(s.name,
-                            FloatBuffer(theirs[p].begin() + static_cast<std::ptrdiff_t>(at),
-                                        theirs[p].begin() + static_cast<std::ptrdiff_t>(at + s.buffer->size())));
-      at += s.buffer->size();
+  gathered_steps.clear();
+  gathered_residuals.clear();
+  gathered_positions.clear();
+  if (rank == 0) theirs[0] = std::move(own);
+  for (size_t p = 0; p < theirs.size(); ++p) {
+    const float* at = reinterpret_cast<const float*>(theirs[p].data());
+    if (p > 0) {
+      auto& per_rank = gathered.emplace_back();
+      for (const auto& s : state) {
+        per_rank.emplace_back(s.name, tensor::FloatBuffer(at, at + s.buffer->size()));
+        at += s.buffer->size();
+      }
+    } else {
+      at += floats;
     }
+    if (!residual.empty()) gathered_residuals.emplace_back(at, at + residual.size());
+    at += residual.size();
+    Tail tail{};
+    std::memcpy(static_cast<void*>(&tail), at, sizeof(Tail));
+    gathered_steps.push_back(tail.optimizer_steps);
+    gathered_positions.push_back(tail.position);
   }
   gathered_step = pos.step;
   return {};
@@ -401,7 +502,7 @@ Status TrainingRun::write_global_checkpoint(CheckpointData data) {
     CFMO_ASSIGN_OR_RETURN(whole_model, gather_whole_model(data));
   }
   if (!checkpoints) return {};
-  const Model& layout_of = whole_model ? *whole_model : model();
+  const model::Model& layout_of = whole_model ? *whole_model : model();
   CFMO_TRY(
       write_checkpoint(run_dir, model_spec, layout_of.params(), data, options.config_toml, config.keep_checkpoints));
   return {};
@@ -416,18 +517,63 @@ Status TrainingRun::sync_host() {
 void TrainingRun::take_up_keeping() {
   if (checkpoints || run_dir.empty() || mode->keeper() != rank) return;
   checkpoints = true;
-  if (async) {
+  if (async && !expert_parallel) {
     checkpoint_writer = std::make_unique<CheckpointWriter>(run_dir, model_spec, model().params(), options.config_toml,
                                                            config.keep_checkpoints);
   }
 }
 
+std::vector<int> TrainingRun::lost_experts() const {
+  std::vector<int> out;
+  for (const int r : comm->lost_ranks()) {
+    const auto held = model_ptr->experts_held_by(r);
+    out.insert(out.end(), held.begin(), held.end());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+Status TrainingRun::announce_own_join() {
+  first_step_s = seconds_since(process_start);
+  observer().on_note(fmt::format("joined the run as rank {} at step {}: first step {:.2f}s after this process started",
+                                 rank, pos.step, first_step_s));
+  return metrics.write({{"type", "membership"},
+                        {"event", "joined"},
+                        {"rank", rank},
+                        {"joined_rank", rank},
+                        {"step", pos.step},
+                        {"wall_s", seconds_since(run_start)},
+                        {"first_step_s", first_step_s}});
+}
+
 Status TrainingRun::announce_lost() {
   if (world <= 1 || !mode->survives_losses()) return {};
+  const auto joins = comm->joined_ranks();
+  for (; joins_announced < joins.size(); ++joins_announced) {
+    const int r = joins[joins_announced];
+    announced[static_cast<size_t>(r)] = false;  // a loss of the new process is news again
+    JoinedRank joined{r, pos.step, seconds_since(run_start), -1};
+    if (options.observer != nullptr) {
+      options.observer->on_warning(fmt::format("rank {} joined (a new process in its place){}", r,
+                                               mode->shard_served_by(r) == r ? "; it serves its shard again" : ""));
+    }
+    CFMO_TRY(metrics.write({{"type", "membership"},
+                            {"event", "joined"},
+                            {"rank", rank},
+                            {"joined_rank", r},
+                            {"step", pos.step},
+                            {"wall_s", joined.wall_s}}));
+    summary.joined.push_back(joined);
+  }
   for (const int r : comm->lost_ranks()) {
     if (announced[static_cast<size_t>(r)]) continue;
     announced[static_cast<size_t>(r)] = true;
-    LostRank lost{r, pos.step, seconds_since(run_start), comm->lost_reason(r), mode->shard_served_by(r)};
+    LostRank lost{r,
+                  pos.step,
+                  seconds_since(run_start),
+                  comm->lost_reason(r),
+                  mode->shard_served_by(r),
+                  expert_parallel ? model().experts_held_by(r) : std::vector<int>{}};
     if (options.observer != nullptr) {
       options.observer->on_warning(
           fmt::format("rank {} lost ({}){}", r, lost.why,
@@ -447,4 +593,4 @@ Status TrainingRun::announce_lost() {
   return {};
 }
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

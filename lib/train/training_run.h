@@ -33,7 +33,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo::detail {
+namespace cfmo::train::detail {
 
 using Clock = std::chrono::steady_clock;
 
@@ -54,6 +54,8 @@ struct TrainingRun {
   Status redistribute(const CheckpointWorld& saved);
   Status plan_length();
   Status make_mode_and_engine();
+  /// A joiner (comm->joined()): the global state and its place's position from the run.
+  Status join_run();
   Status open_outputs();
 
   // run_loop's parts
@@ -78,7 +80,7 @@ struct TrainingRun {
 
   // shared by the phases
   TrainObserver& observer() { return options.observer != nullptr ? *options.observer : null_observer; }
-  Model& model() { return *model_ptr; }
+  model::Model& model() { return *model_ptr; }
   /// metrics.jsonl's "epoch": epochs completed, fractional within an epoch (as step/steps-per-epoch).
   double epochs_done() const;
   Status evaluate(bool final);
@@ -92,7 +94,7 @@ struct TrainingRun {
   /// experts (parameters and optimizer state) and returns the whole model
   /// with `part` (its own checkpoint data) completed in that model's layout;
   /// the others send theirs and get null.
-  Result<std::unique_ptr<Model>> gather_whole_model(CheckpointData& part);
+  Result<std::unique_ptr<model::Model>> gather_whole_model(CheckpointData& part);
   /// Writes a checkpoint (rank 0) of the global state; with
   /// --expert-parallel every rank calls it and the experts gather first.
   Status write_global_checkpoint(CheckpointData data);
@@ -100,8 +102,13 @@ struct TrainingRun {
   Status sync_host();
   /// Asynchronous workers train on without a lost peer: each says so, once a peer.
   /// Announces the ranks found lost since the last call (async modes), with
-  /// where their shards went, and writes each as a membership line of metrics.jsonl.
+  /// where their shards went, and those a new process joined, and writes each
+  /// as a membership line of metrics.jsonl.
   Status announce_lost();
+  /// --expert-parallel: the experts of the ranks found lost, in order.
+  std::vector<int> lost_experts() const;
+  /// A joiner, after its first step: says when it joined, and how long it took.
+  Status announce_own_join();
   /// This rank keeps the run now (the lowest live rank in cfmo and asgd):
   /// it takes up the checkpoints.
   void take_up_keeping();
@@ -111,7 +118,7 @@ struct TrainingRun {
   const TrainOptions& options;
   const Clock::time_point run_start = Clock::now();
   TrainObserver null_observer;
-  Communicator* comm;
+  comm::Communicator* comm;
   const int rank;
   const int world;
   const ModeTraits traits;
@@ -120,14 +127,20 @@ struct TrainingRun {
   /// only; the modes see the replicated prefix, every rank evaluates and
   /// joins each checkpoint (the experts gather on rank 0).
   const bool expert_parallel;
+  /// This process joined the run under way (--join, a restarted rank): it
+  /// takes the global state from the others and passes no start barrier.
+  const bool joining;
+  const Clock::time_point process_start;
+  double first_step_s = -1;    ///< a joiner: from process_start to the end of its first step
+  size_t joins_announced = 0;  ///< of comm->joined_ranks()
 
   // What the run trains, in the order they must be destroyed backwards (the
   // engine refers to the model, the optimizer and the data).
   std::unique_ptr<DataSource> source;
-  std::unique_ptr<Model> model_ptr;
+  std::unique_ptr<model::Model> model_ptr;
   std::string model_spec;
   size_t replicated = 0;                     ///< model().replicated_size(): what the mode reconciles
-  std::vector<ParamInfo> replicated_layout;  ///< its tensors
+  std::vector<model::ParamInfo> replicated_layout;  ///< its tensors
   /// The part of a flat buffer in the model's layout that the mode sees.
   std::span<float> replicated_part(std::span<float> flat) const {
     return flat.first(std::min(flat.size(), replicated));
@@ -136,8 +149,8 @@ struct TrainingRun {
   int vocab = 0;
   int context = 0;
   int64_t sample_every = 0;
-  OptimizerConfig optim_config;
-  std::unique_ptr<Optimizer> optimizer;
+  optim::OptimizerConfig optim_config;
+  std::unique_ptr<optim::Optimizer> optimizer;
   TrainPosition pos;
   ModeResume resume;
 
@@ -151,7 +164,7 @@ struct TrainingRun {
   ModeSettings settings;
   Heterogeneity simulated;
   double time_limit_s = 0;
-  Schedule schedule;
+  optim::Schedule schedule;
 
   std::filesystem::path run_dir;
   std::unique_ptr<DeltaWriter> delta_writer;
@@ -166,7 +179,7 @@ struct TrainingRun {
   int keeper = 0;                  ///< finish: the rank that keeps the run
   /// --expert-parallel, rank 0: the whole model of the last checkpoint, for
   /// the final model.safetensors (dropped after a mid-run checkpoint).
-  std::unique_ptr<Model> whole_model;
+  std::unique_ptr<model::Model> whole_model;
   int64_t last_checkpoint_step = -1;
   std::unique_ptr<CheckpointWriter> checkpoint_writer;
   bool checkpoint_due = false;  ///< an epoch end or --checkpoint-every asked for one
@@ -174,7 +187,15 @@ struct TrainingRun {
   /// state: the ranks' optimizers drift apart between rounds (localsgd).
   bool gathers_optimizers = false;
   int64_t gathered_step = -1;                                              ///< the step `gathered` is of
-  std::vector<std::vector<std::pair<std::string, FloatBuffer>>> gathered;  ///< rank 0: ranks 1..W-1's
+  std::vector<std::vector<std::pair<std::string, tensor::FloatBuffer>>> gathered;  ///< rank 0: ranks 1..W-1's
+  std::vector<int64_t> gathered_steps;            ///< rank 0: every rank's optimizer steps then
+  std::vector<tensor::FloatBuffer> gathered_residuals;    ///< rank 0: every rank's error feedback (cfmo), or none
+  std::vector<TrainPosition> gathered_positions;  ///< rank 0: every rank's position then
+  /// Adds what gather_optimizers gathered at this step to `data`.
+  void add_gathered(CheckpointData& data) const;
+  /// cfmo --deterministic, every rank at a round's end: the owners' state
+  /// and every rank's own into one checkpoint (the keeper writes it).
+  Status deterministic_checkpoint();
 
   // The loop's state.
   std::vector<int64_t> order;
@@ -197,4 +218,4 @@ struct TrainingRun {
   std::string stopped_by;
 };
 
-}  // namespace cfmo::detail
+}  // namespace cfmo::train::detail

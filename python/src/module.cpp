@@ -92,7 +92,7 @@ Buffers buffers_of(const Reconciler& r, const py::list& list, const char* what, 
   return out;
 }
 
-py::dict position_dict(const TrainPosition& p) {
+py::dict position_dict(const train::TrainPosition& p) {
   py::dict d;
   d["step"] = p.step;
   d["samples"] = p.samples;
@@ -102,9 +102,9 @@ py::dict position_dict(const TrainPosition& p) {
   return d;
 }
 
-TrainPosition position_from(const py::handle& h) {
+train::TrainPosition position_from(const py::handle& h) {
   const auto d = py::reinterpret_borrow<py::dict>(h);
-  TrainPosition p;
+  train::TrainPosition p;
   p.step = d["step"].cast<int64_t>();
   p.samples = d["samples"].cast<int64_t>();
   p.epoch = d.contains("epoch") ? d["epoch"].cast<int64_t>() : 0;
@@ -160,8 +160,8 @@ ReconcilerState state_from_dict(const py::dict& d) {
 }
 
 py::dict stats_of(const Reconciler& r) {
-  const ModeStats m = r.mode_stats();
-  const CommStats c = r.comm_stats();
+  const train::ModeStats m = r.mode_stats();
+  const comm::CommStats c = r.comm_stats();
   py::dict d;
   d["rank"] = r.rank();
   d["world"] = r.size();
@@ -188,9 +188,9 @@ py::dict stats_of(const Reconciler& r) {
 }
 
 /// A data set as numpy arrays: (features uint8 [count, features], labels int32 [count]).
-py::tuple dataset_arrays(cfmo::Dataset d) {
-  auto* held = new cfmo::Dataset(std::move(d));
-  py::capsule owner(held, [](void* p) { delete static_cast<cfmo::Dataset*>(p); });
+py::tuple dataset_arrays(cfmo::data::Dataset d) {
+  auto* held = new cfmo::data::Dataset(std::move(d));
+  py::capsule owner(held, [](void* p) { delete static_cast<cfmo::data::Dataset*>(p); });
   const std::vector<py::ssize_t> shape = {held->count, held->features};
   return py::make_tuple(py::array_t<uint8_t>(shape, held->pixels.data(), owner),
                         py::array_t<int32_t>({held->count}, held->labels.data(), owner));
@@ -215,7 +215,7 @@ int launch(int workers, const std::vector<std::string>& args, double grace_s) {
   Result<int> status = 0;
   {
     py::gil_scoped_release release;
-    status = launch_local(workers, argv.data(), &g_launch_stop, STDOUT_FILENO, STDERR_FILENO, grace_s);
+    status = comm::launch_local(workers, argv.data(), &g_launch_stop, STDOUT_FILENO, STDERR_FILENO, grace_s);
   }
   ::sigaction(SIGINT, &old_int, nullptr);
   ::sigaction(SIGTERM, &old_term, nullptr);
@@ -236,18 +236,18 @@ std::unique_ptr<Reconciler> make_reconciler(std::shared_ptr<World> world, const 
     tensors.push_back(std::move(v));
   }
   ReconcilerSettings s;
-  auto kind = parse_mode(mode);
+  auto kind = train::parse_mode(mode);
   if (!kind) throw ErrorException(as_keyword_error(kind.error()));
   s.mode.kind = *kind;
   s.mode.sync_interval = sync_interval;
   s.mode.staleness_discount = staleness_beta;
   s.mode.max_staleness = max_staleness;
-  auto outer_kind = parse_outer_kind(outer);
+  auto outer_kind = train::parse_outer_kind(outer);
   if (!outer_kind) throw ErrorException(as_keyword_error(outer_kind.error()));
   s.mode.outer_optimizer = *outer_kind;
   s.mode.outer_lr = outer_lr;
   s.mode.outer_momentum = outer_momentum;
-  auto dtype = parse_wire_dtype(delta_dtype);
+  auto dtype = comm::parse_wire_dtype(delta_dtype);
   if (!dtype) throw ErrorException(as_keyword_error(dtype.error()));
   s.mode.delta_dtype = *dtype;
   s.mode.peer_timeout_s = world->options.peer_timeout_s;
@@ -256,7 +256,7 @@ std::unique_ptr<Reconciler> make_reconciler(std::shared_ptr<World> world, const 
   auto get = [&](const char* key, auto fallback) {
     return optimizer.contains(key) ? optimizer[key].cast<decltype(fallback)>() : fallback;
   };
-  auto optimizer_kind = parse_optimizer_kind(get("name", std::string("adamw")));
+  auto optimizer_kind = optim::parse_optimizer_kind(get("name", std::string("adamw")));
   if (!optimizer_kind) throw ErrorException(as_keyword_error(optimizer_kind.error()));
   s.optimizer.kind = *optimizer_kind;
   s.optimizer.momentum = get("momentum", 0.0);
@@ -416,10 +416,10 @@ PYBIND11_MODULE(_cfmo, m) {
   m.def(
       "load_data",
       [](const std::string& spec, uint64_t seed) {
-        auto split = check(cfmo::load_data(spec, seed));
+        auto split = check(cfmo::data::load_data(spec, seed));
         return py::make_tuple(dataset_arrays(std::move(split.train)), dataset_arrays(std::move(split.test)));
       },
-      py::arg("spec") = cfmo::kDefaultFashionMnistDir, py::arg("seed") = 1,
+      py::arg("spec") = cfmo::data::kDefaultFashionMnistDir, py::arg("seed") = 1,
       "cfmo-train's --data: Fashion-MNIST's IDX files in a directory (Debian's dataset-fashion-mnist by default) "
       "or 'synthetic[:TRAIN[:TEST]]'; ((train_x, train_y), (test_x, test_y)), pixels as uint8.");
   m.def("launch_local", &launch, py::arg("workers"), py::arg("argv"), py::arg("grace_s") = 10.0,

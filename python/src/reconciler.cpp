@@ -15,26 +15,27 @@ namespace {
 /// The Optimizer the modes see: PyTorch steps the parameters itself, so this
 /// one only discounts its first moments (scale_first_moment, the cfmo mode's
 /// rebase) in the buffers the caller passed for the call.
-class FirstMoments final : public Optimizer {
+class FirstMoments final : public optim::Optimizer {
  public:
-  FirstMoments(const std::vector<ParamInfo>& layout, Buffers moments) : layout_(layout), moments_(std::move(moments)) {}
+  FirstMoments(const std::vector<model::ParamInfo>& layout, Buffers moments)
+      : layout_(layout), moments_(std::move(moments)) {}
   std::string_view name() const override { return "torch"; }
   void step(std::span<float>, std::span<const float>, float) override {}
   void scale_first_moment(float factor, size_t offset, size_t count) override {
     const size_t end = count > SIZE_MAX - offset ? SIZE_MAX : offset + count;
     for (size_t t = 0; t < layout_.size() && t < moments_.size(); ++t) {
       float* m = moments_[t];
-      const ParamInfo& p = layout_[t];
+      const model::ParamInfo& p = layout_[t];
       const size_t lo = std::max(offset, p.offset);
       const size_t hi = std::min(end, p.offset + p.size);
       if (m == nullptr || lo >= hi) continue;
       for (size_t i = lo; i < hi; ++i) m[i - p.offset] *= factor;
     }
   }
-  std::vector<OptimizerState> state() override { return {}; }
+  std::vector<optim::OptimizerState> state() override { return {}; }
 
  private:
-  const std::vector<ParamInfo>& layout_;
+  const std::vector<model::ParamInfo>& layout_;
   const Buffers moments_;
 };
 
@@ -55,8 +56,8 @@ namespace {
 
 /// The settings checked by cfmo-train's own rules, so both accept the same values.
 Status validate_settings(const ReconcilerSettings& s) {
-  TrainConfig c;
-  c.mode = std::string(mode_entry(s.mode.kind).name);
+  train::TrainConfig c;
+  c.mode = std::string(train::mode_entry(s.mode.kind).name);
   c.sync_interval = s.mode.sync_interval;
   c.staleness_discount = s.mode.staleness_discount;
   c.max_staleness = s.mode.max_staleness;
@@ -66,15 +67,15 @@ Status validate_settings(const ReconcilerSettings& s) {
   c.delta_dtype = std::string(to_string(s.mode.delta_dtype));
   c.peer_timeout = s.mode.peer_timeout_s;
   c.steps = 1;
-  if (s.mode.kind == ModeKind::kAsgd) {  // only asgd runs an optimizer of libcfmo's
-    c.optimizer = std::string(optimizer_kind_name(s.optimizer.kind));
+  if (s.mode.kind == train::ModeKind::kAsgd) {  // only asgd runs an optimizer of libcfmo's
+    c.optimizer = std::string(optim::optimizer_kind_name(s.optimizer.kind));
     c.momentum = s.optimizer.momentum;
     c.beta1 = s.optimizer.beta1;
     c.beta2 = s.optimizer.beta2;
     c.eps = s.optimizer.eps;
     c.weight_decay = s.optimizer.weight_decay;
   }
-  auto status = validate(c);
+  auto status = train::validate(c);
   if (!status) return as_keyword_error(status.error());
   return {};
 }
@@ -96,9 +97,10 @@ uint32_t layout_hash(const std::vector<TensorView>& tensors) {
 
 Reconciler::Reconciler(std::shared_ptr<World> world, std::vector<TensorView> tensors, ReconcilerSettings settings)
     : world_(std::move(world)), tensors_(std::move(tensors)), settings_(std::move(settings)) {
-  LayoutBuilder builder;
+  model::LayoutBuilder builder;
   for (const auto& t : tensors_) {
-    builder.add(layout_, t.name, t.shape, t.shape.size() == 2 ? ParamKind::kMatrix : ParamKind::kBias, true);
+    builder.add(layout_, t.name, t.shape, t.shape.size() == 2 ? model::ParamKind::kMatrix : model::ParamKind::kBias,
+                true);
   }
   flat_.assign(builder.size(), 0.0f);
 }
@@ -157,21 +159,22 @@ Status Reconciler::check_same_tensors() {
   return {};
 }
 
-Status Reconciler::start_mode(std::span<const float> initial, const ModeResume& resume) {
+Status Reconciler::start_mode(std::span<const float> initial, const train::ModeResume& resume) {
   mode_.reset();
   delta_writer_.reset();
-  ModeSettings mode = settings_.mode;
-  const bool writes_deltas = mode_entry(mode.kind).traits.writes_deltas;
+  train::ModeSettings mode = settings_.mode;
+  const bool writes_deltas = train::mode_entry(mode.kind).traits.writes_deltas;
   if (!settings_.out.empty() && size() > 1 && writes_deltas) {
     // A resumed run continues after its deltas, as cfmo-train's does.
-    const int64_t offset = position_.step > 0 ? DeltaWriter::last_round(settings_.out, rank()) : 0;
-    delta_writer_ = std::make_unique<DeltaWriter>(settings_.out, rank(), layout_, offset);
+    const int64_t offset = position_.step > 0 ? train::DeltaWriter::last_round(settings_.out, rank()) : 0;
+    delta_writer_ = std::make_unique<train::DeltaWriter>(settings_.out, rank(), layout_, offset);
     mode.delta_sink = [writer = delta_writer_.get()](int64_t round, int64_t step, int64_t base_version,
                                                      std::span<const float> base, std::span<const float> delta) {
       writer->submit(round, step, base_version, base, delta);
     };
   }
-  CFMO_ASSIGN_OR_RETURN(mode_, make_mode(mode, world_->comm.get(), layout_, initial, settings_.optimizer, resume));
+  CFMO_ASSIGN_OR_RETURN(mode_,
+                        train::make_mode(mode, world_->comm.get(), layout_, initial, settings_.optimizer, resume));
   // No rank posts before every rank's handlers are registered.
   if (size() > 1) CFMO_TRY(world_->comm->barrier());
   return {};
@@ -208,7 +211,7 @@ bool Reconciler::tick(int64_t samples) {
 }
 
 Status Reconciler::reconcile(const Buffers& moments) {
-  const bool async = mode_entry(settings_.mode.kind).traits.asynchronous;
+  const bool async = train::mode_entry(settings_.mode.kind).traits.asynchronous;
   if (async && rank() != 0) {
     // The others train on without a lost peer, but not without the budget keeper and gatherer.
     const auto lost = lost_ranks();
@@ -228,7 +231,7 @@ Status Reconciler::reconcile(const Buffers& moments) {
 
 Status Reconciler::reduce_gradients(const Buffers& grads, int count, float lr) {
   if (!uses_gradients()) return {};
-  FloatBuffer flat(flat_.size(), 0.0f);
+  tensor::FloatBuffer flat(flat_.size(), 0.0f);
   for (size_t t = 0; t < tensors_.size(); ++t) {
     std::memcpy(flat.data() + layout_[t].offset, grads[t], tensors_[t].size * sizeof(float));
   }
@@ -256,9 +259,9 @@ Status Reconciler::finish(const Buffers& moments) {
   return {};
 }
 
-std::vector<size_t> Reconciler::shard_bounds() const { return cfmo::shard_bounds(flat_.size(), size()); }
+std::vector<size_t> Reconciler::shard_bounds() const { return cfmo::train::shard_bounds(flat_.size(), size()); }
 
-CommStats Reconciler::comm_stats() const { return world_->comm ? world_->comm->stats() : CommStats{}; }
+comm::CommStats Reconciler::comm_stats() const { return world_->comm ? world_->comm->stats() : comm::CommStats{}; }
 
 std::vector<int> Reconciler::lost_ranks() const {
   return world_->comm ? world_->comm->lost_ranks() : std::vector<int>{};
@@ -293,7 +296,7 @@ Result<ReconcilerState> Reconciler::state_dict() {
   }
   if (!finished_ && !mode_->request_snapshot()) return s;  // not rank 0: the owners answer it
   // Rank 0: the owners answer on their progress threads, whatever their training threads do.
-  std::optional<GlobalState> global = finished_ ? mode_->final_state() : std::nullopt;
+  std::optional<train::GlobalState> global = finished_ ? mode_->final_state() : std::nullopt;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(settings_.mode.peer_timeout_s);
   while (!global && !finished_ && std::chrono::steady_clock::now() < deadline) {
     global = mode_->take_snapshot();
@@ -340,7 +343,7 @@ Status Reconciler::load_state_dict(const ReconcilerState& s) {
     std::copy(s.params.begin(), s.params.end(), flat_.begin());
     scatter();
   }
-  ModeResume resume;
+  train::ModeResume resume;
   resume.outer_momentum = s.outer_momentum;
   resume.owner_state = s.owner_state;
   resume.owner_steps = s.owner_steps;

@@ -35,8 +35,8 @@ struct TensorView {
 };
 
 struct ReconcilerSettings {
-  ModeSettings mode;          ///< name, H, beta, outer step, wire dtype, peer timeout
-  OptimizerConfig optimizer;  ///< asgd: what the owners run on their shards
+  train::ModeSettings mode;          ///< name, H, beta, outer step, wire dtype, peer timeout
+  optim::OptimizerConfig optimizer;  ///< asgd: what the owners run on their shards
   std::string out;            ///< run directory for the .cfd deltas; empty: none
 };
 
@@ -49,13 +49,13 @@ using Buffers = std::vector<float*>;
 struct ReconcilerState {
   std::string mode;
   int world = 1;
-  TrainPosition position;                       ///< this rank's
+  train::TrainPosition position;                ///< this rank's
   bool global = false;                          ///< params hold the global parameters
   std::vector<float> params;                    ///< flat, the Reconciler's layout
   std::vector<float> outer_momentum;            ///< localsgd and cfmo with nesterov; else empty
   std::vector<std::vector<float>> owner_state;  ///< asgd: the owners' optimizer state
   std::vector<int64_t> owner_steps;             ///< asgd
-  std::vector<TrainPosition> ranks;             ///< cfmo and asgd: every rank's position
+  std::vector<train::TrainPosition> ranks;      ///< cfmo and asgd: every rank's position
   std::vector<int64_t> versions;                ///< cfmo and asgd: each shard's version
 };
 
@@ -89,16 +89,16 @@ class Reconciler {
   /// workers together have seen it.
   bool stop_requested() const { return mode_->stop_requested(); }
 
-  std::string mode_name() const { return std::string(mode_entry(settings_.mode.kind).name); }
+  std::string mode_name() const { return std::string(train::mode_entry(settings_.mode.kind).name); }
   bool owns_update() const { return mode_->owns_update(); }
   bool uses_gradients() const { return size() > 1 && mode_->uses_gradients(); }
   int rank() const { return world_->rank(); }
   int size() const { return world_->size(); }
-  const TrainPosition& position() const { return position_; }
-  const std::vector<ParamInfo>& layout() const { return layout_; }
+  const train::TrainPosition& position() const { return position_; }
+  const std::vector<model::ParamInfo>& layout() const { return layout_; }
   std::vector<size_t> shard_bounds() const;
-  ModeStats mode_stats() const { return mode_->stats(); }
-  CommStats comm_stats() const;
+  train::ModeStats mode_stats() const { return mode_->stats(); }
+  comm::CommStats comm_stats() const;
   std::vector<int> lost_ranks() const;
   int64_t deltas_written() const;
   int64_t deltas_skipped() const;
@@ -115,7 +115,7 @@ class Reconciler {
  private:
   Reconciler(std::shared_ptr<World> world, std::vector<TensorView> tensors, ReconcilerSettings settings);
   Status check_same_tensors();
-  Status start_mode(std::span<const float> initial, const ModeResume& resume);
+  Status start_mode(std::span<const float> initial, const train::ModeResume& resume);
   void gather();
   void scatter();
   Status failed(Status status);
@@ -123,11 +123,11 @@ class Reconciler {
   std::shared_ptr<World> world_;
   std::vector<TensorView> tensors_;
   ReconcilerSettings settings_;
-  std::vector<ParamInfo> layout_;
-  FloatBuffer flat_;  ///< the modes' flat vector: filled only when a mode works on it
-  TrainPosition position_;
-  std::unique_ptr<DeltaWriter> delta_writer_;
-  std::unique_ptr<Mode> mode_;
+  std::vector<model::ParamInfo> layout_;
+  tensor::FloatBuffer flat_;  ///< the modes' flat vector: filled only when a mode works on it
+  train::TrainPosition position_;
+  std::unique_ptr<train::DeltaWriter> delta_writer_;
+  std::unique_ptr<train::Mode> mode_;
   bool finished_ = false;
 };
 

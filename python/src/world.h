@@ -19,12 +19,12 @@ struct WorldOptions {
 
 /// Connects this process to its world (lib/comm's connect_world); null for
 /// a world of one. The one place the module builds a communicator.
-Result<std::unique_ptr<Communicator>> connect_world(const WorldOptions& options);
+Result<std::unique_ptr<comm::Communicator>> connect_world(const WorldOptions& options);
 
 /// A connected world, shared by the objects that use it. One Reconciler at
 /// a time owns the modes' channels.
 struct World {
-  std::unique_ptr<Communicator> comm;  ///< null: a world of one, or closed
+  std::unique_ptr<comm::Communicator> comm;  ///< null: a world of one, or closed
   WorldOptions options;
   bool in_use = false;
   bool closed = false;

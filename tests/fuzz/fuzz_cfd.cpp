@@ -9,10 +9,10 @@
 #include <vector>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  cfmo::CfdLimits limits;
+  cfmo::ckpt::CfdLimits limits;
   limits.max_header_bytes = size_t{1} << 20;
   limits.max_chunk_elements = int64_t{1} << 16;  // bounds each frame's buffers
-  auto file = cfmo::CfdFile::parse(std::string(reinterpret_cast<const char*>(data), size), "fuzz.cfd", limits);
+  auto file = cfmo::ckpt::CfdFile::parse(std::string(reinterpret_cast<const char*>(data), size), "fuzz.cfd", limits);
   if (!file) {
     if (file.error().kind != cfmo::ErrorKind::kInput) std::abort();
     return 0;

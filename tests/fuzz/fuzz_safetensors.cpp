@@ -8,9 +8,10 @@
 #include <vector>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  cfmo::SafetensorsLimits limits;
+  cfmo::ckpt::SafetensorsLimits limits;
   limits.max_header_bytes = size_t{1} << 20;
-  auto file = cfmo::SafetensorsFile::parse(std::string(reinterpret_cast<const char*>(data), size), "fuzz.st", limits);
+  auto file =
+      cfmo::ckpt::SafetensorsFile::parse(std::string(reinterpret_cast<const char*>(data), size), "fuzz.st", limits);
   if (!file) {
     if (file.error().kind != cfmo::ErrorKind::kInput) std::abort();
     return 0;

@@ -78,8 +78,9 @@ TEST_F(Cuda, GemmMatchesTheCpuForEveryTranspose) {
       auto dc = on_device<float>(c);
       ASSERT_TRUE(gemm(*ctx_, ta ? Trans::kYes : Trans::kNo, tb ? Trans::kYes : Trans::kNo, m, n, k, 0.5f, da.data(),
                        lda, db.data(), ldb, 0.25f, dc.data(), n));
-      ops::gemm(ta ? ops::Trans::kYes : ops::Trans::kNo, tb ? ops::Trans::kYes : ops::Trans::kNo, m, n, k, 0.5f,
-                a.data(), lda, b.data(), ldb, 0.25f, c.data(), n);
+      tensor::ops::gemm(ta ? tensor::ops::Trans::kYes : tensor::ops::Trans::kNo,
+                        tb ? tensor::ops::Trans::kYes : tensor::ops::Trans::kNo, m, n, k, 0.5f, a.data(), lda, b.data(),
+                        ldb, 0.25f, c.data(), n);
       EXPECT_LT(relative_error(to_host(dc), c), 1e-5) << "trans_a " << ta << " trans_b " << tb;
     }
   }
@@ -99,9 +100,9 @@ Batch random_batch(int batch, int features, int classes, uint64_t seed) {
 }
 
 TEST_F(Cuda, MlpForwardBackwardMatchesTheCpu) {
-  auto spec = MlpSpec::parse("mlp:96,40", 130, 10);
+  auto spec = model::MlpSpec::parse("mlp:96,40", 130, 10);
   ASSERT_TRUE(spec);
-  Mlp cpu(*spec);
+  model::Mlp cpu(*spec);
   cpu.init(5);
   auto gpu = CudaMlp::create(*ctx_, cpu);
   ASSERT_TRUE(gpu) << gpu.error().message;
@@ -120,20 +121,20 @@ TEST_F(Cuda, MlpForwardBackwardMatchesTheCpu) {
 }
 
 TEST_F(Cuda, DeviceDatasetBatchesAndEvaluationMatchTheCpu) {
-  DataSplit data = make_synthetic(3, 600, 250);
-  auto spec = MlpSpec::parse("mlp:64", data.train.features, data.train.classes);
+  data::DataSplit data = data::make_synthetic(3, 600, 250);
+  auto spec = model::MlpSpec::parse("mlp:64", data.train.features, data.train.classes);
   ASSERT_TRUE(spec);
-  Mlp cpu(*spec);
+  model::Mlp cpu(*spec);
   cpu.init(8);
   auto gpu = CudaMlp::create(*ctx_, cpu);
   ASSERT_TRUE(gpu) << gpu.error().message;
   auto train = DeviceDataset::upload(*ctx_, data.train, "train set");
   auto test = DeviceDataset::upload(*ctx_, data.test, "test set");
   ASSERT_TRUE(train && test);
-  const auto order = epoch_order(3, 0, data.train.count);
+  const auto order = data::epoch_order(3, 0, data.train.count);
   std::vector<float> inputs(static_cast<size_t>(50) * data.train.features);
   std::vector<int32_t> labels(50);
-  gather_batch(data.train, order, 100, 50, inputs.data(), labels.data());
+  data::gather_batch(data.train, order, 100, 50, inputs.data(), labels.data());
   const float cpu_loss = cpu.forward_backward(inputs.data(), labels.data(), 50);
   auto gpu_loss = (*gpu)->forward_backward(*train, std::span<const int64_t>(order).subspan(100, 50));
   ASSERT_TRUE(gpu_loss) << gpu_loss.error().message;
@@ -141,7 +142,7 @@ TEST_F(Cuda, DeviceDatasetBatchesAndEvaluationMatchTheCpu) {
 
   std::vector<float> test_inputs(static_cast<size_t>(data.test.count) * data.test.features);
   data.test.rows_to_float(0, data.test.count, test_inputs.data());
-  const EvalResult want = cpu.evaluate(test_inputs.data(), data.test.labels.data(), data.test.count, 100);
+  const model::EvalResult want = cpu.evaluate(test_inputs.data(), data.test.labels.data(), data.test.count, 100);
   auto got = (*gpu)->evaluate(*test, 100);
   ASSERT_TRUE(got) << got.error().message;
   EXPECT_EQ(got->count, want.count);
@@ -152,15 +153,15 @@ TEST_F(Cuda, DeviceDatasetBatchesAndEvaluationMatchTheCpu) {
 class CudaOptimizers : public Cuda, public ::testing::WithParamInterface<std::string> {};
 
 TEST_P(CudaOptimizers, StepsMatchTheCpu) {
-  auto spec = MlpSpec::parse("mlp:48,24", 70, 10);
+  auto spec = model::MlpSpec::parse("mlp:48,24", 70, 10);
   ASSERT_TRUE(spec);
-  Mlp model(*spec);
+  model::Mlp model(*spec);
   model.init(2);
-  OptimizerConfig config;
-  config.kind = parse_optimizer_kind(GetParam()).value();
+  optim::OptimizerConfig config;
+  config.kind = optim::parse_optimizer_kind(GetParam()).value();
   config.weight_decay = 0.01;
-  config.nesterov = config.kind == OptimizerKind::kSgd;
-  auto cpu = make_optimizer(config, model.params(), model.num_params());
+  config.nesterov = config.kind == optim::OptimizerKind::kSgd;
+  auto cpu = optim::make_optimizer(config, model.params(), model.num_params());
   ASSERT_TRUE(cpu);
   auto gpu = CudaOptimizer::create(*ctx_, config, model.params(), model.num_params());
   ASSERT_TRUE(gpu) << gpu.error().message;
@@ -177,7 +178,7 @@ TEST_P(CudaOptimizers, StepsMatchTheCpu) {
     }
   }
   EXPECT_LT(relative_error(to_host(params), cpu_params), 1e-4) << GetParam();
-  auto mirror = make_optimizer(config, model.params(), model.num_params());
+  auto mirror = optim::make_optimizer(config, model.params(), model.num_params());
   ASSERT_TRUE(mirror);
   ASSERT_TRUE((*gpu)->download_state(**mirror));
   EXPECT_EQ((*mirror)->step_count(), (*cpu)->step_count());
@@ -196,17 +197,17 @@ TEST_F(Cuda, ClipGradNormMatchesTheCpu) {
   auto d = on_device<float>(grads);
   DeviceArray<double> scratch;
   ASSERT_TRUE(clip_grad_norm(*ctx_, d.data(), d.size(), 3.0, scratch));
-  cfmo::clip_grad_norm(grads, 3.0);
+  cfmo::optim::clip_grad_norm(grads, 3.0);
   EXPECT_LT(relative_error(to_host(d), grads), 1e-6);
 }
 
 TEST_F(Cuda, NcclAllReduceOfOneRankIsTheIdentity) {
-  auto listener = listen_tcp("127.0.0.1", 0);
+  auto listener = comm::listen_tcp("127.0.0.1", 0);
   ASSERT_TRUE(listener);
-  RendezvousConfig config;
+  comm::RendezvousConfig config;
   config.port = listener->second;
   config.listen_fd = listener->first;
-  auto host = connect_ucx(0, 1, config);
+  auto host = comm::connect_ucx(0, 1, config);
   ASSERT_TRUE(host) << host.error().message;
   auto nccl = NcclComm::create(*ctx_, **host, 30);
   ASSERT_TRUE(nccl) << nccl.error().message;
@@ -222,7 +223,7 @@ TEST_F(Cuda, NcclAllReduceOfOneRankIsTheIdentity) {
 class CudaTrain : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaTrain, FollowsTheCpuRun) {
-  TrainConfig config;
+  train::TrainConfig config;
   config.data = "synthetic:2048:512";
   config.model = "mlp:64,32";
   config.epochs = 0;
@@ -231,10 +232,10 @@ TEST_P(CudaTrain, FollowsTheCpuRun) {
   config.lr = config.optimizer == "sgd" ? 0.05 : 1e-3;
   config.clip_grad_norm = 1.0;
   config.quiet = true;
-  auto cpu = train(config, {});
+  auto cpu = train::train(config, {});
   ASSERT_TRUE(cpu) << cpu.error().message;
   config.device = "cuda";
-  auto gpu = train(config, {});
+  auto gpu = train::train(config, {});
   ASSERT_TRUE(gpu) << gpu.error().message;
   EXPECT_NE(gpu->device.find("cuda"), std::string::npos) << gpu->device;
   EXPECT_EQ(gpu->steps, cpu->steps);
@@ -250,10 +251,11 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, CudaTrain, ::testing::Values("sgd", "adamw"
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  if (cfmo::Status usable = cfmo::check_device(cfmo::Device{cfmo::DeviceKind::kCuda, 0}); !usable) {
+  if (cfmo::Status usable = cfmo::cuda::check_device(cfmo::tensor::Device{cfmo::tensor::DeviceKind::kCuda, 0});
+      !usable) {
     std::printf("skipped: %s\n", usable.error().message.c_str());
     return 77;  // meson's "skipped"
   }
-  std::printf("device: %s\n", cfmo::device_description({cfmo::DeviceKind::kCuda, 0}).c_str());
+  std::printf("device: %s\n", cfmo::cuda::device_description({cfmo::tensor::DeviceKind::kCuda, 0}).c_str());
   return RUN_ALL_TESTS();
 }

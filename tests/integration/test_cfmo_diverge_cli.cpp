@@ -67,11 +67,11 @@ struct Tensor {
 };
 
 void write_delta(const fs::path& path, int rank, int64_t round, const std::vector<Tensor>& tensors,
-                 const CfdWriteOptions& options = {}) {
-  std::vector<CfdTensorInput> inputs;
+                 const ckpt::CfdWriteOptions& options = {}) {
+  std::vector<ckpt::CfdTensorInput> inputs;
   for (const auto& t : tensors) inputs.push_back({t.name, t.shape, t.base, t.delta});
   fs::create_directories(path.parent_path());
-  auto written = write_cfd(path, {rank, round, round * 100, round - 1, {}}, inputs, options);
+  auto written = ckpt::write_cfd(path, {rank, round, round * 100, round - 1, {}}, inputs, options);
   ASSERT_TRUE(written) << written.error().message;
 }
 
@@ -90,7 +90,7 @@ fs::path make_run(const TempDir& dir, const std::string& name = "run") {
   const fs::path run_dir = dir / name;
   for (int64_t round = 1; round <= 3; ++round) {
     for (int rank = 0; rank < 2; ++rank) {
-      write_delta(delta_path(run_dir, rank, round), rank, round, scaled(rank == 1 && round == 3 ? 0.08f : 0.02f));
+      write_delta(ckpt::delta_path(run_dir, rank, round), rank, round, scaled(rank == 1 && round == 3 ? 0.08f : 0.02f));
     }
   }
   return run_dir;
@@ -191,7 +191,7 @@ TEST(CfmoDivergeCli, ReportInEveryFormat) {
   EXPECT_EQ(csv_lines[1].rfind("delta,", 0), 0u);
 
   // One .cfd file: a row per tensor and the overall figures.
-  const RunResult one = diverge({"report", delta_path(run_dir, 1, 3).string(), "--header-only"});
+  const RunResult one = diverge({"report", ckpt::delta_path(run_dir, 1, 3).string(), "--header-only"});
   ASSERT_EQ(one.status, 0) << one.err;
   EXPECT_NE(one.out.find("rank 1, round 3, step 300, base version 2"), std::string::npos) << one.out;
   EXPECT_NE(one.out.find("layers.0.bias"), std::string::npos);
@@ -232,7 +232,7 @@ TEST(CfmoDivergeCli, CheckExitsOneListingEveryViolation) {
   EXPECT_EQ(j["violations"][1]["rank"], 1);
 
   // Non-finite values fail by default.
-  write_delta(delta_path(run_dir, 0, 4), 0, 4, {{"w", {2}, {1, 1}, {std::nanf(""), 0}}});
+  write_delta(ckpt::delta_path(run_dir, 0, 4), 0, 4, {{"w", {2}, {1, 1}, {std::nanf(""), 0}}});
   const RunResult nan = diverge({"check", run_dir.string(), "--round", "4"});
   EXPECT_EQ(nan.status, 1);
   EXPECT_NE(nan.out.find("1 non-finite values exceed 0: 1 in 'w'"), std::string::npos) << nan.out;
@@ -301,7 +301,7 @@ TEST(CfmoDivergeCli, CorruptInputExitsThreeWithOneLineNamingTheFileAndTensor) {
   header_flip[40] ^= 1;
   expect_corrupt(broken("header-flip.cfd", header_flip), {"header-flip.cfd", "header checksum"});
   // A flipped payload byte without a codec reaches the frame's checksum.
-  write_delta(dir / "plain.cfd", 0, 1, scaled(0.02f), {.codec = CfdCodec::kNone, .chunk_elements = 2});
+  write_delta(dir / "plain.cfd", 0, 1, scaled(0.02f), {.codec = ckpt::CfdCodec::kNone, .chunk_elements = 2});
   std::string payload_flip = slurp(dir / "plain.cfd");
   payload_flip[payload_flip.size() - 2] ^= 0x10;
   expect_corrupt(broken("payload-flip.cfd", payload_flip),
@@ -383,7 +383,7 @@ TEST(CfmoDivergeCli, PlotWritesAWellFormedSvgOrSparklines) {
   ASSERT_TRUE(write_file_atomic(dir / "a-file", "x"));
   expect_one_line_error(diverge({"plot", run_dir.string(), "-o", (dir / "a-file" / "plot.svg").string()}), 5,
                         {"plot.svg"});
-  expect_one_line_error(diverge({"plot", delta_path(run_dir, 0, 1).string()}), 3, {"not a run directory"});
+  expect_one_line_error(diverge({"plot", ckpt::delta_path(run_dir, 0, 1).string()}), 3, {"not a run directory"});
 }
 
 TEST(CfmoDivergeCli, WatchPrintsAFinishedRunAndStops) {
@@ -391,7 +391,7 @@ TEST(CfmoDivergeCli, WatchPrintsAFinishedRunAndStops) {
   const fs::path run_dir = make_run(dir);
   ASSERT_TRUE(write_file_atomic(run_dir / "model.safetensors", "final"));
   fs::last_write_time(run_dir / "model.safetensors",
-                      fs::last_write_time(delta_path(run_dir, 1, 3)) + std::chrono::seconds(1));
+                      fs::last_write_time(ckpt::delta_path(run_dir, 1, 3)) + std::chrono::seconds(1));
   const RunResult r = diverge({"watch", run_dir.string(), "--max-rel-l2", "10%"}, 60);
   ASSERT_FALSE(r.timed_out);
   EXPECT_EQ(r.status, 0) << r.err;
@@ -413,15 +413,15 @@ TEST(CfmoDivergeCli, WatchPrintsAFinishedRunAndStops) {
 TEST(CfmoDivergeCli, WatchFollowsNewDeltasUntilMaxRoundsOrTimeout) {
   TempDir dir;
   const fs::path run_dir = dir / "run";
-  write_delta(delta_path(run_dir, 0, 1), 0, 1, scaled(0.01f));
-  write_delta(delta_path(run_dir, 1, 1), 1, 1, scaled(0.01f));
+  write_delta(ckpt::delta_path(run_dir, 0, 1), 0, 1, scaled(0.01f));
+  write_delta(ckpt::delta_path(run_dir, 1, 1), 1, 1, scaled(0.01f));
   // Round 2 appears while watch runs; whenever it appears, watch prints it and stops after 3 deltas.
   bool written = false;
   const RunResult r =
       run({binary(), "watch", run_dir.string(), "--interval", "50ms", "--max-rounds", "3", "--timeout", "60s"}, 90, {},
           [&](pid_t, double elapsed) {
             if (!written && elapsed > 0.2) {
-              write_delta(delta_path(run_dir, 0, 2), 0, 2, scaled(0.03f));
+              write_delta(ckpt::delta_path(run_dir, 0, 2), 0, 2, scaled(0.03f));
               written = true;
             }
           });
@@ -443,7 +443,7 @@ TEST(CfmoDivergeCli, WatchFollowsNewDeltasUntilMaxRoundsOrTimeout) {
 TEST(CfmoDivergeCli, WatchStopsOnSigint) {
   TempDir dir;
   const fs::path run_dir = dir / "run";
-  write_delta(delta_path(run_dir, 0, 1), 0, 1, scaled(0.01f));
+  write_delta(ckpt::delta_path(run_dir, 0, 1), 0, 1, scaled(0.01f));
   bool sent = false;
   const RunResult r = run({binary(), "watch", run_dir.string(), "--interval", "50ms", "--timeout", "60s"}, 90, {},
                           [&](pid_t pid, double elapsed) {
@@ -474,7 +474,7 @@ TEST(CfmoDivergeCli, DeltasFromARealTrainingRun) {
   const fs::path base_ckpt = base_run / "checkpoints" / "step-00000008";
   const fs::path base_model = base_ckpt / "model.safetensors";
   ASSERT_TRUE(fs::exists(base_model));
-  auto base = SafetensorsFile::read(base_model);
+  auto base = ckpt::SafetensorsFile::read(base_model);
   ASSERT_TRUE(base) << base.error().message;
 
   const fs::path run_dir = dir / "cfmo-run";
@@ -487,7 +487,7 @@ TEST(CfmoDivergeCli, DeltasFromARealTrainingRun) {
                   .status,
               0);
     locals.push_back(local_run / "model.safetensors");
-    auto local = SafetensorsFile::read(locals.back());
+    auto local = ckpt::SafetensorsFile::read(locals.back());
     ASSERT_TRUE(local) << local.error().message;
     std::vector<std::vector<float>> bases;
     std::vector<std::vector<float>> deltas;
@@ -500,7 +500,7 @@ TEST(CfmoDivergeCli, DeltasFromARealTrainingRun) {
       for (size_t i = 0; i < l.size(); ++i) t.delta.push_back(l[i] - t.base[i]);
       tensors.push_back(std::move(t));
     }
-    write_delta(delta_path(run_dir, rank, 1), rank, 1, tensors);
+    write_delta(ckpt::delta_path(run_dir, rank, 1), rank, 1, tensors);
   }
   const RunResult report = diverge({"report", run_dir.string(), "--format", "json"});
   ASSERT_EQ(report.status, 0) << report.err;

@@ -220,8 +220,8 @@ TEST(CfmoPullCli, AMalformedRegistryIsExitTwoAtOnceNotRetried) {
 }
 
 // cfmo-pull index on a pulled image of a gzip, a zstd and a plain layer:
-// the gzip and plain ones indexed (their files listed with their offsets),
-// the zstd one named as not lazily loadable; a damaged index is exit 3.
+// each indexed (their files listed with their offsets), the zstd one, of
+// one frame, named as not lazily loadable; a damaged index is exit 3.
 TEST_F(PullFixture, IndexMakesASeekableIndexOfEachGzipLayer) {
   using namespace cfmo::testing;
   const std::vector<TarEntry> files = {dir("etc"), file("etc/os-release", "ID=fixture\n"),
@@ -243,8 +243,11 @@ TEST_F(PullFixture, IndexMakesASeekableIndexOfEachGzipLayer) {
   EXPECT_EQ(j["layers"][0]["indexed"], true);
   EXPECT_EQ(j["layers"][0]["entries"], files.size());
   EXPECT_GE(j["layers"][0]["checkpoints"].get<int>(), 2);
-  EXPECT_EQ(j["layers"][1]["indexed"], false);
+  EXPECT_EQ(j["layers"][1]["indexed"], true);
+  EXPECT_EQ(j["layers"][1]["checkpoints"], 1);
+  EXPECT_NE(j["layers"][1]["note"].get<std::string>().find("one zstd frame"), std::string::npos);
   EXPECT_NE(j["layers"][1]["note"].get<std::string>().find("not lazily loadable"), std::string::npos);
+  EXPECT_TRUE(j["layers"][0]["note"].is_null());
   EXPECT_EQ(j["layers"][2]["indexed"], true);
   // The layers are unchanged, and the index is beside them, in DIR/cfmo-index/.
   for (const auto& layer : image.layers) expect_blob(dir, layer);
@@ -254,7 +257,7 @@ TEST_F(PullFixture, IndexMakesASeekableIndexOfEachGzipLayer) {
   const RunResult listed = pull({"index", dir.string(), "--list", "--json"});
   ASSERT_EQ(listed.status, 0) << listed.err;
   const Json l = Json::parse(listed.out);
-  ASSERT_EQ(l["layers"].size(), 2u);
+  ASSERT_EQ(l["layers"].size(), 3u);
   const Json& entries = l["layers"][0]["entries"];
   ASSERT_EQ(entries.size(), files.size());
   EXPECT_EQ(entries[2]["path"], "big");

@@ -1,7 +1,8 @@
 // cfmo-pull mount --lazy: a real FUSE mount (skipped where /dev/fuse or the
-// right to mount is missing) of an image whose cold layers are in a real
-// docker-registry, read through a fault-injecting proxy, compared with the
-// rootfs a full pull unpacks.
+// right to mount is missing) of an image whose cold layers (gzip, zstd in
+// frames or in one, uncompressed) are in a real docker-registry, read
+// through a fault-injecting proxy, compared with the rootfs a full pull
+// unpacks.
 #include "integration/fault_proxy.h"
 #include "integration/registry_fixture.h"
 #include "oci/gzip_index.h"
@@ -11,6 +12,7 @@
 #include "support/tree_listing.h"
 
 #include <fcntl.h>
+#include <pwd.h>
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -78,6 +80,11 @@ class Lazy : public ::testing::Test {
     std::vector<std::string> args = {
         "mount", lazy_dir().string(), point().string(), "--lazy", "--json", "--retries", "1", "--retry-delay", "0.01"};
     args.insert(args.end(), extra.begin(), extra.end());
+    return mount_with(args);
+  }
+
+  /// `mount` with these arguments (a REF mount's); skips where FUSE mounts are not allowed.
+  Json mount_with(const std::vector<std::string>& args) {
     const RunResult r = pull(args);
     if (r.status == 2 && r.err.find("FUSE mount failed") != std::string::npos) {
       skipped_ = true;
@@ -130,6 +137,11 @@ class Lazy : public ::testing::Test {
 
 #define MOUNT_OR_SKIP(j, ...)                                  \
   const Json j = mount(__VA_ARGS__);                           \
+  if (skipped_) GTEST_SKIP() << "FUSE mounts are not allowed"; \
+  ASSERT_TRUE(j.is_object())
+
+#define MOUNT_WITH_OR_SKIP(j, args)                            \
+  const Json j = mount_with(args);                             \
   if (skipped_) GTEST_SKIP() << "FUSE mounts are not allowed"; \
   ASSERT_TRUE(j.is_object())
 
@@ -467,6 +479,351 @@ TEST_F(Lazy, ACorruptIndexArtifactIsRefused) {
   EXPECT_FALSE(fs::exists(oci::index_path(lazy_dir(), oci::sha256_digest(image_->layers[0]))));
 }
 
+/// Layers that are not gzip: zstd in frames of 64 KiB of tar (a whiteout
+/// among them), zstd in one frame, and an uncompressed tar, over a gzip base.
+FixtureImage zstd_image() {
+  using namespace cfmo::testing;
+  const std::string base = make_tar({dir("etc"), file("etc/os-release", "ID=zstd\n"), file("gone", "whited out\n")});
+  const std::string framed =
+      make_tar({whiteout("", "gone"), dir("data"), file("data/first", random_bytes(200000, 21)),
+                file("data/log", std::string(300000, 'z')), file("data/last", random_bytes(250001, 22))});
+  const std::string single =
+      make_tar({dir("one"), file("one/big", random_bytes(400000, 23)), file("one/small", "small\n")});
+  const std::string plain = make_tar({dir("plain"), file("plain/file", random_bytes(150000, 24))});
+  return make_real_image({{base, "tar+gzip"}, {framed, "tar+zstd", 64 << 10}, {single, "tar+zstd"}, {plain, "tar"}});
+}
+
+// Layers that are not gzip, pushed with their indexes to the real registry:
+// the zstd layer of many frames is read by the spans between frames, as gzip
+// is; the zstd layer of one frame is named as not lazily loadable and
+// fetched whole before the mount, then read from its start; the
+// uncompressed tar is read by offsets. The tree and every file equal the
+// full pull's rootfs.
+TEST_F(Lazy, ZstdFramesAndPlainTarsAreReadBySpansAndOneZstdFrameIsFetchedWhole) {
+  const std::string repository = "zstd/app";
+  const FixtureImage image = zstd_image();
+  ASSERT_TRUE(push_image(*registry_, repository, "v1", image)) << registry_->log();
+  const std::string ref = registry_->host() + "/" + repository + ":v1";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+  const RunResult indexed = pull({"index", (out_ / "full").string(), "--span", kSpan, "--push", "--json"});
+  ASSERT_EQ(indexed.status, 0) << indexed.err;
+  const Json idx = Json::parse(indexed.out);
+  ASSERT_EQ(idx["layers"].size(), 4u) << idx;
+  for (const auto& l : idx["layers"]) EXPECT_EQ(l["indexed"], true) << l;
+  EXPECT_GE(idx["layers"][1]["checkpoints"].get<int>(), 5) << "frames of 64K, spans of 64K";
+  EXPECT_GE(idx["layers"][1]["members"].get<int>(), 5) << idx["layers"][1];
+  EXPECT_TRUE(idx["layers"][1]["note"].is_null()) << idx["layers"][1];
+  EXPECT_EQ(idx["layers"][2]["checkpoints"], 1) << idx["layers"][2];
+  EXPECT_NE(idx["layers"][2]["note"].get<std::string>().find("not lazily loadable"), std::string::npos);
+  EXPECT_EQ(idx["pushed"]["layers"], 4) << idx;
+  const RunResult rootfs = pull({"pull", ref, "--output", "rootfs:" + (out_ / "rootfs").string(), "--cache",
+                                 (out_ / "cache").string(), "--plain-http", "-q"});
+  ASSERT_EQ(rootfs.status, 0) << rootfs.err;
+
+  // A lazy pull through a proxy that counts: the indexes come from the registry.
+  FaultProxy proxy(registry_->host());
+  const RunResult lazy = pull({"pull", proxy.host() + "/" + repository + ":v1", "--output",
+                               "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
+  ASSERT_EQ(lazy.status, 0) << lazy.err;
+  fs::create_directories(point());
+  MOUNT_OR_SKIP(j, {"--max-memory", "64M"});
+  ASSERT_EQ(j["layers"].size(), 4u) << j;
+  EXPECT_EQ(j["layers"][0]["local"], false) << j;
+  EXPECT_EQ(j["layers"][1]["local"], false) << j;
+  EXPECT_EQ(j["layers"][2]["local"], true) << "one zstd frame: fetched whole first " << j;
+  EXPECT_EQ(j["layers"][3]["local"], false) << j;
+  ASSERT_EQ(j["notes"].size(), 1u) << j;
+  EXPECT_NE(j["notes"][0].get<std::string>().find("layer 2: one zstd frame"), std::string::npos) << j;
+  EXPECT_NE(j["notes"][0].get<std::string>().find("not lazily loadable"), std::string::npos) << j;
+  EXPECT_EQ(proxy.requests("/blobs/" + oci::sha256_digest(image.layers[2])).size(), 1u) << "fetched whole, once";
+  EXPECT_EQ(stats().bytes_fetched, 0);
+
+  // One file of the framed layer: the spans that hold it, by Range requests.
+  const std::string framed_blob = "/blobs/" + oci::sha256_digest(image.layers[1]);
+  EXPECT_EQ(slurp(point() / "data" / "last"), testing::random_bytes(250001, 22));
+  const int64_t one = stats().bytes_fetched;
+  EXPECT_GT(one, 0);
+  EXPECT_LT(one, static_cast<int64_t>(image.layers[1].size()) - 150000) << "data/first's spans were fetched too";
+  const auto ranged = proxy.requests(framed_blob);
+  ASSERT_FALSE(ranged.empty());
+  EXPECT_EQ(fs::file_size(point() / "plain" / "file"), 150000u);
+  // The one-frame layer, read late first, then early: decoded from its start again, right both times.
+  const int fd = ::open((point() / "one" / "big").c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  std::string late(4096, '\0');
+  std::string early(4096, '\0');
+  EXPECT_EQ(::pread(fd, late.data(), late.size(), 390000), 4096);
+  EXPECT_EQ(::pread(fd, early.data(), early.size(), 100), 4096);
+  ::close(fd);
+  const std::string big = testing::random_bytes(400000, 23);
+  EXPECT_TRUE(late == big.substr(390000, 4096));
+  EXPECT_TRUE(early == big.substr(100, 4096));
+  // Every file, whiteouts applied, as the full pull unpacked them.
+  EXPECT_EQ(without_runtime_dirs(point()), testing::list_tree(out_ / "rootfs"));
+  EXPECT_FALSE(fs::exists(point() / "gone"));
+  const auto all = stats();
+  EXPECT_EQ(all.errors, 0) << log();
+  int64_t cold_bytes = 0;
+  for (const size_t i : {size_t{0}, size_t{1}, size_t{3}}) cold_bytes += static_cast<int64_t>(image.layers[i].size());
+  EXPECT_LE(all.bytes_fetched, cold_bytes + 4096) << "a span was fetched twice";
+  umount();
+  EXPECT_EQ(pull({"rm", (out_ / "full").string(), "-q"}).status, 0);
+}
+
+/// The FUSE mounts at `point` in the mount table of process `pid`, as mountinfo lines.
+std::vector<std::string> fuse_mounts_at(int pid, const fs::path& point) {
+  std::vector<std::string> out;
+  const std::string field = fmt::format(" {} ", point.string());
+  for (const auto& line : testing::lines(slurp(fmt::format("/proc/{}/mountinfo", pid)))) {
+    if (line.find(field) != std::string::npos && line.find(" fuse.") != std::string::npos) out.push_back(line);
+  }
+  return out;
+}
+
+// Without root, the mount goes through fusermount3 (setuid root), as libfuse
+// does for a user: the daemon runs as that user, umount and SIGTERM detach
+// it with fusermount3 -u, a mount whose daemon was killed is detached by
+// umount too, and --writable (an overlay, which needs root) is refused
+// without leaving the lazy mount behind. Run as nobody, from root, in a
+// mount namespace of the test's own: there /dev/fuse is a node of the test's
+// that any user may open, as distributions make it (this machine's is 0600,
+// which stops fusermount3 too), and whatever is left mounted goes with the
+// namespace.
+TEST_F(Lazy, WithoutRootTheMountGoesThroughFusermount3AndLeavesNoMountBehind) {
+  if (::geteuid() != 0) GTEST_SKIP() << "the test becomes nobody with setpriv and makes a mount namespace: needs root";
+  if (!fs::exists("/usr/bin/fusermount3")) GTEST_SKIP() << "/usr/bin/fusermount3 is not installed (Debian fuse3)";
+  if (!fs::exists("/usr/bin/nsenter") || !fs::exists("/usr/bin/unshare")) GTEST_SKIP() << "no nsenter or unshare";
+  const passwd* nobody = ::getpwnam("nobody");
+  if (nobody == nullptr) GTEST_SKIP() << "no user nobody";
+  const uid_t uid = nobody->pw_uid;
+  const gid_t gid = nobody->pw_gid;
+  prepare(registry_->host());
+  // The lazy pull and the mount point belong to nobody; the way there is open.
+  fs::permissions(out_.path(), fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
+  for (const fs::path& top : {lazy_dir(), point()}) {
+    ASSERT_EQ(::lchown(top.c_str(), uid, gid), 0);
+    for (const auto& e : fs::recursive_directory_iterator(top))
+      ASSERT_EQ(::lchown(e.path().c_str(), uid, gid), 0) << e.path();
+  }
+  testing::Background holder = testing::spawn({"/usr/bin/unshare", "--mount", "--propagation", "private",
+                                               "/usr/bin/setpriv", "--pdeathsig", "KILL", "/bin/sleep", "300"},
+                                              {}, "/dev/null", "/dev/null");
+  struct Reaper {
+    testing::Background& b;
+    ~Reaper() { b.reap(); }
+  } reaper{holder};
+  ASSERT_GT(holder.pid, 0);
+  const std::string own_ns = fs::read_symlink("/proc/self/ns/mnt").string();
+  for (int i = 0; i < 100; ++i) {
+    std::error_code ec;
+    const auto ns = fs::read_symlink(fmt::format("/proc/{}/ns/mnt", holder.pid), ec);
+    if (!ec && ns.string() != own_ns) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  auto in_ns = [&](std::vector<std::string> args, bool as_nobody) {
+    if (as_nobody) {
+      args.insert(args.begin(), {"/usr/bin/setpriv", "--reuid", std::to_string(uid), "--regid", std::to_string(gid),
+                                 "--clear-groups", "--"});
+    }
+    args.insert(args.begin(), {"/usr/bin/nsenter", "-t", std::to_string(holder.pid), "-m", "--"});
+    return run(args, 120);
+  };
+  const fs::path node = out_ / "fuse";
+  const RunResult device =
+      in_ns({"/bin/sh", "-c",
+             fmt::format("mknod -m 666 '{}' c 10 229 && mount --bind '{}' /dev/fuse", node.string(), node.string())},
+            false);
+  if (device.status != 0) GTEST_SKIP() << "cannot give the namespace a /dev/fuse for users: " << device.err;
+
+  const std::string tool = fs::absolute(binary()).string();
+  const std::vector<std::string> mount_args = {
+      tool,  "mount", lazy_dir().string(), point().string(), "--lazy", "--json", "--retries", "1", "--retry-delay",
+      "0.01"};
+  RunResult mounted = in_ns(mount_args, true);
+  if (mounted.status == 2 && mounted.err.find("FUSE mount failed") != std::string::npos)
+    GTEST_SKIP() << "fusermount3 may not mount here: " << mounted.err << log();
+  ASSERT_EQ(mounted.status, 0) << mounted.err;
+  guard_.pid = Json::parse(mounted.out).value("pid", 0);
+  // The daemon is nobody's, and so is the mount (fusermount3 records the user).
+  EXPECT_NE(slurp(fmt::format("/proc/{}/status", guard_.pid)).find(fmt::format("Uid:\t{}\t", uid)), std::string::npos);
+  const fs::path where = fs::canonical(point());
+  const auto mounts = fuse_mounts_at(holder.pid, where);
+  ASSERT_EQ(mounts.size(), 1u) << slurp(fmt::format("/proc/{}/mountinfo", holder.pid));
+  EXPECT_NE(mounts[0].find(fmt::format("user_id={}", uid)), std::string::npos) << mounts[0];
+  EXPECT_TRUE(fuse_mounts_at(::getpid(), where).empty()) << "the mount leaked out of the namespace";
+  // nobody reads a file of a cold layer through it.
+  const RunResult cat = in_ns({"/bin/cat", (point() / "etc" / "os-release").string()}, true);
+  EXPECT_EQ(cat.status, 0) << cat.err;
+  EXPECT_EQ(cat.out, "ID=lazy\n");
+  EXPECT_GT(stats().bytes_fetched, 0);
+  const RunResult down = in_ns({tool, "umount", point().string()}, true);
+  EXPECT_EQ(down.status, 0) << down.err;
+  EXPECT_FALSE(alive(guard_.pid)) << "the daemon outlived umount";
+  EXPECT_TRUE(fuse_mounts_at(holder.pid, where).empty()) << "umount left the mount behind";
+
+  // SIGTERM alone: the daemon detaches its mount with fusermount3 and ends.
+  mounted = in_ns(mount_args, true);
+  ASSERT_EQ(mounted.status, 0) << mounted.err;
+  guard_.pid = Json::parse(mounted.out).value("pid", 0);
+  ::kill(guard_.pid, SIGTERM);
+  for (int i = 0; i < 200 && alive(guard_.pid); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(alive(guard_.pid));
+  EXPECT_TRUE(fuse_mounts_at(holder.pid, where).empty()) << "SIGTERM left the mount behind";
+
+  // A daemon killed outright leaves a dead mount: umount, as nobody, detaches it.
+  mounted = in_ns(mount_args, true);
+  ASSERT_EQ(mounted.status, 0) << mounted.err;
+  guard_.pid = Json::parse(mounted.out).value("pid", 0);
+  ::kill(guard_.pid, SIGKILL);
+  for (int i = 0; i < 200 && alive(guard_.pid); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_EQ(fuse_mounts_at(holder.pid, where).size(), 1u);
+  const RunResult dead = in_ns({tool, "umount", point().string()}, true);
+  EXPECT_EQ(dead.status, 0) << dead.err;
+  EXPECT_TRUE(fuse_mounts_at(holder.pid, where).empty()) << "the dead mount was left behind";
+
+  // --writable needs an overlay, which nobody may not mount: refused, and the lazy mount below goes too.
+  std::vector<std::string> writable = mount_args;
+  writable.push_back("--writable");
+  const RunResult refused = in_ns(writable, true);
+  EXPECT_EQ(refused.status, 2) << refused.err;
+  EXPECT_EQ(testing::lines(refused.err).size(), 1u) << refused.err;
+  EXPECT_NE(refused.err.find("--writable"), std::string::npos) << refused.err;
+  for (const auto& line : testing::lines(slurp(fmt::format("/proc/{}/mountinfo", holder.pid))))
+    EXPECT_EQ(line.find(lazy_dir().string()), std::string::npos) << "left mounted: " << line;
+  EXPECT_TRUE(fuse_mounts_at(holder.pid, where).empty());
+  guard_.point.clear();
+  guard_.pid = 0;
+}
+
+/// What is left under CACHE/lazy: the layouts of mounts by REF.
+size_t lazy_layouts(const fs::path& cache) {
+  std::error_code ec;
+  if (!fs::is_directory(cache / "lazy", ec)) return 0;
+  return static_cast<size_t>(std::distance(fs::directory_iterator(cache / "lazy"), fs::directory_iterator()));
+}
+
+// mount --lazy REF: no pull first. With indexes pushed for the image, the
+// mount fetches the manifest, the config and the indexes, no layer; files
+// come span by span on first read; the layout stays under --cache for the
+// next mount, whose reads the span cache serves; rm takes it away.
+TEST_F(Lazy, MountsAnImageStraightFromTheRegistry) {
+  const std::string repository = "byref/app";
+  ASSERT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
+  const std::string ref = registry_->host() + "/" + repository + ":v1";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", kSpan, "--push", "-q"}).status, 0);
+  const RunResult rootfs = pull({"pull", ref, "--output", "rootfs:" + (out_ / "rootfs").string(), "--cache",
+                                 (out_ / "blobs").string(), "--plain-http", "-q"});
+  ASSERT_EQ(rootfs.status, 0) << rootfs.err;
+  fs::create_directories(point());
+  const fs::path cache = out_ / "cache";
+  FaultProxy proxy(registry_->host());
+  const std::vector<std::string> args = {"mount",          "--lazy",       proxy.host() + "/" + repository + ":v1",
+                                         point().string(), "--cache",      cache.string(),
+                                         "--plain-http",   "--max-memory", "64M",
+                                         "--json"};
+  MOUNT_WITH_OR_SKIP(j, args);
+  EXPECT_EQ(j["image"], proxy.host() + "/" + repository + ":v1") << j;
+  const fs::path dir = j["dir"].get<std::string>();
+  EXPECT_EQ(dir.parent_path(), fs::absolute(cache / "lazy")) << j;
+  EXPECT_NE(dir.filename().string().find(image_->manifest_digest.substr(7, 16)), std::string::npos) << j;
+  for (const auto& l : j["layers"]) {
+    EXPECT_EQ(l["local"], false) << l;
+    EXPECT_EQ(l["index_from"], "dir") << l;
+  }
+  // Nothing of a layer came before a file was read: one Range request of a
+  // byte asks whether the registry serves parts of a blob, and that is all.
+  size_t layer_requests = 0;
+  for (const auto& layer : image_->layers) {
+    for (const auto& seen : proxy.requests("/blobs/" + oci::sha256_digest(layer))) {
+      EXPECT_EQ(seen.range_start, 0) << "a layer fetched whole before a read: " << seen.target;
+      ++layer_requests;
+    }
+  }
+  EXPECT_LE(layer_requests, 1u);
+  auto fetched = [&] {
+    auto s = oci::read_lazy_stats(dir);
+    return s ? s->bytes_fetched : -1;
+  };
+  EXPECT_EQ(fetched(), 0);
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  EXPECT_GT(fetched(), 0);
+  EXPECT_LT(fetched(), static_cast<int64_t>(image_->layers[0].size()) / 2) << "more than the file's span was fetched";
+  EXPECT_EQ(without_runtime_dirs(point()), testing::list_tree(out_ / "rootfs"));
+  // Under --max-memory, the daemon's peak included.
+  const std::string status = slurp(fmt::format("/proc/{}/status", guard_.pid));
+  const auto hwm = status.find("VmHWM:");
+  ASSERT_NE(hwm, std::string::npos);
+  EXPECT_LT(std::stoll(status.substr(hwm + 6)) * 1024, int64_t{64} << 20) << status.substr(hwm, 30);
+  umount();
+
+  // Mounted again by REF: the same layout, whose span cache serves every read.
+  MOUNT_WITH_OR_SKIP(second, args);
+  EXPECT_EQ(second["dir"], dir.string());
+  EXPECT_EQ(slurp(point() / "usr" / "big"), testing::random_bytes(700000, 3));
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  EXPECT_EQ(fetched(), 0) << "the span cache of the first mount was not used";
+  umount();
+  EXPECT_EQ(lazy_layouts(cache), 1u);
+  EXPECT_EQ(pull({"rm", dir.string(), "-q"}).status, 0);
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+}
+
+// Without indexes in the registry, mount --lazy REF fetches the layers it
+// cannot seek whole, indexes them, and says so.
+TEST_F(Lazy, MountByRefWithoutPushedIndexesBuildsThem) {
+  fs::create_directories(point());
+  const fs::path cache = out_ / "cache";
+  MOUNT_WITH_OR_SKIP(
+      j, (std::vector<std::string>{"mount", "--lazy", registry_->host() + "/" + kImage + ":v1", point().string(),
+                                   "--cache", cache.string(), "--plain-http", "--json"}));
+  ASSERT_EQ(j["layers"].size(), 3u) << j;
+  for (const auto& l : j["layers"]) {
+    EXPECT_EQ(l["local"], true) << l;
+    EXPECT_EQ(l["index_from"], "built") << l;
+    EXPECT_NE(l["note"].get<std::string>().find("no index"), std::string::npos) << l;
+  }
+  EXPECT_EQ(slurp(point() / "lib" / "runtime.so"), testing::random_bytes(150000, 7));
+  EXPECT_FALSE(fs::exists(point() / "old"));
+  umount();
+  EXPECT_EQ(pull({"rm", j["dir"].get<std::string>(), "-q"}).status, 0);
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+}
+
+// A tag the registry does not have: exit 3 in one line, nothing mounted,
+// no layout left; a REF without --lazy and --cache without REF are usage errors.
+TEST_F(Lazy, MountByABadRefFailsCleanly) {
+  fs::create_directories(point());
+  const fs::path cache = out_ / "cache";
+  const RunResult r = pull({"mount", "--lazy", registry_->host() + "/" + kImage + ":nosuchtag", point().string(),
+                            "--cache", cache.string(), "--plain-http", "--retries", "0"});
+  EXPECT_EQ(r.status, 3) << r.err;
+  EXPECT_EQ(testing::lines(r.err).size(), 1u) << r.err;
+  EXPECT_NE(r.err.find("nosuchtag"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::is_empty(point()));
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+  EXPECT_TRUE(oci::mounted_source(fs::canonical(point())).empty());
+
+  // A registry that is not there: exit 4, and nothing left either.
+  const RunResult gone = pull({"mount", "--lazy", "127.0.0.1:1/none/app:v1", point().string(), "--cache",
+                               cache.string(), "--plain-http", "--retries", "0"});
+  EXPECT_EQ(gone.status, 4) << gone.err;
+  EXPECT_EQ(testing::lines(gone.err).size(), 1u) << gone.err;
+  EXPECT_TRUE(fs::is_empty(point()));
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+
+  // A mount point that is not a directory is refused before anything is fetched.
+  const RunResult no_point = pull({"mount", "--lazy", registry_->host() + "/" + kImage + ":v1",
+                                   (out_ / "nowhere").string(), "--cache", cache.string(), "--plain-http"});
+  EXPECT_EQ(no_point.status, 2) << no_point.err;
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+
+  const RunResult not_lazy =
+      pull({"mount", registry_->host() + "/" + kImage + ":v1", point().string(), "--cache", cache.string()});
+  EXPECT_EQ(not_lazy.status, 2) << not_lazy.err;
+  EXPECT_NE(not_lazy.err.find("--cache"), std::string::npos) << not_lazy.err;
+}
+
 /// A static busybox, or empty with the reason it cannot be used.
 std::string static_busybox(std::string& why) {
   const std::string bytes = slurp("/bin/busybox");
@@ -521,6 +878,80 @@ class LazyContainer : public ::testing::Test {
     }
   };
 
+  /// Runs busybox from the image at `point` in a crun container (read-only
+  /// root, the runtime's own proc, dev and sys); `guard` deletes it whatever happens.
+  RunResult run_container(const fs::path& point, Guard& guard) {
+    // The bundle: the mount as a read-only root, the runtime's own proc, dev and sys on it.
+    const fs::path bundle = out_ / "bundle";
+    fs::create_directories(bundle);
+    const Json config = {
+        {"ociVersion", "1.0.2"},
+        {"process",
+         {{"terminal", false},
+          {"user", {{"uid", 0}, {"gid", 0}}},
+          {"args",
+           {"/bin/busybox", "sh", "-c",
+            "/bin/busybox cat /etc/message && /bin/busybox test -r /proc/self/status && echo proc"}},
+          {"env", {"PATH=/bin"}},
+          {"cwd", "/"},
+          {"noNewPrivileges", true}}},
+        {"root", {{"path", fs::canonical(point).string()}, {"readonly", true}}},
+        {"hostname", "cfmo-lazy"},
+        {"mounts", Json::array({{{"destination", "/proc"}, {"type", "proc"}, {"source", "proc"}},
+                                {{"destination", "/dev"},
+                                 {"type", "tmpfs"},
+                                 {"source", "tmpfs"},
+                                 {"options", {"nosuid", "strictatime", "mode=755", "size=65536k"}}},
+                                {{"destination", "/sys"},
+                                 {"type", "sysfs"},
+                                 {"source", "sysfs"},
+                                 {"options", {"nosuid", "noexec", "nodev", "ro"}}}})},
+        {"linux",
+         {{"namespaces",
+           Json::array({{{"type", "pid"}}, {{"type", "ipc"}}, {{"type", "uts"}}, {{"type", "mount"}}})}}}};
+    std::ofstream(bundle / "config.json") << config.dump(2);
+    guard.state = out_ / "crun-state";
+    guard.id = fmt::format("cfmo-pull-test-{}", ::getpid());
+    // This machine mounts cgroup v1 controllers beside a v2 "unified" tree,
+    // which crun refuses; in a mount namespace of its own the v2 tree is
+    // unmounted and crun runs with no cgroup manager (nothing to limit here).
+    const std::string crun = fmt::format(
+        "if grep -q ' /sys/fs/cgroup/unified ' /proc/self/mountinfo; then umount /sys/fs/cgroup/unified; fi; "
+        "exec /usr/bin/crun --cgroup-manager=disabled --root '{}' run --bundle '{}' '{}'",
+        guard.state.string(), bundle.string(), guard.id);
+    return run({"/usr/bin/unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", crun}, 60);
+  }
+
+  static oci::LazyStats stats(const fs::path& dir) {
+    auto s = oci::read_lazy_stats(dir);
+    return s ? *s : oci::LazyStats{};
+  }
+
+  /// Runs the container on the lazy mount of the pull in `dir` at `point`,
+  /// checks its output and that only spans were fetched, and unmounts.
+  void run_and_check(const fs::path& point, const fs::path& dir, Guard& guard) {
+    const RunResult container = run_container(point, guard);
+    EXPECT_EQ(container.status, 0) << container.err;
+    EXPECT_EQ(container.out, "hello from a cold layer\nproc\n") << container.err;
+    guard.id.clear();  // crun run deletes what it made
+
+    // busybox and the message were fetched by spans; the 4 MiB nobody read was not.
+    const auto fetched = stats(dir);
+    EXPECT_EQ(fetched.errors, 0);
+    EXPECT_GT(fetched.bytes_fetched, 0);
+    int64_t image_bytes = 0;
+    for (const auto& l : image_->layers) image_bytes += static_cast<int64_t>(l.size());
+    EXPECT_LT(fetched.bytes_fetched, image_bytes - (int64_t{3} << 20))
+        << "the unread file was fetched: " << fetched.bytes_fetched << " of " << image_bytes;
+
+    const RunResult down = pull({"umount", point.string()});
+    EXPECT_EQ(down.status, 0) << down.err;
+    EXPECT_TRUE(fs::is_empty(point));
+    guard.point.clear();
+    for (int i = 0; i < 200 && ::kill(guard.pid, 0) == 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+
   TempDir out_;
   static inline Registry* registry_ = nullptr;
   static inline FixtureImage* image_ = nullptr;
@@ -548,74 +979,42 @@ TEST_F(LazyContainer, CrunRunsAProgramFromAColdLayerOfTheLazyMount) {
   Guard guard;
   guard.point = point;
   guard.pid = Json::parse(mounted.out).value("pid", 0);
-  auto stats = [&] {
-    auto s = oci::read_lazy_stats(lazy);
-    return s ? *s : oci::LazyStats{};
-  };
-  ASSERT_EQ(stats().bytes_fetched, 0) << "fetched before the container started";
+  ASSERT_EQ(stats(lazy).bytes_fetched, 0) << "fetched before the container started";
 
-  // The bundle: the mount as a read-only root, the runtime's own proc, dev and sys on it.
-  const fs::path bundle = out_ / "bundle";
-  fs::create_directories(bundle);
-  const Json config = {
-      {"ociVersion", "1.0.2"},
-      {"process",
-       {{"terminal", false},
-        {"user", {{"uid", 0}, {"gid", 0}}},
-        {"args",
-         {"/bin/busybox", "sh", "-c",
-          "/bin/busybox cat /etc/message && /bin/busybox test -r /proc/self/status && echo proc"}},
-        {"env", {"PATH=/bin"}},
-        {"cwd", "/"},
-        {"noNewPrivileges", true}}},
-      {"root", {{"path", fs::canonical(point).string()}, {"readonly", true}}},
-      {"hostname", "cfmo-lazy"},
-      {"mounts", Json::array({{{"destination", "/proc"}, {"type", "proc"}, {"source", "proc"}},
-                              {{"destination", "/dev"},
-                               {"type", "tmpfs"},
-                               {"source", "tmpfs"},
-                               {"options", {"nosuid", "strictatime", "mode=755", "size=65536k"}}},
-                              {{"destination", "/sys"},
-                               {"type", "sysfs"},
-                               {"source", "sysfs"},
-                               {"options", {"nosuid", "noexec", "nodev", "ro"}}}})},
-      {"linux",
-       {{"namespaces", Json::array({{{"type", "pid"}}, {{"type", "ipc"}}, {{"type", "uts"}}, {{"type", "mount"}}})}}}};
-  std::ofstream(bundle / "config.json") << config.dump(2);
-  guard.state = out_ / "crun-state";
-  guard.id = fmt::format("cfmo-pull-test-{}", ::getpid());
-  // This machine mounts cgroup v1 controllers beside a v2 "unified" tree,
-  // which crun refuses; in a mount namespace of its own the v2 tree is
-  // unmounted and crun runs with no cgroup manager (nothing to limit here).
-  const std::string crun = fmt::format(
-      "if grep -q ' /sys/fs/cgroup/unified ' /proc/self/mountinfo; then umount /sys/fs/cgroup/unified; fi; "
-      "exec /usr/bin/crun --cgroup-manager=disabled --root '{}' run --bundle '{}' '{}'",
-      guard.state.string(), bundle.string(), guard.id);
-  const RunResult container =
-      run({"/usr/bin/unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", crun}, 60);
-  EXPECT_EQ(container.status, 0) << container.err;
-  EXPECT_EQ(container.out, "hello from a cold layer\nproc\n") << container.err;
-  guard.id.clear();  // crun run deletes what it made
-
-  // busybox and the message were fetched by spans; the 4 MiB nobody read was not.
-  const auto fetched = stats();
-  EXPECT_EQ(fetched.errors, 0);
-  EXPECT_GT(fetched.bytes_fetched, 0);
-  int64_t image_bytes = 0;
-  for (const auto& l : image_->layers) image_bytes += static_cast<int64_t>(l.size());
-  EXPECT_LT(fetched.bytes_fetched, image_bytes - (int64_t{3} << 20))
-      << "the unread file was fetched: " << fetched.bytes_fetched << " of " << image_bytes;
-
-  const RunResult down = pull({"umount", point.string()});
-  EXPECT_EQ(down.status, 0) << down.err;
-  EXPECT_TRUE(fs::is_empty(point));
-  guard.point.clear();
-  for (int i = 0; i < 200 && ::kill(guard.pid, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  run_and_check(point, lazy, guard);
   EXPECT_EQ(fs::exists(guard.state) ? std::distance(fs::directory_iterator(guard.state), fs::directory_iterator()) : 0,
             0)
       << "crun left state behind";
   EXPECT_EQ(pull({"rm", lazy.string(), "-q"}).status, 0);
   EXPECT_EQ(pull({"rm", full.string(), "-q"}).status, 0);
+}
+
+// The same container on `mount --lazy REF`: no pull before it, the indexes
+// from the registry, busybox fetched by spans as crun starts it.
+TEST_F(LazyContainer, CrunRunsAProgramFromALazyMountOfARef) {
+  const std::string ref = registry_->host() + "/" + kRepository + ":v1";
+  const RunResult pushed =
+      pull({"index", ref, "--push", "--span", "256K", "--plain-http", "--cache", (out_ / "scratch").string(), "-q"});
+  ASSERT_EQ(pushed.status, 0) << pushed.err;
+  const fs::path point = out_ / "rootfs";
+  const fs::path cache = out_ / "cache";
+  fs::create_directories(point);
+  const RunResult mounted =
+      pull({"mount", "--lazy", ref, point.string(), "--cache", cache.string(), "--plain-http", "--json"});
+  if (mounted.status == 2 && mounted.err.find("FUSE mount failed") != std::string::npos) {
+    GTEST_SKIP() << "FUSE mounts are not allowed";
+  }
+  ASSERT_EQ(mounted.status, 0) << mounted.err;
+  const Json j = Json::parse(mounted.out);
+  Guard guard;
+  guard.point = point;
+  guard.pid = j.value("pid", 0);
+  const fs::path dir = j["dir"].get<std::string>();
+  ASSERT_EQ(stats(dir).bytes_fetched, 0) << "fetched before the container started";
+
+  run_and_check(point, dir, guard);
+  EXPECT_EQ(pull({"rm", dir.string(), "-q"}).status, 0);
+  EXPECT_TRUE(fs::is_empty(cache / "lazy"));
 }
 
 }  // namespace

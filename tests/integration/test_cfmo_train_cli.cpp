@@ -246,7 +246,7 @@ TEST(CfmoTrainCli, RunDirectoryHoldsMetricsCheckpointsAndModel) {
   EXPECT_EQ(evals, 2);  // one per epoch
   EXPECT_EQ(slurp(out / "checkpoints" / "latest"), "step-00000016\n");
   EXPECT_TRUE(fs::exists(out / "checkpoints" / "step-00000008" / "optimizer.safetensors"));
-  auto model = SafetensorsFile::read(out / "model.safetensors");
+  auto model = ckpt::SafetensorsFile::read(out / "model.safetensors");
   ASSERT_TRUE(model) << model.error().message;
   EXPECT_EQ(model->tensors().size(), 4u);
   EXPECT_EQ(model->metadata().at("format"), "pt");
@@ -256,7 +256,7 @@ TEST(CfmoTrainCli, RunDirectoryHoldsMetricsCheckpointsAndModel) {
 }
 
 std::string tensor_bytes(const fs::path& file) {
-  auto st = SafetensorsFile::read(file);
+  auto st = ckpt::SafetensorsFile::read(file);
   EXPECT_TRUE(st) << (st ? "" : st.error().message);
   if (!st) return {};
   std::string all;

@@ -47,7 +47,7 @@ nlohmann::json last_json(const std::string& out) {
 }
 
 std::vector<float> parameters(const fs::path& file) {
-  auto st = SafetensorsFile::read(file);
+  auto st = ckpt::SafetensorsFile::read(file);
   EXPECT_TRUE(st) << (st ? "" : st.error().message);
   std::vector<float> all;
   if (!st) return all;
@@ -157,7 +157,7 @@ TEST(CfmoTrainWorkers, ReconcilingModesWriteEachRanksDeltasForCfmoDiverge) {
       int files = 0;
       for (const auto& e : fs::directory_iterator(deltas)) {
         ++files;
-        auto cfd = CfdFile::open(e.path());
+        auto cfd = ckpt::CfdFile::open(e.path());
         ASSERT_TRUE(cfd) << cfd.error().message;
         EXPECT_EQ(cfd->info().rank, rank);
         EXPECT_GT(cfd->info().round, 0);
@@ -378,6 +378,121 @@ TEST(CfmoTrainWorkers, CfmoWorkersFinishWithoutRankZeroAndTheNextRankKeepsTheRun
   EXPECT_TRUE(membership);
 }
 
+// Waits until `file` holds `text` (a process wrote a membership line); false
+// at once when one of `processes` ends first, or after `timeout_s`.
+bool wait_for_text(std::vector<Background>& processes, const fs::path& file, const std::string& text,
+                   double timeout_s) {
+  const auto start = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < timeout_s) {
+    if (slurp(file).find(text) != std::string::npos) return true;
+    for (auto& p : processes) {
+      if (p.status < 0 && p.wait(0)) return false;
+    }
+    usleep(20000);
+  }
+  return false;
+}
+
+// Three ranks started by hand at `address` (DIR/out-K, DIR/err-K); rank 2
+// killed once it logged a step, reaped at once as a launcher does, and
+// restarted with the same variables (DIR/out-2b, DIR/err-2b; processes[3]).
+void start_three_and_restart_rank_two(Ranks& ranks, const TempDir& dir, const std::string& address,
+                                      const std::vector<std::string>& run_flags) {
+  auto rank_env = [&](int r) {
+    return std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address};
+  };
+  for (int r = 0; r < 3; ++r) {
+    ranks.processes.push_back(testing::spawn(args(run_flags), rank_env(r),
+                                             (dir / ("out-" + std::to_string(r))).string(),
+                                             (dir / ("err-" + std::to_string(r))).string()));
+  }
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+  kill(ranks.processes[2].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[2].wait(10));
+  ranks.processes.push_back(
+      testing::spawn(args(run_flags), rank_env(2), (dir / "out-2b").string(), (dir / "err-2b").string()));
+}
+
+// localsgd with --elastic: a worker killed mid-run and restarted with the
+// same command is taken into the group at the end of a round (the global
+// parameters before it, the outer momentum, the position) and every rank
+// stops at the same step.
+TEST(CfmoTrainWorkers, ElasticLocalSgdTakesAKilledWorkerBackAtARound) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const std::vector<std::string> run_flags = {"--mode", "localsgd",     "--elastic", "--epochs",
+                                              "0",      "--time-limit", "12s",       "--log-every",
+                                              "1",      "--json",       "--out",     (dir / "run").string()};
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(start_three_and_restart_rank_two(ranks, dir, address, run_flags));
+  for (const size_t p : {size_t{0}, size_t{1}, size_t{3}}) {
+    ASSERT_TRUE(ranks.processes[p].wait(120)) << "process " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-0") << slurp(dir / "err-2b");
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0");
+  ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["joined"][0]["rank"], 2);
+  EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0);
+  ASSERT_EQ(j["per_worker"].size(), 3u) << j.dump();
+  EXPECT_TRUE(j["per_worker"][2]["joined"].get<bool>());
+  EXPECT_EQ(j["stopped_by"], "time-limit");
+  EXPECT_NE(slurp(dir / "err-1").find("rank 2 joined"), std::string::npos) << slurp(dir / "err-1");
+}
+
+// Join: a worker killed mid-run and restarted with the same command (its
+// launcher's variables) rejoins; after another is killed, a new process
+// with --join takes its place; one whose flags differ from the run's is
+// refused (status 2, one line naming the flag) and the run goes on as it
+// was. Every survivor says who joined, the keeper's summary lists both
+// joins with the joiners' own time from their start to their first step,
+// and the run ends with every rank's status 0.
+TEST(CfmoTrainWorkers, CfmoKilledWorkersRejoinAndAJoinWithOtherFlagsIsRefused) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const std::vector<std::string> run_flags = {
+      "--mode", "cfmo", "--epochs", "1500", "--log-every", "1", "--json", "--out", (dir / "run").string()};
+  Ranks ranks;
+  // Rank 2 restarted with the same command: it rejoins as rank 2.
+  ASSERT_NO_FATAL_FAILURE(start_three_and_restart_rank_two(ranks, dir, address, run_flags));
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "run" / "metrics-rank-2.jsonl", "\"event\":\"joined\"", 120))
+      << slurp(dir / "err-2b") << slurp(dir / "err-0");
+  kill(ranks.processes[1].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[1].wait(10));
+  // Another batch size than the run's: refused before it is taken in.
+  std::vector<std::string> other = run_flags;
+  other.insert(other.end(), {"--batch-size", "32", "--join", address});
+  const RunResult refused = run(args(other), 120);
+  EXPECT_EQ(refused.status, 2) << refused.err;
+  EXPECT_EQ(testing::lines(refused.err).size(), 1u) << refused.err;
+  EXPECT_NE(refused.err.find("--batch-size"), std::string::npos) << refused.err;
+  // A new process with the run's flags takes rank 1's place.
+  std::vector<std::string> joiner = run_flags;
+  joiner.insert(joiner.end(), {"--join", address});
+  ranks.processes.push_back(testing::spawn(args(joiner), {}, (dir / "out-1b").string(), (dir / "err-1b").string()));
+  for (const size_t p : {size_t{0}, size_t{3}, size_t{4}}) {
+    ASSERT_TRUE(ranks.processes[p].wait(240)) << "process " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-0") << slurp(dir / "err-2b") << slurp(dir / "err-1b");
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0");
+  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array()) << j.dump();
+  ASSERT_EQ(j["lost"].size(), 2u) << j.dump();
+  ASSERT_EQ(j["joined"].size(), 2u) << j.dump();
+  EXPECT_EQ(j["joined"][0]["rank"], 2);
+  EXPECT_EQ(j["joined"][1]["rank"], 1);
+  for (const auto& joined : j["joined"]) EXPECT_GT(joined["first_step_s"].get<double>(), 0.0) << j.dump();
+  ASSERT_EQ(j["per_worker"].size(), 3u) << j.dump();
+  EXPECT_TRUE(j["per_worker"][1]["joined"].get<bool>());
+  EXPECT_TRUE(j["per_worker"][2]["joined"].get<bool>());
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << j.dump();
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+  const std::string err = slurp(dir / "err-0");
+  EXPECT_NE(err.find("rank 2 joined"), std::string::npos) << err;
+  EXPECT_NE(err.find("rank 1 joined"), std::string::npos) << err;
+}
+
 // The checkpoint directories of a run, oldest first (temporaries left out).
 std::vector<fs::path> checkpoints_of(const fs::path& run) {
   std::vector<fs::path> out;
@@ -398,7 +513,7 @@ void expect_whole(const fs::path& checkpoint) {
   std::vector<std::string> files = {"model.safetensors", "optimizer.safetensors"};
   if (state.contains("outer")) files.push_back(state["outer"]);
   for (const auto& file : files) {
-    auto st = SafetensorsFile::read(checkpoint / file);
+    auto st = ckpt::SafetensorsFile::read(checkpoint / file);
     EXPECT_TRUE(st) << file << ": " << (st ? "" : st.error().message);
   }
   EXPECT_TRUE(fs::is_regular_file(checkpoint / "config.toml"));
@@ -449,6 +564,80 @@ TEST(CfmoTrainWorkers, LocalSgdResumedWithTheSameWorldEndsWithTheParametersOfAnU
   const RunResult missing = run(with({"--resume", bad.string(), "--out", (dir / "r2").string()}), 120);
   EXPECT_EQ(missing.status, 3) << missing.err;
   EXPECT_NE(missing.err.find("optimizer-rank-1.safetensors"), std::string::npos) << missing.err;
+}
+
+// cfmo with --deterministic: owners apply each round in rank order and
+// workers wait for its replies, so a run is the same each time, and a
+// checkpoint at a round's end holds every rank's own state (inner optimizer
+// and its steps, error feedback of the bf16 wire, position) and the owners'
+// (shards, versions, outer momentum and its pending round): resumed from it,
+// the run ends bitwise where the uninterrupted one did. Three workers, an
+// epoch of 14 global batches whose last is short (ranks 1 and 2 have no
+// slice of it: their optimizer steps differ), checkpoints every 8 steps and at epoch ends (taken
+// at the next round, every 4 steps).
+TEST(CfmoTrainWorkers, DeterministicCfmoResumedFromAnyRoundEndsWithTheUninterruptedRunsParametersBitForBit) {
+  TempDir dir;
+  const std::vector<std::string> job = {"--data",
+                                        "synthetic:2000:256",
+                                        "--workers",
+                                        "3",
+                                        "--mode",
+                                        "cfmo",
+                                        "--deterministic",
+                                        "--sync-interval",
+                                        "4",
+                                        "--steps",
+                                        "30",
+                                        "--batch-size",
+                                        "50"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = job;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return args(all);
+  };
+  const fs::path whole = dir / "whole";
+  const RunResult first =
+      run(with({"--checkpoint-every", "8", "--keep-checkpoints", "100", "--out", whole.string()}), 300);
+  ASSERT_EQ(first.status, 0) << first.err;
+  const RunResult again = run(with({"--out", (dir / "again").string()}), 300);
+  ASSERT_EQ(again.status, 0) << again.err;
+  const auto expected = parameters(whole / "model.safetensors");
+  ASSERT_FALSE(expected.empty());
+  EXPECT_EQ(parameters(dir / "again" / "model.safetensors"), expected) << "two runs of the same job differ";
+
+  const fs::path at16 = whole / "checkpoints" / "step-00000016";  // the round after the epoch's end (14)
+  const auto state = nlohmann::json::parse(slurp(at16 / "state.json"));
+  EXPECT_EQ(state["rank_optimizers"],
+            nlohmann::json::array({"optimizer-rank-1.safetensors", "optimizer-rank-2.safetensors"}));
+  EXPECT_EQ(state["rank_optimizer_steps"], nlohmann::json::array({16, 15, 15})) << state.dump();
+  EXPECT_EQ(state["wire_residuals"].size(), 3u);
+  EXPECT_EQ(state["shard_versions"].size(), 3u);
+  EXPECT_EQ(state["outer_in_round"], nlohmann::json::array({0, 0, 0}));
+  EXPECT_EQ(state["ranks"][2]["samples"].get<int64_t>() + 50, state["ranks"][0]["samples"].get<int64_t>())
+      << state.dump();
+
+  for (const char* step : {"step-00000008", "step-00000016", "step-00000024"}) {
+    const fs::path out = dir / (std::string("resumed-") + step);
+    const RunResult resumed =
+        run(with({"--resume", (whole / "checkpoints" / step).string(), "--out", out.string()}), 300);
+    ASSERT_EQ(resumed.status, 0) << step << ": " << resumed.err;
+    const auto got = parameters(out / "model.safetensors");
+    ASSERT_EQ(got.size(), expected.size());
+    EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0)
+        << "resumed from " << step << ", the final parameters differ from the uninterrupted run's";
+  }
+
+  // asgd's owners apply each gradient as it arrives: no fixed order to offer.
+  const RunResult asgd = run(args({"--workers", "2", "--mode", "asgd", "--deterministic", "--steps", "5"}), 60);
+  EXPECT_EQ(asgd.status, 2) << asgd.err;
+  EXPECT_NE(asgd.err.find("--deterministic: not in asgd"), std::string::npos) << asgd.err;
+  // A time limit would stop each worker at its own step.
+  const RunResult timed =
+      run(args({"--workers", "2", "--mode", "cfmo", "--deterministic", "--epochs", "0", "--time-limit", "5s"}), 60);
+  EXPECT_EQ(timed.status, 2) << timed.err;
+  EXPECT_NE(timed.err.find("--deterministic: stops by --steps, --epochs or --tokens, not --time-limit"),
+            std::string::npos)
+      << timed.err;
 }
 
 TEST(CfmoTrainWorkers, EveryModeCheckpointsTheGlobalParametersMidRunAndResumes) {
@@ -676,7 +865,7 @@ TEST(CfmoTrainWorkers, MixtureOfExpertsTrainsInEveryModeAndReportsItsExperts) {
       EXPECT_GE(steps, 1);
     }
     // The experts' tensors are in the model, by their names.
-    auto st = SafetensorsFile::read(run_dir / "model.safetensors");
+    auto st = ckpt::SafetensorsFile::read(run_dir / "model.safetensors");
     ASSERT_TRUE(st) << st.error().message;
     bool router = false, expert = false;
     for (const auto& e : st->tensors()) {
@@ -710,7 +899,7 @@ TEST(CfmoTrainWorkers, MixtureOfExpertsCheckpointsAndResumes) {
 
 std::map<std::string, std::vector<float>> tensors_of(const fs::path& file) {
   std::map<std::string, std::vector<float>> out;
-  auto st = SafetensorsFile::read(file);
+  auto st = ckpt::SafetensorsFile::read(file);
   EXPECT_TRUE(st) << (st ? "" : st.error().message);
   if (!st) return out;
   for (const auto& e : st->tensors()) {
@@ -775,6 +964,100 @@ TEST(CfmoTrainWorkers, ExpertParallelWorkersExitFourNamingARankKilledMidRun) {
   kill_rank_one_mid_run(ranks, dir);
 }
 
+TEST(CfmoTrainWorkers, AsyncDispatchWithoutADeadlineTrainsAsSyncDispatchBitForBit) {
+  TempDir dir;
+  auto train = [&](const std::string& dispatch) {
+    const fs::path run_dir = dir / dispatch;
+    const RunResult r =
+        run(moe_args(dir / "corpus.txt",
+                     {"--workers", "2", "--mode", "sync", "--steps", "10", "--expert-parallel", "--dispatch", dispatch,
+                      "--dispatch-deadline", "none", "--out", run_dir.string(), "--json"}),
+            300);
+    EXPECT_EQ(r.status, 0) << r.err;
+    return r;
+  };
+  const RunResult sync = train("sync");
+  const RunResult async = train("async");
+  ASSERT_EQ(sync.status, 0);
+  ASSERT_EQ(async.status, 0);
+  EXPECT_EQ(tensors_of(dir / "async" / "model.safetensors"), tensors_of(dir / "sync" / "model.safetensors"));
+  const auto j = last_json(async.out);
+  EXPECT_EQ(j["val_loss"], last_json(sync.out)["val_loss"]);
+  const auto& dispatch = j["moe"]["dispatch"];
+  EXPECT_EQ(dispatch["late"].get<int64_t>(), 0);
+  EXPECT_TRUE(dispatch["deadline_us"].is_null());
+}
+
+// A worker five times slower does not hold the others beyond the deadline:
+// their rows it has not served in time take the residual path, counted.
+TEST(CfmoTrainWorkers, AsyncDispatchWithAStragglerCountsLateTokensAndFinishes) {
+  TempDir dir;
+  const RunResult r =
+      run(moe_args(dir / "corpus.txt",
+                   {"--workers", "3", "--mode", "sync", "--steps", "20", "--expert-parallel", "--dispatch", "async",
+                    "--dispatch-deadline", "1ms", "--slowdown", "1=5", "--out", (dir / "run").string(), "--json"}),
+          300);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = last_json(r.out);
+  EXPECT_TRUE(std::isfinite(j["val_loss"].get<double>()));
+  const auto& dispatch = j["moe"]["dispatch"];
+  EXPECT_GT(dispatch["late"].get<int64_t>(), 0) << dispatch.dump();
+  EXPECT_GT(dispatch["late_share"].get<double>(), 0.0);
+  EXPECT_LT(dispatch["late_share"].get<double>(), 1.0);  // rank 0's own experts are never late
+  EXPECT_EQ(dispatch["deadline_us"].get<double>(), 1000.0);
+  EXPECT_TRUE(dispatch["lost_experts"].empty());
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+}
+
+// cfmo with expert parallelism: the dense prefix reconciled by cfmo's
+// owners, the experts never averaged, dispatched asynchronously; the end
+// gathers every expert into model.safetensors.
+TEST(CfmoTrainWorkers, CfmoWithExpertParallelismTrainsAndWritesEveryExpert) {
+  TempDir dir;
+  const RunResult r = run(moe_args(dir / "corpus.txt", {"--workers", "3", "--mode", "cfmo", "--steps", "60",
+                                                        "--sync-interval", "5", "--expert-parallel", "--dispatch",
+                                                        "async", "--out", (dir / "run").string(), "--json"}),
+                          300);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = last_json(r.out);
+  EXPECT_TRUE(std::isfinite(j["val_loss"].get<double>())) << j.dump();
+  EXPECT_LT(j["val_loss"].get<double>(), 5.0) << j.dump();  // it learnt: ln 256 = 5.5 at the start
+  EXPECT_TRUE(j["moe"].contains("dispatch")) << j.dump();
+  const auto saved = tensors_of(dir / "run" / "model.safetensors");
+  for (int e = 0; e < 4; ++e) {
+    EXPECT_TRUE(saved.contains("h.1.mlp.experts." + std::to_string(e) + ".c_proj.weight")) << e;
+  }
+}
+
+// A worker killed mid-run in cfmo: its experts' tokens take the residual
+// path from then on, the others finish (status 0) and name the experts lost.
+TEST(CfmoTrainWorkers, CfmoExpertParallelWorkersGoOnWithoutAKilledRankAndNameItsExperts) {
+  TempDir dir;
+  (void)moe_args(dir / "corpus.txt", {});
+  auto ranks = start_ranks(dir, 3,
+                           {"--data", "text:" + (dir / "corpus.txt").string(), "--model",
+                            "gpt:layers=2,heads=2,dim=16,context=16,experts=4,top_k=2,expert_dim=16", "--batch-size",
+                            "4", "--mode", "cfmo", "--expert-parallel", "--dispatch", "async", "--steps", "600",
+                            "--log-every", "1", "--json", "--out", (dir / "run").string()});
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+  kill(ranks.processes[1].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[1].wait(10));  // reaped at once, as above
+  for (int r : {0, 2}) {
+    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(240)) << "rank " << r << " hangs";
+    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 0) << slurp(dir / ("err-" + std::to_string(r)));
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0") << slurp(dir / "err-0");
+  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({1}));
+  ASSERT_EQ(j["lost"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["lost"][0]["experts"], nlohmann::json::array({1}));  // 4 experts over 3 ranks: rank 1 held expert 1
+  EXPECT_EQ(j["moe"]["dispatch"]["lost_experts"], nlohmann::json::array({1}));
+  const std::string err = slurp(dir / "err-0");
+  EXPECT_NE(err.find("experts 1 were lost with their workers"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(dir / "run" / "model.safetensors"));  // no model missing an expert
+}
+
 TEST(CfmoTrainWorkers, BadExpertParallelSpecsAreUsageErrorsInOneLine) {
   TempDir dir;
   auto fails = [&](std::vector<std::string> extra, const std::string& says) {
@@ -787,12 +1070,24 @@ TEST(CfmoTrainWorkers, BadExpertParallelSpecsAreUsageErrorsInOneLine) {
   fails({"--workers", "4", "--expert-parallel", "--steps", "1", "--model",
          "gpt:layers=1,heads=2,dim=16,context=16,experts=3,top_k=2"},
         "experts 3, fewer than the 4 workers");
-  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--mode", "cfmo"}, "--expert-parallel");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--mode", "cfmo"},
+        "--mode cfmo needs --dispatch async");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--mode", "asgd"}, "--expert-parallel: needs --mode");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--mode", "cfmo", "--dispatch", "async",
+         "--dispatch-deadline", "none"},
+        "--dispatch-deadline: none needs a lockstep --mode");
   fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--model", "gpt:layers=1,heads=2,dim=16,context=16"},
         "has no experts");
   fails({"--steps", "1", "--model", "gpt:layers=1,heads=2,dim=16,context=16,experts=3,top_k=4"},
         "top_k 4 is more than experts 3");
   fails({"--steps", "1", "--model", "gpt:layers=1,heads=2,dim=16,context=16,experts=3,expert_dim=0"}, "expert_dim");
+  fails({"--workers", "2", "--steps", "1", "--dispatch", "async"}, "--dispatch: async needs --expert-parallel");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--dispatch", "eventual"},
+        "--dispatch: 'eventual' is not sync or async");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--dispatch", "async", "--dispatch-deadline", "0"},
+        "--dispatch-deadline: must be > 0");
+  fails({"--workers", "2", "--expert-parallel", "--steps", "1", "--dispatch", "async", "--dispatch-deadline", "soon"},
+        "--dispatch-deadline");
 }
 
 TEST(CfmoTrainWorkers, BadWorldsAreUsageErrors) {

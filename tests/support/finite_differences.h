@@ -48,10 +48,10 @@ inline void expect_matches_finite_differences(std::vector<float>& x, const std::
 /// Every tensor of `model` against central differences of `loss` (which
 /// reads the model's parameters); `analytic` the gradients at the current
 /// parameters. Tensors over 64 floats are sampled every 7th entry.
-inline void expect_model_gradients_match(Model& model, const std::vector<float>& analytic,
+inline void expect_model_gradients_match(model::Model& model, const std::vector<float>& analytic,
                                          const std::function<double()>& loss) {
   const std::vector<float> params(model.parameters().begin(), model.parameters().end());
-  for (const ParamInfo& p : model.params()) {
+  for (const model::ParamInfo& p : model.params()) {
     const auto first = static_cast<ptrdiff_t>(p.offset);
     const auto last = static_cast<ptrdiff_t>(p.offset + p.size);
     std::vector<float> x(params.begin() + first, params.begin() + last);

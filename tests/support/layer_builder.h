@@ -155,6 +155,14 @@ inline std::string zstd(const std::string& data, int level = 3) {
   return out;
 }
 
+/// zstd in independent frames of `frame` input bytes each, as seekable
+/// writers (zstd:chunked, `zstd --seekable` tools) make them.
+inline std::string zstd_frames(const std::string& data, size_t frame, int level = 3) {
+  std::string out;
+  for (size_t at = 0; at < data.size(); at += frame) out += zstd(data.substr(at, frame), level);
+  return out;
+}
+
 /// Deterministic bytes that do not compress.
 inline std::string random_bytes(size_t size, uint64_t seed) {
   std::string out(size, '\0');

@@ -25,19 +25,19 @@ struct NamedDelta {
 
 inline void write_delta_file(const std::filesystem::path& path, int rank, int64_t round,
                              const std::vector<NamedDelta>& tensors, int64_t step = -1,
-                             const CfdWriteOptions& options = {}) {
-  std::vector<CfdTensorInput> inputs;
+                             const ckpt::CfdWriteOptions& options = {}) {
+  std::vector<ckpt::CfdTensorInput> inputs;
   for (const auto& t : tensors) inputs.push_back({t.name, t.shape, t.base, t.delta});
   std::filesystem::create_directories(path.parent_path());
-  const CfdFileInfo info{rank, round, step >= 0 ? step : round * 10, round > 0 ? round - 1 : 0, {}};
-  auto written = write_cfd(path, info, inputs, options);
+  const ckpt::CfdFileInfo info{rank, round, step >= 0 ? step : round * 10, round > 0 ? round - 1 : 0, {}};
+  auto written = ckpt::write_cfd(path, info, inputs, options);
   ASSERT_TRUE(written) << written.error().message;
 }
 
 /// RUN/deltas/rank-K/round-RRRRRR.cfd, as the trainer lays it out.
 inline void write_run_delta(const std::filesystem::path& run, int rank, int64_t round,
-                            const std::vector<NamedDelta>& tensors, const CfdWriteOptions& options = {}) {
-  write_delta_file(delta_path(run, rank, round), rank, round, tensors, -1, options);
+                            const std::vector<NamedDelta>& tensors, const ckpt::CfdWriteOptions& options = {}) {
+  write_delta_file(ckpt::delta_path(run, rank, round), rank, round, tensors, -1, options);
 }
 
 /// Two tensors whose delta is `scale` times a fixed direction: the overall

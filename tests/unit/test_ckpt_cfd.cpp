@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::ckpt {
 namespace {
 
 namespace fs = std::filesystem;
@@ -559,4 +559,4 @@ TEST_F(CfdTest, FileShortenedAfterOpeningIsReportedOnRead) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::ckpt

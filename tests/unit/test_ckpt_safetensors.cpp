@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::ckpt {
 namespace {
 
 namespace fs = std::filesystem;
@@ -425,4 +425,4 @@ TEST(SafetensorsParseTest, ReadF32Errors) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::ckpt

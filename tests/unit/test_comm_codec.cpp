@@ -9,7 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 std::vector<float> sample(size_t n) {
@@ -90,7 +90,7 @@ TEST(Codec, ShortMessagesAreErrors) {
 TEST(Shards, CoverTheVectorOnSixteenFloatBoundaries) {
   for (size_t size : {size_t{1}, size_t{100}, size_t{235152}}) {
     for (int w : {1, 2, 3, 4, 7}) {
-      const auto b = shard_bounds(size, w);
+      const auto b = train::shard_bounds(size, w);
       ASSERT_EQ(b.size(), static_cast<size_t>(w) + 1);
       EXPECT_EQ(b.front(), 0u);
       EXPECT_EQ(b.back(), size);
@@ -148,4 +148,4 @@ TEST(World, OneRankIsSoloAndSeveralNeedARendezvous) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::comm

@@ -11,7 +11,7 @@
 #include <mutex>
 #include <thread>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 constexpr Channel kTest{1};
@@ -170,4 +170,4 @@ TEST(Loopback, AKilledRankIsFoundLostAtOnceAndALeavingOneIsNot) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::comm

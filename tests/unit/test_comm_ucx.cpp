@@ -5,8 +5,10 @@
 #include "comm/rendezvous.h"
 #include "comm/solo_communicator.h"
 #include "comm/ucx_communicator.h"
+#include "core/fd.h"
 
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19,7 +21,7 @@
 #include <mutex>
 #include <thread>
 
-namespace cfmo {
+namespace cfmo::comm {
 namespace {
 
 constexpr Channel kTestChannel{8};
@@ -498,4 +500,58 @@ TEST(Rendezvous, RankZeroNamesTheRanksThatNeverCame) {
 }
 
 }  // namespace
-}  // namespace cfmo
+// After the start rank 0 serves joins on its listener: a process that asks
+// for any rank is offered a free one with the run's description, declines
+// one that does not fit (its check's error, the run's hooks never asked to
+// admit it), or accepts and gets the table and the lost ranks.
+TEST(Rendezvous, AJoinerIsOfferedAFreeRankAndMayDecline) {
+  auto listener = listen_tcp("127.0.0.1", 0);
+  ASSERT_TRUE(listener);
+  const Fd socket(listener->first);
+  std::atomic<int> admitted{-1};
+  JoinHooks hooks;
+  hooks.decide = [](int rank, int size) {
+    EXPECT_EQ(rank, kAnyRank);
+    EXPECT_EQ(size, 0);
+    return JoinHooks::Decision{2, {}, true};
+  };
+  hooks.admit = [&](int rank, const std::vector<std::byte>& address) {
+    admitted = rank;
+    EXPECT_EQ(address.size(), 4u);
+    return Result<std::pair<std::vector<std::vector<std::byte>>, std::vector<bool>>>(std::pair{
+        std::vector<std::vector<std::byte>>(3, std::vector<std::byte>(8)), std::vector<bool>{false, true, false}});
+  };
+  auto serve_one = [&] {
+    return std::thread([&] {
+      const Fd peer(::accept4(socket.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      ASSERT_GE(peer.get(), 0);
+      EXPECT_TRUE(serve_join(peer.get(), 3, "model = 'mlp:8'", hooks, 5));
+    });
+  };
+  RendezvousConfig config;
+  config.port = listener->second;
+  config.timeout_s = 5;
+  config.check = [](std::string_view description) -> Status {
+    if (description.find("mlp:8") == std::string_view::npos) return {};
+    return make_error(ErrorKind::kUsage, "--join: the run trains with --model 'mlp:8'");
+  };
+  std::thread server = serve_one();
+  auto declined = exchange_addresses(config, kAnyRank, 0, std::vector<std::byte>(4));
+  server.join();
+  ASSERT_FALSE(declined);
+  EXPECT_EQ(declined.error().kind, ErrorKind::kUsage);
+  EXPECT_EQ(admitted.load(), -1);
+
+  config.check = nullptr;
+  server = serve_one();
+  auto joined = exchange_addresses(config, kAnyRank, 0, std::vector<std::byte>(4));
+  server.join();
+  ASSERT_TRUE(joined) << joined.error().message;
+  EXPECT_TRUE(joined->joined);
+  EXPECT_EQ(joined->rank, 2);
+  EXPECT_EQ(joined->size, 3);
+  EXPECT_EQ(joined->lost, (std::vector<bool>{false, true, false}));
+  EXPECT_EQ(admitted.load(), 2);
+}
+
+}  // namespace cfmo::comm

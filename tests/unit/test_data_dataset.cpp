@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::data {
 namespace {
 
 namespace fs = std::filesystem;
@@ -569,4 +569,4 @@ TEST(GatherBatchTest, CopiesTheRowsInOrder) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::data

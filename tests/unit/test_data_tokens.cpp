@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::data {
 namespace {
 
 namespace fs = std::filesystem;
@@ -335,4 +335,4 @@ TEST(Tokens, ValidationWindowsOverlapByOneAndDropTheLastIncompleteOne) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::data

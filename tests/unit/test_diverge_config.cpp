@@ -11,7 +11,7 @@
 #include <functional>
 #include <memory>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
 namespace fs = std::filesystem;
@@ -171,4 +171,4 @@ TEST(ValidateTest, ValuesAreCheckedAndErrorsNameTheFlag) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::diverge

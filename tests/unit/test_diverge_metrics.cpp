@@ -4,11 +4,11 @@
 
 #include <cmath>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
-DeltaStats stats(double base_sq, double delta_sq, double dot) {
-  DeltaStats s;
+ckpt::DeltaStats stats(double base_sq, double delta_sq, double dot) {
+  ckpt::DeltaStats s;
   s.base_sq = base_sq;
   s.delta_sq = delta_sq;
   s.base_dot_delta = dot;
@@ -47,7 +47,7 @@ TEST(DivergenceTest, UndefinedWhereTheBaseOrTheLocalParametersAreZero) {
 }
 
 TEST(DivergenceTest, CountsAndMaximumPassThrough) {
-  DeltaStats s = stats(1, 1, 0);
+  ckpt::DeltaStats s = stats(1, 1, 0);
   s.max_abs = 0.75;
   s.nonfinite = 3;
   s.base_nonfinite = 2;
@@ -58,4 +58,4 @@ TEST(DivergenceTest, CountsAndMaximumPassThrough) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <regex>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
 std::vector<PlotSeries> sample_series() {
@@ -113,4 +113,4 @@ TEST(SparklineTest, ManyRoundsShareCells) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::diverge

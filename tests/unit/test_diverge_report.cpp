@@ -12,7 +12,7 @@
 #include <limits>
 #include <sstream>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
 namespace fs = std::filesystem;
@@ -139,7 +139,8 @@ TEST_F(ReportTest, SelectionByRankRoundLastAndTensor) {
   // A .cfd file given by name is filtered by its header's rank and round.
   options = {};
   options.selection.ranks = {1};
-  const std::vector<ReportInput> files = {classify_path(delta_path(run, 0, 1)), classify_path(delta_path(run, 1, 1))};
+  const std::vector<ReportInput> files = {classify_path(ckpt::delta_path(run, 0, 1)),
+                                          classify_path(ckpt::delta_path(run, 1, 1))};
   auto picked = build_report(files, options);
   ASSERT_TRUE(picked);
   ASSERT_EQ(picked->deltas.size(), 1u);
@@ -154,10 +155,10 @@ TEST_F(ReportTest, EmptyRunsAndCorruptFilesAreInputErrorsNamingTheFileAndTensor)
   EXPECT_NE(empty.error().message.find("no deltas"), std::string::npos);
 
   const fs::path run = dir_ / "run";
-  testing::write_run_delta(run, 0, 1, testing::scaled_delta(0.01f), {.codec = CfdCodec::kNone});
+  testing::write_run_delta(run, 0, 1, testing::scaled_delta(0.01f), {.codec = ckpt::CfdCodec::kNone});
   testing::write_run_delta(run, 1, 1, testing::scaled_delta(0.01f));
   // Flip the last byte of rank 0's file: inside the bias, stored without a codec.
-  const fs::path victim = delta_path(run, 0, 1);
+  const fs::path victim = ckpt::delta_path(run, 0, 1);
   std::string bytes = *read_file(victim);
   bytes.back() ^= 0x40;
   ASSERT_TRUE(write_file_atomic(victim, bytes));
@@ -170,8 +171,8 @@ TEST_F(ReportTest, EmptyRunsAndCorruptFilesAreInputErrorsNamingTheFileAndTensor)
   EXPECT_TRUE(build_report(run_input(run), {.header_only = true}));
 
   // A file whose header names another rank than its path.
-  fs::create_directories(delta_path(run, 2, 1).parent_path());
-  fs::copy_file(delta_path(run, 1, 1), delta_path(run, 2, 1));
+  fs::create_directories(ckpt::delta_path(run, 2, 1).parent_path());
+  fs::copy_file(ckpt::delta_path(run, 1, 1), ckpt::delta_path(run, 2, 1));
   auto moved = build_report(run_input(run), {.header_only = true});
   ASSERT_FALSE(moved);
   EXPECT_NE(moved.error().message.find("rank-2"), std::string::npos);
@@ -320,7 +321,7 @@ TEST_F(ReportTest, TablesForOneDeltaAndForMany) {
   const fs::path run = dir_ / "run";
   testing::write_run_delta(run, 0, 1, known_tensors());
   testing::write_run_delta(run, 1, 1, known_tensors());
-  auto one = build_report(std::vector<ReportInput>{classify_path(delta_path(run, 1, 1))}, {});
+  auto one = build_report(std::vector<ReportInput>{classify_path(ckpt::delta_path(run, 1, 1))}, {});
   ASSERT_TRUE(one);
   const std::string single = format_table(*one, false);
   EXPECT_NE(single.find("rank 1, round 1, step 10, base version 0"), std::string::npos) << single;
@@ -358,4 +359,4 @@ TEST_F(ReportTest, NonFiniteValuesAreCountedInTheDeltaAndTheBase) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -7,15 +7,15 @@
 
 #include <limits>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
 namespace fs = std::filesystem;
 using SourcesTest = testing::TempDirTest;
 
 TEST(DeltaPathTest, SixDigitRoundsAndRankDirectories) {
-  EXPECT_EQ(delta_path("RUN", 3, 12), fs::path("RUN/deltas/rank-3/round-000012.cfd"));
-  EXPECT_EQ(delta_path("RUN", 0, 1234567), fs::path("RUN/deltas/rank-0/round-1234567.cfd"));
+  EXPECT_EQ(ckpt::delta_path("RUN", 3, 12), fs::path("RUN/deltas/rank-3/round-000012.cfd"));
+  EXPECT_EQ(ckpt::delta_path("RUN", 0, 1234567), fs::path("RUN/deltas/rank-0/round-1234567.cfd"));
   auto parsed = parse_delta_path("RUN/deltas/rank-3/round-000012.cfd");
   ASSERT_TRUE(parsed);
   EXPECT_EQ(parsed->rank, 3);
@@ -42,7 +42,7 @@ TEST_F(SourcesTest, ListsARunDirectoryByRoundThenRankIgnoringOtherFiles) {
   std::vector<std::pair<int64_t, int>> order;
   for (const auto& d : *all) order.emplace_back(d.round, d.rank);
   EXPECT_EQ(order, (std::vector<std::pair<int64_t, int>>{{1, 0}, {1, 1}, {2, 0}, {2, 1}, {10, 0}, {10, 1}}));
-  EXPECT_EQ((*all)[0].path, delta_path(run, 0, 1));
+  EXPECT_EQ((*all)[0].path, ckpt::delta_path(run, 0, 1));
 
   // The deltas directory and a rank directory name parts of the same run; a trailing slash is fine.
   EXPECT_EQ(list_deltas(run / "deltas")->size(), 6u);
@@ -135,4 +135,4 @@ TEST(SelectionTest, LastCountsRoundsAfterTheOtherFilters) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -6,7 +6,7 @@
 
 #include <limits>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
 namespace fs = std::filesystem;
@@ -33,7 +33,7 @@ class ViolationsTest : public ThresholdsTest {
   Report report_with(const std::vector<std::vector<testing::NamedDelta>>& deltas) {
     std::vector<ReportInput> inputs;
     for (size_t i = 0; i < deltas.size(); ++i) {
-      const fs::path file = delta_path(dir_ / "run", static_cast<int>(i), 1);
+      const fs::path file = ckpt::delta_path(dir_ / "run", static_cast<int>(i), 1);
       testing::write_run_delta(dir_ / "run", static_cast<int>(i), 1, deltas[i]);
       inputs.push_back(classify_path(file));
     }
@@ -89,4 +89,4 @@ TEST_F(ViolationsTest, UndefinedRelativeL2IsNotHeldToTheLimit) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::diverge

@@ -7,7 +7,7 @@
 
 #include <chrono>
 
-namespace cfmo {
+namespace cfmo::diverge {
 namespace {
 
 namespace fs = std::filesystem;
@@ -48,12 +48,12 @@ TEST_F(WatchTest, FinishedOnceTheModelIsWrittenAfterTheLastDelta) {
   EXPECT_FALSE(watcher->finished());
   ASSERT_TRUE(write_file_atomic(run / "model.safetensors", "final"));
   // Explicit times: no test depends on the clock's resolution.
-  const auto delta_time = fs::last_write_time(delta_path(run, 0, 1));
+  const auto delta_time = fs::last_write_time(ckpt::delta_path(run, 0, 1));
   fs::last_write_time(run / "model.safetensors", delta_time + std::chrono::seconds(1));
   EXPECT_TRUE(watcher->finished());
   // A newer delta (a resumed run) means it is running again.
   testing::write_run_delta(run, 0, 2, testing::scaled_delta(0.01f));
-  fs::last_write_time(delta_path(run, 0, 2), delta_time + std::chrono::seconds(2));
+  fs::last_write_time(ckpt::delta_path(run, 0, 2), delta_time + std::chrono::seconds(2));
   ASSERT_EQ(watcher->poll()->size(), 1u);
   EXPECT_FALSE(watcher->finished());
 }
@@ -65,4 +65,4 @@ TEST_F(WatchTest, TheRunDirectoryMustExist) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::diverge

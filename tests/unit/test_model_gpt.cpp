@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 namespace {
 
 using testing::dot;
@@ -281,10 +281,10 @@ TEST(TestModelGpt, LaterTokensDoNotChangeEarlierLogits) {
 
 TEST(TestModelGpt, TrainingIsDeterministicAndResumesExactly) {
   const GptSpec spec = tiny_spec();
-  OptimizerConfig oc;
-  oc.kind = OptimizerKind::kAdamW;
+  optim::OptimizerConfig oc;
+  oc.kind = optim::OptimizerKind::kAdamW;
   oc.weight_decay = 0.1;
-  auto run = [&](Gpt& model, Optimizer& opt, int first, int last) {
+  auto run = [&](Gpt& model, optim::Optimizer& opt, int first, int last) {
     for (int s = first; s < last; ++s) {
       const auto tokens = random_tokens(spec, 2, 100 + static_cast<uint64_t>(s));
       model.forward_backward(windows(tokens, 2));
@@ -293,18 +293,18 @@ TEST(TestModelGpt, TrainingIsDeterministicAndResumesExactly) {
   };
   Gpt a(spec);
   a.init(1);
-  auto opt_a = make_optimizer(oc, a.params(), a.num_params());
+  auto opt_a = optim::make_optimizer(oc, a.params(), a.num_params());
   ASSERT_TRUE(opt_a.has_value());
   run(a, **opt_a, 0, 6);
   // The same six steps split at step 3, the state carried over as a checkpoint would.
   Gpt b(spec);
   b.init(1);
-  auto opt_b = make_optimizer(oc, b.params(), b.num_params());
+  auto opt_b = optim::make_optimizer(oc, b.params(), b.num_params());
   ASSERT_TRUE(opt_b.has_value());
   run(b, **opt_b, 0, 3);
   Gpt c(spec);
   std::copy(b.parameters().begin(), b.parameters().end(), c.parameters().begin());
-  auto opt_c = make_optimizer(oc, c.params(), c.num_params());
+  auto opt_c = optim::make_optimizer(oc, c.params(), c.num_params());
   ASSERT_TRUE(opt_c.has_value());
   auto from = (*opt_b)->state();
   auto to = (*opt_c)->state();
@@ -320,9 +320,9 @@ TEST(TestModelGpt, LearnsAPeriodicSequence) {
   spec.dim = 16;
   Gpt model(spec);
   model.init(4);
-  OptimizerConfig oc;
-  oc.kind = OptimizerKind::kAdamW;
-  auto opt = make_optimizer(oc, model.params(), model.num_params());
+  optim::OptimizerConfig oc;
+  oc.kind = optim::OptimizerKind::kAdamW;
+  auto opt = optim::make_optimizer(oc, model.params(), model.num_params());
   ASSERT_TRUE(opt.has_value());
   constexpr int kBatch = 4;
   std::vector<int32_t> tokens(static_cast<size_t>(kBatch) * static_cast<size_t>(spec.context + 1));
@@ -404,4 +404,4 @@ TEST(TestModelGpt, GoldenLossMatchesPyTorch) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::model

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 namespace {
 
 constexpr int kBatch = 6;
@@ -367,4 +367,4 @@ TEST(TestModelMlp, SpecParseRejectsMalformedText) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::model

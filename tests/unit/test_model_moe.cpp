@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::model {
 namespace {
 
 using testing::dot;
@@ -286,4 +286,4 @@ TEST(TestModelMoe, FlopsCountTheActiveWeights) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::model

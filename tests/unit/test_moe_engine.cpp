@@ -23,13 +23,13 @@ struct Layer {
   int top_k = 2;
   double capacity_factor = 1.0;
   RoutingSkew skew{};
-  WireDtype dtype = WireDtype::kFp32;
+  comm::WireDtype dtype = comm::WireDtype::kFp32;
   LatePolicy late = LatePolicy::kResidual;
 };
 
 /// Everything one rank needs to run either engine on `layer`.
 struct Rank {
-  Rank(Communicator& comm, const Layer& l)
+  Rank(comm::Communicator& comm, const Layer& l)
       : router(3, l.hidden, l.experts, l.top_k, l.skew),
         inputs(make_inputs(3, comm.rank(), l.tokens, l.hidden, 6)),
         pacer(1, 0, 1, 3, comm.rank()) {
@@ -59,13 +59,13 @@ RunSettings settings_for(const std::string& mode, const Layer& layer) {
   RunSettings s;
   s.mode = mode;
   s.experts = layer.experts;
-  s.dtype = layer.dtype == WireDtype::kBf16 ? "bf16" : "fp32";
+  s.dtype = layer.dtype == comm::WireDtype::kBf16 ? "bf16" : "fp32";
   return s;
 }
 
 /// Runs sync, then async with no deadline, on one rank; true when both
 /// match the reference exactly and each other bit for bit.
-bool sync_and_async_agree(Communicator& comm, const Layer& layer, std::string& why) {
+bool sync_and_async_agree(comm::Communicator& comm, const Layer& layer, std::string& why) {
   Rank rank(comm, layer);
   AsyncEngine engine(comm);
   auto sync = run_sync(rank.setup, 0, 4);
@@ -84,16 +84,16 @@ bool sync_and_async_agree(Communicator& comm, const Layer& layer, std::string& w
 }
 
 TEST(MoeEngine, OneRankSyncAndAsyncEqualTheReference) {
-  auto comm = make_solo_communicator();
+  auto comm = comm::make_solo_communicator();
   for (const Layer& layer : {Layer{}, Layer{.skew = {RoutingSkew::Kind::kZipf, 1.5}},
-                             Layer{.capacity_factor = 4, .dtype = WireDtype::kBf16}, Layer{.ffn = 0}}) {
+                             Layer{.capacity_factor = 4, .dtype = comm::WireDtype::kBf16}, Layer{.ffn = 0}}) {
     std::string why;
     EXPECT_TRUE(sync_and_async_agree(*comm, layer, why)) << why;
   }
 }
 
 TEST(MoeEngine, CapacityDropsAreCountedAndTakeTheResidualPath) {
-  auto comm = make_solo_communicator();
+  auto comm = comm::make_solo_communicator();
   Layer layer;
   layer.skew = {RoutingSkew::Kind::kHot, 1.0};
   layer.capacity_factor = 0.5;
@@ -108,19 +108,19 @@ TEST(MoeEngine, CapacityDropsAreCountedAndTakeTheResidualPath) {
 }
 
 // Forks `size` ranks that meet over UCX; each runs body and exits 0 on success.
-std::vector<int> run_ranks(int size, const std::function<bool(Communicator&, std::string&)>& body) {
-  auto listener = listen_tcp("127.0.0.1", 0);
+std::vector<int> run_ranks(int size, const std::function<bool(comm::Communicator&, std::string&)>& body) {
+  auto listener = comm::listen_tcp("127.0.0.1", 0);
   EXPECT_TRUE(listener);
   std::vector<pid_t> children;
   for (int rank = 0; rank < size; ++rank) {
     const pid_t pid = fork();
     if (pid == 0) {
       if (rank != 0) close(listener->first);
-      RendezvousConfig config;
+      comm::RendezvousConfig config;
       config.port = listener->second;
       config.listen_fd = rank == 0 ? listener->first : -1;
       config.timeout_s = 30;
-      auto comm = connect_ucx(rank, size, config);
+      auto comm = comm::connect_ucx(rank, size, config);
       if (!comm) _exit(10);
       std::string why;
       const bool ok = body(**comm, why);
@@ -142,9 +142,9 @@ std::vector<int> run_ranks(int size, const std::function<bool(Communicator&, std
 }
 
 TEST(MoeEngine, ThreeRanksOverUcxEqualTheReferenceAndEachOther) {
-  auto codes = run_ranks(3, [](Communicator& comm, std::string& why) {
+  auto codes = run_ranks(3, [](comm::Communicator& comm, std::string& why) {
     for (const Layer& layer : {Layer{}, Layer{.experts = 2, .top_k = 1}, Layer{.skew = {RoutingSkew::Kind::kZipf, 2}},
-                               Layer{.tokens = 300, .dtype = WireDtype::kBf16}}) {
+                               Layer{.tokens = 300, .dtype = comm::WireDtype::kBf16}}) {
       if (!sync_and_async_agree(comm, layer, why)) return false;
     }
     return true;
@@ -153,7 +153,7 @@ TEST(MoeEngine, ThreeRanksOverUcxEqualTheReferenceAndEachOther) {
 }
 
 TEST(MoeEngine, AsyncWithATinyDeadlineCountsLateTokensAndStaysCorrectForTheRest) {
-  auto codes = run_ranks(2, [](Communicator& comm, std::string& why) {
+  auto codes = run_ranks(2, [](comm::Communicator& comm, std::string& why) {
     Layer layer;
     layer.late = LatePolicy::kStale;
     layer.tokens = 200;
@@ -177,7 +177,7 @@ TEST(MoeEngine, AsyncWithATinyDeadlineCountsLateTokensAndStaysCorrectForTheRest)
 }
 
 TEST(MoeEngine, AsyncSkipsChunksWhoseResultCouldOnlyBeLate) {
-  auto codes = run_ranks(2, [](Communicator& comm, std::string& why) {
+  auto codes = run_ranks(2, [](comm::Communicator& comm, std::string& why) {
     Layer layer;  // residual policy: a late result is never used
     layer.tokens = 200;
     layer.ffn = 64;

@@ -188,11 +188,11 @@ TEST(MoeDispatch, RowsRoundTripInBf16) {
   const float x[] = {1.0f, 1.00390625f, -3.5f, 1e-3f};
   std::vector<std::byte> wire;
   const std::vector<int32_t> slots = {1, 0};  // token 1 then token 0 (top_k 1)
-  encode_rows(x, 2, 1, slots, WireDtype::kBf16, wire);
+  encode_rows(x, 2, 1, slots, comm::WireDtype::kBf16, wire);
   ASSERT_EQ(wire.size(), 8u);
   std::vector<float> decoded(4);
   std::vector<const float*> rows(2, nullptr);
-  locate_results(wire, slots, WireDtype::kBf16, 2, decoded, rows);
+  locate_results(wire, slots, comm::WireDtype::kBf16, 2, decoded, rows);
   EXPECT_EQ(rows[1][0], -3.5f);
   EXPECT_NEAR(rows[1][1], 1e-3f, 1e-5f);
   EXPECT_EQ(rows[0][0], 1.0f);

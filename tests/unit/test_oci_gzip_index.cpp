@@ -14,6 +14,7 @@
 
 #include <filesystem>
 #include <random>
+#include <set>
 
 namespace cfmo::oci {
 namespace {
@@ -24,6 +25,7 @@ using namespace cfmo::testing;
 constexpr uint64_t kSpan = 64 << 10;
 constexpr const char* kGzip = "application/vnd.oci.image.layer.v1.tar+gzip";
 constexpr const char* kTar = "application/vnd.oci.image.layer.v1.tar";
+constexpr const char* kZstd = "application/vnd.oci.image.layer.v1.tar+zstd";
 
 struct Scratch {
   Scratch() {
@@ -80,6 +82,30 @@ std::string multi_member(const std::string& tar) {
   return out;
 }
 
+/// A zstd stream of frames of 40013 bytes of the tar each (levels varying),
+/// with a skippable frame (as zstd:chunked writes its metadata) after the
+/// third; `frames` gets how many frames were written.
+std::string multi_frame(const std::string& tar, uint32_t& frames) {
+  std::string out;
+  frames = 0;
+  int level = 1;
+  for (size_t at = 0; at < tar.size(); at += 40013) {
+    out += zstd(tar.substr(at, 40013), level);
+    level = level % 9 + 2;
+    if (++frames == 3) {
+      const std::string skipped = "metadata a decoder skips";
+      const uint32_t magic = 0x184D2A50;
+      const auto size = static_cast<uint32_t>(skipped.size());
+      for (const uint32_t v : {magic, size}) {
+        for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>(v >> (8 * i)));
+      }
+      out += skipped;
+      ++frames;
+    }
+  }
+  return out;
+}
+
 struct Layer {
   std::string blob;
   Descriptor descriptor;
@@ -126,6 +152,8 @@ TEST(OciGzipIndex, EveryFileThroughTheIndexEqualsTheTar) {
   const auto tar_entries = entries();
   for (const TarFormat format : {TarFormat::kPax, TarFormat::kGnu}) {
     const std::string tar = make_tar(tar_entries, format);
+    uint32_t frames = 0;
+    const std::string zstd_frames = multi_frame(tar, frames);
     Scratch s;
     struct Case {
       const char* name;
@@ -134,7 +162,7 @@ TEST(OciGzipIndex, EveryFileThroughTheIndexEqualsTheTar) {
       uint32_t members;
     };
     for (const Case& c : {Case{"one member", gzip(tar), kGzip, 1}, Case{"four members", multi_member(tar), kGzip, 4},
-                          Case{"uncompressed", tar, kTar, 0}}) {
+                          Case{"uncompressed", tar, kTar, 0}, Case{"zstd frames", zstd_frames, kZstd, frames}}) {
       SCOPED_TRACE(std::string(c.name) + (format == TarFormat::kPax ? ", pax" : ", gnu"));
       const Layer layer = write_layer(s, c.blob, c.media_type, c.name);
       auto index = build_layer_index(layer.path, layer.descriptor, kSpan, "layer");
@@ -142,6 +170,7 @@ TEST(OciGzipIndex, EveryFileThroughTheIndexEqualsTheTar) {
       EXPECT_EQ(index->uncompressed_size, tar.size());
       EXPECT_EQ(index->compressed_size, c.blob.size());
       EXPECT_EQ(index->members, c.members);
+      EXPECT_TRUE(index->lazily_loadable());
       // Spans small enough that large files cross their boundaries (a
       // checkpoint waits for a deflate block's end, so spans may be longer).
       ASSERT_GE(index->checkpoints.size(), 4u);
@@ -217,9 +246,12 @@ TEST(OciGzipIndex, ASpanWhoseBytesChangedIsRefused) {
 TEST(OciGzipIndex, WhatCannotBeIndexedSaysSo) {
   const std::string tar = make_tar(entries());
   Scratch s;
-  const Layer zst = write_layer(s, zstd(tar), "application/vnd.oci.image.layer.v1.tar+zstd", "zst");
+  const Layer zst = write_layer(s, zstd(tar).substr(0, 9000), kZstd, "zst");
   EXPECT_TRUE(fails_with(build_layer_index(zst.path, zst.descriptor, kSpan, "layer 2"), ErrorKind::kInput,
-                         {"layer 2", "not lazily loadable"}));
+                         {"layer 2", "zstd stream is truncated"}));
+  const Layer garbage = write_layer(s, zstd(tar) + "not a frame", kZstd, "garbage");
+  EXPECT_TRUE(fails_with(build_layer_index(garbage.path, garbage.descriptor, kSpan, "layer 4"), ErrorKind::kInput,
+                         {"layer 4", "not a valid zstd stream"}));
   const Layer gz = write_layer(s, gzip(tar), kGzip, "gz");
   EXPECT_TRUE(fails_with(build_layer_index(gz.path, gz.descriptor, 4096, "layer"), ErrorKind::kUsage, {"--span"}));
   const Layer cut = write_layer(s, gzip(tar).substr(0, 5000), kGzip, "cut");
@@ -228,6 +260,81 @@ TEST(OciGzipIndex, WhatCannotBeIndexedSaysSo) {
   const Layer junk = write_layer(s, gzip(random_bytes(100000, 9)), kGzip, "junk");
   EXPECT_TRUE(fails_with(build_layer_index(junk.path, junk.descriptor, kSpan, "layer 3"), ErrorKind::kInput,
                          {"layer 3", "tar header"}));
+}
+
+// A zstd layer of one frame has one checkpoint: not lazily loadable (a span
+// would be the layer), read from its start instead, in pieces, by LayerStream.
+TEST(OciGzipIndex, AZstdLayerOfOneFrameIsNotLazilyLoadableAndStreams) {
+  const auto tar_entries = entries();
+  const std::string tar = make_tar(tar_entries);
+  Scratch s;
+  const Layer layer = write_layer(s, zstd(tar), kZstd, "one");
+  auto index = build_layer_index(layer.path, layer.descriptor, kSpan, "layer 1");
+  ASSERT_TRUE(index) << index.error().message;
+  EXPECT_EQ(index->compression, IndexedCompression::kZstd);
+  EXPECT_EQ(index->members, 1u);
+  ASSERT_EQ(index->checkpoints.size(), 1u);
+  EXPECT_FALSE(index->lazily_loadable());
+  EXPECT_NE(not_lazily_loadable(*index).find("not lazily loadable"), std::string::npos);
+  // Its file table is whole; read_range still works (through the one span).
+  expect_every_file_equal(*index, layer, tar_entries);
+  FileSource source(layer.path);
+  LayerStream stream(*index, source, "layer 1");
+  std::string all;
+  for (uint64_t piece = 1; all.size() < tar.size(); piece = piece * 3 + 7) {
+    auto got = stream.read(piece);
+    ASSERT_TRUE(got) << got.error().message;
+    ASSERT_FALSE(got->empty());
+    all += *got;
+    EXPECT_EQ(stream.position(), all.size());
+  }
+  EXPECT_TRUE(all == tar);
+  EXPECT_TRUE(stream.read(100)->empty()) << "past the end";
+  // A small one (one span or less) is lazily loadable: its span is small.
+  const std::string small = make_tar({file("a", "b")});
+  const Layer tiny = write_layer(s, zstd(small), kZstd, "tiny");
+  auto tiny_index = build_layer_index(tiny.path, tiny.descriptor, kSpan, "layer 2");
+  ASSERT_TRUE(tiny_index) << tiny_index.error().message;
+  EXPECT_TRUE(tiny_index->lazily_loadable());
+  // The format keeps the compression; a zstd checkpoint with a window is refused.
+  auto parsed = parse_index(serialize_index(*index), "index");
+  ASSERT_TRUE(parsed) << parsed.error().message;
+  EXPECT_EQ(parsed->compression, IndexedCompression::kZstd);
+  LayerIndex odd = *index;
+  odd.checkpoints[0].window = "x";
+  EXPECT_TRUE(fails_with(parse_index(serialize_index(odd), "odd"), ErrorKind::kInput, {"checkpoint 0"}));
+}
+
+// The frames' starts are the checkpoints, and a changed byte in one frame's span is caught by its SHA-256.
+TEST(OciGzipIndex, ZstdCheckpointsAreFrameStartsAndSpansAreVerified) {
+  const std::string tar = make_tar(entries());
+  uint32_t frames = 0;
+  std::string blob = multi_frame(tar, frames);
+  std::set<uint64_t> starts = {0};
+  for (size_t at = 0; at < blob.size();) {
+    const size_t n = ZSTD_findFrameCompressedSize(blob.data() + at, blob.size() - at);
+    ASSERT_FALSE(ZSTD_isError(n)) << ZSTD_getErrorName(n);
+    at += n;
+    starts.insert(at);
+  }
+  Scratch s;
+  const Layer layer = write_layer(s, blob, kZstd, "frames");
+  auto index = build_layer_index(layer.path, layer.descriptor, kSpan, "layer 3");
+  ASSERT_TRUE(index) << index.error().message;
+  for (const auto& c : index->checkpoints) {
+    EXPECT_EQ(starts.count(c.in), 1u) << c.in << " is not a frame's start";
+    EXPECT_NE(c.in, blob.size());
+  }
+  for (size_t k = 1; k < index->checkpoints.size(); ++k) {
+    EXPECT_GE(index->checkpoints[k].out - index->checkpoints[k - 1].out, kSpan);
+  }
+  const auto [begin, end] = index->span_range(1);
+  blob[(begin + end) / 2] = static_cast<char>(blob[(begin + end) / 2] ^ 1);
+  ASSERT_TRUE(write_file_atomic(layer.path, blob));
+  FileSource source(layer.path);
+  EXPECT_TRUE(fails_with(read_range(*index, source, index->checkpoints[1].out, 10, "layer 3"), ErrorKind::kInput,
+                         {"layer 3", "span 1", "SHA-256 mismatch"}));
+  EXPECT_TRUE(read_range(*index, source, 0, 100, "layer 3").has_value());
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 #include "oci/registry.h"
+#include "support/temp_dir.h"
 
 #include "core/atomic_file.h"
 
@@ -12,20 +13,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
+/// A scratch directory named for these tests.
+class TempDir : public cfmo::testing::ScratchDir {
  public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "cfmo-oci-XXXXXX").string();
-    if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
+  TempDir() : ScratchDir("cfmo-oci") {}
 };
 
 TEST(OciRegistry, Sha256OfKnownStrings) {

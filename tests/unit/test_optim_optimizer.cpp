@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::optim {
 namespace {
 
 using Trajectory = std::vector<std::vector<float>>;
@@ -151,11 +151,11 @@ constexpr float kTorchTolerance = 1e-6f;
 // still catches a 1% error in an update of about 5e-3.
 constexpr float kMuonTolerance = 1e-5f;
 
-std::vector<ParamInfo> flat_layout(size_t size) { return {{"p", {static_cast<int64_t>(size)}, 0, size}}; }
+std::vector<model::ParamInfo> flat_layout(size_t size) { return {{"p", {static_cast<int64_t>(size)}, 0, size}}; }
 
 /// A wide weight, a bias, a tall weight (transposed inside Newton-Schulz) and a
 /// bias, contiguous; the same layout as MUON_LAYOUT in the reference script.
-std::vector<ParamInfo> muon_layout() {
+std::vector<model::ParamInfo> muon_layout() {
   return {{"layers.0.weight", {3, 5}, 0, 15},
           {"layers.0.bias", {3}, 15, 3},
           {"layers.1.weight", {4, 3}, 18, 12},
@@ -184,7 +184,8 @@ Trajectory muon_grads() {
   return grads;
 }
 
-std::unique_ptr<Optimizer> make(const OptimizerConfig& config, const std::vector<ParamInfo>& layout, size_t size) {
+std::unique_ptr<Optimizer> make(const OptimizerConfig& config, const std::vector<model::ParamInfo>& layout,
+                                size_t size) {
   auto made = make_optimizer(config, layout, size);
   if (!made) {
     ADD_FAILURE() << made.error().message;
@@ -194,9 +195,9 @@ std::unique_ptr<Optimizer> make(const OptimizerConfig& config, const std::vector
 }
 
 /// Runs `config` over the gradients and compares the parameters after every step.
-void expect_trajectory(const OptimizerConfig& config, const std::vector<ParamInfo>& layout, std::vector<float> params,
-                       const Trajectory& grads, const std::vector<float>& lrs, const Trajectory& expected,
-                       float tolerance) {
+void expect_trajectory(const OptimizerConfig& config, const std::vector<model::ParamInfo>& layout,
+                       std::vector<float> params, const Trajectory& grads, const std::vector<float>& lrs,
+                       const Trajectory& expected, float tolerance) {
   ASSERT_EQ(expected.size(), lrs.size());
   auto opt = make(config, layout, params.size());
   ASSERT_NE(opt, nullptr);
@@ -235,7 +236,7 @@ OptimizerConfig muon_nesterov_config() {
   return config;
 }
 
-FloatBuffer* find_state(Optimizer& opt, const std::string& name) {
+tensor::FloatBuffer* find_state(Optimizer& opt, const std::string& name) {
   for (auto& s : opt.state()) {
     if (s.name == name) return s.buffer;
   }
@@ -388,7 +389,7 @@ TEST(TestOptimOptimizer, ScaleFirstMomentSgdDiscountsMomentumBuffer) {
   opt->step(params, kGrads[0], 0.1f);
   const auto after_first = params;
   opt->scale_first_moment(0.5f);
-  FloatBuffer* buffer = find_state(*opt, "momentum_buffer");
+  tensor::FloatBuffer* buffer = find_state(*opt, "momentum_buffer");
   ASSERT_NE(buffer, nullptr);
   for (size_t i = 0; i < params.size(); ++i) EXPECT_FLOAT_EQ((*buffer)[i], 0.5f * kGrads[0][i]);
   opt->step(params, kGrads[1], 0.1f);
@@ -405,8 +406,8 @@ TEST(TestOptimOptimizer, ScaleFirstMomentAdamLeavesSecondMoment) {
   ASSERT_NE(opt, nullptr);
   auto params = kParams;
   opt->step(params, kGrads[0], 0.01f);
-  const FloatBuffer exp_avg = *find_state(*opt, "exp_avg");
-  const FloatBuffer exp_avg_sq = *find_state(*opt, "exp_avg_sq");
+  const tensor::FloatBuffer exp_avg = *find_state(*opt, "exp_avg");
+  const tensor::FloatBuffer exp_avg_sq = *find_state(*opt, "exp_avg_sq");
   opt->scale_first_moment(0.25f);
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_FLOAT_EQ((*find_state(*opt, "exp_avg"))[i], 0.25f * exp_avg[i]);
@@ -419,9 +420,9 @@ TEST(TestOptimOptimizer, ScaleFirstMomentMuonScalesBothFirstMoments) {
   ASSERT_NE(opt, nullptr);
   auto params = muon_params();
   opt->step(params, muon_grads()[0], 0.02f);
-  const FloatBuffer momentum = *find_state(*opt, "momentum_buffer");
-  const FloatBuffer exp_avg = *find_state(*opt, "exp_avg");
-  const FloatBuffer exp_avg_sq = *find_state(*opt, "exp_avg_sq");
+  const tensor::FloatBuffer momentum = *find_state(*opt, "momentum_buffer");
+  const tensor::FloatBuffer exp_avg = *find_state(*opt, "exp_avg");
+  const tensor::FloatBuffer exp_avg_sq = *find_state(*opt, "exp_avg_sq");
   opt->scale_first_moment(0.5f);
   for (size_t i = 0; i < kMuonSize; ++i) {
     EXPECT_FLOAT_EQ((*find_state(*opt, "momentum_buffer"))[i], 0.5f * momentum[i]);
@@ -587,4 +588,4 @@ TEST(TestOptimOptimizer, ClipGradNormLeavesSmallOrDisabledAlone) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::optim

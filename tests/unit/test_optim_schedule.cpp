@@ -4,7 +4,7 @@
 
 #include <string>
 
-namespace cfmo {
+namespace cfmo::optim {
 namespace {
 
 Schedule make_schedule(Schedule::Kind kind, double base_lr, double min_lr, int64_t warmup, int64_t total) {
@@ -110,4 +110,4 @@ TEST(TestOptimSchedule, ParseKindRejectsOthersAsUsageErrors) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::optim

@@ -16,7 +16,7 @@ namespace cfmo::sim {
 namespace {
 
 /// A network that costs (almost) nothing, so only the step times matter.
-SimulateOptions quiet(ModeKind kind, int workers, int64_t steps) {
+SimulateOptions quiet(train::ModeKind kind, int workers, int64_t steps) {
   SimulateOptions o;
   o.workers = {workers};
   o.modes = {kind};
@@ -37,7 +37,7 @@ SimulateRow run(const SimulateOptions& o) {
 }
 
 TEST(SimModes, HomogeneousSyncOnAFreeNetworkIsFullyEfficient) {
-  const auto row = run(quiet(ModeKind::kSync, 4, 50));
+  const auto row = run(quiet(train::ModeKind::kSync, 4, 50));
   EXPECT_EQ(row.steps, 200);
   EXPECT_EQ(row.samples, 2000);
   EXPECT_NEAR(row.virtual_s, 5.0, 1e-9);
@@ -46,7 +46,7 @@ TEST(SimModes, HomogeneousSyncOnAFreeNetworkIsFullyEfficient) {
 }
 
 TEST(SimModes, SyncWaitsForTheSlowestWorker) {
-  auto o = quiet(ModeKind::kSync, 4, 50);
+  auto o = quiet(train::ModeKind::kSync, 4, 50);
   o.step_times.slowdown = {"3=2"};
   const auto row = run(o);
   EXPECT_NEAR(row.virtual_s, 50 * 0.2, 1e-9);  // every step at the slow worker's pace
@@ -58,7 +58,7 @@ TEST(SimModes, SyncWaitsForTheSlowestWorker) {
 }
 
 TEST(SimModes, CfmoDoesNotWaitForTheSlowestWorker) {
-  auto o = quiet(ModeKind::kCfmo, 4, 50);
+  auto o = quiet(train::ModeKind::kCfmo, 4, 50);
   o.step_times.slowdown = {"3=2"};
   const auto row = run(o);
   // The fast workers take more of the shared budget and never wait in their loop.
@@ -71,7 +71,7 @@ TEST(SimModes, CfmoDoesNotWaitForTheSlowestWorker) {
 }
 
 TEST(SimModes, LocalSgdWaitsOnceARound) {
-  auto o = quiet(ModeKind::kLocalSgd, 4, 50);
+  auto o = quiet(train::ModeKind::kLocalSgd, 4, 50);
   o.step_times.slowdown = {"3=2"};
   const auto row = run(o);
   EXPECT_EQ(row.rounds, 10);               // H = 5
@@ -80,7 +80,7 @@ TEST(SimModes, LocalSgdWaitsOnceARound) {
 }
 
 TEST(SimModes, TheNetworkChargesWhatARealModelWouldSend) {
-  auto o = quiet(ModeKind::kSync, 4, 10);
+  auto o = quiet(train::ModeKind::kSync, 4, 10);
   o.params = 1'000'000;
   o.network.bandwidth = 1e9;  // bytes/s
   o.network.latency = 1e-5;
@@ -94,7 +94,7 @@ TEST(SimModes, TheNetworkChargesWhatARealModelWouldSend) {
 }
 
 TEST(SimModes, CfmoRepliesComeBackStaleWhenTheNetworkIsSlow) {
-  auto o = quiet(ModeKind::kCfmo, 4, 100);
+  auto o = quiet(train::ModeKind::kCfmo, 4, 100);
   o.settings.sync_interval = 1;
   o.params = 4'000'000;
   o.network.bandwidth = 1e8;  // a shard takes ~40 ms: replies arrive after the next rounds started
@@ -106,7 +106,7 @@ TEST(SimModes, CfmoRepliesComeBackStaleWhenTheNetworkIsSlow) {
 }
 
 TEST(SimModes, AsgdOwnersApplyEveryGradient) {
-  const auto row = run(quiet(ModeKind::kAsgd, 3, 20));
+  const auto row = run(quiet(train::ModeKind::kAsgd, 3, 20));
   EXPECT_GE(row.samples, 600);
   // Every push of every worker reached its owner: steps x owners contributions in all.
   EXPECT_NEAR(row.owner_received_mean * 3, static_cast<double>(row.steps) * 3, 1e-9);
@@ -116,7 +116,7 @@ TEST(SimModes, WithKOwnersARoundIsWorkersTimesKMessagesAndOnlyTheOwnersReceive) 
   // 64 workers, 4 owners: every round of every worker is 4 deltas, each
   // answered and passed on to the shard's backup; the 4 owners share the
   // contributions, ranks 4..63 receive none.
-  auto o = quiet(ModeKind::kCfmo, 64, 20);
+  auto o = quiet(train::ModeKind::kCfmo, 64, 20);
   o.settings.owners = 4;
   const auto row = run(o);
   const double contributions = row.owner_received_mean * 64;
@@ -134,7 +134,7 @@ TEST(SimModes, AsgdWorkersWaitingOnSlowOwnersWakeByTheirReplies) {
   // Owners on a slow network: asgd's workers wait (max_staleness rounds
   // unanswered) for whole seconds; each wakes when a reply reaches it, not
   // every 10 us, so the events are about the messages.
-  auto o = quiet(ModeKind::kAsgd, 32, 20);
+  auto o = quiet(train::ModeKind::kAsgd, 32, 20);
   o.settings.owners = 2;
   o.settings.max_staleness = 1;
   o.params = 10'000'000;
@@ -145,7 +145,7 @@ TEST(SimModes, AsgdWorkersWaitingOnSlowOwnersWakeByTheirReplies) {
 }
 
 TEST(SimModes, TheSameSeedGivesTheSameRowAndASweepHasARowPerSizeAndMode) {
-  auto o = quiet(ModeKind::kSync, 8, 30);
+  auto o = quiet(train::ModeKind::kSync, 8, 30);
   o.step_times.straggler = "0.1:3";
   o.step_times.thermal = "0.25:0.5:1";
   o.step_times.speeds = "0.5:0.8,0.5:1.0";
@@ -154,7 +154,7 @@ TEST(SimModes, TheSameSeedGivesTheSameRowAndASweepHasARowPerSizeAndMode) {
   EXPECT_EQ(a.virtual_s, b.virtual_s);
   EXPECT_LT(a.efficiency, 0.9);
   o.workers = {2, 8};
-  o.modes = {ModeKind::kSync, ModeKind::kCfmo};
+  o.modes = {train::ModeKind::kSync, train::ModeKind::kCfmo};
   auto rows = simulate(o);
   ASSERT_TRUE(rows) << rows.error().message;
   ASSERT_EQ(rows->size(), 4u);
@@ -221,11 +221,11 @@ namespace cfmo::sim {
 namespace {
 
 TEST(SimMath, WithMathTheWorkersTrainAndTheGlobalParametersAreEvaluated) {
-  auto o = quiet(ModeKind::kSync, 4, 60);
+  auto o = quiet(train::ModeKind::kSync, 4, 60);
   o.math = true;
   o.data = "synthetic:1024:256";
   o.model = "mlp:16";
-  for (ModeKind kind : {ModeKind::kSync, ModeKind::kCfmo}) {
+  for (train::ModeKind kind : {train::ModeKind::kSync, train::ModeKind::kCfmo}) {
     o.modes = {kind};
     const auto row = run(o);
     EXPECT_GT(row.test_accuracy, 0.3) << row.mode;  // 10 classes: chance is 0.1
@@ -233,7 +233,7 @@ TEST(SimMath, WithMathTheWorkersTrainAndTheGlobalParametersAreEvaluated) {
     EXPECT_GT(row.host_uplinks.max_bytes, 0u) << row.mode;  // the model's own floats
   }
   o.workers = {kMaxMathWorkers + 1};
-  auto refused = simulate_one(o, ModeKind::kSync, kMaxMathWorkers + 1);
+  auto refused = simulate_one(o, train::ModeKind::kSync, kMaxMathWorkers + 1);
   ASSERT_FALSE(refused);
   EXPECT_EQ(refused.error().kind, ErrorKind::kUsage);
   EXPECT_NE(refused.error().message.find("--math"), std::string::npos);

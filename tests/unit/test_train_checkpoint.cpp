@@ -15,18 +15,18 @@
 #include <csignal>
 #include <numeric>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 namespace fs = std::filesystem;
 using testing::TempDir;
 
 struct Fixture {
-  explicit Fixture(const std::string& optimizer_name) : model(MlpSpec{6, {5}, 3}) {
+  explicit Fixture(const std::string& optimizer_name) : model(model::MlpSpec{6, {5}, 3}) {
     model.init(7);
-    OptimizerConfig config;
-    config.kind = parse_optimizer_kind(optimizer_name).value();
-    optimizer = std::move(make_optimizer(config, model.params(), model.num_params())).value();
+    optim::OptimizerConfig config;
+    config.kind = optim::parse_optimizer_kind(optimizer_name).value();
+    optimizer = std::move(optim::make_optimizer(config, model.params(), model.num_params())).value();
     // Give the state non-trivial values by taking two steps.
     std::vector<float> inputs(4 * 6);
     std::iota(inputs.begin(), inputs.end(), 0.0f);
@@ -37,8 +37,8 @@ struct Fixture {
       optimizer->step(model.parameters(), model.gradients(), 0.01f);
     }
   }
-  Mlp model;
-  std::unique_ptr<Optimizer> optimizer;
+  model::Mlp model;
+  std::unique_ptr<optim::Optimizer> optimizer;
 };
 
 TEST(Checkpoint, RoundTripRestoresParametersStateAndPosition) {
@@ -125,7 +125,7 @@ TEST(Checkpoint, KeepsTheWorldAndTheOuterMomentumOfSeveralWorkers) {
 
   Fixture loaded("adamw");
   CheckpointWorld world;
-  FloatBuffer outer;
+  tensor::FloatBuffer outer;
   auto position = load_checkpoint(*path, loaded.model, *loaded.optimizer, &world, &outer);
   ASSERT_TRUE(position) << position.error().message;
   EXPECT_EQ(position->step, 9);
@@ -150,6 +150,76 @@ TEST(Checkpoint, KeepsTheWorldAndTheOuterMomentumOfSeveralWorkers) {
   EXPECT_EQ(world.workers, 1);
   EXPECT_TRUE(world.ranks.empty());
   EXPECT_TRUE(outer.empty());
+}
+
+// A cfmo checkpoint's owner and per-rank state: the shards' versions, the
+// owners' pending rounds beside the momentum, and every rank's own
+// optimizer state, steps and error feedback.
+TEST(Checkpoint, KeepsTheOwnersPendingRoundsAndEveryRanksOwnState) {
+  TempDir dir;
+  Fixture f("adamw");
+  CheckpointData data = checkpoint_data(f.model, *f.optimizer, {9, 1, 2, 640, 0.5});
+  data.world.workers = 2;
+  data.world.mode = "cfmo";
+  data.world.ranks = {{9, 1, 2, 640, 0.5}, {9, 1, 2, 640, 0.25}};
+  data.world.shard_versions = {14, 16};
+  data.world.outer_in_round = {1, 0};
+  data.world.rank_optimizer_steps = {2, 1};
+  const size_t n = f.model.num_params();
+  auto ramp = [n](float scale) {
+    tensor::FloatBuffer v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>(i) * scale;
+    return v;
+  };
+  data.outer_momentum = ramp(0.5f);
+  data.outer_round_sum = ramp(-0.25f);
+  auto other = data.optimizer_state;
+  for (auto& [name, buffer] : other) std::fill(buffer.begin(), buffer.end(), 3.0f);
+  data.rank_optimizer_state = {other};
+  data.wire_residuals = {ramp(0.125f), ramp(-0.125f)};
+  auto path = write_checkpoint(dir.path(), f.model.spec_string(), f.model.params(), data, "", 3);
+  ASSERT_TRUE(path) << path.error().message;
+
+  Fixture loaded("adamw");
+  CheckpointWorld world;
+  tensor::FloatBuffer outer;
+  tensor::FloatBuffer round_sum;
+  ASSERT_TRUE(load_checkpoint(*path, loaded.model, *loaded.optimizer, &world, &outer, &round_sum));
+  EXPECT_EQ(world.shard_versions, (std::vector<int64_t>{14, 16}));
+  EXPECT_EQ(world.outer_in_round, (std::vector<int64_t>{1, 0}));
+  EXPECT_EQ(world.rank_optimizer_steps, (std::vector<int64_t>{2, 1}));
+  auto residual = load_wire_residual(*path, loaded.model, 1);
+  ASSERT_TRUE(residual) << residual.error().message;
+  auto rank1 = load_rank_optimizer(*path, loaded.model, *loaded.optimizer, 1);
+  ASSERT_TRUE(rank1 && *rank1);
+  EXPECT_EQ(loaded.optimizer->step_count(), 1);  // rank 1's own count
+  EXPECT_EQ((*loaded.optimizer->state()[0].buffer)[f.model.params()[0].offset], 3.0f);
+  for (const auto& p : f.model.params()) {
+    for (size_t i = p.offset; i < p.offset + p.size; ++i) {
+      EXPECT_EQ(round_sum[i], data.outer_round_sum[i]) << p.name;
+      EXPECT_EQ((*residual)[i], data.wire_residuals[1][i]) << p.name;
+    }
+  }
+  auto none = load_wire_residual(*path, loaded.model, 2);  // no such rank: none
+  ASSERT_TRUE(none);
+  EXPECT_TRUE(none->empty());
+
+  // Counts of another length than the workers, or residual files misnamed: input errors naming state.json.
+  const std::string good = read_file(*path / "state.json").value();
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"\"wire-rank-1.safetensors\"", "\"wire-rank-7.safetensors\""},
+           {"\"shard_versions\": [\n    14,", "\"shard_versions\": [\n    14, 15,"},
+           {"\"outer_in_round\": [\n    1,", "\"outer_in_round\": [\n    -1,"}}) {
+    std::string bad = good;
+    const size_t at = bad.find(from);
+    ASSERT_NE(at, std::string::npos) << from << " in " << good;
+    bad.replace(at, from.size(), to);
+    ASSERT_TRUE(write_file_atomic(*path / "state.json", bad));
+    auto refused = load_checkpoint(*path, loaded.model, *loaded.optimizer, &world, &outer, &round_sum);
+    ASSERT_FALSE(refused) << to;
+    EXPECT_EQ(refused.error().kind, ErrorKind::kInput) << to;
+    EXPECT_NE(refused.error().message.find("state.json"), std::string::npos) << refused.error().message;
+  }
 }
 
 TEST(Checkpoint, ACheckpointOfTheSameStepIsSwappedInWhole) {
@@ -239,9 +309,9 @@ TEST(Checkpoint, RefusesAnotherOptimizerOrModel) {
   EXPECT_EQ(wrong_optimizer.error().kind, ErrorKind::kUsage);
   EXPECT_NE(wrong_optimizer.error().message.find("adamw"), std::string::npos);
 
-  Mlp wider(MlpSpec{6, {7}, 3});
-  OptimizerConfig config;
-  auto optimizer = std::move(make_optimizer(config, wider.params(), wider.num_params())).value();
+  model::Mlp wider(model::MlpSpec{6, {7}, 3});
+  optim::OptimizerConfig config;
+  auto optimizer = std::move(optim::make_optimizer(config, wider.params(), wider.num_params())).value();
   auto wrong_shape = load_checkpoint(*path, wider, *optimizer);
   ASSERT_FALSE(wrong_shape);
   EXPECT_EQ(wrong_shape.error().kind, ErrorKind::kInput);
@@ -382,4 +452,4 @@ TEST(Checkpoint, OnlyACheckpointInRunCheckpointsBelongsToARun) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -7,7 +7,7 @@
 
 #include <gtest/gtest.h>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 uint64_t estimate(const TrainConfig& config) {
@@ -70,4 +70,4 @@ TEST(MemoryEstimate, WorkersThatCannotFitAreRefusedNamingTheEstimateAndWhatIsAva
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -14,25 +14,25 @@
 #include <optional>
 #include <thread>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 constexpr size_t kSize = 96;  // shards of 48 floats for 2 workers, 32 for 3 (16-float boundaries)
 
 struct Cluster {
-  Cluster(int workers, ModeSettings settings, LoopbackOptions options = {})
-      : world(make_loopback_world(workers, options)) {
-    settings.delta_dtype = WireDtype::kFp32;  // exact sums
-    OptimizerConfig sgd;
-    sgd.kind = OptimizerKind::kSgd;
+  Cluster(int workers, ModeSettings settings, comm::LoopbackOptions options = {})
+      : world(comm::make_loopback_world(workers, options)) {
+    settings.delta_dtype = comm::WireDtype::kFp32;  // exact sums
+    optim::OptimizerConfig sgd;
+    sgd.kind = optim::OptimizerKind::kSgd;
     sgd.momentum = 0.9;
-    const std::vector<ParamInfo> layout = {{"w", {static_cast<int64_t>(kSize)}, 0, kSize}};
+    const std::vector<model::ParamInfo> layout = {{"w", {static_cast<int64_t>(kSize)}, 0, kSize}};
     for (int r = 0; r < workers; ++r) {
       auto mode = make_mode(settings, world.ranks[static_cast<size_t>(r)].get(), layout, initial, sgd);
       EXPECT_TRUE(mode) << mode.error().message;
       modes.push_back(std::move(*mode));
       params.push_back(initial);
-      optimizers.push_back(std::move(*make_optimizer(sgd, layout, kSize)));
+      optimizers.push_back(std::move(*optim::make_optimizer(sgd, layout, kSize)));
     }
   }
   ~Cluster() { modes.clear(); }  // before the communicators their handlers are on
@@ -98,10 +98,10 @@ struct Cluster {
   }
 
   std::vector<float> initial = std::vector<float>(kSize, 1.0f);
-  LoopbackWorld world;
+  comm::LoopbackWorld world;
   std::vector<std::unique_ptr<Mode>> modes;
   std::vector<std::vector<float>> params;
-  std::vector<std::unique_ptr<Optimizer>> optimizers;
+  std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
 };
 
 ModeSettings settings_for(const char* name, int sync_interval = 1) {
@@ -188,6 +188,64 @@ TEST(CfmoProtocol, DeltasReachTheirOwnersAndFreshShardsRebaseTheWorkers) {
   EXPECT_EQ(stats.staleness_histogram[0], 2u);
   ASSERT_TRUE(c.world.network->drain());
   EXPECT_EQ(c.mode(0).stats().contributions_applied, 3u);  // as owner of shard 0: round 1's two, rank 1's second
+}
+
+// --deterministic: an owner holds a round until every rank's delta is in
+// and applies them in rank order, and every worker leaves its round on the
+// global parameters: the order in which the deltas arrive changes no bit.
+TEST(CfmoProtocol, DeterministicRoundsApplyInRankOrderWhateverTheArrivalOrder) {
+  auto settings = settings_for("cfmo");
+  settings.outer_optimizer = OuterKind::kNesterov;
+  settings.outer_lr = 0.7;
+  settings.outer_momentum = 0.9;
+  settings.deterministic = true;
+  std::vector<std::vector<float>> globals;
+  for (int first : {0, 1}) {
+    Cluster c(2, settings);
+    const int second = 1 - first;
+    // The second rank's deltas wait on their links while the first's reach the owners.
+    c.world.network->hold(second, 0);
+    c.world.network->hold(second, 1);
+    for (int k = 0; k < 2; ++k) {
+      for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += 0.37f * delta_of(k, i) / static_cast<float>(i + 3);
+    }
+    std::thread releaser([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      c.world.network->release(second, 0);
+      c.world.network->release(second, 1);
+    });
+    const auto done = c.on_every_rank([&](int r) { return c.step(r, 1); });  // each waits for its replies
+    releaser.join();
+    for (const Status& s : done) ASSERT_TRUE(s) << s.error().message;
+    ASSERT_TRUE(c.world.network->drain());
+    EXPECT_TRUE(c.mode(0).params_are_global());
+    EXPECT_EQ(c.param(0), c.param(1)) << "the workers left the round on different parameters";
+    auto global = c.snapshot();
+    ASSERT_TRUE(global);
+    EXPECT_EQ(global->params, c.param(0));
+    EXPECT_EQ(global->outer_in_round, (std::vector<int64_t>{0, 0}));  // a whole round: its momentum step taken
+    EXPECT_EQ(c.mode(0).stats().staleness_histogram[0], 2u);          // every contribution fresh
+    globals.push_back(global->params);
+  }
+  EXPECT_EQ(globals[0], globals[1]);
+}
+
+// Without --deterministic a snapshot mid-round carries the owners' pending
+// round (its contributions so far and their weighted sum), which a
+// checkpoint keeps for the owner that resumes the shard.
+TEST(CfmoProtocol, ASnapshotCarriesTheOwnersPendingRound) {
+  auto settings = settings_for("cfmo");
+  settings.outer_optimizer = OuterKind::kNesterov;
+  Cluster c(2, settings);
+  for (size_t i = 0; i < kSize; ++i) c.param(0)[i] += delta_of(0, i);
+  ASSERT_TRUE(c.step(0, 1));  // rank 0's delta only: half a round on each shard
+  ASSERT_TRUE(c.world.network->drain());
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  EXPECT_EQ(global->outer_in_round, (std::vector<int64_t>{1, 1}));
+  ASSERT_EQ(global->outer_round_sum.size(), kSize);
+  for (size_t i = 0; i < kSize; ++i) EXPECT_FLOAT_EQ(global->outer_round_sum[i], delta_of(0, i) / 2) << i;
+  for (float m : global->outer_momentum) EXPECT_EQ(m, 0.0f);  // no momentum step yet
 }
 
 // Rank 1's delta to owner 0 is held while rank 0 makes four contributions
@@ -309,9 +367,9 @@ TEST(CfmoProtocol, ALostRankDoesNotStopTheOthers) {
   ASSERT_TRUE(results[1]) << results[1].error().message;
   auto final_state = c.mode(0).final_state();
   ASSERT_TRUE(final_state);
-  // Shards 0 and 1 took three rounds of both survivors' +0.125 (averaged over W = 3).
-  EXPECT_NEAR(final_state->params[0], 1.0f + 3 * 2 * 0.125f / 3, 1e-5f);
-  EXPECT_NEAR(final_state->params[40], 1.0f + 3 * 2 * 0.125f / 3, 1e-5f);
+  // Shards 0 and 1 took three rounds of both survivors' +0.125, each round their mean (1 / W_live = 1 / 2).
+  EXPECT_NEAR(final_state->params[0], 1.0f + 3 * 0.125f, 1e-5f);
+  EXPECT_NEAR(final_state->params[40], 1.0f + 3 * 0.125f, 1e-5f);
   EXPECT_GT(c.mode(0).stats().contributions_sent, 0u);
 }
 
@@ -415,13 +473,12 @@ TEST(LocalSgdProtocol, WithElasticAKilledWorkerLeavesTheRoundsToTheOthers) {
 // Every rank adds delta_of(k, i) in round 1, then the survivors of each later
 // round add `later` each: with plain averaging (lr 1) and no staleness, every
 // element of the global parameters is the start plus the mean of round 1 plus
-// the later rounds' contributions over W, wherever its shard is served.
-float expected_global(size_t i, int w, const std::vector<int>& later_contributors, float later) {
+// `later` for each later round (its survivors' mean: each weighs 1 / W_live),
+// wherever its shard is served.
+float expected_global(size_t i, int w, int later_rounds, float later) {
   float round1 = 0;
   for (int k = 0; k < w; ++k) round1 += delta_of(k, i);
-  float sum = 1.0f + round1 / static_cast<float>(w);
-  for (int n : later_contributors) sum += static_cast<float>(n) * later / static_cast<float>(w);
-  return sum;
+  return 1.0f + round1 / static_cast<float>(w) + static_cast<float>(later_rounds) * later;
 }
 
 void first_round(Cluster& c, int w) {
@@ -442,9 +499,34 @@ TEST(CfmoFailover, AKilledOwnersShardIsServedByItsBackupWithEveryAppliedDelta) {
   c.round({0, 1}, 2, 0.125f);
   auto global = c.snapshot();
   ASSERT_TRUE(global);  // whole: shard 2 has an owner again
-  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(global->params[i], expected_global(i, 3, {2}, 0.125f), 1e-5f) << i;
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(global->params[i], expected_global(i, 3, 1, 0.125f), 1e-5f) << i;
   // Shard 2 kept its version: round 1's three contributions, then the survivors' two.
   EXPECT_EQ(global->versions, (std::vector<int64_t>{5, 5, 5}));
+}
+
+// After a loss a round of the outer step is one contribution of each
+// survivor, each weighing 1 / W_live: with Nesterov's momentum the round of
+// the two survivors completes (its momentum step taken) at their second
+// contribution, not at a third that never comes.
+TEST(CfmoFailover, AfterALossTheSurvivorsDeltasWeighOneOverTheLiveRanks) {
+  auto settings = settings_for("cfmo");
+  settings.outer_optimizer = OuterKind::kNesterov;
+  settings.outer_momentum = 0.5;
+  Cluster c(3, settings);
+  first_round(c, 3);
+  c.kill(2, {0, 1});
+  c.round({0, 1}, 2, 0.125f);
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  const float mu = 0.5f;
+  for (size_t i = 0; i < kSize; ++i) {
+    const float mean1 = (delta_of(0, i) + delta_of(1, i) + delta_of(2, i)) / 3;
+    // Round 1: the mean, then lr mu m with m = the mean. Round 2: the
+    // survivors' mean, then lr mu m with m = mu mean1 + 0.125.
+    const float expected = 1.0f + mean1 + mu * mean1 + 0.125f + mu * (mu * mean1 + 0.125f);
+    EXPECT_NEAR(global->params[i], expected, 1e-5f) << i;
+    EXPECT_NEAR(global->outer_momentum[i], mu * mean1 + 0.125f, 1e-5f) << i;
+  }
 }
 
 TEST(CfmoFailover, ALossDuringARoundCostsNoDeltaThatDidNotArrive) {
@@ -461,7 +543,10 @@ TEST(CfmoFailover, ALossDuringARoundCostsNoDeltaThatDidNotArrive) {
   auto global = c.snapshot();
   ASSERT_TRUE(global);
   for (size_t i = 0; i < kSize; ++i) {
-    EXPECT_NEAR(global->params[i], expected_global(i, 3, {2, 2}, 0.125f), 1e-5f) << i;
+    // Shards 0 and 1: round 2's two deltas while rank 2 lived (1 / 3 each),
+    // round 3's after (1 / 2 each). Shard 2: both rounds at once, after.
+    const float later = i < 64 ? 2 * 0.125f / 3 + 0.125f : 2 * 0.125f;
+    EXPECT_NEAR(global->params[i], expected_global(i, 3, 0, 0) + later, 1e-5f) << i;
   }
 }
 
@@ -490,7 +575,7 @@ TEST(CfmoFailover, RankZerosShardBudgetAndFinalModelMoveToTheLowestLiveRank) {
   ASSERT_TRUE(final_state);
   EXPECT_FALSE(c.mode(2).final_state());
   for (size_t i = 0; i < kSize; ++i) {
-    EXPECT_NEAR(final_state->params[i], expected_global(i, 3, {2}, 0.125f), 1e-5f) << i;
+    EXPECT_NEAR(final_state->params[i], expected_global(i, 3, 1, 0.125f), 1e-5f) << i;
   }
   EXPECT_EQ(final_state->params, c.param(1));
   EXPECT_EQ(final_state->ranks[0].samples, 300);  // the lost rank's last report
@@ -512,7 +597,7 @@ TEST(CfmoFailover, TwoLossesOneAfterTheOtherLoseNoShard) {
   auto final_state = c.mode(1).final_state();
   ASSERT_TRUE(final_state);
   for (size_t i = 0; i < kSize; ++i) {
-    EXPECT_NEAR(final_state->params[i], expected_global(i, 4, {3, 2}, 0.125f), 1e-5f) << i;
+    EXPECT_NEAR(final_state->params[i], expected_global(i, 4, 2, 0.125f), 1e-5f) << i;
   }
 }
 
@@ -629,6 +714,44 @@ TEST(OwnersProtocol, CfmoWithTwoOwnersOfFourRanksGivesTheSameGlobalParametersAsF
   for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(finals[0][i], finals[1][i], 1e-5f) << i;
 }
 
+// --deterministic with K < W: an owner holds a shard's round until every
+// live rank's delta to it is in (not K of them), and applies it in rank
+// order, so the global parameters are those of K = W bit for bit.
+TEST(OwnersProtocol, DeterministicRoundsOfFewerOwnersWaitForEveryRankAndMatchEveryRankOwning) {
+  auto settings = settings_for("cfmo");
+  settings.outer_optimizer = OuterKind::kNesterov;
+  settings.outer_lr = 0.7;
+  settings.outer_momentum = 0.9;
+  settings.deterministic = true;
+  std::vector<std::vector<float>> globals;
+  for (int owners : {3, 1}) {
+    settings.owners = owners;
+    Cluster c(3, settings);
+    // Rank 2's delta to rank 0 waits on its link while the others' reach it.
+    c.world.network->hold(2, 0);
+    for (int k = 0; k < 3; ++k) {
+      for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += 0.37f * delta_of(k, i) / static_cast<float>(i + 3);
+    }
+    std::thread releaser([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      c.world.network->release(2, 0);
+    });
+    const auto done = c.on_every_rank([&](int r) { return c.step(r, 1); });
+    releaser.join();
+    for (const Status& s : done) ASSERT_TRUE(s) << s.error().message;
+    ASSERT_TRUE(c.world.network->drain());
+    EXPECT_EQ(c.param(0), c.param(1)) << owners;
+    EXPECT_EQ(c.param(0), c.param(2)) << owners;
+    auto global = c.snapshot();
+    ASSERT_TRUE(global);
+    EXPECT_EQ(global->params, c.param(0)) << owners;
+    EXPECT_EQ(global->versions, std::vector<int64_t>(static_cast<size_t>(owners), 3)) << owners;
+    EXPECT_EQ(global->outer_in_round, std::vector<int64_t>(static_cast<size_t>(owners), 0)) << owners;
+    globals.push_back(global->params);
+  }
+  EXPECT_EQ(globals[0], globals[1]);
+}
+
 TEST(OwnersProtocol, ALostOwnersShardMovesToItsBackupThoughThatOwnsNone) {
   auto settings = settings_for("cfmo");
   settings.owners = 2;
@@ -639,7 +762,7 @@ TEST(OwnersProtocol, ALostOwnersShardMovesToItsBackupThoughThatOwnsNone) {
   c.round({0, 2, 3}, 2, 0.125f);
   auto global = c.snapshot();
   ASSERT_TRUE(global);
-  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(global->params[i], expected_global(i, 4, {3}, 0.125f), 1e-5f) << i;
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(global->params[i], expected_global(i, 4, 1, 0.125f), 1e-5f) << i;
   EXPECT_EQ(global->versions, (std::vector<int64_t>{7, 7}));
 }
 
@@ -664,4 +787,4 @@ TEST(OwnersProtocol, AsgdWithOneOwnerAppliesEveryRanksGradient) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <vector>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 ModeSettings outer(const char* name, double lr, double mu) {
@@ -93,7 +93,7 @@ TEST(ModeTable, RowsAreInModeKindOrderAndTheirNamesParseBack) {
 
 TEST(ModeTable, OneWorkerTrainsAloneWhateverTheMode) {
   const std::vector<float> initial(40, 0.5f);
-  OptimizerConfig optimizer;
+  optim::OptimizerConfig optimizer;
   for (const auto& entry : mode_table()) {
     ModeSettings settings;
     settings.kind = entry.kind;
@@ -106,4 +106,4 @@ TEST(ModeTable, OneWorkerTrainsAloneWhateverTheMode) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::train

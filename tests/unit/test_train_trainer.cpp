@@ -13,8 +13,9 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace {
 
 using testing::TempDir;
@@ -225,7 +226,7 @@ TEST(Trainer, GptTokensBudgetAndResumeExactness) {
   EXPECT_EQ(whole->steps, 20);
   EXPECT_EQ(whole->stopped_by, "tokens");
   // The run directory loads as a Hugging Face GPT-2: names, Conv1D shapes and config.json.
-  auto file = SafetensorsFile::read(dir.path() / "whole" / "model.safetensors");
+  auto file = ckpt::SafetensorsFile::read(dir.path() / "whole" / "model.safetensors");
   ASSERT_TRUE(file) << file.error().message;
   ASSERT_NE(file->find("h.1.attn.c_attn.weight"), nullptr);
   EXPECT_EQ(file->find("h.1.attn.c_attn.weight")->shape, (std::vector<int64_t>{16, 48}));
@@ -258,6 +259,47 @@ TEST(Trainer, GptTokensBudgetAndResumeExactness) {
   auto sampled = sample_tokens(**model, {'t', 'h'}, so);
   ASSERT_TRUE(sampled);
   EXPECT_EQ(sampled->size(), 25u);
+}
+
+// A joining worker compares the run's configuration with its own: the first
+// flag that differs is named (status 2); a process's own flags may differ.
+TEST(Trainer, AJoinerWhoseFlagsDifferFromTheRunsIsToldWhichOne) {
+  auto toml_of = [](const std::function<void(TrainConfig&)>& change) {
+    TrainConfig config;
+    OptionTable table;
+    add_train_options(table, config);
+    change(config);
+    return table.to_toml();
+  };
+  const std::string run = toml_of([](TrainConfig& c) { c.mode = "cfmo"; });
+  EXPECT_TRUE(check_join_fits(run, toml_of([](TrainConfig& c) {
+                                c.mode = "cfmo";
+                                c.out = "elsewhere";
+                                c.threads = 4;
+                                c.join = "127.0.0.1:9";
+                                c.time_limit = "5m";
+                              })));
+  const Status other = check_join_fits(run, toml_of([](TrainConfig& c) {
+                                         c.mode = "cfmo";
+                                         c.model = "mlp:32";
+                                       }));
+  ASSERT_FALSE(other);
+  EXPECT_EQ(other.error().kind, ErrorKind::kUsage);
+  EXPECT_NE(other.error().message.find("--model"), std::string::npos) << other.error().message;
+  EXPECT_NE(other.error().message.find("mlp:32"), std::string::npos) << other.error().message;
+  EXPECT_FALSE(check_join_fits("", run));
+}
+
+TEST(Trainer, JoinIsForCfmoAndNeedsAnAddress) {
+  TrainConfig config;
+  config.join = "127.0.0.1:9";
+  config.mode = "sync";
+  EXPECT_EQ(validate(config).error().kind, ErrorKind::kUsage);
+  EXPECT_NE(validate(config).error().message.find("--join"), std::string::npos);
+  config.mode = "cfmo";
+  EXPECT_TRUE(validate(config));
+  config.join = "nowhere";
+  EXPECT_FALSE(validate(config));
 }
 
 TEST(Sample, APromptIsBytesOrTokenIdsAndComesBackAsItWent) {
@@ -294,4 +336,4 @@ TEST(Trainer, GptRefusesImagesAndTheMlpRefusesText) {
 }
 
 }  // namespace
-}  // namespace cfmo
+}  // namespace cfmo::train

@@ -19,7 +19,7 @@
 
 namespace {
 
-using cfmo::Subcommand;
+using cfmo::diverge::Subcommand;
 
 constexpr const char* kTool = "cfmo-diverge";
 constexpr int kInterruptedStatus = 130;  // 128 + SIGINT, as shells report it
@@ -29,7 +29,7 @@ std::atomic<bool>& g_stop = cfmo::tool::stop_requested();
 int fail(const cfmo::Error& error) { return cfmo::tool::fail(kTool, error); }
 
 /// One subcommand's command line, and its CLI11 app.
-struct Invocation : cfmo::DivergeCommandLine {
+struct Invocation : cfmo::diverge::DivergeCommandLine {
   Subcommand id{};
   CLI::App* app = nullptr;
 };
@@ -40,7 +40,7 @@ void print(std::string_view text) {
 }
 
 /// Prints what a subcommand produced and returns its exit status.
-int finish(const cfmo::Result<cfmo::CommandOutput>& out) {
+int finish(const cfmo::Result<cfmo::diverge::CommandOutput>& out) {
   if (!out) return fail(out.error());
   print(out->text);
   for (const auto& note : out->notes) fmt::print(stderr, "{}: note: {}\n", kTool, note);
@@ -48,32 +48,35 @@ int finish(const cfmo::Result<cfmo::CommandOutput>& out) {
   return out->status;
 }
 
-using Output = cfmo::Result<cfmo::CommandOutput>;
+using Output = cfmo::Result<cfmo::diverge::CommandOutput>;
 
 /// The subcommands, as a table (ninja's way): name, one line of help, body.
 struct SubcommandEntry {
   Subcommand id;
   const char* description;
   const char* paths_help;
-  Output (*run)(const Invocation&, const cfmo::DivergePlan&);
+  Output (*run)(const Invocation&, const cfmo::diverge::DivergePlan&);
 };
 
 constexpr std::array<SubcommandEntry, 4> kSubcommands = {{
     {Subcommand::kReport, "relative L2, cosine, max |delta| and non-finite values per tensor and per delta",
      "run directories, .cfd files",
-     [](const Invocation& inv, const cfmo::DivergePlan& plan) {
-       return cfmo::run_report(inv.config, plan, inv.paths);
+     [](const Invocation& inv, const cfmo::diverge::DivergePlan& plan) {
+       return cfmo::diverge::run_report(inv.config, plan, inv.paths);
      }},
-    {Subcommand::kCheck, "exit 1 when a delta exceeds a limit (for cron jobs and CI)", "run directories, .cfd files",
-     [](const Invocation& inv, const cfmo::DivergePlan& plan) { return cfmo::run_check(inv.config, plan, inv.paths); }},
+    {Subcommand::kCheck, "exit 1 when a delta exceeds a limit (for cron jobs and CI)",
+     "run directories, .cfd files",
+     [](const Invocation& inv, const cfmo::diverge::DivergePlan& plan) {
+       return cfmo::diverge::run_check(inv.config, plan, inv.paths);
+     }},
     {Subcommand::kPlot, "relative L2 per rank over rounds, as SVG or terminal sparklines", "the run directory",
-     [](const Invocation& inv, const cfmo::DivergePlan& plan) {
-       return cfmo::run_plot(inv.config, plan, inv.paths, cfmo::tool::terminal_columns(STDOUT_FILENO));
+     [](const Invocation& inv, const cfmo::diverge::DivergePlan& plan) {
+       return cfmo::diverge::run_plot(inv.config, plan, inv.paths, cfmo::tool::terminal_columns(STDOUT_FILENO));
      }},
     {Subcommand::kWatch, "follow a training run, printing each new delta as it lands", "the run directory",
-     [](const Invocation& inv, const cfmo::DivergePlan& plan) {
+     [](const Invocation& inv, const cfmo::diverge::DivergePlan& plan) {
        cfmo::tool::catch_stop_signals();
-       return cfmo::run_watch(inv.config, plan, inv.paths, print, [] { return g_stop.load(); });
+       return cfmo::diverge::run_watch(inv.config, plan, inv.paths, print, [] { return g_stop.load(); });
      }},
 }};
 
@@ -91,13 +94,13 @@ int run(int argc, char** argv) {
     const auto& entry = kSubcommands[i];
     Invocation& inv = invocations[i];
     inv.id = entry.id;
-    inv.app = app.add_subcommand(std::string(cfmo::to_string(entry.id)), entry.description);
+    inv.app = app.add_subcommand(std::string(cfmo::diverge::to_string(entry.id)), entry.description);
     inv.app->get_formatter()->column_width(34);
     inv.register_cli(*inv.app, entry.id, entry.paths_help);
   }
 
   std::array<std::string_view, kSubcommands.size()> names;
-  for (size_t i = 0; i < names.size(); ++i) names[i] = cfmo::to_string(kSubcommands[i].id);
+  for (size_t i = 0; i < names.size(); ++i) names[i] = cfmo::diverge::to_string(kSubcommands[i].id);
   if (auto done = cfmo::tool::check_subcommand_word(argc, argv, names, kTool)) return *done;
   if (auto done = cfmo::tool::parse_command_line(app, argc, argv, "cfmo-diverge", true)) return *done;
 
@@ -105,14 +108,14 @@ int run(int argc, char** argv) {
     Invocation& inv = invocations[i];
     if (!inv.app->parsed()) continue;
     if (!inv.config_file.empty()) {
-      if (auto loaded = cfmo::load_diverge_config(inv.table, inv.config_file, inv.id); !loaded) {
+      if (auto loaded = cfmo::diverge::load_diverge_config(inv.table, inv.config_file, inv.id); !loaded) {
         return fail(loaded.error());
       }
     }
-    auto plan = cfmo::validate(inv.config, inv.id);
+    auto plan = cfmo::diverge::validate(inv.config, inv.id);
     if (!plan) return fail(plan.error());
     if (inv.print_config) {
-      print(cfmo::diverge_config_toml(inv.table, inv.id));
+      print(cfmo::diverge::diverge_config_toml(inv.table, inv.id));
       return 0;
     }
     const Output out = kSubcommands[i].run(inv, *plan);

@@ -58,7 +58,7 @@ static int run(int argc, char** argv) {
   auto plan = cfmo::moe::validate(config);
   if (!plan) return fail(plan.error());
   // Before any rank starts: "no CUDA device" is one line and exit 2, from the launcher too.
-  if (auto usable = cfmo::check_device(plan->device); !usable) return fail(usable.error());
+  if (auto usable = cfmo::cuda::check_device(plan->device); !usable) return fail(usable.error());
   // --slowdown and --straggler are checked against --ranks here; under a launcher, again against its world.
   if (auto simulated = cfmo::moe::simulation_for(config, 0, config.ranks); !simulated) return fail(simulated.error());
   if (print_config) {
@@ -66,27 +66,28 @@ static int run(int argc, char** argv) {
     return 0;
   }
 
-  auto world = cfmo::world_from_environment();
+  auto world = cfmo::comm::world_from_environment();
   if (!world) return fail(world.error());
   const bool launched = world->has_value() && (*world)->launched;  // a rank of our own launcher
   if (config.ranks > 1 && !launched && (!world->has_value() || (*world)->size == 1)) {
     // One host, no launcher: start the ranks here and relay their output.
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
-    auto status = cfmo::launch_local(config.ranks, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
+    auto status =
+        cfmo::comm::launch_local(config.ranks, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
     if (!status) return fail(status.error());
     return *status;
   }
 
-  auto connected = cfmo::connect_world(*world, {config.rendezvous, config.peer_timeout});
+  auto connected = cfmo::comm::connect_world(*world, {config.rendezvous, config.peer_timeout});
   if (!connected) return fail(connected.error());
-  std::unique_ptr<cfmo::Communicator> comm = std::move(*connected);
+  std::unique_ptr<cfmo::comm::Communicator> comm = std::move(*connected);
   const int rank = comm->rank();
   const int ranks = comm->size();
 
   auto simulation = cfmo::moe::simulation_for(config, rank, ranks);
   if (!simulation) return fail(simulation.error());
-  cfmo::ops::set_num_threads(config.threads);
+  cfmo::tensor::ops::set_num_threads(config.threads);
 
   cfmo::moe::BenchmarkOptions options;
   options.comm = comm.get();

@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo::pulltool {
+namespace cfmo::pull_tool {
 
 /// Starts `argv` (argv[0] is only its name; /proc/self/exe runs) detached,
 /// with its output appended to `log_path`; returns the fetcher's pid.
@@ -125,4 +125,4 @@ inline Result<int> serve_detached(oci::LazyMount& mount) {
   return static_cast<int>(pid);
 }
 
-}  // namespace cfmo::pulltool
+}  // namespace cfmo::pull_tool

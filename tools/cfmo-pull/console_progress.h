@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-namespace cfmo::pulltool {
+namespace cfmo::pull_tool {
 
-class ConsoleProgress final : public oci::PullObserver {
+class ConsoleProgress final : public oci::PullSink {
  public:
   enum class Mode { kTty, kPlain, kNone };
   ConsoleProgress(const char* tool, Mode mode, bool notes) : tool_(tool), mode_(mode), notes_(notes) {}
@@ -175,4 +175,4 @@ class ConsoleProgress final : public oci::PullObserver {
   std::chrono::steady_clock::time_point last_draw_{};
 };
 
-}  // namespace cfmo::pulltool
+}  // namespace cfmo::pull_tool

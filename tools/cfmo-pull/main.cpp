@@ -67,7 +67,7 @@ constexpr std::array<SubcommandEntry, 9> kSubcommands = {{
     {PullCommand::kStatus, "show what a pull has fetched, what is pending, and its background fetch", "DIR",
      "the pull's directory", oci::run_status},
     {PullCommand::kMount, "present a pull's image as one overlay file system: hot layers from memory, cold from disk",
-     "DIR MOUNTPOINT", "the pull's directory and where to mount it", oci::run_mount},
+     "DIR MOUNTPOINT", "the pull's directory (with --lazy, or an image REF) and where to mount it", oci::run_mount},
     {PullCommand::kUmount, "unmount what cfmo-pull mount mounted (and drop its writes)", "MOUNTPOINT",
      "where it is mounted", oci::run_umount},
     {PullCommand::kIndex, "index a pull's gzip layers for seeking: file table, inflate checkpoints, span digests",
@@ -112,12 +112,12 @@ int run(int argc, char** argv) {
       plan->fetch.registry.stop = &cfmo::tool::stop_requested();
       cfmo::tool::catch_stop_signals();
     }
-    using Progress = cfmo::pulltool::ConsoleProgress;
+    using Progress = cfmo::pull_tool::ConsoleProgress;
     Progress progress(kTool, Progress::mode_for(plan->progress), !line.config.quiet);
     oci::CommandHooks hooks;
-    hooks.observer = &progress;
-    hooks.start_detached = cfmo::pulltool::start_detached;
-    hooks.serve_detached = cfmo::pulltool::serve_detached;
+    hooks.progress = &progress;
+    hooks.start_detached = cfmo::pull_tool::start_detached;
+    hooks.serve_detached = cfmo::pull_tool::serve_detached;
     return finish(kSubcommands[i].run(line, *plan, hooks));
   }
   return static_cast<int>(cfmo::ErrorKind::kUsage);  // unreachable: CLI11 requires a subcommand

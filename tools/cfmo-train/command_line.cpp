@@ -15,8 +15,8 @@
 
 namespace cfmo::train_tool {
 
-std::optional<int> parse_train_command_line(int argc, char** argv, TrainConfig& config, TrainOptions& options,
-                                            CommandLine& line) {
+std::optional<int> parse_train_command_line(int argc, char** argv, train::TrainConfig& config,
+                                            train::TrainOptions& options, CommandLine& line) {
   CLI::App app{
       "Train a model (an MLP on Fashion-MNIST, a GPT-2 on text or token files) with local-update optimizers.\n"
       "Every option can also be set in a TOML file (--config); flags override the file.\n"
@@ -31,7 +31,7 @@ std::optional<int> parse_train_command_line(int argc, char** argv, TrainConfig& 
   app.get_formatter()->column_width(34);
 
   OptionTable table;
-  add_train_options(table, config);
+  train::add_train_options(table, config);
 
   std::string config_file;
   std::string resume;
@@ -42,7 +42,7 @@ std::optional<int> parse_train_command_line(int argc, char** argv, TrainConfig& 
       ->group("General");
   app.add_flag("--json", line.json, "print one JSON summary object on stdout at the end")->group("General");
   std::string every_mode;
-  for (const auto& m : mode_table()) every_mode += (every_mode.empty() ? "" : ", ") + std::string(m.name);
+  for (const auto& m : train::mode_table()) every_mode += (every_mode.empty() ? "" : ", ") + std::string(m.name);
   app.add_flag("--compare", line.compare, "run the same job in every mode (" + every_mode + ") and compare them")
       ->group("General");
   table.register_cli(app);
@@ -50,7 +50,7 @@ std::optional<int> parse_train_command_line(int argc, char** argv, TrainConfig& 
   if (auto done = tool::parse_command_line(app, argc, argv, "cfmo-train")) return done;
 
   if (!resume.empty()) {
-    auto checkpoint = resolve_checkpoint(resume);
+    auto checkpoint = train::resolve_checkpoint(resume);
     if (!checkpoint) return fail(checkpoint.error());
     options.resume = *checkpoint;
     // A resumed run is the same run: its saved configuration is the base, flags still win.
@@ -63,7 +63,7 @@ std::optional<int> parse_train_command_line(int argc, char** argv, TrainConfig& 
     // It continues in the run directory the checkpoint lives in, wherever it was started
     // from. The saved configuration's out never counts: for a checkpoint copied out of its
     // run it is a relative path that would be resolved from wherever this run starts.
-    const auto run_dir = run_dir_of(options.resume);
+    const auto run_dir = train::run_dir_of(options.resume);
     if (run_dir.empty()) {
       return fail(make_error(ErrorKind::kUsage,
                              "--resume '{}': not in a run directory (RUN/checkpoints/step-N); say where this "
@@ -72,7 +72,7 @@ std::optional<int> parse_train_command_line(int argc, char** argv, TrainConfig& 
     }
     config.out = run_dir.string();
   }
-  auto plan = make_plan(config);
+  auto plan = train::make_plan(config);
   if (!plan) return fail(plan.error());
   options.config_toml = table.to_toml();
   if (print_config) {
@@ -81,7 +81,7 @@ std::optional<int> parse_train_command_line(int argc, char** argv, TrainConfig& 
   }
 
   // Before any worker starts: "no CUDA device" is one line and exit 2, from the launcher too.
-  if (auto usable = check_device(plan->device); !usable) return fail(usable.error());
+  if (auto usable = cuda::check_device(plan->device); !usable) return fail(usable.error());
   return std::nullopt;
 }
 

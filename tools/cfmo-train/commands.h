@@ -27,11 +27,11 @@ struct CommandLine {
 /// merged configuration as TOML, and checks the whole and the device: the
 /// exit status when the tool is done already (--help, --version,
 /// --print-config, an error), else nothing.
-std::optional<int> parse_train_command_line(int argc, char** argv, TrainConfig& config, TrainOptions& options,
-                                            CommandLine& line);
+std::optional<int> parse_train_command_line(int argc, char** argv, train::TrainConfig& config,
+                                            train::TrainOptions& options, CommandLine& line);
 
 /// --compare: the same job once per mode, each a run of its own, then a table.
-int compare_modes(int argc, char** argv, const TrainConfig& config, bool json, const std::atomic<bool>& stop);
+int compare_modes(int argc, char** argv, const train::TrainConfig& config, bool json, const std::atomic<bool>& stop);
 
 /// `cfmo-train sample RUN ...`: text from a run's (or a checkpoint's) model.
 int run_sample(int argc, char** argv);

@@ -14,7 +14,7 @@
 
 namespace cfmo::train_tool {
 
-int compare_modes(int argc, char** argv, const TrainConfig& config, bool json, const std::atomic<bool>& stop) {
+int compare_modes(int argc, char** argv, const train::TrainConfig& config, bool json, const std::atomic<bool>& stop) {
   std::vector<std::string> base;
   for (int i = 0; i < argc; ++i) {
     if (std::string_view(argv[i]) != "--compare") base.emplace_back(argv[i]);
@@ -22,7 +22,7 @@ int compare_modes(int argc, char** argv, const TrainConfig& config, bool json, c
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
   std::vector<std::string> rows;
   bool language_model = false;
-  for (const auto& entry : mode_table()) {
+  for (const auto& entry : train::mode_table()) {
     const std::string mode(entry.name);
     if (stop.load()) return kInterruptedStatus;
     std::vector<std::string> args = base;
@@ -32,7 +32,7 @@ int compare_modes(int argc, char** argv, const TrainConfig& config, bool json, c
       args.emplace_back((std::filesystem::path(config.out) / mode).string());
     }
     fmt::print(stderr, "compare: running {}...\n", mode);
-    auto ran = run_self(args);
+    auto ran = comm::run_self(args);
     if (!ran) return fail(ran.error());
     const auto& [status, out] = *ran;
     // The summary is the run's last line on stdout.

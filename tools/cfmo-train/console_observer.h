@@ -14,11 +14,11 @@
 namespace cfmo::train_tool {
 
 /// Progress on stderr: a redrawn bar on a terminal, plain lines elsewhere.
-class ConsoleObserver final : public TrainObserver {
+class ConsoleObserver final : public train::TrainObserver {
  public:
   ConsoleObserver(bool tty, bool quiet) : tty_(tty), quiet_(quiet) {}
 
-  void on_step(const StepEvent& e) override {
+  void on_step(const train::StepEvent& e) override {
     if (quiet_) return;
     if (tty_) {
       const auto now = std::chrono::steady_clock::now();
@@ -34,7 +34,7 @@ class ConsoleObserver final : public TrainObserver {
     }
   }
 
-  void on_eval(const EvalEvent& e) override {
+  void on_eval(const train::EvalEvent& e) override {
     if (quiet_) return;
     clear_line();
     fmt::print(stderr, "{} step {}: test accuracy {:.4f}  test loss {:.4f}  ({:.1f}s)\n",

@@ -12,11 +12,15 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <optional>
+#include <sstream>
 
 namespace {
 
@@ -27,17 +31,46 @@ using cfmo::train_tool::fail;
 // The first SIGINT/SIGTERM asks the trainer to stop cleanly (checkpoint, summary).
 std::atomic<bool>& g_stop = cfmo::tool::stop_requested();
 
-int compare_modes(int argc, char** argv, const cfmo::TrainConfig& config, bool json) {
+int compare_modes(int argc, char** argv, const cfmo::train::TrainConfig& config, bool json) {
   return cfmo::train_tool::compare_modes(argc, argv, config, json, g_stop);
 }
 
 }  // namespace
 
+namespace {
+
+/// When this process started (before the dynamic loader and the BLAS
+/// re-exec, which a joiner's start-up includes): /proc/self/stat's start
+/// time against /proc/uptime; now where they cannot be read.
+std::chrono::steady_clock::time_point process_started() {
+  const auto now = std::chrono::steady_clock::now();
+  std::ifstream stat_file("/proc/self/stat");
+  std::ifstream uptime_file("/proc/uptime");
+  std::string stat;
+  std::getline(stat_file, stat);
+  double uptime = 0;
+  uptime_file >> uptime;
+  const size_t close = stat.rfind(')');  // the command name may hold spaces
+  if (close == std::string::npos || uptime <= 0) return now;
+  std::istringstream fields(stat.substr(close + 2));
+  std::string field;
+  for (int i = 3; i <= 22 && fields >> field; ++i) {
+    if (i < 22) continue;
+    const double started_s = std::strtod(field.c_str(), nullptr) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+    const double age = std::clamp(uptime - started_s, 0.0, 3600.0);
+    return now - std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(age));
+  }
+  return now;
+}
+
+}  // namespace
+
 static int run(int argc, char** argv) {
+  const auto process_start = process_started();
   if (argc >= 2 && std::string_view(argv[1]) == "sample") return cfmo::train_tool::run_sample(argc - 1, argv + 1);
   if (argc >= 2 && std::string_view(argv[1]) == "simulate") return cfmo::train_tool::run_simulate(argc - 1, argv + 1);
-  cfmo::TrainConfig config;
-  cfmo::TrainOptions options;
+  cfmo::train::TrainConfig config;
+  cfmo::train::TrainOptions options;
   CommandLine line;
   if (auto done = parse_train_command_line(argc, argv, config, options, line)) return *done;
   const bool json = line.json;
@@ -49,39 +82,56 @@ static int run(int argc, char** argv) {
   std::signal(SIGXFSZ, SIG_IGN);
   if (compare) return compare_modes(argc, argv, config, json);
 
-  auto world = cfmo::world_from_environment();
+  auto world = cfmo::comm::world_from_environment();
   if (!world) return fail(world.error());
-  const bool launched = world->has_value() && (*world)->launched;  // a worker of our own launcher
+  const bool joining = !config.join.empty();  // a place in a run under way: no launcher, no lock of its own
+  if (joining && !options.resume.empty()) {
+    return fail(
+        cfmo::make_error(cfmo::ErrorKind::kUsage, "--join: not with --resume (the run's state comes from its ranks)"));
+  }
+  const bool launched = joining || (world->has_value() && (*world)->launched);  // a worker of a run's own launcher
   // One run at a time in a run directory. The process that owns the run holds the lock for
   // all its ranks: this one alone, our launcher (its workers share the directory), or rank 0
   // under another launcher, before the rendezvous, so no rank of a second run gets to write.
   std::optional<cfmo::DirLock> run_lock;
   if (!config.out.empty() && !launched && (!world->has_value() || (*world)->rank == 0)) {
-    auto lock = cfmo::lock_run_dir(config.out);
+    auto lock = cfmo::train::lock_run_dir(config.out);
     if (!lock) return fail(lock.error());
     run_lock = std::move(*lock);
   }
   if (config.workers > 1 && !launched && (!world->has_value() || (*world)->size == 1)) {
     // One host, no launcher: start the workers here and relay their output, if they fit.
-    if (auto fits = cfmo::check_workers_fit(config, config.workers); !fits) return fail(fits.error());
-    auto status = cfmo::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
+    if (auto fits = cfmo::train::check_workers_fit(config, config.workers); !fits) return fail(fits.error());
+    auto status =
+        cfmo::comm::launch_local(config.workers, argv, &g_stop, STDOUT_FILENO, STDERR_FILENO, config.peer_timeout);
     if (!status) return fail(status.error());
     return *status;
   }
-  std::unique_ptr<cfmo::Communicator> comm;
-  if (world->has_value() && (*world)->size > 1) {
-    auto connected = cfmo::connect_world(*world, {config.rendezvous, config.peer_timeout});
+  std::unique_ptr<cfmo::comm::Communicator> comm;
+  if (joining || (world->has_value() && (*world)->size > 1)) {
+    cfmo::comm::WorldOptions connect;
+    connect.rendezvous = config.rendezvous;
+    connect.peer_timeout_s = config.peer_timeout;
+    connect.join = config.join;
+    // Rank 0 shows a joining process the run's configuration; the joiner (or a
+    // rank restarted into a run under way) declines one that is not its own.
+    connect.description = options.config_toml;
+    connect.check = [&options](std::string_view run_config) {
+      return cfmo::train::check_join_fits(run_config, options.config_toml);
+    };
+    auto connected = cfmo::comm::connect_world(*world, connect);
     if (!connected) return fail(connected.error());
     comm = std::move(*connected);
     options.comm = comm.get();
-    options.local_rank = (*world)->local_rank;
+    options.local_rank = world->has_value() ? (*world)->local_rank : -1;
   }
+  options.process_start = process_start;
 
   ConsoleObserver observer(::isatty(STDERR_FILENO) != 0, config.quiet);
   options.stop = &g_stop;
   options.observer = &observer;
 
-  auto summary = cfmo::train(config, options);
+  auto summary = cfmo::train::train(config, options);
   observer.clear_line();
   // The goodbye tells the other ranks why this one leaves: they then fail
   // with this root cause, and the run ends with its status.
@@ -89,7 +139,7 @@ static int run(int argc, char** argv) {
   comm.reset();  // say goodbye to the other ranks before reporting
   if (!summary) return fail(summary.error());
   if (summary->rank != summary->keeper) return summary->stopped_by == "interrupt" ? cfmo::tool::stop_status() : 0;
-  fmt::print("{}", json ? summary->to_json() + "\n" : cfmo::summary_text(*summary));
+  fmt::print("{}", json ? summary->to_json() + "\n" : cfmo::train::summary_text(*summary));
   return summary->stopped_by == "interrupt" ? cfmo::tool::stop_status() : 0;
 }
 

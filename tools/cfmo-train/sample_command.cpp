@@ -16,7 +16,7 @@ int run_sample(int argc, char** argv) {
   app.name("cfmo-train sample");
   std::string dir;
   std::string prompt;
-  SampleOptions options;
+  train::SampleOptions options;
   uint64_t seed = 1;
   app.add_option("RUN", dir, "run directory or checkpoint directory")->required();
   app.add_option("--prompt", prompt, "text to continue (bytes for a byte-level model, else token ids)");
@@ -27,14 +27,14 @@ int run_sample(int argc, char** argv) {
   app.add_option("--seed", seed, "seed of the draws");
   if (auto done = tool::parse_command_line(app, argc, argv, "cfmo-train sample")) return *done;
   options.seed = seed;
-  auto model = load_saved_model(dir);
+  auto model = train::load_saved_model(dir);
   if (!model) return fail(model.error());
   const int vocab = static_cast<int>((*model)->params().front().shape[0]);
-  auto tokens = text_to_tokens(prompt, vocab);
+  auto tokens = train::text_to_tokens(prompt, vocab);
   if (!tokens) return fail(tokens.error());
-  auto sampled = sample_tokens(**model, *tokens, options);
+  auto sampled = train::sample_tokens(**model, *tokens, options);
   if (!sampled) return fail(sampled.error());
-  fmt::print("{}{}\n", prompt, tokens_to_text(*sampled, vocab));
+  fmt::print("{}{}\n", prompt, train::tokens_to_text(*sampled, vocab));
   return 0;
 }
 

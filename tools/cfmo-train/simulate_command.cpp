@@ -55,7 +55,7 @@ int run_simulate(int argc, char** argv) {
   auto& s = options.settings;
   auto& t = options.step_times;
   app.add_option("--workers", workers, "simulated workers: N, or N,N,... for a sweep (one row per size and mode)");
-  app.add_option("--mode", mode, "the mode to simulate: " + mode_names());
+  app.add_option("--mode", mode, "the mode to simulate: " + train::mode_names());
   app.add_flag("--compare", compare, "simulate every mode");
   app.add_option("--steps", options.steps, "steps per worker (the asynchronous modes share the same budget)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
@@ -104,9 +104,9 @@ int run_simulate(int argc, char** argv) {
   }
   options.modes.clear();
   if (compare) {
-    for (const auto& m : mode_table()) options.modes.push_back(m.kind);
+    for (const auto& m : train::mode_table()) options.modes.push_back(m.kind);
   } else {
-    auto kind = parse_mode(mode);
+    auto kind = train::parse_mode(mode);
     if (!kind) return fail(kind.error());
     options.modes.push_back(*kind);
   }
@@ -123,10 +123,10 @@ int run_simulate(int argc, char** argv) {
   options.network.topology = *top;
   options.network.bandwidth = bandwidth_gbit * 1e9 / 8;
   options.network.latency = latency_us * 1e-6;
-  auto dtype = parse_wire_dtype(delta_dtype);
+  auto dtype = comm::parse_wire_dtype(delta_dtype);
   if (!dtype) return fail(make_error(ErrorKind::kUsage, "--delta-dtype: {}", dtype.error().message));
   s.delta_dtype = *dtype;
-  auto outer_kind = parse_outer_kind(outer);
+  auto outer_kind = train::parse_outer_kind(outer);
   if (!outer_kind) return fail(outer_kind.error());
   s.outer_optimizer = *outer_kind;
 

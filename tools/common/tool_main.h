@@ -26,7 +26,7 @@ namespace cfmo::tool {
 /// its own detection fell back to the slowest kernels on a CPU it does not
 /// know, the process starts itself again once with the right core type.
 inline void reexec_for_blas(char** argv) {
-  const std::string core = ops::better_blas_coretype();
+  const std::string core = tensor::ops::better_blas_coretype();
   if (core.empty() || std::getenv("CFMO_BLAS_REEXEC") != nullptr) return;
   ::setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
   ::setenv("CFMO_BLAS_REEXEC", "1", 1);

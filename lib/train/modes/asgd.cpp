@@ -9,13 +9,13 @@
 
 #include <memory>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 
 class AsgdMode final : public AsyncMode {
  public:
-  AsgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
-           std::unique_ptr<Optimizer> shard_optimizer, const ModeResume& resume)
+  AsgdMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
+           std::unique_ptr<optim::Optimizer> shard_optimizer, const ModeResume& resume)
       : AsyncMode(settings, comm, initial, resume, OwnerState::kOptimizer, /*replicated=*/false),
         optimizer_(std::move(shard_optimizer)) {
     // A resumed owner takes up its shard of the saved owners' state (ranks K and up own none).
@@ -55,8 +55,8 @@ class AsgdMode final : public AsyncMode {
       put(out, static_cast<uint32_t>(settings_.delta_dtype));
       put(out, base_version_[static_cast<size_t>(j)]);
       put(out, lr);
-      encode_floats(settings_.delta_dtype, grads.subspan(first, n),
-                    residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, n), out);
+      comm::encode_floats(settings_.delta_dtype, grads.subspan(first, n),
+                          residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, n), out);
       comm_.post(j, channels::kGradShard, std::move(out));
       await_reply(j, j);
       ++sent;
@@ -70,7 +70,7 @@ class AsgdMode final : public AsyncMode {
   bool needs_params(const TrainPosition&) const override {
     return inbox_pending() || outstanding() > settings_.max_staleness * shards_;
   }
-  Status after_step(const TrainPosition& position, std::span<float> params, Optimizer&) override {
+  Status after_step(const TrainPosition& position, std::span<float> params, optim::Optimizer&) override {
     if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
       report_progress(position);
       return cut_off();
@@ -93,7 +93,7 @@ class AsgdMode final : public AsyncMode {
     return cut_off();
   }
 
-  Status finish(std::span<float> params, Optimizer&) override {
+  Status finish(std::span<float> params, optim::Optimizer&) override {
     CFMO_TRY(cut_off());
     const auto start = Clock::now();
     drain_replies(start + seconds(settings_.peer_timeout_s), [&](FreshShard& f) { apply(f, params); });
@@ -123,7 +123,7 @@ class AsgdMode final : public AsyncMode {
       return;
     }
     incoming_.resize(shard_size(comm_.rank()));
-    if (!decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
+    if (!comm::decode_floats(static_cast<comm::WireDtype>(dtype), m, incoming_)) return;
     // Classic asynchronous SGD applies every gradient, however stale (its
     // workers wait instead once they are max_staleness rounds ahead).
     std::lock_guard lock(mutex_);
@@ -148,8 +148,8 @@ class AsgdMode final : public AsyncMode {
   /// A gradient shard's bytes before its floats: shard, dtype, base version, lr.
   static constexpr size_t kGradHeader = 20;
 
-  std::unique_ptr<Optimizer> optimizer_;  ///< progress thread: the inner optimizer for my shard (none past K)
-  FloatBuffer incoming_;                  ///< progress thread
+  std::unique_ptr<optim::Optimizer> optimizer_;  ///< progress thread: the inner optimizer for my shard (none past K)
+  tensor::FloatBuffer incoming_;                 ///< progress thread
 };
 
 }  // namespace
@@ -160,10 +160,10 @@ Result<std::unique_ptr<Mode>> make_asgd(const ModeContext& c) {
   const int me = c.comm.rank();
   const size_t own = me < shards ? bounds[static_cast<size_t>(me) + 1] - bounds[static_cast<size_t>(me)] : 0;
   // The owner's optimizer sees its shard as one flat tensor: element-wise optimizers only.
-  std::vector<ParamInfo> shard_layout = {{"shard", {static_cast<int64_t>(own)}, 0, own}};
-  CFMO_ASSIGN_OR_RETURN(auto optimizer, make_optimizer(c.optimizer_config, shard_layout, own));
+  std::vector<model::ParamInfo> shard_layout = {{"shard", {static_cast<int64_t>(own)}, 0, own}};
+  CFMO_ASSIGN_OR_RETURN(auto optimizer, optim::make_optimizer(c.optimizer_config, shard_layout, own));
   return std::unique_ptr<Mode>(
       std::make_unique<AsgdMode>(c.settings, c.comm, c.initial, std::move(optimizer), c.resume));
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

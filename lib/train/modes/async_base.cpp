@@ -3,9 +3,9 @@
 #include "train/modes/quorum.h"
 #include "train/modes/wire.h"
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
-AsyncMode::AsyncMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
+AsyncMode::AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
                      const ModeResume& resume, OwnerState owner_state_kind, bool replicated)
     : settings_(settings),
       comm_(comm),
@@ -13,18 +13,33 @@ AsyncMode::AsyncMode(const ModeSettings& settings, Communicator& comm, std::span
       bounds_(shard_bounds(initial.size(), shards_)),
       base_(initial.begin(), initial.end()),
       base_version_(static_cast<size_t>(shards_), 0),
-      residual_(settings.delta_dtype == WireDtype::kFp32 ? 0 : initial.size(), 0.0f),
+      residual_(settings.delta_dtype == comm::WireDtype::kFp32 ? 0 : initial.size(), 0.0f),
       replicated_(replicated),
       owner_state_kind_(owner_state_kind),
       done_from_(comm.size()),
       lost_(static_cast<size_t>(comm.size()), false),
       gathered_from_(comm.size()) {
   const int me = comm.rank();
-  if (me < shards_) {
-    Served& mine = served_[me];
-    mine.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
-                       initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
+  // A joiner's parameters are nobody's: its shard comes back from the rank
+  // that served it. Ranks K and up own none.
+  if (!comm.joined()) {
+    // A resumed run continues the shards' versions (the staleness counters,
+    // one per shard: K of them) and this rank's error feedback where the
+    // checkpoint has them for this world.
+    const bool versions = resume.versions.size() == base_version_.size();
+    if (versions) base_version_ = resume.versions;
+    if (me < shards_) {
+      Served& mine = served_[me];
+      mine.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
+                         initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
+      if (versions) mine.version = resume.versions[static_cast<size_t>(me)];
+    }
+    if (resume.wire_residual.size() == residual_.size()) {
+      std::copy(resume.wire_residual.begin(), resume.wire_residual.end(), residual_.begin());
+    }
   }
+  retired_samples_.assign(static_cast<size_t>(comm.size()), 0);
+  joining_ = comm.joined();
   if (resume.ranks.size() == static_cast<size_t>(comm.size())) {
     progress_ = resume.ranks;
     for (const auto& p : progress_) {
@@ -53,8 +68,8 @@ AsyncMode::AsyncMode(const ModeSettings& settings, Communicator& comm, std::span
 }
 
 AsyncMode::~AsyncMode() {
-  for (Channel c : {channels::kFreshShard, channels::kProgress, channels::kStop, channels::kDone, channels::kGather,
-                    channels::kGathered, channels::kCheckpoint}) {
+  for (comm::Channel c : {channels::kFreshShard, channels::kProgress, channels::kStop, channels::kDone,
+                          channels::kGather, channels::kGathered, channels::kCheckpoint}) {
     comm_.on_message(c, nullptr);
   }
 }
@@ -132,29 +147,55 @@ int AsyncMode::shard_served_by(int rank) const {
 }
 
 void AsyncMode::refresh_membership() {
+  // The joins first: a rank that joined after this read is still lost below, and taken up next time.
+  const auto joined = comm_.joined_ranks();
   const auto lost = comm_.lost_ranks();
   std::lock_guard lock(mutex_);
-  if (lost.size() == lost_count_) return;  // the lost ranks only grow
+  if (joined.size() == joins_seen_ && lost == last_lost_) return;
+  last_lost_ = lost;
   std::vector<int> before;
   for (int r = 0; r < comm_.size(); ++r) {
     if (!lost_locked(r)) before.push_back(r);
   }
+  std::vector<int> rejoined;
+  for (size_t i = joins_seen_; i < joined.size(); ++i) {
+    const int r = joined[i];
+    if (r == comm_.rank()) continue;
+    rejoined.push_back(r);
+    lost_[static_cast<size_t>(r)] = false;
+    // A new process in r's place: what the last one trained up to its last
+    // contribution is counted apart, and it is not done.
+    const auto k = static_cast<size_t>(r);
+    // (Positions are kept by the keeper and its standby only.)
+    if (!progress_.empty()) {
+      retired_samples_[k] += reconciled_samples_[k];
+      reconciled_samples_[k] = 0;
+      if (start_samples_.empty()) start_samples_.assign(progress_.size(), 0);
+      start_samples_[k] = progress_[k].samples;
+    }
+    done_from_.unmark(r);
+    gathered_from_.unmark(r);
+    if (stop_sent_) comm_.post(r, channels::kStop, {});  // the budget was spent before it came
+  }
+  joins_seen_ = joined.size();
   std::vector<int> newly;
   for (const int r : lost) {
     if (r == comm_.rank() || lost_[static_cast<size_t>(r)]) continue;
     lost_[static_cast<size_t>(r)] = true;
     newly.push_back(r);
   }
-  lost_count_ = lost.size();
-  if (newly.empty()) return;
+  if (newly.empty() && rejoined.empty()) return;
   std::vector<int> after;
   for (int r = 0; r < comm_.size(); ++r) {
     if (!lost_locked(r)) after.push_back(r);
   }
-  if (Status quorum = check_quorum(comm_.rank(), before, after); !quorum && cut_off_.message.empty()) {
-    cut_off_ = quorum.error();
+  live_ = static_cast<int>(after.size());
+  if (!newly.empty()) {
+    if (Status quorum = check_quorum(comm_.rank(), before, after); !quorum && cut_off_.message.empty()) {
+      cut_off_ = quorum.error();
+    }
   }
-  on_membership_change_locked(newly);
+  on_membership_change_locked(newly, rejoined);
 }
 
 Status AsyncMode::cut_off() const {
@@ -165,7 +206,6 @@ Status AsyncMode::cut_off() const {
 
 bool AsyncMode::request_snapshot() {
   refresh_membership();
-  std::vector<std::byte> out;
   {
     std::lock_guard lock(mutex_);
     if (keeper_locked() != comm_.rank()) return false;
@@ -174,6 +214,15 @@ bool AsyncMode::request_snapshot() {
     if (!snapshot_.received.empty() && Clock::now() - snapshot_asked_ < seconds(settings_.peer_timeout_s)) {
       return true;
     }
+  }
+  post_snapshot_request();
+  return true;
+}
+
+void AsyncMode::post_snapshot_request() {
+  std::vector<std::byte> out;
+  {
+    std::lock_guard lock(mutex_);
     snapshot_asked_ = Clock::now();
     ++snapshot_id_;
     snapshot_ = PartialGlobalState(shards_, comm_.size());
@@ -181,7 +230,45 @@ bool AsyncMode::request_snapshot() {
     put(out, snapshot_id_);
   }
   for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kCheckpoint, out);
-  return true;
+}
+
+Status AsyncMode::take_global_state(std::span<float> params, TrainPosition& position) {
+  const auto deadline = Clock::now() + seconds(settings_.peer_timeout_s * 2 + 5);
+  Clock::time_point asked{};
+  const auto first_asked = Clock::now();
+  std::optional<GlobalState> ready_for_join;
+  for (;;) {
+    refresh_membership();
+    // Every shard, and the position if the keeper knew one (a rank lost before its first report had none).
+    const bool placed = [&] {
+      std::lock_guard lock(mutex_);
+      return join_position_.step > 0 || Clock::now() - first_asked > std::chrono::seconds(1);
+    }();
+    if (!ready_for_join) ready_for_join = take_snapshot();
+    if (auto& got = ready_for_join; got && placed && got->params.size() == params.size()) {
+      std::copy(got->params.begin(), got->params.end(), params.begin());
+      std::lock_guard lock(mutex_);
+      std::copy(got->params.begin(), got->params.end(), base_.begin());
+      for (size_t j = 0; j < base_version_.size(); ++j) base_version_[j] = got->versions[j];
+      position = join_position_;
+      position_ = position;
+      joining_ = false;
+      return {};
+    }
+    if (Clock::now() > deadline) {
+      return make_error(
+          ErrorKind::kPeer,
+          "rank {} joined, but the owners' shards of the global parameters did not all come within {:.1f}s",
+          comm_.rank(), settings_.peer_timeout_s * 2 + 5);
+    }
+    // Asked again while incomplete: an owner that answered before its shard came back to this rank, or one lost
+    // meanwhile.
+    if (!ready_for_join && Clock::now() - asked > std::chrono::milliseconds(500)) {
+      asked = Clock::now();
+      post_snapshot_request();
+    }
+    seam_sleep_for(std::chrono::milliseconds(2));
+  }
 }
 
 void AsyncMode::reply_fresh_locked(int to, int shard, int64_t staleness, bool dropped, bool with_shard) {
@@ -388,7 +475,7 @@ bool AsyncMode::take_owner_shard(std::span<const std::byte>& m, PartialGlobalSta
     if (b == 0) {
       into = &a.state.params;
     } else if (owner_state_kind_ == OwnerState::kOuterMomentum) {
-      into = &a.state.outer_momentum;
+      into = b == 1 ? &a.state.outer_momentum : &a.state.outer_round_sum;
     } else {
       if (a.state.owner_state.size() < b) a.state.owner_state.resize(b);
       into = &a.state.owner_state[b - 1];
@@ -398,7 +485,12 @@ bool AsyncMode::take_owner_shard(std::span<const std::byte>& m, PartialGlobalSta
   }
   if (!keep) return true;
   a.state.versions[shard] = version;
-  a.state.owner_steps[shard] = steps;
+  if (owner_state_kind_ == OwnerState::kOuterMomentum) {
+    if (a.state.outer_in_round.empty()) a.state.outer_in_round.assign(a.received.size(), 0);  // per shard: K
+    a.state.outer_in_round[shard] = steps;
+  } else {
+    a.state.owner_steps[shard] = steps;
+  }
   a.received[shard] = true;
   ++a.count;
   return true;
@@ -457,18 +549,27 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
   uint64_t id = 0;
   if (!take(m, kind) || !take(m, id)) return;
   if (kind == kSnapshotRequest) {
+    refresh_membership();  // a joiner's shard goes back to it before the answer
     std::vector<std::byte> out;
     put(out, kSnapshotShard);
     put(out, id);
     {
       std::lock_guard lock(mutex_);
+      // The asker's last position, where this rank keeps positions (the keeper, its standby): for a joiner.
+      const TrainPosition known = progress_.empty() ? TrainPosition{} : progress_[static_cast<size_t>(from)];
+      put(out, static_cast<uint8_t>(known.step > 0 ? 1 : 0));
+      if (known.step > 0) put_position(out, known);
       put_owner_shards_locked(out);
     }
     comm_.post(from, channels::kCheckpoint, std::move(out));
     return;
   }
+  uint8_t has_position = 0;
+  TrainPosition position;
+  if (kind != kSnapshotShard || !take(m, has_position) || (has_position != 0 && !take_position(m, position))) return;
   std::lock_guard lock(mutex_);
-  if (kind != kSnapshotShard || id != snapshot_id_ || !take_owner_shards(m, snapshot_)) return;
+  if (has_position != 0 && position.samples >= join_position_.samples) join_position_ = position;
+  if (id != snapshot_id_ || !take_owner_shards(m, snapshot_)) return;
   if (snapshot_.count < shards_) return;
   // Every shard is in (one whose every holder was lost never is: then no checkpoint is whole).
   keep_positions_locked();
@@ -477,4 +578,4 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
   snapshot_ = PartialGlobalState();
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -33,6 +33,8 @@
 ///                [u32 1: shards][u64 id][u32 n][n owner shards] an owner's answer
 /// where an owner shard is [u32 shard][i64 version][i64 owner steps]
 /// [u32 buffers][u64 n][n floats: params][u64 n][n floats: owner state]...
+/// (cfmo: owner steps are the pending round's contributions, the state the
+/// outer momentum then the round's sum; asgd: the optimizer's steps and state)
 
 #include "train/modes.h"
 #include "train/modes/timing.h"
@@ -47,20 +49,22 @@
 #include <thread>
 #include <vector>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
 class AsyncMode : public Mode {
  public:
-  /// What an owner's state buffers are in a snapshot: the outer momentum
-  /// (cfmo) or the shard optimizer's state (asgd).
+  /// What an owner's state buffers are in a snapshot: the outer momentum and
+  /// the pending round's sum, with the round's contributions so far as its
+  /// steps (cfmo), or the shard optimizer's state and steps (asgd).
   enum class OwnerState : uint8_t { kOuterMomentum, kOptimizer };
 
-  AsyncMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume,
-            OwnerState owner_state_kind, bool replicated);
+  AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
+            const ModeResume& resume, OwnerState owner_state_kind, bool replicated);
   ~AsyncMode() override;
 
   bool stop_requested() const override { return stop_.load(); }
   bool params_are_global() const override { return false; }
+  std::span<const float> wire_residual() const override { return residual_; }
   ModeStats stats() const override {
     std::lock_guard lock(mutex_);
     return stats_;
@@ -77,6 +81,10 @@ class AsyncMode : public Mode {
     return rank >= 0 && static_cast<size_t>(rank) < reconciled_samples_.size()
                ? reconciled_samples_[static_cast<size_t>(rank)]
                : 0;
+  }
+  int64_t retired_samples(int rank) const override {
+    std::lock_guard lock(mutex_);
+    return rank >= 0 && rank < comm_.size() ? retired_samples_[static_cast<size_t>(rank)] : 0;
   }
   int keeper() const override;
   /// K: the shards, and the ranks 0..K-1 that own them.
@@ -108,7 +116,7 @@ class AsyncMode : public Mode {
   /// An owner's state of a shard it serves: the shard's values and the
   /// contributions applied to them.
   struct Served {
-    FloatBuffer values;
+    tensor::FloatBuffer values;
     int64_t version = 0;
   };
 
@@ -118,10 +126,16 @@ class AsyncMode : public Mode {
   void reply_fresh_locked(int to, int shard, int64_t staleness, bool dropped, bool with_shard = true);
 
   /// The staleness of a contribution to `served` based on `base_version`, in
-  /// rounds of W (every worker sends every shard, whatever K).
+  /// rounds of W (of the whole world even after losses: the versions a
+  /// contribution of a fresh worker can miss grow with W, a round's own and
+  /// the previous round's after its reply).
   int64_t staleness_of(const Served& served, int64_t base_version) const {
     return std::max<int64_t>(0, served.version - base_version) / comm_.size();
   }
+  /// W_live: the ranks alive as refresh_membership last saw them. After a
+  /// loss the survivors' contributions weigh 1 / W_live, so that a round of
+  /// them still moves the global parameters by their mean.
+  int live() const { return live_.load(); }
 
   /// Under mutex_: whether `rank` is lost as this rank last saw it (refresh_membership).
   bool lost_locked(int rank) const { return lost_[static_cast<size_t>(rank)]; }
@@ -133,13 +147,24 @@ class AsyncMode : public Mode {
   int keeper_locked() const;
   int standby_locked() const;
 
-  /// Takes up the ranks the transport found lost since the last call; on a
-  /// change calls on_membership_change_locked (both threads call it, at each
-  /// step and with each contribution).
+  /// Takes up the ranks the transport found lost, and those a new process
+  /// joined, since the last call; on a change calls
+  /// on_membership_change_locked (both threads call it, at each step and with
+  /// each contribution).
   void refresh_membership();
-  /// Under mutex_, after `newly_lost` were lost: a replicated mode moves the
-  /// shards (promotes its replicas, refreshes its backups).
-  virtual void on_membership_change_locked(const std::vector<int>& /*newly_lost*/) {}
+  /// Under mutex_, after `newly_lost` were lost and `rejoined` came back (a
+  /// new process in their place, which starts with nothing): a replicated
+  /// mode moves the shards (hands each to its owner now, promotes its
+  /// replicas, refreshes its backups).
+  virtual void on_membership_change_locked(const std::vector<int>& /*newly_lost*/,
+                                           const std::vector<int>& /*rejoined*/) {}
+
+  /// A joining rank (Mode::join): asks every live rank for the shards it
+  /// serves, again every half second until every shard is in (its own too,
+  /// handed over by the rank that served it meanwhile), then takes them as
+  /// its parameters and base, and its place's last position as the keeper
+  /// knew it.
+  Status take_global_state(std::span<float> params, TrainPosition& position);
   /// The error this rank ends with when a loss left it on the losing side
   /// (train/modes/quorum.h): then it must not go on; ok otherwise.
   Status cut_off() const;
@@ -240,14 +265,14 @@ class AsyncMode : public Mode {
   virtual int64_t owner_steps(int /*shard*/) const { return 0; }
 
   const ModeSettings settings_;
-  Communicator& comm_;
+  comm::Communicator& comm_;
   const int shards_;  ///< K
   const std::vector<size_t> bounds_;
 
   // Worker side (training thread).
-  FloatBuffer base_;                   ///< the global parameters as last received, per shard
+  tensor::FloatBuffer base_;           ///< the global parameters as last received, per shard
   std::vector<int64_t> base_version_;  ///< their versions, per shard
-  FloatBuffer residual_;               ///< error feedback for lossy wire dtypes
+  tensor::FloatBuffer residual_;       ///< error feedback for lossy wire dtypes
   std::vector<int> awaiting_ = std::vector<int>(static_cast<size_t>(shards_), 0);  ///< per shard
   int awaiting_total_ = 0;                                                         ///< their sum
   TrainPosition position_;                                                         ///< as last reported
@@ -258,6 +283,7 @@ class AsyncMode : public Mode {
   // Owner side, under mutex_.
   std::map<int, Served> served_;  ///< the shards this rank serves: its own, and those it took over
   const bool replicated_;         ///< a lost owner's shard moves to its backup
+  bool joining_ = false;          ///< a joiner until take_global_state has the global state (under mutex_)
 
   /// Guards inbox_, stats_, done_from_, progress_, the snapshots, the
   /// membership, and the owners' state.
@@ -291,6 +317,11 @@ class AsyncMode : public Mode {
       set[static_cast<size_t>(rank)] = true;
       ++count;
     }
+    void unmark(int rank) {
+      if (!set[static_cast<size_t>(rank)]) return;
+      set[static_cast<size_t>(rank)] = false;
+      --count;
+    }
     bool operator[](int rank) const { return set[static_cast<size_t>(rank)]; }
     std::vector<bool> set;
     int count = 0;
@@ -312,6 +343,8 @@ class AsyncMode : public Mode {
   /// The end's first half: tell the keeper this rank is done (again when the
   /// keeper moves); the keeper tells every rank once all live ranks are.
   void wait_until_all_done(Clock::time_point deadline);
+  /// A snapshot request to every rank, numbered anew (the keeper's checkpoints, a joiner's state).
+  void post_snapshot_request();
   /// Under mutex_: [u32 n][n owner shards], those this rank serves.
   void put_owner_shards_locked(std::vector<std::byte>& out);
   /// Under mutex_: owner shards into `a`; false when malformed.
@@ -329,8 +362,13 @@ class AsyncMode : public Mode {
   RankFlags done_from_;                      ///< the keeper (and a rank that may become it): who said done
   std::atomic<bool> all_done_{false};        ///< the keeper said every live rank is done
   std::vector<bool> lost_;                   ///< the lost ranks as refresh_membership last saw them
+  size_t joins_seen_ = 0;                    ///< of comm_.joined_ranks(), taken up by refresh_membership
+  std::vector<int> last_lost_;               ///< comm_.lost_ranks() as refresh_membership last saw it
+  std::vector<int64_t> retired_samples_;     ///< see retired_samples()
+  TrainPosition join_position_;              ///< a joiner: its place's last position, from the owners' answers
   Error cut_off_{ErrorKind::kPeer, {}};      ///< see cut_off(); empty message: not cut off
   size_t lost_count_ = 0;                    ///< how many
+  std::atomic<int> live_{comm_.size()};      ///< see live()
   std::vector<TrainPosition> progress_;      ///< keeper and standby: each rank's last reported position (else empty)
   int64_t progress_samples_ = 0;             ///< the sum of progress_'s samples, kept as they come: the budget
   std::vector<int64_t> start_samples_;       ///< resumed: each rank's samples when this run started (else empty)
@@ -347,4 +385,4 @@ class AsyncMode : public Mode {
   std::optional<GlobalState> final_;         ///< the keeper: the end's state, until taken
 };
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -10,9 +10,19 @@
 // backup first gets the whole state. A lost owner's backup serves the shard
 // from its replica, with every contribution that reached it.
 //
-// kDeltaShard [u32 shard][u32 dtype | kLastRound][i64 base version][encoded floats (comm/codec.h)]
+// With --deterministic (settings.deterministic) the order of every message
+// that changes a value is fixed: an owner holds a round's contributions to a
+// shard until every rank's is in (or the rank said it finished) and applies
+// them in rank order, and a worker waits after sending its round until every
+// reply is back. Every contribution is then fresh (staleness 0), every
+// worker's parameters are the global ones right after a round (a checkpoint
+// there is a consistent cut), and a run is bitwise the same each time.
+//
+// kDeltaShard [u32 shard][u32 dtype | kLastRound | kFinished][i64 base version][encoded floats (comm/codec.h)]
+//             (kFinished, --deterministic: no delta; the sender sends no more rounds)
 // kReplica    [u32 0: apply][u32 shard][i64 version][f32 weight][u32 dtype][encoded floats]
 //             [u32 1: whole][u32 shard][i64 version][u32 in round][u64 n][values][u64 n][momentum][u64 n][round sum]
+//             [u32 2: hand-over] as whole, to its owner: a join brought it back
 #include "train/modes/async_base.h"
 #include "train/modes/outer_optimizer.h"
 #include "train/modes/wire.h"
@@ -20,27 +30,39 @@
 #include <cmath>
 #include <memory>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 
 class CfmoMode final : public AsyncMode {
  public:
-  CfmoMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial, const ModeResume& resume)
+  CfmoMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
+           const ModeResume& resume)
       : AsyncMode(settings, comm, initial, resume, OwnerState::kOuterMomentum, /*replicated=*/true),
         snapshot_(initial.size(), 0.0f) {
     // Every rank starts from the same state, so each backup's replica starts
     // as its owner's shard. Rank j < K owns shard j; rank j + 1 backs it up.
+    // A joiner starts with nothing: its shard comes back from the rank that
+    // served it, its replica from its owner.
     const int me = comm.rank();
     const int w = comm.size();
-    if (me < shards_) {
-      outer_.emplace(me, starting_outer(me, resume));
-      std::lock_guard lock(mutex_);
-      backup_[me] = backup_of_locked(me);
+    if (!comm.joined()) {
+      if (me < shards_) outer_.emplace(me, starting_outer(me, resume));
+      if (const int before = (me + w - 1) % w; before < shards_) {
+        const int64_t version =
+            resume.versions.size() == static_cast<size_t>(shards_) ? resume.versions[static_cast<size_t>(before)] : 0;
+        Replica& r = replicas_.emplace(before, Replica{{}, version, starting_outer(before, resume)}).first->second;
+        r.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before)]),
+                        initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before) + 1]));
+      }
+      if (me < shards_) {
+        std::lock_guard lock(mutex_);
+        backup_[me] = backup_of_locked(me);
+      }
     }
-    if (const int before = (me + w - 1) % w; before < shards_) {
-      Replica& r = replicas_.emplace(before, Replica{{}, 0, starting_outer(before, resume)}).first->second;
-      r.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before)]),
-                      initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before) + 1]));
+    if (resume.ranks.size() == static_cast<size_t>(w)) {
+      // A resumed rank starts on the global parameters: nothing to send until it trains.
+      last_step_ = resume.ranks[static_cast<size_t>(me)].step;
+      std::fill(sent_at_.begin(), sent_at_.end(), last_step_);
     }
     comm.on_message(channels::kDeltaShard, [this](int from, std::span<const std::byte> m) { on_delta(from, m); });
     comm.on_message(channels::kReplica, [this](int, std::span<const std::byte> m) { on_replica(m); });
@@ -53,11 +75,14 @@ class CfmoMode final : public AsyncMode {
     stop_serving_owner_state();
   }
   std::string_view name() const override { return "cfmo"; }
+  Status join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
+    return take_global_state(params, position);
+  }
 
   bool needs_params(const TrainPosition& position) const override {
     return position.step % settings_.sync_interval == 0 || inbox_pending();
   }
-  Status after_step(const TrainPosition& position, std::span<float> params, Optimizer& optimizer) override {
+  Status after_step(const TrainPosition& position, std::span<float> params, optim::Optimizer& optimizer) override {
     last_step_ = position.step;
     if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
       report_progress(position);
@@ -70,10 +95,16 @@ class CfmoMode final : public AsyncMode {
     // Shards whose last delta is still in flight wait for the next round; the
     // others go now: a slow owner never holds back the rest, nobody waits.
     send_round(params, /*only_idle=*/true);
+    if (!settings_.deterministic) return {};
+    CFMO_TRY(await_round(params, optimizer));
+    round_done_at_ = position.step;
     return {};
   }
+  /// --deterministic, right after a round: every reply is in, so this rank's
+  /// parameters are the global ones (and the owners hold no pending round).
+  bool params_are_global() const override { return settings_.deterministic && round_done_at_ == last_step_; }
 
-  Status finish(std::span<float> params, Optimizer& optimizer) override {
+  Status finish(std::span<float> params, optim::Optimizer& optimizer) override {
     CFMO_TRY(cut_off());
     const auto start = Clock::now();
     const auto deadline = start + seconds(settings_.peer_timeout_s);
@@ -83,12 +114,41 @@ class CfmoMode final : public AsyncMode {
     // rank's parameters are not used after the run, and rank 0 gathers the
     // global ones.
     send_round(params, /*only_idle=*/false, /*last=*/true);
+    if (settings_.deterministic) CFMO_TRY(await_round(params, optimizer));
     drain_replies(deadline + seconds(settings_.peer_timeout_s), apply);
     count_finish_wait(start);
     return end_handshake(params);
   }
 
  private:
+  /// --deterministic: waits until every reply of the round just sent is in
+  /// and rebased. A lost rank ends the run: its contributions to the rounds
+  /// in progress would never come, and going on without them is not the
+  /// order an uninterrupted run has.
+  Status await_round(std::span<float> params, optim::Optimizer& optimizer) {
+    const auto start = Clock::now();
+    Status status;
+    while (outstanding() > 0) {
+      refresh_membership();
+      if (const auto lost = comm_.lost_ranks(); !lost.empty()) {
+        status =
+            make_error(ErrorKind::kPeer, "--deterministic: rank {} was lost ({}); a deterministic run cannot go on",
+                       lost.front(), comm_.lost_reason(lost.front()));
+        break;
+      }
+      auto fresh = take_inbox();
+      if (fresh.empty()) {
+        seam_sleep_for(std::chrono::microseconds(100));
+        continue;
+      }
+      for (auto& f : fresh) rebase(f, params, optimizer);
+    }
+    for (auto& f : take_inbox()) rebase(f, params, optimizer);
+    std::lock_guard lock(mutex_);
+    stats_.wait_s += seconds_since(start);
+    return status;
+  }
+
   void send_round(std::span<const float> params, bool only_idle, bool last = false) {
     refresh_membership();
     owners_.resize(static_cast<size_t>(shards_));
@@ -107,8 +167,20 @@ class CfmoMode final : public AsyncMode {
         skipped = true;
         continue;
       }
-      // Nothing trained since this shard went: its delta would be zero.
-      if (last && sent_at_[static_cast<size_t>(j)] == last_step_) continue;
+      // Nothing trained since this shard went: its delta would be zero. A
+      // deterministic owner waits for every rank's round: it is told this
+      // rank sends no more.
+      if (last && sent_at_[static_cast<size_t>(j)] == last_step_) {
+        if (settings_.deterministic) {
+          std::vector<std::byte> out;
+          put(out, static_cast<uint32_t>(j));
+          put(out, static_cast<uint32_t>(settings_.delta_dtype) | kLastRound | kFinished);
+          put(out, base_version_[static_cast<size_t>(j)]);
+          comm_.post(owner, channels::kDeltaShard, std::move(out));
+          await_reply(j, owner);
+        }
+        continue;
+      }
       sent_at_[static_cast<size_t>(j)] = last_step_;
       const size_t first = bounds_[static_cast<size_t>(j)];
       const size_t count = bounds_[static_cast<size_t>(j) + 1] - first;
@@ -119,12 +191,13 @@ class CfmoMode final : public AsyncMode {
       delta_.resize(count);
       for (size_t i = 0; i < count; ++i) delta_[i] = params[first + i] - base_[first + i];
       std::vector<std::byte> out;
-      out.reserve(kDeltaHeader + encoded_size(settings_.delta_dtype, count));
+      out.reserve(kDeltaHeader + comm::encoded_size(settings_.delta_dtype, count));
       put(out, static_cast<uint32_t>(j));
       put(out, static_cast<uint32_t>(settings_.delta_dtype) | (last ? kLastRound : 0u));
       put(out, base_version_[static_cast<size_t>(j)]);
-      encode_floats(settings_.delta_dtype, delta_,
-                    residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count), out);
+      comm::encode_floats(settings_.delta_dtype, delta_,
+                          residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count),
+                          out);
       comm_.post(owner, channels::kDeltaShard, std::move(out));
       await_reply(j, owner);
       ++sent;
@@ -147,7 +220,7 @@ class CfmoMode final : public AsyncMode {
   }
 
   /// θ_k ← θ̄_new + (θ_k − θ_snapshot) on the shard; stale momentum discounted.
-  void rebase(FreshShard& f, std::span<float> params, Optimizer& optimizer) {
+  void rebase(FreshShard& f, std::span<float> params, optim::Optimizer& optimizer) {
     reply_came(f.shard);
     record_staleness(f.staleness, f.dropped);
     const size_t first = bounds_[static_cast<size_t>(f.shard)];
@@ -180,32 +253,83 @@ class CfmoMode final : public AsyncMode {
       return;
     }
     const bool last = (dtype & kLastRound) != 0;
-    dtype &= ~kLastRound;
+    const bool finished = (dtype & kFinished) != 0;
+    dtype &= ~(kLastRound | kFinished);
     if (dtype > 2) return;
     const std::span<const std::byte> encoded = m;
     incoming_.resize(shard_size(static_cast<int>(shard)));
-    if (!decode_floats(static_cast<WireDtype>(dtype), m, incoming_)) return;
+    if (!finished && !comm::decode_floats(static_cast<comm::WireDtype>(dtype), m, incoming_)) return;
     refresh_membership();
     std::lock_guard lock(mutex_);
+    if (settings_.deterministic) {
+      // Held until the round is whole, then applied in rank order.
+      Round& round = rounds_[static_cast<int>(shard)];
+      if (finished) {
+        finished_[static_cast<size_t>(from)] = true;
+        reply_fresh_locked(from, static_cast<int>(shard), 0, /*dropped=*/false, /*with_shard=*/false);
+      } else {
+        round.from.emplace(from, Held{base_version, dtype, last, std::vector<std::byte>(encoded.begin(), encoded.end()),
+                                      std::vector<float>(incoming_.begin(), incoming_.end())});
+        if (last) finished_[static_cast<size_t>(from)] = true;
+      }
+      apply_whole_rounds_locked();
+      return;
+    }
+    if (finished) return;  // only sent with --deterministic
+    apply_locked(from, static_cast<int>(shard), base_version, dtype, last, encoded, incoming_);
+  }
+
+  /// Under mutex_: one contribution of `from` to `shard`: applied weighted by
+  /// beta^staleness / W_live (or dropped), passed on to the backup, answered
+  /// unless `reply` is false; returns its staleness (-1: answered already, a
+  /// shard this rank does not serve).
+  int64_t apply_locked(int from, int shard, int64_t base_version, uint32_t dtype, bool last,
+                       std::span<const std::byte> encoded, std::span<const float> delta, bool reply = true) {
     ++stats_.contributions_received;
     note_reconciled(from);
-    const auto it = served_.find(static_cast<int>(shard));
+    const auto it = served_.find(shard);
     if (it == served_.end()) {
-      reply_fresh_locked(from, static_cast<int>(shard), 0, /*dropped=*/true, /*with_shard=*/false);
-      return;
+      reply_fresh_locked(from, shard, 0, /*dropped=*/true, /*with_shard=*/false);
+      return -1;
     }
     Served& served = it->second;
     const int64_t s = staleness_of(served, base_version);
     const bool dropped = s > settings_.max_staleness;
     if (!dropped) {
-      const float weight =
-          static_cast<float>(std::pow(settings_.staleness_discount, s)) / static_cast<float>(comm_.size());
-      outer_.at(static_cast<int>(shard)).apply(served.values, incoming_, weight);
+      // 1 / W_live: after a loss a round of the survivors' deltas moves the shard by their mean.
+      const float weight = static_cast<float>(std::pow(settings_.staleness_discount, s)) / static_cast<float>(live());
+      outer_.at(shard).apply(served.values, delta, weight);
       ++served.version;
       ++stats_.contributions_applied;
-      replicate_locked(static_cast<int>(shard), weight, dtype, encoded);
+      replicate_locked(shard, weight, dtype, encoded);
     }
-    reply_fresh_locked(from, static_cast<int>(shard), s, dropped, /*with_shard=*/!last);
+    if (reply) reply_fresh_locked(from, shard, s, dropped, /*with_shard=*/!last);
+    return s;
+  }
+
+  /// --deterministic, under mutex_: every shard's round that holds a
+  /// contribution of each rank not finished is applied, in rank order.
+  void apply_whole_rounds_locked() {
+    for (auto& [shard, round] : rounds_) {
+      if (round.from.empty()) continue;
+      bool whole = true;
+      for (int r = 0; r < comm_.size() && whole; ++r) {
+        whole = round.from.count(r) != 0 || finished_[static_cast<size_t>(r)] || lost_locked(r);
+      }
+      if (!whole) continue;
+      // All applied first, then every reply with the round's result: each
+      // worker's rebase lands on the same global shard.
+      std::vector<std::pair<int, int64_t>> applied;
+      for (auto& [from, held] : round.from) {
+        applied.emplace_back(from, apply_locked(from, shard, held.base_version, held.dtype, held.last, held.encoded,
+                                                held.delta, /*reply=*/false));
+      }
+      for (const auto& [from, s] : applied) {
+        if (s < 0) continue;
+        reply_fresh_locked(from, shard, s, s > settings_.max_staleness, /*with_shard=*/!round.from.at(from).last);
+      }
+      round.from.clear();
+    }
   }
 
   /// Under mutex_: the contribution just applied to `shard`, to its backup;
@@ -232,16 +356,42 @@ class CfmoMode final : public AsyncMode {
   void send_whole_locked(int shard, int backup) {
     backup_[shard] = backup;
     if (backup < 0) return;
-    const OuterOptimizer& outer = outer_.at(shard);
+    send_state_locked(shard, backup, kReplicaWhole);
+  }
+
+  /// Under mutex_: `shard`'s whole state to `to`, as a replica (kReplicaWhole) or to serve (kHandOver).
+  void send_state_locked(int shard, int to, uint32_t kind) {
+    post_whole(to, kind, shard, served_.at(shard).version, served_.at(shard).values, outer_.at(shard));
+  }
+
+  /// [kind][shard][version][in round][values][momentum][round sum] to `to`.
+  void post_whole(int to, uint32_t kind, int shard, int64_t version, std::span<const float> values,
+                  const OuterOptimizer& outer) {
     std::vector<std::byte> out;
-    put(out, kReplicaWhole);
+    put(out, kind);
     put(out, static_cast<uint32_t>(shard));
-    put(out, served_.at(shard).version);
+    put(out, version);
     put(out, static_cast<uint32_t>(outer.in_round()));
-    put_vector(out, served_.at(shard).values);
+    put_vector(out, values);
     put_vector(out, outer.momentum());
     put_vector(out, outer.round_sum());
-    comm_.post(backup, channels::kReplica, std::move(out));
+    comm_.post(to, channels::kReplica, std::move(out));
+  }
+
+  /// Under mutex_: a shard handed over to this rank, its owner now (a join
+  /// moved it back); of two hand-overs (the rank that served it and a
+  /// replica's holder) the newer counts. Its backup gets the whole state.
+  void take_handed_over_locked(int j, int64_t version, std::span<const std::byte> m) {
+    auto whole = take_whole(j, version, m);
+    if (!whole) return;
+    if (const auto it = served_.find(j); it != served_.end() && it->second.version >= version) return;
+    Served taken;
+    taken.values = std::move(whole->values);
+    taken.version = version;
+    served_.insert_or_assign(j, std::move(taken));
+    outer_.insert_or_assign(j, std::move(whole->outer));
+    replicas_.erase(j);
+    send_whole_locked(j, backup_of_locked(j));
   }
 
   /// A backup: an owner's applied contribution, or its whole state, into the replica.
@@ -254,20 +404,13 @@ class CfmoMode final : public AsyncMode {
     }
     const int j = static_cast<int>(shard);
     std::lock_guard lock(mutex_);
+    if (kind == kHandOver) {
+      take_handed_over_locked(j, version, m);
+      return;
+    }
     if (served_.count(j) != 0) return;  // this rank serves it now: an old owner's late words
     if (kind == kReplicaWhole) {
-      uint32_t in_round = 0;
-      std::vector<float> values;
-      std::vector<float> momentum;
-      std::vector<float> round_sum;
-      if (!take(m, in_round) || !take_vector(m, values) || !take_vector(m, momentum) || !take_vector(m, round_sum) ||
-          values.size() != shard_size(j)) {
-        return;
-      }
-      Replica r{{}, version, OuterOptimizer(settings_, shard_size(j), comm_.size())};
-      r.values.assign(values.begin(), values.end());
-      r.outer.restore(static_cast<int>(in_round), momentum, round_sum);
-      replicas_.insert_or_assign(j, std::move(r));
+      if (auto r = take_whole(j, version, m)) replicas_.insert_or_assign(j, std::move(*r));
       return;
     }
     float weight = 0;
@@ -275,18 +418,39 @@ class CfmoMode final : public AsyncMode {
     const auto it = replicas_.find(j);
     if (kind != kReplicaApply || it == replicas_.end() || !take(m, weight) || !take(m, dtype) || dtype > 2) return;
     replica_incoming_.resize(shard_size(j));
-    if (!decode_floats(static_cast<WireDtype>(dtype), m, replica_incoming_)) return;
+    if (!comm::decode_floats(static_cast<comm::WireDtype>(dtype), m, replica_incoming_)) return;
     it->second.outer.apply(it->second.values, replica_incoming_, weight);
     it->second.version = version;
   }
 
-  /// Under mutex_: the shards whose owner is this rank now take up their
-  /// replicas (or, where every holder was lost, this rank's last global
-  /// values of them); every shard served gets its backup's whole state when
-  /// its backup changed.
-  void on_membership_change_locked(const std::vector<int>&) override {
+  /// Under mutex_: a shard this rank serves whose owner is another rank now
+  /// (a join brought that rank back) goes to it whole, with a replica this
+  /// rank holds of a rank that came back (it may not have promoted it yet);
+  /// the shards whose owner is this rank now take up their replicas (or,
+  /// where every holder was lost, this rank's last global values of them;
+  /// never on a joiner, whose own shard comes handed over); every shard served
+  /// gets its backup's whole state when its backup changed.
+  void on_membership_change_locked(const std::vector<int>&, const std::vector<int>& rejoined) override {
     const int me = comm_.rank();
-    for (int j = 0; j < shards_; ++j) {
+    for (auto it = served_.begin(); it != served_.end();) {
+      const int owner = owner_of_locked(it->first);
+      if (owner == me || owner < 0) {
+        ++it;
+        continue;
+      }
+      send_state_locked(it->first, owner, kHandOver);
+      outer_.erase(it->first);
+      backup_.erase(it->first);
+      it = served_.erase(it);
+    }
+    for (const int r : rejoined) {
+      const auto replica = replicas_.find(r);
+      if (replica == replicas_.end()) continue;
+      // As a hand-over: the whole replica, the state it was kept with.
+      post_whole(r, kHandOver, r, replica->second.version, replica->second.values, replica->second.outer);
+      replicas_.erase(replica);
+    }
+    for (int j = 0; j < shards_ && !joining_; ++j) {
       if (owner_of_locked(j) != me || served_.count(j) != 0) continue;
       Served taken;
       const auto r = replicas_.find(j);
@@ -299,11 +463,14 @@ class CfmoMode final : public AsyncMode {
         const auto first = base_.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(j)]);
         taken.values.assign(first, first + static_cast<std::ptrdiff_t>(shard_size(j)));
         taken.version = base_version_[static_cast<size_t>(j)];
-        outer_.insert_or_assign(j, OuterOptimizer(settings_, shard_size(j), comm_.size()));
+        outer_.insert_or_assign(j, OuterOptimizer(settings_, shard_size(j), live()));
       }
       served_.insert_or_assign(j, std::move(taken));
       backup_[j] = -1;
     }
+    // A round of the outer step is now one contribution of each survivor.
+    for (auto& entry : outer_) entry.second.set_contributions_per_round(live());
+    for (auto& entry : replicas_) entry.second.outer.set_contributions_per_round(live());
     for (const auto& entry : served_) {
       const int j = entry.first;
       const int backup = backup_of_locked(j);
@@ -317,22 +484,53 @@ class CfmoMode final : public AsyncMode {
     if (!outer.momentum().empty() && resume.outer_momentum.size() == bounds_.back()) {
       const auto first = static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(shard)]);
       std::copy_n(resume.outer_momentum.begin() + first, shard_size(shard), outer.momentum().begin());
+      // The round the owner had in progress, where the checkpoint has it (of
+      // this world and these K shards).
+      if (resume.outer_round_sum.size() == bounds_.back() &&
+          resume.outer_in_round.size() == static_cast<size_t>(shards_)) {
+        outer.restore(
+            static_cast<int>(resume.outer_in_round[static_cast<size_t>(shard)]), outer.momentum(),
+            std::span<const float>(resume.outer_round_sum).subspan(static_cast<size_t>(first), shard_size(shard)));
+      }
     }
     return outer;
   }
 
+  /// The outer momentum and the pending round's sum (what a checkpoint
+  /// needs to finish the round), with the round's contributions as the steps.
   std::vector<std::span<const float>> owner_state(int shard) const override {
     const auto it = outer_.find(shard);
     if (it == outer_.end() || it->second.momentum().empty()) return {};
-    return {it->second.momentum()};
+    if (it->second.round_sum().empty()) return {it->second.momentum()};
+    return {it->second.momentum(), it->second.round_sum()};
+  }
+  int64_t owner_steps(int shard) const override {
+    const auto it = outer_.find(shard);
+    return it == outer_.end() ? 0 : it->second.in_round();
   }
 
   /// A backup's copy of an owner's shard.
   struct Replica {
-    FloatBuffer values;
+    tensor::FloatBuffer values;
     int64_t version = 0;
     OuterOptimizer outer;
   };
+
+  /// A whole state's rest after [kind][shard][version]; none when malformed.
+  std::optional<Replica> take_whole(int j, int64_t version, std::span<const std::byte> m) const {
+    uint32_t in_round = 0;
+    std::vector<float> values;
+    std::vector<float> momentum;
+    std::vector<float> round_sum;
+    if (!take(m, in_round) || !take_vector(m, values) || !take_vector(m, momentum) || !take_vector(m, round_sum) ||
+        values.size() != shard_size(j)) {
+      return std::nullopt;
+    }
+    Replica r{{}, version, OuterOptimizer(settings_, shard_size(j), live())};
+    r.values.assign(values.begin(), values.end());
+    r.outer.restore(static_cast<int>(in_round), momentum, round_sum);
+    return r;
+  }
 
   // Under mutex_.
   std::map<int, OuterOptimizer> outer_;  ///< the outer step of each shard served
@@ -340,21 +538,39 @@ class CfmoMode final : public AsyncMode {
   std::map<int, Replica> replicas_;      ///< the shards this rank is the backup of
   static constexpr uint32_t kReplicaApply = 0;
   static constexpr uint32_t kReplicaWhole = 1;
+  static constexpr uint32_t kHandOver = 2;  ///< as kReplicaWhole, to serve: a join gave the shard back
 
   /// In a delta's dtype field: the sender's last round, answered without the shard.
   static constexpr uint32_t kLastRound = 0x100;
   /// A delta's bytes before its floats: shard, dtype, base version.
   static constexpr size_t kDeltaHeader = 16;
+  /// --deterministic, with kLastRound: no delta, the sender has finished (its owners stop waiting for it).
+  static constexpr uint32_t kFinished = 0x200;
 
-  FloatBuffer snapshot_;
+  /// --deterministic: a contribution held until its round is whole.
+  struct Held {
+    int64_t base_version = 0;
+    uint32_t dtype = 0;
+    bool last = false;
+    std::vector<std::byte> encoded;  ///< for the backup
+    std::vector<float> delta;
+  };
+  struct Round {
+    std::map<int, Held> from;  ///< by rank: rank order is the order of application
+  };
+  std::map<int, Round> rounds_;  ///< under mutex_: each shard's round being collected
+  std::vector<bool> finished_ = std::vector<bool>(static_cast<size_t>(comm_.size()), false);  ///< under mutex_
+  int64_t round_done_at_ = -1;  ///< --deterministic: the step of the last round whose replies are all in
+
+  tensor::FloatBuffer snapshot_;
   std::vector<int64_t> sent_at_ =
       std::vector<int64_t>(static_cast<size_t>(shards_), -1);  ///< step of each shard's last send
   std::vector<int> owners_;                                    ///< send_round's: each shard's owner now
-  FloatBuffer delta_;
-  FloatBuffer full_delta_;  ///< for the delta sink
+  tensor::FloatBuffer delta_;
+  tensor::FloatBuffer full_delta_;  ///< for the delta sink
   int64_t last_step_ = 0;
-  FloatBuffer incoming_;          ///< progress thread
-  FloatBuffer replica_incoming_;  ///< progress thread
+  tensor::FloatBuffer incoming_;          ///< progress thread
+  tensor::FloatBuffer replica_incoming_;  ///< progress thread
 };
 
 }  // namespace
@@ -363,4 +579,4 @@ Result<std::unique_ptr<Mode>> make_cfmo(const ModeContext& c) {
   return std::unique_ptr<Mode>(std::make_unique<CfmoMode>(c.settings, c.comm, c.initial, c.resume));
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

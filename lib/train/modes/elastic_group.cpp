@@ -7,13 +7,13 @@
 #include <algorithm>
 #include <map>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 // How long a wait sleeps without news: losses are found by the transport, not announced.
 constexpr auto kNap = std::chrono::milliseconds(5);
 }  // namespace
 
-ElasticGroup::ElasticGroup(Communicator& comm, Channel channel, double peer_timeout_s)
+ElasticGroup::ElasticGroup(comm::Communicator& comm, comm::Channel channel, double peer_timeout_s)
     : comm_(comm), channel_(channel), peer_timeout_s_(peer_timeout_s) {
   for (int r = 0; r < comm.size(); ++r) members_.push_back(r);
   comm_.on_message(channel_, [this](int from, std::span<const std::byte> m) { on_message(from, m); });
@@ -46,13 +46,31 @@ void ElasticGroup::send(int to, Kind kind, uint32_t epoch, uint64_t seq, std::sp
   comm_.post(to, channel_, std::move(out));
 }
 
+void ElasticGroup::send_grown(int to, Kind kind, std::span<const float> sum, std::span<const int> ranks,
+                              std::span<const std::byte> state) {
+  std::vector<std::byte> out;
+  put(out, static_cast<uint8_t>(kind));
+  // A welcome is of the group after this sum; a kSumGrow is this sum's.
+  put(out, kind == kWelcome ? epoch_ + 1 : epoch_);
+  put(out, kind == kWelcome ? seq_ + 1 : seq_);
+  put(out, static_cast<uint32_t>(ranks.size()));
+  for (const int r : ranks) put(out, static_cast<int32_t>(r));
+  if (kind == kWelcome) {
+    put(out, static_cast<uint32_t>(members_.size()));
+    put(out, static_cast<uint64_t>(state.size()));
+    put_bytes(out, state.data(), state.size());
+  }
+  put_floats(out, sum);
+  comm_.post(to, channel_, std::move(out));
+}
+
 void ElasticGroup::on_message(int from, std::span<const std::byte> m) {
   Message msg;
   uint8_t kind = 0;
-  if (!take(m, kind) || kind < kPart || kind > kReform || !take(m, msg.epoch) || !take(m, msg.seq)) return;
+  if (!take(m, kind) || kind < kPart || kind > kSumGrow || !take(m, msg.epoch) || !take(m, msg.seq)) return;
   msg.kind = static_cast<Kind>(kind);
   msg.from = from;
-  if (msg.kind == kGroup) {
+  if (msg.kind == kGroup || msg.kind == kWelcome || msg.kind == kSumGrow) {
     uint32_t n = 0;
     if (!take(m, n) || n > static_cast<uint32_t>(comm_.size())) return;
     for (uint32_t i = 0; i < n; ++i) {
@@ -65,6 +83,12 @@ void ElasticGroup::on_message(int from, std::span<const std::byte> m) {
     uint8_t has = 0;
     if (!take(m, has)) return;
     msg.has = has != 0;
+  }
+  if (msg.kind == kWelcome) {
+    uint64_t bytes = 0;
+    if (!take(m, msg.count) || !take(m, bytes) || bytes > m.size()) return;
+    msg.state.assign(m.begin(), m.begin() + static_cast<std::ptrdiff_t>(bytes));
+    m = m.subspan(static_cast<size_t>(bytes));
   }
   msg.floats.resize(m.size() / sizeof(float));
   if (!msg.floats.empty()) std::memcpy(msg.floats.data(), m.data(), msg.floats.size() * sizeof(float));
@@ -104,12 +128,21 @@ Status ElasticGroup::all_reduce_sum(std::span<float> data) {
     bool done = false;
     if (target_epoch_ <= epoch_) done = reduce_once(data) == Outcome::kDone;
     if (!done) {
+      grow_to_.clear();
       CFMO_ASSIGN_OR_RETURN(done, reform(data));
     }
     if (done) {
       last_.assign(data.begin(), data.end());
       has_last_ = true;
+      last_sum_members_ = members_.size();
       ++seq_;
+      if (!grow_to_.empty()) {
+        // Joiners were taken in at this sum: the next one is theirs too.
+        members_ = std::move(grow_to_);
+        grow_to_.clear();
+        ++epoch_;
+        target_epoch_ = epoch_;
+      }
       return {};
     }
   }
@@ -125,9 +158,12 @@ ElasticGroup::Outcome ElasticGroup::reduce_once(std::span<float> data) {
       {
         std::unique_lock lock(mutex_);
         Message m;
-        if (take_locked(m, [&](const Message& x) { return x.kind == kSum && x.epoch == epoch_ && x.seq == seq_; })) {
+        if (take_locked(m, [&](const Message& x) {
+              return (x.kind == kSum || x.kind == kSumGrow) && x.epoch == epoch_ && x.seq == seq_;
+            })) {
           if (m.floats.size() == data.size()) {
             std::copy(m.floats.begin(), m.floats.end(), data.begin());
+            if (m.kind == kSumGrow) grow_to_ = m.ranks;
             return Outcome::kDone;
           }
         }
@@ -174,10 +210,72 @@ ElasticGroup::Outcome ElasticGroup::reduce_once(std::span<float> data) {
     const auto& part = parts[r];
     for (size_t i = 0; i < data.size(); ++i) data[i] += part[i];
   }
+  if (admit_joiners(data)) return Outcome::kDone;
   for (const int r : members_) {
     if (r != me) send(r, kSum, epoch_, seq_, data);
   }
   return Outcome::kDone;
+}
+
+bool ElasticGroup::admit_joiners(std::span<const float> sum) {
+  std::vector<int> joiners;
+  {
+    std::lock_guard lock(mutex_);
+    Message m;
+    while (take_locked(m, [](const Message& x) { return x.kind == kAdmit; })) {
+      const bool member = std::find(members_.begin(), members_.end(), m.from) != members_.end();
+      if (!member && !lost(m.from) && std::find(joiners.begin(), joiners.end(), m.from) == joiners.end()) {
+        joiners.push_back(m.from);
+      }
+    }
+  }
+  if (joiners.empty() || !welcome_) return false;
+  std::vector<int> grown = members_;
+  grown.insert(grown.end(), joiners.begin(), joiners.end());
+  std::sort(grown.begin(), grown.end());
+  const std::vector<std::byte> state = welcome_();
+  for (const int r : members_) {
+    if (r != comm_.rank()) send_grown(r, kSumGrow, sum, grown);
+  }
+  for (const int r : joiners) send_grown(r, kWelcome, sum, grown, state);
+  grow_to_ = std::move(grown);
+  return true;
+}
+
+Result<ElasticGroup::Welcome> ElasticGroup::join(double timeout_s) {
+  const auto deadline = Clock::now() + seconds(timeout_s);
+  Clock::time_point asked{};
+  for (;;) {
+    if (Clock::now() > deadline) {
+      return make_error(ErrorKind::kPeer, "rank {} joined, but the group's leader did not take it in within {:.1f}s",
+                        comm_.rank(), timeout_s);
+    }
+    if (Clock::now() - asked > std::chrono::seconds(1)) {
+      // The lowest live rank leads; asked again in case it was lost meanwhile.
+      asked = Clock::now();
+      const auto lost_now = comm_.lost_ranks();
+      for (int r = 0; r < comm_.size(); ++r) {
+        if (r != comm_.rank() && std::find(lost_now.begin(), lost_now.end(), r) == lost_now.end()) {
+          send(r, kAdmit, 0, 0, {});
+          break;
+        }
+      }
+    }
+    std::unique_lock lock(mutex_);
+    Message w;
+    if (take_locked(w, [](const Message& x) { return x.kind == kWelcome; })) {
+      members_ = w.ranks;
+      epoch_ = w.epoch;
+      target_epoch_ = w.epoch;
+      seq_ = w.seq;
+      last_ = w.floats;
+      has_last_ = true;
+      last_sum_members_ = w.count;
+      std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_; });
+      return Welcome{std::move(w.state), std::move(w.floats), w.count};
+    }
+    arrived_.wait_for(lock, kNap);
+  }
 }
 
 Result<bool> ElasticGroup::reform(std::span<float> data) {
@@ -301,4 +399,4 @@ Result<bool> ElasticGroup::reform(std::span<float> data) {
   }
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

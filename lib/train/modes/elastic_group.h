@@ -23,7 +23,13 @@
 ///   kJoin    [u8 3][u32 epoch][u64 seq][u8 has last][floats: the last sum]
 ///   kGroup   [u8 4][u32 epoch][u64 seq][u32 n][n x i32 ranks][u8 has][floats: sum seq - 1]
 ///   kReform  [u8 5][u32 epoch][u64 0]               the leader asks the members to join
-/// where the epoch counts the group's re-formings.
+///   kAdmit   [u8 6][u32 0][u64 0]                   a process that joined the run asks to be a member
+///   kWelcome [u8 7][u32 epoch][u64 seq][u32 n][n x i32 ranks][u32 count][u64 n][bytes: state][floats: sum seq - 1]
+///   kSumGrow [u8 8][u32 epoch][u64 seq][u32 n][n x i32 ranks][floats]   kSum, and the members from then on
+/// where the epoch counts the group's re-formings and growths. A joiner is
+/// taken in by the leader at the end of a sum: it gets that sum, how many
+/// members made it, and the caller's state (set_welcome: the mode's global
+/// parameters before the sum), and is a member of the next.
 ///
 /// Threads: the training thread calls all_reduce_sum; the handler only
 /// queues what arrives.
@@ -34,15 +40,16 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <vector>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
 class ElasticGroup {
  public:
-  ElasticGroup(Communicator& comm, Channel channel, double peer_timeout_s);
+  ElasticGroup(comm::Communicator& comm, comm::Channel channel, double peer_timeout_s);
   ~ElasticGroup();
   ElasticGroup(const ElasticGroup&) = delete;
   ElasticGroup& operator=(const ElasticGroup&) = delete;
@@ -54,28 +61,60 @@ class ElasticGroup {
 
   /// The members now, in rank order; the first is the leader.
   const std::vector<int>& members() const { return members_; }
+  /// How many members made the last sum (the group may have grown after it).
+  size_t last_sum_members() const { return last_sum_members_; }
+
+  /// What the leader gives a joiner with the sum it is taken in at (called on
+  /// the leader's training thread, inside all_reduce_sum, before the caller
+  /// has used the sum).
+  void set_welcome(std::function<std::vector<std::byte>()> state) { welcome_ = std::move(state); }
+  /// A joiner's welcome: the state, the sum, and how many members made it.
+  struct Welcome {
+    std::vector<std::byte> state;
+    std::vector<float> sum;
+    size_t members = 0;
+  };
+  /// This rank joined the run (Communicator::joined): asks the leader until
+  /// it is taken in, at most `timeout_s`; afterwards it is a member.
+  Result<Welcome> join(double timeout_s);
   /// This rank's place among them.
   int index() const;
 
  private:
-  enum Kind : uint8_t { kPart = 1, kSum = 2, kJoin = 3, kGroup = 4, kReform = 5 };
+  enum Kind : uint8_t {
+    kPart = 1,
+    kSum = 2,
+    kJoin = 3,
+    kGroup = 4,
+    kReform = 5,
+    kAdmit = 6,
+    kWelcome = 7,
+    kSumGrow = 8
+  };
   struct Message {
     Kind kind = kPart;
     int from = -1;
     uint32_t epoch = 0;
     uint64_t seq = 0;
-    std::vector<int> ranks;  ///< kGroup
+    std::vector<int> ranks;  ///< kGroup, kWelcome, kSumGrow
     bool has = false;        ///< kJoin, kGroup: floats are a sum
     std::vector<float> floats;
+    uint32_t count = 0;              ///< kWelcome: the members that made the sum
+    std::vector<std::byte> state{};  ///< kWelcome
   };
   /// What a reduction attempt ended with.
   enum class Outcome { kDone, kReform };
 
   Outcome reduce_once(std::span<float> data);
+  /// The leader, a sum done: takes in the ranks that asked (and are live), telling the members and them.
+  bool admit_joiners(std::span<const float> sum);
   /// Re-forms the group; true when `data` got the sum this rank missed (the call is done).
   Result<bool> reform(std::span<float> data);
   void send(int to, Kind kind, uint32_t epoch, uint64_t seq, std::span<const float> floats, bool has = false,
             std::span<const int> ranks = {});
+  /// kSumGrow (to a member) or kWelcome (to a joiner) of the sum just made.
+  void send_grown(int to, Kind kind, std::span<const float> sum, std::span<const int> ranks,
+                  std::span<const std::byte> state = {});
   void on_message(int from, std::span<const std::byte> payload);
   bool lost(int rank) const;
   /// Under lock: the first queued message that `match` accepts, removed; false if none.
@@ -84,8 +123,8 @@ class ElasticGroup {
   /// Under lock: whether a message asks for a re-forming beyond the current epoch (and which epoch).
   bool reform_asked_locked(uint32_t& epoch) const;
 
-  Communicator& comm_;
-  const Channel channel_;
+  comm::Communicator& comm_;
+  const comm::Channel channel_;
   const double peer_timeout_s_;
 
   std::mutex mutex_;
@@ -99,6 +138,9 @@ class ElasticGroup {
   std::vector<float> last_;
   bool has_last_ = false;
   uint32_t target_epoch_ = 0;  ///< a re-forming asked for this epoch
+  size_t last_sum_members_ = 0;
+  std::vector<int> grow_to_;  ///< the members after the sum under way (kSumGrow), empty: as they are
+  std::function<std::vector<std::byte>()> welcome_;
 };
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

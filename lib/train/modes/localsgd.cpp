@@ -8,19 +8,32 @@
 #include "train/modes/lockstep.h"
 #include "train/modes/outer_optimizer.h"
 #include "train/modes/timing.h"
+#include "train/modes/wire.h"
 
 #include <algorithm>
 #include <memory>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 
 class LocalSgdMode final : public LockstepMode {
  public:
-  LocalSgdMode(const ModeSettings& settings, Communicator& comm, std::span<const float> initial,
+  LocalSgdMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
                const ModeResume& resume)
       : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), outer_(settings, initial.size(), 1) {
-    if (settings.elastic) group_ = std::make_unique<ElasticGroup>(comm, channels::kElastic, settings.peer_timeout_s);
+    if (settings.elastic) {
+      group_ = std::make_unique<ElasticGroup>(comm, channels::kElastic, settings.peer_timeout_s);
+      // A joiner taken in at a round gets the global parameters before it,
+      // the outer momentum and the position: it then takes the round's outer
+      // step itself, as every member does, to the same bits.
+      group_->set_welcome([this] {
+        std::vector<std::byte> out;
+        put_position(out, position_);
+        put_vector(out, global_);
+        put_vector(out, outer_.momentum());
+        return out;
+      });
+    }
     if (resume.outer_momentum.size() == outer_.momentum().size()) {
       std::copy(resume.outer_momentum.begin(), resume.outer_momentum.end(), outer_.momentum().begin());
     }
@@ -30,20 +43,44 @@ class LocalSgdMode final : public LockstepMode {
   bool needs_params(const TrainPosition& position) const override {
     return position.step % settings_.sync_interval == 0;
   }
-  Status after_step(const TrainPosition& position, std::span<float> params, Optimizer&) override {
+  Status after_step(const TrainPosition& position, std::span<float> params, optim::Optimizer&) override {
     last_step_ = position.step;
+    position_ = position;
     since_sync_ = position.step % settings_.sync_interval;
     if (since_sync_ != 0) return {};
     return reconcile(params);
   }
   bool params_are_global() const override { return since_sync_ == 0; }
   std::span<const float> outer_momentum() const override { return outer_.momentum(); }
-  Status finish(std::span<float> params, Optimizer&) override {
+  Status finish(std::span<float> params, optim::Optimizer&) override {
     // Every rank took the same number of steps, so all agree whether one more round is due.
     return since_sync_ != 0 ? reconcile(params) : Status{};
   }
   ModeStats stats() const override { return stats_; }
   bool survives_losses() const override { return group_ != nullptr; }
+  Status join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
+    if (!group_) return make_error(ErrorKind::kUsage, "--join: localsgd takes joining workers only with --elastic");
+    // The leader takes a joiner in at the end of a round: up to H steps away.
+    CFMO_ASSIGN_OR_RETURN(auto welcome, group_->join(std::max(60.0, 4 * settings_.peer_timeout_s)));
+    std::span<const std::byte> state = welcome.state;
+    std::vector<float> momentum;
+    std::vector<float> global;
+    if (!take_position(state, position) || !take_vector(state, global) || !take_vector(state, momentum) ||
+        global.size() != params.size() || welcome.sum.size() != params.size() + 2 ||
+        momentum.size() != outer_.momentum().size()) {
+      return make_error(ErrorKind::kPeer, "rank {} joined, but the leader's welcome is malformed", comm_.rank());
+    }
+    std::copy(global.begin(), global.end(), global_.begin());
+    std::copy(momentum.begin(), momentum.end(), outer_.momentum().begin());
+    vote_.read(welcome.sum.data() + params.size());
+    outer_.apply(global_, std::span<const float>(welcome.sum).first(params.size()),
+                 1.0f / static_cast<float>(welcome.members));
+    std::copy(global_.begin(), global_.end(), params.begin());
+    position_ = position;
+    last_step_ = position.step;
+    since_sync_ = 0;
+    return {};
+  }
   int keeper() const override { return group_ ? first_live(comm_, group_->members()) : 0; }
   std::vector<int> members() const override { return group_ ? group_->members() : std::vector<int>(); }
 
@@ -62,7 +99,7 @@ class LocalSgdMode final : public LockstepMode {
     stats_.wait_s += seconds_since(start);
     CFMO_TRY(status);
     vote_.read(delta_.data() + params.size());
-    const auto members = static_cast<float>(group_ ? group_->members().size() : static_cast<size_t>(comm_.size()));
+    const auto members = static_cast<float>(group_ ? group_->last_sum_members() : static_cast<size_t>(comm_.size()));
     outer_.apply(global_, std::span<const float>(delta_).first(params.size()), 1.0f / members);
     std::copy(global_.begin(), global_.end(), params.begin());
     ++stats_.rounds;
@@ -71,12 +108,13 @@ class LocalSgdMode final : public LockstepMode {
   }
 
   ModeSettings settings_;
-  Communicator& comm_;
-  FloatBuffer global_;
+  comm::Communicator& comm_;
+  tensor::FloatBuffer global_;
   OuterOptimizer outer_;
-  FloatBuffer delta_;
+  tensor::FloatBuffer delta_;
   int64_t since_sync_ = 0;
   int64_t last_step_ = 0;
+  TrainPosition position_;  ///< as after_step last saw it: a joiner's welcome
   ModeStats stats_;
   std::unique_ptr<ElasticGroup> group_;  ///< with --elastic
 };
@@ -87,4 +125,4 @@ Result<std::unique_ptr<Mode>> make_localsgd(const ModeContext& c) {
   return std::unique_ptr<Mode>(std::make_unique<LocalSgdMode>(c.settings, c.comm, c.initial, c.resume));
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -9,7 +9,7 @@
 #include <string>
 #include <string_view>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
 /// A lockstep stop vote, carried by a collective as two counts:
 /// workers that want to stop for a time limit, and for an interrupt.
@@ -33,7 +33,7 @@ struct StopVote {
 };
 
 /// The first of `members` not lost: the keeper of a lockstep run that survives losses.
-inline int first_live(const Communicator& comm, const std::vector<int>& members) {
+inline int first_live(const comm::Communicator& comm, const std::vector<int>& members) {
   const auto lost = comm.lost_ranks();
   for (const int r : members) {
     if (std::find(lost.begin(), lost.end(), r) == lost.end()) return r;
@@ -54,4 +54,4 @@ class LockstepMode : public Mode {
   StopVote vote_;
 };
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-namespace cfmo {
+namespace cfmo::train {
 
 OuterOptimizer::OuterOptimizer(const ModeSettings& settings, size_t size, int contributions_per_round)
     : nesterov_(settings.outer_optimizer == OuterKind::kNesterov),
@@ -16,7 +16,9 @@ void OuterOptimizer::apply(std::span<float> global, std::span<const float> delta
   const size_t n = global.size();
   for (size_t i = 0; i < n; ++i) global[i] += lr_ * weight * delta[i];
   if (!nesterov_) return;
-  if (per_round_ > 1) {
+  // Rounds of several contributions since the start (a round shrunk to one by
+  // losses still completes here: the sum of one is its contribution).
+  if (!round_sum_.empty()) {
     for (size_t i = 0; i < n; ++i) round_sum_[i] += weight * delta[i];
     if (++in_round_ < per_round_) return;
     in_round_ = 0;
@@ -41,4 +43,4 @@ void OuterOptimizer::restore(int in_round, std::span<const float> momentum, std:
   }
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

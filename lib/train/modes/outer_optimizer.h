@@ -4,15 +4,16 @@
 #include "tensor/buffer.h"
 #include "train/modes.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <span>
 
-namespace cfmo {
+namespace cfmo::train {
 
 /// The outer step on (a range of) the global parameters, fed with weighted
 /// deltas. localsgd feeds it once per round with the sum of the W deltas
 /// weighted 1/W (`contributions_per_round` 1); a cfmo owner feeds it each
-/// contribution to its shard as it arrives, weighted beta^s / W
+/// contribution to its shard as it arrives, weighted beta^s / W (W_live after losses)
 /// (`contributions_per_round` W), so that a round of W fresh contributions
 /// moves the shard exactly as localsgd's step on their mean.
 ///
@@ -38,6 +39,9 @@ class OuterOptimizer {
   /// Takes up a state sent by another owner (a shard moving to its backup);
   /// buffers of the wrong size are left as they are.
   void restore(int in_round, std::span<const float> momentum, std::span<const float> round_sum);
+  /// A cfmo owner after a loss: a round is now W_live contributions. A round
+  /// already past the new count completes at its next contribution.
+  void set_contributions_per_round(int contributions) { per_round_ = std::max(1, contributions); }
 
  private:
   bool nesterov_;
@@ -45,8 +49,8 @@ class OuterOptimizer {
   float mu_;
   int per_round_;
   int in_round_ = 0;
-  FloatBuffer momentum_;
-  FloatBuffer round_sum_;
+  tensor::FloatBuffer momentum_;
+  tensor::FloatBuffer round_sum_;
 };
 
-}  // namespace cfmo
+}  // namespace cfmo::train

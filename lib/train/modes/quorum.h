@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
 /// Ok when the ranks `after` (live now, this rank among them) may go on
 /// from `before` (live until now, sorted); else the kPeer error this rank ends with.
@@ -31,4 +31,4 @@ inline Status check_quorum(int me, const std::vector<int>& before, const std::ve
                     me, was - left, was, gone);
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -3,7 +3,7 @@
 
 #include <memory>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 
 class SoloMode final : public Mode {
@@ -19,4 +19,4 @@ class SoloMode final : public Mode {
 
 std::unique_ptr<Mode> make_solo(std::string_view name) { return std::make_unique<SoloMode>(name); }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -11,12 +11,12 @@
 #include <algorithm>
 #include <memory>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 namespace {
 
 class SyncMode final : public LockstepMode {
  public:
-  SyncMode(Communicator& comm, const ModeSettings& settings) : comm_(comm) {
+  SyncMode(comm::Communicator& comm, const ModeSettings& settings) : comm_(comm) {
     if (settings.elastic) group_ = std::make_unique<ElasticGroup>(comm, channels::kElastic, settings.peer_timeout_s);
   }
   std::string_view name() const override { return "sync"; }
@@ -64,8 +64,8 @@ class SyncMode final : public LockstepMode {
   ModeStats stats() const override { return stats_; }
 
  private:
-  Communicator& comm_;
-  FloatBuffer buffer_;
+  comm::Communicator& comm_;
+  tensor::FloatBuffer buffer_;
   ModeStats stats_;
   DeviceReduce device_reduce_;
   std::unique_ptr<ElasticGroup> group_;  ///< with --elastic
@@ -77,4 +77,4 @@ Result<std::unique_ptr<Mode>> make_sync(const ModeContext& c) {
   return std::unique_ptr<Mode>(std::make_unique<SyncMode>(c.comm, c.settings));
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

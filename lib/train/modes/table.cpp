@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <array>
 
-namespace cfmo {
+namespace cfmo::train {
 namespace modes {
 
 // Each mode's file defines its factory.
@@ -97,13 +97,13 @@ std::vector<size_t> shard_bounds(size_t size, int shards) {
   return bounds;
 }
 
-Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, Communicator* comm,
-                                        const std::vector<ParamInfo>& layout, std::span<const float> initial,
-                                        const OptimizerConfig& optimizer_config, const ModeResume& resume) {
+Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, comm::Communicator* comm,
+                                        const std::vector<model::ParamInfo>& layout, std::span<const float> initial,
+                                        const optim::OptimizerConfig& optimizer_config, const ModeResume& resume) {
   (void)layout;
   const ModeEntry& entry = mode_entry(settings.kind);
   if (comm == nullptr || comm->size() == 1) return modes::make_solo(entry.name);
   return entry.make({settings, *comm, initial, optimizer_config, resume});
 }
 
-}  // namespace cfmo
+}  // namespace cfmo::train

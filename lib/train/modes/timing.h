@@ -6,7 +6,7 @@
 
 #include <chrono>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
 using Clock = cfmo::SeamClock;
 
@@ -19,4 +19,4 @@ inline Clock::duration seconds(double s) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

@@ -12,7 +12,7 @@
 #include <span>
 #include <vector>
 
-namespace cfmo::modes {
+namespace cfmo::train::modes {
 
 // resize + memcpy rather than insert: GCC 12 warns falsely (-Wstringop-overflow)
 // about inserting into an empty vector.
@@ -69,4 +69,4 @@ inline bool take_vector(std::span<const std::byte>& in, std::vector<float>& valu
   return true;
 }
 
-}  // namespace cfmo::modes
+}  // namespace cfmo::train::modes

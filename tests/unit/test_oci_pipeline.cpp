@@ -1,0 +1,266 @@
+// The pull pipeline against an in-process registry (fake_registry.h): the
+// layout, lazy layers and fetch, resume after a drop, a corrupt blob, hot
+// layers in the memory store, and a rootfs, without a registry binary. The
+// same paths against the real docker-registry are in
+// tests/integration/test_cfmo_pull_*.cpp.
+#include "fake_registry.h"
+#include "oci/blob.h"
+#include "oci/cleanup.h"
+#include "oci/gzip_index.h"
+#include "oci/pull.h"
+#include "oci/rootfs.h"
+#include "support/layer_builder.h"
+#include "support/temp_dir.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+namespace cfmo::oci {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::ordered_json;
+
+/// A scratch directory named for these tests.
+class TempDir : public cfmo::testing::ScratchDir {
+ public:
+  TempDir() : ScratchDir("cfmo-pipeline") {}
+};
+
+std::string slurp(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class Pipeline : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    using namespace cfmo::testing;
+    layers_ = {gzip(make_tar({dir("etc"), file("etc/os-release", "ID=fake\n"), file("old", "gone\n")})),
+               gzip(make_tar({whiteout("", "old"), dir("lib"), file("lib/big", random_bytes(300000, 5))})),
+               gzip(make_tar({dir("app"), file("app/run", "#!/bin/sh\n", 0755)}))};
+    const std::string config = R"({"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}})";
+    Json manifest = {{"schemaVersion", 2},
+                     {"mediaType", "application/vnd.oci.image.manifest.v1+json"},
+                     {"config",
+                      {{"mediaType", "application/vnd.oci.image.config.v1+json"},
+                       {"digest", registry_.add_blob(config)},
+                       {"size", config.size()}}},
+                     {"layers", Json::array()}};
+    for (const auto& layer : layers_) {
+      manifest["layers"].push_back({{"mediaType", "application/vnd.oci.image.layer.v1.tar+gzip"},
+                                    {"digest", registry_.add_blob(layer)},
+                                    {"size", layer.size()}});
+    }
+    registry_.add_manifest("v1", "application/vnd.oci.image.manifest.v1+json", manifest.dump());
+    options_.registry.connect = registry_.connector();
+    options_.registry.retries = 0;
+    options_.platform = host_platform();
+    options_.memory_dir = out_.path() / "shm";
+    fs::create_directories(options_.memory_dir);
+  }
+
+  Reference ref() const { return *parse_reference("fake.test/team/app:v1"); }
+  std::string digest(size_t layer) const { return sha256_digest(layers_[layer]); }
+  fs::path layout() const { return out_.path() / "layout"; }
+
+  TempDir out_;
+  testing::FakeRegistry registry_;
+  std::vector<std::string> layers_;
+  PullOptions options_;
+};
+
+TEST_F(Pipeline, AnEagerPullMakesACompleteLayoutFetchingEachBlobOnce) {
+  auto report = pull_to_layout(ref(), options_, layout(), "v1");
+  ASSERT_TRUE(report) << report.error().message;
+  EXPECT_TRUE(report->complete);
+  EXPECT_TRUE(fs::exists(layout() / "index.json"));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    EXPECT_EQ(slurp(blob_path(layout(), digest(i))), layers_[i]) << i;
+    EXPECT_EQ(registry_.requests(digest(i)).size(), 1u) << i;
+    EXPECT_EQ(report->layers[i].state, "fetched") << i;
+  }
+  // Again: everything is there, nothing is fetched.
+  auto again = pull_to_layout(ref(), options_, layout(), "v1");
+  ASSERT_TRUE(again) << again.error().message;
+  EXPECT_EQ(again->bytes_fetched, 0);
+  for (size_t i = 0; i < layers_.size(); ++i) EXPECT_EQ(registry_.requests(digest(i)).size(), 1u) << i;
+}
+
+TEST_F(Pipeline, LazyLayersWaitForFetch) {
+  options_.cold = ColdStrategy::kLazy;
+  auto report = pull_to_layout(ref(), options_, layout(), "v1");
+  ASSERT_TRUE(report) << report.error().message;
+  EXPECT_FALSE(report->complete);
+  EXPECT_FALSE(fs::exists(layout() / "index.json"));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    EXPECT_TRUE(registry_.requests(digest(i)).empty()) << i;
+    EXPECT_EQ(report->layers[i].state, "pending") << i;
+  }
+  FetchOptions fetch;
+  fetch.registry = options_.registry;
+  auto fetched = fetch_layers(layout(), fetch);
+  ASSERT_TRUE(fetched) << fetched.error().message;
+  EXPECT_TRUE(fetched->complete);
+  EXPECT_TRUE(fs::exists(layout() / "index.json"));
+  for (size_t i = 0; i < layers_.size(); ++i) EXPECT_EQ(slurp(blob_path(layout(), digest(i))), layers_[i]) << i;
+}
+
+TEST_F(Pipeline, ADroppedBlobResumesFromTheByteReached) {
+  registry_.drop_after(digest(1), 100000);
+  auto failed = pull_to_layout(ref(), options_, layout(), "v1");
+  ASSERT_FALSE(failed);
+  EXPECT_EQ(failed.error().kind, ErrorKind::kPeer) << failed.error().message;
+  auto report = pull_to_layout(ref(), options_, layout(), "v1");
+  ASSERT_TRUE(report) << report.error().message;
+  EXPECT_EQ(report->layers[1].state, "resumed");
+  const auto asked = registry_.requests(digest(1));
+  ASSERT_EQ(asked.size(), 2u);
+  EXPECT_EQ(asked[1].range_start, 100000);
+  EXPECT_EQ(slurp(blob_path(layout(), digest(1))), layers_[1]);
+}
+
+TEST_F(Pipeline, ACorruptBlobIsRefusedAndNothingOfItKept) {
+  registry_.corrupt(digest(2), 10);
+  auto report = pull_to_layout(ref(), options_, layout(), "v1");
+  ASSERT_FALSE(report);
+  EXPECT_EQ(report.error().kind, ErrorKind::kInput) << report.error().message;
+  EXPECT_FALSE(fs::exists(blob_path(layout(), digest(2))));
+  EXPECT_FALSE(fs::exists(blob_path(layout(), digest(2)).string() + ".partial"));
+  EXPECT_FALSE(fs::exists(layout() / "index.json"));
+}
+
+TEST_F(Pipeline, HotLayersGoToTheMemoryStoreLinkedFromTheLayout) {
+  options_.hot = {*parse_layer_spec("0", "--hot")};
+  auto report = pull_to_layout(ref(), options_, layout(), "v1");
+  ASSERT_TRUE(report) << report.error().message;
+  EXPECT_TRUE(report->layers[0].hot);
+  EXPECT_EQ(report->layers[0].location, "memory");
+  EXPECT_TRUE(fs::is_symlink(blob_path(layout(), digest(0))));
+  EXPECT_EQ(slurp(blob_path(layout(), digest(0))), layers_[0]);
+  EXPECT_FALSE(fs::is_symlink(blob_path(layout(), digest(1))));
+  ASSERT_TRUE(remove_pull(layout()));
+  EXPECT_TRUE(fs::is_empty(options_.memory_dir)) << "rm left the memory store";
+}
+
+TEST_F(Pipeline, ARootfsPullUnpacksTheLayersInOrder) {
+  RootfsOptions rootfs;
+  rootfs.dir = out_.path() / "rootfs";
+  auto report = pull_to_rootfs(ref(), options_, out_.path() / "cache", "v1", rootfs);
+  ASSERT_TRUE(report) << report.error().message;
+  EXPECT_EQ(slurp(rootfs.dir / "etc" / "os-release"), "ID=fake\n");
+  EXPECT_EQ(slurp(rootfs.dir / "lib" / "big"), cfmo::testing::random_bytes(300000, 5));
+  EXPECT_FALSE(fs::exists(rootfs.dir / "old")) << "the whiteout was not applied";
+  EXPECT_EQ(fs::status(rootfs.dir / "app" / "run").permissions() & fs::perms::owner_exec, fs::perms::owner_exec);
+  EXPECT_EQ(report->layers.size(), 3u);
+  // A drop mid-layer: the unpacker starts the layer again, and the tree is the same.
+  registry_.drop_after(digest(1), 70000);
+  RootfsOptions second = rootfs;
+  second.dir = out_.path() / "rootfs2";
+  EXPECT_FALSE(pull_to_rootfs(ref(), options_, out_.path() / "cache2", "v1", second));
+  EXPECT_FALSE(fs::exists(second.dir));
+  auto resumed = pull_to_rootfs(ref(), options_, out_.path() / "cache2", "v1", second);
+  ASSERT_TRUE(resumed) << resumed.error().message;
+  EXPECT_EQ(slurp(second.dir / "lib" / "big"), cfmo::testing::random_bytes(300000, 5));
+}
+
+// The lazy mount's spans come through the same interface: a Range read, and a
+// registry that answers it with the whole blob named as such.
+TEST_F(Pipeline, RangeReadsGoThroughTheRegistryInterface) {
+  auto client = registry_.connector()(ref(), options_.registry);
+  ASSERT_TRUE(client);
+  RegistrySource source(**client, digest(1), "layer 1");
+  auto got = source.read(10, 100);
+  ASSERT_TRUE(got) << got.error().message;
+  EXPECT_EQ(*got, layers_[1].substr(10, 100));
+  EXPECT_EQ(source.bytes_fetched(), 100u);
+  registry_.refuse_ranges();
+  RegistrySource whole(**client, digest(1), "layer 1");
+  EXPECT_FALSE(whole.read(0, 1));
+  EXPECT_TRUE(whole.ranges_refused());
+}
+
+/// Keeps what a pull feeds it, per layer.
+class RecordingSink : public PullSink {
+ public:
+  Status on_resolved(const ResolvedImage& image) override {
+    std::lock_guard lock(mu_);
+    events_.push_back("resolved");
+    bytes_.assign(image.parsed.layers.size(), "");
+    done_.assign(image.parsed.layers.size(), 0);
+    return {};
+  }
+  void on_plan(const PullState&) override {
+    std::lock_guard lock(mu_);
+    events_.push_back("plan");
+  }
+  void on_blob_start(size_t layer, int64_t on_disk) override {
+    std::lock_guard lock(mu_);
+    bytes_[layer] = std::string(static_cast<size_t>(on_disk), '?');
+  }
+  void on_blob_restart(size_t layer) override {
+    std::lock_guard lock(mu_);
+    bytes_[layer].clear();
+  }
+  Status on_blob_write(size_t layer, std::string_view chunk) override {
+    std::lock_guard lock(mu_);
+    bytes_[layer] += chunk;
+    return {};
+  }
+  void on_blob_done(size_t layer, const Error* error) override {
+    std::lock_guard lock(mu_);
+    done_[layer] += error == nullptr ? 1 : 100;
+  }
+  void on_ready(double) override {
+    std::lock_guard lock(mu_);
+    events_.push_back("ready");
+  }
+
+  std::mutex mu_;
+  std::vector<std::string> events_;
+  std::vector<std::string> bytes_;
+  std::vector<int> done_;
+};
+
+// Every sink sees the image before any blob, then each layer's bytes as
+// they are written, once, and its outcome; a resumed blob starts from what
+// is on disk.
+TEST_F(Pipeline, SinksAreFedTheImageAndEveryLayersBytes) {
+  RecordingSink first;
+  RecordingSink second;
+  options_.sinks = {&first, &second};
+  auto report = pull_to_layout(ref(), options_, layout(), "v1");
+  ASSERT_TRUE(report) << report.error().message;
+  for (RecordingSink* sink : {&first, &second}) {
+    ASSERT_GE(sink->events_.size(), 3u);
+    EXPECT_EQ(sink->events_[0], "resolved");
+    EXPECT_EQ(sink->events_[1], "plan");
+    EXPECT_EQ(sink->events_.back(), "ready");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      EXPECT_EQ(sink->bytes_[i], layers_[i]) << i;
+      EXPECT_EQ(sink->done_[i], 1) << i;
+    }
+  }
+  // A resumed blob: the sink hears what was on disk, then only the rest.
+  registry_.drop_after(digest(1), 65536);
+  RecordingSink failed;
+  options_.sinks = {&failed};
+  EXPECT_FALSE(pull_to_layout(ref(), options_, out_.path() / "second", "v1"));
+  EXPECT_EQ(failed.done_[1], 100);
+  RecordingSink resumed;
+  options_.sinks = {&resumed};
+  ASSERT_TRUE(pull_to_layout(ref(), options_, out_.path() / "second", "v1"));
+  EXPECT_EQ(resumed.bytes_[1], std::string(65536, '?') + layers_[1].substr(65536));
+  EXPECT_EQ(resumed.done_[1], 1);
+}
+
+}  // namespace
+}  // namespace cfmo::oci
