@@ -57,6 +57,9 @@ struct Scheduler::Fiber {
   bool started = false;
   bool finished = false;
   bool suspended = false;  ///< waits for wake()
+  bool polling = false;    ///< in a seam wait that a poke ends
+  double poll_until = 0;   ///< when that wait ends with no poke
+  int timers = 0;          ///< its poll timers in the queue (one, mostly: they are not removed when poked)
 
   ~Fiber() { release(); }
   void release() {
@@ -90,17 +93,51 @@ class Scheduler::Actions final : public EventTarget {
   std::vector<uint64_t> free_;
 };
 
+/// The end of a seam wait that no poke ended (arg: the fiber). A poked wait
+/// leaves its timer in the queue; the fiber's next wait reuses it (when it
+/// fires early, it is pushed again for the wait's end): so the queue holds
+/// about one timer per fiber, not one per wait.
+class Scheduler::PollTimers final : public EventTarget {
+ public:
+  explicit PollTimers(Scheduler& s) : s_(s) {}
+  void fire(uint64_t arg) override {
+    const int fiber = static_cast<int>(arg);
+    Fiber& f = *s_.fibers_[static_cast<size_t>(fiber)];
+    --f.timers;
+    if (!f.polling) return;  // poked
+    if (s_.now_ < f.poll_until) {
+      if (f.timers == 0) add(fiber, f);
+      return;
+    }
+    f.polling = false;
+    s_.resume(fiber);
+  }
+  void add(int fiber, Fiber& f) {
+    ++f.timers;
+    s_.push({f.poll_until, 0, this, static_cast<uint64_t>(fiber)});
+  }
+
+ private:
+  Scheduler& s_;
+};
+
 namespace {
 thread_local Scheduler* t_running = nullptr;  // for the trampoline, which takes no pointer
 }  // namespace
 
 #ifdef CFMO_SIM_OWN_SWITCH
 Scheduler::Scheduler(size_t stack_bytes)
-    : stack_bytes_(stack_bytes), actions_(std::make_unique<Actions>()), main_context_(nullptr) {}
+    : stack_bytes_(stack_bytes),
+      actions_(std::make_unique<Actions>()),
+      poll_timers_(std::make_unique<PollTimers>(*this)),
+      main_context_(nullptr) {}
 Scheduler::~Scheduler() = default;
 #else
 Scheduler::Scheduler(size_t stack_bytes)
-    : stack_bytes_(stack_bytes), actions_(std::make_unique<Actions>()), main_context_(new ucontext_t{}) {}
+    : stack_bytes_(stack_bytes),
+      actions_(std::make_unique<Actions>()),
+      poll_timers_(std::make_unique<PollTimers>(*this)),
+      main_context_(new ucontext_t{}) {}
 Scheduler::~Scheduler() { delete static_cast<ucontext_t*>(main_context_); }
 #endif
 
@@ -112,7 +149,24 @@ std::chrono::steady_clock::time_point Scheduler::now() {
 
 void Scheduler::sleep_for(std::chrono::steady_clock::duration d) {
   if (current_ < 0) return;  // an event's handler cannot wait: it returns at once
-  sleep(std::max(std::chrono::duration<double>(d).count(), kQuantum));
+  const double seconds = std::max(std::chrono::duration<double>(d).count(), kQuantum);
+  if (poll_cap_ <= 0) {
+    sleep(seconds);
+    return;
+  }
+  Fiber& f = *fibers_[static_cast<size_t>(current_)];
+  f.polling = true;
+  f.poll_until = now_ + std::max(seconds, poll_cap_);
+  if (f.timers == 0) poll_timers_->add(current_, f);
+  switch_to_scheduler();
+}
+
+void Scheduler::poke(int fiber) {
+  if (fiber < 0 || static_cast<size_t>(fiber) >= fibers_.size()) return;
+  Fiber& f = *fibers_[static_cast<size_t>(fiber)];
+  if (!f.polling) return;
+  f.polling = false;  // its timer finds it so and does nothing
+  push({now_, 0, nullptr, static_cast<uint64_t>(fiber)});
 }
 
 void Scheduler::push(Event e) {
@@ -123,6 +177,11 @@ void Scheduler::push(Event e) {
 }
 
 void Scheduler::at(double t, EventTarget* target, uint64_t arg) { push({t, 0, target, arg}); }
+
+void Scheduler::at_order(double t, uint64_t order, EventTarget* target, uint64_t arg) {
+  queue_.push_back({std::max(t, now_), order, target, arg});
+  std::push_heap(queue_.begin(), queue_.end(), Later{});
+}
 
 void Scheduler::at(double t, std::function<void()> action) {
   push({t, 0, actions_.get(), actions_->add(std::move(action))});

@@ -52,6 +52,12 @@ class Scheduler final : public TimeSource {
 
   /// target->fire(arg) at virtual time `t` (no earlier than time()).
   void at(double t, EventTarget* target, uint64_t arg);
+  /// An event's place among those of the same time, taken now for an event
+  /// scheduled later with it: events keep their order of scheduling though
+  /// a queue of their own holds them until they are due (SimWorld).
+  uint64_t take_order() { return next_order_++; }
+  /// As at(), in the place `order` (from take_order) among events of time `t`.
+  void at_order(double t, uint64_t order, EventTarget* target, uint64_t arg);
   void at(double t, std::function<void()> action);
 
   /// A fiber running `body`, started at time(). Its id, from 0.
@@ -65,6 +71,17 @@ class Scheduler final : public TimeSource {
   void suspend();
   /// Resumes a suspended fiber at `t`.
   void wake(int fiber, double t);
+
+  /// Seam waits in fibers become waits for a poke: a fiber's seam_sleep_for
+  /// or seam_yield then ends at the next poke() for it, or after the wait's
+  /// own length or `cap` (whichever is longer) with none. For code whose
+  /// every seam wait polls for what only a message can change (the modes'
+  /// loops wait for replies, done and stop, or a deadline of seconds): it
+  /// then costs a wakeup per message, not one per quantum of waiting.
+  /// 0 (the default): seam waits are plain sleeps.
+  void set_poll_cap(double cap) { poll_cap_ = cap; }
+  /// Ends `fiber`'s seam wait now (after the running event), if it is in one.
+  void poke(int fiber);
 
   /// Runs events until none is left. kInternal when a fiber failed (threw)
   /// or waits with nothing left that could wake it (a deadlock), naming it.
@@ -89,6 +106,7 @@ class Scheduler final : public TimeSource {
     bool operator()(const Event& a, const Event& b) const { return a.t > b.t || (a.t == b.t && a.order > b.order); }
   };
   class Actions;
+  class PollTimers;
 
   void push(Event e);
   void resume(int fiber);
@@ -102,6 +120,8 @@ class Scheduler final : public TimeSource {
   std::vector<Event> queue_;  ///< a binary heap under Later
   std::vector<std::unique_ptr<Fiber>> fibers_;
   std::unique_ptr<Actions> actions_;
+  std::unique_ptr<PollTimers> poll_timers_;
+  double poll_cap_ = 0;
   int current_ = -1;
   void* main_context_;  ///< the scheduler's own context: its saved stack pointer, or a ucontext_t
   std::string failure_;

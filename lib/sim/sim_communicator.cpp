@@ -63,6 +63,8 @@ class SimWorld::Rank final : public comm::Communicator {
 SimWorld::SimWorld(Scheduler& scheduler, Network& network, int size, Sizer sizer)
     : scheduler_(scheduler), network_(network), sizer_(std::move(sizer)) {
   for (int r = 0; r < size; ++r) ranks_.push_back(std::make_unique<Rank>(*this, r));
+  fiber_of_.assign(static_cast<size_t>(size), -1);
+  inbound_.resize(static_cast<size_t>(size));
 }
 
 SimWorld::~SimWorld() = default;
@@ -71,24 +73,37 @@ comm::Communicator& SimWorld::rank(int r) { return *ranks_[static_cast<size_t>(r
 
 void SimWorld::post(int from, int to, comm::Channel channel, std::vector<std::byte> payload) {
   const uint64_t bytes = sizer_ ? sizer_(channel, from, to, payload.size()) : payload.size();
-  const double arrival = network_.deliver(from, to, bytes, scheduler_.time());
-  uint64_t slot = 0;
-  if (free_slots_.empty()) {
-    slot = slots_.size();
-    slots_.emplace_back();
-  } else {
-    slot = free_slots_.back();
-    free_slots_.pop_back();
-  }
-  slots_[slot] = Message{from, to, channel.id, std::move(payload)};
+  const double arrival = std::max(network_.deliver(from, to, bytes, scheduler_.time()), scheduler_.time());
   ++messages_;
-  scheduler_.at(arrival, this, slot);
+  auto& queue = inbound_[static_cast<size_t>(to)];
+  Message m{arrival, scheduler_.take_order(), from, channel.id, std::move(payload)};
+  // A link delivers in the order sent, so a message goes last, but for one to
+  // itself (no link: it arrives now, before a busy rank's whole backlog) and
+  // where latencies differ (between racks): then before those due later.
+  // (A scan from the back made asgd's self-messages cost the backlog each.)
+  auto at = queue.end();
+  if (at != queue.begin() && std::prev(at)->t > arrival) {
+    at = std::upper_bound(queue.begin(), queue.end(), arrival, [](double t, const Message& q) { return t < q.t; });
+  }
+  const bool first = at == queue.begin();
+  queue.insert(at, std::move(m));
+  if (first) arm(to);  // the event of the one it overtook stays, and finds it no longer first
 }
 
-void SimWorld::fire(uint64_t slot) {
-  Message m = std::move(slots_[slot]);
-  free_slots_.push_back(slot);
-  ranks_[static_cast<size_t>(m.to)]->receive(m.from, m.channel, m.payload);
+void SimWorld::arm(int to) {
+  const Message& head = inbound_[static_cast<size_t>(to)].front();
+  scheduler_.at_order(head.t, head.order, this, (head.order << kRankBits) | static_cast<uint64_t>(to));
+}
+
+void SimWorld::fire(uint64_t arg) {
+  const int to = static_cast<int>(arg & ((uint64_t{1} << kRankBits) - 1));
+  auto& queue = inbound_[static_cast<size_t>(to)];
+  if (queue.empty() || (queue.front().order << kRankBits) >> kRankBits != arg >> kRankBits) return;  // overtaken
+  Message m = std::move(queue.front());
+  queue.pop_front();
+  if (!queue.empty()) arm(to);
+  ranks_[static_cast<size_t>(to)]->receive(m.from, m.channel, m.payload);
+  scheduler_.poke(fiber_of_[static_cast<size_t>(to)]);
 }
 
 // Every rank calls the collectives in the same order, and a rank waits in

@@ -55,6 +55,8 @@ std::string simulate_table(const std::vector<SimulateRow>& rows) {
 nlohmann::ordered_json simulate_json(const std::vector<SimulateRow>& rows, const SimulateOptions& options) {
   nlohmann::ordered_json runs = nlohmann::ordered_json::array();
   for (const auto& r : rows) {
+    const nlohmann::ordered_json owners = {
+        {"count", r.owners}, {"received_max", r.owner_received_max}, {"received_mean", r.owner_received_mean}};
     runs.push_back({{"mode", r.mode},
                     {"workers", r.workers},
                     {"steps", r.steps},
@@ -71,7 +73,7 @@ nlohmann::ordered_json simulate_json(const std::vector<SimulateRow>& rows, const
                      {{"host_up", link_json(r.host_uplinks)},
                       {"host_down", link_json(r.host_downlinks)},
                       {"spine_up", link_json(r.spine_uplinks)}}},
-                    {"owners", {{"received_max", r.owner_received_max}, {"received_mean", r.owner_received_mean}}},
+                    {"owners", owners},
                     {"keeper_messages", r.keeper_messages},
                     {"contributions_dropped", r.contributions_dropped},
                     {"staleness_histogram", r.staleness_histogram},

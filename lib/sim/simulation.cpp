@@ -37,10 +37,14 @@ constexpr size_t kStandIn = 1;
 Sizer make_sizer(const SimulateOptions& options, int workers) {
   if (options.math) return nullptr;  // the messages carry the model's own floats
   const auto params = static_cast<size_t>(options.params);
-  auto bounds = std::make_shared<std::vector<size_t>>(train::shard_bounds(params, workers));
+  const int shards = train::owner_count(options.settings, workers);
+  auto bounds = std::make_shared<std::vector<size_t>>(train::shard_bounds(params, shards));
   const comm::WireDtype dtype = options.settings.delta_dtype;
-  return [bounds, params, dtype](comm::Channel channel, int from, int to, uint64_t payload) -> uint64_t {
-    auto shard = [&](int j) { return (*bounds)[static_cast<size_t>(j) + 1] - (*bounds)[static_cast<size_t>(j)]; };
+  return [bounds, params, dtype, shards](comm::Channel channel, int from, int to, uint64_t payload) -> uint64_t {
+    // Shard j is served by rank j (no rank is lost here); ranks K and up serve none.
+    auto shard = [&](int j) -> size_t {
+      return j < shards ? (*bounds)[static_cast<size_t>(j) + 1] - (*bounds)[static_cast<size_t>(j)] : 0;
+    };
     if (channel == kCollective) return payload + (params - kStandIn) * sizeof(float);
     if (channel == train::channels::kDeltaShard || channel == train::channels::kGradShard) {
       return payload + comm::encoded_size(dtype, shard(to));
@@ -107,6 +111,12 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, train::ModeKind
   train::ModeSettings settings = options.settings;
   settings.kind = kind;
   settings.delta_sink = nullptr;
+  // No rank is lost here, so the peer timeout only bounds the modes' waits;
+  // and a link here serves its messages one after another, so at the end a
+  // few bytes to a busy owner wait behind all the shards sent to it before
+  // (a real network interleaves them): with many workers to few owners that
+  // is more than the default's 3 x 10 s. An hour of virtual time.
+  settings.peer_timeout_s = std::max(settings.peer_timeout_s, 3600.0);
   // The asynchronous modes share the lockstep modes' budget of samples (as a real run's --steps).
   settings.sample_budget = entry.traits.asynchronous ? options.steps * options.batch * workers : 0;
   optim::OptimizerConfig optimizer;
@@ -145,10 +155,15 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, train::ModeKind
   }
   const data::Dataset* train = data ? &data->train : nullptr;
   for (int r = 0; r < workers; ++r) {
-    scheduler.spawn([&, r] {
+    world.bind_fiber(r, scheduler.spawn([&, r] {
       run_worker(crew[static_cast<size_t>(r)], r, workers, options, entry.traits.lockstep, scheduler, times, train);
-    });
+    }));
   }
+  // The modes' seam waits poll for replies, done, stop and the gather, which
+  // only a message changes, or for a deadline (seconds): a waiting worker
+  // wakes at each message to it, and with none after a tenth of the peer
+  // timeout (a deadline then passes at most that late).
+  scheduler.set_poll_cap(std::max(settings.peer_timeout_s / 10, Scheduler::kQuantum));
   const Status ran = scheduler.run();
   for (int r = 0; r < workers; ++r) {
     if (!crew[static_cast<size_t>(r)].status) {
@@ -161,6 +176,7 @@ Result<SimulateRow> simulate_one(const SimulateOptions& options, train::ModeKind
   SimulateRow row;
   row.mode = std::string(entry.name);
   row.workers = workers;
+  row.owners = entry.traits.asynchronous ? train::owner_count(settings, workers) : 0;
   double wait_sum = 0;
   double finish_sum = 0;
   double received_sum = 0;

@@ -63,6 +63,7 @@ struct SimulateRow {
   LinkLoad host_uplinks;
   LinkLoad host_downlinks;
   LinkLoad spine_uplinks;
+  int owners = 0;                   ///< cfmo, asgd: K, the ranks owning a shard (0: the mode has none)
   uint64_t owner_received_max = 0;  ///< contributions that reached the busiest owner
   double owner_received_mean = 0;
   uint64_t keeper_messages = 0;  ///< messages rank 0 (the budget keeper) received

@@ -399,8 +399,11 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, model::Model& model, 
       (!recorded.ranks.empty() && recorded.ranks.size() != static_cast<size_t>(recorded.workers)) ||
       (!recorded.shard_optimizer_steps.empty() &&
        recorded.shard_optimizer_steps.size() != static_cast<size_t>(recorded.workers)) ||
-      (!recorded.shard_versions.empty() && recorded.shard_versions.size() != static_cast<size_t>(recorded.workers)) ||
-      (!recorded.outer_in_round.empty() && recorded.outer_in_round.size() != static_cast<size_t>(recorded.workers)) ||
+      // Per shard: K of them (--owners), at most one per worker, the same K for both.
+      recorded.shard_versions.size() > static_cast<size_t>(recorded.workers) ||
+      recorded.outer_in_round.size() > static_cast<size_t>(recorded.workers) ||
+      (!recorded.shard_versions.empty() && !recorded.outer_in_round.empty() &&
+       recorded.shard_versions.size() != recorded.outer_in_round.size()) ||
       (!recorded.rank_optimizer_steps.empty() &&
        recorded.rank_optimizer_steps.size() != static_cast<size_t>(recorded.workers))) {
     return make_error(ErrorKind::kInput,

@@ -58,6 +58,9 @@ struct ModeSettings {
   int sync_interval = 10;           ///< H: local steps between reconciliations
   double staleness_discount = 0.9;  ///< beta
   int max_staleness = 4;            ///< rounds; older contributions are dropped
+  /// cfmo, asgd: the ranks that serve the K shards of the global parameters
+  /// (shard j by rank j); 0: owner_count's default.
+  int owners = 0;
   OuterKind outer_optimizer = OuterKind::kNesterov;
   double outer_lr = 0.5;
   double outer_momentum = 0.8;
@@ -269,6 +272,21 @@ std::string mode_names();
 Result<std::unique_ptr<Mode>> make_mode(const ModeSettings& settings, comm::Communicator* comm,
                                         const std::vector<model::ParamInfo>& layout, std::span<const float> initial,
                                         const optim::OptimizerConfig& optimizer_config, const ModeResume& resume = {});
+
+/// The owners' count by default: at most this many shards (see owner_count).
+inline constexpr int kDefaultOwners = 16;
+
+/// K, the shards of cfmo and asgd on `world` ranks: `settings.owners`, or
+/// min(world, kDefaultOwners), never more than `world`. Each worker sends K
+/// messages a round and talks to K owners, not W (a round of W workers is
+/// W*K messages, not W^2); each owner still hears from every worker, so it
+/// carries W/K times a worker's traffic. Why 16: a shard of a 124M-parameter
+/// model is then 7.75M floats (15.5 MB in bf16, 1.2 ms at 100 Gb/s: the
+/// microseconds of latency are nothing), up to 16 workers nothing changes,
+/// and a simulated round of 4096 workers is 65k messages, not 16.7M (see
+/// bench/RESULTS.md). Larger worlds of large models want more owners: their
+/// links fill first (cfmo-train simulate shows it); --owners W is every rank.
+int owner_count(const ModeSettings& settings, int world);
 
 /// The W contiguous shards of a flat vector of `size` floats, on 16-float
 /// boundaries: shard j is [bounds[j], bounds[j + 1]).

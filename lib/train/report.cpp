@@ -132,6 +132,7 @@ std::string TrainSummary::to_json() const {
        {{"sync_interval", mode_settings.sync_interval},
         {"staleness_discount", mode_settings.staleness_discount},
         {"max_staleness", mode_settings.max_staleness},
+        {"owners", mode_settings.owners},
         {"outer_optimizer", std::string(to_string(mode_settings.outer_optimizer))},
         {"outer_lr", mode_settings.outer_lr},
         {"outer_momentum", mode_settings.outer_momentum},

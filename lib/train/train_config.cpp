@@ -102,6 +102,8 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
   t.add("max_staleness", &c.max_staleness,
         "cfmo: rounds after which a contribution is dropped; asgd: rounds of unanswered pushes before a worker waits",
         dist);
+  t.add("owners", &c.owners,
+        "cfmo, asgd: K, the ranks 0..K-1 that own the K shards of the global parameters (0: min(workers, 16))", dist);
   t.add("outer_optimizer", &c.outer_optimizer,
         "outer step on the deltas (localsgd, cfmo): nesterov (momentum once per round of W contributions) or avg",
         dist);
@@ -226,6 +228,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   if (c.sync_interval < 1) return usage("sync-interval", "must be >= 1");
   if (!(c.staleness_discount > 0 && c.staleness_discount <= 1)) return usage("staleness-discount", "must be in (0, 1]");
   if (c.max_staleness < 0) return usage("max-staleness", "must be >= 0");
+  if (c.owners < 0) return usage("owners", "must be >= 0");
   CFMO_ASSIGN_OR_RETURN(plan.outer_optimizer, parse_outer_kind(c.outer_optimizer));
   if (!(c.outer_lr > 0)) return usage("outer-lr", "must be positive");
   if (!(c.outer_momentum >= 0 && c.outer_momentum < 1)) return usage("outer-momentum", "must be in [0, 1)");

@@ -66,6 +66,7 @@ struct TrainConfig {
   int sync_interval = 10;
   double staleness_discount = 0.9;
   int max_staleness = 4;
+  int owners = 0;  ///< cfmo, asgd: the shards' owners, K (0: owner_count's default)
   std::string outer_optimizer = "nesterov";
   double outer_lr = 0.5;
   double outer_momentum = 0.8;

@@ -218,6 +218,7 @@ Status TrainingRun::plan_length() {
   settings.sync_interval = config.sync_interval;
   settings.staleness_discount = config.staleness_discount;
   settings.max_staleness = config.max_staleness;
+  settings.owners = config.owners;
   settings.outer_optimizer = plan.outer_optimizer;
   settings.outer_lr = config.outer_lr;
   settings.outer_momentum = config.outer_momentum;

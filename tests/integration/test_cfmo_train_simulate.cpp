@@ -42,6 +42,10 @@ TEST(CfmoTrainSimulate, BadFlagsExitTwoWithOneLineNamingTheFlag) {
   expect_one_line_error(simulate({"--workers", "4", "--slowdown", "9=2"}), 2, "--slowdown");
   expect_one_line_error(simulate({"--straggler", "2:2"}), 2, "--straggler");
   expect_one_line_error(simulate({"--delta-dtype", "fp8"}), 2, "--delta-dtype");
+  // A range the option table checks: its line, and a hint to --help.
+  const RunResult owners = simulate({"--owners", "-1"});
+  EXPECT_EQ(owners.status, 2);
+  EXPECT_NE(owners.err.find("--owners"), std::string::npos) << owners.err;
   expect_one_line_error(simulate({"--step-time", "0.1", "--step-times", "x"}), 2, "--step-times");
   expect_one_line_error(simulate({"--step-times", "/nonexistent/metrics.jsonl"}), 3, "metrics.jsonl");
 }
@@ -64,6 +68,8 @@ TEST(CfmoTrainSimulate, ASweepHasARowPerSizeAndModeInJsonAndAPlot) {
   }
   EXPECT_EQ(runs[7]["mode"], "cfmo");
   EXPECT_EQ(runs[7]["workers"], 4);
+  EXPECT_EQ(runs[7]["owners"]["count"], 4);  // min(W, 16)
+  EXPECT_EQ(runs[4]["owners"]["count"], 0);  // sync has none
   const std::string svg = slurp(plot);
   EXPECT_NE(svg.find("<svg"), std::string::npos);
   EXPECT_NE(svg.find("</svg>"), std::string::npos);

@@ -86,6 +86,39 @@ TEST(CfmoTrainWorkers, EveryModeTrainsWithTwoWorkersAndReports) {
   }
 }
 
+TEST(CfmoTrainWorkers, FewerOwnersThanWorkersServeEveryShardAndTheOthersNone) {
+  // --owners K < W: ranks K and up own no shard, and every contribution still
+  // reaches an owner once; the model trains as with an owner per worker.
+  for (const auto& [mode, owners] : {std::pair{"cfmo", 2}, std::pair{"asgd", 1}}) {
+    // asgd with a tight staleness bound, as above.
+    const std::string bound = std::string(mode) == "asgd" ? "1" : "4";
+    const RunResult r = run(args({"--workers", "3", "--mode", mode, "--owners", std::to_string(owners), "--epochs", "3",
+                                  "--sync-interval", "3", "--max-staleness", bound, "--json"}),
+                            300);
+    ASSERT_EQ(r.status, 0) << mode << ": " << r.err;
+    const auto j = last_json(r.out);
+    EXPECT_EQ(j["settings"]["owners"], owners) << mode;
+    int64_t sent = 0;
+    uint64_t received = 0;
+    uint64_t applied = 0;
+    uint64_t dropped = 0;
+    for (const auto& w : j["per_worker"]) {
+      const int rank = w["rank"].get<int>();
+      if (rank >= owners) {
+        EXPECT_EQ(w["contributions_received"].get<uint64_t>(), 0u) << mode << " rank " << rank;
+      }
+      sent += w["contributions_sent"].get<int64_t>();
+      received += w["contributions_received"].get<uint64_t>();
+      applied += w["contributions_applied"].get<uint64_t>();
+      dropped += w["contributions_dropped"].get<uint64_t>();
+    }
+    EXPECT_GT(sent, 0) << mode;
+    EXPECT_EQ(static_cast<uint64_t>(sent), received) << mode;
+    EXPECT_EQ(received, applied + dropped) << mode;
+    EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << mode;
+  }
+}
+
 TEST(CfmoTrainWorkers, CfmoAppliesEveryContributionExactlyOnce) {
   // Three workers, lossy wire format, one slowed: every shard sent reaches its
   // owner once (applied or, past max_staleness, dropped and counted).

@@ -112,6 +112,38 @@ TEST(SimModes, AsgdOwnersApplyEveryGradient) {
   EXPECT_NEAR(row.owner_received_mean * 3, static_cast<double>(row.steps) * 3, 1e-9);
 }
 
+TEST(SimModes, WithKOwnersARoundIsWorkersTimesKMessagesAndOnlyTheOwnersReceive) {
+  // 64 workers, 4 owners: every round of every worker is 4 deltas, each
+  // answered and passed on to the shard's backup; the 4 owners share the
+  // contributions, ranks 4..63 receive none.
+  auto o = quiet(train::ModeKind::kCfmo, 64, 20);
+  o.settings.owners = 4;
+  const auto row = run(o);
+  const double contributions = row.owner_received_mean * 64;
+  EXPECT_GE(row.rounds, 4);
+  EXPECT_NEAR(static_cast<double>(row.owner_received_max), contributions / 4, 1.0);
+  // Deltas, replies and replicas; two progress reports a step; done and
+  // all-done, the gather and gathered, the stop (64 each).
+  const double protocol = 3 * contributions + 2.0 * static_cast<double>(row.steps) + 5 * 64;
+  EXPECT_NEAR(static_cast<double>(row.messages), protocol, 64.0);
+  o.settings.owners = 64;
+  EXPECT_GT(run(o).messages, 3u * 64 * 64 * 4);  // K = W: every rank owns a shard
+}
+
+TEST(SimModes, AsgdWorkersWaitingOnSlowOwnersWakeByTheirReplies) {
+  // Owners on a slow network: asgd's workers wait (max_staleness rounds
+  // unanswered) for whole seconds; each wakes when a reply reaches it, not
+  // every 10 us, so the events are about the messages.
+  auto o = quiet(train::ModeKind::kAsgd, 32, 20);
+  o.settings.owners = 2;
+  o.settings.max_staleness = 1;
+  o.params = 10'000'000;
+  o.network.bandwidth = 1e9;
+  const auto row = run(o);
+  EXPECT_GT(row.wait_s_mean, 1.0);
+  EXPECT_LT(row.events, 4 * row.messages);
+}
+
 TEST(SimModes, TheSameSeedGivesTheSameRowAndASweepHasARowPerSizeAndMode) {
   auto o = quiet(train::ModeKind::kSync, 8, 30);
   o.step_times.straggler = "0.1:3";

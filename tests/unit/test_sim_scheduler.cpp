@@ -98,5 +98,32 @@ TEST(SimScheduler, ThousandsOfFibersCostTheirUsedStackOnly) {
   EXPECT_EQ(done, 4096);
 }
 
+TEST(SimScheduler, WithAPollCapASeamWaitEndsAtAPokeOrAfterTheCap) {
+  Scheduler s;
+  s.set_poll_cap(5.0);
+  std::vector<double> woke;
+  const int poller = s.spawn([&] {
+    seam_yield();  // poked at 2
+    woke.push_back(s.time());
+    seam_sleep_for(std::chrono::milliseconds(1));  // nobody pokes: the cap
+    woke.push_back(s.time());
+  });
+  s.at(2.0, [&] { s.poke(poller); });
+  s.at(2.5, [&] { s.poke(poller); });  // the second wait
+  ASSERT_TRUE(s.run());
+  EXPECT_EQ(woke, (std::vector<double>{2.0, 2.5}));
+
+  Scheduler quiet;
+  quiet.set_poll_cap(5.0);
+  double at = -1;
+  const int alone = quiet.spawn([&] {
+    seam_sleep_for(std::chrono::milliseconds(1));
+    at = quiet.time();
+  });
+  quiet.poke(alone);  // not started, so not waiting: nothing
+  ASSERT_TRUE(quiet.run());
+  EXPECT_DOUBLE_EQ(at, 5.0);
+}
+
 }  // namespace
 }  // namespace cfmo::sim

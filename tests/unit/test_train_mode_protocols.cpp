@@ -672,5 +672,119 @@ TEST(AsgdProtocol, OwnersApplyEveryGradientAndWorkersTakeTheFreshShards) {
   EXPECT_EQ(c.mode(0).stats().contributions_applied, 2u);  // as owner of shard 0: both gradients
 }
 
+// ---- K owners (--owners): fewer shards than ranks ----
+
+TEST(OwnersProtocol, DefaultIsEveryRankUpToSixteenThenSixteen) {
+  ModeSettings s;
+  EXPECT_EQ(owner_count(s, 3), 3);
+  EXPECT_EQ(owner_count(s, 4096), kDefaultOwners);
+  s.owners = 2;
+  EXPECT_EQ(owner_count(s, 4), 2);
+  s.owners = 9;
+  EXPECT_EQ(owner_count(s, 4), 4);  // never more shards than ranks
+}
+
+TEST(OwnersProtocol, CfmoWithTwoOwnersOfFourRanksGivesTheSameGlobalParametersAsFour) {
+  // Round 1 of four ranks, then a finish: with K = 2 the two owners hold
+  // everything (versions count every rank's contribution), the others none,
+  // and the global parameters are those of K = 4.
+  std::vector<std::vector<float>> finals;
+  for (int owners : {4, 2}) {
+    auto settings = settings_for("cfmo");
+    settings.owners = owners;
+    Cluster c(4, settings);
+    first_round(c, 4);
+    auto global = c.snapshot();
+    ASSERT_TRUE(global);
+    EXPECT_EQ(global->versions, std::vector<int64_t>(static_cast<size_t>(owners), 4)) << owners;
+    for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(global->params[i], expected_global(i, 4, {}, 0), 1e-5f) << i;
+    EXPECT_EQ(c.mode(3).shard_served_by(3), owners == 4 ? 3 : -1);
+    EXPECT_EQ(c.mode(3).stats().contributions_received, owners == 4 ? 4u : 0u);
+    EXPECT_EQ(c.mode(3).stats().contributions_sent, static_cast<uint64_t>(owners));
+    auto results = c.on_every_rank([&](int r) { return c.finish(r); });
+    for (int r = 0; r < 4; ++r)
+      ASSERT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
+    auto final_state = c.mode(0).final_state();
+    ASSERT_TRUE(final_state);
+    EXPECT_EQ(final_state->ranks.size(), 4u);
+    EXPECT_EQ(final_state->versions.size(), static_cast<size_t>(owners));
+    finals.push_back(final_state->params);
+  }
+  ASSERT_EQ(finals[0].size(), finals[1].size());
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(finals[0][i], finals[1][i], 1e-5f) << i;
+}
+
+// --deterministic with K < W: an owner holds a shard's round until every
+// live rank's delta to it is in (not K of them), and applies it in rank
+// order, so the global parameters are those of K = W bit for bit.
+TEST(OwnersProtocol, DeterministicRoundsOfFewerOwnersWaitForEveryRankAndMatchEveryRankOwning) {
+  auto settings = settings_for("cfmo");
+  settings.outer_optimizer = OuterKind::kNesterov;
+  settings.outer_lr = 0.7;
+  settings.outer_momentum = 0.9;
+  settings.deterministic = true;
+  std::vector<std::vector<float>> globals;
+  for (int owners : {3, 1}) {
+    settings.owners = owners;
+    Cluster c(3, settings);
+    // Rank 2's delta to rank 0 waits on its link while the others' reach it.
+    c.world.network->hold(2, 0);
+    for (int k = 0; k < 3; ++k) {
+      for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += 0.37f * delta_of(k, i) / static_cast<float>(i + 3);
+    }
+    std::thread releaser([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      c.world.network->release(2, 0);
+    });
+    const auto done = c.on_every_rank([&](int r) { return c.step(r, 1); });
+    releaser.join();
+    for (const Status& s : done) ASSERT_TRUE(s) << s.error().message;
+    ASSERT_TRUE(c.world.network->drain());
+    EXPECT_EQ(c.param(0), c.param(1)) << owners;
+    EXPECT_EQ(c.param(0), c.param(2)) << owners;
+    auto global = c.snapshot();
+    ASSERT_TRUE(global);
+    EXPECT_EQ(global->params, c.param(0)) << owners;
+    EXPECT_EQ(global->versions, std::vector<int64_t>(static_cast<size_t>(owners), 3)) << owners;
+    EXPECT_EQ(global->outer_in_round, std::vector<int64_t>(static_cast<size_t>(owners), 0)) << owners;
+    globals.push_back(global->params);
+  }
+  EXPECT_EQ(globals[0], globals[1]);
+}
+
+TEST(OwnersProtocol, ALostOwnersShardMovesToItsBackupThoughThatOwnsNone) {
+  auto settings = settings_for("cfmo");
+  settings.owners = 2;
+  Cluster c(4, settings);
+  first_round(c, 4);
+  c.kill(1, {0, 2, 3});
+  EXPECT_EQ(c.mode(0).shard_served_by(1), 2);  // rank 2 kept shard 1's replica
+  c.round({0, 2, 3}, 2, 0.125f);
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(global->params[i], expected_global(i, 4, 1, 0.125f), 1e-5f) << i;
+  EXPECT_EQ(global->versions, (std::vector<int64_t>{7, 7}));
+}
+
+TEST(OwnersProtocol, AsgdWithOneOwnerAppliesEveryRanksGradient) {
+  auto settings = settings_for("asgd");
+  settings.owners = 1;
+  Cluster c(3, settings);
+  std::vector<float> grad(kSize, 1.0f);
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_TRUE(c.mode(k).on_gradients(grad, 4, 0.1f));
+    ASSERT_TRUE(c.world.network->drain());
+  }
+  for (int k = 0; k < 3; ++k) ASSERT_TRUE(c.step(k, 1));
+  EXPECT_EQ(c.mode(0).stats().contributions_applied, 3u);
+  EXPECT_EQ(c.mode(1).stats().contributions_applied, 0u);
+  EXPECT_EQ(c.mode(2).stats().contributions_sent, 1u);  // one shard, to rank 0
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  // SGD with momentum 0.9 on a constant gradient: v = 1, 1.9, 2.71.
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(global->params[i], 1.0f - 0.1f * (1.0f + 1.9f + 2.71f), 1e-5f) << i;
+  for (size_t i = 0; i < kSize; ++i) EXPECT_FLOAT_EQ(c.param(2)[i], global->params[i]) << i;
+}
+
 }  // namespace
 }  // namespace cfmo::train

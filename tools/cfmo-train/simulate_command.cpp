@@ -78,6 +78,9 @@ int run_simulate(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 30));
   app.add_option("--max-staleness", s.max_staleness, "rounds; older contributions are dropped (cfmo)")
       ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--owners", s.owners,
+                 "cfmo, asgd: K, the ranks that own the K shards of the global parameters (0: min(workers, 16))")
+      ->check(CLI::Range(0, 1 << 20));
   app.add_option("--staleness-discount", s.staleness_discount, "beta: a stale contribution's weight is beta^s")
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--delta-dtype", delta_dtype, "how deltas and gradient shards travel: fp32, bf16 or int8");

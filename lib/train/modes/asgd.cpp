@@ -18,15 +18,17 @@ class AsgdMode final : public AsyncMode {
            std::unique_ptr<optim::Optimizer> shard_optimizer, const ModeResume& resume)
       : AsyncMode(settings, comm, initial, resume, OwnerState::kOptimizer, /*replicated=*/false),
         optimizer_(std::move(shard_optimizer)) {
-    // A resumed owner takes up its shard of the saved owners' state.
+    // A resumed owner takes up its shard of the saved owners' state (ranks K and up own none).
     auto state = optimizer_->state();
-    if (resume.owner_state.size() == state.size() && resume.owner_steps.size() == static_cast<size_t>(comm.size())) {
-      const auto first = static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(comm.rank())]);
+    const int me = comm.rank();
+    if (me < shards_ && resume.owner_state.size() == state.size() &&
+        resume.owner_steps.size() > static_cast<size_t>(me)) {
+      const auto first = static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]);
       for (size_t i = 0; i < state.size(); ++i) {
         if (resume.owner_state[i].size() != initial.size()) continue;
         std::copy_n(resume.owner_state[i].begin() + first, state[i].buffer->size(), state[i].buffer->begin());
       }
-      optimizer_->set_step_count(resume.owner_steps[static_cast<size_t>(comm.rank())]);
+      optimizer_->set_step_count(resume.owner_steps[static_cast<size_t>(me)]);
     }
     comm.on_message(channels::kGradShard, [this](int from, std::span<const std::byte> m) { on_grad(from, m); });
     start_serving_owner_state();
@@ -42,11 +44,13 @@ class AsgdMode final : public AsyncMode {
   Status on_gradients(std::span<float> grads, int count, float lr) override {
     if (count == 0) return {};
     const auto lost = comm_.lost_ranks();
-    for (int j = 0; j < comm_.size(); ++j) {
+    uint64_t sent = 0;
+    for (int j = 0; j < shards_; ++j) {
       if (std::find(lost.begin(), lost.end(), j) != lost.end()) continue;
       const size_t first = bounds_[static_cast<size_t>(j)];
       const size_t n = bounds_[static_cast<size_t>(j) + 1] - first;
       std::vector<std::byte> out;
+      out.reserve(kGradHeader + encoded_size(settings_.delta_dtype, n));
       put(out, static_cast<uint32_t>(j));
       put(out, static_cast<uint32_t>(settings_.delta_dtype));
       put(out, base_version_[static_cast<size_t>(j)]);
@@ -54,18 +58,17 @@ class AsgdMode final : public AsyncMode {
       comm::encode_floats(settings_.delta_dtype, grads.subspan(first, n),
                           residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, n), out);
       comm_.post(j, channels::kGradShard, std::move(out));
-      ++awaiting_[static_cast<size_t>(j)];
-      awaiting_owner_[static_cast<size_t>(j)] = j;
-      std::lock_guard lock(mutex_);
-      ++stats_.contributions_sent;
+      await_reply(j, j);
+      ++sent;
     }
     std::lock_guard lock(mutex_);
+    stats_.contributions_sent += sent;
     ++stats_.rounds;
     return {};
   }
 
   bool needs_params(const TrainPosition&) const override {
-    return inbox_pending() || outstanding() > settings_.max_staleness * comm_.size();
+    return inbox_pending() || outstanding() > settings_.max_staleness * shards_;
   }
   Status after_step(const TrainPosition& position, std::span<float> params, optim::Optimizer&) override {
     if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
@@ -74,8 +77,9 @@ class AsgdMode final : public AsyncMode {
     }
     for (auto& f : take_inbox()) apply(f, params);
     // Bounded staleness (SSP): with more than max_staleness rounds of pushes
-    // unanswered, wait before computing the next gradient; 0 waits for each reply.
-    const int limit = settings_.max_staleness * comm_.size();
+    // (K shards each) unanswered, wait before computing the next gradient; 0
+    // waits for each reply.
+    const int limit = settings_.max_staleness * shards_;
     if (outstanding() > limit) {
       const auto start = Clock::now();
       while (outstanding() > limit && !stop_requested()) {
@@ -99,8 +103,7 @@ class AsgdMode final : public AsyncMode {
 
  private:
   void apply(FreshShard& f, std::span<float> params) {
-    auto& waiting = awaiting_[static_cast<size_t>(f.shard)];
-    waiting = std::max(0, waiting - 1);
+    reply_came(f.shard);
     record_staleness(f.staleness, f.dropped);
     const size_t first = bounds_[static_cast<size_t>(f.shard)];
     if (params.empty() || f.values.size() != bounds_[static_cast<size_t>(f.shard) + 1] - first) return;
@@ -116,7 +119,7 @@ class AsgdMode final : public AsyncMode {
     int64_t base_version = 0;
     float lr = 0;
     if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || !take(m, lr) ||
-        shard != static_cast<uint32_t>(comm_.rank()) || dtype > 2) {
+        shard != static_cast<uint32_t>(comm_.rank()) || comm_.rank() >= shards_ || dtype > 2) {
       return;
     }
     incoming_.resize(shard_size(comm_.rank()));
@@ -142,15 +145,20 @@ class AsgdMode final : public AsyncMode {
   }
   int64_t owner_steps(int) const override { return optimizer_->step_count(); }
 
-  std::unique_ptr<optim::Optimizer> optimizer_;  ///< progress thread: the inner optimizer for my shard
-  tensor::FloatBuffer incoming_;          ///< progress thread
+  /// A gradient shard's bytes before its floats: shard, dtype, base version, lr.
+  static constexpr size_t kGradHeader = 20;
+
+  std::unique_ptr<optim::Optimizer> optimizer_;  ///< progress thread: the inner optimizer for my shard (none past K)
+  tensor::FloatBuffer incoming_;                 ///< progress thread
 };
 
 }  // namespace
 
 Result<std::unique_ptr<Mode>> make_asgd(const ModeContext& c) {
-  const auto bounds = shard_bounds(c.initial.size(), c.comm.size());
-  const size_t own = bounds[static_cast<size_t>(c.comm.rank()) + 1] - bounds[static_cast<size_t>(c.comm.rank())];
+  const int shards = owner_count(c.settings, c.comm.size());
+  const auto bounds = shard_bounds(c.initial.size(), shards);
+  const int me = c.comm.rank();
+  const size_t own = me < shards ? bounds[static_cast<size_t>(me) + 1] - bounds[static_cast<size_t>(me)] : 0;
   // The owner's optimizer sees its shard as one flat tensor: element-wise optimizers only.
   std::vector<model::ParamInfo> shard_layout = {{"shard", {static_cast<int64_t>(own)}, 0, own}};
   CFMO_ASSIGN_OR_RETURN(auto optimizer, optim::make_optimizer(c.optimizer_config, shard_layout, own));

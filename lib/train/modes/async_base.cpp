@@ -9,27 +9,30 @@ AsyncMode::AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std
                      const ModeResume& resume, OwnerState owner_state_kind, bool replicated)
     : settings_(settings),
       comm_(comm),
-      bounds_(shard_bounds(initial.size(), comm.size())),
+      shards_(owner_count(settings, comm.size())),
+      bounds_(shard_bounds(initial.size(), shards_)),
       base_(initial.begin(), initial.end()),
-      base_version_(static_cast<size_t>(comm.size()), 0),
+      base_version_(static_cast<size_t>(shards_), 0),
       residual_(settings.delta_dtype == comm::WireDtype::kFp32 ? 0 : initial.size(), 0.0f),
       replicated_(replicated),
       owner_state_kind_(owner_state_kind),
-      done_from_(static_cast<size_t>(comm.size()), false),
+      done_from_(comm.size()),
       lost_(static_cast<size_t>(comm.size()), false),
-      progress_(static_cast<size_t>(comm.size())),
-      gathered_from_(static_cast<size_t>(comm.size()), false) {
+      gathered_from_(comm.size()) {
   const int me = comm.rank();
-  // A joiner's parameters are nobody's: its shard comes back from the rank that served it.
+  // A joiner's parameters are nobody's: its shard comes back from the rank
+  // that served it. Ranks K and up own none.
   if (!comm.joined()) {
-    Served& mine = served_[me];
-    mine.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
-                       initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
-    // A resumed run continues the shards' versions (the staleness counters) and
-    // this rank's error feedback where the checkpoint has them for this world.
-    if (resume.versions.size() == base_version_.size()) {
-      base_version_ = resume.versions;
-      mine.version = resume.versions[static_cast<size_t>(me)];
+    // A resumed run continues the shards' versions (the staleness counters,
+    // one per shard: K of them) and this rank's error feedback where the
+    // checkpoint has them for this world.
+    const bool versions = resume.versions.size() == base_version_.size();
+    if (versions) base_version_ = resume.versions;
+    if (me < shards_) {
+      Served& mine = served_[me];
+      mine.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me)]),
+                         initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(me) + 1]));
+      if (versions) mine.version = resume.versions[static_cast<size_t>(me)];
     }
     if (resume.wire_residual.size() == residual_.size()) {
       std::copy(resume.wire_residual.begin(), resume.wire_residual.end(), residual_.begin());
@@ -37,17 +40,25 @@ AsyncMode::AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std
   }
   retired_samples_.assign(static_cast<size_t>(comm.size()), 0);
   joining_ = comm.joined();
-  if (resume.ranks.size() == progress_.size()) progress_ = resume.ranks;
-  for (const auto& p : progress_) start_samples_.push_back(p.samples);
-  reconciled_samples_.assign(progress_.size(), 0);
-  gather_ = PartialGlobalState(comm.size());
+  if (resume.ranks.size() == static_cast<size_t>(comm.size())) {
+    progress_ = resume.ranks;
+    for (const auto& p : progress_) {
+      start_samples_.push_back(p.samples);
+      progress_samples_ += p.samples;
+    }
+    reconciled_samples_.assign(progress_.size(), 0);
+  }
   stats_.staleness_histogram.assign(static_cast<size_t>(settings.max_staleness) + 2, 0);
   comm.on_message(channels::kFreshShard, [this](int from, std::span<const std::byte> m) { on_fresh(from, m); });
   comm.on_message(channels::kProgress, [this](int from, std::span<const std::byte> m) { on_progress(from, m); });
   comm.on_message(channels::kStop, [this](int, std::span<const std::byte>) { stop_ = true; });
-  comm.on_message(channels::kDone, [this](int from, std::span<const std::byte>) {
+  comm.on_message(channels::kDone, [this](int from, std::span<const std::byte> m) {
+    if (!m.empty()) {
+      all_done_ = true;
+      return;
+    }
     std::lock_guard lock(mutex_);
-    done_from_[static_cast<size_t>(from)] = true;
+    done_from_.mark(from);
   });
   comm.on_message(channels::kGather, [this](int from, std::span<const std::byte> m) { on_gather(from, m); });
   comm.on_message(channels::kGathered, [this](int from, std::span<const std::byte>) {
@@ -61,6 +72,20 @@ AsyncMode::~AsyncMode() {
                           channels::kGather, channels::kGathered, channels::kCheckpoint}) {
     comm_.on_message(c, nullptr);
   }
+}
+
+void AsyncMode::keep_positions_locked() {
+  if (!progress_.empty()) return;
+  progress_.assign(static_cast<size_t>(comm_.size()), TrainPosition{});
+  reconciled_samples_.assign(progress_.size(), 0);
+  for (int r = 0; r < comm_.size(); ++r) progress_[static_cast<size_t>(r)].samples = start_samples(r);
+  progress_samples_ = 0;
+  for (const auto& p : progress_) progress_samples_ += p.samples;
+}
+
+AsyncMode::PartialGlobalState& AsyncMode::gather_locked() {
+  if (gather_.received.empty()) gather_ = PartialGlobalState(shards_, comm_.size());
+  return gather_;
 }
 
 int AsyncMode::owner_of_locked(int shard) const {
@@ -111,7 +136,7 @@ int AsyncMode::keeper() const {
 }
 
 int AsyncMode::shard_served_by(int rank) const {
-  if (!replicated_ || rank < 0 || rank >= comm_.size()) return -1;
+  if (!replicated_ || rank < 0 || rank >= shards_) return -1;  // ranks K and up own no shard
   // As owner_of_locked, on the transport's latest word (the membership refreshes only at steps).
   const auto lost = comm_.lost_ranks();
   for (int k = 0; k < comm_.size(); ++k) {
@@ -141,11 +166,15 @@ void AsyncMode::refresh_membership() {
     // A new process in r's place: what the last one trained up to its last
     // contribution is counted apart, and it is not done.
     const auto k = static_cast<size_t>(r);
-    retired_samples_[k] += reconciled_samples_[k];
-    reconciled_samples_[k] = 0;
-    start_samples_[k] = progress_[k].samples;
-    done_from_[k] = false;
-    gathered_from_[k] = false;
+    // (Positions are kept by the keeper and its standby only.)
+    if (!progress_.empty()) {
+      retired_samples_[k] += reconciled_samples_[k];
+      reconciled_samples_[k] = 0;
+      if (start_samples_.empty()) start_samples_.assign(progress_.size(), 0);
+      start_samples_[k] = progress_[k].samples;
+    }
+    done_from_.unmark(r);
+    gathered_from_.unmark(r);
     if (stop_sent_) comm_.post(r, channels::kStop, {});  // the budget was spent before it came
   }
   joins_seen_ = joined.size();
@@ -196,7 +225,7 @@ void AsyncMode::post_snapshot_request() {
     std::lock_guard lock(mutex_);
     snapshot_asked_ = Clock::now();
     ++snapshot_id_;
-    snapshot_ = PartialGlobalState(comm_.size());
+    snapshot_ = PartialGlobalState(shards_, comm_.size());
     put(out, kSnapshotRequest);
     put(out, snapshot_id_);
   }
@@ -245,6 +274,7 @@ Status AsyncMode::take_global_state(std::span<float> params, TrainPosition& posi
 void AsyncMode::reply_fresh_locked(int to, int shard, int64_t staleness, bool dropped, bool with_shard) {
   const auto it = served_.find(shard);
   std::vector<std::byte> out;
+  out.reserve(24 + (with_shard && it != served_.end() ? it->second.values.size() * sizeof(float) : 0));
   put(out, static_cast<uint32_t>(shard));
   put(out, static_cast<uint32_t>(dropped ? 1 : 0));
   put(out, it != served_.end() ? it->second.version : int64_t{0});
@@ -255,8 +285,9 @@ void AsyncMode::reply_fresh_locked(int to, int shard, int64_t staleness, bool dr
 
 int AsyncMode::outstanding() const {
   const auto lost = comm_.lost_ranks();
+  if (lost.empty()) return awaiting_total_;  // polled: O(1) while nobody is lost
   int n = 0;
-  for (int j = 0; j < comm_.size(); ++j) {
+  for (int j = 0; j < shards_; ++j) {
     const int owner = awaiting_owner_[static_cast<size_t>(j)];
     if (owner >= 0 && std::find(lost.begin(), lost.end(), owner) == lost.end()) n += awaiting_[static_cast<size_t>(j)];
   }
@@ -279,29 +310,59 @@ void AsyncMode::report_progress(const TrainPosition& position) {
   comm_.post(keeper, channels::kProgress, std::move(out));
 }
 
-bool AsyncMode::all_live(const std::vector<bool>& flags) const {
-  const auto lost = comm_.lost_ranks();
+bool AsyncMode::all_live(const RankFlags& flags) const {
+  auto lost = comm_.lost_ranks();
+  std::sort(lost.begin(), lost.end());
+  lost.erase(std::unique(lost.begin(), lost.end()), lost.end());
   std::lock_guard lock(mutex_);
-  for (int r = 0; r < comm_.size(); ++r) {
-    if (!flags[static_cast<size_t>(r)] && std::find(lost.begin(), lost.end(), r) == lost.end()) return false;
+  int set_or_lost = flags.count;
+  for (const int r : lost) {
+    if (r >= 0 && r < comm_.size() && !flags[r]) ++set_or_lost;
+  }
+  return set_or_lost == comm_.size();
+}
+
+bool AsyncMode::gather_complete() {
+  if (!all_live(gathered_from_)) return false;
+  std::lock_guard lock(mutex_);
+  const PartialGlobalState& gather = gather_locked();
+  for (int j = 0; j < shards_; ++j) {
+    if (!gather.received[static_cast<size_t>(j)] && owner_of_locked(j) >= 0) return false;
   }
   return true;
 }
 
-bool AsyncMode::gather_complete() const {
-  if (!all_live(gathered_from_)) return false;
-  std::lock_guard lock(mutex_);
-  for (int j = 0; j < comm_.size(); ++j) {
-    if (!gather_.received[static_cast<size_t>(j)] && owner_of_locked(j) >= 0) return false;
+void AsyncMode::wait_until_all_done(Clock::time_point deadline) {
+  // Done goes to the keeper only, which answers every rank once all live
+  // ranks are done: 2W messages, where done from everyone to everyone was
+  // W^2. A rank is done once its contributions were answered (finish drains
+  // its replies first), so the owners' shards then hold them all.
+  int told = -1;
+  while (!all_done_.load() && Clock::now() < deadline) {
+    refresh_membership();
+    int keeper = 0;
+    {
+      std::lock_guard lock(mutex_);
+      keeper = keeper_locked();
+    }
+    if (keeper != told) {  // first, and again when the keeper was lost
+      comm_.post(keeper, channels::kDone, {});
+      told = keeper;
+    }
+    if (keeper == comm_.rank() && all_live(done_from_)) {
+      const std::vector<std::byte> all{std::byte{1}};
+      for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kDone, all);
+      all_done_ = true;
+      break;
+    }
+    seam_sleep_for(std::chrono::milliseconds(1));
   }
-  return true;
 }
 
 Status AsyncMode::end_handshake(std::span<float> params) {
   const auto start = Clock::now();
   const auto deadline = start + seconds(settings_.peer_timeout_s * 3);
-  for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kDone, {});
-  while (!all_live(done_from_) && Clock::now() < deadline) seam_sleep_for(std::chrono::milliseconds(1));
+  wait_until_all_done(deadline);
   // Owners' shards now include every contribution: each goes to the keeper,
   // again to a new keeper if it is lost, and again when this rank takes over
   // a lost owner's shard meanwhile.
@@ -333,14 +394,17 @@ Status AsyncMode::end_handshake(std::span<float> params) {
   }
   if (keeping) {
     std::lock_guard lock(mutex_);
-    GlobalState& g = gather_.state;
-    for (int j = 0; j < comm_.size(); ++j) {
+    PartialGlobalState& gather = gather_locked();
+    GlobalState& g = gather.state;
+    for (int j = 0; j < shards_; ++j) {
       // A shard whose every holder was lost keeps the keeper's own values: the best there is.
-      if (gather_.received[static_cast<size_t>(j)]) {
+      if (gather.received[static_cast<size_t>(j)]) {
         std::copy_n(g.params.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(j)]), shard_size(j),
                     shard_of(params, j).begin());
       }
-      if (!gathered_from_[static_cast<size_t>(j)]) g.ranks[static_cast<size_t>(j)] = progress_[static_cast<size_t>(j)];
+    }
+    for (int r = 0; r < comm_.size(); ++r) {
+      if (!gathered_from_[r] && !progress_.empty()) g.ranks[static_cast<size_t>(r)] = progress_[static_cast<size_t>(r)];
     }
     g.params.assign(params.begin(), params.end());
     final_ = std::move(g);
@@ -382,7 +446,7 @@ void AsyncMode::put_owner_shards_locked(std::vector<std::byte>& out) {
 
 bool AsyncMode::take_owner_shards(std::span<const std::byte>& m, PartialGlobalState& a) {
   uint32_t n = 0;
-  if (!take(m, n) || n > static_cast<uint32_t>(comm_.size())) return false;
+  if (!take(m, n) || n > static_cast<uint32_t>(shards_)) return false;
   for (uint32_t i = 0; i < n; ++i) {
     if (!take_owner_shard(m, a)) return false;
   }
@@ -396,8 +460,8 @@ bool AsyncMode::take_owner_shard(std::span<const std::byte>& m, PartialGlobalSta
   int64_t version = 0;
   int64_t steps = 0;
   uint32_t buffers = 0;
-  if (!take(m, shard) || shard >= static_cast<uint32_t>(comm_.size()) || !take(m, version) || !take(m, steps) ||
-      !take(m, buffers) || buffers == 0 || a.received.size() != static_cast<size_t>(comm_.size())) {
+  if (!take(m, shard) || shard >= static_cast<uint32_t>(shards_) || !take(m, version) || !take(m, steps) ||
+      !take(m, buffers) || buffers == 0 || a.received.size() != static_cast<size_t>(shards_)) {
     return false;
   }
   const bool keep = !a.received[shard];
@@ -422,7 +486,7 @@ bool AsyncMode::take_owner_shard(std::span<const std::byte>& m, PartialGlobalSta
   if (!keep) return true;
   a.state.versions[shard] = version;
   if (owner_state_kind_ == OwnerState::kOuterMomentum) {
-    if (a.state.outer_in_round.empty()) a.state.outer_in_round.assign(static_cast<size_t>(comm_.size()), 0);
+    if (a.state.outer_in_round.empty()) a.state.outer_in_round.assign(a.received.size(), 0);  // per shard: K
     a.state.outer_in_round[shard] = steps;
   } else {
     a.state.owner_steps[shard] = steps;
@@ -437,7 +501,7 @@ void AsyncMode::on_fresh(int, std::span<const std::byte> m) {
   uint32_t shard = 0;
   uint32_t flags = 0;
   if (!take(m, shard) || !take(m, flags) || !take(m, f.version) || !take(m, f.staleness)) return;
-  if (shard >= static_cast<uint32_t>(comm_.size())) return;
+  if (shard >= static_cast<uint32_t>(shards_)) return;
   f.shard = static_cast<int>(shard);
   f.dropped = (flags & 1) != 0;
   f.values.resize(m.size() / sizeof(float));
@@ -453,11 +517,12 @@ void AsyncMode::on_progress(int from, std::span<const std::byte> m) {
   bool stop = false;
   {
     std::lock_guard lock(mutex_);
-    progress_[static_cast<size_t>(from)] = p;
+    keep_positions_locked();
+    TrainPosition& kept = progress_[static_cast<size_t>(from)];
+    progress_samples_ += p.samples - kept.samples;  // the total kept as it goes: O(1) per step, not O(W)
+    kept = p;
     if (keeper_locked() != comm_.rank()) return;  // the standby only keeps the positions
-    int64_t total = 0;
-    for (const auto& q : progress_) total += q.samples;
-    stop = settings_.sample_budget > 0 && total >= settings_.sample_budget && !stop_sent_;
+    stop = settings_.sample_budget > 0 && progress_samples_ >= settings_.sample_budget && !stop_sent_;
     if (stop) stop_sent_ = true;
   }
   if (stop) {
@@ -469,9 +534,11 @@ void AsyncMode::on_gather(int from, std::span<const std::byte> m) {
   TrainPosition p;
   if (!take_position(m, p)) return;
   std::lock_guard lock(mutex_);
-  if (take_owner_shards(m, gather_)) {
-    gather_.state.ranks[static_cast<size_t>(from)] = p;
-    gathered_from_[static_cast<size_t>(from)] = true;
+  PartialGlobalState& gather = gather_locked();
+  if (take_owner_shards(m, gather)) {
+    gather.state.ranks[static_cast<size_t>(from)] = p;
+    gathered_from_.mark(from);
+    done_from_.mark(from);  // a rank gathers once done: a keeper new since it said so counts it
   }
 }
 
@@ -489,7 +556,7 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
     {
       std::lock_guard lock(mutex_);
       // The asker's last position, where this rank keeps positions (the keeper, its standby): for a joiner.
-      const TrainPosition& known = progress_[static_cast<size_t>(from)];
+      const TrainPosition known = progress_.empty() ? TrainPosition{} : progress_[static_cast<size_t>(from)];
       put(out, static_cast<uint8_t>(known.step > 0 ? 1 : 0));
       if (known.step > 0) put_position(out, known);
       put_owner_shards_locked(out);
@@ -503,8 +570,9 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
   std::lock_guard lock(mutex_);
   if (has_position != 0 && position.samples >= join_position_.samples) join_position_ = position;
   if (id != snapshot_id_ || !take_owner_shards(m, snapshot_)) return;
-  if (snapshot_.count < comm_.size()) return;
+  if (snapshot_.count < shards_) return;
   // Every shard is in (one whose every holder was lost never is: then no checkpoint is whole).
+  keep_positions_locked();
   snapshot_.state.ranks = progress_;
   ready_ = std::move(snapshot_.state);
   snapshot_ = PartialGlobalState();

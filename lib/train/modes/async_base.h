@@ -1,17 +1,19 @@
 #pragma once
 /// What the asynchronous modes (cfmo, asgd) share: the parameter vector cut
-/// into W shards, shard j of the global parameters served by its owner; the
+/// into K shards (owner_count, --owners: K <= W), shard j of the global
+/// parameters served by its owner; the
 /// budget keeper (the lowest live rank, fed every step's position, with the
 /// next live rank as its standby); the inbox of fresh shards the owners send
 /// back; snapshots of the global state for checkpoints; and the end-of-run
 /// handshake that gathers the owners' shards on the keeper.
 ///
-/// Ownership: shard j's owner is rank j while it lives. In a replicated mode
+/// Ownership: shard j's owner is rank j while it lives (ranks K and up serve
+/// nothing, unless they take a shard over). In a replicated mode
 /// (cfmo) each owner keeps one other rank, its shard's backup (the next live
 /// rank after it), up to date with every contribution it applies, so that a
 /// lost owner's shard moves to its backup with every applied delta in it:
 /// the owner of shard j is then the first live rank from j on (j, j + 1, ...
-/// cyclically). Every survivor computes the same ownership from the same set
+/// cyclically over all W ranks). Every survivor computes the same ownership from the same set
 /// of lost ranks, so no agreement protocol is needed. Without replication
 /// (asgd) a lost owner's shard is served by nobody.
 ///
@@ -23,7 +25,8 @@
 ///   kFreshShard  [u32 shard][u32 flags: 1 dropped][i64 version][i64 staleness][floats of the shard, or none]
 ///   kProgress    [position]                         every step, to the keeper and its standby
 ///   kStop        []                                 the keeper: the budget is spent
-///   kDone        []                                 this rank has finished
+///   kDone        []                                 this rank has finished: to the keeper
+///                [u8 1]                             the keeper: every live rank has finished
 ///   kGather      [position][u32 n][n owner shards]  at the end, to the keeper
 ///   kGathered    []                                 the keeper holds every shard
 ///   kCheckpoint  [u32 0: request][u64 id]           the keeper to the owners
@@ -75,13 +78,17 @@ class AsyncMode : public Mode {
   }
   int64_t reconciled_samples(int rank) const override {
     std::lock_guard lock(mutex_);
-    return rank >= 0 && rank < comm_.size() ? reconciled_samples_[static_cast<size_t>(rank)] : 0;
+    return rank >= 0 && static_cast<size_t>(rank) < reconciled_samples_.size()
+               ? reconciled_samples_[static_cast<size_t>(rank)]
+               : 0;
   }
   int64_t retired_samples(int rank) const override {
     std::lock_guard lock(mutex_);
     return rank >= 0 && rank < comm_.size() ? retired_samples_[static_cast<size_t>(rank)] : 0;
   }
   int keeper() const override;
+  /// K: the shards, and the ranks 0..K-1 that own them.
+  int shards() const { return shards_; }
   bool survives_losses() const override { return true; }
   int shard_served_by(int rank) const override;
   std::optional<GlobalState> final_state() override {
@@ -174,8 +181,9 @@ class AsyncMode : public Mode {
   /// keeper and its standby): sent before the contribution on the same link
   /// (cfmo), or with the step before (asgd).
   void note_reconciled(int from) {
+    if (progress_.empty()) return;  // not the keeper nor its standby: no positions kept here
     const auto r = static_cast<size_t>(from);
-    reconciled_samples_[r] = std::max(reconciled_samples_[r], progress_[r].samples - start_samples_[r]);
+    reconciled_samples_[r] = std::max(reconciled_samples_[r], progress_[r].samples - start_samples(from));
   }
 
   /// True while fresh shards wait to be applied.
@@ -184,16 +192,36 @@ class AsyncMode : public Mode {
     return !inbox_.empty();
   }
 
-  /// Takes the fresh shards that arrived; the caller applies them.
-  std::deque<FreshShard> take_inbox() {
+  /// Takes the fresh shards that arrived; the caller applies them. (A vector:
+  /// an empty deque allocates, and this is called at every step and poll.)
+  std::vector<FreshShard> take_inbox() {
     std::lock_guard lock(mutex_);
-    std::deque<FreshShard> out;
+    std::vector<FreshShard> out;
     out.swap(inbox_);
     return out;
   }
 
   /// Replies still owed by owners that are alive.
   int outstanding() const;
+
+  /// Worker side: a contribution to `shard` went to `owner`, or its reply came
+  /// (or, `forget`, the owner was lost: its replies never come). The total
+  /// they keep makes outstanding() O(1) while no rank is lost.
+  void await_reply(int shard, int owner) {
+    ++awaiting_[static_cast<size_t>(shard)];
+    awaiting_owner_[static_cast<size_t>(shard)] = owner;
+    ++awaiting_total_;
+  }
+  void reply_came(int shard) {
+    int& waiting = awaiting_[static_cast<size_t>(shard)];
+    if (waiting == 0) return;
+    --waiting;
+    --awaiting_total_;
+  }
+  void forget_replies(int shard) {
+    awaiting_total_ -= awaiting_[static_cast<size_t>(shard)];
+    awaiting_[static_cast<size_t>(shard)] = 0;
+  }
 
   /// Every step: the keeper keeps the budget and the positions a checkpoint
   /// records; its standby keeps them too, to take over.
@@ -238,17 +266,19 @@ class AsyncMode : public Mode {
 
   const ModeSettings settings_;
   comm::Communicator& comm_;
+  const int shards_;  ///< K
   const std::vector<size_t> bounds_;
 
   // Worker side (training thread).
   tensor::FloatBuffer base_;           ///< the global parameters as last received, per shard
-  std::vector<int64_t> base_version_;  ///< their versions
+  std::vector<int64_t> base_version_;  ///< their versions, per shard
   tensor::FloatBuffer residual_;       ///< error feedback for lossy wire dtypes
-  std::vector<int> awaiting_ = std::vector<int>(static_cast<size_t>(comm_.size()), 0);
-  TrainPosition position_;  ///< as last reported
+  std::vector<int> awaiting_ = std::vector<int>(static_cast<size_t>(shards_), 0);  ///< per shard
+  int awaiting_total_ = 0;                                                         ///< their sum
+  TrainPosition position_;                                                         ///< as last reported
 
   // Worker side (training thread): the owner each shard's awaited replies come from.
-  std::vector<int> awaiting_owner_ = std::vector<int>(static_cast<size_t>(comm_.size()), -1);
+  std::vector<int> awaiting_owner_ = std::vector<int>(static_cast<size_t>(shards_), -1);
 
   // Owner side, under mutex_.
   std::map<int, Served> served_;  ///< the shards this rank serves: its own, and those it took over
@@ -258,7 +288,7 @@ class AsyncMode : public Mode {
   /// Guards inbox_, stats_, done_from_, progress_, the snapshots, the
   /// membership, and the owners' state.
   mutable std::mutex mutex_;
-  std::deque<FreshShard> inbox_;
+  std::vector<FreshShard> inbox_;
   ModeStats stats_;
 
  private:
@@ -268,9 +298,10 @@ class AsyncMode : public Mode {
   /// A global state being put together from the owners' shards.
   struct PartialGlobalState {
     PartialGlobalState() = default;
-    explicit PartialGlobalState(int world) : received(static_cast<size_t>(world), false) {
+    PartialGlobalState(int shards, int world) : received(static_cast<size_t>(shards), false) {
       state.ranks.resize(static_cast<size_t>(world));
-      state.versions.assign(static_cast<size_t>(world), 0);
+      state.versions.assign(static_cast<size_t>(shards), 0);
+      // Per rank, as a checkpoint records them: rank j < K owns shard j, the others none (0).
       state.owner_steps.assign(static_cast<size_t>(world), 0);
     }
     GlobalState state;
@@ -278,8 +309,40 @@ class AsyncMode : public Mode {
     int count = 0;
   };
 
-  /// True when every live rank has its flag in `flags` (guarded by mutex_) set.
-  bool all_live(const std::vector<bool>& flags) const;
+  /// A flag per rank and how many are set.
+  struct RankFlags {
+    explicit RankFlags(int world) : set(static_cast<size_t>(world), false) {}
+    void mark(int rank) {
+      if (set[static_cast<size_t>(rank)]) return;
+      set[static_cast<size_t>(rank)] = true;
+      ++count;
+    }
+    void unmark(int rank) {
+      if (!set[static_cast<size_t>(rank)]) return;
+      set[static_cast<size_t>(rank)] = false;
+      --count;
+    }
+    bool operator[](int rank) const { return set[static_cast<size_t>(rank)]; }
+    std::vector<bool> set;
+    int count = 0;
+  };
+
+  /// True when every live rank has its flag in `flags` (guarded by mutex_)
+  /// set: O(lost ranks), not O(W), for it is polled.
+  bool all_live(const RankFlags& flags) const;
+  /// The samples `rank` had when this run started (0 unless resumed).
+  int64_t start_samples(int rank) const {
+    return start_samples_.empty() ? 0 : start_samples_[static_cast<size_t>(rank)];
+  }
+  /// Under mutex_: progress_ and reconciled_samples_, made on first use (the
+  /// keeper and its standby only: every rank keeping W positions would make
+  /// the run's memory grow as W^2).
+  void keep_positions_locked();
+  /// Under mutex_: gather_, made on first use (the keeper).
+  PartialGlobalState& gather_locked();
+  /// The end's first half: tell the keeper this rank is done (again when the
+  /// keeper moves); the keeper tells every rank once all live ranks are.
+  void wait_until_all_done(Clock::time_point deadline);
   /// A snapshot request to every rank, numbered anew (the keeper's checkpoints, a joiner's state).
   void post_snapshot_request();
   /// Under mutex_: [u32 n][n owner shards], those this rank serves.
@@ -288,7 +351,7 @@ class AsyncMode : public Mode {
   bool take_owner_shards(std::span<const std::byte>& m, PartialGlobalState& a);
   bool take_owner_shard(std::span<const std::byte>& m, PartialGlobalState& a);
   /// The keeper's end: whether every shard and every live rank's position is in.
-  bool gather_complete() const;
+  bool gather_complete();
   void on_fresh(int from, std::span<const std::byte> m);
   void on_progress(int from, std::span<const std::byte> m);
   void on_gather(int from, std::span<const std::byte> m);
@@ -296,7 +359,8 @@ class AsyncMode : public Mode {
 
   const OwnerState owner_state_kind_;
   std::atomic<bool> stop_{false};
-  std::vector<bool> done_from_;
+  RankFlags done_from_;                      ///< the keeper (and a rank that may become it): who said done
+  std::atomic<bool> all_done_{false};        ///< the keeper said every live rank is done
   std::vector<bool> lost_;                   ///< the lost ranks as refresh_membership last saw them
   size_t joins_seen_ = 0;                    ///< of comm_.joined_ranks(), taken up by refresh_membership
   std::vector<int> last_lost_;               ///< comm_.lost_ranks() as refresh_membership last saw it
@@ -305,8 +369,9 @@ class AsyncMode : public Mode {
   Error cut_off_{ErrorKind::kPeer, {}};      ///< see cut_off(); empty message: not cut off
   size_t lost_count_ = 0;                    ///< how many
   std::atomic<int> live_{comm_.size()};      ///< see live()
-  std::vector<TrainPosition> progress_;      ///< keeper and standby: each rank's last reported position
-  std::vector<int64_t> start_samples_;       ///< each rank's samples when this run started
+  std::vector<TrainPosition> progress_;      ///< keeper and standby: each rank's last reported position (else empty)
+  int64_t progress_samples_ = 0;             ///< the sum of progress_'s samples, kept as they come: the budget
+  std::vector<int64_t> start_samples_;       ///< resumed: each rank's samples when this run started (else empty)
   std::vector<int64_t> reconciled_samples_;  ///< keeper and standby: see reconciled_samples()
   bool stop_sent_ = false;                   ///< the keeper
   uint64_t snapshot_id_ = 0;                 ///< the keeper: the request being answered
@@ -314,7 +379,7 @@ class AsyncMode : public Mode {
   PartialGlobalState snapshot_;              ///< the keeper: its answers so far
   std::optional<GlobalState> ready_;         ///< the keeper: the last complete snapshot, until taken
   PartialGlobalState gather_;                ///< the keeper: the end's gather, by shard
-  std::vector<bool> gathered_from_;          ///< the keeper: the ranks whose end position is in
+  RankFlags gathered_from_;                  ///< the keeper: the ranks whose end position is in
   std::atomic<bool> gathered_{false};        ///< the keeper said it holds every shard
   std::atomic<int> gathered_by_{-1};         ///< and which rank that was
   std::optional<GlobalState> final_;         ///< the keeper: the end's state, until taken

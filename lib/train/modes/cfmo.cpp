@@ -40,20 +40,24 @@ class CfmoMode final : public AsyncMode {
       : AsyncMode(settings, comm, initial, resume, OwnerState::kOuterMomentum, /*replicated=*/true),
         snapshot_(initial.size(), 0.0f) {
     // Every rank starts from the same state, so each backup's replica starts
-    // as its owner's shard. A joiner starts with nothing: its shard comes
-    // back from the rank that served it, its replica from its owner.
+    // as its owner's shard. Rank j < K owns shard j; rank j + 1 backs it up.
+    // A joiner starts with nothing: its shard comes back from the rank that
+    // served it, its replica from its owner.
     const int me = comm.rank();
     const int w = comm.size();
     if (!comm.joined()) {
-      outer_.emplace(me, starting_outer(me, resume));
-      const int before = (me + w - 1) % w;
-      const int64_t version =
-          resume.versions.size() == static_cast<size_t>(w) ? resume.versions[static_cast<size_t>(before)] : 0;
-      Replica& r = replicas_.emplace(before, Replica{{}, version, starting_outer(before, resume)}).first->second;
-      r.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before)]),
-                      initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before) + 1]));
-      std::lock_guard lock(mutex_);
-      backup_[me] = backup_of_locked(me);
+      if (me < shards_) outer_.emplace(me, starting_outer(me, resume));
+      if (const int before = (me + w - 1) % w; before < shards_) {
+        const int64_t version =
+            resume.versions.size() == static_cast<size_t>(shards_) ? resume.versions[static_cast<size_t>(before)] : 0;
+        Replica& r = replicas_.emplace(before, Replica{{}, version, starting_outer(before, resume)}).first->second;
+        r.values.assign(initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before)]),
+                        initial.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(before) + 1]));
+      }
+      if (me < shards_) {
+        std::lock_guard lock(mutex_);
+        backup_[me] = backup_of_locked(me);
+      }
     }
     if (resume.ranks.size() == static_cast<size_t>(w)) {
       // A resumed rank starts on the global parameters: nothing to send until it trains.
@@ -147,18 +151,18 @@ class CfmoMode final : public AsyncMode {
 
   void send_round(std::span<const float> params, bool only_idle, bool last = false) {
     refresh_membership();
-    std::vector<int> owners(static_cast<size_t>(comm_.size()), -1);
+    owners_.resize(static_cast<size_t>(shards_));
     {
       std::lock_guard lock(mutex_);
-      for (int j = 0; j < comm_.size(); ++j) owners[static_cast<size_t>(j)] = owner_of_locked(j);
+      for (int j = 0; j < shards_; ++j) owners_[static_cast<size_t>(j)] = owner_of_locked(j);
     }
     uint64_t sent = 0;
     bool skipped = false;
-    for (int j = 0; j < comm_.size(); ++j) {
-      const int owner = owners[static_cast<size_t>(j)];
+    for (int j = 0; j < shards_; ++j) {
+      const int owner = owners_[static_cast<size_t>(j)];
       if (owner < 0) continue;
       // The reply of a lost owner never comes: its shard goes to the new one.
-      if (awaiting_owner_[static_cast<size_t>(j)] != owner) awaiting_[static_cast<size_t>(j)] = 0;
+      if (awaiting_owner_[static_cast<size_t>(j)] != owner) forget_replies(j);
       if (only_idle && awaiting_[static_cast<size_t>(j)] > 0) {
         skipped = true;
         continue;
@@ -173,8 +177,7 @@ class CfmoMode final : public AsyncMode {
           put(out, static_cast<uint32_t>(settings_.delta_dtype) | kLastRound | kFinished);
           put(out, base_version_[static_cast<size_t>(j)]);
           comm_.post(owner, channels::kDeltaShard, std::move(out));
-          ++awaiting_[static_cast<size_t>(j)];
-          awaiting_owner_[static_cast<size_t>(j)] = owner;
+          await_reply(j, owner);
         }
         continue;
       }
@@ -188,6 +191,7 @@ class CfmoMode final : public AsyncMode {
       delta_.resize(count);
       for (size_t i = 0; i < count; ++i) delta_[i] = params[first + i] - base_[first + i];
       std::vector<std::byte> out;
+      out.reserve(kDeltaHeader + comm::encoded_size(settings_.delta_dtype, count));
       put(out, static_cast<uint32_t>(j));
       put(out, static_cast<uint32_t>(settings_.delta_dtype) | (last ? kLastRound : 0u));
       put(out, base_version_[static_cast<size_t>(j)]);
@@ -195,8 +199,7 @@ class CfmoMode final : public AsyncMode {
                           residual_.empty() ? std::span<float>() : std::span<float>(residual_).subspan(first, count),
                           out);
       comm_.post(owner, channels::kDeltaShard, std::move(out));
-      ++awaiting_[static_cast<size_t>(j)];
-      awaiting_owner_[static_cast<size_t>(j)] = owner;
+      await_reply(j, owner);
       ++sent;
     }
     int64_t round = 0;
@@ -218,8 +221,7 @@ class CfmoMode final : public AsyncMode {
 
   /// θ_k ← θ̄_new + (θ_k − θ_snapshot) on the shard; stale momentum discounted.
   void rebase(FreshShard& f, std::span<float> params, optim::Optimizer& optimizer) {
-    auto& waiting = awaiting_[static_cast<size_t>(f.shard)];
-    waiting = std::max(0, waiting - 1);
+    reply_came(f.shard);
     record_staleness(f.staleness, f.dropped);
     const size_t first = bounds_[static_cast<size_t>(f.shard)];
     if (f.values.size() != bounds_[static_cast<size_t>(f.shard) + 1] - first) return;
@@ -247,7 +249,7 @@ class CfmoMode final : public AsyncMode {
     uint32_t shard = 0;
     uint32_t dtype = 0;
     int64_t base_version = 0;
-    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || shard >= static_cast<uint32_t>(comm_.size())) {
+    if (!take(m, shard) || !take(m, dtype) || !take(m, base_version) || shard >= static_cast<uint32_t>(shards_)) {
       return;
     }
     const bool last = (dtype & kLastRound) != 0;
@@ -340,6 +342,7 @@ class CfmoMode final : public AsyncMode {
       return;
     }
     std::vector<std::byte> out;
+    out.reserve(24 + encoded.size());
     put(out, kReplicaApply);
     put(out, static_cast<uint32_t>(shard));
     put(out, served_.at(shard).version);
@@ -396,7 +399,7 @@ class CfmoMode final : public AsyncMode {
     uint32_t kind = 0;
     uint32_t shard = 0;
     int64_t version = 0;
-    if (!take(m, kind) || !take(m, shard) || !take(m, version) || shard >= static_cast<uint32_t>(comm_.size())) {
+    if (!take(m, kind) || !take(m, shard) || !take(m, version) || shard >= static_cast<uint32_t>(shards_)) {
       return;
     }
     const int j = static_cast<int>(shard);
@@ -447,7 +450,7 @@ class CfmoMode final : public AsyncMode {
       post_whole(r, kHandOver, r, replica->second.version, replica->second.values, replica->second.outer);
       replicas_.erase(replica);
     }
-    for (int j = 0; j < comm_.size() && !joining_; ++j) {
+    for (int j = 0; j < shards_ && !joining_; ++j) {
       if (owner_of_locked(j) != me || served_.count(j) != 0) continue;
       Served taken;
       const auto r = replicas_.find(j);
@@ -481,9 +484,10 @@ class CfmoMode final : public AsyncMode {
     if (!outer.momentum().empty() && resume.outer_momentum.size() == bounds_.back()) {
       const auto first = static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(shard)]);
       std::copy_n(resume.outer_momentum.begin() + first, shard_size(shard), outer.momentum().begin());
-      // The round the owner had in progress, where the checkpoint has it (of this world).
+      // The round the owner had in progress, where the checkpoint has it (of
+      // this world and these K shards).
       if (resume.outer_round_sum.size() == bounds_.back() &&
-          resume.outer_in_round.size() == static_cast<size_t>(comm_.size())) {
+          resume.outer_in_round.size() == static_cast<size_t>(shards_)) {
         outer.restore(
             static_cast<int>(resume.outer_in_round[static_cast<size_t>(shard)]), outer.momentum(),
             std::span<const float>(resume.outer_round_sum).subspan(static_cast<size_t>(first), shard_size(shard)));
@@ -538,6 +542,8 @@ class CfmoMode final : public AsyncMode {
 
   /// In a delta's dtype field: the sender's last round, answered without the shard.
   static constexpr uint32_t kLastRound = 0x100;
+  /// A delta's bytes before its floats: shard, dtype, base version.
+  static constexpr size_t kDeltaHeader = 16;
   /// --deterministic, with kLastRound: no delta, the sender has finished (its owners stop waiting for it).
   static constexpr uint32_t kFinished = 0x200;
 
@@ -558,7 +564,8 @@ class CfmoMode final : public AsyncMode {
 
   tensor::FloatBuffer snapshot_;
   std::vector<int64_t> sent_at_ =
-      std::vector<int64_t>(static_cast<size_t>(comm_.size()), -1);  ///< step of each shard's last send
+      std::vector<int64_t>(static_cast<size_t>(shards_), -1);  ///< step of each shard's last send
+  std::vector<int> owners_;                                    ///< send_round's: each shard's owner now
   tensor::FloatBuffer delta_;
   tensor::FloatBuffer full_delta_;  ///< for the delta sink
   int64_t last_step_ = 0;

@@ -82,6 +82,11 @@ Result<OuterKind> parse_outer_kind(std::string_view text) {
 
 std::string_view to_string(OuterKind kind) { return kind == OuterKind::kAvg ? "avg" : "nesterov"; }
 
+int owner_count(const ModeSettings& settings, int world) {
+  const int wanted = settings.owners > 0 ? settings.owners : kDefaultOwners;
+  return std::max(1, std::min(wanted, world));
+}
+
 std::vector<size_t> shard_bounds(size_t size, int shards) {
   std::vector<size_t> bounds(static_cast<size_t>(shards) + 1, size);
   bounds[0] = 0;
