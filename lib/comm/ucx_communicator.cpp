@@ -112,6 +112,45 @@ class UcpRequest {
   void* request_ = nullptr;
 };
 
+/// An endpoint to one peer, closed when it goes. close() starts the close,
+/// flushing what was sent or at once (`force`), and hands back the request to
+/// progress; an endpoint still open when it goes is force-closed and its
+/// request freed, which lets UCX finish it. Endpoints go before their worker.
+class UcpEndpoint {
+ public:
+  UcpEndpoint() = default;
+  explicit UcpEndpoint(ucp_ep_h endpoint) : endpoint_(endpoint) {}
+  UcpEndpoint(UcpEndpoint&& other) noexcept : endpoint_(std::exchange(other.endpoint_, nullptr)) {}
+  UcpEndpoint& operator=(UcpEndpoint&& other) noexcept {
+    if (this != &other) {
+      close(true);
+      endpoint_ = std::exchange(other.endpoint_, nullptr);
+    }
+    return *this;
+  }
+  UcpEndpoint(const UcpEndpoint&) = delete;
+  UcpEndpoint& operator=(const UcpEndpoint&) = delete;
+  ~UcpEndpoint() { close(true); }
+
+  ucp_ep_h get() const { return endpoint_; }
+  explicit operator bool() const { return endpoint_ != nullptr; }
+
+  /// Closes the endpoint; the close's request, empty when it finished (or
+  /// failed) at once or the endpoint was closed already.
+  UcpRequest close(bool force) {
+    if (endpoint_ == nullptr) return {};
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    void* request = ucp_ep_close_nbx(std::exchange(endpoint_, nullptr), &param);
+    if (request == nullptr || UCS_PTR_IS_ERR(request)) return {};
+    return UcpRequest(request);
+  }
+
+ private:
+  ucp_ep_h endpoint_ = nullptr;
+};
+
 Error ucx_error(std::string_view what, ucs_status_t status) {
   return make_error(ErrorKind::kPeer, "UCX: {}: {}", what, ucs_status_string(status));
 }
@@ -222,7 +261,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   /// Connects to every peer of `met` (the rendezvous' table) but the lost
   /// ones, and starts the progress thread; rank 0 also the join service.
   Status connect(Rendezvous& met, std::string description) {
-    endpoints_.assign(static_cast<size_t>(size_), nullptr);
+    endpoints_.clear();
+    endpoints_.resize(static_cast<size_t>(size_));
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_) continue;
       if (peer < static_cast<int>(met.lost.size()) && met.lost[static_cast<size_t>(peer)]) {
@@ -312,11 +352,10 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep_params.err_handler.cb = &UcxCommunicator::on_endpoint_error;
     ep_params.err_handler.arg = &context;
-    const ucs_status_t status = ucp_ep_create(worker_.get(), &ep_params, &endpoints_[p]);
-    if (status != UCS_OK) {
-      endpoints_[p] = nullptr;
-      return ucx_error(fmt::format("connecting to rank {}", peer), status);
-    }
+    ucp_ep_h endpoint = nullptr;
+    const ucs_status_t status = ucp_ep_create(worker_.get(), &ep_params, &endpoint);
+    if (status != UCS_OK) return ucx_error(fmt::format("connecting to rank {}", peer), status);
+    endpoints_[p] = UcpEndpoint(endpoint);
     return {};
   }
 
@@ -500,13 +539,13 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   // ---- everything below runs on the thread that holds worker_mutex_ ----
 
   void send_now(int peer, uint8_t channel, uint32_t sequence, std::vector<std::byte> payload) {
-    if (is_lost(peer) || endpoints_[static_cast<size_t>(peer)] == nullptr) return;
+    if (is_lost(peer) || !endpoints_[static_cast<size_t>(peer)]) return;
     if (channel != kHeartbeat && channel != kGoodbye) {
       stats_bytes_sent_ += payload.size();
       ++stats_messages_sent_;
     }
     ucp_request_param_t param{};
-    void* request = ucp_tag_send_nbx(endpoints_[static_cast<size_t>(peer)], payload.data(), payload.size(),
+    void* request = ucp_tag_send_nbx(endpoints_[static_cast<size_t>(peer)].get(), payload.data(), payload.size(),
                                      make_tag(channel, rank_, sequence), &param);
     if (request == nullptr) return;  // done already, the bytes were copied out
     if (UCS_PTR_IS_ERR(request)) {
@@ -724,15 +763,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
 
   /// Closes the endpoint to `peer` at once, ending its requests with an error.
   void force_close(int peer) {
-    ucp_ep_h& ep = endpoints_[static_cast<size_t>(peer)];
-    if (ep == nullptr) return;
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    void* closing = ucp_ep_close_nbx(ep, &param);
-    ep = nullptr;
-    if (closing == nullptr || UCS_PTR_IS_ERR(closing)) return;
-    const UcpRequest request(closing);
+    const UcpRequest request = endpoints_[static_cast<size_t>(peer)].close(true);
+    if (!request) return;
     const auto deadline = Clock::now() + std::chrono::seconds(1);  // a forced close needs no peer: bounded anyway
     while (request.in_flight() && Clock::now() < deadline) ucp_worker_progress(worker_.get());
     if (request.in_flight()) unclosed_endpoints_ = true;
@@ -801,11 +833,11 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     // the copy, is the cost. Larger ones go by rendezvous (between
     // ranks of one host, read in place over CMA: one copy).
     if (bytes <= kEagerCollectiveBytes) param.op_attr_mask |= UCP_OP_ATTR_FLAG_FAST_CMPL;
-    if (endpoints_[static_cast<size_t>(peer)] == nullptr) {  // closed after a failure
+    if (!endpoints_[static_cast<size_t>(peer)]) {  // closed after a failure
       mark_lost(peer, "its endpoint was closed after a failure");
       return nullptr;
     }
-    void* request = ucp_tag_send_nbx(endpoints_[static_cast<size_t>(peer)], buffer, bytes,
+    void* request = ucp_tag_send_nbx(endpoints_[static_cast<size_t>(peer)].get(), buffer, bytes,
                                      make_tag(kCollective, rank_, sequence), &param);
     if (UCS_PTR_IS_ERR(request)) {
       mark_lost(peer, fmt::format("send failed: {}", ucs_status_string(UCS_PTR_STATUS(request))));
@@ -906,14 +938,9 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     // the lost ones. Bounded: a peer may be gone already.
     std::vector<UcpRequest> closing;
     for (size_t peer = 0; peer < endpoints_.size(); ++peer) {
-      ucp_ep_h& ep = endpoints_[peer];
-      if (ep == nullptr) continue;
-      ucp_request_param_t param{};
-      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      param.flags = is_lost(static_cast<int>(peer)) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-      void* request = ucp_ep_close_nbx(ep, &param);
-      if (request != nullptr && !UCS_PTR_IS_ERR(request)) closing.emplace_back(request);
-      ep = nullptr;
+      if (!endpoints_[peer]) continue;
+      UcpRequest request = endpoints_[peer].close(is_lost(static_cast<int>(peer)));
+      if (request) closing.push_back(std::move(request));
     }
     const auto deadline = Clock::now() + std::chrono::seconds(2);
     while (worker_ != nullptr && Clock::now() < deadline &&
@@ -955,7 +982,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   const UcxOptions options_;
   UcpContext context_;  ///< declared before the worker: the worker goes first
   UcpWorker worker_;
-  std::vector<ucp_ep_h> endpoints_;
+  std::vector<UcpEndpoint> endpoints_;          ///< after the worker: they go first
   std::deque<ErrorContext> error_contexts_;     ///< one per endpoint ever opened (their addresses stay)
   std::vector<ErrorContext*> current_context_;  ///< per peer: its endpoint's now
   std::vector<uint32_t> incarnation_;           ///< per peer: how many processes took its place (joins)
