@@ -114,6 +114,17 @@ ModeSettings settings_for(const char* name, int sync_interval = 1) {
   return s;
 }
 
+// cfmo --deterministic with Nesterov's outer step: momentum carried across
+// rounds, so a round applied in another order would show in every bit.
+ModeSettings deterministic_nesterov_settings() {
+  auto s = settings_for("cfmo");
+  s.outer_optimizer = OuterKind::kNesterov;
+  s.outer_lr = 0.7;
+  s.outer_momentum = 0.9;
+  s.deterministic = true;
+  return s;
+}
+
 // A delta of worker k, element i: anything that differs.
 float delta_of(int k, size_t i) { return 0.25f * static_cast<float>(k + 1) + 0.01f * static_cast<float>(i); }
 
@@ -194,11 +205,7 @@ TEST(CfmoProtocol, DeltasReachTheirOwnersAndFreshShardsRebaseTheWorkers) {
 // and applies them in rank order, and every worker leaves its round on the
 // global parameters: the order in which the deltas arrive changes no bit.
 TEST(CfmoProtocol, DeterministicRoundsApplyInRankOrderWhateverTheArrivalOrder) {
-  auto settings = settings_for("cfmo");
-  settings.outer_optimizer = OuterKind::kNesterov;
-  settings.outer_lr = 0.7;
-  settings.outer_momentum = 0.9;
-  settings.deterministic = true;
+  auto settings = deterministic_nesterov_settings();
   std::vector<std::vector<float>> globals;
   for (int first : {0, 1}) {
     Cluster c(2, settings);
@@ -718,11 +725,7 @@ TEST(OwnersProtocol, CfmoWithTwoOwnersOfFourRanksGivesTheSameGlobalParametersAsF
 // live rank's delta to it is in (not K of them), and applies it in rank
 // order, so the global parameters are those of K = W bit for bit.
 TEST(OwnersProtocol, DeterministicRoundsOfFewerOwnersWaitForEveryRankAndMatchEveryRankOwning) {
-  auto settings = settings_for("cfmo");
-  settings.outer_optimizer = OuterKind::kNesterov;
-  settings.outer_lr = 0.7;
-  settings.outer_momentum = 0.9;
-  settings.deterministic = true;
+  auto settings = deterministic_nesterov_settings();
   std::vector<std::vector<float>> globals;
   for (int owners : {3, 1}) {
     settings.owners = owners;
