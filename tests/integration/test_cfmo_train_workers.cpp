@@ -643,6 +643,103 @@ TEST(CfmoTrainWorkers, DeterministicCfmoResumedFromAnyRoundEndsWithTheUninterrup
       << timed.err;
 }
 
+// The files of a checkpoint, byte for byte, by name (state.json parsed, without its train_s).
+std::map<std::string, std::string> checkpoint_files(const fs::path& checkpoint) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::directory_iterator(checkpoint)) {
+    const std::string name = e.path().filename().string();
+    if (name.ends_with(".safetensors")) out[name] = slurp(e.path());
+  }
+  return out;
+}
+
+// The loss of rank 0's first logged step in a run directory.
+double first_loss(const fs::path& run_dir) {
+  std::istringstream in(slurp(run_dir / "metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.value("type", "") == "step") return j["loss"].get<double>();
+  }
+  return NAN;
+}
+
+// cfmo and asgd without --deterministic: the keeper's checkpoints hold each
+// rank's own state, sent to it by message (inner optimizer state and steps:
+// cfmo; error feedback of the bf16 wire and position: both), with the
+// owners' (shards, versions, outer momentum and pending round; asgd's shard
+// optimizer). A run resumed from one and stopped before its first step
+// writes a checkpoint equal to it file for file (every rank's state was
+// restored as saved); one that trains on starts at the checkpoint's loss,
+// not the first run's initial one.
+TEST(CfmoTrainWorkers, AsyncCheckpointsHoldEveryRanksOwnStateAndAResumedRunContinuesFromIt) {
+  for (const char* mode : {"cfmo", "asgd"}) {
+    SCOPED_TRACE(mode);
+    const bool cfmo = std::string(mode) == "cfmo";
+    TempDir dir;
+    const fs::path whole = dir / "whole";
+    const std::vector<std::string> job = {"--workers", "3", "--mode", mode, "--steps", "60", "--log-every", "1"};
+    auto with = [&](std::vector<std::string> extra) {
+      std::vector<std::string> all = job;
+      all.insert(all.end(), extra.begin(), extra.end());
+      return args(all);
+    };
+    const RunResult first =
+        run(with({"--checkpoint-every", "10", "--keep-checkpoints", "100", "--slowdown", "0=2", "--slowdown", "1=2",
+                  "--slowdown", "2=2", "--out", whole.string(), "--json"}),
+            300);
+    ASSERT_EQ(first.status, 0) << first.err;
+    const auto saved = checkpoints_of(whole);
+    ASSERT_FALSE(saved.empty());
+    const fs::path at = saved.front();
+    const auto state = nlohmann::json::parse(slurp(at / "state.json"));
+    EXPECT_EQ(state["ranks"].size(), 3u) << state.dump();
+    EXPECT_EQ(state["wire_residuals"].size(), 3u) << state.dump();
+    if (cfmo) {
+      EXPECT_EQ(state["rank_optimizers"],
+                nlohmann::json::array({"optimizer-rank-1.safetensors", "optimizer-rank-2.safetensors"}));
+      EXPECT_EQ(state["rank_optimizer_steps"].size(), 3u) << state.dump();
+      // Each rank's own, not the keeper's for every rank.
+      EXPECT_NE(parameters(at / "optimizer-rank-1.safetensors"), parameters(at / "optimizer.safetensors"));
+      EXPECT_EQ(state["outer_in_round"].size(), 3u) << state.dump();
+    } else {
+      EXPECT_FALSE(state.contains("rank_optimizers")) << "asgd's owners optimize: " << state.dump();
+      EXPECT_EQ(state["shard_optimizer_steps"].size(), 3u) << state.dump();
+    }
+
+    // Restored as saved: no step taken, the end's checkpoint is the same one.
+    const fs::path idle = dir / "idle";
+    const RunResult stopped =
+        run(with({"--resume", at.string(), "--time-limit", "1ms", "--out", idle.string(), "--json"}), 300);
+    ASSERT_EQ(stopped.status, 0) << stopped.err;
+    ASSERT_EQ(last_json(stopped.out)["steps"], 0) << "a step was taken: " << stopped.out;
+    const fs::path again = idle / "checkpoints" / at.filename();
+    ASSERT_TRUE(fs::exists(again / "state.json")) << again;
+    EXPECT_TRUE(checkpoint_files(again) == checkpoint_files(at)) << "a rank's restored state differs from the saved one";
+    auto positions = [](const fs::path& c) {
+      auto j = nlohmann::json::parse(slurp(c / "state.json"));
+      for (auto& r : j["ranks"]) r.erase("train_s");
+      j.erase("train_s");
+      return j;
+    };
+    EXPECT_EQ(positions(again), positions(at));
+
+    // Trained on (a larger budget) from the end's checkpoint, the resumed run
+    // starts at the loss the first one ended with.
+    const fs::path on = dir / "on";
+    const RunResult resumed =
+        run(args({"--workers", "3", "--mode", mode, "--steps", "120", "--log-every", "1", "--resume",
+                  whole.string(), "--out", on.string(), "--json"}),
+            300);
+    ASSERT_EQ(resumed.status, 0) << resumed.err;
+    const double start = first_loss(whole);
+    const double continued = first_loss(on);
+    const double ended = last_json(first.out)["train_loss"].get<double>();
+    EXPECT_LT(std::abs(continued - ended), std::abs(continued - start))
+        << "the resumed run's first loss " << continued << " is nearer the first run's start (" << start
+        << ") than its end (" << ended << ")";
+  }
+}
+
 TEST(CfmoTrainWorkers, EveryModeCheckpointsTheGlobalParametersMidRunAndResumes) {
   for (const char* mode : {"sync", "localsgd", "cfmo", "asgd"}) {
     SCOPED_TRACE(mode);
