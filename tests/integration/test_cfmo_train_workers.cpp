@@ -1153,9 +1153,60 @@ TEST(CfmoTrainWorkers, CfmoExpertParallelWorkersGoOnWithoutAKilledRankAndNameIts
   ASSERT_EQ(j["lost"].size(), 1u) << j.dump();
   EXPECT_EQ(j["lost"][0]["experts"], nlohmann::json::array({1}));  // 4 experts over 3 ranks: rank 1 held expert 1
   EXPECT_EQ(j["moe"]["dispatch"]["lost_experts"], nlohmann::json::array({1}));
+  // The model is still written: expert 1 as the newest checkpoint had it
+  // (one at each epoch's end), or at its initial values if none was; the
+  // line and the summary say which.
   const std::string err = slurp(dir / "err-0");
-  EXPECT_NE(err.find("experts 1 were lost with their workers"), std::string::npos) << err;
-  EXPECT_FALSE(fs::exists(dir / "run" / "model.safetensors"));  // no model missing an expert
+  EXPECT_NE(err.find("experts 1 were lost with their workers: model.safetensors holds them "), std::string::npos)
+      << err;
+  ASSERT_TRUE(j["lost"][0]["experts_from"].is_string()) << j.dump();
+  const std::string from = j["lost"][0]["experts_from"].get<std::string>();
+  EXPECT_TRUE(from == "initial values" || from.find("/checkpoints/step-") != std::string::npos) << from;
+  const auto model = tensors_of(dir / "run" / "model.safetensors");
+  for (int e = 0; e < 4; ++e) EXPECT_TRUE(model.contains("h.0.mlp.experts." + std::to_string(e) + ".c_fc.weight")) << e;
+  if (from != "initial values") {
+    EXPECT_EQ(model.at("h.0.mlp.experts.1.c_fc.weight"),
+              tensors_of(fs::path(from) / "model.safetensors").at("h.0.mlp.experts.1.c_fc.weight"));
+  }
+}
+
+// cfmo with expert parallelism writes checkpoints during the run too: each
+// rank's experts (with their optimizer state) and its own inner state come to
+// the keeper by message, which writes the whole model. Resumed from one and
+// stopped before a step, the run writes the same checkpoint again: every
+// rank took its experts back and sent them as they were.
+TEST(CfmoTrainWorkers, CfmoExpertParallelCheckpointAndResumeRestoreEveryRanksExperts) {
+  TempDir dir;
+  const std::vector<std::string> job = {"--workers", "3", "--mode", "cfmo", "--expert-parallel", "--dispatch", "async"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = job;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return moe_args(dir / "corpus.txt", all);
+  };
+  const fs::path run_dir = dir / "run";
+  const RunResult first = run(with({"--steps", "60", "--checkpoint-every", "10", "--keep-checkpoints", "100",
+                                    "--slowdown", "0=2", "--out", run_dir.string(), "--json"}),
+                              300);
+  ASSERT_EQ(first.status, 0) << first.err;
+  const auto saved = checkpoints_of(run_dir);
+  ASSERT_FALSE(saved.empty());
+  const fs::path at = saved.front();
+  const auto params = tensors_of(at / "model.safetensors");
+  const auto state = tensors_of(at / "optimizer.safetensors");
+  for (int e = 0; e < 4; ++e) {
+    const std::string name = "h.1.mlp.experts." + std::to_string(e) + ".c_proj.weight";
+    EXPECT_TRUE(params.contains(name)) << name;
+    EXPECT_TRUE(state.contains(name + ".exp_avg")) << name;
+  }
+  EXPECT_EQ(nlohmann::json::parse(slurp(at / "state.json"))["rank_optimizers"].size(), 2u);
+
+  const fs::path idle = dir / "idle";
+  const RunResult stopped = run(with({"--resume", at.string(), "--time-limit", "1ms", "--out", idle.string(), "--json"}), 300);
+  ASSERT_EQ(stopped.status, 0) << stopped.err;
+  ASSERT_EQ(last_json(stopped.out)["steps"], 0) << "a step was taken: " << stopped.out;
+  const fs::path again = idle / "checkpoints" / at.filename();
+  EXPECT_TRUE(checkpoint_files(again) == checkpoint_files(at)) << "a rank's experts or state differ from the saved ones";
+  EXPECT_EQ(tensors_of(idle / "model.safetensors"), params);
 }
 
 TEST(CfmoTrainWorkers, BadExpertParallelSpecsAreUsageErrorsInOneLine) {
