@@ -192,10 +192,14 @@ Status TrainingRun::redistribute(const CheckpointWorld& saved) {
                                                                             saved.shard_optimizer_steps.end()));
   }
   if (rank == 0) {
+    // cfmo and asgd cut the global state into K shards (--owners), the others among the W workers.
+    ModeSettings owners;
+    owners.owners = config.owners;
+    const int shards = traits.asynchronous ? owner_count(owners, world) : world;
     observer().on_note(
         fmt::format("--resume '{}': written by {} worker(s), resumed with {}: the global state is "
                     "redistributed over {} shard(s) and every rank continues at epoch {}, batch {}",
-                    options.resume.string(), saved.workers, world, world, base.epoch, base.batch_in_epoch));
+                    options.resume.string(), saved.workers, world, shards, base.epoch, base.batch_in_epoch));
   }
   return {};
 }

@@ -737,6 +737,16 @@ TEST(CfmoTrainWorkers, AsyncCheckpointsHoldEveryRanksOwnStateAndAResumedRunConti
     EXPECT_LT(std::abs(continued - ended), std::abs(continued - start))
         << "the resumed run's first loss " << continued << " is nearer the first run's start (" << start
         << ") than its end (" << ended << ")";
+
+    // Fewer workers (and --owners 1) take it up too: the shards and positions redistributed, one line saying so.
+    const RunResult two = run(args({"--workers", "2", "--mode", mode, "--owners", "1", "--steps", "120", "--slowdown", "0=1", "--resume",
+                                    at.string(), "--out", (dir / "two").string(), "--no-quiet", "--json"}),
+                              300);
+    EXPECT_EQ(two.status, 0) << two.err;
+    EXPECT_NE(two.err.find("written by 3 worker(s), resumed with 2: the global state is redistributed over 1 shard(s)"),
+              std::string::npos)
+        << two.err;
+    EXPECT_EQ(last_json(two.out)["workers"], 2) << two.out;
   }
 }
 
