@@ -4,8 +4,8 @@
 // expert (a run resumes from them with or without --expert-parallel).
 #include "train/training_run.h"
 
-#include "model/factory.h"
 #include "ckpt/safetensors.h"
+#include "model/factory.h"
 #include "moe/dispatch.h"
 
 #include <nlohmann/json.hpp>

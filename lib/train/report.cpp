@@ -180,14 +180,13 @@ std::string summary_text(const TrainSummary& s) {
       if (l == s.lost.end()) {
         fmt::format_to(out, "  rank {}: lost during the run\n", r);
       } else {
-        fmt::format_to(out, "  rank {}: lost at step {}, {:.1f}s into the run ({}){}{}\n", r, l->step, l->wall_s,
-                       l->why, l->served_by >= 0 ? fmt::format(", its shard served by rank {}", l->served_by) : "",
-                       l->experts.empty() ? ""
-                                          : fmt::format(", its experts {} lost (their tokens take the residual){}",
-                                                        fmt::join(l->experts, ","),
-                                                        l->experts_from.empty()
-                                                            ? ""
-                                                            : "; model.safetensors has them from " + l->experts_from));
+        fmt::format_to(
+            out, "  rank {}: lost at step {}, {:.1f}s into the run ({}){}{}\n", r, l->step, l->wall_s, l->why,
+            l->served_by >= 0 ? fmt::format(", its shard served by rank {}", l->served_by) : "",
+            l->experts.empty()
+                ? ""
+                : fmt::format(", its experts {} lost (their tokens take the residual){}", fmt::join(l->experts, ","),
+                              l->experts_from.empty() ? "" : "; model.safetensors has them from " + l->experts_from));
       }
     }
     for (const auto& j : s.joined) {

@@ -183,10 +183,9 @@ void TrainingRun::name_lost_experts() {
   // A lost worker's experts existed nowhere else: the model holds them as the
   // newest checkpoint had them, or at their initial values.
   const std::string from = lost_experts_from.empty() ? "initial values" : lost_experts_from;
-  observer().on_warning(fmt::format("experts {} were lost with their workers: model.safetensors holds them {}",
-                                    fmt::join(lost_experts(), ","),
-                                    from == "initial values" ? "at their initial values"
-                                                             : fmt::format("as checkpoint '{}' had them", from)));
+  observer().on_warning(fmt::format(
+      "experts {} were lost with their workers: model.safetensors holds them {}", fmt::join(lost_experts(), ","),
+      from == "initial values" ? "at their initial values" : fmt::format("as checkpoint '{}' had them", from)));
   for (auto& l : summary.lost) {
     if (!l.experts.empty()) l.experts_from = from;
   }

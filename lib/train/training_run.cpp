@@ -530,9 +530,9 @@ void TrainingRun::take_up_keeping() {
   if (checkpoints || run_dir.empty() || mode->keeper() != rank) return;
   checkpoints = true;
   if (async && (!expert_parallel || rank_states)) {
-    checkpoint_writer = std::make_unique<CheckpointWriter>(
-        run_dir, model_spec, expert_parallel ? whole_layout : model().params(), options.config_toml,
-        config.keep_checkpoints);
+    checkpoint_writer =
+        std::make_unique<CheckpointWriter>(run_dir, model_spec, expert_parallel ? whole_layout : model().params(),
+                                           options.config_toml, config.keep_checkpoints);
   }
 }
 

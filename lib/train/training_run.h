@@ -132,7 +132,7 @@ struct TrainingRun {
   std::unique_ptr<RankStates> rank_states;  ///< null: not asynchronous, --deterministic or no run directory
   uint64_t states_asked = 0;                ///< the keeper: its open request (0: none)
   Clock::time_point states_asked_at;
-  std::optional<GlobalState> pending_global;  ///< the keeper: a snapshot waiting for the ranks' states
+  std::optional<GlobalState> pending_global;   ///< the keeper: a snapshot waiting for the ranks' states
   std::vector<model::ParamInfo> whole_layout;  ///< --expert-parallel: the layout of the model holding every expert
 
   /// Writes a checkpoint (rank 0) of the global state; with

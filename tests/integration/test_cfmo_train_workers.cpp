@@ -683,10 +683,9 @@ TEST(CfmoTrainWorkers, AsyncCheckpointsHoldEveryRanksOwnStateAndAResumedRunConti
       all.insert(all.end(), extra.begin(), extra.end());
       return args(all);
     };
-    const RunResult first =
-        run(with({"--checkpoint-every", "10", "--keep-checkpoints", "100", "--slowdown", "0=2", "--slowdown", "1=2",
-                  "--slowdown", "2=2", "--out", whole.string(), "--json"}),
-            300);
+    const RunResult first = run(with({"--checkpoint-every", "10", "--keep-checkpoints", "100", "--slowdown", "0=2",
+                                      "--slowdown", "1=2", "--slowdown", "2=2", "--out", whole.string(), "--json"}),
+                                300);
     ASSERT_EQ(first.status, 0) << first.err;
     const auto saved = checkpoints_of(whole);
     ASSERT_FALSE(saved.empty());
@@ -714,7 +713,8 @@ TEST(CfmoTrainWorkers, AsyncCheckpointsHoldEveryRanksOwnStateAndAResumedRunConti
     ASSERT_EQ(last_json(stopped.out)["steps"], 0) << "a step was taken: " << stopped.out;
     const fs::path again = idle / "checkpoints" / at.filename();
     ASSERT_TRUE(fs::exists(again / "state.json")) << again;
-    EXPECT_TRUE(checkpoint_files(again) == checkpoint_files(at)) << "a rank's restored state differs from the saved one";
+    EXPECT_TRUE(checkpoint_files(again) == checkpoint_files(at))
+        << "a rank's restored state differs from the saved one";
     auto positions = [](const fs::path& c) {
       auto j = nlohmann::json::parse(slurp(c / "state.json"));
       for (auto& r : j["ranks"]) r.erase("train_s");
@@ -726,10 +726,9 @@ TEST(CfmoTrainWorkers, AsyncCheckpointsHoldEveryRanksOwnStateAndAResumedRunConti
     // Trained on (a larger budget) from the end's checkpoint, the resumed run
     // starts at the loss the first one ended with.
     const fs::path on = dir / "on";
-    const RunResult resumed =
-        run(args({"--workers", "3", "--mode", mode, "--steps", "120", "--log-every", "1", "--resume",
-                  whole.string(), "--out", on.string(), "--json"}),
-            300);
+    const RunResult resumed = run(args({"--workers", "3", "--mode", mode, "--steps", "120", "--log-every", "1",
+                                        "--resume", whole.string(), "--out", on.string(), "--json"}),
+                                  300);
     ASSERT_EQ(resumed.status, 0) << resumed.err;
     const double start = first_loss(whole);
     const double continued = first_loss(on);
@@ -739,9 +738,10 @@ TEST(CfmoTrainWorkers, AsyncCheckpointsHoldEveryRanksOwnStateAndAResumedRunConti
         << ") than its end (" << ended << ")";
 
     // Fewer workers (and --owners 1) take it up too: the shards and positions redistributed, one line saying so.
-    const RunResult two = run(args({"--workers", "2", "--mode", mode, "--owners", "1", "--steps", "120", "--slowdown", "0=1", "--resume",
-                                    at.string(), "--out", (dir / "two").string(), "--no-quiet", "--json"}),
-                              300);
+    const RunResult two =
+        run(args({"--workers", "2", "--mode", mode, "--owners", "1", "--steps", "120", "--slowdown", "0=1", "--resume",
+                  at.string(), "--out", (dir / "two").string(), "--no-quiet", "--json"}),
+            300);
     EXPECT_EQ(two.status, 0) << two.err;
     EXPECT_NE(two.err.find("written by 3 worker(s), resumed with 2: the global state is redistributed over 1 shard(s)"),
               std::string::npos)
@@ -1211,11 +1211,13 @@ TEST(CfmoTrainWorkers, CfmoExpertParallelCheckpointAndResumeRestoreEveryRanksExp
   EXPECT_EQ(nlohmann::json::parse(slurp(at / "state.json"))["rank_optimizers"].size(), 2u);
 
   const fs::path idle = dir / "idle";
-  const RunResult stopped = run(with({"--resume", at.string(), "--time-limit", "1ms", "--out", idle.string(), "--json"}), 300);
+  const RunResult stopped =
+      run(with({"--resume", at.string(), "--time-limit", "1ms", "--out", idle.string(), "--json"}), 300);
   ASSERT_EQ(stopped.status, 0) << stopped.err;
   ASSERT_EQ(last_json(stopped.out)["steps"], 0) << "a step was taken: " << stopped.out;
   const fs::path again = idle / "checkpoints" / at.filename();
-  EXPECT_TRUE(checkpoint_files(again) == checkpoint_files(at)) << "a rank's experts or state differ from the saved ones";
+  EXPECT_TRUE(checkpoint_files(again) == checkpoint_files(at))
+      << "a rank's experts or state differ from the saved ones";
   EXPECT_EQ(tensors_of(idle / "model.safetensors"), params);
 }
 
