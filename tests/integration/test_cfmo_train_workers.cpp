@@ -653,6 +653,19 @@ std::map<std::string, std::string> checkpoint_files(const fs::path& checkpoint) 
   return out;
 }
 
+// Resumed from checkpoint `at` with `job` (the run's arguments) and stopped
+// before its first step, a run writes into `idle` a checkpoint equal to `at`
+// file for file: every rank's state (and expert) was restored as saved.
+void expect_restored_as_saved(std::vector<std::string> job, const fs::path& at, const fs::path& idle) {
+  job.insert(job.end(), {"--resume", at.string(), "--time-limit", "1ms", "--out", idle.string(), "--json"});
+  const RunResult stopped = run(job, 300);
+  ASSERT_EQ(stopped.status, 0) << stopped.err;
+  ASSERT_EQ(last_json(stopped.out)["steps"], 0) << "a step was taken: " << stopped.out;
+  const fs::path again = idle / "checkpoints" / at.filename();
+  ASSERT_TRUE(fs::exists(again / "state.json")) << again;
+  EXPECT_TRUE(checkpoint_files(again) == checkpoint_files(at)) << "a rank's restored state differs from the saved one";
+}
+
 // The loss of rank 0's first logged step in a run directory.
 double first_loss(const fs::path& run_dir) {
   std::istringstream in(slurp(run_dir / "metrics.jsonl"));
@@ -707,14 +720,8 @@ TEST(CfmoTrainWorkers, AsyncCheckpointsHoldEveryRanksOwnStateAndAResumedRunConti
 
     // Restored as saved: no step taken, the end's checkpoint is the same one.
     const fs::path idle = dir / "idle";
-    const RunResult stopped =
-        run(with({"--resume", at.string(), "--time-limit", "1ms", "--out", idle.string(), "--json"}), 300);
-    ASSERT_EQ(stopped.status, 0) << stopped.err;
-    ASSERT_EQ(last_json(stopped.out)["steps"], 0) << "a step was taken: " << stopped.out;
+    expect_restored_as_saved(with({}), at, idle);
     const fs::path again = idle / "checkpoints" / at.filename();
-    ASSERT_TRUE(fs::exists(again / "state.json")) << again;
-    EXPECT_TRUE(checkpoint_files(again) == checkpoint_files(at))
-        << "a rank's restored state differs from the saved one";
     auto positions = [](const fs::path& c) {
       auto j = nlohmann::json::parse(slurp(c / "state.json"));
       for (auto& r : j["ranks"]) r.erase("train_s");
@@ -1142,41 +1149,69 @@ TEST(CfmoTrainWorkers, CfmoWithExpertParallelismTrainsAndWritesEveryExpert) {
 // A worker killed mid-run in cfmo: its experts' tokens take the residual
 // path from then on, the others finish (status 0) and name the experts lost.
 TEST(CfmoTrainWorkers, CfmoExpertParallelWorkersGoOnWithoutAKilledRankAndNameItsExperts) {
-  TempDir dir;
-  (void)moe_args(dir / "corpus.txt", {});
-  auto ranks = start_ranks(dir, 3,
-                           {"--data", "text:" + (dir / "corpus.txt").string(), "--model",
-                            "gpt:layers=2,heads=2,dim=16,context=16,experts=4,top_k=2,expert_dim=16", "--batch-size",
-                            "4", "--mode", "cfmo", "--expert-parallel", "--dispatch", "async", "--steps", "600",
-                            "--log-every", "1", "--json", "--out", (dir / "run").string()});
-  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
-      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
-  kill(ranks.processes[1].pid, SIGKILL);
-  ASSERT_TRUE(ranks.processes[1].wait(10));  // reaped at once, as above
-  for (int r : {0, 2}) {
-    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(240)) << "rank " << r << " hangs";
-    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 0) << slurp(dir / ("err-" + std::to_string(r)));
-  }
-  const auto j = last_json(slurp(dir / "out-0"));
-  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0") << slurp(dir / "err-0");
-  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({1}));
-  ASSERT_EQ(j["lost"].size(), 1u) << j.dump();
-  EXPECT_EQ(j["lost"][0]["experts"], nlohmann::json::array({1}));  // 4 experts over 3 ranks: rank 1 held expert 1
-  EXPECT_EQ(j["moe"]["dispatch"]["lost_experts"], nlohmann::json::array({1}));
-  // The model is still written: expert 1 as the newest checkpoint had it
-  // (one at each epoch's end), or at its initial values if none was; the
-  // line and the summary say which.
-  const std::string err = slurp(dir / "err-0");
-  EXPECT_NE(err.find("experts 1 were lost with their workers: model.safetensors holds them "), std::string::npos)
-      << err;
-  ASSERT_TRUE(j["lost"][0]["experts_from"].is_string()) << j.dump();
-  const std::string from = j["lost"][0]["experts_from"].get<std::string>();
-  EXPECT_TRUE(from == "initial values" || from.find("/checkpoints/step-") != std::string::npos) << from;
-  const auto model = tensors_of(dir / "run" / "model.safetensors");
-  for (int e = 0; e < 4; ++e) EXPECT_TRUE(model.contains("h.0.mlp.experts." + std::to_string(e) + ".c_fc.weight")) << e;
-  if (from != "initial values") {
-    EXPECT_EQ(model.at("h.0.mlp.experts.1.c_fc.weight"),
-              tensors_of(fs::path(from) / "model.safetensors").at("h.0.mlp.experts.1.c_fc.weight"));
+  // Killed at its first logged step (before any checkpoint, as a rule), and
+  // again once a checkpoint was written: the model is still written, expert 1
+  // at its initial values or as the newest checkpoint had it; the line and
+  // the summary say which.
+  for (const bool after_checkpoint : {false, true}) {
+    SCOPED_TRACE(after_checkpoint ? "killed after a checkpoint" : "killed at once");
+    TempDir dir;
+    (void)moe_args(dir / "corpus.txt", {});
+    std::vector<std::string> job = {"--data",
+                                    "text:" + (dir / "corpus.txt").string(),
+                                    "--model",
+                                    "gpt:layers=2,heads=2,dim=16,context=16,experts=4,top_k=2,expert_dim=16",
+                                    "--batch-size",
+                                    "4",
+                                    "--mode",
+                                    "cfmo",
+                                    "--expert-parallel",
+                                    "--dispatch",
+                                    "async",
+                                    "--steps",
+                                    "600",
+                                    "--log-every",
+                                    "1",
+                                    "--keep-checkpoints",
+                                    "1000",
+                                    "--json",
+                                    "--out",
+                                    (dir / "run").string()};
+    if (after_checkpoint) job.insert(job.end(), {"--checkpoint-every", "5"});
+    auto ranks = start_ranks(dir, 3, job);
+    const fs::path waited =
+        after_checkpoint ? dir / "run" / "checkpoints" / "latest" : dir / "run" / "metrics-rank-1.jsonl";
+    ASSERT_TRUE(wait_for_progress(ranks, waited, 120))
+        << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+    kill(ranks.processes[1].pid, SIGKILL);
+    ASSERT_TRUE(ranks.processes[1].wait(10));  // reaped at once, as above
+    for (int r : {0, 2}) {
+      ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(240)) << "rank " << r << " hangs";
+      EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 0) << slurp(dir / ("err-" + std::to_string(r)));
+    }
+    const auto j = last_json(slurp(dir / "out-0"));
+    ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0") << slurp(dir / "err-0");
+    EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({1}));
+    ASSERT_EQ(j["lost"].size(), 1u) << j.dump();
+    EXPECT_EQ(j["lost"][0]["experts"], nlohmann::json::array({1}));  // 4 experts over 3 ranks: rank 1 held expert 1
+    EXPECT_EQ(j["moe"]["dispatch"]["lost_experts"], nlohmann::json::array({1}));
+    const std::string err = slurp(dir / "err-0");
+    EXPECT_NE(err.find("experts 1 were lost with their workers: model.safetensors holds them "), std::string::npos)
+        << err;
+    ASSERT_TRUE(j["lost"][0]["experts_from"].is_string()) << j.dump();
+    const std::string from = j["lost"][0]["experts_from"].get<std::string>();
+    const auto model = tensors_of(dir / "run" / "model.safetensors");
+    for (int e = 0; e < 4; ++e) {
+      EXPECT_TRUE(model.contains("h.0.mlp.experts." + std::to_string(e) + ".c_fc.weight")) << e;
+    }
+    if (after_checkpoint) {
+      ASSERT_NE(from.find("/checkpoints/step-"), std::string::npos) << from;
+      EXPECT_NE(err.find("as checkpoint '" + from + "' had them"), std::string::npos) << err;
+      EXPECT_EQ(model.at("h.0.mlp.experts.1.c_fc.weight"),
+                tensors_of(fs::path(from) / "model.safetensors").at("h.0.mlp.experts.1.c_fc.weight"));
+    } else if (from == "initial values") {
+      EXPECT_NE(err.find("holds them at their initial values"), std::string::npos) << err;
+    }
   }
 }
 
@@ -1211,13 +1246,7 @@ TEST(CfmoTrainWorkers, CfmoExpertParallelCheckpointAndResumeRestoreEveryRanksExp
   EXPECT_EQ(nlohmann::json::parse(slurp(at / "state.json"))["rank_optimizers"].size(), 2u);
 
   const fs::path idle = dir / "idle";
-  const RunResult stopped =
-      run(with({"--resume", at.string(), "--time-limit", "1ms", "--out", idle.string(), "--json"}), 300);
-  ASSERT_EQ(stopped.status, 0) << stopped.err;
-  ASSERT_EQ(last_json(stopped.out)["steps"], 0) << "a step was taken: " << stopped.out;
-  const fs::path again = idle / "checkpoints" / at.filename();
-  EXPECT_TRUE(checkpoint_files(again) == checkpoint_files(at))
-      << "a rank's experts or state differ from the saved ones";
+  expect_restored_as_saved(with({}), at, idle);
   EXPECT_EQ(tensors_of(idle / "model.safetensors"), params);
 }
 
