@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
 # Issue 15's training comparison of a Mixture-of-Experts GPT on this machine:
-# 4 workers, E = 12 experts, top-2 (the article's shape), a GPT of layers=2,
-# heads=4, dim=128, context=64, one worker 1.25x slower, at equal tokens.
+# WORKERS workers (4 by default), E = 12 experts, top-2 (the article's
+# shape), a GPT of layers=2, heads=4, dim=128, context=64, one worker 1.25x
+# slower (SLOWDOWN), at equal tokens.
 #
 #   moe-sync     every rank holds every expert (data parallel), --mode sync
 #   moe-cfmo     the same, --mode cfmo
 #   dense-sync   the dense GPT of the same active parameters (expert_dim 256:
 #                two experts of 2 C D = the dense MLP's 8 C^2), --mode sync
-#   moe-ep-*     expert parallel (--expert-parallel), where cfmo-train has it:
-#                moe-ep-sync (sync mode, sync dispatch), moe-ep-sync-async
-#                (sync mode, --dispatch async), moe-ep-cfmo (cfmo mode,
-#                --dispatch async: the issue's target, >= 1.5x moe-ep-sync)
+#   moe-ep-*     expert parallel (--expert-parallel): moe-ep-sync (sync mode,
+#                sync dispatch), moe-ep-sync-async (sync mode, --dispatch
+#                async), moe-ep-cfmo (cfmo mode, --dispatch async: the
+#                issue's target, >= 1.5x moe-ep-sync); the *-even rows are
+#                moe-ep-sync and moe-ep-cfmo without the slowdown (async
+#                should not be slower)
+#   solo         one worker holding every expert, no slowdown, TOKENS/2
+#                tokens: the CPU ceiling of this machine is its tokens/s
+#                times the cores the workers can use (min(WORKERS, nproc);
+#                with fewer workers than cores, each slowed worker counts
+#                1/FACTOR of a core): no mode can go faster, whatever it
+#                overlaps
 #
 # The rows run alternately (rep 1 of every row, then rep 2, ...) so that a
 # change in the machine's load spreads over all of them; tokens/s, val_loss
 # and the peak resident memory of the largest process (a rank: /usr/bin/time
-# reports the largest child) are medians over REPS. Prints a Markdown table
-# and the ratios; --record appends them to bench/RESULTS.md.
+# reports the largest child) are medians over REPS, each rank's own peak
+# resident memory (getrusage, the summary's per_worker) too. Prints a
+# Markdown table, the ratios, the ceiling and the memory per rank;
+# --record appends them to bench/RESULTS.md.
 #
 #   bench/moe_train.sh [--record]
 #   REPS=3 TOKENS=200000 WORKERS=4 SLOWDOWN=1=1.25 VAL_TOKENS=50000   (the defaults)
@@ -27,7 +38,7 @@ cd "$(dirname "$0")/.."
 REPS=${REPS:-3}
 TOKENS=${TOKENS:-200000}
 WORKERS=${WORKERS:-4}
-SLOWDOWN=${SLOWDOWN:-1=1.25}
+SLOWDOWN=${SLOWDOWN-1=1.25}
 VAL_TOKENS=${VAL_TOKENS:-50000}
 DATA=${DATA:-text:/usr/share/games/fortunes}
 TRAIN=${TRAIN:-build/tools/cfmo-train}
@@ -37,16 +48,22 @@ record=false
 
 gpt=gpt:layers=2,heads=4,dim=128,context=64
 moe=$gpt,experts=12,top_k=2,expert_dim=256
-rows=("moe-sync|$moe|--mode sync" "moe-cfmo|$moe|--mode cfmo" "dense-sync|$gpt|--mode sync")
+slow=${SLOWDOWN:+--slowdown $SLOWDOWN}
+# name|model|flags|workers|tokens
+rows=("moe-sync|$moe|--mode sync $slow|$WORKERS|$TOKENS" "moe-cfmo|$moe|--mode cfmo $slow|$WORKERS|$TOKENS"
+  "dense-sync|$gpt|--mode sync $slow|$WORKERS|$TOKENS")
 # The help in a variable: grep -q would close the pipe early, and pipefail fail the test.
 help=$("$TRAIN" --help 2>/dev/null || true)
 if grep -q -- '--expert-parallel' <<< "$help"; then
-  rows+=("moe-ep-sync|$moe|--mode sync --expert-parallel")
+  rows+=("moe-ep-sync|$moe|--mode sync --expert-parallel $slow|$WORKERS|$TOKENS")
 fi
 if grep -q -- '--dispatch ' <<< "$help"; then
-  rows+=("moe-ep-sync-async|$moe|--mode sync --expert-parallel --dispatch async")
-  rows+=("moe-ep-cfmo|$moe|--mode cfmo --expert-parallel --dispatch async")
+  rows+=("moe-ep-sync-async|$moe|--mode sync --expert-parallel --dispatch async $slow|$WORKERS|$TOKENS")
+  rows+=("moe-ep-cfmo|$moe|--mode cfmo --expert-parallel --dispatch async $slow|$WORKERS|$TOKENS")
+  rows+=("moe-ep-sync-even|$moe|--mode sync --expert-parallel|$WORKERS|$TOKENS")
+  rows+=("moe-ep-cfmo-even|$moe|--mode cfmo --expert-parallel --dispatch async|$WORKERS|$TOKENS")
 fi
+rows+=("solo|$moe|--mode sync|1|$((TOKENS / 2))")
 # ROWS=moe-ep-sync,moe-ep-cfmo runs only those rows.
 if [ -n "${ROWS:-}" ]; then
   kept=()
@@ -57,15 +74,15 @@ fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 command="REPS=$REPS TOKENS=$TOKENS WORKERS=$WORKERS SLOWDOWN=$SLOWDOWN VAL_TOKENS=$VAL_TOKENS${ROWS:+ ROWS=$ROWS} bench/moe_train.sh"
-common=(--data "$DATA" --batch-size 16 --workers "$WORKERS" --slowdown "$SLOWDOWN" --tokens "$TOKENS" --epochs 0
-  --val-tokens "$VAL_TOKENS" --lr 0.003 --beta2 0.95 --quiet --json)
+common=(--data "$DATA" --batch-size 16 --epochs 0 --val-tokens "$VAL_TOKENS" --lr 0.003 --beta2 0.95 --quiet --json)
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 start=$(date +%s)
 for rep in $(seq 1 "$REPS"); do
   for row in "${rows[@]}"; do
-    IFS='|' read -r name model flags <<< "$row"
+    IFS='|' read -r name model flags workers tokens <<< "$row"
     # shellcheck disable=SC2086
-    /usr/bin/time -v "$TRAIN" --model "$model" $flags "${common[@]}" > "$tmp/$name.$rep.json" 2> "$tmp/$name.$rep.err" ||
+    /usr/bin/time -v "$TRAIN" --model "$model" $flags --workers "$workers" --tokens "$tokens" "${common[@]}" \
+      > "$tmp/$name.$rep.json" 2> "$tmp/$name.$rep.err" ||
       { echo "run failed: $name rep $rep" >&2; tail -3 "$tmp/$name.$rep.err" >&2; }
     echo "$name rep $rep: done" >&2
   done
@@ -73,13 +90,14 @@ done
 elapsed=$(($(date +%s) - start))
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 
-report=$("$PY" - "$tmp" "$REPS" "${rows[@]}" <<'EOF'
+report=$("$PY" - "$tmp" "$REPS" "$(nproc)" "$SLOWDOWN" "${rows[@]}" <<'EOF'
 import json, os, re, statistics, sys
-root, reps, rows = sys.argv[1], int(sys.argv[2]), [r.split("|") for r in sys.argv[3:]]
+root, reps, cores, slowdown = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rows = [r.split("|") for r in sys.argv[5:]]
 def median(values):
     return statistics.median(values) if values else float("nan")
 out = {}
-for name, model, flags in rows:
+for name, model, flags, workers, tokens in rows:
     speed, loss, rss, ranks_rss, wait = [], [], [], [], []
     for rep in range(1, reps + 1):
         try:
@@ -96,7 +114,8 @@ for name, model, flags in rows:
         wait.append([w.get("dispatch_wait_s", 0) for w in per])
     per_rank = [median([r[i] for r in ranks_rss if len(r) > i]) for i in range(max(map(len, ranks_rss), default=0))]
     waits = [median([r[i] for r in wait if len(r) > i]) for i in range(max(map(len, wait), default=0))]
-    out[name] = (median(speed), median(loss), median(rss), len(speed), model, flags, moe, per_rank, waits)
+    out[name] = (median(speed), median(loss), median(rss), len(speed), model, f"{flags} --workers {workers}", moe, per_rank,
+                 waits)
 print("| row | model | flags | runs | tokens/s (median) | val_loss (median) | peak RSS of a rank, MB | each rank's peak RSS, MB | each rank's dispatch wait, s | dispatch/combine p50, us | late (rank 0) | aux loss | dropped |")
 print("| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |")
 for name, (s, l, r, n, model, flags, moe, per_rank, waits) in out.items():
@@ -115,8 +134,39 @@ def ratio(a, b, what):
 ratio("moe-cfmo", "moe-sync", "cfmo against sync, every rank holding every expert")
 ratio("moe-sync", "dense-sync", "the MoE against the dense GPT of the same active parameters")
 ratio("moe-ep-cfmo", "moe-ep-sync", "expert parallel: cfmo with async dispatch against sync with sync dispatch; target 1.5x")
+ratio("moe-ep-cfmo-even", "moe-ep-sync-even", "the same without a slowdown: async should not be slower")
 ratio("moe-ep-sync-async", "moe-ep-sync", "expert parallel, sync mode: async dispatch against sync dispatch")
 ratio("moe-ep-sync", "moe-sync", "expert parallel against every rank holding every expert")
+workers = next((int(r[3]) for r in rows if r[0] != "solo"), 0)
+if "solo" in out and workers > 0:
+    # With more workers than cores a slowed worker's sleep frees its core for
+    # the others; with fewer, each worker has a core and a slowed one uses 1/FACTOR of it.
+    factors = [1.0] * workers
+    for item in filter(None, slowdown.split(",")):
+        rank, factor = item.split("=")
+        if int(rank) < workers:
+            factors[int(rank)] = float(factor)
+    used = cores if workers > cores else sum(1 / f for f in factors)
+    ceiling = out["solo"][0] * used
+    print(f"\nCPU ceiling: {ceiling:.0f} tokens/s = solo {out['solo'][0]:.0f} tokens/s x {used:.2f} cores "
+          f"({workers} workers on {cores} cores, slowdown {slowdown or 'none'}); each row's share of it:")
+    for name, o in out.items():
+        if name != "solo" and o[0] == o[0]:
+            print(f"- {name}: {o[0] / ceiling:.2f}")
+    if "moe-ep-sync" in out and out["moe-ep-sync"][0] > 0:
+        print(f"- the most any mode can gain over moe-ep-sync here: {ceiling / out['moe-ep-sync'][0]:.2f}x")
+def mean(values):
+    return sum(values) / len(values) if values else float("nan")
+if "moe-ep-sync" in out and "moe-sync" in out:
+    ep, dp = mean(out["moe-ep-sync"][7]), mean(out["moe-sync"][7])
+    print(f"\nMemory per rank (peak RSS, mean over ranks of the medians): expert parallel {ep:.0f} MB "
+          f"(moe-ep-sync), every rank holding every expert {dp:.0f} MB (moe-sync): {dp - ep:.0f} MB less a rank")
+    for name in ("moe-ep-cfmo", "moe-cfmo", "dense-sync"):
+        if name in out:
+            print(f"- {name}: {mean(out[name][7]):.0f} MB")
+side = [n for n in ("moe-ep-sync", "moe-sync", "dense-sync") if n in out]
+if len(side) > 1:
+    print("\nSide by side (sync mode): " + "; ".join(f"{n} {out[n][0]:.0f} tokens/s, val_loss {out[n][1]:.4f}" for n in side))
 EOF
 )
 echo "$report"

@@ -3,8 +3,13 @@
 #include "moe/channels.h"
 #include "moe/stats.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cstring>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 namespace cfmo::model {
 namespace {
@@ -44,10 +49,47 @@ size_t total_of(std::span<const uint32_t> counts) {
   return n;
 }
 
+/// A message's parts (sizes checked against the message).
+struct Parsed {
+  Header h;
+  std::vector<uint32_t> counts;
+  size_t rows = 0;
+  size_t offset = 0;
+  const float* data = nullptr;
+};
+
+bool parse(const std::vector<std::byte>& bytes, size_t dim, Parsed& out) {
+  std::memcpy(&out.h, bytes.data(), sizeof out.h);
+  out.offset = rows_offset(out.h.count);
+  if (bytes.size() < out.offset) return false;
+  out.counts.resize(out.h.count);
+  if (out.h.count > 0) std::memcpy(out.counts.data(), bytes.data() + sizeof out.h, out.h.count * sizeof(uint32_t));
+  out.rows = (bytes.size() - out.offset) / (dim * sizeof(float));
+  out.data = reinterpret_cast<const float*>(bytes.data() + out.offset);
+  return true;
+}
+
+/// `low` (a pass's low 32 bits) widened against `near` (passes differ by far less than 2^31).
+int64_t widen(uint32_t low, int64_t near) { return near + static_cast<int32_t>(low - static_cast<uint32_t>(near)); }
+
+uint32_t float_mode() {
+#if defined(__x86_64__)
+  return _mm_getcsr();
+#else
+  return 0;
+#endif
+}
+
+void set_float_mode([[maybe_unused]] uint32_t mode) {
+#if defined(__x86_64__)
+  if (_mm_getcsr() != mode) _mm_setcsr(mode);
+#endif
+}
+
 }  // namespace
 
 ExpertExchange::ExpertExchange(comm::Communicator& comm, moe::ExpertPlacement placement, int layers,
-                               std::vector<int> moe_layers, int dim, int expert_dim, double deadline_s,
+                               std::vector<int> moe_layers, int dim, int expert_dim, double deadline_s, double slowdown,
                                TensorsOf tensors_of)
     : comm_(comm),
       placement_(placement),
@@ -58,8 +100,9 @@ ExpertExchange::ExpertExchange(comm::Communicator& comm, moe::ExpertPlacement pl
       dim_(dim),
       expert_dim_(expert_dim),
       setting_s_(deadline_s),
+      tensors_of_(std::move(tensors_of)),
       deadline_s_(deadline_s < 0 ? kNoDeadline : deadline_s),
-      tensors_of_(std::move(tensors_of)) {
+      pacer_(slowdown, 0, 1, 0, comm.rank()) {
   const auto r = static_cast<size_t>(ranks_);
   const auto l = static_cast<size_t>(layers_);
   served_.assign(r, std::vector<Served>(l));
@@ -68,19 +111,51 @@ ExpertExchange::ExpertExchange(comm::Communicator& comm, moe::ExpertPlacement pl
   done_.assign(r, 0);
   lost_.assign(r, 0);
   round_trips_.assign(r, {});
+  mxcsr_ = float_mode();
+  // The copy's layout, once: every MoE layer's local experts, each fc_w, fc_b, proj_w, proj_b.
+  const auto c = static_cast<size_t>(dim_);
+  const auto d = static_cast<size_t>(expert_dim_);
+  const size_t per_expert = 2 * c * d + c + d;
+  const auto local = static_cast<size_t>(placement_.count(rank_));
+  snapshot_.resize(moe_layers_.size() * local * per_expert);
+  snapshot_of_.assign(l, {});
+  float* at = snapshot_.data();
+  for (const int layer : moe_layers_) {
+    for (size_t i = 0; i < local; ++i) {
+      ExpertTensors t;
+      t.fc_w = at;
+      t.fc_b = at + c * d;
+      t.proj_w = t.fc_b + d;
+      t.proj_b = t.proj_w + d * c;
+      at += per_expert;
+      snapshot_of_[static_cast<size_t>(layer)].push_back(t);
+    }
+  }
+  server_ = std::thread([this] { serve_loop(); });
   comm_.on_message_owned(moe::channels::kModelExperts,
                          [this](int from, std::vector<std::byte> payload) { on_message(from, std::move(payload)); });
 }
 
-ExpertExchange::~ExpertExchange() { comm_.on_message_owned(moe::channels::kModelExperts, nullptr); }
+ExpertExchange::~ExpertExchange() {
+  comm_.on_message_owned(moe::channels::kModelExperts, nullptr);  // returns once no handler runs
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  requested_.notify_all();
+  server_.join();
+}
 
 void ExpertExchange::on_message(int from, std::vector<std::byte> payload) {
   if (payload.size() < sizeof(Header) || from < 0 || from >= ranks_) return;
+  uint32_t kind = 0;
+  std::memcpy(&kind, payload.data(), sizeof kind);
+  const bool reply = kind == kResults || kind == kGradResults;
   {
     std::lock_guard lock(mutex_);
-    inbox_.push_back(Message{from, std::move(payload), Clock::now()});
+    (reply ? replies_ : requests_).push_back(Message{from, std::move(payload), Clock::now()});
   }
-  arrived_.notify_one();
+  (reply ? answered_ : requested_).notify_one();
 }
 
 std::vector<int> ExpertExchange::lost_ranks() const {
@@ -117,6 +192,34 @@ void ExpertExchange::note_round_trip(int peer, double seconds) {
   round_trips_[static_cast<size_t>(peer)].push_back(seconds);
 }
 
+void ExpertExchange::take_snapshot(bool finishing) {
+  std::lock_guard copying(snapshot_mutex_);  // waits for a chunk the server is computing
+  for (const int layer : moe_layers_) {
+    const std::vector<ExpertTensors> live_params = tensors_of_(layer, false);
+    const std::vector<ExpertTensors>& copy = snapshot_of_[static_cast<size_t>(layer)];
+    const auto c = static_cast<size_t>(dim_);
+    const auto d = static_cast<size_t>(expert_dim_);
+    for (size_t i = 0; i < copy.size() && i < live_params.size(); ++i) {
+      std::copy_n(live_params[i].fc_w, c * d, copy[i].fc_w);
+      std::copy_n(live_params[i].fc_b, d, copy[i].fc_b);
+      std::copy_n(live_params[i].proj_w, d * c, copy[i].proj_w);
+      std::copy_n(live_params[i].proj_b, c, copy[i].proj_b);
+    }
+  }
+  {
+    std::lock_guard lock(mutex_);
+    snapshot_pass_ = pass_;
+    ++snapshots_;
+    if (finishing) {
+      finishing_ = true;
+      stash_.clear();
+    }
+    no_deadline_ = deadline_s_ == kNoDeadline;
+    mxcsr_ = float_mode();
+  }
+  requested_.notify_one();
+}
+
 void ExpertExchange::begin_pass(bool training) {
   ++pass_;
   training_ = training;
@@ -130,132 +233,173 @@ void ExpertExchange::begin_pass(bool training) {
     }
     if (!medians.empty()) deadline_s_ = std::max(1e-4, 1.5 * moe::percentile(medians, 0.5));
   }
-  // Chunks that waited for this pass are served now, in the order they came.
-  if (!deferred_.empty()) {
-    std::deque<Message> again;
-    again.swap(deferred_);
-    for (Message& m : again) {
-      if (!handle(m)) deferred_.push_back(std::move(m));
-    }
-  }
+  take_snapshot(false);  // chunks that waited for this pass are served now, in the order they came
 }
 
 void ExpertExchange::pump(Clock::time_point until, const std::function<bool()>& done) {
   auto last_health = Clock::time_point{};
+  std::deque<Message> batch;
+  std::unique_lock lock(mutex_);
   while (true) {
-    const auto now = Clock::now();
-    if (now - last_health > std::chrono::milliseconds(20)) {
+    if (const auto now = Clock::now(); now - last_health > std::chrono::milliseconds(20)) {
+      lock.unlock();
       refresh_lost();
+      lock.lock();
       last_health = now;
     }
-    std::deque<Message> batch;
-    {
-      std::lock_guard lock(mutex_);
-      batch.swap(inbox_);
-    }
-    for (Message& m : batch) {
-      if (!handle(m)) deferred_.push_back(std::move(m));
+    if (!replies_.empty()) {
+      batch.swap(replies_);
+      lock.unlock();
+      for (const Message& m : batch) take_reply(m);  // the training thread's own state only
+      batch.clear();
+      lock.lock();
     }
     if (done() || Clock::now() >= until) return;
-    if (batch.empty()) {
-      const auto limit = std::min(until, Clock::now() + std::chrono::milliseconds(20));  // health checks between
+    const auto limit = std::min(until, Clock::now() + std::chrono::milliseconds(20));  // health checks between
+    answered_.wait_until(lock, limit, [&] { return !replies_.empty() || done(); });
+  }
+}
+
+void ExpertExchange::take_reply(const Message& m) {
+  Parsed in;
+  if (!parse(m.bytes, static_cast<size_t>(dim_), in) || in.h.layer >= static_cast<uint32_t>(layers_)) return;
+  const auto f = static_cast<size_t>(m.from);
+  // For the exchange this rank waits in, or late.
+  const uint32_t want = in.h.kind == kResults ? kRows : kGrads;
+  if (request_.kind == want && request_.layer == static_cast<int>(in.h.layer) &&
+      static_cast<uint32_t>(pass_) == in.h.pass && request_.awaiting[f] != 0) {
+    request_.awaiting[f] = 0;
+    (*request_.results)[f].assign(m.bytes.begin() + static_cast<ptrdiff_t>(in.offset), m.bytes.end());
+    (*request_.have)[f] = 1;
+    note_round_trip(m.from, moe::seconds_between(request_.start, m.arrived));
+  }
+}
+
+void ExpertExchange::serve_loop() {
+  pthread_setname_np(pthread_self(), "cfmo-experts");
+  uint64_t retried = 0;  // the snapshot after which deferred_ was last tried
+  while (true) {
+    Message m;
+    {
       std::unique_lock lock(mutex_);
-      arrived_.wait_until(lock, limit, [&] { return !inbox_.empty(); });
+      requested_.wait(lock,
+                      [&] { return stop_ || !requests_.empty() || (!deferred_.empty() && retried != snapshots_); });
+      if (stop_) return;
+      if (!deferred_.empty() && retried != snapshots_) {
+        // What waited for a later pass goes first: it came before the rest.
+        retried = snapshots_;
+        requests_.insert(requests_.begin(), std::make_move_iterator(deferred_.begin()),
+                         std::make_move_iterator(deferred_.end()));
+        deferred_.clear();
+      }
+      m = std::move(requests_.front());
+      requests_.pop_front();
+      set_float_mode(mxcsr_);
+    }
+    std::vector<std::byte> reply;
+    bool served = true;
+    // --slowdown: the chunk takes FACTOR times its time before its answer
+    // goes, as a slow rank's compute would (the step loop stretches only the
+    // training thread's); the sleep holds no lock.
+    pacer_.run([&] { served = serve(m, reply); });
+    if (!served) {
+      std::lock_guard lock(mutex_);
+      deferred_.push_back(std::move(m));
+    } else if (!reply.empty()) {
+      comm_.post(m.from, moe::channels::kModelExperts, std::move(reply));
     }
   }
 }
 
-bool ExpertExchange::handle(Message& m) {
-  Header h;
-  std::memcpy(&h, m.bytes.data(), sizeof h);
+bool ExpertExchange::serve(const Message& m, std::vector<std::byte>& reply) {
+  Parsed in;
   const int from = m.from;
   const auto f = static_cast<size_t>(from);
-  if (h.kind == kDone) {
-    done_[f] = 1;
+  if (!parse(m.bytes, static_cast<size_t>(dim_), in)) return true;  // not ours: ignored
+  if (in.h.kind == kDone) {
+    {
+      std::lock_guard lock(mutex_);
+      done_[f] = 1;
+    }
+    answered_.notify_one();
     return true;
   }
-  const size_t offset = rows_offset(h.count);
-  if (m.bytes.size() < offset || h.layer >= static_cast<uint32_t>(layers_)) return true;  // not ours: ignored
-  const auto layer = static_cast<int>(h.layer);
+  if (in.h.layer >= static_cast<uint32_t>(layers_) || (in.h.kind != kRows && in.h.kind != kGrads)) return true;
+  const auto layer = static_cast<int>(in.h.layer);
   const auto l = static_cast<size_t>(layer);
-  std::vector<uint32_t> counts(h.count);
-  if (h.count > 0) std::memcpy(counts.data(), m.bytes.data() + sizeof h, h.count * sizeof(uint32_t));
-  const size_t rows = (m.bytes.size() - offset) / (static_cast<size_t>(dim_) * sizeof(float));
-  const auto* data = reinterpret_cast<const float*>(m.bytes.data() + offset);
-  // The requester's pass, widened against this rank's (passes differ by far less than 2^31).
-  const auto pass = pass_ + static_cast<int32_t>(h.pass - static_cast<uint32_t>(pass_));
-  const bool no_deadline = deadline_s_ == kNoDeadline;
-
-  if (h.kind == kRows || h.kind == kGrads) {
-    // With no deadline a chunk is served in its own pass, never with
-    // parameters another pass has changed: the results are sync's.
-    if (no_deadline && !finishing_ && pass > pass_) return false;
+  // The copy stays this pass's until the chunk is computed.
+  std::lock_guard computing(snapshot_mutex_);
+  int64_t at_pass = 0;
+  bool no_deadline = false;
+  double row_cost_s = 0;
+  {
+    std::lock_guard lock(mutex_);
+    if (snapshot_pass_ < 0 && !finishing_) return false;  // nothing to compute with yet
+    at_pass = snapshot_pass_;
+    no_deadline = no_deadline_ && !finishing_;
+    row_cost_s = row_cost_s_;
   }
-  if (h.kind == kRows) {
-    seen_rows_[f][l] = std::max(seen_rows_[f][l], pass);
-    Served& s = served_[f][l];
-    if (s.awaiting) ++skipped_grads_;  // its gradients never came
-    s.awaiting = false;
-    if (rows == 0 || counts.size() != static_cast<size_t>(placement_.count(rank_))) return true;
+  const int64_t pass = widen(in.h.pass, at_pass);
+  // With no deadline a chunk is served in its own pass, never with
+  // parameters another pass has changed: the results are sync's.
+  if (no_deadline && pass > at_pass) return false;
+  const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(float);
+  Served& s = served_[f][l];
+  if (in.h.kind == kRows) {
+    const bool serves = in.rows > 0 && in.counts.size() == static_cast<size_t>(placement_.count(rank_));
     // A result that cannot be back before the requester's deadline would be
     // late: its compute goes to chunks that can still make theirs.
-    if (h.budget_us != kNoBudget &&
-        Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                           std::chrono::duration<double>(row_cost_s_ * static_cast<double>(rows))) >
-            m.arrived + std::chrono::microseconds(h.budget_us)) {
-      ++skipped_chunks_;
-      return true;
+    const bool hopeless = serves && in.h.budget_us != kNoBudget &&
+                          Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(row_cost_s * static_cast<double>(in.rows))) >
+                              m.arrived + std::chrono::microseconds(in.h.budget_us);
+    if (serves && hopeless) ++skipped_chunks_;
+    if (serves && !hopeless) {
+      reply = start_message(Header{kResults, in.h.pass, in.h.layer, 0, 0, 0}, in.counts, in.rows, row_bytes);
+      serve_rows(from, layer, pass, at_pass, (in.h.flags & kEval) != 0, in.counts, in.data,
+                 reinterpret_cast<float*>(reply.data() + rows_offset(in.counts.size())));
+    } else {
+      std::lock_guard lock(mutex_);
+      if (s.awaiting) ++skipped_grads_;  // its gradients never came
+      s.awaiting = false;
     }
-    const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(float);
-    std::vector<std::byte> reply = start_message(Header{kResults, h.pass, h.layer, 0, 0, 0}, counts, rows, row_bytes);
-    serve_rows(from, layer, pass, (h.flags & kEval) != 0, counts, data, &reply, rows_offset(counts.size()));
-    comm_.post(from, moe::channels::kModelExperts, std::move(reply));
+    {
+      std::lock_guard lock(mutex_);
+      seen_rows_[f][l] = std::max(seen_rows_[f][l], pass);
+    }
+    answered_.notify_one();
     return true;
   }
-  if (h.kind == kGrads) {
+  // The gradients of rows served: only this thread changes s's vectors.
+  const bool matches = s.awaiting && s.pass == pass;
+  if (!matches) {
+    if (in.rows > 0) ++skipped_grads_;  // rows this rank never served (late, skipped) or served anew since
+  } else if ((in.h.flags & kSkip) == 0 && in.rows > 0 && in.rows == s.in.size() / static_cast<size_t>(dim_)) {
+    reply = start_message(Header{kGradResults, in.h.pass, in.h.layer, 0, 0, 0}, s.counts, in.rows, row_bytes);
+    serve_grads(from, layer, pass, in.data, reinterpret_cast<float*>(reply.data() + rows_offset(s.counts.size())));
+  }
+  {
+    // After the stash: end_pass, which waits for seen_grads_, then finds the weight gradients there.
+    std::lock_guard lock(mutex_);
+    if (matches) s.awaiting = false;
     seen_grads_[f][l] = std::max(seen_grads_[f][l], pass);
-    Served& s = served_[f][l];
-    if (!s.awaiting || s.pass != pass) {
-      if (rows > 0) ++skipped_grads_;  // rows this rank never served (late, skipped) or served anew since
-      return true;
-    }
-    s.awaiting = false;
-    if ((h.flags & kSkip) != 0 || rows == 0 || rows != s.in.size() / static_cast<size_t>(dim_)) return true;
-    const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(float);
-    std::vector<std::byte> reply =
-        start_message(Header{kGradResults, h.pass, h.layer, 0, 0, 0}, s.counts, rows, row_bytes);
-    serve_grads(from, layer, pass, data, &reply, rows_offset(s.counts.size()));
-    comm_.post(from, moe::channels::kModelExperts, std::move(reply));
-    return true;
   }
-  // A reply: for the exchange this rank waits in, or late.
-  const uint32_t want = h.kind == kResults ? kRows : kGrads;
-  if (request_.kind == want && request_.layer == layer && static_cast<uint32_t>(pass_) == h.pass &&
-      request_.awaiting[f] != 0) {
-    request_.awaiting[f] = 0;
-    (*request_.results)[f].assign(m.bytes.begin() + static_cast<ptrdiff_t>(offset), m.bytes.end());
-    (*request_.have)[f] = 1;
-    note_round_trip(from, moe::seconds_between(request_.start, m.arrived));
-  }
+  answered_.notify_one();
   return true;
 }
 
-void ExpertExchange::serve_rows(int source, int layer, int64_t pass, bool eval, std::span<const uint32_t> counts,
-                                const float* rows, std::vector<std::byte>* reply, size_t offset) {
+void ExpertExchange::serve_rows(int source, int layer, int64_t pass, int64_t at_pass, bool eval,
+                                std::span<const uint32_t> counts, const float* rows, float* out) {
   const auto start = Clock::now();
   const auto c = static_cast<size_t>(dim_);
   const auto d = static_cast<size_t>(expert_dim_);
   const size_t n = total_of(counts);
   Served& s = served_[static_cast<size_t>(source)][static_cast<size_t>(layer)];
-  s.pass = pass;
-  s.at_pass = pass_;
-  s.awaiting = !eval;
   s.counts.assign(counts.begin(), counts.end());
   s.in.assign(rows, rows + n * c);
   s.fc.resize(n * d);
   s.act.resize(n * d);
-  auto* out = reinterpret_cast<float*>(reply->data() + offset);
-  const std::vector<ExpertTensors> experts = tensors_of_(layer, false);
+  const std::vector<ExpertTensors>& experts = snapshot_of_[static_cast<size_t>(layer)];
   size_t first = 0;
   for (size_t i = 0; i < counts.size() && i < experts.size(); ++i) {
     const auto k = static_cast<int>(counts[i]);
@@ -263,14 +407,18 @@ void ExpertExchange::serve_rows(int source, int layer, int64_t pass, bool eval, 
                    s.act.data() + first * d, out + first * c);
     first += counts[i];
   }
+  std::lock_guard lock(mutex_);
+  if (s.awaiting) ++skipped_grads_;  // the last rows' gradients never came
+  s.pass = pass;
+  s.at_pass = at_pass;
+  s.awaiting = !eval;
   if (n > 0) {
     const double cost = moe::seconds_between(start, Clock::now()) / static_cast<double>(n);
     row_cost_s_ = row_cost_s_ == 0 ? cost : 0.8 * row_cost_s_ + 0.2 * cost;
   }
 }
 
-void ExpertExchange::serve_grads(int source, int layer, int64_t pass, const float* d_out, std::vector<std::byte>* reply,
-                                 size_t offset) {
+void ExpertExchange::serve_grads(int source, int layer, int64_t pass, const float* d_out, float* dx) {
   const auto c = static_cast<size_t>(dim_);
   const auto d = static_cast<size_t>(expert_dim_);
   Served& s = served_[static_cast<size_t>(source)][static_cast<size_t>(layer)];
@@ -284,8 +432,7 @@ void ExpertExchange::serve_grads(int source, int layer, int64_t pass, const floa
   st.act = std::move(s.act);
   st.d_out.assign(d_out, d_out + n * c);
   st.d_act.resize(n * d);
-  auto* dx = reinterpret_cast<float*>(reply->data() + offset);
-  const std::vector<ExpertTensors> experts = tensors_of_(layer, false);
+  const std::vector<ExpertTensors>& experts = snapshot_of_[static_cast<size_t>(layer)];
   size_t first = 0;
   for (size_t i = 0; i < st.counts.size() && i < experts.size(); ++i) {
     const auto k = static_cast<int>(st.counts[i]);
@@ -294,7 +441,8 @@ void ExpertExchange::serve_grads(int source, int layer, int64_t pass, const floa
     first += st.counts[i];
   }
   s.fc.clear();
-  stash_.push_back(std::move(st));
+  std::lock_guard lock(mutex_);
+  if (!finishing_) stash_.push_back(std::move(st));  // after finish no pass adds them
 }
 
 void ExpertExchange::await_replies(Clock::time_point deadline, MoeMlp::Timing& timing) {
@@ -329,14 +477,14 @@ void ExpertExchange::forward(int layer, const float* x, int top_k, const moe::Di
     comm_.post(p, moe::channels::kModelExperts, std::move(message));
     request_.awaiting[pi] = plan.slots[pi].empty() ? 0 : 1;
   }
-  // The own rows for the own experts, while the rest travel.
+  // The own rows for the own experts, while the rest travel and the server
+  // computes the peers' (the copy is this pass's: only this thread writes it).
   const auto me = static_cast<size_t>(rank_);
   std::vector<std::byte> own;
   moe::encode_rows(x, dim_, top_k, plan.slots[me], comm::WireDtype::kFp32, own);
   results[me].resize(own.size());
-  seen_rows_[me][static_cast<size_t>(layer)] = pass_;
-  serve_rows(rank_, layer, pass_, !training_, plan.counts[me], reinterpret_cast<const float*>(own.data()), &results[me],
-             0);
+  serve_rows(rank_, layer, pass_, pass_, !training_, plan.counts[me], reinterpret_cast<const float*>(own.data()),
+             reinterpret_cast<float*>(results[me].data()));
   have[me] = 1;
   timing.dispatch_s += moe::seconds_between(start, Clock::now());
   await_replies(deadline, timing);
@@ -374,15 +522,17 @@ void ExpertExchange::backward(int layer, const moe::DispatchPlan& plan,
     request_.awaiting[pi] = send ? 1 : 0;
   }
   const auto me = static_cast<size_t>(rank_);
-  seen_grads_[me][static_cast<size_t>(layer)] = pass_;
   Served& own = served_[me][static_cast<size_t>(layer)];
   if (own.awaiting && own.pass == pass_ && !plan.slots[me].empty()) {
-    own.awaiting = false;
     d_in[me].resize(plan.slots[me].size() * row_bytes);
-    serve_grads(rank_, layer, pass_, reinterpret_cast<const float*>(d_out[me].data()), &d_in[me], 0);
+    serve_grads(rank_, layer, pass_, reinterpret_cast<const float*>(d_out[me].data()),
+                reinterpret_cast<float*>(d_in[me].data()));
     got[me] = 1;
   }
-  own.awaiting = false;
+  {
+    std::lock_guard lock(mutex_);
+    own.awaiting = false;
+  }
   timing.dispatch_s += moe::seconds_between(start, Clock::now());
   await_replies(deadline, timing);
   for (size_t p = 0; p < r; ++p) {
@@ -397,7 +547,7 @@ void ExpertExchange::end_pass() {
   const auto deadline = deadline_from(start);
   const auto r = static_cast<size_t>(ranks_);
   const bool no_deadline = deadline_s_ == kNoDeadline;
-  pump(deadline, [&] {
+  pump(deadline, [&] {  // under mutex_
     for (size_t p = 0; p < r; ++p) {
       if (!live(static_cast<int>(p))) continue;
       for (const int layer : moe_layers_) {
@@ -411,13 +561,18 @@ void ExpertExchange::end_pass() {
     return true;
   });
   if (!training_) return;  // what peers' training passes left waits for this rank's next
+  std::vector<Stashed> stash;
+  {
+    std::lock_guard lock(mutex_);
+    stash.swap(stash_);
+  }
   // The weight gradients by layer, then source rank: sync dispatch's order.
-  std::stable_sort(stash_.begin(), stash_.end(), [](const Stashed& a, const Stashed& b) {
+  std::stable_sort(stash.begin(), stash.end(), [](const Stashed& a, const Stashed& b) {
     return std::tie(a.layer, a.source, a.pass) < std::tie(b.layer, b.source, b.pass);
   });
   const auto c = static_cast<size_t>(dim_);
   const auto d = static_cast<size_t>(expert_dim_);
-  for (const Stashed& st : stash_) {
+  for (const Stashed& st : stash) {
     const std::vector<ExpertTensors> g = tensors_of_(st.layer, true);
     size_t first = 0;
     for (size_t i = 0; i < st.counts.size() && i < g.size(); ++i) {
@@ -427,20 +582,17 @@ void ExpertExchange::end_pass() {
       first += st.counts[i];
     }
   }
-  stash_.clear();
 }
 
 Status ExpertExchange::finish() {
-  if (finishing_) return {};
-  finishing_ = true;
-  stash_.clear();
+  if (finished_) return {};
+  finished_ = true;
+  // The deferred chunks are served now, with the parameters as they are at
+  // the end: this rank's no longer change.
+  take_snapshot(/*finishing=*/true);
   for (int p = 0; p < ranks_; ++p) {
     if (p != rank_) comm_.post(p, moe::channels::kModelExperts, start_message(Header{kDone, 0, 0, 0, 0, 0}, {}, 0, 0));
   }
-  // The deferred chunks are served now: this rank's parameters no longer change.
-  std::deque<Message> again;
-  again.swap(deferred_);
-  for (Message& m : again) handle(m);
   pump(Clock::time_point::max(), [&] {
     for (int p = 0; p < ranks_; ++p) {
       if (live(p)) return false;

@@ -16,23 +16,31 @@
 ///             and source rank: the order sync dispatch adds them in, so with
 ///             no deadline the gradients equal sync's bit for bit.
 ///
-/// Work is served on the training thread, inside these waits (the handler
-/// only queues): a rank busy elsewhere serves nothing, so a slow rank is slow
-/// at serving too. With no deadline a chunk of a later pass than this rank's
-/// waits for this rank to reach that pass, and a pass ends only when every
-/// live peer's rows and gradients of it are in: the results are sync's. A
-/// lost peer's experts are late from then on (the run goes on). `finish`,
-/// after this rank's last pass, serves the others until each has finished.
+/// Threads. Peers' rows and gradients are served on the exchange's own
+/// thread ("cfmo-experts"), whatever the training thread is doing (its
+/// attention, its optimizer step, a collective, a --slowdown sleep), so a
+/// rank never waits for a peer to finish computing before its rows are
+/// served. The server computes with a copy of this rank's expert parameters
+/// taken at begin_pass (and at finish) under `snapshot_mutex_`, never with
+/// the parameters the optimizer writes; the training thread computes its own
+/// rows with the same copy. With no deadline a chunk of a later pass than the
+/// copy's waits for this rank to reach that pass, and a pass ends only when
+/// every live peer's rows and gradients of it are served and stashed: the
+/// results are sync's. A lost peer's experts are late from then on (the run
+/// goes on). `finish`, after this rank's last pass, serves the others until
+/// each has finished.
 
 #include "model/moe_mlp.h"
 #include "moe/dispatch.h"
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 namespace cfmo::model {
@@ -46,9 +54,10 @@ class ExpertExchange {
   /// `deadline_s`: kNoDeadline, a fixed time per exchange, or < 0 adaptive
   /// (no deadline over the first kWarmupPasses training passes, then 1.5 x
   /// the median over peers of each peer's median round trip in them).
-  /// `layers` blocks, of which `moe_layers` have experts.
-  ExpertExchange(comm::Communicator& comm, moe::ExpertPlacement placement, int layers, std::vector<int> moe_layers, int dim,
-                 int expert_dim, double deadline_s, TensorsOf tensors_of);
+  /// `layers` blocks, of which `moe_layers` have experts. `slowdown`: each
+  /// peer's chunk takes that many times its compute time (--slowdown).
+  ExpertExchange(comm::Communicator& comm, moe::ExpertPlacement placement, int layers, std::vector<int> moe_layers,
+                 int dim, int expert_dim, double deadline_s, double slowdown, TensorsOf tensors_of);
   ~ExpertExchange();
   ExpertExchange(const ExpertExchange&) = delete;
   ExpertExchange& operator=(const ExpertExchange&) = delete;
@@ -78,8 +87,8 @@ class ExpertExchange {
   std::vector<int> lost_ranks() const;
   /// Chunks of peers' rows not computed (their deadline had passed) and
   /// served rows whose gradients never came in time (weight gradient skipped).
-  int64_t skipped_chunks() const { return skipped_chunks_; }
-  int64_t skipped_grads() const { return skipped_grads_; }
+  int64_t skipped_chunks() const { return skipped_chunks_.load(); }
+  int64_t skipped_grads() const { return skipped_grads_.load(); }
 
  private:
   struct Message {
@@ -87,7 +96,10 @@ class ExpertExchange {
     std::vector<std::byte> bytes;
     std::chrono::steady_clock::time_point arrived;
   };
-  /// What this rank computed for a source's rows of one layer, kept for their backward.
+  /// What this rank computed for a source's rows of one layer, kept for their
+  /// backward. The vectors belong to the thread that serves the source (the
+  /// server for peers, the training thread for this rank); `pass`,
+  /// `at_pass` and `awaiting` are written under mutex_, as end_pass reads them.
   struct Served {
     int64_t pass = -1;      ///< the requester's
     int64_t at_pass = -1;   ///< this rank's when it served them
@@ -103,7 +115,7 @@ class ExpertExchange {
     std::vector<uint32_t> counts;
     std::vector<float> in, act, d_out, d_act;
   };
-  /// The exchange this rank is waiting in: where replies go.
+  /// The exchange the training thread is waiting in: where replies go.
   struct Request {
     uint32_t kind = 0;
     int layer = -1;
@@ -113,17 +125,29 @@ class ExpertExchange {
     std::chrono::steady_clock::time_point start;
   };
 
+  /// The progress thread's handler: requests to the server, replies to the training thread.
   void on_message(int from, std::vector<std::byte> payload);
-  /// Serves and takes messages until `done()` or `until`.
+
+  // ---- the training thread ----
+  /// Takes replies until `done()` (called under mutex_) or `until`.
   void pump(std::chrono::steady_clock::time_point until, const std::function<bool()>& done);
-  /// Serves until the request's replies are in (or lost) or `deadline`; the wait goes to timing.combine_s.
+  /// Takes replies until the request's are in (or lost) or `deadline`; the wait goes to timing.combine_s.
   void await_replies(std::chrono::steady_clock::time_point deadline, MoeMlp::Timing& timing);
-  /// One message; false: keep it for a later pass.
-  bool handle(Message& m);
-  void serve_rows(int source, int layer, int64_t pass, bool eval, std::span<const uint32_t> counts, const float* rows,
-                  std::vector<std::byte>* reply, size_t offset);
-  void serve_grads(int source, int layer, int64_t pass, const float* d_out, std::vector<std::byte>* reply,
-                   size_t offset);
+  void take_reply(const Message& m);
+  /// Copies this rank's expert parameters for the server; from now on it
+  /// serves `pass_` (`finishing`: and every pass, as they no longer change).
+  void take_snapshot(bool finishing);
+
+  // ---- the server thread ----
+  void serve_loop();
+  /// One request, its answer (if any) to post into `reply`; false: keep it for a later pass.
+  bool serve(const Message& m, std::vector<std::byte>& reply);
+
+  /// The experts' forward on a source's rows, into `out`, kept in served_ for their backward.
+  void serve_rows(int source, int layer, int64_t pass, int64_t at_pass, bool eval, std::span<const uint32_t> counts,
+                  const float* rows, float* out);
+  /// Their inputs' gradients into `dx`; what the weights' gradients need goes to stash_.
+  void serve_grads(int source, int layer, int64_t pass, const float* d_out, float* dx);
   std::chrono::steady_clock::time_point deadline_from(std::chrono::steady_clock::time_point start) const;
   uint32_t budget_us(std::chrono::steady_clock::time_point deadline) const;
   bool live(int p) const;
@@ -138,30 +162,49 @@ class ExpertExchange {
   std::vector<int> moe_layers_;
   int dim_;
   int expert_dim_;
-  double setting_s_;   ///< as given (< 0 adaptive)
-  double deadline_s_;  ///< in force
+  double setting_s_;  ///< as given (< 0 adaptive)
   TensorsOf tensors_of_;
+
+  // The training thread's.
+  double deadline_s_;  ///< in force
   int64_t pass_ = -1;
   bool training_ = false;
-  bool finishing_ = false;
   int64_t training_passes_ = 0;
-
-  std::mutex mutex_;  ///< guards inbox_
-  std::condition_variable arrived_;
-  std::deque<Message> inbox_;
-  std::deque<Message> deferred_;  ///< chunks of a later pass (no deadline)
-
-  std::vector<std::vector<Served>> served_;       ///< [source][layer]
-  std::vector<std::vector<int64_t>> seen_rows_;   ///< [source][layer]: the latest pass whose rows came
-  std::vector<std::vector<int64_t>> seen_grads_;  ///< [source][layer]: the latest pass whose gradients came
-  std::vector<Stashed> stash_;
-  std::vector<uint8_t> done_, lost_;
+  bool finished_ = false;  ///< finish() was called
+  std::vector<uint8_t> lost_;
   std::vector<std::vector<double>> round_trips_;  ///< [peer] seconds, while warming up
   Request request_;
+
+  /// Held by the server while it computes with snapshot_, by the training
+  /// thread while it writes it. Taken before mutex_ when both are.
+  std::mutex snapshot_mutex_;
+  std::vector<float> snapshot_;                          ///< this rank's experts' parameters, every MoE layer
+  std::vector<std::vector<ExpertTensors>> snapshot_of_;  ///< [layer]: views into snapshot_
+
+  std::mutex mutex_;                   ///< guards everything below but the server's own
+  std::condition_variable requested_;  ///< the server: a request, a new snapshot, stop
+  std::condition_variable answered_;   ///< the training thread: a reply, a served chunk, a peer done
+  std::deque<Message> requests_;       ///< rows, gradients and `done`s of peers, in order
+  std::deque<Message> replies_;        ///< results and rows' gradients for this rank
+  std::deque<Message> deferred_;       ///< the server's: chunks of a later pass (no deadline)
+  int64_t snapshot_pass_ = -1;         ///< the pass of snapshot_ (-1: none yet)
+  uint64_t snapshots_ = 0;             ///< snapshots taken: deferred chunks are tried again after each
+  bool no_deadline_ = true;            ///< as of the snapshot
+  bool finishing_ = false;
+  bool stop_ = false;
+  uint32_t mxcsr_ = 0;  ///< the training thread's floating-point mode (flush to zero), for the server
+  std::vector<std::vector<Served>> served_;       ///< [source][layer]
+  std::vector<std::vector<int64_t>> seen_rows_;   ///< [source][layer]: the latest pass whose rows were served
+  std::vector<std::vector<int64_t>> seen_grads_;  ///< [source][layer]: the latest pass whose gradients were served
+  std::vector<Stashed> stash_;
+  std::vector<uint8_t> done_;
   double row_cost_s_ = 0;  ///< recent expert compute per row (forward), for skipping hopeless chunks
-  int64_t skipped_chunks_ = 0;
-  int64_t skipped_grads_ = 0;
-  std::vector<float> scratch_;
+
+  moe::Pacer pacer_;  ///< the server's
+
+  std::atomic<int64_t> skipped_chunks_{0};
+  std::atomic<int64_t> skipped_grads_{0};
+  std::thread server_;  ///< last: started once everything above exists
 };
 
 }  // namespace cfmo::model

@@ -163,7 +163,8 @@ void Gpt::set_expert_parallel(comm::Communicator* comm) {
     }
     exchange_ = std::make_unique<ExpertExchange>(
         *comm, expert_placement(), spec_.layers, std::move(moe_layers), spec_.dim, spec_.expert_dim,
-        moe_options_.dispatch_deadline_s, [this](int layer, bool grads) { return expert_tensors(layer, grads); });
+        moe_options_.dispatch_deadline_s, moe_options_.serve_slowdown,
+        [this](int layer, bool grads) { return expert_tensors(layer, grads); });
   }
   for (int l = 0; l < spec_.layers; ++l) {
     if (auto& layer = moe_[static_cast<size_t>(l)]) layer->set_expert_parallel(comm, exchange_.get(), l);

@@ -22,6 +22,10 @@ struct MoeOptions {
   /// adaptive, infinity none.
   bool async_dispatch = false;
   double dispatch_deadline_s = -1;
+  /// --slowdown's FACTOR for this rank: async dispatch serves its peers on a
+  /// thread of its own, which the step loop's sleep does not stretch, so the
+  /// exchange stretches each chunk it serves by it: a slow rank serves slowly.
+  double serve_slowdown = 1;
 };
 
 }  // namespace cfmo::model

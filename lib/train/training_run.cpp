@@ -94,6 +94,8 @@ Status TrainingRun::load_model_and_optimizer() {
   if (expert_parallel) {
     moe.expert_rank = rank;
     moe.expert_ranks = world;
+    CFMO_ASSIGN_OR_RETURN(const Heterogeneity mine, heterogeneity_for(config, rank));
+    moe.serve_slowdown = mine.slowdown;
   }
   CFMO_ASSIGN_OR_RETURN(model_ptr, model::make_model(config.model, source->shape(), moe));
   model().init(static_cast<uint64_t>(config.seed));  // the same on every rank

@@ -1087,7 +1087,7 @@ TEST(CfmoTrainWorkers, AsyncDispatchWithoutADeadlineTrainsAsSyncDispatchBitForBi
     const fs::path run_dir = dir / dispatch;
     const RunResult r =
         run(moe_args(dir / "corpus.txt",
-                     {"--workers", "2", "--mode", "sync", "--steps", "10", "--expert-parallel", "--dispatch", dispatch,
+                     {"--workers", "3", "--mode", "sync", "--steps", "10", "--expert-parallel", "--dispatch", dispatch,
                       "--dispatch-deadline", "none", "--out", run_dir.string(), "--json"}),
             300);
     EXPECT_EQ(r.status, 0) << r.err;

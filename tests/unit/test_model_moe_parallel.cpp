@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <string>
@@ -55,8 +56,8 @@ std::map<std::string, std::vector<float>> by_name(const Model& m, std::span<cons
 }
 
 /// W ranks of `spec` over `world`, sync or async dispatch (deadline_s as MoeOptions's).
-std::vector<std::unique_ptr<Gpt>> dispatch_parts(const GptSpec& spec, comm::LoopbackWorld& world, uint64_t seed, bool async,
-                                                 double deadline_s) {
+std::vector<std::unique_ptr<Gpt>> dispatch_parts(const GptSpec& spec, comm::LoopbackWorld& world, uint64_t seed,
+                                                 bool async, double deadline_s) {
   const auto ranks = static_cast<int>(world.ranks.size());
   std::vector<std::unique_ptr<Gpt>> parts;
   for (int r = 0; r < ranks; ++r) {
@@ -71,7 +72,8 @@ std::vector<std::unique_ptr<Gpt>> dispatch_parts(const GptSpec& spec, comm::Loop
 }
 
 /// Each rank's model of `world`, initialised from `seed`, exchanging through its communicator (sync dispatch).
-std::vector<std::unique_ptr<Gpt>> expert_parallel_parts(const GptSpec& spec, comm::LoopbackWorld& world, uint64_t seed) {
+std::vector<std::unique_ptr<Gpt>> expert_parallel_parts(const GptSpec& spec, comm::LoopbackWorld& world,
+                                                        uint64_t seed) {
   return dispatch_parts(spec, world, seed, /*async=*/false, -1);
 }
 
@@ -306,6 +308,53 @@ TEST(TestModelMoeParallel, ALateResultTakesTheResidualPathAndItsGradientIsSkippe
   EXPECT_GT(dispatch.at("late_share").get<double>(), 0.0);
   EXPECT_LT(dispatch.at("late_share").get<double>(), 1.0);  // its own experts' are never late
   EXPECT_NEAR(dispatch.at("deadline_us").get<double>(), 5e4, 1);
+}
+
+// The owner serves a peer's rows on its exchange's own thread, with the
+// copy of its experts taken at its pass's start: while its training thread
+// is busy elsewhere (here writing its parameters, as an optimizer step
+// does, for longer than the peer's deadline) the peer's results still come
+// in time. Under -Db_sanitize=thread this is also the check that the server
+// never reads the parameters the training thread writes.
+TEST(TestModelMoeParallel, ARankBusyComputingStillServesItsPeersRowsWithinTheDeadline) {
+  constexpr int kRanks = 2;
+  constexpr int kBatch = 2;
+  constexpr double kDeadlineS = 1.0;
+  const GptSpec spec = small_moe();
+  const auto tokens = random_tokens(spec, kRanks * kBatch * 2, 41);
+  comm::LoopbackWorld world = comm::make_loopback_world(kRanks);
+  auto parts = dispatch_parts(spec, world, 9, /*async=*/true, kDeadlineS);
+  auto batch_of = [&](int step, int r) {
+    Examples batch;
+    batch.count = kBatch;
+    batch.tokens =
+        tokens.data() + static_cast<size_t>((step * kRanks + r) * kBatch) * static_cast<size_t>(spec.context + 1);
+    return batch;
+  };
+  on_every_rank(kRanks, [&](int r) { parts[static_cast<size_t>(r)]->forward_backward(batch_of(0, r)); });
+  on_every_rank(kRanks, [&](int r) {
+    Gpt& m = *parts[static_cast<size_t>(r)];
+    if (r == 1) {
+      // Busy for 3 deadlines, never in an exchange, writing every parameter.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(3 * kDeadlineS);
+      auto p = m.parameters();
+      volatile float* values = p.data();
+      while (std::chrono::steady_clock::now() < until) {
+        for (size_t i = 0; i < p.size(); ++i) values[i] = values[i];
+      }
+    }
+    m.forward_backward(batch_of(1, r));
+    ASSERT_TRUE(m.finish_exchanges());
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    Gpt& m = *parts[static_cast<size_t>(r)];
+    EXPECT_TRUE(m.take_status());
+    const nlohmann::ordered_json metrics = m.run_metrics();
+    const auto& dispatch = metrics.at("dispatch");
+    EXPECT_EQ(dispatch.at("late").get<int64_t>(), 0) << "rank " << r << ": " << dispatch.dump();
+    EXPECT_EQ(dispatch.at("skipped_chunks").get<int64_t>(), 0) << "rank " << r;
+    EXPECT_NEAR(dispatch.at("deadline_us").get<double>(), kDeadlineS * 1e6, 1);
+  }
 }
 
 TEST(TestModelMoeParallel, AsyncDispatchGoesOnWithoutALostRankAndNamesItsExperts) {
