@@ -163,6 +163,14 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
     t.add("writable", &c.writable,
           "add an upper directory, dropped at umount: in the memory store if the pull has one, else on disk", mounting);
   }
+  if (among(s, {kPull, kFetch})) {
+    const std::string indexing = "Indexing";
+    t.add("build_index", &c.build_index,
+          "build each layer's seekable index from its bytes while it downloads, into DIR/cfmo-index (as 'index' "
+          "would, without reading the layer again), for a later mount --lazy",
+          indexing);
+    t.add("span", &c.span, "--build-index: uncompressed bytes between two checkpoints (at least 64K)", indexing);
+  }
   if (s == kIndex) {
     const std::string indexing = "Indexing";
     t.add("span", &c.span, "uncompressed bytes between two checkpoints of a gzip layer's index (at least 64K)",
@@ -319,6 +327,7 @@ std::vector<std::string> fetch_arguments(const PullConfig& c, int64_t buffer_mem
                                    c.timeout,
                                    "--buffer-memory",
                                    std::to_string(buffer_memory)};
+  if (c.build_index) args.insert(args.end(), {"--build-index", "--span", c.span});
   return args;
 }
 

@@ -18,6 +18,7 @@
 #include <sys/stat.h>
 
 #include <chrono>
+#include <map>
 #include <thread>
 
 namespace cfmo::pulltest {
@@ -362,6 +363,52 @@ TEST_F(Lazy, WritableIsAnOverlayOverTheLazyMountUntilUmount) {
   EXPECT_TRUE(fs::is_empty(point()));
   EXPECT_FALSE(fs::exists(upper));
   EXPECT_TRUE(oci::mounts_using(lazy_dir()).empty());
+}
+
+// pull --build-index against the real registry: each layer's index is built
+// from the bytes as they download, equal byte for byte to what `index`
+// makes from the blobs afterwards, and a lazy mount of the layout uses it.
+TEST_F(Lazy, IndexesBuiltWhilePullingEqualTheIndexCommandsAndServeAMount) {
+  const std::string ref = registry_->host() + "/" + kImage + ":v1";
+  const fs::path dir = out_ / "built";
+  const RunResult pulled = pull(
+      {"pull", ref, "--output", "oci:" + dir.string(), "--plain-http", "--build-index", "--span", kSpan, "--json"});
+  ASSERT_EQ(pulled.status, 0) << pulled.err;
+  const Json report = Json::parse(pulled.out);
+  ASSERT_EQ(report["built_indexes"].size(), 3u) << report;
+  std::map<std::string, std::string> built;
+  for (const auto& l : report["built_indexes"]) {
+    EXPECT_EQ(l["indexed"], true) << l;
+    EXPECT_EQ(l["streamed"], true) << l;
+    const std::string digest = l["digest"];
+    built[digest] = slurp(oci::index_path(dir, digest));
+  }
+  fs::remove_all(dir / oci::kIndexDir);
+  const RunResult indexed = pull({"index", dir.string(), "--span", kSpan, "-q"});
+  ASSERT_EQ(indexed.status, 0) << indexed.err;
+  for (const auto& [digest, bytes] : built) {
+    EXPECT_FALSE(bytes.empty()) << digest;
+    EXPECT_EQ(bytes, slurp(oci::index_path(dir, digest))) << digest;
+  }
+  // Without --build-index nothing is indexed; a fetch with it indexes what it fetches.
+  const fs::path lazy = out_ / "lazy-built";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + lazy.string(), "--plain-http", "--cold", "lazy", "-q"}).status, 0);
+  EXPECT_FALSE(fs::exists(lazy / oci::kIndexDir));
+  const RunResult fetched = pull({"fetch", lazy.string(), "--build-index", "--span", kSpan, "--json"});
+  ASSERT_EQ(fetched.status, 0) << fetched.err;
+  EXPECT_EQ(Json::parse(fetched.out)["built_indexes"].size(), 3u) << fetched.out;
+  for (const auto& [digest, bytes] : built) EXPECT_EQ(bytes, slurp(oci::index_path(lazy, digest))) << digest;
+
+  fs::create_directories(point());
+  MOUNT_WITH_OR_SKIP(j, (std::vector<std::string>{"mount", lazy.string(), point().string(), "--lazy", "--json"}));
+  for (const auto& l : j["layers"]) EXPECT_EQ(l["index_from"], "dir") << l;
+  EXPECT_EQ(slurp(point() / "usr" / "big"), testing::random_bytes(700000, 3));
+  umount();
+  // A rootfs-only pull has no layout for them.
+  const RunResult rootfs = pull({"pull", ref, "--output", "rootfs:" + (out_ / "rootfs").string(), "--cache",
+                                 (out_ / "cache").string(), "--plain-http", "--build-index"});
+  EXPECT_EQ(rootfs.status, 2) << rootfs.err;
+  EXPECT_NE(rootfs.err.find("--build-index"), std::string::npos) << rootfs.err;
 }
 
 TEST_F(Lazy, AMemoryCapTooSmallForOneSpanIsRefusedBeforeMounting) {
