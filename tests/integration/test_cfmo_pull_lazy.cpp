@@ -816,6 +816,78 @@ TEST_F(Lazy, MountsAnImageStraightFromTheRegistry) {
   EXPECT_EQ(lazy_layouts(cache), 0u);
 }
 
+// mount --lazy REF with the flags a DIR mount has: --record writes what
+// the mount served; the next mount by REF with --prefetch fetches those
+// spans first; --writable puts an overlay on top whose writes umount drops;
+// --background fetches every layer meanwhile, so the mount becomes a full
+// local copy without a restart, and status of the layout says so.
+TEST_F(Lazy, MountByRefRecordsPrefetchesWritesAndFetchesInTheBackground) {
+  const std::string repository = "byref/flags";
+  ASSERT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
+  const std::string ref = registry_->host() + "/" + repository + ":v1";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", kSpan, "--push", "-q"}).status, 0);
+  fs::create_directories(point());
+  const fs::path cache = out_ / "cache";
+  const fs::path recorded = out_ / "served.txt";
+  const auto args = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = {"mount",        "--lazy",       ref,     point().string(), "--cache",
+                                  cache.string(), "--plain-http", "--json"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  MOUNT_WITH_OR_SKIP(first, args({"--record", recorded.string()}));
+  const fs::path dir = first["dir"].get<std::string>();
+  const auto stats_of = [&] {
+    auto s = oci::read_lazy_stats(dir);
+    return s ? *s : oci::LazyStats{};
+  };
+  EXPECT_EQ(slurp(point() / "usr" / "bin" / "tool"), "#!/bin/sh\necho tool\n");
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  umount();
+  EXPECT_EQ(slurp(recorded), "/usr/bin/tool\n/etc/os-release\n");
+
+  // Prefetch, writable and background at once; the span cache emptied so the prefetch has work.
+  fs::remove_all(dir / oci::kLazyCacheDir);
+  MOUNT_WITH_OR_SKIP(second, args({"--prefetch", recorded.string(), "--writable", "--background"}));
+  EXPECT_EQ(second["dir"], dir.string());
+  ASSERT_TRUE(second["upper"].is_string()) << second;
+  ASSERT_TRUE(second["background_pid"].is_number()) << second;
+  const fs::path upper = second["upper"].get<std::string>();
+  const std::string mount_log = (dir / oci::kLazyLogFile).string();
+  for (int i = 0; i < 200 && slurp(mount_log).find("prefetched the spans of 2 file(s)") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_NE(slurp(mount_log).find("prefetched the spans of 2 file(s)"), std::string::npos) << slurp(mount_log);
+  EXPECT_EQ(slurp(point() / "usr" / "bin" / "tool"), "#!/bin/sh\necho tool\n");
+  std::ofstream(point() / "etc" / "new") << "written\n";
+  EXPECT_EQ(slurp(point() / "etc" / "new"), "written\n");
+  EXPECT_EQ(slurp(upper / "etc" / "new"), "written\n");
+
+  const int fetcher = second["background_pid"].get<int>();
+  for (int i = 0; i < 600 && alive(fetcher); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(alive(fetcher)) << slurp(dir / "cfmo-pull.log");
+  const RunResult status = pull({"status", dir.string()});
+  EXPECT_EQ(status.status, 0) << status.err;
+  EXPECT_NE(status.out.find("layers    3 of 3 fetched"), std::string::npos) << status.out;
+  EXPECT_NE(status.out.find("mounted at " + fs::canonical(point()).string()), std::string::npos) << status.out;
+  const RunResult status_json = pull({"status", dir.string(), "--json"});
+  const Json state = Json::parse(status_json.out, nullptr, false);
+  ASSERT_TRUE(state.is_object()) << status_json.out;
+  EXPECT_EQ(state["bytes_on_disk"], state["bytes_total"]) << state;
+  // The whole image is local now: reads take nothing more from the registry.
+  const int64_t before = stats_of().bytes_fetched;
+  EXPECT_EQ(slurp(point() / "lib" / "text"), std::string(200000, 'x'));
+  EXPECT_EQ(slurp(point() / "usr" / "big"), testing::random_bytes(700000, 3));
+  EXPECT_EQ(stats_of().bytes_fetched, before);
+  umount();
+  EXPECT_TRUE(fs::is_empty(point()));
+  EXPECT_FALSE(fs::exists(upper));
+  EXPECT_TRUE(oci::mounts_using(dir).empty());
+  EXPECT_EQ(pull({"rm", dir.string(), "-q"}).status, 0);
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+}
+
 // Without indexes in the registry, mount --lazy REF fetches the layers it
 // cannot seek whole, indexes them, and says so.
 TEST_F(Lazy, MountByRefWithoutPushedIndexesBuildsThem) {
