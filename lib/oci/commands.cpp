@@ -515,7 +515,8 @@ Result<fs::path> lazy_layout(const PullCommandLine& line, const PullPlan& plan, 
   const fs::path cache = line.config.cache.empty() ? default_blob_cache() : fs::path(line.config.cache);
   std::string name = ref.repository;
   std::replace(name.begin(), name.end(), '/', '_');
-  const fs::path dir = fs::absolute(cache / "lazy" / fmt::format("{}-{}", name, image.manifest.digest.substr(7, 16)));
+  const fs::path dir =
+      fs::absolute(cache / kLazyLayoutDir / fmt::format("{}-{}", name, image.manifest.digest.substr(7, 16)));
   std::error_code ec;
   if (fs::exists(state_path(dir), ec)) {
     if (auto state = read_state(dir); state && state->manifest_digest == image.manifest.digest) return dir;
@@ -873,8 +874,15 @@ CommandResult run_rm(const PullCommandLine& line, const PullPlan&, const Command
 }
 
 CommandResult run_prune(const PullCommandLine& line, const PullPlan&, const CommandHooks&) {
-  if (!line.args.empty()) return usage("prune: takes no argument (--memory-dir DIR)");
-  CFMO_ASSIGN_OR_RETURN(const CleanupReport report, prune_stores(line.config.memory_dir));
+  if (!line.args.empty()) return usage("prune: takes no argument (--memory-dir DIR, --cache DIR)");
+  // The lazy layouts first: the memory stores of those removed go with them.
+  CleanupReport report;
+  const fs::path cache = line.config.cache.empty() ? default_blob_cache() : fs::path(line.config.cache);
+  CFMO_TRY(prune_lazy_layouts(cache, report));
+  CFMO_ASSIGN_OR_RETURN(const CleanupReport stores, prune_stores(line.config.memory_dir));
+  report.removed.insert(report.removed.end(), stores.removed.begin(), stores.removed.end());
+  report.kept.insert(report.kept.end(), stores.kept.begin(), stores.kept.end());
+  report.bytes += stores.bytes;
   return cleanup_output(line.config, report, "pruned");
 }
 

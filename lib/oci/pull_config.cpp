@@ -141,6 +141,10 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
   }
   if (s == kPrune) {
     t.add("memory_dir", &c.memory_dir, "memory-backed directory whose cfmo-pull-* stores are pruned", "Cleaning up");
+    t.add("cache", &c.cache,
+          "the cache whose lazy/ layouts of mount --lazy REF are pruned when unused (empty: $XDG_CACHE_HOME/cfmo-pull, "
+          "~/.cache/cfmo-pull)",
+          "Cleaning up");
   }
 
   if (s == kMount) {

@@ -888,6 +888,72 @@ TEST_F(Lazy, MountByRefRecordsPrefetchesWritesAndFetchesInTheBackground) {
   EXPECT_EQ(lazy_layouts(cache), 0u);
 }
 
+// rm DIR takes a lazy mount's whole footprint: the layout, its span cache
+// and its memory store with a --writable mount's upper directory in it.
+// prune takes the layouts of mounts by REF once unmounted (kept while
+// mounted) and what a mount by REF cut short left; nothing stays behind.
+TEST_F(Lazy, RmAndPruneLeaveNothingOfLazyMountsBehind) {
+  const std::string ref = registry_->host() + "/" + kImage + ":v1";
+  const fs::path shm = out_ / "shm";
+  fs::create_directories(shm);
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", kSpan, "-q"}).status, 0);
+  const fs::path dir = out_ / "hot";
+  const RunResult hot = pull({"pull", ref, "--output", "oci:" + dir.string(), "--plain-http", "--cold", "lazy", "--hot",
+                              "0", "--memory-dir", shm.string(), "-q"});
+  ASSERT_EQ(hot.status, 0) << hot.err;
+  fs::copy(out_ / "full" / oci::kIndexDir, dir / oci::kIndexDir);
+  fs::create_directories(point());
+  MOUNT_WITH_OR_SKIP(
+      j, (std::vector<std::string>{"mount", dir.string(), point().string(), "--lazy", "--writable", "--json"}));
+  const fs::path upper = j["upper"].get<std::string>();
+  ASSERT_EQ(std::distance(fs::directory_iterator(shm), fs::directory_iterator()), 1);
+  const fs::path store = *fs::directory_iterator(shm);
+  EXPECT_EQ(upper.string().rfind(store.string(), 0), 0u) << upper << " is not in the memory store " << store;
+  EXPECT_EQ(slurp(point() / "lib" / "text"), std::string(200000, 'x'));  // a cold layer: into the span cache
+  std::ofstream(point() / "written") << "upper\n";
+  EXPECT_FALSE(fs::is_empty(dir / oci::kLazyCacheDir));
+  const RunResult busy = pull({"rm", dir.string()});
+  EXPECT_EQ(busy.status, 2) << busy.err;
+  umount();
+  const RunResult removed = pull({"rm", dir.string(), "--json"});
+  ASSERT_EQ(removed.status, 0) << removed.err;
+  const Json r = Json::parse(removed.out);
+  ASSERT_EQ(r["removed"].size(), 2u) << r;
+  EXPECT_EQ(r["removed"][0]["path"], store.string()) << r;
+  EXPECT_FALSE(fs::exists(dir));
+  EXPECT_TRUE(fs::is_empty(shm));
+
+  // Mounted by REF: prune keeps the layout while it is mounted, and takes it after.
+  const fs::path cache = out_ / "lazy-cache";
+  MOUNT_WITH_OR_SKIP(byref, (std::vector<std::string>{"mount", "--lazy", ref, point().string(), "--cache",
+                                                      cache.string(), "--plain-http", "--json"}));
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  const fs::path cut_short = cache / "lazy" / "cut-short";  // a mount by REF killed before its layout was made
+  fs::create_directories(cut_short / "blobs" / "sha256");
+  const auto prune = [&] {
+    const RunResult p = pull({"prune", "--memory-dir", shm.string(), "--cache", cache.string(), "--json"});
+    EXPECT_EQ(p.status, 0) << p.err;
+    return Json::parse(p.out, nullptr, false);
+  };
+  const Json first = prune();
+  ASSERT_TRUE(first.is_object());
+  ASSERT_EQ(first["removed"].size(), 1u) << first;
+  EXPECT_EQ(first["removed"][0]["path"], cut_short.string()) << first;
+  ASSERT_EQ(first["kept"].size(), 1u) << first;
+  EXPECT_NE(first["kept"][0].get<std::string>().find("mounted"), std::string::npos) << first;
+  EXPECT_EQ(lazy_layouts(cache), 1u);
+  umount();
+  const Json second = prune();
+  ASSERT_TRUE(second.is_object());
+  ASSERT_EQ(second["removed"].size(), 1u) << second;
+  EXPECT_EQ(second["removed"][0]["path"], byref["dir"]) << second;
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+  EXPECT_TRUE(fs::is_empty(shm));
+  const RunResult nothing = pull({"prune", "--memory-dir", shm.string(), "--cache", cache.string()});
+  EXPECT_NE(nothing.out.find("nothing to prune"), std::string::npos) << nothing.out;
+}
+
 // Without indexes in the registry, mount --lazy REF fetches the layers it
 // cannot seek whole, indexes them, and says so.
 TEST_F(Lazy, MountByRefWithoutPushedIndexesBuildsThem) {
