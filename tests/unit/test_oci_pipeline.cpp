@@ -342,5 +342,55 @@ TEST_F(Pipeline, TheIndexSinkBuildsWhatIndexingTheBlobBuilds) {
   check(resumed, second, {0});
 }
 
+/// Counts the states it is fed; fails the one numbered `fail_at` (0: never).
+class StateSink : public PullSink {
+ public:
+  Status on_state(const PullState& state) override {
+    std::lock_guard lock(mu_);
+    fetched_.push_back(std::count_if(state.layers.begin(), state.layers.end(),
+                                     [](const LayerState& l) { return l.status == LayerStatus::kFetched; }));
+    last_ = state;
+    if (static_cast<int>(fetched_.size()) == fail_at_) return make_error(ErrorKind::kInternal, "state sink full");
+    return {};
+  }
+  std::mutex mu_;
+  std::vector<long> fetched_;
+  PullState last_;
+  int fail_at_ = 0;
+};
+
+// The state file is written by a sink (StateRecorder) like the others are
+// fed: every change reaches every sink, the file holds the last, a sink's
+// error stops the pull, and a pull without a state file still feeds them.
+TEST_F(Pipeline, TheStateFileIsOneOfTheSinks) {
+  StateSink seen;
+  options_.sinks = {&seen};
+  ASSERT_TRUE(pull_to_layout(ref(), options_, layout(), "v1"));
+  ASSERT_GE(seen.fetched_.size(), layers_.size() + 2);  // planned, each layer, ready, the end
+  EXPECT_EQ(seen.fetched_.front(), 0);
+  EXPECT_EQ(seen.fetched_.back(), static_cast<long>(layers_.size()));
+  EXPECT_TRUE(std::is_sorted(seen.fetched_.begin(), seen.fetched_.end()));
+  auto on_disk = read_state(layout());
+  ASSERT_TRUE(on_disk) << on_disk.error().message;
+  EXPECT_TRUE(on_disk->complete);
+  EXPECT_TRUE(seen.last_.complete);
+  EXPECT_EQ(on_disk->fetcher_pid, 0);
+  for (size_t i = 0; i < layers_.size(); ++i) EXPECT_EQ(on_disk->layers[i].status, seen.last_.layers[i].status);
+
+  StateSink failing;
+  failing.fail_at_ = 2;  // the first layer's outcome
+  options_.sinks = {&failing};
+  auto stopped = pull_to_layout(ref(), options_, out_.path() / "second", "v1");
+  ASSERT_FALSE(stopped);
+  EXPECT_EQ(stopped.error().message, "state sink full");
+
+  StateSink cache;
+  options_.sinks = {&cache};
+  options_.state_file = false;
+  ASSERT_TRUE(pull_to_layout(ref(), options_, out_.path() / "cache", "v1"));
+  EXPECT_FALSE(fs::exists(state_path(out_.path() / "cache")));
+  EXPECT_EQ(cache.fetched_.back(), static_cast<long>(layers_.size()));
+}
+
 }  // namespace
 }  // namespace cfmo::oci
