@@ -48,6 +48,18 @@ class Pipeline : public ::testing::Test {
     layers_ = {gzip(make_tar({dir("etc"), file("etc/os-release", "ID=fake\n"), file("old", "gone\n")})),
                gzip(make_tar({whiteout("", "old"), dir("lib"), file("lib/big", random_bytes(300000, 5))})),
                gzip(make_tar({dir("app"), file("app/run", "#!/bin/sh\n", 0755)}))};
+    std::vector<std::pair<std::string, std::string>> typed;
+    for (const auto& layer : layers_) typed.emplace_back(layer, "application/vnd.oci.image.layer.v1.tar+gzip");
+    add_image("v1", typed);
+    options_.registry.connect = registry_.connector();
+    options_.registry.retries = 0;
+    options_.platform = host_platform();
+    options_.memory_dir = out_.path() / "shm";
+    fs::create_directories(options_.memory_dir);
+  }
+
+  /// An image of these layers (blob, media type) under `tag` in the registry.
+  void add_image(const std::string& tag, const std::vector<std::pair<std::string, std::string>>& layers) {
     const std::string config = R"({"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}})";
     Json manifest = {{"schemaVersion", 2},
                      {"mediaType", "application/vnd.oci.image.manifest.v1+json"},
@@ -56,17 +68,10 @@ class Pipeline : public ::testing::Test {
                        {"digest", registry_.add_blob(config)},
                        {"size", config.size()}}},
                      {"layers", Json::array()}};
-    for (const auto& layer : layers_) {
-      manifest["layers"].push_back({{"mediaType", "application/vnd.oci.image.layer.v1.tar+gzip"},
-                                    {"digest", registry_.add_blob(layer)},
-                                    {"size", layer.size()}});
+    for (const auto& [blob, type] : layers) {
+      manifest["layers"].push_back({{"mediaType", type}, {"digest", registry_.add_blob(blob)}, {"size", blob.size()}});
     }
-    registry_.add_manifest("v1", "application/vnd.oci.image.manifest.v1+json", manifest.dump());
-    options_.registry.connect = registry_.connector();
-    options_.registry.retries = 0;
-    options_.platform = host_platform();
-    options_.memory_dir = out_.path() / "shm";
-    fs::create_directories(options_.memory_dir);
+    registry_.add_manifest(tag, "application/vnd.oci.image.manifest.v1+json", manifest.dump());
   }
 
   Reference ref() const { return *parse_reference("fake.test/team/app:v1"); }
@@ -290,18 +295,7 @@ std::vector<std::pair<std::string, std::string>> indexed_layers() {
 // is byte for byte what `cfmo-pull index` builds from the blob afterwards.
 TEST_F(Pipeline, TheIndexSinkBuildsWhatIndexingTheBlobBuilds) {
   const auto layers = indexed_layers();
-  const std::string config = R"({"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}})";
-  Json manifest = {{"schemaVersion", 2},
-                   {"mediaType", "application/vnd.oci.image.manifest.v1+json"},
-                   {"config",
-                    {{"mediaType", "application/vnd.oci.image.config.v1+json"},
-                     {"digest", registry_.add_blob(config)},
-                     {"size", config.size()}}},
-                   {"layers", Json::array()}};
-  for (const auto& [blob, type] : layers) {
-    manifest["layers"].push_back({{"mediaType", type}, {"digest", registry_.add_blob(blob)}, {"size", blob.size()}});
-  }
-  registry_.add_manifest("v2", "application/vnd.oci.image.manifest.v1+json", manifest.dump());
+  add_image("v2", layers);
   const Reference v2 = *parse_reference("fake.test/team/app:v2");
   // Every layer's index in `dir` equals the blob's; `sink` built those of `expected` from the download.
   const auto check = [&](const IndexSink& sink, const fs::path& dir, const std::vector<size_t>& expected) {
