@@ -125,4 +125,38 @@ Result<CleanupReport> prune_stores(const fs::path& memory_dir) {
   return report;
 }
 
+Status prune_lazy_layouts(const fs::path& cache, CleanupReport& report) {
+  std::error_code ec;
+  const fs::path lazy = cache / kLazyLayoutDir;
+  if (!fs::is_directory(lazy, ec)) return {};
+  for (const auto& entry : fs::directory_iterator(lazy, ec)) {
+    if (!entry.is_directory(ec) || entry.is_symlink(ec)) continue;
+    const fs::path dir = entry.path();
+    if (fs::exists(state_path(dir), ec)) {
+      auto removed = remove_pull(dir);
+      if (!removed) {
+        if (removed.error().kind != ErrorKind::kUsage) return std::move(removed).error();
+        // Mounted, or a fetch (a --background one) holds it.
+        std::string why = removed.error().message;
+        if (const auto at = why.find("': "); at != std::string::npos) why = why.substr(at + 3);
+        report.kept.push_back(fmt::format("{}: {}", dir.string(), why));
+        continue;
+      }
+      for (auto& r : removed->removed) report.removed.push_back(std::move(r));
+      for (auto& k : removed->kept) report.kept.push_back(std::move(k));
+      report.bytes += removed->bytes;
+      continue;
+    }
+    // No state file: a mount by REF stopped before its layout was made, or one making it now (it holds the lock).
+    auto lock = lock_layout(dir, std::chrono::steady_clock::now());
+    if (!lock) {
+      report.kept.push_back(fmt::format("{}: {}", dir.string(), lock.error().message));
+      continue;
+    }
+    lock->release();
+    remove_counted(dir, report);
+  }
+  return {};
+}
+
 }  // namespace cfmo::oci

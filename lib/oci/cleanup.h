@@ -2,7 +2,9 @@
 /// Cleaning up after pulls: `cfmo-pull rm DIR` removes a pull's layout, its
 /// memory store (in /dev/shm, which outlives the layout otherwise) and the
 /// lazy mount's cache inside DIR; `cfmo-pull prune` removes the memory
-/// stores whose layout is gone. A memory store names its layout in a file of
+/// stores whose layout is gone, and the layouts `mount --lazy REF` keeps
+/// under CACHE/lazy (indexes and span cache) that nothing uses any more.
+/// A memory store names its layout in a file of
 /// its own (kStoreOwnerFile), written when the pull makes it; a store
 /// without one (made before cfmo-pull wrote it) is reported, never removed
 /// by guess.
@@ -15,6 +17,9 @@
 #include <vector>
 
 namespace cfmo::oci {
+
+/// Under a cache (--cache): the layouts `mount --lazy REF` makes, one per image manifest.
+inline constexpr const char* kLazyLayoutDir = "lazy";
 
 /// In a memory store: the absolute path of the layout it belongs to.
 inline constexpr const char* kStoreOwnerFile = "cfmo-pull-layout";
@@ -42,6 +47,13 @@ Result<CleanupReport> remove_pull(const std::filesystem::path& dir);
 /// Removes the memory stores under `memory_dir` (cfmo-pull-*) whose layout is
 /// gone or no longer names them.
 Result<CleanupReport> prune_stores(const std::filesystem::path& memory_dir);
+
+/// Removes, into `report`, the layouts of `mount --lazy REF` under
+/// CACHE/lazy (each with its indexes, span cache and memory store) that no
+/// mount uses and no process holds, and what a mount by REF that was cut
+/// short left there; those in use are kept, saying why. No CACHE/lazy is
+/// nothing to prune.
+Status prune_lazy_layouts(const std::filesystem::path& cache, CleanupReport& report);
 
 /// A tree's use of its file system, in bytes (what du counts).
 int64_t tree_bytes(const std::filesystem::path& root);

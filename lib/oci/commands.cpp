@@ -4,6 +4,7 @@
 #include "oci/cleanup.h"
 #include "oci/gzip_index.h"
 #include "oci/index_artifact.h"
+#include "oci/index_sink.h"
 #include "oci/lazy_mount.h"
 #include "oci/manifest.h"
 #include "oci/memory_budget.h"
@@ -168,6 +169,28 @@ Result<Json> indexes_from_registry(const std::string& layout, const PullReport& 
   return Json{{"artifact", (*found)->artifact}, {"via", (*found)->via}, {"layers", (*found)->blobs.size()}};
 }
 
+/// What an IndexSink built: a note per layer it could not index (unless
+/// quiet), and the JSON report's "built_indexes".
+Json built_indexes(const IndexSink* sink, const std::string& layout, bool quiet, CommandOutput& out) {
+  if (sink == nullptr) return Json(nullptr);
+  Json layers = Json::array();
+  size_t indexed = 0;
+  for (const auto& o : sink->outcomes()) {
+    layers.push_back({{"layer", o.layer},
+                      {"digest", o.digest},
+                      {"indexed", o.indexed},
+                      {"streamed", o.streamed},
+                      {"note", o.note.empty() ? Json(nullptr) : Json(o.note)}});
+    indexed += o.indexed ? 1 : 0;
+    if (!o.indexed && !quiet) out.notes.push_back(fmt::format("layer {}: not indexed: {}", o.layer, o.note));
+  }
+  if (!quiet && indexed > 0) {
+    out.notes.push_back(fmt::format("built the indexes of {} layer(s) as they arrived, in {}", indexed,
+                                    (fs::path(layout) / kIndexDir).string()));
+  }
+  return layers;
+}
+
 }  // namespace
 
 void PullCommandLine::register_cli(CLI::App& app, PullCommand command, const char* args_name, const char* args_help) {
@@ -242,6 +265,11 @@ CommandResult run_pull(const PullCommandLine& line, const PullPlan& plan, const 
   std::optional<RootfsReport> rootfs;
   PullReport report;
   std::string layout = outputs.layout;
+  std::optional<IndexSink> indexer;
+  if (config.build_index) {
+    if (layout.empty()) return usage("--build-index: the indexes go into an oci:DIR output; give one");
+    options.sinks.push_back(&indexer.emplace(layout, plan.span));
+  }
   if (outputs.rootfs.empty()) {
     CFMO_ASSIGN_OR_RETURN(report, pull_to_layout(ref, options, layout, outputs.tag));
   } else {
@@ -261,6 +289,7 @@ CommandResult run_pull(const PullCommandLine& line, const PullPlan& plan, const 
   }
   CommandOutput out;
   Json found_json = nullptr;
+  const Json built_json = built_indexes(indexer ? &*indexer : nullptr, layout, config.quiet || config.json, out);
   if (!rootfs) {
     CFMO_ASSIGN_OR_RETURN(found_json, indexes_from_registry(layout, report, plan, config.quiet, out));
   }
@@ -280,6 +309,7 @@ CommandResult run_pull(const PullCommandLine& line, const PullPlan& plan, const 
     j["outputs"] = config.output;
     j["background_pid"] = background_pid > 0 ? Json(background_pid) : Json(nullptr);
     if (!rootfs) j["indexes"] = found_json;
+    j["built_indexes"] = built_json;
     if (rootfs) {
       for (size_t i = 0; i < report.layers.size(); ++i) {
         j["layers"][i]["entries"] = rootfs->layers[i].entries;
@@ -310,11 +340,16 @@ CommandResult run_fetch(const PullCommandLine& line, const PullPlan& plan, const
     options.layers.push_back(spec);
   }
   if (hooks.progress != nullptr) options.sinks.push_back(hooks.progress);
+  std::optional<IndexSink> indexer;
+  if (line.config.build_index) options.sinks.push_back(&indexer.emplace(dir, plan.span));
   CFMO_ASSIGN_OR_RETURN(const PullReport report, fetch_layers(dir, options));
   CommandOutput out;
+  const Json built_json = built_indexes(indexer ? &*indexer : nullptr, dir, line.config.quiet || line.config.json, out);
   if (line.config.json) {
     auto state = read_state(dir);
-    out.text = json_text(report_json(report, state ? state->image : "", state ? state->output : ""));
+    Json j = report_json(report, state ? state->image : "", state ? state->output : "");
+    j["built_indexes"] = built_json;
+    out.text = json_text(j);
     return out;
   }
   if (line.config.quiet) return out;
@@ -480,7 +515,8 @@ Result<fs::path> lazy_layout(const PullCommandLine& line, const PullPlan& plan, 
   const fs::path cache = line.config.cache.empty() ? default_blob_cache() : fs::path(line.config.cache);
   std::string name = ref.repository;
   std::replace(name.begin(), name.end(), '/', '_');
-  const fs::path dir = fs::absolute(cache / "lazy" / fmt::format("{}-{}", name, image.manifest.digest.substr(7, 16)));
+  const fs::path dir =
+      fs::absolute(cache / kLazyLayoutDir / fmt::format("{}-{}", name, image.manifest.digest.substr(7, 16)));
   std::error_code ec;
   if (fs::exists(state_path(dir), ec)) {
     if (auto state = read_state(dir); state && state->manifest_digest == image.manifest.digest) return dir;
@@ -838,8 +874,15 @@ CommandResult run_rm(const PullCommandLine& line, const PullPlan&, const Command
 }
 
 CommandResult run_prune(const PullCommandLine& line, const PullPlan&, const CommandHooks&) {
-  if (!line.args.empty()) return usage("prune: takes no argument (--memory-dir DIR)");
-  CFMO_ASSIGN_OR_RETURN(const CleanupReport report, prune_stores(line.config.memory_dir));
+  if (!line.args.empty()) return usage("prune: takes no argument (--memory-dir DIR, --cache DIR)");
+  // The lazy layouts first: the memory stores of those removed go with them.
+  CleanupReport report;
+  const fs::path cache = line.config.cache.empty() ? default_blob_cache() : fs::path(line.config.cache);
+  CFMO_TRY(prune_lazy_layouts(cache, report));
+  CFMO_ASSIGN_OR_RETURN(const CleanupReport stores, prune_stores(line.config.memory_dir));
+  report.removed.insert(report.removed.end(), stores.removed.begin(), stores.removed.end());
+  report.kept.insert(report.kept.end(), stores.kept.begin(), stores.kept.end());
+  report.bytes += stores.bytes;
   return cleanup_output(line.config, report, "pruned");
 }
 

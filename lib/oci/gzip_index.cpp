@@ -42,6 +42,7 @@ constexpr char kMagic[8] = {'C', 'F', 'M', 'O', 'L', 'I', 'D', 'X'};
 constexpr uint32_t kVersion = 2;
 /// zstd's default window cap (128 MiB), as the unpacker has it: a frame asking for more is refused, not allocated.
 constexpr int kZstdWindowLogMax = 27;
+constexpr std::string_view kShortLayer = "not the layer's size";
 
 uint64_t round_up(uint64_t n) { return (n + kBlock - 1) / kBlock * kBlock; }
 
@@ -330,30 +331,18 @@ std::string deflated(std::string_view data) {
   return out;
 }
 
-/// Reads the layer blob sequentially in chunks, hashing the compressed spans as checkpoints close them.
+/// Reads the layer's bytes sequentially in chunks, hashing the compressed spans as checkpoints close them.
 class BlobReader {
  public:
-  explicit BlobReader(const fs::path& path)
-      : fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)), path_(path), chunk_(1 << 16) {}
-  ~BlobReader() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  BlobReader(const BlobReader&) = delete;
-  BlobReader& operator=(const BlobReader&) = delete;
-  bool is_open() const { return fd_ >= 0; }
+  explicit BlobReader(LayerBytes& source) : source_(source), chunk_(1 << 16) {}
 
-  /// The next chunk; false at the end of the file.
+  /// The next chunk; false at the end of the layer.
   Result<bool> refill() {
     hash_upto(chunk_start_ + chunk_size_);
     if (chunk_size_ > 0) prev_last_ = chunk_[chunk_size_ - 1];
     chunk_start_ += chunk_size_;
-    ssize_t n = 0;
-    do {
-      n = ::pread(fd_, chunk_.data(), chunk_.size(), static_cast<off_t>(chunk_start_));
-    } while (n < 0 && errno == EINTR);
-    if (n < 0) return make_error(ErrorKind::kInternal, "'{}': read failed: {}", path_.string(), std::strerror(errno));
-    chunk_size_ = static_cast<size_t>(n);
-    return n > 0;
+    CFMO_ASSIGN_OR_RETURN(chunk_size_, source_.read(chunk_.data(), chunk_.size()));
+    return chunk_size_ > 0;
   }
 
   /// Hashes the consumed bytes up to `position` into the open span.
@@ -384,8 +373,7 @@ class BlobReader {
   uint64_t start() const { return chunk_start_; }
 
  private:
-  int fd_;
-  fs::path path_;
+  LayerBytes& source_;
   std::vector<unsigned char> chunk_;
   uint64_t chunk_start_ = 0;
   size_t chunk_size_ = 0;
@@ -755,14 +743,53 @@ Result<std::string> RegistrySource::read(uint64_t offset, uint64_t length) {
   return std::move(sink.body);
 }
 
+namespace {
+
+/// A blob file read from its start.
+class FileBytes : public LayerBytes {
+ public:
+  explicit FileBytes(const fs::path& path) : fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)), path_(path) {}
+  ~FileBytes() override {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FileBytes(const FileBytes&) = delete;
+  FileBytes& operator=(const FileBytes&) = delete;
+  bool is_open() const { return fd_ >= 0; }
+  Result<size_t> read(unsigned char* buffer, size_t size) override {
+    ssize_t n = 0;
+    do {
+      n = ::read(fd_, buffer, size);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) return make_error(ErrorKind::kInternal, "'{}': read failed: {}", path_.string(), std::strerror(errno));
+    return static_cast<size_t>(n);
+  }
+
+ private:
+  int fd_;
+  fs::path path_;
+};
+
+}  // namespace
+
 Result<LayerIndex> build_layer_index(const fs::path& blob, const Descriptor& layer, uint64_t span,
                                      const std::string& what) {
   if (span < kMinSpan) return make_error(ErrorKind::kUsage, "--span {}: at least 64K", span);
-  CFMO_ASSIGN_OR_RETURN(const Compression compression, layer_compression(layer.media_type));
-  BlobReader reader(blob);
-  if (!reader.is_open()) {
+  FileBytes bytes(blob);
+  if (!bytes.is_open()) {
     return make_error(ErrorKind::kInput, "'{}': cannot open: {}", blob.string(), std::strerror(errno));
   }
+  auto index = build_layer_index(bytes, layer, span, what);
+  if (!index && index.error().message.ends_with(kShortLayer)) {
+    return make_error(ErrorKind::kInput, "{}: '{}' is not the layer's {} bytes", what, blob.string(), layer.size);
+  }
+  return index;
+}
+
+Result<LayerIndex> build_layer_index(LayerBytes& bytes, const Descriptor& layer, uint64_t span,
+                                     const std::string& what) {
+  if (span < kMinSpan) return make_error(ErrorKind::kUsage, "--span {}: at least 64K", span);
+  CFMO_ASSIGN_OR_RETURN(const Compression compression, layer_compression(layer.media_type));
+  BlobReader reader(bytes);
   LayerIndex index;
   index.span = span;
   index.layer_digest = layer.digest;
@@ -782,10 +809,10 @@ Result<LayerIndex> build_layer_index(const fs::path& blob, const Descriptor& lay
       break;
   }
   CFMO_TRY(walker.finish());
-  std::error_code ec;
-  index.compressed_size = fs::file_size(blob, ec);
-  if (ec || static_cast<int64_t>(index.compressed_size) != layer.size) {
-    return make_error(ErrorKind::kInput, "{}: '{}' is not the layer's {} bytes", what, blob.string(), layer.size);
+  // Every decoder reads to the layer's end, so the reader's end is its size.
+  index.compressed_size = reader.start() + reader.size();
+  if (static_cast<int64_t>(index.compressed_size) != layer.size) {
+    return make_error(ErrorKind::kInput, "{}: {} bytes, {}", what, index.compressed_size, kShortLayer);
   }
   if (index.checkpoints.empty()) return make_error(ErrorKind::kInput, "{}: an empty layer", what);
   return index;

@@ -84,6 +84,20 @@ struct LayerIndex {
   bool lazily_loadable() const;
 };
 
+/// A layer's compressed bytes in order, from its first: the next up to
+/// `size` into `buffer`, 0 at its end. A file, or a download as it arrives
+/// (index_sink.h).
+class LayerBytes {
+ public:
+  virtual ~LayerBytes() = default;
+  virtual Result<size_t> read(unsigned char* buffer, size_t size) = 0;
+};
+
+/// Reads the layer's bytes once and indexes them; fewer or more than the
+/// layer's size is kInput.
+Result<LayerIndex> build_layer_index(LayerBytes& bytes, const Descriptor& layer, uint64_t span,
+                                     const std::string& what);
+
 /// Reads the layer blob at `blob` once and indexes it. A tar the index
 /// cannot describe, or a stream that does not decode, is kInput naming it;
 /// `span` below 64 KiB is kUsage.

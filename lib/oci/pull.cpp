@@ -35,13 +35,11 @@ int64_t free_bytes(const fs::path& dir) {
   return static_cast<int64_t>(info.f_bavail) * static_cast<int64_t>(info.f_frsize);
 }
 
-/// Writes a pull's state file, or nothing for a pull that keeps none (a
-/// rootfs pull into the shared blob cache, which per-blob locks serialise).
-struct StateSaver {
-  fs::path dir;
-  bool keep = true;
-  Status operator()(PullState& state) const { return keep ? write_state(dir, state) : Status{}; }
-};
+/// The state, changed, to every sink (the state file is one: StateRecorder); the first error stops the pull.
+Status publish(const std::vector<PullSink*>& sinks, const PullState& state) {
+  for (auto* s : sinks) CFMO_TRY(s->on_state(state));
+  return {};
+}
 
 std::string layer_what(size_t index, const std::string& digest) {
   return fmt::format("layer {} ({})", short_digest(digest), index);
@@ -88,12 +86,11 @@ BlobJob layer_job(const fs::path& dir, const PullState& state, size_t i) {
   return job;
 }
 
-/// Builds the job list's `done`: records each outcome in the state (written
-/// whole after each layer) and the report.
-std::function<Status(const BlobJob&, const Result<JobOutcome>&)> recorder(const StateSaver& save, PullState& state,
-                                                                          PullReport& report,
+/// Builds the job list's `done`: records each outcome in the state and the
+/// report, and feeds both to the sinks (the state file's among them).
+std::function<Status(const BlobJob&, const Result<JobOutcome>&)> recorder(PullState& state, PullReport& report,
                                                                           const std::vector<PullSink*>& sinks) {
-  return [save, &state, &report, &sinks](const BlobJob& job, const Result<JobOutcome>& outcome) -> Status {
+  return [&state, &report, &sinks](const BlobJob& job, const Result<JobOutcome>& outcome) -> Status {
     if (job.layer == kConfigJob) {
       if (outcome) report.bytes_fetched += outcome->result.bytes_fetched;
       return {};
@@ -118,7 +115,7 @@ std::function<Status(const BlobJob&, const Result<JobOutcome>&)> recorder(const 
       }
       for (auto* s : sinks) s->on_layer_done(k, report.layers[k]);
     }
-    return save(state);
+    return publish(sinks, state);
   };
 }
 
@@ -178,12 +175,15 @@ void fill_report_from_state(PullReport& report, const PullState& state) {
   }
 }
 
-Status mark_ready(PullState& state, const StateSaver& save, double ready_s, const std::vector<PullSink*>& sinks) {
+/// `announce`: the sinks hear on_ready too (a fetch completing an earlier pull's hot layers does not announce).
+Status mark_ready(PullState& state, double ready_s, const std::vector<PullSink*>& sinks, bool announce = true) {
   CFMO_TRY(write_ready_file(state, ready_s));
   state.ready = true;
   state.ready_s = ready_s;
-  CFMO_TRY(save(state));
-  for (auto* s : sinks) s->on_ready(ready_s);
+  CFMO_TRY(publish(sinks, state));
+  if (announce) {
+    for (auto* s : sinks) s->on_ready(ready_s);
+  }
   return {};
 }
 
@@ -327,8 +327,10 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   PullReport report;
   CFMO_TRY(prepare_layout(dir));
   Transfer transfer;
-  transfer.sinks = options.sinks;
-  const StateSaver save{dir, options.state_file};
+  // The state file first among the sinks: written before the others hear of a change.
+  StateRecorder state_file(dir);
+  if (options.state_file) transfer.sinks.push_back(&state_file);
+  transfer.sinks.insert(transfer.sinks.end(), options.sinks.begin(), options.sinks.end());
   std::optional<DirLock> lock;
   if (options.state_file) {
     CFMO_ASSIGN_OR_RETURN(
@@ -447,7 +449,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
   }
   // The registry's manifest is kept as a blob so a later fetch can check its layers against it.
   CFMO_TRY(write_file_atomic(blob_path(dir, image.manifest.digest), image.manifest_body));
-  CFMO_TRY(save(state));
+  CFMO_TRY(publish(transfer.sinks, state));
   for (auto* s : transfer.sinks) s->on_plan(state);
   report.layers.resize(layers.size());
   report.buffer_bytes = static_cast<int64_t>(budget.total());
@@ -473,19 +475,19 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
       add_layer_job(first, dir, state, i);
     }
   }
-  const auto done = recorder(save, state, report, transfer.sinks);
+  const auto done = recorder(state, report, transfer.sinks);
   // A stop leaves a state that says so (a failure otherwise keeps this process as the fetcher, gone).
   const auto unless_stopped = [&](Status status) -> Status {
     if (status || !options.registry.stopped()) return status;
     settle(state, true);
-    CFMO_TRY(save(state));
+    CFMO_TRY(publish(transfer.sinks, state));
     return status;
   };
   CFMO_TRY(unless_stopped(run_jobs(first, options.jobs, transfer, done)));
 
   const bool any_hot = std::any_of(hot.begin(), hot.end(), [](bool h) { return h; });
   const bool cold_now = options.cold == ColdStrategy::kEager && !options.background;
-  if (any_hot || !cold_now) CFMO_TRY(mark_ready(state, save, seconds_since(start), transfer.sinks));
+  if (any_hot || !cold_now) CFMO_TRY(mark_ready(state, seconds_since(start), transfer.sinks));
 
   if (cold_now) {
     std::vector<BlobJob> rest;
@@ -493,7 +495,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
       if (state.layers[i].status != LayerStatus::kFetched) add_layer_job(rest, dir, state, i);
     }
     CFMO_TRY(unless_stopped(run_jobs(rest, options.jobs, transfer, done)));
-    if (!any_hot) CFMO_TRY(mark_ready(state, save, seconds_since(start), transfer.sinks));
+    if (!any_hot) CFMO_TRY(mark_ready(state, seconds_since(start), transfer.sinks));
   }
 
   if (all_fetched(state)) {
@@ -501,7 +503,7 @@ Result<PullReport> pull_to_layout(const Reference& ref, const PullOptions& optio
     state.complete = true;
   }
   state.fetcher_pid = 0;
-  CFMO_TRY(save(state));
+  CFMO_TRY(publish(transfer.sinks, state));
   finish_report();
   return report;
 }
@@ -510,7 +512,9 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
   const auto start = Clock::now();
   PullReport report;
   Transfer transfer;
-  transfer.sinks = options.sinks;
+  StateRecorder state_file(dir);
+  transfer.sinks.push_back(&state_file);
+  transfer.sinks.insert(transfer.sinks.end(), options.sinks.begin(), options.sinks.end());
   if (!fs::exists(state_path(dir))) CFMO_TRY(read_state(dir));  // the "not a cfmo-pull directory" error
   CFMO_ASSIGN_OR_RETURN(
       auto lock,
@@ -521,7 +525,6 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
           },
           options.registry.stop));
   CFMO_ASSIGN_OR_RETURN(auto state, read_state(dir));
-  const StateSaver save{dir, true};
   const fs::path manifest_path = blob_path(dir, state.manifest_digest);
   auto body = read_file(manifest_path);
   if (!body || sha256_digest(*body) != state.manifest_digest) {
@@ -596,21 +599,21 @@ Result<PullReport> fetch_layers(const fs::path& dir, const FetchOptions& options
     }
   }
   state.fetcher_pid = ::getpid();
-  CFMO_TRY(write_state(dir, state));
+  CFMO_TRY(publish(transfer.sinks, state));
   for (auto* s : transfer.sinks) s->on_plan(state);
-  const auto done = recorder(save, state, report, transfer.sinks);
+  const auto done = recorder(state, report, transfer.sinks);
   Status fetched = run_jobs(jobs, options.jobs, transfer, done);
   // A layer this run did not get to is pending again, not "fetching" by nobody.
   settle(state, !fetched && options.registry.stopped());
   if (fetched && !state.ready && hot_fetched(state)) {
-    fetched = mark_ready(state, save, state.ready_s >= 0 ? state.ready_s : seconds_since(start), {});
+    fetched = mark_ready(state, state.ready_s >= 0 ? state.ready_s : seconds_since(start), transfer.sinks, false);
   }
   if (fetched && !state.complete && all_fetched(state)) {
     fetched = finish_layout(dir, *body, report.image.manifest, state.tag, report.layout_manifest);
     if (fetched) state.complete = true;
   }
   state.fetcher_pid = 0;
-  CFMO_TRY(write_state(dir, state));
+  CFMO_TRY(publish(transfer.sinks, state));
   CFMO_TRY(std::move(fetched));
   fill_report_from_state(report, state);
   report.notes = transfer.notes;

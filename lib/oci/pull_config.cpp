@@ -141,6 +141,10 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
   }
   if (s == kPrune) {
     t.add("memory_dir", &c.memory_dir, "memory-backed directory whose cfmo-pull-* stores are pruned", "Cleaning up");
+    t.add("cache", &c.cache,
+          "the cache whose lazy/ layouts of mount --lazy REF are pruned when unused (empty: $XDG_CACHE_HOME/cfmo-pull, "
+          "~/.cache/cfmo-pull)",
+          "Cleaning up");
   }
 
   if (s == kMount) {
@@ -162,6 +166,14 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
     t.add("partial", &c.partial, "mount though some layers are not fetched yet (their files are missing)", mounting);
     t.add("writable", &c.writable,
           "add an upper directory, dropped at umount: in the memory store if the pull has one, else on disk", mounting);
+  }
+  if (among(s, {kPull, kFetch})) {
+    const std::string indexing = "Indexing";
+    t.add("build_index", &c.build_index,
+          "build each layer's seekable index from its bytes while it downloads, into DIR/cfmo-index (as 'index' "
+          "would, without reading the layer again), for a later mount --lazy",
+          indexing);
+    t.add("span", &c.span, "--build-index: uncompressed bytes between two checkpoints (at least 64K)", indexing);
   }
   if (s == kIndex) {
     const std::string indexing = "Indexing";
@@ -319,6 +331,7 @@ std::vector<std::string> fetch_arguments(const PullConfig& c, int64_t buffer_mem
                                    c.timeout,
                                    "--buffer-memory",
                                    std::to_string(buffer_memory)};
+  if (c.build_index) args.insert(args.end(), {"--build-index", "--span", c.span});
   return args;
 }
 

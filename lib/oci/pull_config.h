@@ -57,6 +57,7 @@ struct PullConfig {
   std::string prefetch;
   // Indexing.
   std::string span = "4M";
+  bool build_index = false;
   bool list = false;
   bool push = false;
   // Output.

@@ -1,10 +1,11 @@
 #pragma once
 /// What a pull feeds. Every consumer of a pull is a sink the puller calls in
-/// turn: the terminal's progress (the tool), the rootfs applier (rootfs.cpp),
-/// and whoever else wants the image's blobs as they arrive (the gzip index
-/// can be one). The puller drives; a sink never calls back into it, so
-/// control stays in pull.cpp. The layout itself (blobs, the state file,
-/// index.json) is the puller's own store.
+/// turn: the state file (StateRecorder, pull_state.h), the terminal's
+/// progress (the tool), the rootfs applier (rootfs.cpp), the layer indexes
+/// (IndexSink, index_sink.h), and whoever else wants the image's blobs as
+/// they arrive. The puller drives; a sink never calls back into it, so
+/// control stays in pull.cpp. The layout's blobs and index.json are the
+/// puller's own store.
 ///
 /// Calls come from the download threads: one layer's blob calls from the
 /// thread fetching it, in order; different layers' at once. A sink
@@ -32,6 +33,10 @@ class PullSink {
   virtual Status on_resolved(const ResolvedImage& /*image*/) { return {}; }
   /// Once, before the first layer: every layer, hot or not, where it goes.
   virtual void on_plan(const PullState& /*state*/) {}
+  /// The pull's state, whenever it changed: planned, a layer's outcome,
+  /// ready, the end (and, in a fetch, the layers it takes on). An error
+  /// (the state file cannot be written) stops the pull.
+  virtual Status on_state(const PullState& /*state*/) { return {}; }
 
   /// Layer `layer`'s download starts (progress).
   virtual void on_layer_start(size_t /*layer*/) {}

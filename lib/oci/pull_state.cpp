@@ -212,6 +212,11 @@ Status write_state(const fs::path& dir, PullState& state) {
   return write_file_atomic(state_path(dir), state_to_json(state));
 }
 
+Status StateRecorder::on_state(const PullState& state) {
+  PullState written = state;  // write_state stamps the time on its copy
+  return write_state(dir_, written);
+}
+
 Result<DirLock> lock_layout(const fs::path& dir, std::optional<std::chrono::steady_clock::time_point> deadline,
                             const std::function<void(int pid)>& on_wait, const std::atomic<bool>* stop) {
   auto lock = DirLock::acquire(dir, kLockFile, "cfmo-pull", deadline, on_wait, stop);

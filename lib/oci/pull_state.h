@@ -11,6 +11,7 @@
 #include "oci/hosts.h"
 #include "oci/hot_set.h"
 #include "oci/manifest.h"
+#include "oci/pull_sink.h"
 
 #include <atomic>
 #include <chrono>
@@ -84,6 +85,18 @@ std::string utc_now();
 Result<PullState> read_state(const std::filesystem::path& dir);
 /// Writes it whole (the `updated` time set now).
 Status write_state(const std::filesystem::path& dir, PullState& state);
+
+/// The state file as a sink of the pull: each state it is fed is written
+/// whole to DIR's state file. A pull that keeps no state file (a rootfs
+/// pull's shared blob cache) has none among its sinks.
+class StateRecorder : public PullSink {
+ public:
+  explicit StateRecorder(std::filesystem::path dir) : dir_(std::move(dir)) {}
+  Status on_state(const PullState& state) override;
+
+ private:
+  std::filesystem::path dir_;
+};
 
 std::string state_to_json(const PullState& state);
 Result<PullState> state_from_json(std::string_view text, const std::string& source);

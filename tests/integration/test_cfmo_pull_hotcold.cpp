@@ -862,7 +862,8 @@ TEST_F(HotCold, RmAndPruneLeaveNothingOfAPullInMemory) {
   const fs::path orphan = oci::memory_store_for(second, shm_.path);
   fs::remove_all(second);
   fs::create_directories(shm_.path / "cfmo-pull-unknown-000000000000");
-  const RunResult pruned = pull({"prune", "--memory-dir", shm_.string()});
+  // Its own --cache: prune would otherwise look at this user's lazy layouts.
+  const RunResult pruned = pull({"prune", "--memory-dir", shm_.string(), "--cache", (out / "cache").string()});
   ASSERT_EQ(pruned.status, 0) << pruned.err;
   EXPECT_NE(pruned.out.find("pruned " + orphan.string()), std::string::npos) << pruned.out;
   EXPECT_NE(pruned.out.find("names no layout"), std::string::npos) << pruned.out;

@@ -18,6 +18,7 @@
 #include <sys/stat.h>
 
 #include <chrono>
+#include <map>
 #include <thread>
 
 namespace cfmo::pulltest {
@@ -362,6 +363,52 @@ TEST_F(Lazy, WritableIsAnOverlayOverTheLazyMountUntilUmount) {
   EXPECT_TRUE(fs::is_empty(point()));
   EXPECT_FALSE(fs::exists(upper));
   EXPECT_TRUE(oci::mounts_using(lazy_dir()).empty());
+}
+
+// pull --build-index against the real registry: each layer's index is built
+// from the bytes as they download, equal byte for byte to what `index`
+// makes from the blobs afterwards, and a lazy mount of the layout uses it.
+TEST_F(Lazy, IndexesBuiltWhilePullingEqualTheIndexCommandsAndServeAMount) {
+  const std::string ref = registry_->host() + "/" + kImage + ":v1";
+  const fs::path dir = out_ / "built";
+  const RunResult pulled = pull(
+      {"pull", ref, "--output", "oci:" + dir.string(), "--plain-http", "--build-index", "--span", kSpan, "--json"});
+  ASSERT_EQ(pulled.status, 0) << pulled.err;
+  const Json report = Json::parse(pulled.out);
+  ASSERT_EQ(report["built_indexes"].size(), 3u) << report;
+  std::map<std::string, std::string> built;
+  for (const auto& l : report["built_indexes"]) {
+    EXPECT_EQ(l["indexed"], true) << l;
+    EXPECT_EQ(l["streamed"], true) << l;
+    const std::string digest = l["digest"];
+    built[digest] = slurp(oci::index_path(dir, digest));
+  }
+  fs::remove_all(dir / oci::kIndexDir);
+  const RunResult indexed = pull({"index", dir.string(), "--span", kSpan, "-q"});
+  ASSERT_EQ(indexed.status, 0) << indexed.err;
+  for (const auto& [digest, bytes] : built) {
+    EXPECT_FALSE(bytes.empty()) << digest;
+    EXPECT_EQ(bytes, slurp(oci::index_path(dir, digest))) << digest;
+  }
+  // Without --build-index nothing is indexed; a fetch with it indexes what it fetches.
+  const fs::path lazy = out_ / "lazy-built";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + lazy.string(), "--plain-http", "--cold", "lazy", "-q"}).status, 0);
+  EXPECT_FALSE(fs::exists(lazy / oci::kIndexDir));
+  const RunResult fetched = pull({"fetch", lazy.string(), "--build-index", "--span", kSpan, "--json"});
+  ASSERT_EQ(fetched.status, 0) << fetched.err;
+  EXPECT_EQ(Json::parse(fetched.out)["built_indexes"].size(), 3u) << fetched.out;
+  for (const auto& [digest, bytes] : built) EXPECT_EQ(bytes, slurp(oci::index_path(lazy, digest))) << digest;
+
+  fs::create_directories(point());
+  MOUNT_WITH_OR_SKIP(j, (std::vector<std::string>{"mount", lazy.string(), point().string(), "--lazy", "--json"}));
+  for (const auto& l : j["layers"]) EXPECT_EQ(l["index_from"], "dir") << l;
+  EXPECT_EQ(slurp(point() / "usr" / "big"), testing::random_bytes(700000, 3));
+  umount();
+  // A rootfs-only pull has no layout for them.
+  const RunResult rootfs = pull({"pull", ref, "--output", "rootfs:" + (out_ / "rootfs").string(), "--cache",
+                                 (out_ / "cache").string(), "--plain-http", "--build-index"});
+  EXPECT_EQ(rootfs.status, 2) << rootfs.err;
+  EXPECT_NE(rootfs.err.find("--build-index"), std::string::npos) << rootfs.err;
 }
 
 TEST_F(Lazy, AMemoryCapTooSmallForOneSpanIsRefusedBeforeMounting) {
@@ -767,6 +814,144 @@ TEST_F(Lazy, MountsAnImageStraightFromTheRegistry) {
   EXPECT_EQ(lazy_layouts(cache), 1u);
   EXPECT_EQ(pull({"rm", dir.string(), "-q"}).status, 0);
   EXPECT_EQ(lazy_layouts(cache), 0u);
+}
+
+// mount --lazy REF with the flags a DIR mount has: --record writes what
+// the mount served; the next mount by REF with --prefetch fetches those
+// spans first; --writable puts an overlay on top whose writes umount drops;
+// --background fetches every layer meanwhile, so the mount becomes a full
+// local copy without a restart, and status of the layout says so.
+TEST_F(Lazy, MountByRefRecordsPrefetchesWritesAndFetchesInTheBackground) {
+  const std::string repository = "byref/flags";
+  ASSERT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
+  const std::string ref = registry_->host() + "/" + repository + ":v1";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", kSpan, "--push", "-q"}).status, 0);
+  fs::create_directories(point());
+  const fs::path cache = out_ / "cache";
+  const fs::path recorded = out_ / "served.txt";
+  const auto args = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = {"mount",        "--lazy",       ref,     point().string(), "--cache",
+                                  cache.string(), "--plain-http", "--json"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  MOUNT_WITH_OR_SKIP(first, args({"--record", recorded.string()}));
+  const fs::path dir = first["dir"].get<std::string>();
+  const auto stats_of = [&] {
+    auto s = oci::read_lazy_stats(dir);
+    return s ? *s : oci::LazyStats{};
+  };
+  EXPECT_EQ(slurp(point() / "usr" / "bin" / "tool"), "#!/bin/sh\necho tool\n");
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  umount();
+  EXPECT_EQ(slurp(recorded), "/usr/bin/tool\n/etc/os-release\n");
+
+  // Prefetch, writable and background at once; the span cache emptied so the prefetch has work.
+  fs::remove_all(dir / oci::kLazyCacheDir);
+  MOUNT_WITH_OR_SKIP(second, args({"--prefetch", recorded.string(), "--writable", "--background"}));
+  EXPECT_EQ(second["dir"], dir.string());
+  ASSERT_TRUE(second["upper"].is_string()) << second;
+  ASSERT_TRUE(second["background_pid"].is_number()) << second;
+  const fs::path upper = second["upper"].get<std::string>();
+  const std::string mount_log = (dir / oci::kLazyLogFile).string();
+  for (int i = 0; i < 200 && slurp(mount_log).find("prefetched the spans of 2 file(s)") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_NE(slurp(mount_log).find("prefetched the spans of 2 file(s)"), std::string::npos) << slurp(mount_log);
+  EXPECT_EQ(slurp(point() / "usr" / "bin" / "tool"), "#!/bin/sh\necho tool\n");
+  std::ofstream(point() / "etc" / "new") << "written\n";
+  EXPECT_EQ(slurp(point() / "etc" / "new"), "written\n");
+  EXPECT_EQ(slurp(upper / "etc" / "new"), "written\n");
+
+  const int fetcher = second["background_pid"].get<int>();
+  for (int i = 0; i < 600 && alive(fetcher); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(alive(fetcher)) << slurp(dir / "cfmo-pull.log");
+  const RunResult status = pull({"status", dir.string()});
+  EXPECT_EQ(status.status, 0) << status.err;
+  EXPECT_NE(status.out.find("layers    3 of 3 fetched"), std::string::npos) << status.out;
+  EXPECT_NE(status.out.find("mounted at " + fs::canonical(point()).string()), std::string::npos) << status.out;
+  const RunResult status_json = pull({"status", dir.string(), "--json"});
+  const Json state = Json::parse(status_json.out, nullptr, false);
+  ASSERT_TRUE(state.is_object()) << status_json.out;
+  EXPECT_EQ(state["bytes_on_disk"], state["bytes_total"]) << state;
+  // The whole image is local now: reads take nothing more from the registry.
+  const int64_t before = stats_of().bytes_fetched;
+  EXPECT_EQ(slurp(point() / "lib" / "text"), std::string(200000, 'x'));
+  EXPECT_EQ(slurp(point() / "usr" / "big"), testing::random_bytes(700000, 3));
+  EXPECT_EQ(stats_of().bytes_fetched, before);
+  umount();
+  EXPECT_TRUE(fs::is_empty(point()));
+  EXPECT_FALSE(fs::exists(upper));
+  EXPECT_TRUE(oci::mounts_using(dir).empty());
+  EXPECT_EQ(pull({"rm", dir.string(), "-q"}).status, 0);
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+}
+
+// rm DIR takes a lazy mount's whole footprint: the layout, its span cache
+// and its memory store with a --writable mount's upper directory in it.
+// prune takes the layouts of mounts by REF once unmounted (kept while
+// mounted) and what a mount by REF cut short left; nothing stays behind.
+TEST_F(Lazy, RmAndPruneLeaveNothingOfLazyMountsBehind) {
+  const std::string ref = registry_->host() + "/" + kImage + ":v1";
+  const fs::path shm = out_ / "shm";
+  fs::create_directories(shm);
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", kSpan, "-q"}).status, 0);
+  const fs::path dir = out_ / "hot";
+  const RunResult hot = pull({"pull", ref, "--output", "oci:" + dir.string(), "--plain-http", "--cold", "lazy", "--hot",
+                              "0", "--memory-dir", shm.string(), "-q"});
+  ASSERT_EQ(hot.status, 0) << hot.err;
+  fs::copy(out_ / "full" / oci::kIndexDir, dir / oci::kIndexDir);
+  fs::create_directories(point());
+  MOUNT_WITH_OR_SKIP(
+      j, (std::vector<std::string>{"mount", dir.string(), point().string(), "--lazy", "--writable", "--json"}));
+  const fs::path upper = j["upper"].get<std::string>();
+  ASSERT_EQ(std::distance(fs::directory_iterator(shm), fs::directory_iterator()), 1);
+  const fs::path store = *fs::directory_iterator(shm);
+  EXPECT_EQ(upper.string().rfind(store.string(), 0), 0u) << upper << " is not in the memory store " << store;
+  EXPECT_EQ(slurp(point() / "lib" / "text"), std::string(200000, 'x'));  // a cold layer: into the span cache
+  std::ofstream(point() / "written") << "upper\n";
+  EXPECT_FALSE(fs::is_empty(dir / oci::kLazyCacheDir));
+  const RunResult busy = pull({"rm", dir.string()});
+  EXPECT_EQ(busy.status, 2) << busy.err;
+  umount();
+  const RunResult removed = pull({"rm", dir.string(), "--json"});
+  ASSERT_EQ(removed.status, 0) << removed.err;
+  const Json r = Json::parse(removed.out);
+  ASSERT_EQ(r["removed"].size(), 2u) << r;
+  EXPECT_EQ(r["removed"][0]["path"], store.string()) << r;
+  EXPECT_FALSE(fs::exists(dir));
+  EXPECT_TRUE(fs::is_empty(shm));
+
+  // Mounted by REF: prune keeps the layout while it is mounted, and takes it after.
+  const fs::path cache = out_ / "lazy-cache";
+  MOUNT_WITH_OR_SKIP(byref, (std::vector<std::string>{"mount", "--lazy", ref, point().string(), "--cache",
+                                                      cache.string(), "--plain-http", "--json"}));
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");
+  const fs::path cut_short = cache / "lazy" / "cut-short";  // a mount by REF killed before its layout was made
+  fs::create_directories(cut_short / "blobs" / "sha256");
+  const auto prune = [&] {
+    const RunResult p = pull({"prune", "--memory-dir", shm.string(), "--cache", cache.string(), "--json"});
+    EXPECT_EQ(p.status, 0) << p.err;
+    return Json::parse(p.out, nullptr, false);
+  };
+  const Json first = prune();
+  ASSERT_TRUE(first.is_object());
+  ASSERT_EQ(first["removed"].size(), 1u) << first;
+  EXPECT_EQ(first["removed"][0]["path"], cut_short.string()) << first;
+  ASSERT_EQ(first["kept"].size(), 1u) << first;
+  EXPECT_NE(first["kept"][0].get<std::string>().find("mounted"), std::string::npos) << first;
+  EXPECT_EQ(lazy_layouts(cache), 1u);
+  umount();
+  const Json second = prune();
+  ASSERT_TRUE(second.is_object());
+  ASSERT_EQ(second["removed"].size(), 1u) << second;
+  EXPECT_EQ(second["removed"][0]["path"], byref["dir"]) << second;
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+  EXPECT_TRUE(fs::is_empty(shm));
+  const RunResult nothing = pull({"prune", "--memory-dir", shm.string(), "--cache", cache.string()});
+  EXPECT_NE(nothing.out.find("nothing to prune"), std::string::npos) << nothing.out;
 }
 
 // Without indexes in the registry, mount --lazy REF fetches the layers it

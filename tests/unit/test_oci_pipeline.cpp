@@ -7,6 +7,7 @@
 #include "oci/blob.h"
 #include "oci/cleanup.h"
 #include "oci/gzip_index.h"
+#include "oci/index_sink.h"
 #include "oci/pull.h"
 #include "oci/rootfs.h"
 #include "support/layer_builder.h"
@@ -47,6 +48,18 @@ class Pipeline : public ::testing::Test {
     layers_ = {gzip(make_tar({dir("etc"), file("etc/os-release", "ID=fake\n"), file("old", "gone\n")})),
                gzip(make_tar({whiteout("", "old"), dir("lib"), file("lib/big", random_bytes(300000, 5))})),
                gzip(make_tar({dir("app"), file("app/run", "#!/bin/sh\n", 0755)}))};
+    std::vector<std::pair<std::string, std::string>> typed;
+    for (const auto& layer : layers_) typed.emplace_back(layer, "application/vnd.oci.image.layer.v1.tar+gzip");
+    add_image("v1", typed);
+    options_.registry.connect = registry_.connector();
+    options_.registry.retries = 0;
+    options_.platform = host_platform();
+    options_.memory_dir = out_.path() / "shm";
+    fs::create_directories(options_.memory_dir);
+  }
+
+  /// An image of these layers (blob, media type) under `tag` in the registry.
+  void add_image(const std::string& tag, const std::vector<std::pair<std::string, std::string>>& layers) {
     const std::string config = R"({"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}})";
     Json manifest = {{"schemaVersion", 2},
                      {"mediaType", "application/vnd.oci.image.manifest.v1+json"},
@@ -55,17 +68,10 @@ class Pipeline : public ::testing::Test {
                        {"digest", registry_.add_blob(config)},
                        {"size", config.size()}}},
                      {"layers", Json::array()}};
-    for (const auto& layer : layers_) {
-      manifest["layers"].push_back({{"mediaType", "application/vnd.oci.image.layer.v1.tar+gzip"},
-                                    {"digest", registry_.add_blob(layer)},
-                                    {"size", layer.size()}});
+    for (const auto& [blob, type] : layers) {
+      manifest["layers"].push_back({{"mediaType", type}, {"digest", registry_.add_blob(blob)}, {"size", blob.size()}});
     }
-    registry_.add_manifest("v1", "application/vnd.oci.image.manifest.v1+json", manifest.dump());
-    options_.registry.connect = registry_.connector();
-    options_.registry.retries = 0;
-    options_.platform = host_platform();
-    options_.memory_dir = out_.path() / "shm";
-    fs::create_directories(options_.memory_dir);
+    registry_.add_manifest(tag, "application/vnd.oci.image.manifest.v1+json", manifest.dump());
   }
 
   Reference ref() const { return *parse_reference("fake.test/team/app:v1"); }
@@ -260,6 +266,124 @@ TEST_F(Pipeline, SinksAreFedTheImageAndEveryLayersBytes) {
   ASSERT_TRUE(pull_to_layout(ref(), options_, out_.path() / "second", "v1"));
   EXPECT_EQ(resumed.bytes_[1], std::string(65536, '?') + layers_[1].substr(65536));
   EXPECT_EQ(resumed.done_[1], 1);
+}
+
+/// Layers an index has to get right: a gzip stream of several members cut
+/// at odd places, files of odd sizes crossing 64 KiB spans, zstd in frames,
+/// a plain tar.
+std::vector<std::pair<std::string, std::string>> indexed_layers() {
+  using namespace cfmo::testing;
+  const std::string tar = make_tar(
+      {dir("etc"), file("etc/one", "x"), file("etc/511", random_bytes(511, 1)), file("etc/513", random_bytes(513, 2)),
+       dir("usr"), file("usr/big", random_bytes(300007, 3)), file("usr/text", std::string(250001, 't')),
+       hardlink("usr/again", "usr/big"), whiteout("etc", "gone"), file("tail", random_bytes(131073, 4), 0755)});
+  std::string members;
+  size_t at = 0;
+  for (const size_t cut : {size_t{7777}, size_t{123457}, size_t{400001}, tar.size()}) {
+    members += gzip(tar.substr(at, cut - at), static_cast<int>(cut % 9) + 1);
+    at = cut;
+  }
+  const std::string small = make_tar({dir("app"), file("app/run", random_bytes(70001, 5), 0755)});
+  return {{members, "application/vnd.oci.image.layer.v1.tar+gzip"},
+          {gzip(small), "application/vnd.oci.image.layer.v1.tar+gzip"},
+          {zstd_frames(tar, 40013), "application/vnd.oci.image.layer.v1.tar+zstd"},
+          {small, "application/vnd.oci.image.layer.v1.tar"}};
+}
+
+// The index sink builds each layer's index from the bytes as they download
+// (a resumed download: what was on disk, then the rest), and what it builds
+// is byte for byte what `cfmo-pull index` builds from the blob afterwards.
+TEST_F(Pipeline, TheIndexSinkBuildsWhatIndexingTheBlobBuilds) {
+  const auto layers = indexed_layers();
+  add_image("v2", layers);
+  const Reference v2 = *parse_reference("fake.test/team/app:v2");
+  // Every layer's index in `dir` equals the blob's; `sink` built those of `expected` from the download.
+  const auto check = [&](const IndexSink& sink, const fs::path& dir, const std::vector<size_t>& expected) {
+    const auto outcomes = sink.outcomes();
+    ASSERT_EQ(outcomes.size(), expected.size());
+    for (const auto& o : outcomes) {
+      EXPECT_NE(std::find(expected.begin(), expected.end(), o.layer), expected.end()) << o.layer;
+      EXPECT_TRUE(o.indexed) << o.layer << ": " << o.note;
+      EXPECT_TRUE(o.streamed) << o.layer;
+    }
+    for (const auto& [blob, type] : layers) {
+      const Descriptor d{type, sha256_digest(blob), static_cast<int64_t>(blob.size()), {}};
+      auto built = build_layer_index(blob_path(dir, d.digest), d, 64 << 10, "layer");
+      ASSERT_TRUE(built) << built.error().message;
+      EXPECT_EQ(slurp(index_path(dir, d.digest)), serialize_index(*built)) << type;
+    }
+  };
+  IndexSink sink(layout(), 64 << 10);
+  options_.sinks = {&sink};
+  auto report = pull_to_layout(v2, options_, layout(), "v2");
+  ASSERT_TRUE(report) << report.error().message;
+  check(sink, layout(), {0, 1, 2, 3});
+  EXPECT_EQ(read_index(index_path(layout(), sha256_digest(layers[0].first)))->members, 4u);
+
+  // Dropped at an odd byte of the several-member stream, then resumed.
+  const fs::path second = out_.path() / "second";
+  const std::string dropped = sha256_digest(layers[0].first);
+  registry_.drop_after(dropped, 100001);
+  IndexSink failed(second, 64 << 10);
+  options_.sinks = {&failed};
+  EXPECT_FALSE(pull_to_layout(v2, options_, second, "v2"));
+  EXPECT_FALSE(fs::exists(index_path(second, dropped)));
+  EXPECT_EQ(failed.outcomes().size(), 3u);  // the others came whole
+  IndexSink resumed(second, 64 << 10);
+  options_.sinks = {&resumed};
+  ASSERT_TRUE(pull_to_layout(v2, options_, second, "v2"));
+  EXPECT_EQ(registry_.requests(dropped).back().range_start, 100001);
+  check(resumed, second, {0});
+}
+
+/// Counts the states it is fed; fails the one numbered `fail_at` (0: never).
+class StateSink : public PullSink {
+ public:
+  Status on_state(const PullState& state) override {
+    std::lock_guard lock(mu_);
+    fetched_.push_back(std::count_if(state.layers.begin(), state.layers.end(),
+                                     [](const LayerState& l) { return l.status == LayerStatus::kFetched; }));
+    last_ = state;
+    if (static_cast<int>(fetched_.size()) == fail_at_) return make_error(ErrorKind::kInternal, "state sink full");
+    return {};
+  }
+  std::mutex mu_;
+  std::vector<long> fetched_;
+  PullState last_;
+  int fail_at_ = 0;
+};
+
+// The state file is written by a sink (StateRecorder) like the others are
+// fed: every change reaches every sink, the file holds the last, a sink's
+// error stops the pull, and a pull without a state file still feeds them.
+TEST_F(Pipeline, TheStateFileIsOneOfTheSinks) {
+  StateSink seen;
+  options_.sinks = {&seen};
+  ASSERT_TRUE(pull_to_layout(ref(), options_, layout(), "v1"));
+  ASSERT_GE(seen.fetched_.size(), layers_.size() + 2);  // planned, each layer, ready, the end
+  EXPECT_EQ(seen.fetched_.front(), 0);
+  EXPECT_EQ(seen.fetched_.back(), static_cast<long>(layers_.size()));
+  EXPECT_TRUE(std::is_sorted(seen.fetched_.begin(), seen.fetched_.end()));
+  auto on_disk = read_state(layout());
+  ASSERT_TRUE(on_disk) << on_disk.error().message;
+  EXPECT_TRUE(on_disk->complete);
+  EXPECT_TRUE(seen.last_.complete);
+  EXPECT_EQ(on_disk->fetcher_pid, 0);
+  for (size_t i = 0; i < layers_.size(); ++i) EXPECT_EQ(on_disk->layers[i].status, seen.last_.layers[i].status);
+
+  StateSink failing;
+  failing.fail_at_ = 2;  // the first layer's outcome
+  options_.sinks = {&failing};
+  auto stopped = pull_to_layout(ref(), options_, out_.path() / "second", "v1");
+  ASSERT_FALSE(stopped);
+  EXPECT_EQ(stopped.error().message, "state sink full");
+
+  StateSink cache;
+  options_.sinks = {&cache};
+  options_.state_file = false;
+  ASSERT_TRUE(pull_to_layout(ref(), options_, out_.path() / "cache", "v1"));
+  EXPECT_FALSE(fs::exists(state_path(out_.path() / "cache")));
+  EXPECT_EQ(cache.fetched_.back(), static_cast<long>(layers_.size()));
 }
 
 }  // namespace

@@ -74,7 +74,8 @@ constexpr std::array<SubcommandEntry, 9> kSubcommands = {{
      "DIR", "the pull's directory", oci::run_index},
     {PullCommand::kRm, "remove a pull: its layout, its memory store in /dev/shm, its unpacked layers and cache", "DIR",
      "the pull's directory", oci::run_rm},
-    {PullCommand::kPrune, "remove the memory stores whose layout is gone", "", "", oci::run_prune},
+    {PullCommand::kPrune, "remove the memory stores whose layout is gone and the unused layouts of mount --lazy REF",
+     "", "", oci::run_prune},
 }};
 
 int run(int argc, char** argv) {
