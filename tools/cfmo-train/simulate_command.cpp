@@ -114,9 +114,10 @@ int run_simulate(int argc, char** argv) {
     if (app.count("--step-time") > 0) {
       return fail(make_error(ErrorKind::kUsage, "--step-time and --step-times: choose one"));
     }
-    auto measured = sim::read_step_times(step_times);
+    auto measured = sim::read_ranks_step_times(step_times);
     if (!measured) return fail(measured.error());
-    t.measured = std::move(*measured);
+    t.measured = measured->front().compute;
+    t.by_rank = std::move(*measured);
   }
   auto top = sim::parse_topology(topology);
   if (!top) return fail(top.error());
