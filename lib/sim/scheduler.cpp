@@ -172,6 +172,10 @@ void Scheduler::poke(int fiber) {
 void Scheduler::push(Event e) {
   e.t = std::max(e.t, now_);
   e.order = next_order_++;
+  if (e.t == now_) {
+    now_queue_.push_back(e);
+    return;
+  }
   queue_.push_back(e);
   std::push_heap(queue_.begin(), queue_.end(), Later{});
 }
@@ -290,10 +294,20 @@ Status Scheduler::run() {
   TimeSource* outer_source = this_thread_time_source();
   t_running = this;
   this_thread_time_source() = this;
-  while (!queue_.empty() && failure_.empty()) {
-    std::pop_heap(queue_.begin(), queue_.end(), Later{});
-    const Event e = queue_.back();
-    queue_.pop_back();
+  while ((!queue_.empty() || now_head_ < now_queue_.size()) && failure_.empty()) {
+    Event e{};
+    if (now_head_ < now_queue_.size() &&
+        (queue_.empty() || queue_.front().t > now_ || queue_.front().order > now_queue_[now_head_].order)) {
+      e = now_queue_[now_head_++];
+      if (now_head_ == now_queue_.size()) {
+        now_queue_.clear();
+        now_head_ = 0;
+      }
+    } else {
+      std::pop_heap(queue_.begin(), queue_.end(), Later{});
+      e = queue_.back();
+      queue_.pop_back();
+    }
     now_ = e.t;
     ++events_run_;
     if (e.target == nullptr) {

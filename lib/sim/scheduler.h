@@ -118,6 +118,11 @@ class Scheduler final : public TimeSource {
   uint64_t next_order_ = 0;
   uint64_t events_run_ = 0;
   std::vector<Event> queue_;  ///< a binary heap under Later
+  /// Events of time now_ scheduled by push (a poke, a wake): their orders
+  /// grow, so they keep their order in a FIFO and skip the heap; run() takes
+  /// the heap's top first only when it is of now_ too and an earlier order.
+  std::vector<Event> now_queue_;
+  size_t now_head_ = 0;
   std::vector<std::unique_ptr<Fiber>> fibers_;
   std::unique_ptr<Actions> actions_;
   std::unique_ptr<PollTimers> poll_timers_;

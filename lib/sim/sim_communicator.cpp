@@ -1,7 +1,5 @@
 #include "sim/sim_communicator.h"
 
-#include "comm/communicator_base.h"
-
 #include <algorithm>
 
 namespace cfmo::sim {
@@ -37,27 +35,75 @@ class SimWorld::Rank final : public comm::Communicator {
     }
     world_.post(rank_, peer, channel, std::move(payload));
   }
-  void on_message(comm::Channel channel, Handler handler) override { handlers_.set(channel, std::move(handler)); }
+  void on_message(comm::Channel channel, Handler handler) override { set(channel.id, {std::move(handler), nullptr}); }
   void on_message_owned(comm::Channel channel, OwnedHandler handler) override {
-    handlers_.set_owned(channel, std::move(handler));
+    set(channel.id, {nullptr, std::move(handler)});
   }
   std::vector<int> lost_ranks() const override { return {}; }
   Status health() const override { return {}; }
   comm::CommStats stats() const override { return stats_; }
 
-  void receive(int from, uint8_t channel, std::vector<std::byte>& payload) {
+  /// A message's payload to its channel's handler: `owned`, where the
+  /// message had a buffer of its own, else the bytes in `payload`.
+  void receive(int from, uint8_t channel, std::span<const std::byte> payload, std::vector<std::byte>* owned) {
     if (from != rank_) {
       stats_.bytes_received += payload.size();
       ++stats_.messages_received;
     }
-    handlers_.deliver(from, channel, payload);
+    const Entry* found = find(channel);
+    if (found == nullptr) return;
+    const Entry& entry = *found;
+    if (entry.owned) {
+      std::vector<std::byte> buffer;
+      if (owned != nullptr) {
+        buffer = std::move(*owned);
+      } else {
+        buffer.assign(payload.begin(), payload.end());
+      }
+      entry.owned(from, std::move(buffer));
+    } else if (entry.view) {
+      entry.view(from, payload);
+    }
   }
 
  private:
+  struct Entry {
+    Handler view;
+    OwnedHandler owned;
+  };
+  // One thread runs the whole simulation, so unlike comm::HandlerTable (a
+  // lock and 256 entries a rank: 16 KiB each, a cache miss a message) no
+  // lock, and only the channels a mode registers, in the rank itself (the
+  // modes register fewer than kEntries; more go to `more_`). An entry keeps
+  // its place: a handler that registers another runs on undisturbed.
+  static constexpr size_t kEntries = 12;
+  Entry* find(uint8_t channel) {
+    for (size_t i = 0; i < used_; ++i) {
+      if (channels_[i] == channel) return &entries_[i];
+    }
+    for (auto& [c, entry] : more_) {
+      if (c == channel) return entry.get();
+    }
+    return nullptr;
+  }
+  void set(uint8_t channel, Entry entry) {
+    if (Entry* e = find(channel); e != nullptr) {
+      *e = std::move(entry);
+    } else if (used_ < kEntries) {
+      channels_[used_] = channel;
+      entries_[used_++] = std::move(entry);
+    } else {
+      more_.emplace_back(channel, std::make_unique<Entry>(std::move(entry)));
+    }
+  }
+
   SimWorld& world_;
   const int rank_;
-  comm::HandlerTable handlers_;
   comm::CommStats stats_;
+  size_t used_ = 0;                           ///< of channels_ and entries_
+  std::array<uint8_t, kEntries> channels_{};  ///< those with a handler (or that had one)
+  std::array<Entry, kEntries> entries_;
+  std::vector<std::pair<uint8_t, std::unique_ptr<Entry>>> more_;
 };
 
 SimWorld::SimWorld(Scheduler& scheduler, Network& network, int size, Sizer sizer)
@@ -76,22 +122,52 @@ void SimWorld::post(int from, int to, comm::Channel channel, std::vector<std::by
   const double arrival = std::max(network_.deliver(from, to, bytes, scheduler_.time()), scheduler_.time());
   ++messages_;
   auto& queue = inbound_[static_cast<size_t>(to)];
-  Message m{arrival, scheduler_.take_order(), from, channel.id, std::move(payload)};
+  Message m;
+  m.t = arrival;
+  m.order = scheduler_.take_order();
+  m.from = from;
+  m.channel = channel.id;
+  if (payload.size() <= kInline) {
+    m.size = static_cast<uint16_t>(payload.size());
+    std::copy(payload.begin(), payload.end(), m.bytes.begin());
+  } else {
+    m.boxed = true;
+    if (free_boxes_.empty()) {
+      m.box = static_cast<uint32_t>(boxes_.size());
+      boxes_.push_back(std::move(payload));
+    } else {
+      m.box = free_boxes_.back();
+      free_boxes_.pop_back();
+      boxes_[m.box] = std::move(payload);
+    }
+  }
   // A link delivers in the order sent, so a message goes last, but for one to
   // itself (no link: it arrives now, before a busy rank's whole backlog) and
   // where latencies differ (between racks): then before those due later.
   // (A scan from the back made asgd's self-messages cost the backlog each.)
-  auto at = queue.end();
-  if (at != queue.begin() && std::prev(at)->t > arrival) {
-    at = std::upper_bound(queue.begin(), queue.end(), arrival, [](double t, const Message& q) { return t < q.t; });
+  size_t at = queue.size();
+  if (at > 0 && queue.back().t > arrival) {
+    size_t lo = 0;  // the first due after `arrival`
+    while (lo < at) {
+      const size_t mid = lo + (at - lo) / 2;
+      if (queue[mid].t > arrival) {
+        at = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
   }
-  const bool first = at == queue.begin();
-  queue.insert(at, std::move(m));
+  const bool first = at == 0;
+  queue.insert(at, m);
   if (first) arm(to);  // the event of the one it overtook stays, and finds it no longer first
 }
 
 void SimWorld::arm(int to) {
-  const Message& head = inbound_[static_cast<size_t>(to)].front();
+  auto& queue = inbound_[static_cast<size_t>(to)];
+  const Message& head = queue.front();
+  // The next head, read when this one is delivered: in cache by then, mostly,
+  // where reading it then was a miss a message (it was written long before).
+  if (queue.size() > 1) __builtin_prefetch(&queue[1]);
   scheduler_.at_order(head.t, head.order, this, (head.order << kRankBits) | static_cast<uint64_t>(to));
 }
 
@@ -99,10 +175,17 @@ void SimWorld::fire(uint64_t arg) {
   const int to = static_cast<int>(arg & ((uint64_t{1} << kRankBits) - 1));
   auto& queue = inbound_[static_cast<size_t>(to)];
   if (queue.empty() || (queue.front().order << kRankBits) >> kRankBits != arg >> kRankBits) return;  // overtaken
-  Message m = std::move(queue.front());
+  const Message m = queue.front();
   queue.pop_front();
   if (!queue.empty()) arm(to);
-  ranks_[static_cast<size_t>(to)]->receive(m.from, m.channel, m.payload);
+  Rank& rank = *ranks_[static_cast<size_t>(to)];
+  if (m.boxed) {
+    std::vector<std::byte> payload = std::move(boxes_[m.box]);  // a handler that posts may move boxes_
+    free_boxes_.push_back(m.box);
+    rank.receive(m.from, m.channel, payload, &payload);
+  } else {
+    rank.receive(m.from, m.channel, std::span<const std::byte>(m.bytes.data(), m.size), nullptr);
+  }
   scheduler_.poke(fiber_of_[static_cast<size_t>(to)]);
 }
 

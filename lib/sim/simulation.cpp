@@ -18,7 +18,7 @@ namespace {
 /// One simulated worker: the mode and what the trainer keeps around it.
 struct Worker {
   std::unique_ptr<model::Model> model;  ///< --math only
-  std::vector<float> batch;      ///< --math: this step's rows
+  std::vector<float> batch;             ///< --math: this step's rows
   std::unique_ptr<train::Mode> mode;
   std::vector<float> params;
   std::vector<float> grads;
@@ -93,6 +93,8 @@ void run_worker(Worker& w, int rank, int workers, const SimulateOptions& options
     w.samples += options.batch;
     w.status = mode.after_step(position, mode.needs_params(position) ? params : std::span<float>(), *w.optimizer);
     if (!w.status) return;
+    // A replayed run's own time between steps (its metrics line, ...): neither compute nor waiting.
+    if (const double between = times.between(rank); between > 0) scheduler.sleep(between);
   }
   w.loop_s = scheduler.time();
   w.status = mode.finish(params, *w.optimizer);

@@ -222,6 +222,7 @@ Status TrainingRun::report_step(float loss, double lr, int n, double step_s, dou
                                    {"samples", pos.samples},
                                    {"samples_per_s", event.samples_per_s},
                                    {"compute_s", step_compute_s},
+                                   {"wait_s", step_s - step_compute_s},
                                    {"wall_s", event.elapsed_s}};
     // The model's own figures of the window (a MoE's auxiliary losses and expert load).
     if (auto extra = model().take_metrics(); !extra.is_null()) line["moe"] = std::move(extra);

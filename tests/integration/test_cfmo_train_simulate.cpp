@@ -81,22 +81,22 @@ TEST(CfmoTrainSimulate, ASweepHasARowPerSizeAndModeInJsonAndAPlot) {
 }
 
 // Real runs of 2 workers, and the simulations of the same jobs from their
-// own metrics.jsonl's step times: samples/s and efficiency.
+// own recorded steps: samples/s and efficiency within 10%.
 //
-// The network of this host is not a switch of known links: the workers'
-// all-reduce goes through UCX over shared memory on a shared, often loaded
-// machine. So it is measured once, from the homogeneous sync run (its
-// all-reduce seconds per step, the wait, give an effective bandwidth), and
-// the other three runs (sync with a 2x slower worker, cfmo homogeneous and
-// slowed) are predictions on that network.
+// The simulation replays each rank's recorded steps in order (compute_s,
+// and the trainer's own time between steps from wait_s and wall_s): a slow
+// rank's steps include its --slowdown, so the simulation is not slowed
+// again. The network of this host is not a switch of known links (UCX over
+// shared memory, on a shared, often loaded machine), so each sync run's
+// all-reduce time per step (its workers' wait, less what they waited for
+// the step's slowest worker) gives an effective bandwidth for the
+// simulation of that run and of the cfmo run after it.
 //
-// The bound is loose on purpose: a short run on a shared machine is noisy,
-// and what the model leaves out (a waiting worker that still takes CPU
-// from a computing one; the all-reduce's own CPU time) is larger here than
-// on a cluster. The 10% figures are for bench/simulate_vs_real.sh on a
-// quiet machine; this test catches a simulator wrong in kind: sync not
-// waiting for its slow worker (efficiency 1 instead of about 2/3), cfmo
-// waiting for it, or rates off by 2x.
+// What is compared is the model, not this machine's speed: every input of a
+// simulation comes from the run it is compared with, so a loaded machine
+// changes both alike. A simulator wrong in kind (sync not waiting for its
+// slowest worker's step, cfmo waiting, the steps composed wrongly) is off by
+// far more than 10%.
 struct Measured {
   nlohmann::json summary;
   std::filesystem::path metrics;
@@ -114,57 +114,78 @@ Measured run_real(const TempDir& dir, const std::string& name, const std::string
   return {nlohmann::json::parse(lines(r.out).back()), dir / name / "metrics.jsonl"};
 }
 
-nlohmann::json run_simulated(const Measured& m, const std::string& mode, const std::vector<std::string>& slow,
-                             double bandwidth_gbit) {
-  std::vector<std::string> args = {"--workers",
-                                   "2",
-                                   "--mode",
-                                   mode,
-                                   "--steps",
-                                   "150",
-                                   "--batch-size",
-                                   "64",
-                                   "--params",
-                                   std::to_string(m.summary["parameters"].get<int64_t>()),
-                                   "--step-times",
-                                   m.metrics.string(),
-                                   "--link-bandwidth",
-                                   fmt::format("{}", bandwidth_gbit),
-                                   "--link-latency",
-                                   "0",
-                                   "--json"};
-  args.insert(args.end(), slow.begin(), slow.end());
-  const RunResult s = simulate(args);
+/// A rank's time before each step's all-reduce: its time between the step
+/// before and this one, and this step's compute.
+std::vector<double> busy_before_each_step(const std::filesystem::path& metrics) {
+  std::vector<nlohmann::json> steps;
+  for (const auto& line : lines(slurp(metrics))) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.value("type", "") == "step" && j.contains("compute_s")) steps.push_back(std::move(j));
+  }
+  std::vector<double> out;
+  for (size_t k = 0; k < steps.size(); ++k) {
+    double between = 0;
+    if (k > 0) {
+      between = std::max(0.0, steps[k]["wall_s"].get<double>() - steps[k - 1]["wall_s"].get<double>() -
+                                  steps[k]["compute_s"].get<double>() - steps[k].value("wait_s", 0.0));
+    }
+    out.push_back(between + steps[k]["compute_s"].get<double>());
+  }
+  return out;
+}
+
+/// A sync run's all-reduce, as the Gb/s of a ring of 2 carrying (params +
+/// count + votes) floats each way per step in its own time.
+double effective_bandwidth_gbit(const Measured& sync) {
+  const std::vector<std::vector<double>> ranks = {
+      busy_before_each_step(sync.metrics), busy_before_each_step(sync.metrics.parent_path() / "metrics-rank-1.jsonl")};
+  const size_t n = std::min(ranks[0].size(), ranks[1].size());
+  double own = 0;  // the mean all-reduce seconds per step
+  for (const auto& w : sync.summary["per_worker"]) {
+    const auto& mine = ranks[w["rank"].get<size_t>()];
+    double behind = 0;
+    for (size_t k = 0; k < n; ++k) behind += std::max(ranks[0][k], ranks[1][k]) - mine[k];
+    own += (w["wait_s"].get<double>() - behind) / static_cast<double>(n) / 2;
+  }
+  const double floats = sync.summary["parameters"].get<double>() + 3;
+  return 8 * floats * 4 / std::max(own, 1e-6) / 1e9;
+}
+
+nlohmann::json run_simulated(const Measured& m, const std::string& mode, double bandwidth_gbit) {
+  const RunResult s =
+      simulate({"--workers", "2", "--mode", mode, "--steps", "150", "--batch-size", "64", "--params",
+                std::to_string(m.summary["parameters"].get<int64_t>()), "--step-times", m.metrics.string(),
+                "--link-bandwidth", fmt::format("{}", bandwidth_gbit), "--link-latency", "0", "--json"});
   EXPECT_EQ(s.status, 0) << s.err;
   return nlohmann::json::parse(s.out)["simulate"]["runs"][0];
 }
 
-TEST(CfmoTrainSimulate, TwoWorkersAsSimulatedAndAsRun) {
+TEST(CfmoTrainSimulate, TwoWorkersAsSimulatedAndAsRunWithinTenPercent) {
   TempDir dir;
   const std::vector<std::string> slow = {"--slowdown", "1=2"};
-  const Measured calibration = run_real(dir, "sync", "sync", {});
-  // A ring of 2 sends (params + count + votes) floats each way per step, in wait_s / steps seconds.
-  double wait = 0;
-  for (const auto& w : calibration.summary["per_worker"]) wait += w["wait_s"].get<double>() / 2;
-  const double floats = calibration.summary["parameters"].get<double>() + 3;
-  const double bandwidth_gbit = 8 * floats * 4 / std::max(wait / 150, 1e-6) / 1e9;
-  RecordProperty("effective_bandwidth_gbit", fmt::format("{:.2f}", bandwidth_gbit));
-  for (const std::string mode : {"sync", "cfmo"}) {
-    for (bool slowed : {false, true}) {
-      const std::vector<std::string> flags = slowed ? slow : std::vector<std::string>{};
-      const Measured real =
-          mode == "sync" && !slowed ? calibration : run_real(dir, mode + (slowed ? "-slow" : ""), mode, flags);
-      const auto sim = run_simulated(real, mode, flags, bandwidth_gbit);
+  for (bool slowed : {false, true}) {
+    const std::vector<std::string> flags = slowed ? slow : std::vector<std::string>{};
+    double bandwidth_gbit = 0;
+    for (const std::string mode : {"sync", "cfmo"}) {
+      const Measured real = run_real(dir, mode + (slowed ? "-slow" : ""), mode, flags);
+      if (mode == "sync") bandwidth_gbit = effective_bandwidth_gbit(real);
+      const auto sim = run_simulated(real, mode, bandwidth_gbit);
       const double real_sps = real.summary["samples_per_s"].get<double>();
       const double real_eff = real.summary["efficiency"].get<double>();
       const double sim_sps = sim["samples_per_s"].get<double>();
       const double sim_eff = sim["efficiency"].get<double>();
       const std::string what = mode + (slowed ? " --slowdown 1=2" : " homogeneous");
-      RecordProperty(
-          what, fmt::format("real {:.0f}/s {:.2f}, simulated {:.0f}/s {:.2f}", real_sps, real_eff, sim_sps, sim_eff));
-      EXPECT_NEAR(sim_eff, real_eff, 0.2) << what;
-      EXPECT_GT(sim_sps, real_sps / 2) << what;
-      EXPECT_LT(sim_sps, real_sps * 2) << what;
+      RecordProperty(what, fmt::format("real {:.0f}/s {:.2f}, simulated {:.0f}/s {:.2f}, {:.2f} Gb/s", real_sps,
+                                       real_eff, sim_sps, sim_eff, bandwidth_gbit));
+      EXPECT_NEAR(sim_sps / real_sps, 1.0, 0.1) << what << ": real " << real_sps << "/s, simulated " << sim_sps;
+      EXPECT_NEAR(sim_eff / real_eff, 1.0, 0.1) << what << ": real " << real_eff << ", simulated " << sim_eff;
+      // The kind: sync waits for its slow worker, cfmo does not.
+      if (slowed && mode == "sync") {
+        EXPECT_LT(sim_eff, 0.85) << what;
+      }
+      if (mode == "cfmo") {
+        EXPECT_GT(sim_eff, 0.8) << what;
+      }
     }
   }
 }

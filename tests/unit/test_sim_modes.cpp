@@ -196,6 +196,56 @@ TEST(SimStepTimes, AMeasuredRunsComputeTimesAreDrawnFrom) {
   EXPECT_EQ(missing.error().kind, ErrorKind::kInput);
 }
 
+// A rank the run had replays its own steps in order (metrics-rank-R.jsonl
+// beside metrics.jsonl), with the trainer's own time between them: the
+// next line's wall_s less its compute_s and wait_s. Ranks past the run's
+// draw from rank 0's.
+TEST(SimStepTimes, ARecordedRanksStepsAreReplayedInOrderWithTheTimeBetweenThem) {
+  const auto dir = std::filesystem::temp_directory_path() / ("cfmo-sim-replay-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream zero(dir / "metrics.jsonl");
+    zero << R"({"type":"step","step":1,"compute_s":0.1,"wait_s":0.0,"wall_s":1.0})"
+         << "\n"
+         << R"({"type":"step","step":2,"compute_s":0.2,"wait_s":0.05,"wall_s":1.3})"
+         << "\n"
+         << R"({"type":"step","step":3,"compute_s":0.3,"wait_s":0.0,"wall_s":1.6})"
+         << "\n";
+    std::ofstream one(dir / "metrics-rank-1.jsonl");
+    one << R"({"type":"step","step":1,"compute_s":0.7})"
+        << "\n"
+        << R"({"type":"step","step":2,"compute_s":0.9})"
+        << "\n";
+  }
+  auto ranks = read_ranks_step_times(dir / "metrics.jsonl");
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(ranks) << ranks.error().message;
+  ASSERT_EQ(ranks->size(), 2u);
+  StepTimeOptions o;
+  o.measured = (*ranks)[0].compute;
+  o.by_rank = *ranks;
+  auto times = StepTimes::make(o, 3);
+  ASSERT_TRUE(times);
+  std::vector<double> zero;
+  std::vector<double> between;
+  for (int k = 0; k < 4; ++k) {
+    zero.push_back(times->draw(0, 0));
+    between.push_back(times->between(0));
+  }
+  EXPECT_EQ(zero, (std::vector<double>{0.1, 0.2, 0.3, 0.1}));
+  ASSERT_EQ(between.size(), 4u);
+  EXPECT_NEAR(between[0], 1.3 - 1.0 - 0.2 - 0.05, 1e-12);
+  EXPECT_NEAR(between[1], 0.0, 1e-12);  // 1.6 - 1.3 - 0.3: none
+  EXPECT_EQ(between[2], 0.0);           // the last step: nothing after it was recorded
+  EXPECT_EQ(times->draw(1, 0), 0.7);
+  EXPECT_EQ(times->draw(1, 0), 0.9);
+  EXPECT_EQ(times->between(1), 0.0);  // no wait_s recorded: none
+  for (int k = 0; k < 10; ++k) {
+    const double t = times->draw(2, 0);  // not in the run: rank 0's, drawn
+    EXPECT_TRUE(t == 0.1 || t == 0.2 || t == 0.3) << t;
+  }
+}
+
 TEST(SimStepTimes, BadFlagsAreNamed) {
   for (auto [flag, set] : std::vector<std::pair<std::string, std::function<void(StepTimeOptions&)>>>{
            {"--thermal", [](StepTimeOptions& o) { o.thermal = "0.5:2:1"; }},

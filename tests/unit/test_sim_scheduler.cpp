@@ -2,6 +2,7 @@
 // suspend and wake on the virtual clock, the clock seam the modes read, and
 // a deadlock named rather than hung.
 #include "core/clock.h"
+#include "sim/ring.h"
 #include "sim/scheduler.h"
 
 #include <gtest/gtest.h>
@@ -25,6 +26,57 @@ TEST(SimScheduler, EventsRunInTimeOrderAndTiesInTheOrderTheyWereScheduled) {
   ASSERT_TRUE(s.run());
   EXPECT_EQ(log, (std::vector<std::string>{"a", "nested", "past is now", "b@2.000000", "c"}));
   EXPECT_DOUBLE_EQ(s.time(), 2.0);
+}
+
+// Events due now skip the heap (a FIFO of their own); one the heap holds for
+// the same time with an earlier place (at_order) still runs before them.
+TEST(SimScheduler, EventsDueNowKeepTheirPlaceAmongThoseScheduledEarlierForNow) {
+  Scheduler s;
+  std::vector<std::string> log;
+  struct Logger final : EventTarget {
+    std::vector<std::string>* log;
+    void fire(uint64_t arg) override { log->push_back("ordered " + std::to_string(arg)); }
+  } logger;
+  logger.log = &log;
+  s.at(1.0, [&] {
+    const uint64_t early = s.take_order();
+    s.at(1.0, [&] { log.push_back("now 1"); });
+    s.at_order(1.0, early, &logger, 0);  // its place taken before "now 1"
+    s.at(1.0, [&] {
+      log.push_back("now 2");
+      s.at(1.0, [&] { log.push_back("now 3"); });
+    });
+    s.at_order(1.0, s.take_order(), &logger, 1);  // after "now 2"
+    s.at(1.5, [&] { log.push_back("later"); });
+  });
+  ASSERT_TRUE(s.run());
+  EXPECT_EQ(log, (std::vector<std::string>{"ordered 0", "now 1", "now 2", "ordered 1", "now 3", "later"}));
+}
+
+TEST(SimRing, AFifoThatGrowsAndTakesInsertsOnEitherSide) {
+  Ring<int> r;
+  std::vector<int> want;
+  // Around the ring's end several times, growing past 16 on the way.
+  for (int i = 0; i < 100; ++i) {
+    r.push_back(i);
+    want.push_back(i);
+    if (i % 3 == 0) {
+      EXPECT_EQ(r.front(), want.front());
+      r.pop_front();
+      want.erase(want.begin());
+    }
+  }
+  r.insert(1, -1);  // near the front: the front moves
+  want.insert(want.begin() + 1, -1);
+  r.insert(r.size() - 1, -2);  // near the back: the back moves
+  want.insert(want.end() - 1, -2);
+  r.insert(0, -3);
+  want.insert(want.begin(), -3);
+  ASSERT_EQ(r.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(r[i], want[i]) << i;
+  EXPECT_EQ(r.back(), want.back());
+  while (!r.empty()) r.pop_front();
+  EXPECT_EQ(r.size(), 0u);
 }
 
 TEST(SimScheduler, FibersSleepOnTheVirtualClockAndInterleave) {

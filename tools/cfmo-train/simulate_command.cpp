@@ -64,7 +64,8 @@ int run_simulate(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   app.add_option("--step-time", t.step_time_s, "seconds of compute per step, when no --step-times")
       ->check(CLI::PositiveNumber);
-  app.add_option("--step-times", step_times, "draw the step times from a run's metrics.jsonl (its compute_s)");
+  app.add_option("--step-times", step_times,
+                 "a run's metrics.jsonl: its ranks' steps replayed in order (compute_s), other ranks draw rank 0's");
   app.add_option("--slowdown", t.slowdown, "RANK=FACTOR: that worker's steps take FACTOR times as long (repeatable)");
   app.add_option("--straggler", t.straggler, "P:FACTOR: any step takes FACTOR times as long with probability P");
   app.add_option("--thermal", t.thermal,
@@ -114,9 +115,10 @@ int run_simulate(int argc, char** argv) {
     if (app.count("--step-time") > 0) {
       return fail(make_error(ErrorKind::kUsage, "--step-time and --step-times: choose one"));
     }
-    auto measured = sim::read_step_times(step_times);
+    auto measured = sim::read_ranks_step_times(step_times);
     if (!measured) return fail(measured.error());
-    t.measured = std::move(*measured);
+    t.measured = measured->front().compute;
+    t.by_rank = std::move(*measured);
   }
   auto top = sim::parse_topology(topology);
   if (!top) return fail(top.error());

@@ -38,7 +38,6 @@ AsyncMode::AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std
       std::copy(resume.wire_residual.begin(), resume.wire_residual.end(), residual_.begin());
     }
   }
-  retired_samples_.assign(static_cast<size_t>(comm.size()), 0);
   joining_ = comm.joined();
   if (resume.ranks.size() == static_cast<size_t>(comm.size())) {
     progress_ = resume.ranks;
@@ -168,6 +167,7 @@ void AsyncMode::refresh_membership() {
     const auto k = static_cast<size_t>(r);
     // (Positions are kept by the keeper and its standby only.)
     if (!progress_.empty()) {
+      if (retired_samples_.empty()) retired_samples_.assign(progress_.size(), 0);  // W of them, on the first join
       retired_samples_[k] += reconciled_samples_[k];
       reconciled_samples_[k] = 0;
       if (start_samples_.empty()) start_samples_.assign(progress_.size(), 0);

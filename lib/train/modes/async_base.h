@@ -84,7 +84,8 @@ class AsyncMode : public Mode {
   }
   int64_t retired_samples(int rank) const override {
     std::lock_guard lock(mutex_);
-    return rank >= 0 && rank < comm_.size() ? retired_samples_[static_cast<size_t>(rank)] : 0;
+    const auto r = static_cast<size_t>(rank);
+    return rank >= 0 && r < retired_samples_.size() ? retired_samples_[r] : 0;
   }
   int keeper() const override;
   /// K: the shards, and the ranks 0..K-1 that own them.
@@ -364,7 +365,7 @@ class AsyncMode : public Mode {
   std::vector<bool> lost_;                   ///< the lost ranks as refresh_membership last saw them
   size_t joins_seen_ = 0;                    ///< of comm_.joined_ranks(), taken up by refresh_membership
   std::vector<int> last_lost_;               ///< comm_.lost_ranks() as refresh_membership last saw it
-  std::vector<int64_t> retired_samples_;     ///< see retired_samples()
+  std::vector<int64_t> retired_samples_;     ///< see retired_samples(); none until a join
   TrainPosition join_position_;              ///< a joiner: its place's last position, from the owners' answers
   Error cut_off_{ErrorKind::kPeer, {}};      ///< see cut_off(); empty message: not cut off
   size_t lost_count_ = 0;                    ///< how many

@@ -265,12 +265,16 @@ class CfmoMode final : public AsyncMode {
       // Held until the round is whole, then applied in rank order.
       Round& round = rounds_[static_cast<int>(shard)];
       if (finished) {
-        finished_[static_cast<size_t>(from)] = true;
+        mark_finished_locked(from);
         reply_fresh_locked(from, static_cast<int>(shard), 0, /*dropped=*/false, /*with_shard=*/false);
       } else {
-        round.from.emplace(from, Held{base_version, dtype, last, std::vector<std::byte>(encoded.begin(), encoded.end()),
-                                      std::vector<float>(incoming_.begin(), incoming_.end())});
-        if (last) finished_[static_cast<size_t>(from)] = true;
+        const bool added =
+            round.from
+                .emplace(from, Held{base_version, dtype, last, std::vector<std::byte>(encoded.begin(), encoded.end()),
+                                    std::vector<float>(incoming_.begin(), incoming_.end())})
+                .second;
+        if (added && finished_[static_cast<size_t>(from)]) ++round.finished_in;
+        if (last) mark_finished_locked(from);
       }
       apply_whole_rounds_locked();
       return;
@@ -312,9 +316,16 @@ class CfmoMode final : public AsyncMode {
   void apply_whole_rounds_locked() {
     for (auto& [shard, round] : rounds_) {
       if (round.from.empty()) continue;
-      bool whole = true;
-      for (int r = 0; r < comm_.size() && whole; ++r) {
-        whole = round.from.count(r) != 0 || finished_[static_cast<size_t>(r)] || lost_locked(r);
+      // Every rank is in, finished or lost: counted as they come (O(1) a
+      // delta, where a look at each of W ranks was O(W)); ranks only a loss
+      // ends a deterministic run with are looked at one by one.
+      bool whole = round.from.size() + static_cast<size_t>(finished_count_ - round.finished_in) ==
+                   static_cast<size_t>(comm_.size());
+      if (!whole && live() < comm_.size()) {
+        whole = true;
+        for (int r = 0; r < comm_.size() && whole; ++r) {
+          whole = round.from.count(r) != 0 || finished_[static_cast<size_t>(r)] || lost_locked(r);
+        }
       }
       if (!whole) continue;
       // All applied first, then every reply with the round's result: each
@@ -329,6 +340,17 @@ class CfmoMode final : public AsyncMode {
         reply_fresh_locked(from, shard, s, s > settings_.max_staleness, /*with_shard=*/!round.from.at(from).last);
       }
       round.from.clear();
+      round.finished_in = 0;
+    }
+  }
+
+  /// --deterministic, under mutex_: `rank` sends no more rounds.
+  void mark_finished_locked(int rank) {
+    if (finished_[static_cast<size_t>(rank)]) return;
+    finished_[static_cast<size_t>(rank)] = true;
+    ++finished_count_;
+    for (auto& entry : rounds_) {
+      if (entry.second.from.count(rank) != 0) ++entry.second.finished_in;
     }
   }
 
@@ -557,9 +579,11 @@ class CfmoMode final : public AsyncMode {
   };
   struct Round {
     std::map<int, Held> from;  ///< by rank: rank order is the order of application
+    int finished_in = 0;       ///< of those ranks, how many finished (finished_)
   };
   std::map<int, Round> rounds_;  ///< under mutex_: each shard's round being collected
   std::vector<bool> finished_ = std::vector<bool>(static_cast<size_t>(comm_.size()), false);  ///< under mutex_
+  int finished_count_ = 0;      ///< under mutex_: of finished_
   int64_t round_done_at_ = -1;  ///< --deterministic: the step of the last round whose replies are all in
 
   tensor::FloatBuffer snapshot_;
