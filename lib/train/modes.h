@@ -73,6 +73,10 @@ struct ModeSettings {
   /// worker waits for its round's replies: a run is bitwise reproducible and
   /// resumable, at the price of the waits (localsgd's). A loss ends it (status 4).
   bool deterministic = false;
+  /// cfmo: an owner answers a shard's contributions by rounds, once every
+  /// live rank's is in or after H of its own steps (train/modes/reply_hold.h);
+  /// false: each at once (--reply-hold off).
+  bool hold_replies = true;
   /// Called at each reconciliation (localsgd, cfmo) with this rank's delta
   /// against its global base, on the training thread; empty: not called.
   std::function<void(int64_t round, int64_t step, int64_t base_version, std::span<const float> base,
@@ -89,6 +93,8 @@ struct ModeStats {
   uint64_t contributions_received = 0;        ///< as an owner: contributions that arrived (applied or dropped)
   int64_t rounds = 0;                         ///< reconciliations (or gradient pushes for asgd) started
   int64_t deferred = 0;                       ///< cfmo: rounds in which a shard waited, its last delta still in flight
+  int64_t replies_held = 0;                   ///< cfmo owner (--reply-hold round): replies that waited for their round
+  int64_t reply_rounds_cut = 0;               ///< cfmo owner: rounds answered before whole, after 2H of its steps
   std::vector<uint64_t> staleness_histogram;  ///< [s] = contributions applied s rounds stale
 };
 

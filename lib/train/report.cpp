@@ -34,6 +34,8 @@ void visit_fields(Report& w, F&& f) {
   f("contributions_received", w.contributions_received);
   f("rounds", w.rounds);
   f("deferred", w.deferred);
+  f("replies_held", w.replies_held);
+  f("reply_rounds_cut", w.reply_rounds_cut);
   f("staleness_histogram", w.staleness_histogram);
   f("slowdown", w.slowdown);
   f("deltas_written", w.deltas_written);

@@ -34,6 +34,8 @@ struct WorkerReport {
   uint64_t contributions_received = 0;  ///< as an owner
   int64_t rounds = 0;
   int64_t deferred = 0;
+  int64_t replies_held = 0;
+  int64_t reply_rounds_cut = 0;
   std::vector<uint64_t> staleness_histogram;
   double slowdown = 1.0;
   std::string stopped_by;

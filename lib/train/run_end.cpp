@@ -75,6 +75,8 @@ WorkerReport TrainingRun::own_report(const ModeStats& mode_stats, int64_t deltas
   own.contributions_received = mode_stats.contributions_received;
   own.rounds = mode_stats.rounds;
   own.deferred = mode_stats.deferred;
+  own.replies_held = mode_stats.replies_held;
+  own.reply_rounds_cut = mode_stats.reply_rounds_cut;
   own.staleness_histogram = mode_stats.staleness_histogram;
   own.slowdown = simulated.slowdown;
   own.stopped_by = stopped_by;

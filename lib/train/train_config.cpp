@@ -110,6 +110,10 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
   t.add("outer_lr", &c.outer_lr, "outer learning rate (use 1 with avg; DiLoCo: 0.7 with momentum 0.9)", dist);
   t.add("outer_momentum", &c.outer_momentum, "outer Nesterov momentum (DiLoCo's 0.9 is too much for cfmo: see BUGS)",
         dist);
+  t.add("reply_hold", &c.reply_hold,
+        "cfmo: round (an owner answers a shard's contributions once every live rank's is in, or after H of its own "
+        "steps: fewer, larger rounds on a slow link) or off (each at once)",
+        dist);
   t.add("delta_dtype", &c.delta_dtype, "deltas and gradients on the wire: fp32, bf16 or int8 (with error feedback)",
         dist);
   t.add("slowdown", &c.slowdown, "simulate a slower worker: RANK=FACTOR, repeatable (a sleep after each step)", dist);
@@ -235,6 +239,9 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   auto dtype = comm::parse_wire_dtype(c.delta_dtype);
   if (!dtype) return usage("delta-dtype", fmt::format("'{}' is not fp32, bf16 or int8", c.delta_dtype));
   plan.delta_dtype = *dtype;
+  if (c.reply_hold != "round" && c.reply_hold != "off") {
+    return usage("reply-hold", fmt::format("'{}' is not round or off", c.reply_hold));
+  }
   if (!(c.peer_timeout > 0)) return usage("peer-timeout", "must be positive");
   if (c.keep_global_batch && !c.elastic) return usage("keep-global-batch", "needs --elastic");
   if (c.deterministic && plan.traits().owners_optimize) {

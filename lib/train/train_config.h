@@ -79,6 +79,8 @@ struct TrainConfig {
   bool keep_global_batch = false;  ///< sync --elastic: the survivors take a lost worker's share of each batch
   bool deterministic = false;      ///< cfmo: a fixed order of messages (bitwise reproducible, exact resume)
   std::string join;                ///< host:port of a running run's rank 0: take a lost rank's place there
+  /// cfmo: owners answer by rounds (round) or each contribution at once (off).
+  std::string reply_hold = "round";
   // output
   int64_t log_every = 100;
   int64_t sample_every = 0;  ///< a language model: print a short sample every N steps (0: never)

@@ -233,6 +233,7 @@ Status TrainingRun::plan_length() {
   settings.peer_timeout_s = config.peer_timeout;
   settings.elastic = config.elastic;
   settings.deterministic = config.deterministic && async;
+  settings.hold_replies = config.reply_hold == "round";
   int64_t schedule_steps = step_limit == INT64_MAX ? 0 : step_limit;
   // --deterministic: the workers stop at the same step, as lockstep workers
   // do, not when a shared budget's message happens to reach them.

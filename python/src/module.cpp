@@ -172,6 +172,8 @@ py::dict stats_of(const Reconciler& r) {
   d["finish_wait_s"] = m.finish_wait_s;
   d["rounds"] = m.rounds;
   d["deferred"] = m.deferred;
+  d["replies_held"] = m.replies_held;
+  d["reply_rounds_cut"] = m.reply_rounds_cut;
   d["contributions_sent"] = m.contributions_sent;
   d["contributions_applied"] = m.contributions_applied;
   d["contributions_received"] = m.contributions_received;

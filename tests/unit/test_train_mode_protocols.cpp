@@ -111,6 +111,9 @@ ModeSettings settings_for(const char* name, int sync_interval = 1) {
   s.outer_optimizer = OuterKind::kAvg;  // plain averaging: the global is the mean of what arrived
   s.outer_lr = 1.0;
   s.peer_timeout_s = 5;  // only the finish's deadlines: nothing here waits that long
+  // cfmo's owners answer each contribution at once: the protocol these tests
+  // follow message by message. Answering by rounds (the default) is CfmoReplyHold's.
+  s.hold_replies = false;
   return s;
 }
 
@@ -299,6 +302,72 @@ TEST_P(CfmoStaleness, AStaleDeltaIsWeightedByBetaToTheStalenessOrDroppedBeyondTh
 
 INSTANTIATE_TEST_SUITE_P(Limits, CfmoStaleness, ::testing::Values(Stale{4, true}, Stale{1, false}),
                          [](const auto& info) { return info.param.applied ? "Applied" : "Dropped"; });
+
+// --reply-hold round: the first worker's reply waits for the rest of its
+// round, so both workers rebase on the shard with both deltas in it.
+TEST(CfmoReplyHold, EveryWorkerOfARoundRebasesOnTheShardWithTheWholeRoundInIt) {
+  auto settings = settings_for("cfmo", 2);
+  settings.hold_replies = true;
+  Cluster c(2, settings);
+  TrainPosition next;
+  next.step = 3;
+  for (size_t i = 0; i < kSize; ++i) c.param(0)[i] += delta_of(0, i);
+  ASSERT_TRUE(c.step(0, 1));
+  ASSERT_TRUE(c.step(0, 2));  // its round
+  ASSERT_TRUE(c.world.network->drain());
+  EXPECT_FALSE(c.mode(0).needs_params(next));  // no reply yet: held for rank 1's
+  for (size_t i = 0; i < kSize; ++i) c.param(1)[i] += delta_of(1, i);
+  ASSERT_TRUE(c.step(1, 1));
+  ASSERT_TRUE(c.step(1, 2));
+  ASSERT_TRUE(c.world.network->drain());
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(c.mode(k).needs_params(next)) << k;
+    ASSERT_TRUE(c.step(k, 3));
+  }
+  for (size_t i = 0; i < kSize; ++i) {
+    const float mean = 1.0f + (delta_of(0, i) + delta_of(1, i)) / 2;
+    EXPECT_NEAR(c.param(0)[i], mean, 1e-6f) << i;
+    EXPECT_NEAR(c.param(1)[i], mean, 1e-6f) << i;
+  }
+  for (int owner = 0; owner < 2; ++owner) {
+    EXPECT_EQ(c.mode(owner).stats().replies_held, 1) << owner;  // rank 0's; rank 1's waited for nobody
+    EXPECT_EQ(c.mode(owner).stats().reply_rounds_cut, 0) << owner;
+  }
+}
+
+// A slow link (held) keeps rank 2's delta from owner 0: owner 0 answers the
+// others after 2H of its own steps, and their rounds of shard 0 wait for that
+// answer (deferred) instead of queueing behind it; the late delta, when it
+// comes, is applied and starts the next round.
+TEST(CfmoReplyHold, ASlowLinkCutsTheRoundAfterTwoRoundsOfTheOwnersStepsAndTheOthersDefer) {
+  auto settings = settings_for("cfmo", 2);
+  settings.hold_replies = true;
+  Cluster c(3, settings);
+  c.world.network->hold(2, 0);
+  c.round({0, 1, 2}, 1, 0.0f);
+  for (int k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
+  }
+  c.round({0, 1, 2}, 2, 0.0f);  // everyone's round; shard 0's lacks rank 2's
+  for (int64_t step = 3; step <= 5; ++step) c.round({0, 1, 2}, step, 0.0f);
+  EXPECT_EQ(c.mode(0).stats().reply_rounds_cut, 0);  // 3 steps since: still held
+  const int64_t deferred_before = c.mode(1).stats().deferred;
+  c.round({0, 1, 2}, 6, 0.0f);  // owner 0's 4th step since (2H): answered
+  EXPECT_EQ(c.mode(0).stats().reply_rounds_cut, 1);
+  EXPECT_EQ(c.mode(0).stats().replies_held, 2);
+  EXPECT_GT(c.mode(1).stats().deferred, deferred_before);  // shard 0 waited at step 6
+  ASSERT_TRUE(c.step(1, 7));
+  for (size_t i = 0; i < 32; ++i) {  // shard 0 of three: ranks 0 and 1's deltas, a third each
+    EXPECT_NEAR(c.param(1)[i], 1.0f + (delta_of(0, i) + delta_of(1, i)) / 3, 1e-6f) << i;
+  }
+  c.world.network->release(2, 0);
+  ASSERT_TRUE(c.world.network->drain());
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  for (size_t i = 0; i < 32; ++i) {
+    EXPECT_NEAR(global->params[i], 1.0f + (delta_of(0, i) + delta_of(1, i) + delta_of(2, i)) / 3, 1e-5f) << i;
+  }
+}
 
 TEST(CfmoProtocol, ASnapshotRequestSupersedesNoneStillBeingAnswered) {
   Cluster c(2, settings_for("cfmo"));

@@ -25,6 +25,7 @@
 //             [u32 2: hand-over] as whole, to its owner: a join brought it back
 #include "train/modes/async_base.h"
 #include "train/modes/outer_optimizer.h"
+#include "train/modes/reply_hold.h"
 #include "train/modes/wire.h"
 
 #include <cmath>
@@ -84,6 +85,10 @@ class CfmoMode final : public AsyncMode {
   }
   Status after_step(const TrainPosition& position, std::span<float> params, optim::Optimizer& optimizer) override {
     last_step_ = position.step;
+    {
+      std::lock_guard lock(mutex_);
+      reply_due_locked(hold_.tick(position.step));
+    }
     if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
       report_progress(position);
       return cut_off();
@@ -105,6 +110,11 @@ class CfmoMode final : public AsyncMode {
   bool params_are_global() const override { return settings_.deterministic && round_done_at_ == last_step_; }
 
   Status finish(std::span<float> params, optim::Optimizer& optimizer) override {
+    {
+      // This owner takes no more steps to release held replies by: all go now, and later ones at once.
+      std::lock_guard lock(mutex_);
+      reply_due_locked(hold_.release_all());
+    }
     CFMO_TRY(cut_off());
     const auto start = Clock::now();
     const auto deadline = start + seconds(settings_.peer_timeout_s);
@@ -307,8 +317,22 @@ class CfmoMode final : public AsyncMode {
       ++stats_.contributions_applied;
       replicate_locked(shard, weight, dtype, encoded);
     }
-    if (reply) reply_fresh_locked(from, shard, s, dropped, /*with_shard=*/!last);
+    if (!reply) return s;
+    if (last) {
+      // Answered at once (the sender trains no more); rounds stop waiting for it.
+      reply_fresh_locked(from, shard, s, dropped, /*with_shard=*/false);
+      reply_due_locked(hold_.finished(from));
+    } else {
+      reply_due_locked(hold_.applied(shard, {from, s, dropped}));
+    }
     return s;
+  }
+
+  /// Under mutex_: the replies ReplyHold says are due, each with its shard as it is now.
+  void reply_due_locked(const std::vector<ReplyHold::Due>& due) {
+    for (const auto& d : due) reply_fresh_locked(d.reply.to, d.shard, d.reply.staleness, d.reply.dropped);
+    stats_.replies_held = hold_.held();
+    stats_.reply_rounds_cut = hold_.cut_rounds();
   }
 
   /// --deterministic, under mutex_: every shard's round that holds a
@@ -452,8 +476,12 @@ class CfmoMode final : public AsyncMode {
   /// where every holder was lost, this rank's last global values of them;
   /// never on a joiner, whose own shard comes handed over); every shard served
   /// gets its backup's whole state when its backup changed.
-  void on_membership_change_locked(const std::vector<int>&, const std::vector<int>& rejoined) override {
+  void on_membership_change_locked(const std::vector<int>& newly_lost, const std::vector<int>& rejoined) override {
     const int me = comm_.rank();
+    // Held replies go before any shard moves; rounds wait for the live ranks only.
+    reply_due_locked(hold_.flush());
+    for (const int r : newly_lost) reply_due_locked(hold_.finished(r));
+    for (const int r : rejoined) hold_.rejoined(r);
     for (auto it = served_.begin(); it != served_.end();) {
       const int owner = owner_of_locked(it->first);
       if (owner == me || owner < 0) {
@@ -582,6 +610,14 @@ class CfmoMode final : public AsyncMode {
     int finished_in = 0;       ///< of those ranks, how many finished (finished_)
   };
   std::map<int, Round> rounds_;  ///< under mutex_: each shard's round being collected
+  /// Under mutex_: this owner's replies held for their round (--reply-hold
+  /// round; not with --deterministic, whose owners answer whole rounds anyway).
+  /// At most 2H of the owner's steps: ranks of equal speed drift some steps
+  /// apart, and a bound of H cut rounds short on 3 local workers
+  /// and kept none of the accuracy (bench/RESULTS.md); 2H leaves a round for
+  /// the link and still bounds what a slow peer costs the others.
+  ReplyHold hold_{shards_, comm_.size(), 2 * settings_.sync_interval,
+                  settings_.hold_replies && !settings_.deterministic};
   std::vector<bool> finished_ = std::vector<bool>(static_cast<size_t>(comm_.size()), false);  ///< under mutex_
   int finished_count_ = 0;      ///< under mutex_: of finished_
   int64_t round_done_at_ = -1;  ///< --deterministic: the step of the last round whose replies are all in
