@@ -441,6 +441,84 @@ TEST(CfmoTrainWorkers, ElasticLocalSgdTakesAKilledWorkerBackAtARound) {
   EXPECT_NE(slurp(dir / "err-1").find("rank 2 joined"), std::string::npos) << slurp(dir / "err-1");
 }
 
+// sync with --elastic: a worker killed mid-run and restarted with the same
+// command is taken in at a step (the leader's parameters and inner
+// optimizer state after it), the group trains on with all three, and the
+// summary counts the joiner's samples. A process whose flags differ is
+// refused at once (status 2, one line naming the flag), the run untouched.
+TEST(CfmoTrainWorkers, ElasticSyncTakesAKilledWorkerBackAtAStepAndRefusesAJoinWithOtherFlags) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const std::vector<std::string> run_flags = {"--mode", "sync",         "--elastic", "--epochs",
+                                              "0",      "--time-limit", "15s",       "--log-every",
+                                              "1",      "--json",       "--out",     (dir / "run").string()};
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(start_three_and_restart_rank_two(ranks, dir, address, run_flags));
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "run" / "metrics-rank-2.jsonl", "\"event\":\"joined\"", 120))
+      << slurp(dir / "err-2b") << slurp(dir / "err-0");
+  std::vector<std::string> other = run_flags;
+  other.insert(other.end(), {"--batch-size", "32", "--join", address});
+  const RunResult refused = run(args(other), 120);
+  EXPECT_EQ(refused.status, 2) << refused.err;
+  EXPECT_EQ(testing::lines(refused.err).size(), 1u) << refused.err;
+  EXPECT_NE(refused.err.find("--batch-size"), std::string::npos) << refused.err;
+  for (const size_t p : {size_t{0}, size_t{1}, size_t{3}}) {
+    ASSERT_TRUE(ranks.processes[p].wait(120)) << "process " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-0") << slurp(dir / "err-2b");
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0");
+  ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["joined"][0]["rank"], 2);
+  EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0);
+  ASSERT_EQ(j["per_worker"].size(), 3u) << j.dump();
+  EXPECT_TRUE(j["per_worker"][2]["joined"].get<bool>());
+  EXPECT_GT(j["per_worker"][2]["samples"].get<int64_t>(), 0) << j.dump();
+  int64_t reported = 0;
+  for (const auto& w : j["per_worker"]) reported += w["samples"].get<int64_t>();
+  EXPECT_EQ(j["samples"].get<int64_t>(), reported) << j.dump();
+  EXPECT_EQ(j["stopped_by"], "time-limit");
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << j.dump();
+  EXPECT_NE(slurp(dir / "err-1").find("rank 2 joined"), std::string::npos) << slurp(dir / "err-1");
+  // Every rank stopped at the same step, the joiner too: it was one of the group.
+  EXPECT_EQ(j["per_worker"][2]["stopped_by"], "time-limit");
+}
+
+// asgd: an owner killed mid-run and restarted with the same command serves
+// its shard again, from the freshest copy the workers hold, takes the other
+// owners' shards and trains; the run ends with every rank's status 0 and the
+// samples of both processes in rank 2's place counted.
+TEST(CfmoTrainWorkers, AsgdTakesAKilledOwnerBackWithTheFreshestCopyOfItsShard) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const std::vector<std::string> run_flags = {"--mode",      "asgd", "--epochs", "0",     "--time-limit",        "15s",
+                                              "--log-every", "1",    "--json",   "--out", (dir / "run").string()};
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(start_three_and_restart_rank_two(ranks, dir, address, run_flags));
+  for (const size_t p : {size_t{0}, size_t{1}, size_t{3}}) {
+    ASSERT_TRUE(ranks.processes[p].wait(120)) << "process " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-0") << slurp(dir / "err-2b");
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0");
+  ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["joined"][0]["rank"], 2);
+  EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0);
+  ASSERT_EQ(j["per_worker"].size(), 3u) << j.dump();
+  EXPECT_TRUE(j["per_worker"][2]["joined"].get<bool>());
+  EXPECT_GT(j["per_worker"][2]["samples"].get<int64_t>(), 0) << j.dump();
+  int64_t reported = 0;
+  for (const auto& w : j["per_worker"]) reported += w["samples"].get<int64_t>();
+  // The killed process's samples up to its last gradient come on top of the
+  // reports (none, if it was killed before its first gradient was applied).
+  EXPECT_GE(j["samples"].get<int64_t>(), reported) << j.dump();
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << j.dump();
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+  EXPECT_NE(slurp(dir / "err-0").find("rank 2 joined"), std::string::npos) << slurp(dir / "err-0");
+  // The joiner's metrics say when its first step came.
+  EXPECT_NE(slurp(dir / "run" / "metrics-rank-2.jsonl").find("\"first_step_s\""), std::string::npos);
+}
+
 // Join: a worker killed mid-run and restarted with the same command (its
 // launcher's variables) rejoins; after another is killed, a new process
 // with --join takes its place; one whose flags differ from the run's is
