@@ -51,6 +51,12 @@ class AsgdMode final : public AsyncMode {
     stop_serving_owner_state();
   }
   std::string_view name() const override { return "asgd"; }
+  /// A lost owner's shard is nobody's; once a process joined in its place, that process's again.
+  int shard_served_by(int rank) const override {
+    if (rank < 0 || rank >= shards_) return -1;
+    const auto lost = comm_.lost_ranks();
+    return std::find(lost.begin(), lost.end(), rank) == lost.end() ? rank : -1;
+  }
   Status join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
     if (comm_.rank() < shards_) CFMO_TRY(take_own_shard());
     return take_global_state(params, position);
