@@ -302,7 +302,7 @@ Result<ElasticGroup::Welcome> ElasticGroup::join(double timeout_s) {
       last_ = w.floats;
       has_last_ = !w.floats.empty();  // a welcome sent later carries no sum
       last_sum_members_ = w.count;
-      std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_; });
+      std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_ && x.kind != kAdmit; });
       return Welcome{std::move(w.state), std::move(w.floats), w.count};
     }
     arrived_.wait_for(lock, kNap);
@@ -332,8 +332,9 @@ Result<bool> ElasticGroup::reform(std::span<float> data) {
     epoch_ = g.epoch;
     target_epoch_ = g.epoch;
     {
+      // A joiner's ask (epoch 0) stays for the new group's leader: it would otherwise wait a second to ask again.
       std::lock_guard lock(mutex_);
-      std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_; });
+      std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_ && x.kind != kAdmit; });
     }
     if (g.seq == seq_) return false;  // the sum in flight is redone by the new group
     if (g.seq == seq_ + 1 && g.has && g.floats.size() == data.size()) {
