@@ -78,7 +78,8 @@ std::string TrainSummary::to_json() const {
          {"wall_s", l.wall_s},
          {"why", l.why},
          {"served_by", l.served_by < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(l.served_by)},
-         {"experts", l.experts}});
+         {"experts", l.experts},
+         {"experts_from", null_or(l.experts_from)}});
   }
   nlohmann::ordered_json joined_json = nlohmann::ordered_json::array();
   for (const auto& r : joined) {
@@ -179,11 +180,13 @@ std::string summary_text(const TrainSummary& s) {
       if (l == s.lost.end()) {
         fmt::format_to(out, "  rank {}: lost during the run\n", r);
       } else {
-        fmt::format_to(out, "  rank {}: lost at step {}, {:.1f}s into the run ({}){}{}\n", r, l->step, l->wall_s,
-                       l->why, l->served_by >= 0 ? fmt::format(", its shard served by rank {}", l->served_by) : "",
-                       l->experts.empty() ? ""
-                                          : fmt::format(", its experts {} lost (their tokens take the residual)",
-                                                        fmt::join(l->experts, ",")));
+        fmt::format_to(
+            out, "  rank {}: lost at step {}, {:.1f}s into the run ({}){}{}\n", r, l->step, l->wall_s, l->why,
+            l->served_by >= 0 ? fmt::format(", its shard served by rank {}", l->served_by) : "",
+            l->experts.empty()
+                ? ""
+                : fmt::format(", its experts {} lost (their tokens take the residual){}", fmt::join(l->experts, ","),
+                              l->experts_from.empty() ? "" : "; model.safetensors has them from " + l->experts_from));
       }
     }
     for (const auto& j : s.joined) {

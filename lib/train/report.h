@@ -54,6 +54,9 @@ struct LostRank {
   std::string why;           ///< the transport's reason, e.g. "no message for 10.0s"
   int served_by = -1;        ///< cfmo: the rank serving its shard now; -1 where none does
   std::vector<int> experts;  ///< --expert-parallel: its experts, lost with it (their tokens take the residual)
+  /// --expert-parallel with a run directory, the keeper: where model.safetensors
+  /// took those experts from, a checkpoint's directory or "initial values"; empty: not written.
+  std::string experts_from;
 };
 
 /// A rank a new process joined during the run (in the place of a lost one).

@@ -32,6 +32,11 @@ Result<TrainSummary> TrainingRun::finish() {
   summary.per_worker.push_back(own);
   keeper = mode->keeper();
   summary.keeper = keeper;
+  // cfmo, asgd: each rank's last own state goes to the keeper for the end's checkpoint.
+  if (rank_states && rank != keeper) {
+    CFMO_ASSIGN_OR_RETURN(auto state, own_state());
+    rank_states->send(keeper, RankStates::kFinal, std::move(state));
+  }
   CFMO_TRY(gather_reports(own));
   if (rank == keeper) take_up_keeping();
   if (rank == keeper || expert_parallel) CFMO_TRY(write_final_outputs());
@@ -140,7 +145,8 @@ Status TrainingRun::write_final_outputs() {
   // Async dispatch: the others' final passes are served before the gather
   // below, a collective in which nobody serves.
   CFMO_TRY(model().finish_exchanges());
-  if (expert_parallel && !comm->lost_ranks().empty()) {
+  if (rank_states && rank != keeper) return {};  // its last state went to the keeper in finish
+  if (expert_parallel && !rank_states && !comm->lost_ranks().empty()) {
     // cfmo: a lost worker's experts exist nowhere else, so no whole model.
     observer().on_warning(fmt::format("experts {} were lost with their workers: no checkpoint or model.safetensors",
                                       fmt::join(lost_experts(), ",")));
@@ -154,9 +160,11 @@ Status TrainingRun::write_final_outputs() {
       const auto global = mode->final_state();
       CheckpointData data = checkpoint_of(model().parameters(), global ? &*global : nullptr);
       add_gathered(data);  // cfmo --deterministic: every rank's own state at the end
-      CFMO_TRY(
-          write_checkpoint(run_dir, model_spec, model().params(), data, options.config_toml, config.keep_checkpoints));
+      if (rank_states) CFMO_TRY(add_rank_states(data, final_rank_states()));
+      CFMO_TRY(write_checkpoint(run_dir, model_spec, whole_model ? whole_model->params() : model().params(), data,
+                                options.config_toml, config.keep_checkpoints));
     }
+    if (expert_parallel && !comm->lost_ranks().empty()) name_lost_experts();
   } else if (last_checkpoint_step != pos.step || (expert_parallel && !whole_model)) {
     CFMO_TRY(checkpoint());  // with --expert-parallel every rank, and the whole model comes to rank 0
   }
@@ -169,6 +177,18 @@ Status TrainingRun::write_final_outputs() {
     }
   }
   return {};
+}
+
+void TrainingRun::name_lost_experts() {
+  // A lost worker's experts existed nowhere else: the model holds them as the
+  // newest checkpoint had them, or at their initial values.
+  const std::string from = lost_experts_from.empty() ? "initial values" : lost_experts_from;
+  observer().on_warning(fmt::format(
+      "experts {} were lost with their workers: model.safetensors holds them {}", fmt::join(lost_experts(), ","),
+      from == "initial values" ? "at their initial values" : fmt::format("as checkpoint '{}' had them", from)));
+  for (auto& l : summary.lost) {
+    if (!l.experts.empty()) l.experts_from = from;
+  }
 }
 
 void TrainingRun::add_totals() {

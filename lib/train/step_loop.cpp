@@ -278,8 +278,9 @@ Status TrainingRun::at_step_end() {
     take_up_keeping();
     checkpoint_due = checkpoints || gathers_optimizers;
   }
-  // cfmo with --expert-parallel: the experts gather by a collective, so only at the end.
-  if (expert_parallel && async) checkpoint_due = false;
+  // cfmo with --expert-parallel: the experts come with the ranks' own states
+  // (rank_states), else (no run directory, --deterministic) by a collective at the end.
+  if (expert_parallel && async && !rank_states) checkpoint_due = false;
   // The checkpoint policy: at once where this rank's parameters are the
   // global ones, else a snapshot asked of the owners and written when whole.
   if (checkpoint_due && mode->params_are_global()) {
@@ -288,14 +289,15 @@ Status TrainingRun::at_step_end() {
     checkpoint_due = false;
   } else if (checkpoint_due && !settings.deterministic && mode->request_snapshot()) {
     // (--deterministic waits for a round's end, where every rank takes part.)
+    // The ranks' own states too, unless a request for them is still being answered.
+    if (rank_states && (states_asked == 0 || seconds_since(states_asked_at) > config.peer_timeout)) {
+      states_asked = rank_states->request();
+      states_asked_at = Clock::now();
+    }
     checkpoint_due = false;
   }
-  if (checkpoint_writer) {
-    if (auto global = mode->take_snapshot()) {
-      CFMO_TRY(engine->host_optimizer());  // rank 0's optimizer state goes with the owners' shards
-      checkpoint_writer->submit(checkpoint_of(global->params, &*global));
-    }
-  }
+  CFMO_TRY(answer_state_request());
+  if (checkpoint_writer) CFMO_TRY(submit_async_checkpoint());
   return {};
 }
 

@@ -139,8 +139,10 @@ Status TrainingRun::resume_from_checkpoint() {
     // Every rank starts from the global parameters; in cfmo and asgd each at its own position.
     pos = saved.ranks[static_cast<size_t>(rank)];
   }
-  // localsgd: each rank with its own inner optimizer state (rank 0's is the checkpoint's optimizer.safetensors).
-  if (!expert_parallel) CFMO_TRY(load_rank_optimizer(options.resume, model(), *optimizer, rank));
+  // localsgd, cfmo: each rank with its own inner optimizer state (rank 0's is
+  // the checkpoint's optimizer.safetensors; with --expert-parallel the file
+  // holds the whole model's, this rank's experts' too).
+  CFMO_TRY(load_rank_optimizer(options.resume, model(), *optimizer, rank));
   resume.outer_momentum.assign(outer.begin(),
                                outer.begin() + static_cast<ptrdiff_t>(std::min(outer.size(), replicated)));
   if (saved.workers == world) {
@@ -153,10 +155,9 @@ Status TrainingRun::resume_from_checkpoint() {
       resume.outer_round_sum.assign(round_sum.begin(),
                                     round_sum.begin() + static_cast<ptrdiff_t>(std::min(round_sum.size(), replicated)));
     }
-    if (!expert_parallel) {
-      CFMO_ASSIGN_OR_RETURN(const tensor::FloatBuffer residual, load_wire_residual(options.resume, model(), rank));
-      resume.wire_residual.assign(residual.begin(), residual.end());
-    }
+    CFMO_ASSIGN_OR_RETURN(const tensor::FloatBuffer residual, load_wire_residual(options.resume, model(), rank));
+    resume.wire_residual.assign(residual.begin(),
+                                residual.begin() + static_cast<ptrdiff_t>(std::min(residual.size(), replicated)));
   }
   if (traits.owners_optimize && world > 1) {
     // An asgd checkpoint's optimizer state is the owners'.
@@ -194,10 +195,14 @@ Status TrainingRun::redistribute(const CheckpointWorld& saved) {
                                                                             saved.shard_optimizer_steps.end()));
   }
   if (rank == 0) {
+    // cfmo and asgd cut the global state into K shards (--owners), the others among the W workers.
+    ModeSettings owners;
+    owners.owners = config.owners;
+    const int shards = traits.asynchronous ? owner_count(owners, world) : world;
     observer().on_note(
         fmt::format("--resume '{}': written by {} worker(s), resumed with {}: the global state is "
                     "redistributed over {} shard(s) and every rank continues at epoch {}, batch {}",
-                    options.resume.string(), saved.workers, world, world, base.epoch, base.batch_in_epoch));
+                    options.resume.string(), saved.workers, world, shards, base.epoch, base.batch_in_epoch));
   }
   return {};
 }
@@ -331,7 +336,14 @@ Status TrainingRun::open_outputs() {
   // cfmo --deterministic: every rank meets at each checkpoint's round, so
   // every rank's own state goes in too.
   gathers_optimizers = gathers_optimizers || (async && settings.deterministic && !run_dir.empty());
-  joins_checkpoints = expert_parallel && !run_dir.empty();
+  // cfmo and asgd: each rank's own state comes to the keeper by message.
+  if (async && !settings.deterministic && !run_dir.empty()) rank_states = std::make_unique<RankStates>(*comm);
+  joins_checkpoints = expert_parallel && !run_dir.empty() && !rank_states;
+  if (expert_parallel && rank_states) {
+    // The keeper's checkpoints hold every expert: the whole model's layout.
+    CFMO_ASSIGN_OR_RETURN(const auto whole, model::make_model(config.model, source->shape(), moe_options(config)));
+    whole_layout = whole->params();
+  }
   last_checkpoint_step = options.resume.empty() ? -1 : pos.step;
   take_up_keeping();
   straggler_rng = Rng(static_cast<uint64_t>(config.seed), 0x57A6000ULL + static_cast<uint64_t>(rank));
@@ -520,9 +532,10 @@ Status TrainingRun::sync_host() {
 void TrainingRun::take_up_keeping() {
   if (checkpoints || run_dir.empty() || mode->keeper() != rank) return;
   checkpoints = true;
-  if (async && !expert_parallel) {
-    checkpoint_writer = std::make_unique<CheckpointWriter>(run_dir, model_spec, model().params(), options.config_toml,
-                                                           config.keep_checkpoints);
+  if (async && (!expert_parallel || rank_states)) {
+    checkpoint_writer =
+        std::make_unique<CheckpointWriter>(run_dir, model_spec, expert_parallel ? whole_layout : model().params(),
+                                           options.config_toml, config.keep_checkpoints);
   }
 }
 
@@ -576,7 +589,8 @@ Status TrainingRun::announce_lost() {
                   seconds_since(run_start),
                   comm->lost_reason(r),
                   mode->shard_served_by(r),
-                  expert_parallel ? model().experts_held_by(r) : std::vector<int>{}};
+                  expert_parallel ? model().experts_held_by(r) : std::vector<int>{},
+                  {}};
     if (options.observer != nullptr) {
       options.observer->on_warning(
           fmt::format("rank {} lost ({}){}", r, lost.why,

@@ -24,12 +24,14 @@
 #include "train/delta_writer.h"
 #include "train/device_engine.h"
 #include "train/metrics_log.h"
+#include "train/rank_states.h"
 #include "train/trainer.h"
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -95,6 +97,44 @@ struct TrainingRun {
   /// with `part` (its own checkpoint data) completed in that model's layout;
   /// the others send theirs and get null.
   Result<std::unique_ptr<model::Model>> gather_whole_model(CheckpointData& part);
+  /// rank 0 (or the keeper) with every rank's packed experts (`received`,
+  /// by rank; an empty one's rank was lost: its experts come from the newest
+  /// checkpoint, else keep their initial values, and lost_experts_from says
+  /// which): the whole model, with `part` completed in its layout.
+  Result<std::unique_ptr<model::Model>> assemble_whole_model(CheckpointData& part,
+                                                             const std::vector<std::vector<std::byte>>& received);
+  Status restore_missing_experts(const model::Model& whole, const std::vector<int>& missing,
+                                 tensor::FloatBuffer& params, const CheckpointData& part,
+                                 std::vector<tensor::FloatBuffer>& state);
+  /// This rank's experts and their optimizer state from `part` (its own checkpoint data), packed.
+  std::vector<std::byte> own_experts(const CheckpointData& part) const;
+  /// Where the last whole model took a lost rank's experts from: a
+  /// checkpoint's directory, "initial values", or empty (none was lost).
+  std::string lost_experts_from;
+
+  // cfmo and asgd without --deterministic (own_state.cpp): each rank's own
+  // state comes to the keeper by message (rank_states.h) for its checkpoints.
+  /// This rank's own state: its inner optimizer's steps and state (over the
+  /// replicated part; none in asgd, whose owners optimize), its position, its
+  /// error feedback and, with --expert-parallel, its experts.
+  Result<std::vector<std::byte>> own_state();
+  /// Every rank, at a step's end: answers the keeper's request, if one came.
+  Status answer_state_request();
+  /// The keeper: adds the ranks' states (`states`, by rank; empty where none
+  /// came: that rank keeps the keeper's inner state and its last reported
+  /// position) and its own to `data`; with --expert-parallel the experts
+  /// make `whole_model`, and `data` is in its layout.
+  Status add_rank_states(CheckpointData& data, std::vector<std::vector<std::byte>> states);
+  /// The keeper: submits the owners' snapshot once every live rank's state is in.
+  Status submit_async_checkpoint();
+  /// The keeper at the end: every live rank's last state (sent in finish).
+  std::vector<std::vector<std::byte>> final_rank_states();
+  std::unique_ptr<RankStates> rank_states;  ///< null: not asynchronous, --deterministic or no run directory
+  uint64_t states_asked = 0;                ///< the keeper: its open request (0: none)
+  Clock::time_point states_asked_at;
+  std::optional<GlobalState> pending_global;   ///< the keeper: a snapshot waiting for the ranks' states
+  std::vector<model::ParamInfo> whole_layout;  ///< --expert-parallel: the layout of the model holding every expert
+
   /// Writes a checkpoint (rank 0) of the global state; with
   /// --expert-parallel every rank calls it and the experts gather first.
   Status write_global_checkpoint(CheckpointData data);
@@ -105,6 +145,10 @@ struct TrainingRun {
   /// where their shards went, and those a new process joined, and writes each
   /// as a membership line of metrics.jsonl.
   Status announce_lost();
+  /// cfmo --expert-parallel, the keeper after the whole model was assembled
+  /// with a lost rank's experts: one line saying where they came from, and
+  /// the summary's lost entries the same.
+  void name_lost_experts();
   /// --expert-parallel: the experts of the ranks found lost, in order.
   std::vector<int> lost_experts() const;
   /// A joiner, after its first step: says when it joined, and how long it took.

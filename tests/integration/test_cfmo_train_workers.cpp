@@ -721,6 +721,120 @@ TEST(CfmoTrainWorkers, DeterministicCfmoResumedFromAnyRoundEndsWithTheUninterrup
       << timed.err;
 }
 
+// The files of a checkpoint, byte for byte, by name (state.json parsed, without its train_s).
+std::map<std::string, std::string> checkpoint_files(const fs::path& checkpoint) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::directory_iterator(checkpoint)) {
+    const std::string name = e.path().filename().string();
+    if (name.ends_with(".safetensors")) out[name] = slurp(e.path());
+  }
+  return out;
+}
+
+// Resumed from checkpoint `at` with `job` (the run's arguments) and stopped
+// before its first step, a run writes into `idle` a checkpoint equal to `at`
+// file for file: every rank's state (and expert) was restored as saved.
+void expect_restored_as_saved(std::vector<std::string> job, const fs::path& at, const fs::path& idle) {
+  job.insert(job.end(), {"--resume", at.string(), "--time-limit", "1ms", "--out", idle.string(), "--json"});
+  const RunResult stopped = run(job, 300);
+  ASSERT_EQ(stopped.status, 0) << stopped.err;
+  ASSERT_EQ(last_json(stopped.out)["steps"], 0) << "a step was taken: " << stopped.out;
+  const fs::path again = idle / "checkpoints" / at.filename();
+  ASSERT_TRUE(fs::exists(again / "state.json")) << again;
+  EXPECT_TRUE(checkpoint_files(again) == checkpoint_files(at)) << "a rank's restored state differs from the saved one";
+}
+
+// The loss of rank 0's first logged step in a run directory.
+double first_loss(const fs::path& run_dir) {
+  std::istringstream in(slurp(run_dir / "metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.value("type", "") == "step") return j["loss"].get<double>();
+  }
+  return NAN;
+}
+
+// cfmo and asgd without --deterministic: the keeper's checkpoints hold each
+// rank's own state, sent to it by message (inner optimizer state and steps:
+// cfmo; error feedback of the bf16 wire and position: both), with the
+// owners' (shards, versions, outer momentum and pending round; asgd's shard
+// optimizer). A run resumed from one and stopped before its first step
+// writes a checkpoint equal to it file for file (every rank's state was
+// restored as saved); one that trains on starts at the checkpoint's loss,
+// not the first run's initial one.
+TEST(CfmoTrainWorkers, AsyncCheckpointsHoldEveryRanksOwnStateAndAResumedRunContinuesFromIt) {
+  for (const char* mode : {"cfmo", "asgd"}) {
+    SCOPED_TRACE(mode);
+    const bool cfmo = std::string(mode) == "cfmo";
+    TempDir dir;
+    const fs::path whole = dir / "whole";
+    const std::vector<std::string> job = {"--workers", "3", "--mode", mode, "--steps", "60", "--log-every", "1"};
+    auto with = [&](std::vector<std::string> extra) {
+      std::vector<std::string> all = job;
+      all.insert(all.end(), extra.begin(), extra.end());
+      return args(all);
+    };
+    const RunResult first = run(with({"--checkpoint-every", "10", "--keep-checkpoints", "100", "--slowdown", "0=2",
+                                      "--slowdown", "1=2", "--slowdown", "2=2", "--out", whole.string(), "--json"}),
+                                300);
+    ASSERT_EQ(first.status, 0) << first.err;
+    const auto saved = checkpoints_of(whole);
+    ASSERT_FALSE(saved.empty());
+    const fs::path at = saved.front();
+    const auto state = nlohmann::json::parse(slurp(at / "state.json"));
+    EXPECT_EQ(state["ranks"].size(), 3u) << state.dump();
+    EXPECT_EQ(state["wire_residuals"].size(), 3u) << state.dump();
+    if (cfmo) {
+      EXPECT_EQ(state["rank_optimizers"],
+                nlohmann::json::array({"optimizer-rank-1.safetensors", "optimizer-rank-2.safetensors"}));
+      EXPECT_EQ(state["rank_optimizer_steps"].size(), 3u) << state.dump();
+      // Each rank's own, not the keeper's for every rank.
+      EXPECT_NE(parameters(at / "optimizer-rank-1.safetensors"), parameters(at / "optimizer.safetensors"));
+      EXPECT_EQ(state["outer_in_round"].size(), 3u) << state.dump();
+    } else {
+      EXPECT_FALSE(state.contains("rank_optimizers")) << "asgd's owners optimize: " << state.dump();
+      EXPECT_EQ(state["shard_optimizer_steps"].size(), 3u) << state.dump();
+    }
+
+    // Restored as saved: no step taken, the end's checkpoint is the same one.
+    const fs::path idle = dir / "idle";
+    expect_restored_as_saved(with({}), at, idle);
+    const fs::path again = idle / "checkpoints" / at.filename();
+    auto positions = [](const fs::path& c) {
+      auto j = nlohmann::json::parse(slurp(c / "state.json"));
+      for (auto& r : j["ranks"]) r.erase("train_s");
+      j.erase("train_s");
+      return j;
+    };
+    EXPECT_EQ(positions(again), positions(at));
+
+    // Trained on (a larger budget) from the end's checkpoint, the resumed run
+    // starts at the loss the first one ended with.
+    const fs::path on = dir / "on";
+    const RunResult resumed = run(args({"--workers", "3", "--mode", mode, "--steps", "120", "--log-every", "1",
+                                        "--resume", whole.string(), "--out", on.string(), "--json"}),
+                                  300);
+    ASSERT_EQ(resumed.status, 0) << resumed.err;
+    const double start = first_loss(whole);
+    const double continued = first_loss(on);
+    const double ended = last_json(first.out)["train_loss"].get<double>();
+    EXPECT_LT(std::abs(continued - ended), std::abs(continued - start))
+        << "the resumed run's first loss " << continued << " is nearer the first run's start (" << start
+        << ") than its end (" << ended << ")";
+
+    // Fewer workers (and --owners 1) take it up too: the shards and positions redistributed, one line saying so.
+    const RunResult two =
+        run(args({"--workers", "2", "--mode", mode, "--owners", "1", "--steps", "120", "--slowdown", "0=1", "--resume",
+                  at.string(), "--out", (dir / "two").string(), "--no-quiet", "--json"}),
+            300);
+    EXPECT_EQ(two.status, 0) << two.err;
+    EXPECT_NE(two.err.find("written by 3 worker(s), resumed with 2: the global state is redistributed over 1 shard(s)"),
+              std::string::npos)
+        << two.err;
+    EXPECT_EQ(last_json(two.out)["workers"], 2) << two.out;
+  }
+}
+
 TEST(CfmoTrainWorkers, EveryModeCheckpointsTheGlobalParametersMidRunAndResumes) {
   for (const char* mode : {"sync", "localsgd", "cfmo", "asgd"}) {
     SCOPED_TRACE(mode);
@@ -1113,30 +1227,105 @@ TEST(CfmoTrainWorkers, CfmoWithExpertParallelismTrainsAndWritesEveryExpert) {
 // A worker killed mid-run in cfmo: its experts' tokens take the residual
 // path from then on, the others finish (status 0) and name the experts lost.
 TEST(CfmoTrainWorkers, CfmoExpertParallelWorkersGoOnWithoutAKilledRankAndNameItsExperts) {
-  TempDir dir;
-  (void)moe_args(dir / "corpus.txt", {});
-  auto ranks = start_ranks(dir, 3,
-                           {"--data", "text:" + (dir / "corpus.txt").string(), "--model",
-                            "gpt:layers=2,heads=2,dim=16,context=16,experts=4,top_k=2,expert_dim=16", "--batch-size",
-                            "4", "--mode", "cfmo", "--expert-parallel", "--dispatch", "async", "--steps", "600",
-                            "--log-every", "1", "--json", "--out", (dir / "run").string()});
-  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
-      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
-  kill(ranks.processes[1].pid, SIGKILL);
-  ASSERT_TRUE(ranks.processes[1].wait(10));  // reaped at once, as above
-  for (int r : {0, 2}) {
-    ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(240)) << "rank " << r << " hangs";
-    EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 0) << slurp(dir / ("err-" + std::to_string(r)));
+  // Killed at its first logged step (before any checkpoint, as a rule), and
+  // again once a checkpoint was written: the model is still written, expert 1
+  // at its initial values or as the newest checkpoint had it; the line and
+  // the summary say which.
+  for (const bool after_checkpoint : {false, true}) {
+    SCOPED_TRACE(after_checkpoint ? "killed after a checkpoint" : "killed at once");
+    TempDir dir;
+    (void)moe_args(dir / "corpus.txt", {});
+    std::vector<std::string> job = {"--data",
+                                    "text:" + (dir / "corpus.txt").string(),
+                                    "--model",
+                                    "gpt:layers=2,heads=2,dim=16,context=16,experts=4,top_k=2,expert_dim=16",
+                                    "--batch-size",
+                                    "4",
+                                    "--mode",
+                                    "cfmo",
+                                    "--expert-parallel",
+                                    "--dispatch",
+                                    "async",
+                                    "--steps",
+                                    "600",
+                                    "--log-every",
+                                    "1",
+                                    "--keep-checkpoints",
+                                    "1000",
+                                    "--json",
+                                    "--out",
+                                    (dir / "run").string()};
+    if (after_checkpoint) job.insert(job.end(), {"--checkpoint-every", "5"});
+    auto ranks = start_ranks(dir, 3, job);
+    const fs::path waited =
+        after_checkpoint ? dir / "run" / "checkpoints" / "latest" : dir / "run" / "metrics-rank-1.jsonl";
+    ASSERT_TRUE(wait_for_progress(ranks, waited, 120))
+        << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+    kill(ranks.processes[1].pid, SIGKILL);
+    ASSERT_TRUE(ranks.processes[1].wait(10));  // reaped at once, as above
+    for (int r : {0, 2}) {
+      ASSERT_TRUE(ranks.processes[static_cast<size_t>(r)].wait(240)) << "rank " << r << " hangs";
+      EXPECT_EQ(ranks.processes[static_cast<size_t>(r)].status, 0) << slurp(dir / ("err-" + std::to_string(r)));
+    }
+    const auto j = last_json(slurp(dir / "out-0"));
+    ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0") << slurp(dir / "err-0");
+    EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({1}));
+    ASSERT_EQ(j["lost"].size(), 1u) << j.dump();
+    EXPECT_EQ(j["lost"][0]["experts"], nlohmann::json::array({1}));  // 4 experts over 3 ranks: rank 1 held expert 1
+    EXPECT_EQ(j["moe"]["dispatch"]["lost_experts"], nlohmann::json::array({1}));
+    const std::string err = slurp(dir / "err-0");
+    EXPECT_NE(err.find("experts 1 were lost with their workers: model.safetensors holds them "), std::string::npos)
+        << err;
+    ASSERT_TRUE(j["lost"][0]["experts_from"].is_string()) << j.dump();
+    const std::string from = j["lost"][0]["experts_from"].get<std::string>();
+    const auto model = tensors_of(dir / "run" / "model.safetensors");
+    for (int e = 0; e < 4; ++e) {
+      EXPECT_TRUE(model.contains("h.0.mlp.experts." + std::to_string(e) + ".c_fc.weight")) << e;
+    }
+    if (after_checkpoint) {
+      ASSERT_NE(from.find("/checkpoints/step-"), std::string::npos) << from;
+      EXPECT_NE(err.find("as checkpoint '" + from + "' had them"), std::string::npos) << err;
+      EXPECT_EQ(model.at("h.0.mlp.experts.1.c_fc.weight"),
+                tensors_of(fs::path(from) / "model.safetensors").at("h.0.mlp.experts.1.c_fc.weight"));
+    } else if (from == "initial values") {
+      EXPECT_NE(err.find("holds them at their initial values"), std::string::npos) << err;
+    }
   }
-  const auto j = last_json(slurp(dir / "out-0"));
-  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0") << slurp(dir / "err-0");
-  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({1}));
-  ASSERT_EQ(j["lost"].size(), 1u) << j.dump();
-  EXPECT_EQ(j["lost"][0]["experts"], nlohmann::json::array({1}));  // 4 experts over 3 ranks: rank 1 held expert 1
-  EXPECT_EQ(j["moe"]["dispatch"]["lost_experts"], nlohmann::json::array({1}));
-  const std::string err = slurp(dir / "err-0");
-  EXPECT_NE(err.find("experts 1 were lost with their workers"), std::string::npos) << err;
-  EXPECT_FALSE(fs::exists(dir / "run" / "model.safetensors"));  // no model missing an expert
+}
+
+// cfmo with expert parallelism writes checkpoints during the run too: each
+// rank's experts (with their optimizer state) and its own inner state come to
+// the keeper by message, which writes the whole model. Resumed from one and
+// stopped before a step, the run writes the same checkpoint again: every
+// rank took its experts back and sent them as they were.
+TEST(CfmoTrainWorkers, CfmoExpertParallelCheckpointAndResumeRestoreEveryRanksExperts) {
+  TempDir dir;
+  const std::vector<std::string> job = {"--workers", "3", "--mode", "cfmo", "--expert-parallel", "--dispatch", "async"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = job;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return moe_args(dir / "corpus.txt", all);
+  };
+  const fs::path run_dir = dir / "run";
+  const RunResult first = run(with({"--steps", "60", "--checkpoint-every", "10", "--keep-checkpoints", "100",
+                                    "--slowdown", "0=2", "--out", run_dir.string(), "--json"}),
+                              300);
+  ASSERT_EQ(first.status, 0) << first.err;
+  const auto saved = checkpoints_of(run_dir);
+  ASSERT_FALSE(saved.empty());
+  const fs::path at = saved.front();
+  const auto params = tensors_of(at / "model.safetensors");
+  const auto state = tensors_of(at / "optimizer.safetensors");
+  for (int e = 0; e < 4; ++e) {
+    const std::string name = "h.1.mlp.experts." + std::to_string(e) + ".c_proj.weight";
+    EXPECT_TRUE(params.contains(name)) << name;
+    EXPECT_TRUE(state.contains(name + ".exp_avg")) << name;
+  }
+  EXPECT_EQ(nlohmann::json::parse(slurp(at / "state.json"))["rank_optimizers"].size(), 2u);
+
+  const fs::path idle = dir / "idle";
+  expect_restored_as_saved(with({}), at, idle);
+  EXPECT_EQ(tensors_of(idle / "model.safetensors"), params);
 }
 
 TEST(CfmoTrainWorkers, BadExpertParallelSpecsAreUsageErrorsInOneLine) {
