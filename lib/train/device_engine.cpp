@@ -78,7 +78,12 @@ class DeviceOptimizerView final : public optim::Optimizer {
   void scale_first_moment(float factor, size_t offset, size_t count) override {
     status_ = device_.scale_first_moment(factor, offset, count);
   }
-  std::vector<optim::OptimizerState> state() override { return host_.state(); }
+  /// The host mirror brought up to date first, with the step count (sync's welcome to a joiner reads both).
+  std::vector<optim::OptimizerState> state() override {
+    status_ = device_.download_state(host_);
+    set_step_count(host_.step_count());
+    return host_.state();
+  }
   /// scale_first_moment cannot return an error through Optimizer's interface: it is kept here.
   Status take_status() { return std::exchange(status_, Status{}); }
 

@@ -199,9 +199,13 @@ class Mode {
   /// This rank joined the run under way (Communicator::joined): takes the
   /// global state from the ranks there into `params` and its place's last
   /// position into `position`, before its first step; cfmo (its owners'
-  /// shards, its own back from the rank that served it) and localsgd with
-  /// --elastic (the group's leader, at its next round). Fails (kPeer) when the
-  /// state does not come within the peer timeout; other modes take no joins (kUsage).
+  /// shards, its own back from the rank that served it), asgd (the owners'
+  /// shards; its own, if it owns one, from the freshest copy a worker holds),
+  /// localsgd with --elastic (the group's leader, at its next round) and sync
+  /// with --elastic (the leader after its next step: its parameters and the
+  /// inner state into `optimizer`, the host's, which the trainer then hands
+  /// to its engine). Fails (kPeer) when the state does not come within the
+  /// peer timeout; other modes take no joins (kUsage).
   virtual Status join(std::span<float> /*params*/, optim::Optimizer& /*optimizer*/, TrainPosition& /*position*/) {
     return make_error(ErrorKind::kUsage, "--join: --mode {} takes no joining worker", name());
   }

@@ -10,8 +10,8 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
-#include <limits>
 #include <iterator>
+#include <limits>
 
 namespace cfmo::train {
 
@@ -132,7 +132,7 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         dist);
   t.add("join", &c.join,
         "host:port of a running run's rank 0 (its --rendezvous): take a lost rank's place there, with the run's flags "
-        "(cfmo, localsgd --elastic)",
+        "(cfmo, asgd, sync or localsgd with --elastic)",
         dist);
 
   const std::string output = "Output";
@@ -254,10 +254,10 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   }
   if (!c.join.empty()) {
     if (auto where = comm::parse_rendezvous(c.join); !where) return usage("join", where.error().message);
-    if (plan.mode != ModeKind::kCfmo && !(plan.mode == ModeKind::kLocalSgd && c.elastic)) {
-      return usage("join", fmt::format("a worker joins a running run in --mode cfmo, or localsgd with --elastic; "
-                                       "not {}{}",
-                                       c.mode, c.elastic ? " --elastic" : ""));
+    if (!plan.traits().asynchronous && !c.elastic) {
+      return usage("join", fmt::format("a worker joins a running run in --mode cfmo or asgd, or sync or localsgd "
+                                       "with --elastic; not {}",
+                                       c.mode));
     }
     if (c.deterministic) return usage("join", "a --deterministic run takes no joins: a lost worker ends it");
   }

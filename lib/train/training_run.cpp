@@ -81,8 +81,11 @@ Status TrainingRun::set_up() {
 Status TrainingRun::join_run() {
   if (!joining) return {};
   CFMO_ASSIGN_OR_RETURN(auto params, engine->host_parameters());
-  CFMO_TRY(mode->join(replicated_part(params), engine->mode_optimizer(), pos));
+  // The host optimizer, current: sync's joiner takes the group's inner state into it.
+  CFMO_ASSIGN_OR_RETURN(optim::Optimizer * inner, engine->host_optimizer());
+  CFMO_TRY(mode->join(replicated_part(params), *inner, pos));
   CFMO_TRY(engine->parameters_changed());
+  CFMO_TRY(engine->optimizer_changed());
   // A position at the very end of an epoch continues with the next one.
   pos = resume_position(pos, batches_per_epoch);
   return {};

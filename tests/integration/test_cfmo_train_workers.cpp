@@ -414,6 +414,51 @@ void start_three_and_restart_rank_two(Ranks& ranks, const TempDir& dir, const st
       testing::spawn(args(run_flags), rank_env(2), (dir / "out-2b").string(), (dir / "err-2b").string()));
 }
 
+// The flags of a run whose rank 2 is restarted: `mode` (the mode's flags),
+// a time limit, a JSON summary, metrics every step in DIR/run.
+std::vector<std::string> rejoin_flags(std::vector<std::string> mode, const char* time_limit, const TempDir& dir) {
+  for (const char* a : {"--epochs", "0", "--log-every", "1", "--json", "--time-limit"}) mode.emplace_back(a);
+  mode.insert(mode.end(), {time_limit, "--out", (dir / "run").string()});
+  return mode;
+}
+
+// After start_three_and_restart_rank_two: waits for ranks 0, 1 and the new
+// rank 2 to succeed, and checks rank 0's summary lists the one join, with
+// the joiner's first_step_s and report. Returns that summary (null on failure).
+nlohmann::json summary_with_rank_two_rejoined(Ranks& ranks, const TempDir& dir) {
+  for (const size_t p : {size_t{0}, size_t{1}, size_t{3}}) {
+    EXPECT_TRUE(ranks.processes[p].wait(120)) << "process " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-0") << slurp(dir / "err-2b");
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  EXPECT_FALSE(j.is_null()) << slurp(dir / "out-0");
+  if (j.is_null() || j["joined"].size() != 1 || j["per_worker"].size() != 3) {
+    ADD_FAILURE() << j.dump();
+    return nullptr;
+  }
+  EXPECT_EQ(j["joined"][0]["rank"], 2);
+  EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0);
+  EXPECT_TRUE(j["per_worker"][2]["joined"].get<bool>());
+  return j;
+}
+
+// The run's flags but another batch size, with --join `address`: refused
+// before it is taken in (status 2, one line naming --batch-size).
+void expect_join_with_another_batch_size_refused(std::vector<std::string> flags, const std::string& address) {
+  flags.insert(flags.end(), {"--batch-size", "32", "--join", address});
+  const RunResult refused = run(args(flags), 120);
+  EXPECT_EQ(refused.status, 2) << refused.err;
+  EXPECT_EQ(testing::lines(refused.err).size(), 1u) << refused.err;
+  EXPECT_NE(refused.err.find("--batch-size"), std::string::npos) << refused.err;
+}
+
+// The samples the workers' reports of a summary add up to.
+int64_t reported_samples(const nlohmann::json& summary) {
+  int64_t reported = 0;
+  for (const auto& w : summary["per_worker"]) reported += w["samples"].get<int64_t>();
+  return reported;
+}
+
 // localsgd with --elastic: a worker killed mid-run and restarted with the
 // same command is taken into the group at the end of a round (the global
 // parameters before it, the outer momentum, the position) and every rank
@@ -421,24 +466,63 @@ void start_three_and_restart_rank_two(Ranks& ranks, const TempDir& dir, const st
 TEST(CfmoTrainWorkers, ElasticLocalSgdTakesAKilledWorkerBackAtARound) {
   TempDir dir;
   const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
-  const std::vector<std::string> run_flags = {"--mode", "localsgd",     "--elastic", "--epochs",
-                                              "0",      "--time-limit", "12s",       "--log-every",
-                                              "1",      "--json",       "--out",     (dir / "run").string()};
   Ranks ranks;
-  ASSERT_NO_FATAL_FAILURE(start_three_and_restart_rank_two(ranks, dir, address, run_flags));
-  for (const size_t p : {size_t{0}, size_t{1}, size_t{3}}) {
-    ASSERT_TRUE(ranks.processes[p].wait(120)) << "process " << p << " hangs";
-    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-0") << slurp(dir / "err-2b");
-  }
-  const auto j = last_json(slurp(dir / "out-0"));
-  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0");
-  ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
-  EXPECT_EQ(j["joined"][0]["rank"], 2);
-  EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0);
-  ASSERT_EQ(j["per_worker"].size(), 3u) << j.dump();
-  EXPECT_TRUE(j["per_worker"][2]["joined"].get<bool>());
+  ASSERT_NO_FATAL_FAILURE(start_three_and_restart_rank_two(
+      ranks, dir, address, rejoin_flags({"--mode", "localsgd", "--elastic"}, "12s", dir)));
+  const auto j = summary_with_rank_two_rejoined(ranks, dir);
+  ASSERT_FALSE(j.is_null());
   EXPECT_EQ(j["stopped_by"], "time-limit");
   EXPECT_NE(slurp(dir / "err-1").find("rank 2 joined"), std::string::npos) << slurp(dir / "err-1");
+}
+
+// sync with --elastic: a worker killed mid-run and restarted with the same
+// command is taken in at a step (the leader's parameters and inner
+// optimizer state after it), the group trains on with all three, and the
+// summary counts the joiner's samples. A process whose flags differ is
+// refused at once (status 2, one line naming the flag), the run untouched.
+TEST(CfmoTrainWorkers, ElasticSyncTakesAKilledWorkerBackAtAStepAndRefusesAJoinWithOtherFlags) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const auto run_flags = rejoin_flags({"--mode", "sync", "--elastic"}, "15s", dir);
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(start_three_and_restart_rank_two(ranks, dir, address, run_flags));
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "run" / "metrics-rank-2.jsonl", "\"event\":\"joined\"", 120))
+      << slurp(dir / "err-2b") << slurp(dir / "err-0");
+  expect_join_with_another_batch_size_refused(run_flags, address);
+  const auto j = summary_with_rank_two_rejoined(ranks, dir);
+  ASSERT_FALSE(j.is_null());
+  EXPECT_GT(j["per_worker"][2]["samples"].get<int64_t>(), 0) << j.dump();
+  EXPECT_EQ(j["samples"].get<int64_t>(), reported_samples(j)) << j.dump();
+  EXPECT_EQ(j["stopped_by"], "time-limit");
+  // Every rank stopped at the same step, the joiner too: it was one of the group.
+  EXPECT_EQ(j["per_worker"][2]["stopped_by"], "time-limit");
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << j.dump();
+  EXPECT_NE(slurp(dir / "err-1").find("rank 2 joined"), std::string::npos) << slurp(dir / "err-1");
+}
+
+// asgd: an owner killed mid-run and restarted with the same command serves
+// its shard again, from the freshest copy the workers hold, takes the other
+// owners' shards and trains; the run ends with every rank's status 0 and the
+// samples of both processes in rank 2's place counted.
+TEST(CfmoTrainWorkers, AsgdTakesAKilledOwnerBackWithTheFreshestCopyOfItsShard) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(
+      start_three_and_restart_rank_two(ranks, dir, address, rejoin_flags({"--mode", "asgd"}, "15s", dir)));
+  const auto j = summary_with_rank_two_rejoined(ranks, dir);
+  ASSERT_FALSE(j.is_null());
+  EXPECT_GT(j["per_worker"][2]["samples"].get<int64_t>(), 0) << j.dump();
+  // The killed process's samples up to its last gradient come on top of the
+  // reports (none, if it was killed before its first gradient was applied).
+  EXPECT_GE(j["samples"].get<int64_t>(), reported_samples(j)) << j.dump();
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << j.dump();
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+  EXPECT_NE(slurp(dir / "err-0").find("rank 2 joined (a new process in its place); it serves its shard again"),
+            std::string::npos)
+      << slurp(dir / "err-0");
+  // The joiner's metrics say when its first step came.
+  EXPECT_NE(slurp(dir / "run" / "metrics-rank-2.jsonl").find("\"first_step_s\""), std::string::npos);
 }
 
 // Join: a worker killed mid-run and restarted with the same command (its
@@ -463,13 +547,7 @@ TEST(CfmoTrainWorkers, CfmoKilledWorkersRejoinAndAJoinWithOtherFlagsIsRefused) {
       << slurp(dir / "err-2b") << slurp(dir / "err-0");
   kill(ranks.processes[1].pid, SIGKILL);
   ASSERT_TRUE(ranks.processes[1].wait(10));
-  // Another batch size than the run's: refused before it is taken in.
-  std::vector<std::string> other = run_flags;
-  other.insert(other.end(), {"--batch-size", "32", "--join", address});
-  const RunResult refused = run(args(other), 120);
-  EXPECT_EQ(refused.status, 2) << refused.err;
-  EXPECT_EQ(testing::lines(refused.err).size(), 1u) << refused.err;
-  EXPECT_NE(refused.err.find("--batch-size"), std::string::npos) << refused.err;
+  expect_join_with_another_batch_size_refused(run_flags, address);
   // A new process with the run's flags takes rank 1's place.
   std::vector<std::string> joiner = run_flags;
   joiner.insert(joiner.end(), {"--join", address});

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <optional>
 #include <thread>
@@ -516,6 +517,158 @@ TEST(ElasticSyncProtocol, ASurvivorThatMissedTheLastSumGetsItWhenTheGroupReforms
     EXPECT_FLOAT_EQ(next1[i], 2.0f);
     EXPECT_FLOAT_EQ(next2[i], 2.0f);
   }
+}
+
+// ---- Joining: sync --elastic ----
+
+/// A rank's loopback communicator as a join leaves it: the loopback cannot
+/// lose a rank and let a new one in, so this view says rank 2 is lost while
+/// `lost` and, once `joined`, that a new process took its place (rank 2's
+/// own view: that it is that process). The messages are the loopback's.
+class JoinView final : public comm::Communicator {
+ public:
+  struct Flags {
+    std::atomic<bool> lost{false};
+    std::atomic<bool> joined{false};
+  };
+  JoinView(comm::Communicator& inner, const Flags& flags) : inner_(inner), flags_(flags) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Status all_reduce_sum(std::span<float> data) override { return inner_.all_reduce_sum(data); }
+  Status all_to_all_v(const std::vector<std::span<const std::byte>>& send,
+                      const std::vector<std::span<std::byte>>& recv) override {
+    return inner_.all_to_all_v(send, recv);
+  }
+  Status barrier() override { return inner_.barrier(); }
+  void post(int peer, comm::Channel channel, std::vector<std::byte> payload) override {
+    inner_.post(peer, channel, std::move(payload));
+  }
+  void on_message(comm::Channel channel, Handler handler) override { inner_.on_message(channel, std::move(handler)); }
+  std::vector<int> lost_ranks() const override {
+    auto lost = inner_.lost_ranks();
+    if (flags_.lost && rank() != 2) lost.push_back(2);
+    return lost;
+  }
+  Status health() const override { return inner_.health(); }
+  std::vector<int> joined_ranks() const override {
+    return flags_.joined && rank() != 2 ? std::vector<int>{2} : std::vector<int>{};
+  }
+  bool joined() const override { return rank() == 2 && flags_.joined; }
+  comm::CommStats stats() const override { return inner_.stats(); }
+
+ private:
+  comm::Communicator& inner_;
+  const Flags& flags_;
+};
+
+/// A sync --elastic worker driven as the trainer drives it: a gradient of
+/// its own each step (one example), the all-reduce, SGD with momentum, after_step.
+struct SyncWorker {
+  SyncWorker(comm::Communicator& comm, std::span<const float> initial) : params(initial.begin(), initial.end()) {
+    optim::OptimizerConfig sgd;
+    sgd.kind = optim::OptimizerKind::kSgd;
+    sgd.momentum = 0.9;
+    const std::vector<model::ParamInfo> layout = {{"w", {static_cast<int64_t>(kSize)}, 0, kSize}};
+    mode = std::move(*make_mode(elastic_sync(), &comm, layout, initial, sgd));
+    optimizer = std::move(*optim::make_optimizer(sgd, layout, kSize));
+  }
+  Status step() {
+    std::vector<float> grads(kSize);
+    for (size_t i = 0; i < kSize; ++i) grads[i] = delta_of(comm_rank, i) * static_cast<float>(position.step % 7 + 1);
+    CFMO_TRY(mode->on_gradients(grads, 1, 0.1f));
+    optimizer->step(params, grads, 0.1f);
+    ++position.step;
+    return mode->after_step(position, mode->needs_params(position) ? std::span<float>(params) : std::span<float>(),
+                            *optimizer);
+  }
+  /// Steps until the workers agree to stop (or `stop_after` steps from now, this one wants to).
+  Status run(int64_t stop_after = -1, const std::atomic<bool>* give_up = nullptr) {
+    const int64_t until = stop_after >= 0 ? position.step + stop_after : -1;
+    while (!mode->stop_requested()) {
+      if (position.step == until || (give_up != nullptr && *give_up)) mode->want_stop("time-limit");
+      CFMO_TRY(step());
+    }
+    return {};
+  }
+  int comm_rank = 0;
+  std::vector<float> params;
+  std::unique_ptr<Mode> mode;
+  std::unique_ptr<optim::Optimizer> optimizer;
+  TrainPosition position;
+};
+
+/// Runs ranks 0 and 1 until the workers agree to stop, rank 2 leaving and
+/// joining again as `rank_two` says; then every worker must be the same
+/// replica: parameters, momentum and optimizer steps, bit for bit, and position.
+void expect_rank_two_rejoins_as_a_replica(const std::function<void(JoinView::Flags&, comm::Communicator&)>& rank_two) {
+  auto world = comm::make_loopback_world(3, {.peer_timeout_s = 5});
+  JoinView::Flags flags;
+  std::vector<std::unique_ptr<JoinView>> views;
+  for (int r = 0; r < 3; ++r) views.push_back(std::make_unique<JoinView>(*world.ranks[static_cast<size_t>(r)], flags));
+  const std::vector<float> initial(kSize, 1.0f);
+  std::vector<std::unique_ptr<SyncWorker>> workers;
+  for (int r = 0; r < 2; ++r) {
+    workers.push_back(std::make_unique<SyncWorker>(*views[static_cast<size_t>(r)], initial));
+    workers.back()->comm_rank = r;
+  }
+  std::vector<Status> results(2);
+  std::vector<std::thread> threads;
+  std::atomic<bool> give_up{false};
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back(
+        [&, r] { results[static_cast<size_t>(r)] = workers[static_cast<size_t>(r)]->run(-1, &give_up); });
+  }
+  rank_two(flags, *views[2]);
+  // The new process in rank 2's place: taken in at a step, it wants to stop 5 steps later.
+  SyncWorker joiner(*views[2], initial);
+  joiner.comm_rank = 2;
+  const Status joined = joiner.mode->join(joiner.params, *joiner.optimizer, joiner.position);
+  const Status ran = joined ? joiner.run(5) : joined;
+  if (!joined) {
+    // Not taken in: the others go on without rank 2, and stop, rather than wait for it.
+    flags.joined = false;
+    flags.lost = true;
+    give_up = true;
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(ran) << ran.error().message;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
+    const SyncWorker& w = *workers[static_cast<size_t>(r)];
+    EXPECT_EQ(w.mode->members(), (std::vector<int>{0, 1, 2}));
+    EXPECT_EQ(w.position.step, joiner.position.step);
+    EXPECT_EQ(w.params, joiner.params) << "rank " << r;
+    EXPECT_EQ(*w.optimizer->state()[0].buffer, *joiner.optimizer->state()[0].buffer) << "rank " << r;
+    EXPECT_EQ(w.optimizer->step_count(), joiner.optimizer->step_count());
+  }
+  EXPECT_GT(joiner.position.step, 5);
+  EXPECT_EQ(joiner.mode->agreed_reason(), "time-limit");
+  workers.clear();  // the modes before the communicators their handlers are on
+}
+
+// A rank lost from the start and let in again: the survivors re-form
+// without it, then take the new process in at a step.
+TEST(ElasticSyncProtocol, AJoinerIsWelcomedAfterAStepWithTheLeadersParametersAndOptimizerState) {
+  expect_rank_two_rejoins_as_a_replica([](JoinView::Flags& flags, comm::Communicator&) {
+    flags.lost = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // some steps without it
+    flags.lost = false;
+    flags.joined = true;
+  });
+}
+
+// Rank 2's process ends and a new one joins in its place before the others
+// see it lost (a restarted rank let in at once): the new one is no member,
+// so the others re-form without it before they take it in.
+TEST(ElasticSyncProtocol, AMemberReplacedBeforeItsLossWasSeenIsTakenInAgain) {
+  expect_rank_two_rejoins_as_a_replica([](JoinView::Flags& flags, comm::Communicator& comm) {
+    {
+      SyncWorker old(comm, std::vector<float>(kSize, 1.0f));
+      old.comm_rank = 2;
+      for (int i = 0; i < 3; ++i) ASSERT_TRUE(old.step());
+    }
+    flags.joined = true;
+  });
 }
 
 TEST(LocalSgdProtocol, WithElasticAKilledWorkerLeavesTheRoundsToTheOthers) {

@@ -290,12 +290,22 @@ TEST(Trainer, AJoinerWhoseFlagsDifferFromTheRunsIsToldWhichOne) {
   EXPECT_FALSE(check_join_fits("", run));
 }
 
-TEST(Trainer, JoinIsForCfmoAndNeedsAnAddress) {
+// A join needs a mode that goes on without a lost worker: cfmo and asgd,
+// sync and localsgd with --elastic.
+TEST(Trainer, JoinIsForModesThatSurviveALossAndNeedsAnAddress) {
   TrainConfig config;
   config.join = "127.0.0.1:9";
-  config.mode = "sync";
-  EXPECT_EQ(validate(config).error().kind, ErrorKind::kUsage);
-  EXPECT_NE(validate(config).error().message.find("--join"), std::string::npos);
+  for (const char* lockstep : {"sync", "localsgd"}) {
+    config.mode = lockstep;
+    config.elastic = false;
+    EXPECT_EQ(validate(config).error().kind, ErrorKind::kUsage);
+    EXPECT_NE(validate(config).error().message.find("--join"), std::string::npos);
+    config.elastic = true;
+    EXPECT_TRUE(validate(config)) << lockstep;
+  }
+  config.elastic = false;
+  config.mode = "asgd";
+  EXPECT_TRUE(validate(config));
   config.mode = "cfmo";
   EXPECT_TRUE(validate(config));
   config.join = "nowhere";

@@ -3,10 +3,21 @@
 // once with its own instance of the inner optimizer for that shard (no
 // staleness correction) and sends the shard back.
 //
+// A lost owner's shard is served by nobody (it is not replicated), and the
+// workers' copies of it stay as its last replies left them. A process that
+// joins in its place (a restarted rank, --join) gets every live rank's copy
+// of its shard, serves the freshest (the highest version) with its inner
+// optimizer afresh (the lost one's state went with it), then takes the
+// other owners' shards as a cfmo joiner does.
+//
 // kGradShard [u32 shard][u32 dtype][i64 base version][f32 lr][encoded floats (comm/codec.h)]
+// kReplica   [u32 shard][i64 version][floats]   a worker's copy of a lost owner's shard, to its joiner
 #include "train/modes/async_base.h"
 #include "train/modes/wire.h"
 
+#include <algorithm>
+#include <cstring>
+#include <map>
 #include <memory>
 
 namespace cfmo::train::modes {
@@ -31,13 +42,25 @@ class AsgdMode final : public AsyncMode {
       optimizer_->set_step_count(resume.owner_steps[static_cast<size_t>(me)]);
     }
     comm.on_message(channels::kGradShard, [this](int from, std::span<const std::byte> m) { on_grad(from, m); });
+    comm.on_message(channels::kReplica, [this](int from, std::span<const std::byte> m) { on_copy(from, m); });
     start_serving_owner_state();
   }
   ~AsgdMode() override {
     comm_.on_message(channels::kGradShard, nullptr);
+    comm_.on_message(channels::kReplica, nullptr);
     stop_serving_owner_state();
   }
   std::string_view name() const override { return "asgd"; }
+  /// A lost owner's shard is nobody's; once a process joined in its place, that process's again.
+  int shard_served_by(int rank) const override {
+    if (rank < 0 || rank >= shards_) return -1;
+    const auto lost = comm_.lost_ranks();
+    return std::find(lost.begin(), lost.end(), rank) == lost.end() ? rank : -1;
+  }
+  Status join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
+    if (comm_.rank() < shards_) CFMO_TRY(take_own_shard());
+    return take_global_state(params, position);
+  }
   bool owns_update() const override { return true; }
   bool uses_gradients() const override { return true; }
 
@@ -68,13 +91,14 @@ class AsgdMode final : public AsyncMode {
   }
 
   bool needs_params(const TrainPosition&) const override {
-    return inbox_pending() || outstanding() > settings_.max_staleness * shards_;
+    return inbox_pending() || outstanding() > settings_.max_staleness * shards_ || joins_unseen();
   }
   Status after_step(const TrainPosition& position, std::span<float> params, optim::Optimizer&) override {
     if (params.empty()) {  // not needed this step (needs_params): replies wait for the next one
       report_progress(position);
       return cut_off();
     }
+    hand_copies_to_joiners(params);
     for (auto& f : take_inbox()) apply(f, params);
     // Bounded staleness (SSP): with more than max_staleness rounds of pushes
     // (K shards each) unanswered, wait before computing the next gradient; 0
@@ -83,6 +107,7 @@ class AsgdMode final : public AsyncMode {
     if (outstanding() > limit) {
       const auto start = Clock::now();
       while (outstanding() > limit && !stop_requested()) {
+        hand_copies_to_joiners(params);  // a join makes the replies its lost owner owed count again
         for (auto& f : take_inbox()) apply(f, params);
         seam_yield();
       }
@@ -127,7 +152,14 @@ class AsgdMode final : public AsyncMode {
     // Classic asynchronous SGD applies every gradient, however stale (its
     // workers wait instead once they are max_staleness rounds ahead).
     std::lock_guard lock(mutex_);
-    Served& mine = served_.at(comm_.rank());
+    const auto it = served_.find(comm_.rank());
+    if (it == served_.end()) {
+      // A joiner that has not its shard back yet: the gradient is dropped, its sender told so.
+      ++stats_.contributions_received;
+      reply_fresh_locked(from, comm_.rank(), 0, true, false);
+      return;
+    }
+    Served& mine = it->second;
     const int64_t s = staleness_of(mine, base_version);
     optimizer_->step(mine.values, incoming_, lr);
     ++mine.version;
@@ -135,6 +167,76 @@ class AsgdMode final : public AsyncMode {
     ++stats_.contributions_received;
     note_reconciled(from);
     reply_fresh_locked(from, comm_.rank(), s, false);
+  }
+
+  /// Whether a rank joined since hand_copies_to_joiners last looked.
+  bool joins_unseen() const { return comm_.joined_ranks().size() != joins_handled_; }
+
+  /// A worker, at a step: each owner that joined since gets this rank's copy
+  /// of its shard (the one the last reply left), and the replies its lost
+  /// process owed are given up.
+  void hand_copies_to_joiners(std::span<const float> params) {
+    if (!joins_unseen()) return;
+    const auto joined = comm_.joined_ranks();
+    for (; joins_handled_ < joined.size(); ++joins_handled_) {
+      const int r = joined[joins_handled_];
+      if (r == comm_.rank() || r >= shards_) continue;
+      forget_replies(r);
+      const size_t first = bounds_[static_cast<size_t>(r)];
+      std::vector<std::byte> out;
+      put(out, static_cast<uint32_t>(r));
+      put(out, base_version_[static_cast<size_t>(r)]);
+      put_floats(out, params.subspan(first, shard_size(r)));
+      comm_.post(r, channels::kReplica, std::move(out));
+    }
+  }
+
+  /// A joiner: a live rank's copy of the shard it owns.
+  void on_copy(int from, std::span<const std::byte> m) {
+    uint32_t shard = 0;
+    int64_t version = 0;
+    if (!take(m, shard) || !take(m, version) || shard != static_cast<uint32_t>(comm_.rank()) ||
+        m.size() != shard_size(comm_.rank()) * sizeof(float)) {
+      return;
+    }
+    std::lock_guard lock(mutex_);
+    if (!joining_) return;
+    Served& copy = copies_[from];
+    copy.version = version;
+    copy.values.resize(shard_size(comm_.rank()));
+    std::memcpy(copy.values.data(), m.data(), m.size());
+  }
+
+  /// A joining owner: waits for every live rank's copy of its shard (until
+  /// the peer timeout, then takes what came) and serves the freshest.
+  Status take_own_shard() {
+    const int me = comm_.rank();
+    const double timeout_s = settings_.peer_timeout_s * 2 + 5;
+    const auto deadline = Clock::now() + seconds(timeout_s);
+    for (;;) {
+      const auto lost = comm_.lost_ranks();
+      {
+        std::lock_guard lock(mutex_);
+        bool all = true;
+        for (int r = 0; r < comm_.size() && all; ++r) {
+          all = r == me || copies_.count(r) != 0 || std::find(lost.begin(), lost.end(), r) != lost.end();
+        }
+        const bool late = Clock::now() > deadline;
+        if (all || (late && !copies_.empty())) {
+          auto freshest = copies_.begin();
+          for (auto it = copies_.begin(); it != copies_.end(); ++it) {
+            if (it->second.version > freshest->second.version) freshest = it;
+          }
+          served_.insert_or_assign(me, std::move(freshest->second));
+          copies_.clear();
+          return {};
+        }
+        if (late) break;
+      }
+      seam_sleep_for(std::chrono::milliseconds(2));
+    }
+    return make_error(ErrorKind::kPeer, "rank {} joined, but no worker sent its copy of shard {} within {:.1f}s", me,
+                      me, timeout_s);
   }
 
   // asgd serves its own shard only (it is not replicated).
@@ -150,6 +252,8 @@ class AsgdMode final : public AsyncMode {
 
   std::unique_ptr<optim::Optimizer> optimizer_;  ///< progress thread: the inner optimizer for my shard (none past K)
   tensor::FloatBuffer incoming_;                 ///< progress thread
+  size_t joins_handled_ = 0;                     ///< training thread: of comm_.joined_ranks(), copies sent
+  std::map<int, Served> copies_;                 ///< a joiner, under mutex_: each rank's copy of its shard
 };
 
 }  // namespace

@@ -14,7 +14,7 @@ constexpr auto kNap = std::chrono::milliseconds(5);
 }  // namespace
 
 ElasticGroup::ElasticGroup(comm::Communicator& comm, comm::Channel channel, double peer_timeout_s)
-    : comm_(comm), channel_(channel), peer_timeout_s_(peer_timeout_s) {
+    : comm_(comm), channel_(channel), peer_timeout_s_(peer_timeout_s), since_(static_cast<size_t>(comm.size()), 0) {
   for (int r = 0; r < comm.size(); ++r) members_.push_back(r);
   comm_.on_message(channel_, [this](int from, std::span<const std::byte> m) { on_message(from, m); });
 }
@@ -29,6 +29,17 @@ int ElasticGroup::index() const {
 bool ElasticGroup::lost(int rank) const {
   const auto lost = comm_.lost_ranks();
   return std::find(lost.begin(), lost.end(), rank) != lost.end();
+}
+
+size_t ElasticGroup::joins_of(int rank) const {
+  const auto joined = comm_.joined_ranks();
+  return static_cast<size_t>(std::count(joined.begin(), joined.end(), rank));
+}
+
+bool ElasticGroup::gone(int rank) const {
+  // A loss and the join in its place can both come and go between two looks
+  // at lost_ranks(): the new process is not the member, and never sends its parts.
+  return lost(rank) || joins_of(rank) > since_[static_cast<size_t>(rank)];
 }
 
 void ElasticGroup::send(int to, Kind kind, uint32_t epoch, uint64_t seq, std::span<const float> floats, bool has,
@@ -47,16 +58,17 @@ void ElasticGroup::send(int to, Kind kind, uint32_t epoch, uint64_t seq, std::sp
 }
 
 void ElasticGroup::send_grown(int to, Kind kind, std::span<const float> sum, std::span<const int> ranks,
-                              std::span<const std::byte> state) {
+                              std::span<const std::byte> state, bool after) {
   std::vector<std::byte> out;
   put(out, static_cast<uint8_t>(kind));
-  // A welcome is of the group after this sum; a kSumGrow is this sum's.
-  put(out, kind == kWelcome ? epoch_ + 1 : epoch_);
-  put(out, kind == kWelcome ? seq_ + 1 : seq_);
+  // A welcome is of the group after this sum (counted already when `after`); a kSumGrow is this sum's.
+  const bool ahead = kind == kWelcome && !after;
+  put(out, ahead ? epoch_ + 1 : epoch_);
+  put(out, ahead ? seq_ + 1 : seq_);
   put(out, static_cast<uint32_t>(ranks.size()));
   for (const int r : ranks) put(out, static_cast<int32_t>(r));
   if (kind == kWelcome) {
-    put(out, static_cast<uint32_t>(members_.size()));
+    put(out, static_cast<uint32_t>(after ? last_sum_members_ : members_.size()));
     put(out, static_cast<uint64_t>(state.size()));
     put_bytes(out, state.data(), state.size());
   }
@@ -138,6 +150,11 @@ Status ElasticGroup::all_reduce_sum(std::span<float> data) {
       ++seq_;
       if (!grow_to_.empty()) {
         // Joiners were taken in at this sum: the next one is theirs too.
+        for (const int r : grow_to_) {
+          if (std::find(members_.begin(), members_.end(), r) == members_.end()) {
+            since_[static_cast<size_t>(r)] = joins_of(r);
+          }
+        }
         members_ = std::move(grow_to_);
         grow_to_.clear();
         ++epoch_;
@@ -149,7 +166,10 @@ Status ElasticGroup::all_reduce_sum(std::span<float> data) {
 }
 
 ElasticGroup::Outcome ElasticGroup::reduce_once(std::span<float> data) {
-  if (members_.size() == 1) return Outcome::kDone;
+  if (members_.size() == 1) {
+    admit_joiners(data);  // a lone survivor still takes a joiner in
+    return Outcome::kDone;
+  }
   const int me = comm_.rank();
   const int leader = members_.front();
   if (me != leader) {
@@ -174,7 +194,7 @@ ElasticGroup::Outcome ElasticGroup::reduce_once(std::span<float> data) {
         }
         arrived_.wait_for(lock, kNap);
       }
-      if (lost(leader)) {
+      if (gone(leader)) {
         target_epoch_ = epoch_ + 1;
         return Outcome::kReform;
       }
@@ -198,7 +218,7 @@ ElasticGroup::Outcome ElasticGroup::reduce_once(std::span<float> data) {
     }
     if (parts.size() == members_.size()) break;
     for (const int r : members_) {
-      if (r != me && lost(r)) {
+      if (r != me && gone(r)) {
         target_epoch_ = epoch_ + 1;
         return Outcome::kReform;
       }
@@ -229,17 +249,27 @@ bool ElasticGroup::admit_joiners(std::span<const float> sum) {
       }
     }
   }
-  if (joiners.empty() || !welcome_) return false;
+  if (joiners.empty() || (!welcome_ && !welcome_later_)) return false;
   std::vector<int> grown = members_;
   grown.insert(grown.end(), joiners.begin(), joiners.end());
   std::sort(grown.begin(), grown.end());
-  const std::vector<std::byte> state = welcome_();
   for (const int r : members_) {
     if (r != comm_.rank()) send_grown(r, kSumGrow, sum, grown);
   }
-  for (const int r : joiners) send_grown(r, kWelcome, sum, grown, state);
+  if (welcome_later_) {
+    welcome_due_ = std::move(joiners);
+  } else {
+    const std::vector<std::byte> state = welcome_();
+    for (const int r : joiners) send_grown(r, kWelcome, sum, grown, state);
+  }
   grow_to_ = std::move(grown);
   return true;
+}
+
+void ElasticGroup::send_welcome(std::span<const std::byte> state) {
+  // The group has grown by them already (all_reduce_sum counted the sum): its epoch and sums are theirs.
+  for (const int r : welcome_due_) send_grown(r, kWelcome, {}, members_, state, /*after=*/true);
+  welcome_due_.clear();
 }
 
 Result<ElasticGroup::Welcome> ElasticGroup::join(double timeout_s) {
@@ -264,14 +294,15 @@ Result<ElasticGroup::Welcome> ElasticGroup::join(double timeout_s) {
     std::unique_lock lock(mutex_);
     Message w;
     if (take_locked(w, [](const Message& x) { return x.kind == kWelcome; })) {
+      for (int r = 0; r < comm_.size(); ++r) since_[static_cast<size_t>(r)] = joins_of(r);
       members_ = w.ranks;
       epoch_ = w.epoch;
       target_epoch_ = w.epoch;
       seq_ = w.seq;
       last_ = w.floats;
-      has_last_ = true;
+      has_last_ = !w.floats.empty();  // a welcome sent later carries no sum
       last_sum_members_ = w.count;
-      std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_; });
+      std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_ && x.kind != kAdmit; });
       return Welcome{std::move(w.state), std::move(w.floats), w.count};
     }
     arrived_.wait_for(lock, kNap);
@@ -285,7 +316,7 @@ Result<bool> ElasticGroup::reform(std::span<float> data) {
   auto live_members = [&] {
     std::vector<int> live;
     for (const int r : members_) {
-      if (r == me || !lost(r)) live.push_back(r);
+      if (r == me || !gone(r)) live.push_back(r);
     }
     return live;
   };
@@ -301,8 +332,9 @@ Result<bool> ElasticGroup::reform(std::span<float> data) {
     epoch_ = g.epoch;
     target_epoch_ = g.epoch;
     {
+      // A joiner's ask (epoch 0) stays for the new group's leader: it would otherwise wait a second to ask again.
       std::lock_guard lock(mutex_);
-      std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_; });
+      std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_ && x.kind != kAdmit; });
     }
     if (g.seq == seq_) return false;  // the sum in flight is redone by the new group
     if (g.seq == seq_ + 1 && g.has && g.floats.size() == data.size()) {
@@ -336,7 +368,7 @@ Result<bool> ElasticGroup::reform(std::span<float> data) {
           }
           arrived_.wait_for(lock, kNap);
         }
-        if (lost(leader)) rejoin = true;
+        if (gone(leader)) rejoin = true;
       }
       continue;
     }

@@ -29,7 +29,10 @@
 /// where the epoch counts the group's re-formings and growths. A joiner is
 /// taken in by the leader at the end of a sum: it gets that sum, how many
 /// members made it, and the caller's state (set_welcome: the mode's global
-/// parameters before the sum), and is a member of the next.
+/// parameters before the sum), and is a member of the next. With
+/// welcome_later (sync) the kWelcome carries no sum: the leader sends it
+/// once the caller has used the sum (send_welcome: its parameters and
+/// optimizer state after the step), still before the next sum.
 ///
 /// Threads: the training thread calls all_reduce_sum; the handler only
 /// queues what arrives.
@@ -68,7 +71,16 @@ class ElasticGroup {
   /// the leader's training thread, inside all_reduce_sum, before the caller
   /// has used the sum).
   void set_welcome(std::function<std::vector<std::byte>()> state) { welcome_ = std::move(state); }
-  /// A joiner's welcome: the state, the sum, and how many members made it.
+  /// The joiners are welcomed after the sum they were taken in at is used,
+  /// by send_welcome, rather than with it (what a joiner needs is only
+  /// there then: sync's parameters after the step).
+  void welcome_later() { welcome_later_ = true; }
+  /// With welcome_later, the leader after a sum that took joiners in (then
+  /// before its next all_reduce_sum): those still to be welcomed.
+  const std::vector<int>& welcome_due() const { return welcome_due_; }
+  /// Sends each joiner due its welcome with `state`, as of the last sum.
+  void send_welcome(std::span<const std::byte> state);
+  /// A joiner's welcome: the state, the sum (empty with welcome_later), and how many members made it.
   struct Welcome {
     std::vector<std::byte> state;
     std::vector<float> sum;
@@ -112,11 +124,16 @@ class ElasticGroup {
   Result<bool> reform(std::span<float> data);
   void send(int to, Kind kind, uint32_t epoch, uint64_t seq, std::span<const float> floats, bool has = false,
             std::span<const int> ranks = {});
-  /// kSumGrow (to a member) or kWelcome (to a joiner) of the sum just made.
+  /// kSumGrow (to a member) or kWelcome (to a joiner) of the sum just made
+  /// (`after` false), or kWelcome after it was counted (send_welcome).
   void send_grown(int to, Kind kind, std::span<const float> sum, std::span<const int> ranks,
-                  std::span<const std::byte> state = {});
+                  std::span<const std::byte> state = {}, bool after = false);
   void on_message(int from, std::span<const std::byte> payload);
   bool lost(int rank) const;
+  /// How many times a new process joined in `rank`'s place (Communicator::joined_ranks).
+  size_t joins_of(int rank) const;
+  /// A member lost, or replaced by a new process since it became one (not yet taken in).
+  bool gone(int rank) const;
   /// Under lock: the first queued message that `match` accepts, removed; false if none.
   template <typename Match>
   bool take_locked(Message& out, Match&& match);
@@ -133,6 +150,7 @@ class ElasticGroup {
 
   // Training thread.
   std::vector<int> members_;
+  std::vector<size_t> since_;  ///< per rank: joins_of(rank) when it became a member
   uint32_t epoch_ = 0;
   uint64_t seq_ = 0;  ///< sums completed
   std::vector<float> last_;
@@ -141,6 +159,8 @@ class ElasticGroup {
   size_t last_sum_members_ = 0;
   std::vector<int> grow_to_;  ///< the members after the sum under way (kSumGrow), empty: as they are
   std::function<std::vector<std::byte>()> welcome_;
+  bool welcome_later_ = false;
+  std::vector<int> welcome_due_;  ///< the leader, welcome_later: joiners taken in at the last sum
 };
 
 }  // namespace cfmo::train::modes
