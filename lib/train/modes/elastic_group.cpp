@@ -28,7 +28,24 @@ int ElasticGroup::index() const {
 
 bool ElasticGroup::lost(int rank) const {
   const auto lost = comm_.lost_ranks();
-  return std::find(lost.begin(), lost.end(), rank) != lost.end();
+  if (std::find(lost.begin(), lost.end(), rank) != lost.end()) return true;
+  // A member whose place a new process took before this rank found it lost
+  // (a quick restart): the member is gone; the new process is none until taken in.
+  const auto joins = comm_.joined_ranks();
+  const auto it = joins_taken_.find(rank);
+  return std::find(members_.begin(), members_.end(), rank) != members_.end() &&
+         static_cast<size_t>(std::count(joins.begin(), joins.end(), rank)) >
+             (it == joins_taken_.end() ? 0 : it->second);
+}
+
+void ElasticGroup::set_members(std::vector<int> members) {
+  const auto joins = comm_.joined_ranks();
+  for (const int r : members) {
+    if (std::find(members_.begin(), members_.end(), r) == members_.end()) {
+      joins_taken_[r] = static_cast<size_t>(std::count(joins.begin(), joins.end(), r));
+    }
+  }
+  members_ = std::move(members);
 }
 
 void ElasticGroup::send(int to, Kind kind, uint32_t epoch, uint64_t seq, std::span<const float> floats, bool has,
@@ -138,7 +155,7 @@ Status ElasticGroup::all_reduce_sum(std::span<float> data) {
       ++seq_;
       if (!grow_to_.empty()) {
         // Joiners were taken in at this sum: the next one is theirs too.
-        members_ = std::move(grow_to_);
+        set_members(std::move(grow_to_));
         grow_to_.clear();
         ++epoch_;
         target_epoch_ = epoch_;
@@ -264,7 +281,7 @@ Result<ElasticGroup::Welcome> ElasticGroup::join(double timeout_s) {
     std::unique_lock lock(mutex_);
     Message w;
     if (take_locked(w, [](const Message& x) { return x.kind == kWelcome; })) {
-      members_ = w.ranks;
+      set_members(w.ranks);
       epoch_ = w.epoch;
       target_epoch_ = w.epoch;
       seq_ = w.seq;
@@ -297,7 +314,7 @@ Result<bool> ElasticGroup::reform(std::span<float> data) {
   };
   // Takes up the group `g` announced; true when it carried the sum this rank missed.
   auto apply = [&](const Message& g) -> Result<bool> {
-    members_ = g.ranks;
+    set_members(g.ranks);
     epoch_ = g.epoch;
     target_epoch_ = g.epoch;
     {

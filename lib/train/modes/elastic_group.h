@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <span>
 #include <vector>
@@ -116,7 +117,10 @@ class ElasticGroup {
   void send_grown(int to, Kind kind, std::span<const float> sum, std::span<const int> ranks,
                   std::span<const std::byte> state = {});
   void on_message(int from, std::span<const std::byte> payload);
+  /// Lost, or a member whose place a new process took (Communicator::joined_ranks).
   bool lost(int rank) const;
+  /// members_ from now on, noting the joins of each new member's rank so far.
+  void set_members(std::vector<int> members);
   /// Under lock: the first queued message that `match` accepts, removed; false if none.
   template <typename Match>
   bool take_locked(Message& out, Match&& match);
@@ -139,7 +143,8 @@ class ElasticGroup {
   bool has_last_ = false;
   uint32_t target_epoch_ = 0;  ///< a re-forming asked for this epoch
   size_t last_sum_members_ = 0;
-  std::vector<int> grow_to_;  ///< the members after the sum under way (kSumGrow), empty: as they are
+  std::map<int, size_t> joins_taken_;  ///< per member: its rank's joins when it became one (see lost())
+  std::vector<int> grow_to_;           ///< the members after the sum under way (kSumGrow), empty: as they are
   std::function<std::vector<std::byte>()> welcome_;
 };
 
