@@ -953,6 +953,10 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     if (wake_fd_) [[maybe_unused]]
       auto n = ::write(wake_fd_.get(), &one, sizeof one);
     progress_thread_.join();
+    // What the progress thread did not get to (on a loaded host it may not
+    // run within the wait above): the last posts (a report to the keeper)
+    // and the goodbye still go, in order, rather than vanish with the queue.
+    run_commands();
     // Let queued sends leave, briefly: peers are shutting down too.
     const auto deadline = Clock::now() + std::chrono::milliseconds(500);
     while (!pending_.empty() && Clock::now() < deadline) {
