@@ -472,17 +472,22 @@ TEST(ElasticSyncProtocol, ASurvivorThatMissedTheLastSumGetsItWhenTheGroupReforms
   }
 }
 
-TEST(LocalSgdProtocol, WithElasticAKilledWorkerLeavesTheRoundsToTheOthers) {
-  auto settings = settings_for("localsgd", 1);
-  settings.elastic = true;
-  Cluster c(3, settings);
+// localsgd --elastic of three: a round of all (each adds delta_of), then rank 2 killed.
+void elastic_round_then_kill_rank_two(Cluster& c) {
   auto results = c.on_every_rank([&](int r) -> Status {
     for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += delta_of(r, i);
     return c.step(r, 1);
   });
   for (int r = 0; r < 3; ++r) ASSERT_TRUE(results[static_cast<size_t>(r)]);
   c.kill(2, {0, 1});
-  results = c.on_every_rank(
+}
+
+TEST(LocalSgdProtocol, WithElasticAKilledWorkerLeavesTheRoundsToTheOthers) {
+  auto settings = settings_for("localsgd", 1);
+  settings.elastic = true;
+  Cluster c(3, settings);
+  ASSERT_NO_FATAL_FAILURE(elastic_round_then_kill_rank_two(c));
+  auto results = c.on_every_rank(
       [&](int r) -> Status {
         for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += 0.5f * static_cast<float>(r + 1);
         return c.step(r, 2);
@@ -670,12 +675,8 @@ TEST(LocalSgdJoin, WithElasticAJoinerIsTakenInAtARoundsEndWithTheMembersBits) {
   auto settings = settings_for("localsgd", 1);
   settings.elastic = true;
   Cluster c(3, settings);
-  auto results = c.on_every_rank([&](int r) -> Status {
-    for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += delta_of(r, i);
-    return c.step(r, 1);
-  });
-  for (int r = 0; r < 3; ++r) ASSERT_TRUE(results[static_cast<size_t>(r)]);
-  c.kill(2, {0, 1});
+  ASSERT_NO_FATAL_FAILURE(elastic_round_then_kill_rank_two(c));
+  std::vector<Status> results;
   ASSERT_NO_FATAL_FAILURE(c.rejoin(2));
   std::vector<int64_t> last(3, 0);
   results = c.on_every_rank([&](int r) -> Status {
