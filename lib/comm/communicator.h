@@ -99,6 +99,10 @@ class Communicator {
   /// start, so it may take part in no collective (their sequence is theirs),
   /// only in messages.
   virtual bool joined() const { return false; }
+  /// Where this rank serves joins (`host:port`), empty while it does not:
+  /// rank 0 at the rendezvous address; after rank 0's loss, the lowest live
+  /// rank, there if it can listen there, else at that port of its own host.
+  virtual std::string join_address() const { return {}; }
 
   /// This rank is about to leave because of its own failure (not the
   /// network's): the goodbye it sends on leaving carries `error`, so that a

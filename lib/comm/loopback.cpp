@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -60,6 +61,8 @@ struct LoopbackState {
     bool present = true;                                           ///< its Communicator exists
     std::optional<LoopbackClock::time_point> quiet_since;          ///< silenced or killed
     bool killed = false;
+    /// Its Communicator's: a new process took `rank`'s place (join).
+    std::function<void(int rank)> rejoined;
   };
 
   LoopbackState(int n, LoopbackOptions o)
@@ -129,12 +132,21 @@ namespace {
 
 class LoopbackCommunicator final : public CommunicatorBase, private PointToPoint {
  public:
-  LoopbackCommunicator(std::shared_ptr<LoopbackState> state, int rank)
+  LoopbackCommunicator(std::shared_ptr<LoopbackState> state, int rank, bool joined = false)
       : CommunicatorBase(rank, state->size),
         state_(std::move(state)),
         rank_(rank),
+        joined_(joined),
         collectives_(*this),
         reported_(static_cast<size_t>(state_->size), false) {
+    {
+      std::lock_guard lock(state_->mutex);
+      // Under the state's mutex, as reported_: the peer is live again, and may be found lost anew.
+      state_->at(rank_).rejoined = [this](int peer) {
+        reported_[static_cast<size_t>(peer)] = false;
+        peers_.rejoined(peer);
+      };
+    }
     progress_thread_ = std::thread([this] { progress_loop(); });
   }
 
@@ -149,6 +161,7 @@ class LoopbackCommunicator final : public CommunicatorBase, private PointToPoint
       }
       peers_.set_stopping();
       stop_ = true;
+      state_->at(rank_).rejoined = nullptr;
       state_->changed.notify_all();
     }
     progress_thread_.join();
@@ -159,6 +172,7 @@ class LoopbackCommunicator final : public CommunicatorBase, private PointToPoint
 
   int rank() const override { return rank_; }
   int size() const override { return state_->size; }
+  bool joined() const override { return joined_; }
 
   Status all_reduce_sum(std::span<float> data) override {
     return run_collective([&] { return collectives_.all_reduce_sum(data); });
@@ -298,6 +312,7 @@ class LoopbackCommunicator final : public CommunicatorBase, private PointToPoint
 
   const std::shared_ptr<LoopbackState> state_;
   const int rank_;
+  const bool joined_;        ///< took a lost rank's place in a run under way (LoopbackNetwork::join)
   Collectives collectives_;  ///< under collective_call_mutex_
   std::mutex collective_call_mutex_;
   std::vector<bool> reported_;  ///< progress thread, under the state's mutex: peers already found lost
@@ -350,6 +365,29 @@ void LoopbackNetwork::kill(int rank) {
 bool LoopbackNetwork::drain(double timeout_s) {
   std::unique_lock lock(state_->mutex);
   return state_->changed.wait_for(lock, seconds(timeout_s), [&] { return state_->in_flight == 0; });
+}
+
+Result<std::unique_ptr<Communicator>> LoopbackNetwork::join(int rank) {
+  {
+    std::lock_guard lock(state_->mutex);
+    if (rank < 0 || rank >= state_->size) {
+      return make_error(ErrorKind::kUsage, "loopback: no rank {} in a world of {}", rank, state_->size);
+    }
+    auto& r = state_->at(rank);
+    if (r.present || !r.quiet_since) {
+      return make_error(ErrorKind::kUsage, "loopback: rank {} is not free (lost, its Communicator destroyed)", rank);
+    }
+    r = LoopbackState::Rank{};
+    for (int p = 0; p < state_->size; ++p) {
+      for (Link* l : {&state_->link(p, rank), &state_->link(rank, p)}) {
+        l->held = false;
+        l->waiting.clear();
+      }
+      if (p != rank && state_->at(p).rejoined) state_->at(p).rejoined(rank);
+    }
+    state_->changed.notify_all();
+  }
+  return std::unique_ptr<Communicator>(std::make_unique<LoopbackCommunicator>(state_, rank, /*joined=*/true));
 }
 
 LoopbackWorld make_loopback_world(int size, const LoopbackOptions& options) {

@@ -32,6 +32,12 @@
 ///   drain(timeout)          waits until every message sent so far that is
 ///                           not held has been handled (delays included): a
 ///                           single-threaded test's point of quiet
+///   join(rank)              a new Communicator in the place of a lost rank
+///                           whose own is gone, as a process that joined the
+///                           run under way (`cfmo-train --join`): its joined()
+///                           is true, and every other rank finds the rank live
+///                           again at once, the join recorded (joined_ranks),
+///                           as UCX's ranks do before the joiner gets its table
 /// Collectives' messages take the links' delays and holds too; a rank that
 /// waits in a collective on a lost peer fails with kPeer naming it, as UCX.
 ///
@@ -61,6 +67,9 @@ class LoopbackNetwork {
   void kill(int rank);
   /// True once quiet; false if `timeout_s` passed first.
   bool drain(double timeout_s = 30);
+  /// A process joining in `rank`'s place; kUsage unless the rank was
+  /// killed or silenced and its Communicator destroyed.
+  Result<std::unique_ptr<Communicator>> join(int rank);
 
  private:
   std::shared_ptr<LoopbackState> state_;

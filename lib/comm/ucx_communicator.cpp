@@ -38,7 +38,7 @@ using Clock = std::chrono::steady_clock;
 constexpr uint8_t kCollective = 0;
 constexpr uint8_t kHeartbeat = 0xFF;
 constexpr uint8_t kGoodbye = 0xFE;  // a rank is leaving on purpose: its disconnect is not a failure
-// Joins: [u8 kRejoinedNote][u32 rank][its address] rank 0 to the others, [u8 kJoinAck][u32 rank] back.
+// Joins: [u8 kRejoinedNote][u32 rank][its address] the leader to the others, [u8 kJoinAck][u32 rank] back.
 constexpr uint8_t kMembership = 0xFD;
 constexpr uint8_t kRejoinedNote = 1;
 constexpr uint8_t kJoinAck = 2;
@@ -151,6 +151,13 @@ class UcpEndpoint {
   ucp_ep_h endpoint_ = nullptr;
 };
 
+/// This host's name, for the address a leader away from the rendezvous host serves joins at.
+std::string host_name() {
+  std::array<char, 256> name{};
+  if (::gethostname(name.data(), name.size() - 1) != 0) return "localhost";
+  return name.data();
+}
+
 Error ucx_error(std::string_view what, ucs_status_t status) {
   return make_error(ErrorKind::kPeer, "UCX: {}: {}", what, ucs_status_string(status));
 }
@@ -259,8 +266,10 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   ~UcxCommunicator() override { shutdown(); }
 
   /// Connects to every peer of `met` (the rendezvous' table) but the lost
-  /// ones, and starts the progress thread; rank 0 also the join service.
-  Status connect(Rendezvous& met, std::string description) {
+  /// ones, and starts the progress thread and the join service (which
+  /// serves while this rank leads: the lowest live rank). `rendezvous` is
+  /// where joiners come: rank 0's listener, until rank 0 is lost.
+  Status connect(Rendezvous& met, const RendezvousConfig& rendezvous) {
     endpoints_.clear();
     endpoints_.resize(static_cast<size_t>(size_));
     for (int peer = 0; peer < size_; ++peer) {
@@ -275,16 +284,24 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     const auto now = Clock::now();
     std::fill(last_heard_.begin(), last_heard_.end(), now);
     progress_thread_ = std::thread([this] { progress_loop(); });
+    addresses_ = std::move(met.addresses);
+    description_ = rendezvous.description;
+    join_host_ = rendezvous.host;
+    join_port_ = rendezvous.port;
     if (met.listener) {
-      addresses_ = std::move(met.addresses);
-      description_ = std::move(description);
       join_listener_ = std::move(met.listener);
-      join_thread_ = std::thread([this] { join_loop(); });
+      std::lock_guard lock(join_mutex_);
+      join_address_ = fmt::format("{}:{}", join_host_, join_port_);
     }
+    join_thread_ = std::thread([this] { join_loop(); });
     return {};
   }
 
   bool joined() const override { return joined_; }
+  std::string join_address() const override {
+    std::lock_guard lock(join_mutex_);
+    return join_address_;
+  }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -375,6 +392,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     }
     last_heard_[p] = Clock::now();
     peers_.rejoined(peer);
+    std::lock_guard lock(join_mutex_);
+    addresses_[p] = address;  // should this rank come to lead: the table a joiner gets
   }
 
   static std::vector<std::byte> membership_note(uint8_t kind, int rank, std::span<const std::byte> address = {}) {
@@ -392,7 +411,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     std::memcpy(&who, m.data() + 1, 4);
     if (who >= static_cast<uint32_t>(size_) || static_cast<int>(who) == rank_) return;
     const auto kind = static_cast<uint8_t>(m[0]);
-    if (kind == kRejoinedNote && from == 0) {
+    // From the leader (the lowest live rank as it saw it: rank 0 until lost).
+    if (kind == kRejoinedNote) {
       take_rejoined(static_cast<int>(who), std::vector<std::byte>(m.begin() + 5, m.end()));
       send_now(from, kMembership, 0, membership_note(kJoinAck, static_cast<int>(who)));
     } else if (kind == kJoinAck) {
@@ -404,13 +424,45 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     }
   }
 
-  /// Rank 0's join service: one process at a time, until this rank shuts down.
+  /// The lowest live rank (this one, if every lower rank is lost).
+  int leader() const {
+    for (int r = 0; r < rank_; ++r) {
+      if (!is_lost(r)) return r;
+    }
+    return rank_;
+  }
+
+  /// The join service, while this rank leads: one process at a time, until
+  /// this rank shuts down. Rank 0 serves on the rendezvous socket; a rank
+  /// that comes to lead (rank 0 lost) listens at the rendezvous address
+  /// itself where it can (that host's address: the local launcher's, a
+  /// single host's run), else at the rendezvous port on every interface of
+  /// its own host (join_address says which).
   void join_loop() {
     pthread_setname_np(pthread_self(), "cfmo-join");
     JoinHooks hooks;
     hooks.decide = [this](int rank, int size) { return decide_join(rank, size); };
     hooks.admit = [this](int rank, const std::vector<std::byte>& address) { return admit(rank, address); };
+    auto tried = Clock::now() - std::chrono::seconds(1);
     while (!join_stop_.load()) {
+      if (!join_listener_) {
+        if (leader() != rank_ || peers_.stopping() || Clock::now() - tried < std::chrono::seconds(1)) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          continue;
+        }
+        tried = Clock::now();
+        // The port stays taken a moment after rank 0's process died: tried again each second.
+        for (const std::string& host : {join_host_, std::string()}) {
+          if (auto bound = listen_tcp(host, join_port_)) {
+            join_listener_ = Fd(bound->first);
+            std::lock_guard lock(join_mutex_);
+            join_address_ = host.empty() ? fmt::format("{}:{}", host_name(), join_port_)
+                                         : fmt::format("{}:{}", join_host_, join_port_);
+            break;
+          }
+        }
+        continue;
+      }
       pollfd p{join_listener_.get(), POLLIN, 0};
       if (::poll(&p, 1, 100) <= 0) continue;
       const Fd s(::accept4(join_listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
@@ -420,19 +472,23 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     }
   }
 
+  /// A joiner takes a lost rank above the leader's (this one's): the
+  /// keeper's duties (the budget, checkpoints, the final model: the lowest
+  /// live rank's) never move to a new process that knows nothing of them.
   JoinHooks::Decision decide_join(int rank, int size) const {
     if (size != 0 && size != size_) {
       return {-1, fmt::format("the run has {} ranks; this process was started for {}", size_, size), false};
     }
     if (peers_.stopping() || join_stop_.load()) return {-1, "the run is ending", false};
     if (rank == kAnyRank) {
-      for (int r = 1; r < size_; ++r) {
+      for (int r = rank_ + 1; r < size_; ++r) {
         if (is_lost(r)) return {r, {}, true};
       }
       return {-1, fmt::format("no rank is free: all {} ranks are alive", size_), true};
     }
-    if (rank <= 0 || rank >= size_) {
-      return {-1, fmt::format("rank {} cannot join a run of {} ranks whose rank 0 serves the joins", rank, size_),
+    if (rank <= rank_ || rank >= size_) {
+      return {-1,
+              fmt::format("rank {} cannot join a run of {} ranks whose rank {} serves the joins", rank, size_, rank_),
               false};
     }
     if (!is_lost(rank)) return {-1, fmt::format("rank {} is still alive in the run", rank), true};
@@ -454,8 +510,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
       take_rejoined(rank, address);
       std::vector<int> peers;
       const auto note = membership_note(kRejoinedNote, rank, address);
-      for (int peer = 1; peer < size_; ++peer) {
-        if (peer == rank || is_lost(peer) || departed(peer)) continue;
+      for (int peer = 0; peer < size_; ++peer) {
+        if (peer == rank_ || peer == rank || is_lost(peer) || departed(peer)) continue;
         send_now(peer, kMembership, 0, note);
         peers.push_back(peer);
       }
@@ -464,7 +520,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     const auto deadline = Clock::now() + std::chrono::duration<double>(options_.peer_timeout_s + 2);
     while (told_future.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
       if (join_stop_.load() || Clock::now() > deadline) {
-        return make_error(ErrorKind::kPeer, "rank 0 could not take rank {} in", rank);
+        return make_error(ErrorKind::kPeer, "rank {} could not take rank {} in", rank_, rank);
       }
     }
     const std::vector<int> peers = told_future.get();
@@ -476,9 +532,9 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
                });
       });
     }
-    addresses_[static_cast<size_t>(rank)] = address;
     std::vector<bool> lost(static_cast<size_t>(size_), false);
     for (int r = 0; r < size_; ++r) lost[static_cast<size_t>(r)] = r != rank && is_lost(r);
+    std::lock_guard lock(join_mutex_);
     return std::pair{addresses_, lost};
   }
 
@@ -897,6 +953,10 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     if (wake_fd_) [[maybe_unused]]
       auto n = ::write(wake_fd_.get(), &one, sizeof one);
     progress_thread_.join();
+    // What the progress thread did not get to (on a loaded host it may not
+    // run within the wait above): the last posts (a report to the keeper)
+    // and the goodbye still go, in order, rather than vanish with the queue.
+    run_commands();
     // Let queued sends leave, briefly: peers are shutting down too.
     const auto deadline = Clock::now() + std::chrono::milliseconds(500);
     while (!pending_.empty() && Clock::now() < deadline) {
@@ -1011,13 +1071,16 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   Clock::time_point last_activity_{};
   Collectives collectives_;  ///< on the thread that holds worker_mutex_
 
-  // Rank 0's join service (its own thread, cfmo-join).
-  Fd join_listener_;
+  // The join service (its own thread, cfmo-join), serving while this rank leads.
+  Fd join_listener_;  ///< join thread (rank 0's from the start)
   std::thread join_thread_;
   std::atomic<bool> join_stop_{false};
-  std::vector<std::vector<std::byte>> addresses_;  ///< join thread: every rank's address now
+  std::vector<std::vector<std::byte>> addresses_;  ///< every rank's address now, under join_mutex_
   std::string description_;                        ///< what a joiner is shown
-  std::mutex join_mutex_;                          ///< guards join_acks_
+  std::string join_host_;                          ///< the rendezvous address, where joiners come
+  uint16_t join_port_ = 0;
+  std::string join_address_;       ///< under join_mutex_: where this rank serves joins, empty while it does not
+  mutable std::mutex join_mutex_;  ///< guards join_acks_, addresses_, join_address_
   std::condition_variable join_cv_;
   std::vector<int> join_acks_;  ///< the peers that took up the join being admitted
 };
@@ -1032,7 +1095,7 @@ Result<std::unique_ptr<Communicator>> connect_ucx(int rank, int size, const Rend
   CFMO_ASSIGN_OR_RETURN(UcxWorker opened, open_worker());
   CFMO_ASSIGN_OR_RETURN(Rendezvous met, exchange_addresses(rendezvous, rank, size, opened.address));
   auto comm = std::make_unique<UcxCommunicator>(met.rank, met.size, options, std::move(opened), met.joined);
-  CFMO_TRY(comm->connect(met, rendezvous.description));
+  CFMO_TRY(comm->connect(met, rendezvous));
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 

@@ -349,6 +349,7 @@ Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInf
     CFMO_ASSIGN_OR_RETURN(RendezvousConfig rendezvous, parse_rendezvous(options.join));
     rendezvous.timeout_s = std::max(60.0, options.peer_timeout_s);
     rendezvous.check = options.check;
+    rendezvous.description = options.description;  // a joiner may come to lead, and serve joins
     return connect_ucx(kAnyRank, 0, rendezvous, ucx);
   }
   if (!world || world->size <= 1) return make_solo_communicator();

@@ -567,6 +567,11 @@ Status TrainingRun::announce_own_join() {
 
 Status TrainingRun::announce_lost() {
   if (world <= 1 || !mode->survives_losses()) return {};
+  if (const std::string at = comm->join_address(); rank != 0 && at != join_address_announced) {
+    // Rank 0 was lost and this rank leads now: where a joiner (--join, a restarted rank) comes.
+    join_address_announced = at;
+    if (!at.empty()) observer().on_warning(fmt::format("rank {} serves joins at {}", rank, at));
+  }
   const auto joins = comm->joined_ranks();
   for (; joins_announced < joins.size(); ++joins_announced) {
     const int r = joins[joins_announced];

@@ -177,6 +177,7 @@ struct TrainingRun {
   const Clock::time_point process_start;
   double first_step_s = -1;    ///< a joiner: from process_start to the end of its first step
   size_t joins_announced = 0;  ///< of comm->joined_ranks()
+  std::string join_address_announced;  ///< comm->join_address() as last said
 
   // What the run trains, in the order they must be destroyed backwards (the
   // engine refers to the model, the optimizer and the data).

@@ -574,6 +574,50 @@ TEST(CfmoTrainWorkers, CfmoKilledWorkersRejoinAndAJoinWithOtherFlagsIsRefused) {
   EXPECT_NE(err.find("rank 1 joined"), std::string::npos) << err;
 }
 
+// Rank 0 killed: the lowest live rank leads, and serves joins at the
+// rendezvous address itself (one host: it listens there once rank 0's
+// process is gone), so a `--join` of the address the run started with
+// takes a rank killed after rank 0 back, through rank 1.
+TEST(CfmoTrainWorkers, AfterRankZeroIsLostTheNextRankServesJoinsAtTheRendezvousAddress) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const std::vector<std::string> run_flags = {"--mode",      "cfmo", "--epochs", "0",     "--time-limit",        "40s",
+                                              "--log-every", "1",    "--json",   "--out", (dir / "run").string()};
+  Ranks ranks;
+  for (int r = 0; r < 3; ++r) {
+    ranks.processes.push_back(
+        testing::spawn(args(run_flags), {"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address},
+                       (dir / ("out-" + std::to_string(r))).string(), (dir / ("err-" + std::to_string(r))).string()));
+  }
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+  kill(ranks.processes[0].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[0].wait(10));
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-1", "rank 1 serves joins at " + address, 60))
+      << slurp(dir / "err-1");
+  kill(ranks.processes[2].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[2].wait(10));
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-1", "rank 2 lost (", 60)) << slurp(dir / "err-1");
+  std::vector<std::string> joiner = run_flags;
+  joiner.insert(joiner.end(), {"--join", address});
+  ranks.processes.push_back(testing::spawn(args(joiner), {}, (dir / "out-2b").string(), (dir / "err-2b").string()));
+  for (const size_t p : {size_t{1}, size_t{3}}) {
+    ASSERT_TRUE(ranks.processes[p].wait(240)) << "process " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-1") << slurp(dir / "err-2b");
+  }
+  const auto j = last_json(slurp(dir / "out-1"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-1");
+  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({0})) << j.dump();
+  ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["joined"][0]["rank"], 2);
+  EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0) << j.dump();
+  ASSERT_EQ(j["per_worker"].size(), 2u) << j.dump();
+  EXPECT_TRUE(j["per_worker"][1]["joined"].get<bool>());
+  EXPECT_GT(j["per_worker"][1]["samples"].get<int64_t>(), 0) << j.dump();
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << j.dump();
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+}
+
 // The checkpoint directories of a run, oldest first (temporaries left out).
 std::vector<fs::path> checkpoints_of(const fs::path& run) {
   std::vector<fs::path> out;

@@ -169,5 +169,44 @@ TEST(Loopback, AKilledRankIsFoundLostAtOnceAndALeavingOneIsNot) {
   EXPECT_EQ(world.ranks[0]->lost_ranks(), std::vector<int>{1});
 }
 
+// A process joining in a killed rank's place, as `cfmo-train --join` over
+// UCX: the others find the rank live again at once, with the join recorded;
+// messages flow both ways; the joiner knows it joined and sees the ranks
+// still lost as lost. A rank still in the run, or one whose Communicator
+// exists, is not free.
+TEST(Loopback, AJoinerTakesAKilledRanksPlaceAndTheOthersFindItLiveAgain) {
+  auto world = make_loopback_world(4);
+  EXPECT_FALSE(world.network->join(1));  // alive
+  world.network->kill(1);
+  world.network->kill(3);
+  for (size_t r : {0u, 2u}) {
+    while (world.ranks[r]->lost_ranks().size() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_FALSE(world.network->join(1));  // its Communicator still exists
+  world.ranks[1].reset();
+  auto joined = world.network->join(1);
+  ASSERT_TRUE(joined) << joined.error().message;
+  world.ranks[1] = std::move(*joined);
+  EXPECT_TRUE(world.ranks[1]->joined());
+  EXPECT_FALSE(world.ranks[0]->joined());
+  for (size_t r : {0u, 2u}) {
+    EXPECT_EQ(world.ranks[r]->lost_ranks(), std::vector<int>{3});
+    EXPECT_EQ(world.ranks[r]->joined_ranks(), std::vector<int>{1});
+  }
+  Recorder recorder(world);
+  world.ranks[0]->post(1, kTest, bytes_of(7));
+  world.ranks[1]->post(2, kTest, bytes_of(8));
+  world.ranks[1]->post(3, kTest, bytes_of(9));  // lost: dropped
+  ASSERT_TRUE(world.network->drain());
+  EXPECT_EQ(recorder.of(1), (std::vector<std::pair<int, int>>{{0, 7}}));
+  EXPECT_EQ(recorder.of(2), (std::vector<std::pair<int, int>>{{1, 8}}));
+  while (world.ranks[1]->lost_ranks().empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(world.ranks[1]->lost_ranks(), std::vector<int>{3});
+  // Lost again: news again.
+  world.network->kill(1);
+  while (world.ranks[0]->lost_ranks().size() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(world.ranks[0]->lost_ranks(), (std::vector<int>{1, 3}));
+}
+
 }  // namespace
 }  // namespace cfmo::comm

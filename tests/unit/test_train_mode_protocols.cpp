@@ -21,13 +21,11 @@ namespace {
 constexpr size_t kSize = 96;  // shards of 48 floats for 2 workers, 32 for 3 (16-float boundaries)
 
 struct Cluster {
-  Cluster(int workers, ModeSettings settings, comm::LoopbackOptions options = {})
-      : world(comm::make_loopback_world(workers, options)) {
+  Cluster(int workers, ModeSettings given, comm::LoopbackOptions options = {})
+      : settings(std::move(given)), world(comm::make_loopback_world(workers, options)) {
     settings.delta_dtype = comm::WireDtype::kFp32;  // exact sums
-    optim::OptimizerConfig sgd;
     sgd.kind = optim::OptimizerKind::kSgd;
     sgd.momentum = 0.9;
-    const std::vector<model::ParamInfo> layout = {{"w", {static_cast<int64_t>(kSize)}, 0, kSize}};
     for (int r = 0; r < workers; ++r) {
       auto mode = make_mode(settings, world.ranks[static_cast<size_t>(r)].get(), layout, initial, sgd);
       EXPECT_TRUE(mode) << mode.error().message;
@@ -84,6 +82,28 @@ struct Cluster {
     }
   }
 
+  /// A new process in killed `rank`'s place (LoopbackNetwork::join, as
+  /// `cfmo-train --join`): the old mode and Communicator go, the new rank's
+  /// mode comes, not yet joined (Mode::join is the caller's).
+  void rejoin(int rank) {
+    const auto r = static_cast<size_t>(rank);
+    modes[r].reset();
+    world.ranks[r].reset();
+    auto joined = world.network->join(rank);
+    ASSERT_TRUE(joined) << joined.error().message;
+    world.ranks[r] = std::move(*joined);
+    auto mode = make_mode(settings, world.ranks[r].get(), layout, initial, sgd);
+    ASSERT_TRUE(mode) << mode.error().message;
+    modes[r] = std::move(*mode);
+    params[r].assign(kSize, 0.0f);  // nothing of the old process's
+    optimizers[r] = std::move(*optim::make_optimizer(sgd, layout, kSize));
+  }
+
+  /// The joiner's Mode::join: its parameters and position from the run.
+  Status join(int rank, TrainPosition& position) {
+    return mode(rank).join(param(rank), *optimizers[static_cast<size_t>(rank)], position);
+  }
+
   /// A round of the ranks in `who` at `step`: each adds `delta` to its
   /// parameters, then steps; the network is drained after.
   void round(const std::vector<int>& who, int64_t step, float delta, int64_t samples = 0) {
@@ -98,6 +118,9 @@ struct Cluster {
     return static_cast<bool>(s);
   }
 
+  ModeSettings settings;
+  optim::OptimizerConfig sgd;
+  const std::vector<model::ParamInfo> layout = {{"w", {static_cast<int64_t>(kSize)}, 0, kSize}};
   std::vector<float> initial = std::vector<float>(kSize, 1.0f);
   comm::LoopbackWorld world;
   std::vector<std::unique_ptr<Mode>> modes;
@@ -671,17 +694,22 @@ TEST(ElasticSyncProtocol, AMemberReplacedBeforeItsLossWasSeenIsTakenInAgain) {
   });
 }
 
-TEST(LocalSgdProtocol, WithElasticAKilledWorkerLeavesTheRoundsToTheOthers) {
-  auto settings = settings_for("localsgd", 1);
-  settings.elastic = true;
-  Cluster c(3, settings);
+// localsgd --elastic of three: a round of all (each adds delta_of), then rank 2 killed.
+void elastic_round_then_kill_rank_two(Cluster& c) {
   auto results = c.on_every_rank([&](int r) -> Status {
     for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += delta_of(r, i);
     return c.step(r, 1);
   });
   for (int r = 0; r < 3; ++r) ASSERT_TRUE(results[static_cast<size_t>(r)]);
   c.kill(2, {0, 1});
-  results = c.on_every_rank(
+}
+
+TEST(LocalSgdProtocol, WithElasticAKilledWorkerLeavesTheRoundsToTheOthers) {
+  auto settings = settings_for("localsgd", 1);
+  settings.elastic = true;
+  Cluster c(3, settings);
+  ASSERT_NO_FATAL_FAILURE(elastic_round_then_kill_rank_two(c));
+  auto results = c.on_every_rank(
       [&](int r) -> Status {
         for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += 0.5f * static_cast<float>(r + 1);
         return c.step(r, 2);
@@ -827,6 +855,88 @@ TEST(CfmoFailover, TwoLossesOneAfterTheOtherLoseNoShard) {
   ASSERT_TRUE(final_state);
   for (size_t i = 0; i < kSize; ++i) {
     EXPECT_NEAR(final_state->params[i], expected_global(i, 4, 2, 0.125f), 1e-5f) << i;
+  }
+}
+
+// ---- Joining, over the loopback transport (with real processes: test_cfmo_train_workers.cpp) ----
+
+// A process in a killed owner's place: the rank that served its shard
+// meanwhile hands it back whole, the joiner starts from the global
+// parameters and its place's last position, and the next round of all three
+// moves every shard by their mean, each contribution weighing 1 / 3 again.
+TEST(CfmoJoin, AJoinerInAKilledOwnersPlaceGetsTheGlobalStateAndItsShardBack) {
+  Cluster c(3, settings_for("cfmo"));
+  for (int k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
+    ASSERT_TRUE(c.step(k, 1, 10));
+  }
+  ASSERT_TRUE(c.world.network->drain());
+  c.kill(2, {0, 1});
+  c.round({0, 1}, 2, 0.125f);
+  ASSERT_NO_FATAL_FAILURE(c.rejoin(2));
+  TrainPosition position;
+  const Status joined = c.join(2, position);
+  ASSERT_TRUE(joined) << joined.error().message;
+  EXPECT_EQ(position.step, 1);  // the killed process's last report
+  EXPECT_EQ(position.samples, 10);
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(c.param(2)[i], expected_global(i, 3, 1, 0.125f), 1e-5f) << i;
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(c.mode(r).shard_served_by(2), 2) << r;
+  c.round({0, 1, 2}, 3, 0.25f);
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  for (size_t i = 0; i < kSize; ++i) {
+    EXPECT_NEAR(global->params[i], expected_global(i, 3, 1, 0.125f) + 0.25f, 1e-5f) << i;
+  }
+}
+
+// localsgd --elastic: the leader takes a joiner in at the end of a round; it
+// gets the global parameters before that round, the outer momentum and the
+// round's sum, takes the outer step itself and so holds the members' bits;
+// the next round is the mean of all three.
+TEST(LocalSgdJoin, WithElasticAJoinerIsTakenInAtARoundsEndWithTheMembersBits) {
+  auto settings = settings_for("localsgd", 1);
+  settings.elastic = true;
+  Cluster c(3, settings);
+  ASSERT_NO_FATAL_FAILURE(elastic_round_then_kill_rank_two(c));
+  std::vector<Status> results;
+  ASSERT_NO_FATAL_FAILURE(c.rejoin(2));
+  std::vector<int64_t> last(3, 0);
+  results = c.on_every_rank([&](int r) -> Status {
+    if (r == 2) {
+      TrainPosition position;
+      CFMO_TRY(c.join(2, position));
+      last[2] = position.step;
+      return {};
+    }
+    // Rounds of the two (the first re-forms the group without rank 2) until
+    // the group has grown again: both see it at the same sum. At most 20000
+    // rounds of at least 1 ms (both stop at the same one): a failed join
+    // must not hang the test.
+    int64_t step = 2;
+    do {
+      for (auto& v : c.param(r)) v += 0.5f;
+      CFMO_TRY(c.step(r, step));
+      last[static_cast<size_t>(r)] = step++;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    } while (c.mode(r).members().size() < 3 && step < 20000);
+    return {};
+  });
+  for (int r = 0; r < 3; ++r)
+    ASSERT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
+  EXPECT_EQ(last[0], last[1]);
+  EXPECT_EQ(last[2], last[0]);
+  EXPECT_EQ(c.param(2), c.param(0));
+  EXPECT_EQ(c.param(1), c.param(0));
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(c.mode(r).members(), (std::vector<int>{0, 1, 2})) << r;
+  const std::vector<float> before = c.param(0);
+  results = c.on_every_rank([&](int r) -> Status {
+    for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += delta_of(r, i);
+    return c.step(r, last[0] + 1);
+  });
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(results[static_cast<size_t>(r)]);
+  for (size_t i = 0; i < kSize; ++i) {
+    const float mean = (delta_of(0, i) + delta_of(1, i) + delta_of(2, i)) / 3;
+    for (int r = 0; r < 3; ++r) EXPECT_NEAR(c.param(r)[i], before[i] + mean, 1e-5f) << r << " " << i;
   }
 }
 
