@@ -1165,7 +1165,7 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
     layer.index = std::move(*indexes[i]);
     layer.blob = blob_path(m->dir, infos[i].digest);
     layer.what = layer_name(i, infos[i].digest);
-    m->report.index_bytes += static_cast<int64_t>(serialize_index(layer.index).size());
+    m->report.index_bytes += static_cast<int64_t>(serialized_size(layer.index));
     if (!layer.index.lazily_loadable()) {
       CFMO_ASSIGN_OR_RETURN(layer.stream, stream_layer(layer.index, layer.blob));
     }
