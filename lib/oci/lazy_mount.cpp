@@ -81,6 +81,18 @@ std::string LazyTree::path(size_t ino) const {
 
 namespace {
 
+/// Writes `text` to `path` through a temporary file renamed over it, without
+/// the fsyncs of write_file_atomic: for files a reboot makes moot (the
+/// counts, the record of a mount, which is gone after a reboot anyway),
+/// written while a reader or the mount command waits.
+void replace_file(const fs::path& path, const std::string& text) {
+  const fs::path temp = path.string() + ".tmp";
+  Fd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!fd || ::write(fd.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size())) return;
+  fd.reset();
+  (void)::rename(temp.c_str(), path.c_str());
+}
+
 constexpr double kForever = 3600;          ///< seconds the kernel may cache what never changes
 constexpr size_t kOpenSpans = 64;          ///< span files kept open for reads (SpanFds)
 constexpr unsigned kReadahead = 1u << 20;  ///< the kernel's readahead on the mount, so its reads are up to this
@@ -400,14 +412,8 @@ struct LazyMount::Impl {
            {"spans_inflated", stats.spans_inflated}, {"cache_bytes", cache_used},
            {"cache_capacity", options.cache_bytes},  {"errors", stats.errors}};
     }
-    const std::string text = j.dump() + "\n";
-    const fs::path path = cache_dir() / kLazyStatsFile;
-    const fs::path temp = path.string() + ".tmp";
     std::lock_guard lock(stats_mu);
-    Fd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (!fd || ::write(fd.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size())) return;
-    fd.reset();
-    (void)::rename(temp.c_str(), path.c_str());
+    replace_file(cache_dir() / kLazyStatsFile, j.dump() + "\n");
   }
 
   /// Puts a chunk in the LRU, then evicts the least recently used until the cache fits.
@@ -1255,7 +1261,7 @@ Status LazyMount::mount() {
   m.record = m.dir / kMountRecordDir / std::to_string(::getpid());
   std::error_code ec;
   fs::create_directories(m.record.parent_path(), ec);
-  (void)write_file_atomic(m.record, m.point.string() + "\n");
+  replace_file(m.record, m.point.string() + "\n");
   m.save_stats();  // this mount's counts, from zero
   m.note(fmt::format("mounted {} at {} (pid {})", m.dir.string(), m.point.string(), ::getpid()));
   return {};
