@@ -13,15 +13,21 @@
 # container's time to first output, without the container. Also: the bytes
 # the lazy mount fetched by then (stats.json), the sequential read
 # throughput of every file through the mount with a cold span cache (fetched
-# by ranges), through a new mount over the cached spans, and of the full
-# pull's rootfs (page cache warm); and peak RSS from /usr/bin/time -v of
-# each phase. The lazy phase runs in a PID namespace of its own (unshare
+# by ranges), through a new mount over the cached spans, through the same
+# mount again (the kernel's page cache of the mount), and of the full pull's
+# rootfs (page cache warm); random reads (RANDOM_READS preads of
+# RANDOM_BLOCK bytes at offsets drawn with a fixed seed over every file,
+# the same ones everywhere) through a new mount over the cached spans and of
+# the rootfs, and COLD_RANDOM_READS of them through a mount with its span
+# cache emptied; the lazy path's phases (the pull, the mount command, each
+# entry file's first read); and peak RSS from /usr/bin/time -v of each phase. The lazy phase runs in a PID namespace of its own (unshare
 # --fork --pid --mount-proc) so that the mount's daemon, which detaches, is
 # reaped inside it and counted in /usr/bin/time's figure (the largest
 # process of the phase); the daemon's own VmHWM is printed beside it.
 #
 #   bench/pull_lazy.sh      LAYERS=4 LAYER_SIZE=512M FILE_SIZE=8M RANDOM_SHARE=0.5 ENTRY_FILES=3
 #                           MAX_MEMORY=64M (the mount's --max-memory) SKOPEO=1 (0: no skopeo row)
+#                           RANDOM_READS=20000 RANDOM_BLOCK=4096 COLD_RANDOM_READS=50
 #
 # Needs root (unshare; FUSE), Debian's docker-registry, and for the skopeo
 # row skopeo and umoci (scripts/install-deps.sh --bench). The figures of the
@@ -38,6 +44,9 @@ RANDOM_SHARE=${RANDOM_SHARE:-0.5}
 ENTRY_FILES=${ENTRY_FILES:-3}
 MAX_MEMORY=${MAX_MEMORY:-64M}
 SKOPEO=${SKOPEO:-1}
+RANDOM_READS=${RANDOM_READS:-20000}
+RANDOM_BLOCK=${RANDOM_BLOCK:-4096}
+COLD_RANDOM_READS=${COLD_RANDOM_READS:-50}
 for cmd in /usr/bin/docker-registry /usr/bin/time /usr/bin/unshare python3 curl; do
   command -v "$cmd" >/dev/null || { echo "pull_lazy.sh: $cmd is not installed" >&2; exit 2; }
 done
@@ -115,6 +124,27 @@ read_all() { # DIR: seconds to cat every file, and the bytes
   local bytes; bytes=$(cd "$1" && find . -type f -print0 | xargs -0 cat | wc -c)
   echo "$(secs "$t" "$(now)") $bytes"
 }
+read_random() { # DIR COUNT: seconds for COUNT preads of RANDOM_BLOCK bytes at seeded offsets of its files, and the bytes
+  python3 - "$1" "$2" "$RANDOM_BLOCK" <<'PY'
+import os, random, sys, time
+root, count, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root) for f in names)
+files = [f for f in files if os.path.getsize(os.path.join(root, f)) > block]
+rng = random.Random(17)
+picks = []
+for _ in range(count):
+    f = rng.randrange(len(files))
+    picks.append((f, rng.randrange(os.path.getsize(os.path.join(root, files[f])) - block)))
+fds = {}
+start = time.monotonic()
+got = 0
+for f, at in picks:
+    if f not in fds:
+        fds[f] = os.open(os.path.join(root, files[f]), os.O_RDONLY)
+    got += len(os.pread(fds[f], block, at))
+print(f"{time.monotonic() - start:.3f} {got}")
+PY
+}
 # Lazy: the pull without layers, the mount, the entry point; then every file
 # cold, then every file through a second mount over the cached spans.
 lazy_phase() {
@@ -122,25 +152,42 @@ lazy_phase() {
     "$PULL" mount "$WORK/lazy" "$WORK/mnt" --lazy --json --max-memory "$MAX_MEMORY" --cache-size 4G |
       python3 -c 'import json,sys; print(json.load(sys.stdin)["pid"])'
   }
-  local t0 pid
+  local t0 t1 t2 pid f
   t0=$(now)
   "$PULL" pull "$REF" --output "oci:$WORK/lazy" --plain-http --cold lazy -q
+  t1=$(now)
   mkdir -p "$WORK/mnt"
   pid=$(mount_lazy)
-  entry "$WORK/mnt"
+  t2=$(now)
+  : >"$WORK/lazy-phases.txt"
+  for f in "${FILES[@]}"; do
+    head -c 4096 "$WORK/mnt/$f" >/dev/null
+    echo "first read of $f: $(secs "$t2" "$(now)") s after the mount" >>"$WORK/lazy-phases.txt"
+  done
   secs "$t0" "$(now)" >"$WORK/lazy-first.txt"
+  sed -i "1i pull --cold lazy: $(secs "$t0" "$t1") s; mount --lazy (the command, until it returns): $(secs "$t1" "$t2") s" \
+    "$WORK/lazy-phases.txt"
+  sleep 0.2  # the daemon's stats.json, written as it answers
   cp "$WORK/lazy/cfmo-lazy-cache/stats.json" "$WORK/stats-first.json"
   read_all "$WORK/mnt" >"$WORK/lazy-cold.txt"
   cp "$WORK/lazy/cfmo-lazy-cache/stats.json" "$WORK/stats-all.json"
+  read_all "$WORK/mnt" >"$WORK/lazy-again.txt"  # the kernel's page cache of this mount
   awk '/VmHWM/ {print $2}' "/proc/$pid/status" >"$WORK/hwm-cold.txt"
   "$PULL" umount "$WORK/mnt" -q
   pid=$(mount_lazy)
   read_all "$WORK/mnt" >"$WORK/lazy-cached.txt"
   awk '/VmHWM/ {print $2}' "/proc/$pid/status" >"$WORK/hwm-cached.txt"
   "$PULL" umount "$WORK/mnt" -q
+  pid=$(mount_lazy)
+  read_random "$WORK/mnt" "$RANDOM_READS" >"$WORK/lazy-random-cached.txt"
+  "$PULL" umount "$WORK/mnt" -q
+  rm -rf "$WORK/lazy/cfmo-lazy-cache"
+  pid=$(mount_lazy)
+  read_random "$WORK/mnt" "$COLD_RANDOM_READS" >"$WORK/lazy-random-cold.txt"
+  "$PULL" umount "$WORK/mnt" -q
 }
-export PULL REF WORK MAX_MEMORY
-export -f now secs entry read_all lazy_phase
+export PULL REF WORK MAX_MEMORY RANDOM_BLOCK RANDOM_READS COLD_RANDOM_READS
+export -f now secs entry read_all read_random lazy_phase
 FILES_LIST=$(printf '%q ' "${FILES[@]}")
 sync
 /usr/bin/time -v -o "$WORK/time-lazy.txt" /usr/bin/unshare --fork --pid --mount-proc \
@@ -150,8 +197,12 @@ FIRST_FETCHED=$(json "$WORK/stats-first.json" bytes_fetched)
 ALL_FETCHED=$(json "$WORK/stats-all.json" bytes_fetched)
 read -r COLD_S BYTES <"$WORK/lazy-cold.txt"
 read -r CACHED_S _ <"$WORK/lazy-cached.txt"
+read -r AGAIN_S _ <"$WORK/lazy-again.txt"
+read -r RANDOM_CACHED_S RANDOM_BYTES <"$WORK/lazy-random-cached.txt"
+read -r RANDOM_COLD_S RANDOM_COLD_BYTES <"$WORK/lazy-random-cold.txt"
 read_all "$WORK/rootfs" >/dev/null  # the page cache warm for the local figure
 read -r LOCAL_S _ < <(read_all "$WORK/rootfs")
+read -r RANDOM_LOCAL_S _ < <(read_random "$WORK/rootfs" "$RANDOM_READS")
 
 pct() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.1f", 100 * a / b}'; }
 mbps() { awk -v b="$1" -v s="$2" 'BEGIN {printf "%.0f", b / 1048576 / (s > 0 ? s : 0.001)}'; }
@@ -162,5 +213,7 @@ if [ "$SKOPEO" = 1 ]; then
   echo "  skopeo copy + umoci unpack + entry:     $SKOPEO_S s; peak RSS $(max_rss_mb "$WORK/time-skopeo.txt") MB (skopeo), $(max_rss_mb "$WORK/time-umoci.txt") MB (umoci); fetched $IMAGE_BYTES bytes"
 fi
 echo "  lazy pull + mount --lazy + entry:       $LAZY_S s ($(pct "$LAZY_S" "$FULL_S")% of the full pull); fetched $FIRST_FETCHED bytes ($(pct "$FIRST_FETCHED" "$IMAGE_BYTES")% of the image)"
-echo "reading every file: mount cold $(mbps "$BYTES" "$COLD_S") MB/s ($COLD_S s, $ALL_FETCHED bytes fetched), mount over its span cache $(mbps "$BYTES" "$CACHED_S") MB/s ($CACHED_S s), local rootfs (page cache) $(mbps "$BYTES" "$LOCAL_S") MB/s ($LOCAL_S s)"
+sed 's/^/  lazy phase: /' "$WORK/lazy-phases.txt"
+echo "reading every file (sequential): mount cold $(mbps "$BYTES" "$COLD_S") MB/s ($COLD_S s, $ALL_FETCHED bytes fetched), a new mount over its span cache $(mbps "$BYTES" "$CACHED_S") MB/s ($CACHED_S s; $(awk -v a="$LOCAL_S" -v b="$CACHED_S" 'BEGIN {printf "%.2f", a / b}')x local), the same mount again (its page cache) $(mbps "$BYTES" "$AGAIN_S") MB/s ($AGAIN_S s), local rootfs (page cache) $(mbps "$BYTES" "$LOCAL_S") MB/s ($LOCAL_S s)"
+echo "random reads ($RANDOM_BLOCK bytes, seeded offsets over every file): a new mount over its span cache $RANDOM_READS in $RANDOM_CACHED_S s ($(mbps "$RANDOM_BYTES" "$RANDOM_CACHED_S") MB/s; $(awk -v a="$RANDOM_LOCAL_S" -v b="$RANDOM_CACHED_S" 'BEGIN {printf "%.2f", a / b}')x local), local rootfs (page cache) in $RANDOM_LOCAL_S s ($(mbps "$RANDOM_BYTES" "$RANDOM_LOCAL_S") MB/s); cold (span cache emptied) $COLD_RANDOM_READS in $RANDOM_COLD_S s ($(mbps "$RANDOM_COLD_BYTES" "$RANDOM_COLD_S") MB/s)"
 echo "peak RSS of the lazy phase (/usr/bin/time -v, its largest process): $(max_rss_mb "$WORK/time-lazy.txt") MB; the mount daemon's VmHWM: $(($(cat "$WORK/hwm-cold.txt") / 1024)) MB cold, $(($(cat "$WORK/hwm-cached.txt") / 1024)) MB cached (--max-memory $MAX_MEMORY, --jobs 4)"

@@ -91,10 +91,19 @@ Result<std::string> read_file(const std::filesystem::path& path) {
   if (std::filesystem::is_directory(path, ec)) {
     return make_error(ErrorKind::kInput, "Failed to read '{}': is a directory", path.string());
   }
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
+  // Sized first and read in one go: through a stringstream a file of a few
+  // MB was copied several times as the buffer grew (most of a lazy mount's
+  // start, which reads its layers' indexes).
+  std::string bytes(static_cast<size_t>(std::filesystem::file_size(path, ec)), '\0');
+  if (ec) bytes.clear();
+  in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  bytes.resize(static_cast<size_t>(in.gcount()));
   if (in.bad()) return io_error(path, "Failed to read", ErrorKind::kInput);
-  return std::move(buffer).str();
+  // A file that grew meanwhile, or one whose size stat does not tell (/proc): the rest.
+  std::ostringstream rest;
+  rest << in.rdbuf();
+  bytes += std::move(rest).str();
+  return bytes;
 }
 
 }  // namespace cfmo

@@ -551,21 +551,33 @@ Status index_zstd(BlobReader& blob, LayerIndex& index, TarWalker& walker, const 
   return {};
 }
 
-/// Little-endian fields, appended.
+/// Little-endian fields, appended; or, with `counting`, only their size counted.
 class Writer {
  public:
-  void u8(uint8_t v) { out.push_back(static_cast<char>(v)); }
+  explicit Writer(bool counting = false) : counting_(counting) {}
+  void u8(uint8_t v) {
+    ++size;
+    if (!counting_) out.push_back(static_cast<char>(v));
+  }
   void u32(uint32_t v) {
     for (int i = 0; i < 4; ++i) u8(static_cast<uint8_t>(v >> (8 * i)));
   }
   void u64(uint64_t v) {
     for (int i = 0; i < 8; ++i) u8(static_cast<uint8_t>(v >> (8 * i)));
   }
+  void raw(std::string_view s) {
+    size += s.size();
+    if (!counting_) out.append(s);
+  }
   void bytes(std::string_view s) {
     u32(static_cast<uint32_t>(s.size()));
-    out.append(s);
+    raw(s);
   }
   std::string out;
+  uint64_t size = 0;
+
+ private:
+  bool counting_;
 };
 
 /// Little-endian fields, read with bounds checks; the first failure is kept.
@@ -818,9 +830,11 @@ Result<LayerIndex> build_layer_index(LayerBytes& bytes, const Descriptor& layer,
   return index;
 }
 
-std::string serialize_index(const LayerIndex& index) {
-  Writer w;
-  w.out.append(kMagic, sizeof kMagic);
+namespace {
+
+/// The index's fields in the file's order (FORMATS.md), its checksum not included.
+void write_index(Writer& w, const LayerIndex& index) {
+  w.raw(std::string_view(kMagic, sizeof kMagic));
   w.u32(kVersion);
   w.u8(static_cast<uint8_t>(index.compression));
   w.u8(0);
@@ -837,7 +851,7 @@ std::string serialize_index(const LayerIndex& index) {
     w.u64(c.in);
     w.u8(c.bits);
     w.u8(c.byte);
-    w.out.append(reinterpret_cast<const char*>(c.span_sha256.data()), c.span_sha256.size());
+    w.raw(std::string_view(reinterpret_cast<const char*>(c.span_sha256.data()), c.span_sha256.size()));
     w.bytes(c.window);
   }
   w.u32(static_cast<uint32_t>(index.entries.size()));
@@ -855,6 +869,20 @@ std::string serialize_index(const LayerIndex& index) {
     w.bytes(e.path);
     w.bytes(e.link);
   }
+}
+
+}  // namespace
+
+uint64_t serialized_size(const LayerIndex& index) {
+  Writer w(true);
+  write_index(w, index);
+  return w.size + 32;
+}
+
+std::string serialize_index(const LayerIndex& index) {
+  Writer w;
+  w.out.reserve(serialized_size(index));  // once: MBs of windows, copied at every doubling otherwise
+  write_index(w, index);
   const auto sum = sha256_of(w.out);
   w.out.append(reinterpret_cast<const char*>(sum.data()), sum.size());
   return std::move(w.out);

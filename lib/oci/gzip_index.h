@@ -106,6 +106,8 @@ Result<LayerIndex> build_layer_index(const std::filesystem::path& blob, const De
 
 /// The index as bytes, and back; a damaged, truncated or foreign file is kInput naming `what`.
 std::string serialize_index(const LayerIndex& index);
+/// serialize_index(index).size(), without making it.
+uint64_t serialized_size(const LayerIndex& index);
 Result<LayerIndex> parse_index(std::string_view bytes, const std::string& what);
 Result<LayerIndex> read_index(const std::filesystem::path& path);
 

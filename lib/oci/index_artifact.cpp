@@ -214,6 +214,8 @@ Result<std::optional<FoundIndexes>> find_index_artifact(RegistryApi& client, con
     }
     const std::string blob_what = fmt::format("{}: the index of layer {}", what, short_digest(layer_digest));
     StringSink sink(blob_what, kIndexBlobLimit);
+    // Its size is known: grown by doubling, an index of MBs was copied several times.
+    sink.body.reserve(static_cast<size_t>(std::min<int64_t>(layer.value("size", int64_t{0}), kIndexBlobLimit)));
     CFMO_TRY(client.get(blob_api(client, blob_digest), {}, sink, blob_what));
     if (sha256_digest(sink.body) != blob_digest) {
       return make_error(ErrorKind::kInput, "{}: the blob's bytes do not match its digest", blob_what);

@@ -15,8 +15,9 @@
 /// system is mounted below an overlay (mount.h) whose upper directory holds
 /// the writes.
 ///
-/// One thread reads the FUSE device and answers metadata from memory; reads
-/// go to `jobs` worker threads, each with its own registry clients. The
+/// One thread reads the FUSE device and answers metadata from memory, and
+/// reads of cached spans from their files' open descriptors; reads of spans
+/// not cached go to `jobs` worker threads, each with its own registry clients. The
 /// chunks being inflated draw their buffers from a MemoryBudget, so the
 /// process stays under `max_memory` with the indexes counted. SIGTERM (what
 /// `cfmo-pull umount` sends) detaches the mount, so that the mount point is

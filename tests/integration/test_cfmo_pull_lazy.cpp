@@ -3,6 +3,7 @@
 // frames or in one, uncompressed) are in a real docker-registry, read
 // through a fault-injecting proxy, compared with the rootfs a full pull
 // unpacks.
+#include "core/fd.h"
 #include "integration/fault_proxy.h"
 #include "integration/registry_fixture.h"
 #include "oci/gzip_index.h"
@@ -16,6 +17,7 @@
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <map>
@@ -200,6 +202,45 @@ TEST_F(Lazy, TheMountEqualsTheFullPullsRootfsAndFetchesOnlyWhatIsRead) {
   const RunResult busy = pull({"rm", lazy_dir().string()});
   EXPECT_EQ(busy.status, 2) << busy.err;
   EXPECT_NE(busy.err.find("mounted at"), std::string::npos) << busy.err;
+  umount();
+}
+
+TEST_F(Lazy, ReadsStayRightWhileTheirSpansAreEvictedFromASmallCache) {
+  // A file of 20 spans through a 16M cache: reading it pushes its first
+  // spans out (their open descriptors dropped with them), and reading it
+  // again backwards, past the kernel's page cache, makes them again.
+  const std::string bytes = testing::random_bytes(20 << 20, 11);
+  const FixtureImage big = make_real_image({{testing::make_tar({testing::file("big", bytes)}), "tar+gzip"}});
+  ASSERT_TRUE(push_image(*registry_, "lazy/big", "v1", big));
+  const std::string ref = registry_->host() + "/lazy/big:v1";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", "1M", "-q"}).status, 0);
+  const RunResult lazy =
+      pull({"pull", ref, "--output", "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
+  ASSERT_EQ(lazy.status, 0) << lazy.err;
+  fs::copy(out_ / "full" / oci::kIndexDir, lazy_dir() / oci::kIndexDir);
+  fs::create_directories(point());
+  MOUNT_OR_SKIP(j, {"--cache-size", "16M"});
+  EXPECT_EQ(slurp(point() / "big"), bytes);
+  const auto first = stats();
+  EXPECT_LE(first.cache_bytes, int64_t{16} << 20);
+  EXPECT_GE(first.requests, 20);  // a Range request a span (counted before the read is answered)
+  {
+    Fd fd(::open((point() / "big").c_str(), O_RDONLY | O_CLOEXEC));
+    ASSERT_TRUE(fd);
+    ASSERT_EQ(::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED), 0);
+    std::string block(1 << 20, '\0');
+    for (size_t at = bytes.size(); at > 0;) {
+      const size_t n = std::min(block.size(), at);
+      at -= n;
+      ASSERT_EQ(::pread(fd.get(), block.data(), n, static_cast<off_t>(at)), static_cast<ssize_t>(n)) << at;
+      ASSERT_EQ(block.compare(0, n, bytes, at, n), 0) << "bytes " << at << "+" << n;
+    }
+  }
+  const auto second = stats();
+  EXPECT_GT(second.requests, first.requests) << "the evicted spans were fetched again";
+  EXPECT_EQ(second.errors, 0) << log();
+  EXPECT_LE(second.cache_bytes, int64_t{16} << 20);
   umount();
 }
 
