@@ -920,10 +920,18 @@ TEST_F(Lazy, MountByRefRecordsPrefetchesWritesAndFetchesInTheBackground) {
   MOUNT_WITH_OR_SKIP(killed, args({"--writable", "--memory-dir", shm.path.string()}));
   std::ofstream(point() / "etc" / "lost") << "lost\n";
   ASSERT_EQ(std::distance(fs::directory_iterator(shm.path), fs::directory_iterator()), 1);
-  ASSERT_EQ(::kill(killed["pid"].get<int>(), SIGKILL), 0);
-  for (int i = 0; i < 200 && alive(killed["pid"].get<int>()); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  const auto kill_daemon = [&](int pid) {
+    ASSERT_GT(pid, 0);
+    ASSERT_EQ(::kill(pid, SIGKILL), 0);
+    for (int i = 0; i < 200 && alive(pid); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  };
+  // The mounts gone without umount, as a mount namespace ending leaves them.
+  const auto detach = [&] {
+    ASSERT_EQ(::umount2(point().c_str(), MNT_DETACH), 0) << std::strerror(errno);
+    for (const auto& lazy : fs::directory_iterator(dir / "layers" / "lazy")) ::umount2(lazy.path().c_str(), MNT_DETACH);
+    guard_.point.clear();
+    guard_.pid = 0;
+  };
   const auto prune = [&] {
     const RunResult p = pull({"prune", "--memory-dir", shm.path.string(), "--cache", cache.string(), "--json"});
     EXPECT_EQ(p.status, 0) << p.err;
@@ -931,18 +939,26 @@ TEST_F(Lazy, MountByRefRecordsPrefetchesWritesAndFetchesInTheBackground) {
     EXPECT_TRUE(j.is_object()) << p.out;
     return j;
   };
-  const Json while_mounted = prune();  // the overlay is there still: the store and the layout are kept
+  // The daemon dead, the overlay is there still: the store and the layout are kept.
+  kill_daemon(killed["pid"].get<int>());
+  const Json while_mounted = prune();
   EXPECT_EQ(while_mounted["removed"].size(), 0u) << while_mounted;
   EXPECT_FALSE(fs::is_empty(shm.path));
-  ASSERT_EQ(::umount2(point().c_str(), MNT_DETACH), 0) << std::strerror(errno);
-  for (const auto& lazy : fs::directory_iterator(dir / "layers" / "lazy")) {
-    ::umount2(lazy.path().c_str(), MNT_DETACH);
-  }
-  guard_.point.clear();
-  guard_.pid = 0;
+  detach();
   const Json pruned = prune();
   ASSERT_TRUE(pruned["removed"].is_array()) << pruned;
   EXPECT_EQ(pruned["removed"].size(), 2u) << pruned;  // the layout and the mount's store
+  EXPECT_TRUE(fs::is_empty(shm.path));
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+
+  // rm DIR takes such a store too: the dead mount's record names it.
+  MOUNT_WITH_OR_SKIP(again, args({"--writable", "--memory-dir", shm.path.string()}));
+  EXPECT_EQ(again["dir"], dir.string());
+  kill_daemon(again["pid"].get<int>());
+  detach();
+  const RunResult removed = pull({"rm", dir.string(), "--json"});
+  ASSERT_EQ(removed.status, 0) << removed.err;
+  EXPECT_EQ(Json::parse(removed.out, nullptr, false)["removed"].size(), 2u) << removed.out;
   EXPECT_TRUE(fs::is_empty(shm.path));
   EXPECT_EQ(lazy_layouts(cache), 0u);
 }
