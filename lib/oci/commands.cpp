@@ -656,6 +656,10 @@ CommandResult run_mount(const PullCommandLine& line, const PullPlan& plan, const
     if (!fs::is_directory(line.args[1], ec)) {
       return usage(fmt::format("mount point '{}': not a directory", line.args[1]));
     }
+    if (config.writable && !fs::is_directory(config.memory_dir, ec)) {
+      return usage(
+          fmt::format("--memory-dir '{}': no such directory (--writable's store is made there)", config.memory_dir));
+    }
     PullDirGuard made;
     CommandOutput out;
     CFMO_ASSIGN_OR_RETURN(const fs::path dir, lazy_layout(line, plan, hooks, *ref, made, out));

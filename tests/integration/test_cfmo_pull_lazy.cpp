@@ -1078,6 +1078,18 @@ TEST_F(Lazy, MountByABadRefFailsCleanly) {
   EXPECT_EQ(no_point.status, 2) << no_point.err;
   EXPECT_EQ(lazy_layouts(cache), 0u);
 
+  // --writable with a --memory-dir that is not there: refused, one line naming it, nothing left.
+  fs::create_directories(point());
+  const RunResult no_store =
+      pull({"mount", "--lazy", registry_->host() + "/" + kImage + ":v1", point().string(), "--cache", cache.string(),
+            "--plain-http", "--writable", "--memory-dir", (out_ / "no-shm").string()});
+  EXPECT_EQ(no_store.status, 2) << no_store.err;
+  EXPECT_EQ(testing::lines(no_store.err).size(), 1u) << no_store.err;
+  EXPECT_NE(no_store.err.find("--memory-dir"), std::string::npos) << no_store.err;
+  EXPECT_TRUE(fs::is_empty(point()));
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+  EXPECT_TRUE(oci::mounted_source(fs::canonical(point())).empty());
+
   const RunResult not_lazy =
       pull({"mount", registry_->host() + "/" + kImage + ":v1", point().string(), "--cache", cache.string()});
   EXPECT_EQ(not_lazy.status, 2) << not_lazy.err;
