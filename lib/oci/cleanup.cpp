@@ -91,6 +91,16 @@ Result<CleanupReport> remove_pull(const fs::path& dir) {
       report.kept.push_back(fmt::format("{}: belongs to {}", state.memory_dir, owner));
     }
   }
+  // The memory stores of --writable mounts by REF whose process died (their records name them).
+  for (const auto& record : fs::directory_iterator(dir / kMountRecordDir, ec)) {
+    std::ifstream in(record.path());
+    std::string point;
+    std::string store;
+    std::getline(in, point);
+    std::getline(in, store);
+    if (store.empty() || !fs::exists(fs::path(store) / kRwMarker, ec)) continue;
+    if (store_owner(store) == absolute_path(dir).string() && !upper_in_use(store)) remove_counted(store, report);
+  }
   lock->release();
   remove_counted(dir, report);
   if (fs::exists(dir, ec))
@@ -111,6 +121,15 @@ Result<CleanupReport> prune_stores(const fs::path& memory_dir) {
     if (owner.empty()) {
       report.kept.push_back(fmt::format("{}: names no layout (made by an older cfmo-pull); remove it by hand if unused",
                                         entry.path().string()));
+      continue;
+    }
+    // A writable mount's own store (mount --lazy REF --writable): its overlay alone uses it.
+    if (fs::exists(entry.path() / kRwMarker, ec)) {
+      if (upper_in_use(entry.path())) {
+        report.kept.push_back(fmt::format("{}: the upper directory of a mount still mounted", entry.path().string()));
+      } else {
+        remove_counted(entry.path(), report);
+      }
       continue;
     }
     // Gone, no longer a pull, or a pull that has another store now.

@@ -38,14 +38,16 @@ struct CleanupReport {
   int64_t bytes = 0;              ///< removed, together
 };
 
-/// Removes the pull in `dir`: its memory store, then DIR itself (the layout,
+/// Removes the pull in `dir`: its memory store (and those of --writable
+/// mounts by REF whose process died, named in DIR/cfmo-mounts), then DIR itself (the layout,
 /// its unpacked layers, the lazy cache). Refused (kUsage) while a process
 /// fetches into it or an image of it is mounted, naming them; a directory
 /// that is not a pull is kInput.
 Result<CleanupReport> remove_pull(const std::filesystem::path& dir);
 
 /// Removes the memory stores under `memory_dir` (cfmo-pull-*) whose layout is
-/// gone or no longer names them.
+/// gone or no longer names them, and the stores of --writable mounts by REF
+/// (kRwMarker in them) whose overlay is not mounted any more.
 Result<CleanupReport> prune_stores(const std::filesystem::path& memory_dir);
 
 /// Removes, into `report`, the layouts of `mount --lazy REF` under

@@ -553,6 +553,8 @@ CommandResult run_lazy_mount(const PullCommandLine& line, const PullPlan& plan, 
   if (!config.record.empty()) options.record = fs::absolute(config.record, ec);
   if (!config.prefetch.empty()) options.prefetch = fs::absolute(config.prefetch, ec);
   options.writable = config.writable;
+  // A layout of a mount by REF is shared and has no memory store: the writes get one of the mount's own.
+  if (shown != dir.string()) options.upper_memory_dir = plan.pull.memory_dir;
   CFMO_ASSIGN_OR_RETURN(const auto mount, LazyMount::prepare(dir, line.args[1], options));
   CFMO_ASSIGN_OR_RETURN(const int pid, hooks.serve_detached(*mount));
   const auto& report = mount->report();
@@ -653,6 +655,10 @@ CommandResult run_mount(const PullCommandLine& line, const PullPlan& plan, const
     std::error_code ec;
     if (!fs::is_directory(line.args[1], ec)) {
       return usage(fmt::format("mount point '{}': not a directory", line.args[1]));
+    }
+    if (config.writable && !fs::is_directory(config.memory_dir, ec)) {
+      return usage(
+          fmt::format("--memory-dir '{}': no such directory (--writable's store is made there)", config.memory_dir));
     }
     PullDirGuard made;
     CommandOutput out;

@@ -1094,7 +1094,14 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
   }
   m->report.fuse_point = m->point;
   if (options.writable) {
-    m->report.upper = upper_dir_for(m->dir, state.memory_dir, m->point);
+    if (state.memory_dir.empty() && !options.upper_memory_dir.empty()) {
+      if (!fs::is_directory(options.upper_memory_dir, ec)) {
+        return make_error(ErrorKind::kUsage, "--memory-dir '{}': no such directory", options.upper_memory_dir.string());
+      }
+      m->report.upper = mount_store_upper(m->dir, options.upper_memory_dir, m->point);
+    } else {
+      m->report.upper = upper_dir_for(m->dir, state.memory_dir, m->point);
+    }
     m->report.fuse_point = m->dir / "layers" / "lazy" / m->report.upper->base.filename();
     fs::create_directories(m->report.fuse_point, ec);
     if (ec) {
@@ -1261,7 +1268,9 @@ Status LazyMount::mount() {
   m.record = m.dir / kMountRecordDir / std::to_string(::getpid());
   std::error_code ec;
   fs::create_directories(m.record.parent_path(), ec);
-  replace_file(m.record, m.point.string() + "\n");
+  // A --writable mount's own memory store on the second line: rm DIR finds it there if the mount dies.
+  const bool own_store = m.report.upper && m.report.upper->own_store;
+  replace_file(m.record, m.point.string() + "\n" + (own_store ? m.report.upper->base.string() + "\n" : ""));
   m.save_stats();  // this mount's counts, from zero
   m.note(fmt::format("mounted {} at {} (pid {})", m.dir.string(), m.point.string(), ::getpid()));
   return {};

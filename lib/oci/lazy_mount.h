@@ -96,6 +96,10 @@ struct LazyMountOptions {
   /// An overlay on top (mount_writable_overlay) whose upper directory is in
   /// the pull's memory store; the FUSE mount is then DIR/layers/lazy/HASH.
   bool writable = false;
+  /// writable, the pull having no memory store (a layout of mount --lazy
+  /// REF): the upper directory goes in a memory store of the mount's own
+  /// made in this directory (mount_store_upper); empty: DIR/layers/rw/.
+  std::filesystem::path upper_memory_dir;
   double grace_s = 2;  ///< after SIGTERM: how long processes holding files open get EIO before the daemon ends
 };
 

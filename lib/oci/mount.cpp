@@ -29,7 +29,6 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr const char* kMountSource = "cfmo-pull";  ///< how umount tells our mounts from others
-constexpr const char* kRwMarker = ".cfmo-pull-rw";
 constexpr int kCapSysAdmin = 21;
 
 /// /proc/self/mountinfo's escapes (\040 for a space...) undone.
@@ -251,6 +250,29 @@ UpperDir upper_dir_for(const fs::path& dir, const fs::path& store, const fs::pat
   return u;
 }
 
+UpperDir mount_store_upper(const fs::path& dir, const fs::path& memory_dir, const fs::path& point) {
+  UpperDir u;
+  std::error_code ec;
+  const fs::path store = memory_store_for(dir, fs::weakly_canonical(fs::absolute(memory_dir, ec), ec));
+  u.base = store.parent_path() /
+           fmt::format("{}-rw-{}", store.filename().string(), sha256_digest(point.string()).substr(7, 12));
+  u.upper = u.base / "upper";
+  u.in_memory = memory_backed(memory_dir);
+  u.own_store = true;
+  u.owner = dir;
+  return u;
+}
+
+bool upper_in_use(const fs::path& base) {
+  const std::string key = "upperdir=" + base.string() + "/";
+  for (const auto& m : mounts()) {
+    if (m.source == kMountSource && m.fstype == "overlay" && m.super_options.find(key) != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
 namespace {
 
 /// An empty upper and work directory, marked as ours (so umount may remove them); the overlay's option for them.
@@ -261,6 +283,12 @@ Result<std::string> make_upper(const UpperDir& u, const fs::path& point) {
   fs::create_directories(u.base / "work", ec);
   if (ec) return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", u.base.string(), ec.message());
   std::ofstream(u.base / kRwMarker) << point.string() << "\n";
+  if (u.own_store) {
+    if (auto marked = mark_memory_store(u.base, u.owner); !marked) {
+      remove_tree(u.base);
+      return marked.error();
+    }
+  }
   return ",upperdir=" + u.upper.string() + ",workdir=" + (u.base / "work").string();
 }
 

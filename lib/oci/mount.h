@@ -61,10 +61,26 @@ std::string mount_unavailable_reason();
 struct UpperDir {
   std::filesystem::path base;
   std::filesystem::path upper;
-  bool in_memory = false;  ///< `store` is memory-backed (tmpfs)
+  bool in_memory = false;       ///< `store` is memory-backed (tmpfs)
+  bool own_store = false;       ///< `base` is a memory store of the mount's own, removed whole with it
+  std::filesystem::path owner;  ///< own_store: the layout it belongs to (kStoreOwnerFile), for prune
 };
 UpperDir upper_dir_for(const std::filesystem::path& dir, const std::filesystem::path& store,
                        const std::filesystem::path& point);
+
+/// mount --lazy REF --writable: the layout under CACHE/lazy/ is shared by
+/// every mount of the image and has no memory store, so the mount gets one
+/// of its own, MEMORY_DIR/cfmo-pull-NAME-HASH-rw-HASH (named by the layout
+/// and the mount point, owned by `dir`), holding upper/ and work/ directly;
+/// umount and SIGTERM remove it whole, prune one whose overlay is gone.
+UpperDir mount_store_upper(const std::filesystem::path& dir, const std::filesystem::path& memory_dir,
+                           const std::filesystem::path& point);
+
+/// Whether a cfmo-pull overlay mounted now has its upper directory under `base`.
+bool upper_in_use(const std::filesystem::path& base);
+
+/// In an upper directory's base: the mount point it was made for (it marks the base as ours to remove).
+inline constexpr const char* kRwMarker = ".cfmo-pull-rw";
 
 /// mount --lazy --writable: an overlay at `point` whose lower directory is
 /// the lazy mount at `lower` and whose upper is `upper` (made empty now);

@@ -165,7 +165,12 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
           "--lazy: a file of paths (one a line, as --record writes) whose spans are fetched first", mounting);
     t.add("partial", &c.partial, "mount though some layers are not fetched yet (their files are missing)", mounting);
     t.add("writable", &c.writable,
-          "add an upper directory, dropped at umount: in the memory store if the pull has one, else on disk", mounting);
+          "add an upper directory, dropped at umount: in the memory store if the pull has one, else on disk; "
+          "--lazy REF: in a memory store of the mount's own",
+          mounting);
+    t.add("memory_dir", &c.memory_dir,
+          "--lazy REF --writable: memory-backed directory (tmpfs) the mount's memory store for its writes is made in",
+          mounting);
   }
   if (among(s, {kPull, kFetch})) {
     const std::string indexing = "Indexing";

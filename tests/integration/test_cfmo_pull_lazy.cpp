@@ -6,6 +6,7 @@
 #include "core/fd.h"
 #include "integration/fault_proxy.h"
 #include "integration/registry_fixture.h"
+#include "oci/cleanup.h"
 #include "oci/gzip_index.h"
 #include "oci/hot_set.h"
 #include "oci/index_artifact.h"
@@ -784,6 +785,19 @@ TEST_F(Lazy, WithoutRootTheMountGoesThroughFusermount3AndLeavesNoMountBehind) {
 }
 
 /// What is left under CACHE/lazy: the layouts of mounts by REF.
+/// A directory of the test's own on tmpfs (/dev/shm), for memory stores; removed at the end.
+struct ShmDir {
+  fs::path path;
+  ShmDir() {
+    std::string name = "/dev/shm/cfmo-test-rw-XXXXXX";
+    if (::mkdtemp(name.data()) != nullptr) path = name;
+  }
+  ~ShmDir() {
+    std::error_code ec;
+    if (!path.empty()) fs::remove_all(path, ec);
+  }
+};
+
 size_t lazy_layouts(const fs::path& cache) {
   std::error_code ec;
   if (!fs::is_directory(cache / "lazy", ec)) return 0;
@@ -889,12 +903,18 @@ TEST_F(Lazy, MountByRefRecordsPrefetchesWritesAndFetchesInTheBackground) {
   EXPECT_EQ(slurp(recorded), "/usr/bin/tool\n/etc/os-release\n");
 
   // Prefetch, writable and background at once; the span cache emptied so the prefetch has work.
+  // The writes go to a memory store of the mount's own, in a tmpfs directory of this test's.
   fs::remove_all(dir / oci::kLazyCacheDir);
-  MOUNT_WITH_OR_SKIP(second, args({"--prefetch", recorded.string(), "--writable", "--background"}));
+  const ShmDir shm;
+  MOUNT_WITH_OR_SKIP(
+      second, args({"--prefetch", recorded.string(), "--writable", "--background", "--memory-dir", shm.path.string()}));
   EXPECT_EQ(second["dir"], dir.string());
   ASSERT_TRUE(second["upper"].is_string()) << second;
   ASSERT_TRUE(second["background_pid"].is_number()) << second;
   const fs::path upper = second["upper"].get<std::string>();
+  EXPECT_EQ(upper.string().rfind((shm.path / "cfmo-pull-").string(), 0), 0u) << upper;
+  EXPECT_EQ(second["upper_in_memory"], true) << second;
+  EXPECT_EQ(slurp(upper.parent_path() / oci::kStoreOwnerFile), dir.string() + "\n");
   const std::string mount_log = (dir / oci::kLazyLogFile).string();
   for (int i = 0; i < 200 && slurp(mount_log).find("prefetched the spans of 2 file(s)") == std::string::npos; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -924,8 +944,63 @@ TEST_F(Lazy, MountByRefRecordsPrefetchesWritesAndFetchesInTheBackground) {
   umount();
   EXPECT_TRUE(fs::is_empty(point()));
   EXPECT_FALSE(fs::exists(upper));
+  EXPECT_TRUE(fs::is_empty(shm.path)) << "the mount's memory store outlived umount";
   EXPECT_TRUE(oci::mounts_using(dir).empty());
-  EXPECT_EQ(pull({"rm", dir.string(), "-q"}).status, 0);
+
+  // The plain line says the writes take memory.
+  const RunResult plain = pull({"mount", "--lazy", ref, point().string(), "--cache", cache.string(), "--plain-http",
+                                "--writable", "--memory-dir", shm.path.string()});
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  guard_.point = point();
+  EXPECT_NE(plain.out.find("writes kept in memory in " + shm.path.string() + "/cfmo-pull-"), std::string::npos)
+      << plain.out;
+  umount();
+  EXPECT_TRUE(fs::is_empty(shm.path));
+
+  // A daemon killed, its mounts gone without umount (as a mount namespace ending leaves them): prune takes the store.
+  MOUNT_WITH_OR_SKIP(killed, args({"--writable", "--memory-dir", shm.path.string()}));
+  std::ofstream(point() / "etc" / "lost") << "lost\n";
+  ASSERT_EQ(std::distance(fs::directory_iterator(shm.path), fs::directory_iterator()), 1);
+  const auto kill_daemon = [&](int pid) {
+    ASSERT_GT(pid, 0);
+    ASSERT_EQ(::kill(pid, SIGKILL), 0);
+    for (int i = 0; i < 200 && alive(pid); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  };
+  // The mounts gone without umount, as a mount namespace ending leaves them.
+  const auto detach = [&] {
+    ASSERT_EQ(::umount2(point().c_str(), MNT_DETACH), 0) << std::strerror(errno);
+    for (const auto& lazy : fs::directory_iterator(dir / "layers" / "lazy")) ::umount2(lazy.path().c_str(), MNT_DETACH);
+    guard_.point.clear();
+    guard_.pid = 0;
+  };
+  const auto prune = [&] {
+    const RunResult p = pull({"prune", "--memory-dir", shm.path.string(), "--cache", cache.string(), "--json"});
+    EXPECT_EQ(p.status, 0) << p.err;
+    const Json j = Json::parse(p.out, nullptr, false);
+    EXPECT_TRUE(j.is_object()) << p.out;
+    return j;
+  };
+  // The daemon dead, the overlay is there still: the store and the layout are kept.
+  kill_daemon(killed["pid"].get<int>());
+  const Json while_mounted = prune();
+  EXPECT_EQ(while_mounted["removed"].size(), 0u) << while_mounted;
+  EXPECT_FALSE(fs::is_empty(shm.path));
+  detach();
+  const Json pruned = prune();
+  ASSERT_TRUE(pruned["removed"].is_array()) << pruned;
+  EXPECT_EQ(pruned["removed"].size(), 2u) << pruned;  // the layout and the mount's store
+  EXPECT_TRUE(fs::is_empty(shm.path));
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+
+  // rm DIR takes such a store too: the dead mount's record names it.
+  MOUNT_WITH_OR_SKIP(again, args({"--writable", "--memory-dir", shm.path.string()}));
+  EXPECT_EQ(again["dir"], dir.string());
+  kill_daemon(again["pid"].get<int>());
+  detach();
+  const RunResult removed = pull({"rm", dir.string(), "--json"});
+  ASSERT_EQ(removed.status, 0) << removed.err;
+  EXPECT_EQ(Json::parse(removed.out, nullptr, false)["removed"].size(), 2u) << removed.out;
+  EXPECT_TRUE(fs::is_empty(shm.path));
   EXPECT_EQ(lazy_layouts(cache), 0u);
 }
 
@@ -1043,6 +1118,18 @@ TEST_F(Lazy, MountByABadRefFailsCleanly) {
                                    (out_ / "nowhere").string(), "--cache", cache.string(), "--plain-http"});
   EXPECT_EQ(no_point.status, 2) << no_point.err;
   EXPECT_EQ(lazy_layouts(cache), 0u);
+
+  // --writable with a --memory-dir that is not there: refused, one line naming it, nothing left.
+  fs::create_directories(point());
+  const RunResult no_store =
+      pull({"mount", "--lazy", registry_->host() + "/" + kImage + ":v1", point().string(), "--cache", cache.string(),
+            "--plain-http", "--writable", "--memory-dir", (out_ / "no-shm").string()});
+  EXPECT_EQ(no_store.status, 2) << no_store.err;
+  EXPECT_EQ(testing::lines(no_store.err).size(), 1u) << no_store.err;
+  EXPECT_NE(no_store.err.find("--memory-dir"), std::string::npos) << no_store.err;
+  EXPECT_TRUE(fs::is_empty(point()));
+  EXPECT_EQ(lazy_layouts(cache), 0u);
+  EXPECT_TRUE(oci::mounted_source(fs::canonical(point())).empty());
 
   const RunResult not_lazy =
       pull({"mount", registry_->host() + "/" + kImage + ":v1", point().string(), "--cache", cache.string()});
