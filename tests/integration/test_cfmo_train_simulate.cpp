@@ -166,6 +166,7 @@ TEST(CfmoTrainSimulate, TwoWorkersAsSimulatedAndAsRunWithinTenPercent) {
   for (bool slowed : {false, true}) {
     const std::vector<std::string> flags = slowed ? slow : std::vector<std::string>{};
     double bandwidth_gbit = 0;
+    double sync_sim_eff = 0;
     for (const std::string mode : {"sync", "cfmo"}) {
       const Measured real = run_real(dir, mode + (slowed ? "-slow" : ""), mode, flags);
       if (mode == "sync") bandwidth_gbit = effective_bandwidth_gbit(real);
@@ -179,12 +180,15 @@ TEST(CfmoTrainSimulate, TwoWorkersAsSimulatedAndAsRunWithinTenPercent) {
                                        real_eff, sim_sps, sim_eff, bandwidth_gbit));
       EXPECT_NEAR(sim_sps / real_sps, 1.0, 0.1) << what << ": real " << real_sps << "/s, simulated " << sim_sps;
       EXPECT_NEAR(sim_eff / real_eff, 1.0, 0.1) << what << ": real " << real_eff << ", simulated " << sim_eff;
-      // The kind: sync waits for its slow worker, cfmo does not.
+      // The kind: sync waits for its slow worker, cfmo does not. With rank 1
+      // at half speed cfmo's best is (1 + 1/2) / 2 = 0.75 of the fast rank's
+      // pace on both, sync's 0.5, so cfmo is compared with sync, not with 0.8.
+      if (mode == "sync") sync_sim_eff = sim_eff;
       if (slowed && mode == "sync") {
         EXPECT_LT(sim_eff, 0.85) << what;
       }
       if (mode == "cfmo") {
-        EXPECT_GT(sim_eff, 0.8) << what;
+        EXPECT_GT(sim_eff, slowed ? sync_sim_eff + 0.1 : 0.8) << what << " (sync " << sync_sim_eff << ")";
       }
     }
   }
