@@ -161,11 +161,13 @@ class Reconciler:
     With out=RUN the deltas (localsgd, cfmo) go to RUN/deltas/rank-K/*.cfd.
     sample_budget (cfmo, asgd): the examples all workers together train;
     rank 0 keeps the count (step's samples) and stop_requested turns true.
+    reply_hold (cfmo): "round" holds an owner's reply until the shard's round
+    is whole, "off" answers each delta at once (cfmo-train's --reply-hold).
     """
 
     def __init__(self, params, world=None, mode="cfmo", sync_interval=10, outer="nesterov", outer_lr=0.5,
                  outer_momentum=0.8, delta_dtype="bf16", staleness_beta=0.9, max_staleness=4, out=None,
-                 optimizer=None, sample_budget=0):
+                 optimizer=None, sample_budget=0, reply_hold="round"):
         if mode not in MODES:
             raise ConfigError(f"mode '{mode}': expected sync, localsgd, cfmo or asgd")
         self.world = world if world is not None else World()
@@ -180,7 +182,7 @@ class Reconciler:
         self._core = _Reconciler(self.world, names, self._buffers, mode, sync_interval, staleness_beta,
                                  max_staleness, outer, outer_lr, outer_momentum, delta_dtype,
                                  _optimizer_config(optimizer if mode == "asgd" else None),
-                                 "" if out is None else str(out), int(sample_budget))
+                                 "" if out is None else str(out), int(sample_budget), str(reply_hold))
         self._no_moments = [None] * len(tensors)
         self._uses_gradients = self._core.uses_gradients
         self._reduced = False

@@ -228,7 +228,8 @@ std::unique_ptr<Reconciler> make_reconciler(std::shared_ptr<World> world, const 
                                             const py::list& buffers, const std::string& mode, int sync_interval,
                                             double staleness_beta, int max_staleness, const std::string& outer,
                                             double outer_lr, double outer_momentum, const std::string& delta_dtype,
-                                            const py::dict& optimizer, const std::string& out, int64_t sample_budget) {
+                                            const py::dict& optimizer, const std::string& out, int64_t sample_budget,
+                                            const std::string& reply_hold) {
   if (world->closed) raise(ErrorKind::kUsage, "this World was closed");
   std::vector<TensorView> tensors;
   for (size_t t = 0; t < buffers.size(); ++t) {
@@ -255,6 +256,10 @@ std::unique_ptr<Reconciler> make_reconciler(std::shared_ptr<World> world, const 
   s.mode.peer_timeout_s = world->options.peer_timeout_s;
   if (sample_budget < 0) raise(ErrorKind::kUsage, "sample_budget: must be >= 0");
   s.mode.sample_budget = sample_budget;
+  if (reply_hold != "round" && reply_hold != "off") {
+    raise(ErrorKind::kUsage, fmt::format("reply_hold: '{}' is not round or off", reply_hold));
+  }
+  s.mode.hold_replies = reply_hold == "round";
   auto get = [&](const char* key, auto fallback) {
     return optimizer.contains(key) ? optimizer[key].cast<decltype(fallback)>() : fallback;
   };
@@ -357,7 +362,7 @@ PYBIND11_MODULE(_cfmo, m) {
       .def(py::init(&make_reconciler), py::arg("world"), py::arg("names"), py::arg("buffers"), py::arg("mode"),
            py::arg("sync_interval"), py::arg("staleness_beta"), py::arg("max_staleness"), py::arg("outer"),
            py::arg("outer_lr"), py::arg("outer_momentum"), py::arg("delta_dtype"), py::arg("optimizer"), py::arg("out"),
-           py::arg("sample_budget"))
+           py::arg("sample_budget"), py::arg("reply_hold"))
       .def(
           "tick",
           [](Reconciler& r, int64_t samples) {

@@ -92,6 +92,7 @@ def test_bad_settings_name_the_keyword(world):
     expect_config_error(r"^outer_momentum: must be in \[0, 1\)$", p, world=world, outer_momentum=1)
     expect_config_error(r"^delta_dtype 'fp8': expected fp32, bf16 or int8$", p, world=world, delta_dtype="fp8")
     expect_config_error(r"^max_staleness: must be >= 0$", p, world=world, max_staleness=-1)
+    expect_config_error(r"^reply_hold: 'later' is not round or off$", p, world=world, reply_hold="later")
 
 
 def test_replaced_storage_is_refused(world):

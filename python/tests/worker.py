@@ -129,8 +129,11 @@ def scenario_discount(config, world):
     opt.step()
     for p in params:
         opt.state[p]["momentum_buffer"].fill_(1.0)
+    # Replies answered at once: a held reply also carries the contributions
+    # that came after this rank's, and the rounds its base was behind then
+    # (the discount's exponent) outgrow the staleness the owner recorded.
     rec = cfmo.Reconciler(params, world, mode="cfmo", sync_interval=1, staleness_beta=beta, max_staleness=1000,
-                          outer="avg", outer_lr=1.0)
+                          outer="avg", outer_lr=1.0, reply_hold="off")
     for step in range(config["steps"]):
         opt.step()
         rec.step(opt, samples=1)
