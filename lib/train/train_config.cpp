@@ -111,8 +111,8 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
   t.add("outer_momentum", &c.outer_momentum, "outer Nesterov momentum (DiLoCo's 0.9 is too much for cfmo: see BUGS)",
         dist);
   t.add("reply_hold", &c.reply_hold,
-        "cfmo: round (an owner answers a shard's contributions once every live rank's is in, or after H of its own "
-        "steps: fewer, larger rounds on a slow link) or off (each at once)",
+        "cfmo: round (an owner answers a shard's contributions once every live rank's is in, or after 2 x "
+        "--sync-interval of its own steps: fewer, larger rounds on a slow link) or off (each at once)",
         dist);
   t.add("delta_dtype", &c.delta_dtype, "deltas and gradients on the wire: fp32, bf16 or int8 (with error feedback)",
         dist);
@@ -131,8 +131,8 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         "and resumes, stopped by steps; a lost worker ends the run (sync and localsgd always are)",
         dist);
   t.add("join", &c.join,
-        "host:port of a running run's rank 0 (its --rendezvous): take a lost rank's place there, with the run's flags "
-        "(cfmo, asgd, sync or localsgd with --elastic)",
+        "host:port of a running run (its --rendezvous; after rank 0's loss, where the lowest live rank serves joins): "
+        "take a lost rank's place there, with the run's flags (cfmo, asgd, sync or localsgd with --elastic)",
         dist);
 
   const std::string output = "Output";
