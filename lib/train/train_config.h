@@ -67,8 +67,9 @@ struct TrainConfig {
   double staleness_discount = 0.9;
   int max_staleness = 4;
   int owners = 0;  ///< cfmo, asgd: the shards' owners, K (0: owner_count's default)
-  std::string outer_optimizer = "nesterov";
-  double outer_lr = 0.5;
+  /// auto: avg for a GPT (a language model), nesterov for the MLP (make_plan).
+  std::string outer_optimizer = "auto";
+  double outer_lr = 0;  ///< 0: the outer step's own (1 with avg, 0.5 with nesterov)
   double outer_momentum = 0.8;
   std::string delta_dtype = "bf16";
   std::vector<std::string> slowdown;
@@ -96,7 +97,8 @@ void add_train_options(OptionTable& table, TrainConfig& config);
 /// A TrainConfig checked, with its words parsed into what they name.
 struct TrainPlan {
   ModeKind mode = ModeKind::kSync;
-  OuterKind outer_optimizer = OuterKind::kNesterov;
+  OuterKind outer_optimizer = OuterKind::kNesterov;  ///< --outer-optimizer, auto resolved
+  double outer_lr = 0.5;                             ///< --outer-lr, 0 resolved
   optim::OptimizerKind optimizer = optim::OptimizerKind::kAdamW;
   comm::WireDtype delta_dtype = comm::WireDtype::kBf16;
   optim::Schedule::Kind schedule = optim::Schedule::Kind::kConstant;

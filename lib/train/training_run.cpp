@@ -230,7 +230,7 @@ Status TrainingRun::plan_length() {
   settings.max_staleness = config.max_staleness;
   settings.owners = config.owners;
   settings.outer_optimizer = plan.outer_optimizer;
-  settings.outer_lr = config.outer_lr;
+  settings.outer_lr = plan.outer_lr;
   settings.outer_momentum = config.outer_momentum;
   settings.delta_dtype = plan.delta_dtype;
   settings.peer_timeout_s = config.peer_timeout;

@@ -56,6 +56,8 @@ namespace {
 
 /// The settings checked by cfmo-train's own rules, so both accept the same values.
 Status validate_settings(const ReconcilerSettings& s) {
+  // cfmo-train's 0 (the outer step's own lr) needs a model to choose by; the Reconciler has none.
+  if (!(s.mode.outer_lr > 0)) return make_error(ErrorKind::kUsage, "outer_lr: must be positive");
   train::TrainConfig c;
   c.mode = std::string(train::mode_entry(s.mode.kind).name);
   c.sync_interval = s.mode.sync_interval;

@@ -345,5 +345,43 @@ TEST(Trainer, GptRefusesImagesAndTheMlpRefusesText) {
   EXPECT_EQ(mlp_on_text.error().kind, ErrorKind::kUsage);
 }
 
+// --outer-optimizer auto and --outer-lr 0 resolve by the model: a GPT
+// averages (lr 1), the MLP takes Nesterov (lr 0.5); a value given wins.
+TEST(TrainPlan, TheOuterStepIsAvgForAGptAndNesterovForTheMlp) {
+  TrainConfig gpt = gpt_config("corpus.txt");
+  auto plan = make_plan(gpt);
+  ASSERT_TRUE(plan) << plan.error().message;
+  EXPECT_EQ(plan->outer_optimizer, OuterKind::kAvg);
+  EXPECT_EQ(plan->outer_lr, 1.0);
+  TrainConfig mlp;
+  plan = make_plan(mlp);
+  ASSERT_TRUE(plan) << plan.error().message;
+  EXPECT_EQ(plan->outer_optimizer, OuterKind::kNesterov);
+  EXPECT_EQ(plan->outer_lr, 0.5);
+
+  gpt.outer_optimizer = "nesterov";
+  plan = make_plan(gpt);
+  ASSERT_TRUE(plan);
+  EXPECT_EQ(plan->outer_optimizer, OuterKind::kNesterov);
+  EXPECT_EQ(plan->outer_lr, 0.5);
+  mlp.outer_optimizer = "avg";
+  mlp.outer_lr = 0.7;
+  plan = make_plan(mlp);
+  ASSERT_TRUE(plan);
+  EXPECT_EQ(plan->outer_optimizer, OuterKind::kAvg);
+  EXPECT_EQ(plan->outer_lr, 0.7);
+
+  mlp.outer_lr = -1;
+  auto bad = make_plan(mlp);
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.error().kind, ErrorKind::kUsage);
+  EXPECT_NE(bad.error().message.find("--outer-lr"), std::string::npos);
+  mlp.outer_lr = 0;
+  mlp.outer_optimizer = "adam";
+  bad = make_plan(mlp);
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.error().message, "--outer-optimizer: 'adam' is not auto, avg or nesterov");
+}
+
 }  // namespace
 }  // namespace cfmo::train
