@@ -22,7 +22,11 @@
 #                overlaps
 #
 # The rows run alternately (rep 1 of every row, then rep 2, ...) so that a
-# change in the machine's load spreads over all of them; tokens/s, val_loss
+# change in the machine's load spreads over all of them. Rep N runs with
+# --seed N (SEEDS=1 keeps --seed 1 for every rep): at 200k tokens the GPT is
+# leaving its unigram plateau, and one seed's sync val_loss differs from
+# another's by up to 0.09 (the MoE) and 0.5 (the dense GPT), more than the
+# gaps measured, so a median over one seed says little. tokens/s, val_loss
 # and the peak resident memory of the largest process (a rank: /usr/bin/time
 # reports the largest child) are medians over REPS, each rank's own peak
 # resident memory (getrusage, the summary's per_worker) too. Prints a
@@ -30,7 +34,7 @@
 # --record appends them to bench/RESULTS.md.
 #
 #   bench/moe_train.sh [--record]
-#   REPS=3 TOKENS=200000 WORKERS=4 SLOWDOWN=1=1.25 VAL_TOKENS=50000   (the defaults)
+#   REPS=3 TOKENS=200000 WORKERS=4 SLOWDOWN=1=1.25 VAL_TOKENS=50000 SEEDS=reps   (the defaults)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/common.sh
@@ -40,6 +44,7 @@ TOKENS=${TOKENS:-200000}
 WORKERS=${WORKERS:-4}
 SLOWDOWN=${SLOWDOWN-1=1.25}
 VAL_TOKENS=${VAL_TOKENS:-50000}
+SEEDS=${SEEDS:-reps}
 DATA=${DATA:-text:/usr/share/games/fortunes}
 TRAIN=${TRAIN:-build/tools/cfmo-train}
 record=false
@@ -73,15 +78,17 @@ fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-command="REPS=$REPS TOKENS=$TOKENS WORKERS=$WORKERS SLOWDOWN=$SLOWDOWN VAL_TOKENS=$VAL_TOKENS${ROWS:+ ROWS=$ROWS} bench/moe_train.sh"
+command="REPS=$REPS TOKENS=$TOKENS WORKERS=$WORKERS SLOWDOWN=$SLOWDOWN VAL_TOKENS=$VAL_TOKENS SEEDS=$SEEDS${ROWS:+ ROWS=$ROWS} bench/moe_train.sh"
 common=(--data "$DATA" --batch-size 16 --epochs 0 --val-tokens "$VAL_TOKENS" --lr 0.003 --beta2 0.95 --quiet --json)
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 start=$(date +%s)
 for rep in $(seq 1 "$REPS"); do
+  seed=$rep
+  [ "$SEEDS" = 1 ] && seed=1
   for row in "${rows[@]}"; do
     IFS='|' read -r name model flags workers tokens <<< "$row"
     # shellcheck disable=SC2086
-    /usr/bin/time -v "$TRAIN" --model "$model" $flags --workers "$workers" --tokens "$tokens" "${common[@]}" \
+    /usr/bin/time -v "$TRAIN" --model "$model" $flags --workers "$workers" --tokens "$tokens" --seed "$seed" "${common[@]}" \
       > "$tmp/$name.$rep.json" 2> "$tmp/$name.$rep.err" ||
       { echo "run failed: $name rep $rep" >&2; tail -3 "$tmp/$name.$rep.err" >&2; }
     echo "$name rep $rep: done" >&2
