@@ -574,6 +574,47 @@ TEST(CfmoTrainWorkers, CfmoKilledWorkersRejoinAndAJoinWithOtherFlagsIsRefused) {
   EXPECT_NE(err.find("rank 1 joined"), std::string::npos) << err;
 }
 
+// A process that joins a run under way takes the run's clock from the ranks
+// there: its --time-limit ends with theirs, not a whole limit after its own
+// start (the keeper then waited at the end for the joiner's shard, and
+// failed). Rank 2 restarted halfway through the limit: its loop ends by the
+// run's limit, it stopped by the time limit, and every rank exits 0.
+TEST(CfmoTrainWorkers, AJoinerStopsWithTheRunAtItsTimeLimit) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const double limit = 24;
+  const auto run_flags = rejoin_flags({"--mode", "cfmo"}, "24s", dir);
+  auto rank_env = [&](int r) {
+    return std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address};
+  };
+  const auto started = std::chrono::steady_clock::now();
+  auto since_start = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(); };
+  Ranks ranks;
+  for (int r = 0; r < 3; ++r) {
+    ranks.processes.push_back(testing::spawn(args(run_flags), rank_env(r),
+                                             (dir / ("out-" + std::to_string(r))).string(),
+                                             (dir / ("err-" + std::to_string(r))).string()));
+  }
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
+  kill(ranks.processes[2].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[2].wait(10));
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 2 lost (", 60)) << slurp(dir / "err-0");
+  while (since_start() < limit / 2) usleep(100000);
+  const double restarted_at = since_start();
+  ASSERT_LT(restarted_at, limit - 6) << "the machine is too slow for this test's timing";
+  ranks.processes.push_back(
+      testing::spawn(args(run_flags), rank_env(2), (dir / "out-2b").string(), (dir / "err-2b").string()));
+  const auto j = summary_with_rank_two_rejoined(ranks, dir);
+  ASSERT_FALSE(j.is_null());
+  const auto& joiner = j["per_worker"][2];
+  EXPECT_EQ(joiner["stopped_by"], "time-limit") << j.dump();
+  // Its own limit would have let it train about `limit` seconds; the run's
+  // leaves it what remained after its restart (3 s for the ranks' start).
+  EXPECT_LT(joiner["loop_s"].get<double>(), limit - restarted_at + 3) << j.dump();
+  EXPECT_LT(j["wall_s"].get<double>(), limit + 15) << j.dump();
+}
+
 // Rank 0 killed: the lowest live rank leads, and serves joins at the
 // rendezvous address itself (one host: it listens there once rank 0's
 // process is gone), so a `--join` of the address the run started with
