@@ -889,6 +889,38 @@ TEST(CfmoJoin, AJoinerInAKilledOwnersPlaceGetsTheGlobalStateAndItsShardBack) {
   }
 }
 
+// An owner lost while a process joins in the place of its backup: the
+// joiner holds the owner's replica (sent when it came) and serves the shard
+// from it, so its own wait for the global state ends (it had waited for a
+// shard it owned but would not take up until it had joined).
+TEST(CfmoJoin, AnOwnerLostWhileItsBackupJoinsHasItsShardServedByTheJoiner) {
+  Cluster c(3, settings_for("cfmo"));
+  for (int k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
+    ASSERT_TRUE(c.step(k, 1, 10));
+  }
+  ASSERT_TRUE(c.world.network->drain());
+  c.kill(2, {0, 1});
+  c.round({0, 1}, 2, 0.125f);
+  ASSERT_NO_FATAL_FAILURE(c.rejoin(2));
+  // The others take the join up (a snapshot's request makes them look): rank
+  // 0 hands shard 2 back, rank 1 sends its backup-to-be the whole of shard 1.
+  ASSERT_TRUE(c.mode(0).request_snapshot());
+  ASSERT_TRUE(c.world.network->drain());
+  c.kill(1, {0, 2});
+  TrainPosition position;
+  const Status joined = c.join(2, position);
+  ASSERT_TRUE(joined) << joined.error().message;
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(c.param(2)[i], expected_global(i, 3, 1, 0.125f), 1e-5f) << i;
+  for (int r : {0, 2}) EXPECT_EQ(c.mode(r).shard_served_by(1), 2) << r;
+  c.round({0, 2}, 3, 0.25f);
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  for (size_t i = 0; i < kSize; ++i) {
+    EXPECT_NEAR(global->params[i], expected_global(i, 3, 1, 0.125f) + 0.25f, 1e-5f) << i;
+  }
+}
+
 // localsgd --elastic: the leader takes a joiner in at the end of a round; it
 // gets the global parameters before that round, the outer momentum and the
 // round's sum, takes the outer step itself and so holds the members' bits;

@@ -473,8 +473,8 @@ class CfmoMode final : public AsyncMode {
   /// (a join brought that rank back) goes to it whole, with a replica this
   /// rank holds of a rank that came back (it may not have promoted it yet);
   /// the shards whose owner is this rank now take up their replicas (or,
-  /// where every holder was lost, this rank's last global values of them;
-  /// never on a joiner, whose own shard comes handed over); every shard served
+  /// where every holder was lost, this rank's last global values of them,
+  /// which a joiner does not have); every shard served
   /// gets its backup's whole state when its backup changed.
   void on_membership_change_locked(const std::vector<int>& newly_lost, const std::vector<int>& rejoined) override {
     const int me = comm_.rank();
@@ -500,10 +500,14 @@ class CfmoMode final : public AsyncMode {
       post_whole(r, kHandOver, r, replica->second.version, replica->second.values, replica->second.outer);
       replicas_.erase(replica);
     }
-    for (int j = 0; j < shards_ && !joining_; ++j) {
+    for (int j = 0; j < shards_; ++j) {
       if (owner_of_locked(j) != me || served_.count(j) != 0) continue;
       Served taken;
       const auto r = replicas_.find(j);
+      // A joiner's base_ is nobody's yet: it takes up only a replica it holds
+      // (a rank lost while it joins, whose backup it is; the joiner itself
+      // waits for that shard); its own comes handed over.
+      if (joining_ && r == replicas_.end()) continue;
       if (r != replicas_.end()) {
         taken.values = std::move(r->second.values);
         taken.version = r->second.version;
