@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 
@@ -395,9 +396,11 @@ bool wait_for_text(std::vector<Background>& processes, const fs::path& file, con
 
 // Three ranks started by hand at `address` (DIR/out-K, DIR/err-K); rank 2
 // killed once it logged a step, reaped at once as a launcher does, and
-// restarted with the same variables (DIR/out-2b, DIR/err-2b; processes[3]).
+// restarted with the same variables (DIR/out-2b, DIR/err-2b; processes[3])
+// once `before_restart` (if any) returned.
 void start_three_and_restart_rank_two(Ranks& ranks, const TempDir& dir, const std::string& address,
-                                      const std::vector<std::string>& run_flags) {
+                                      const std::vector<std::string>& run_flags,
+                                      const std::function<void()>& before_restart = {}) {
   auto rank_env = [&](int r) {
     return std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address};
   };
@@ -410,6 +413,9 @@ void start_three_and_restart_rank_two(Ranks& ranks, const TempDir& dir, const st
       << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
   kill(ranks.processes[2].pid, SIGKILL);
   ASSERT_TRUE(ranks.processes[2].wait(10));
+  if (before_restart) {
+    ASSERT_NO_FATAL_FAILURE(before_restart());
+  }
   ranks.processes.push_back(
       testing::spawn(args(run_flags), rank_env(2), (dir / "out-2b").string(), (dir / "err-2b").string()));
 }
@@ -583,28 +589,17 @@ TEST(CfmoTrainWorkers, AJoinerStopsWithTheRunAtItsTimeLimit) {
   TempDir dir;
   const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
   const double limit = 24;
-  const auto run_flags = rejoin_flags({"--mode", "cfmo"}, "24s", dir);
-  auto rank_env = [&](int r) {
-    return std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address};
-  };
   const auto started = std::chrono::steady_clock::now();
   auto since_start = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(); };
+  double restarted_at = 0;
   Ranks ranks;
-  for (int r = 0; r < 3; ++r) {
-    ranks.processes.push_back(testing::spawn(args(run_flags), rank_env(r),
-                                             (dir / ("out-" + std::to_string(r))).string(),
-                                             (dir / ("err-" + std::to_string(r))).string()));
-  }
-  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
-      << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
-  kill(ranks.processes[2].pid, SIGKILL);
-  ASSERT_TRUE(ranks.processes[2].wait(10));
-  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 2 lost (", 60)) << slurp(dir / "err-0");
-  while (since_start() < limit / 2) usleep(100000);
-  const double restarted_at = since_start();
-  ASSERT_LT(restarted_at, limit - 6) << "the machine is too slow for this test's timing";
-  ranks.processes.push_back(
-      testing::spawn(args(run_flags), rank_env(2), (dir / "out-2b").string(), (dir / "err-2b").string()));
+  ASSERT_NO_FATAL_FAILURE(
+      start_three_and_restart_rank_two(ranks, dir, address, rejoin_flags({"--mode", "cfmo"}, "24s", dir), [&] {
+        ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 2 lost (", 60)) << slurp(dir / "err-0");
+        while (since_start() < limit / 2) usleep(100000);
+        restarted_at = since_start();
+        ASSERT_LT(restarted_at, limit - 6) << "the machine is too slow for this test's timing";
+      }));
   const auto j = summary_with_rank_two_rejoined(ranks, dir);
   ASSERT_FALSE(j.is_null());
   const auto& joiner = j["per_worker"][2];
