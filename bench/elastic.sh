@@ -13,14 +13,17 @@
 # run) the six runs take about 13 minutes.
 #
 # Goodput: samples trained per second of wall time with faults over the
-# fault-free run's (the summary's samples, a killed process's counted up to
-# its last reconciliation, over the seconds from the first rank's start to
-# the last process's end, as the script measures them); accuracy: the final
-# test accuracy with faults and without. Join: each joiner's first_step_s
-# (seconds from its start to its first training step; its metrics line),
-# median and max, and how many kills ended in a join. A run whose processes
-# do not all exit 0, whose summary is missing or not unique, or whose joins
-# do not all come back is listed under "problems" (the script exits 1).
+# fault-free run's, the seconds from the first rank's start to the last
+# process's end as the script measures them; the samples are cfmo's summary's
+# (a killed process's counted up to its last reconciliation) and, for sync
+# and localsgd, whose summary counts only the last processes', the step lines
+# of every process's metrics (--log-every 10; a joiner from one step before
+# its own joined line). Accuracy: the final test accuracy with faults and
+# without. Join: each joiner's first_step_s (seconds from its start to its
+# first training step; its metrics line), median and max, and how many kills
+# ended in a join. A process that does not exit 0, a run whose summary is
+# missing or not unique, a kill without a join: listed under "problems"
+# (the script exits 1 only when a mode has no figures).
 #
 # The two runs of a mode alternate their order over REPS (fault-free first in
 # odd reps); the figures are medians over REPS. Prints a Markdown table;
@@ -66,11 +69,11 @@ run() {
   local mode=$1 faults=$2 dir="$tmp/$1-$2-$3" port
   mkdir -p "$dir"
   port=$(free_port)
-  local flags=(--mode "$mode" --epochs 0 --time-limit "${DURATION}s" --json --quiet --log-every 50 --out "$dir/run")
+  local flags=(--mode "$mode" --epochs 0 --time-limit "${DURATION}s" --json --quiet --log-every 10 --out "$dir/run")
   [ "$mode" != cfmo ] && flags+=(--elastic)
   # shellcheck disable=SC2206
   flags+=($EXTRA)
-  local env=(WORLD_SIZE=$W CFMO_RENDEZVOUS=127.0.0.1:$port)
+  local env=("WORLD_SIZE=$W" "CFMO_RENDEZVOUS=127.0.0.1:$port")
   local names=() start
   pids=()
   start=$(now)
@@ -122,10 +125,32 @@ done
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 elapsed=$(( $(date +%s) - began ))
 
-report=$("$PY" - "$tmp" "$REPS" "$MODES" <<'EOF'
+# shellcheck disable=SC2086
+batch=$("$TRAIN" $EXTRA --print-config | sed -n 's/^batch_size = //p')
+report=$("$PY" - "$tmp" "$REPS" "$MODES" "$batch" <<'EOF'
 import glob, json, os, re, statistics, sys
-root, reps, modes = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
+root, reps, modes, batch = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), int(sys.argv[4])
 problems = []
+
+def logged_samples(d):
+    """sync and localsgd: the samples every process trained, from the step
+    lines of its rank's metrics (every 10 steps): a process that joined
+    starts one step before its own joined line, at the position it was
+    given. (Their summary counts only the last processes' samples.)"""
+    total = 0
+    for path in glob.glob(os.path.join(d, "run", "metrics*.jsonl")):
+        start, last = 0, None
+        for line in open(path):
+            m = json.loads(line)
+            if m.get("type") == "membership" and m.get("event") == "joined" and "first_step_s" in m:
+                if last is not None:
+                    total += (last - start) * batch
+                start, last = m["step"] - 1, None
+            elif m.get("type") == "step":
+                last = m["step"]
+        if last is not None:
+            total += (last - start) * batch
+    return total
 
 def summary_of(d):
     """The run's one summary (a JSON line on a process's stdout), and who wrote it."""
@@ -174,7 +199,7 @@ for mode in modes:
             if s is None:
                 continue
             wall = float(open(os.path.join(d, "wall_s")).read())
-            rate[faults].append(s["samples"] / wall)
+            rate[faults].append((s["samples"] if mode == "cfmo" else logged_samples(d)) / wall)
             acc[faults].append(s["test_accuracy"])
             if faults == "faults":
                 k = int(open(os.path.join(d, "kills")).read())
@@ -203,6 +228,7 @@ EOF
 what="$W ranks, ${DURATION}s of --time-limit each run; with faults, one killed (SIGKILL) every ${KILL_EVERY}s (ranks 3, 2, 1, 0, 3, ... in turn) and restarted with the same command ${RESTART_AFTER}s later"
 echo "$what"
 echo "$report"
+echo "sync and localsgd: samples from the metrics' step lines (their summary counts only the last processes')"
 echo "load average before/after (1, 5, 15 min): $load_before / $load_after; $((elapsed / 60)) min $((elapsed % 60)) s"
 if $record; then
   {
