@@ -225,7 +225,7 @@ if problems:
         print("- " + p)
 EOF
 )
-what="$W ranks, ${DURATION}s of --time-limit each run; with faults, one killed (SIGKILL) every ${KILL_EVERY}s (ranks 3, 2, 1, 0, 3, ... in turn) and restarted with the same command ${RESTART_AFTER}s later"
+what="$W ranks, ${DURATION}s of --time-limit each run; with faults, one killed (SIGKILL) every ${KILL_EVERY}s (ranks 3, 2, 1, 3, ... in turn, rank 0 last) and restarted with the same command ${RESTART_AFTER}s later"
 echo "$what"
 echo "$report"
 echo "sync and localsgd: samples from the metrics' step lines (their summary counts only the last processes')"
