@@ -19,8 +19,9 @@ inline constexpr comm::Channel kCheckpoint{
     10};  ///< cfmo/asgd: a request for the owners' shards, and the shards, for a checkpoint
 inline constexpr comm::Channel kReplica{
     11};  ///< cfmo: an owner's applied deltas (or whole state) for its shard's backup
-inline constexpr comm::Channel kElastic{13};   ///< sync --elastic, localsgd: the group's sums and re-forming
-inline constexpr comm::Channel kGathered{12};  ///< cfmo/asgd: the keeper holds every final shard: the others may leave
+inline constexpr comm::Channel kElastic{13};    ///< sync --elastic, localsgd: the group's sums and re-forming
+inline constexpr comm::Channel kGathered{12};   ///< cfmo/asgd: the keeper holds every final shard: the others may leave
 inline constexpr comm::Channel kRankState{20};  ///< cfmo/asgd: each rank's own state for the keeper's checkpoints
+inline constexpr comm::Channel kRunClock{21};   ///< a joiner asks the run's seconds so far (run_clock.h)
 
 }  // namespace cfmo::train::channels

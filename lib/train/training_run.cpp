@@ -59,6 +59,7 @@ TrainingRun::TrainingRun(const TrainConfig& config, const TrainPlan& plan, const
       expert_parallel(world > 1 && config.expert_parallel),
       joining(comm != nullptr && comm->joined()),
       process_start(options.process_start.value_or(Clock::now())),
+      run_clock(comm, run_start, joining),
       announced(static_cast<size_t>(world), false) {}
 
 Status TrainingRun::set_up() {
@@ -84,6 +85,14 @@ Status TrainingRun::join_run() {
   // The host optimizer, current: sync's joiner takes the group's inner state into it.
   CFMO_ASSIGN_OR_RETURN(optim::Optimizer * inner, engine->host_optimizer());
   CFMO_TRY(mode->join(replicated_part(params), *inner, pos));
+  // The run's clock, so that this process stops with the others at the time limit.
+  if (run_clock.adopt(config.peer_timeout)) {
+    run_start = run_clock.start();
+  } else if (time_limit_s > 0) {
+    observer().on_warning(fmt::format(
+        "rank {} joined, but no rank told the run's time within {:.1f}s: its --time-limit counts from its own start",
+        rank, config.peer_timeout));
+  }
   CFMO_TRY(engine->parameters_changed());
   CFMO_TRY(engine->optimizer_changed());
   // A position at the very end of an epoch continues with the next one.

@@ -25,6 +25,7 @@
 #include "train/device_engine.h"
 #include "train/metrics_log.h"
 #include "train/rank_states.h"
+#include "train/run_clock.h"
 #include "train/trainer.h"
 
 #include <algorithm>
@@ -160,7 +161,9 @@ struct TrainingRun {
   const TrainConfig& config;
   const TrainPlan plan;
   const TrainOptions& options;
-  const Clock::time_point run_start = Clock::now();
+  /// When the run started: this process's start, or for a joiner the run's
+  /// as the others told it (run_clock), which the time limit counts from.
+  Clock::time_point run_start = Clock::now();
   TrainObserver null_observer;
   comm::Communicator* comm;
   const int rank;
@@ -175,8 +178,9 @@ struct TrainingRun {
   /// takes the global state from the others and passes no start barrier.
   const bool joining;
   const Clock::time_point process_start;
-  double first_step_s = -1;    ///< a joiner: from process_start to the end of its first step
-  size_t joins_announced = 0;  ///< of comm->joined_ranks()
+  RunClock run_clock;                  ///< tells joiners the run's seconds; a joiner's own comes from it
+  double first_step_s = -1;            ///< a joiner: from process_start to the end of its first step
+  size_t joins_announced = 0;          ///< of comm->joined_ranks()
   std::string join_address_announced;  ///< comm->join_address() as last said
 
   // What the run trains, in the order they must be destroyed backwards (the
@@ -184,7 +188,7 @@ struct TrainingRun {
   std::unique_ptr<DataSource> source;
   std::unique_ptr<model::Model> model_ptr;
   std::string model_spec;
-  size_t replicated = 0;                     ///< model().replicated_size(): what the mode reconciles
+  size_t replicated = 0;                            ///< model().replicated_size(): what the mode reconciles
   std::vector<model::ParamInfo> replicated_layout;  ///< its tensors
   /// The part of a flat buffer in the model's layout that the mode sees.
   std::span<float> replicated_part(std::span<float> flat) const {
@@ -231,11 +235,11 @@ struct TrainingRun {
   /// Every rank takes part in each checkpoint with its own inner optimizer
   /// state: the ranks' optimizers drift apart between rounds (localsgd).
   bool gathers_optimizers = false;
-  int64_t gathered_step = -1;                                              ///< the step `gathered` is of
+  int64_t gathered_step = -1;                                                      ///< the step `gathered` is of
   std::vector<std::vector<std::pair<std::string, tensor::FloatBuffer>>> gathered;  ///< rank 0: ranks 1..W-1's
-  std::vector<int64_t> gathered_steps;            ///< rank 0: every rank's optimizer steps then
-  std::vector<tensor::FloatBuffer> gathered_residuals;    ///< rank 0: every rank's error feedback (cfmo), or none
-  std::vector<TrainPosition> gathered_positions;  ///< rank 0: every rank's position then
+  std::vector<int64_t> gathered_steps;                  ///< rank 0: every rank's optimizer steps then
+  std::vector<tensor::FloatBuffer> gathered_residuals;  ///< rank 0: every rank's error feedback (cfmo), or none
+  std::vector<TrainPosition> gathered_positions;        ///< rank 0: every rank's position then
   /// Adds what gather_optimizers gathered at this step to `data`.
   void add_gathered(CheckpointData& data) const;
   /// cfmo --deterministic, every rank at a round's end: the owners' state

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 
@@ -395,9 +396,11 @@ bool wait_for_text(std::vector<Background>& processes, const fs::path& file, con
 
 // Three ranks started by hand at `address` (DIR/out-K, DIR/err-K); rank 2
 // killed once it logged a step, reaped at once as a launcher does, and
-// restarted with the same variables (DIR/out-2b, DIR/err-2b; processes[3]).
+// restarted with the same variables (DIR/out-2b, DIR/err-2b; processes[3])
+// once `before_restart` (if any) returned.
 void start_three_and_restart_rank_two(Ranks& ranks, const TempDir& dir, const std::string& address,
-                                      const std::vector<std::string>& run_flags) {
+                                      const std::vector<std::string>& run_flags,
+                                      const std::function<void()>& before_restart = {}) {
   auto rank_env = [&](int r) {
     return std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address};
   };
@@ -410,6 +413,9 @@ void start_three_and_restart_rank_two(Ranks& ranks, const TempDir& dir, const st
       << slurp(dir / "err-0") << slurp(dir / "err-1") << slurp(dir / "err-2");
   kill(ranks.processes[2].pid, SIGKILL);
   ASSERT_TRUE(ranks.processes[2].wait(10));
+  if (before_restart) {
+    ASSERT_NO_FATAL_FAILURE(before_restart());
+  }
   ranks.processes.push_back(
       testing::spawn(args(run_flags), rank_env(2), (dir / "out-2b").string(), (dir / "err-2b").string()));
 }
@@ -572,6 +578,36 @@ TEST(CfmoTrainWorkers, CfmoKilledWorkersRejoinAndAJoinWithOtherFlagsIsRefused) {
   const std::string err = slurp(dir / "err-0");
   EXPECT_NE(err.find("rank 2 joined"), std::string::npos) << err;
   EXPECT_NE(err.find("rank 1 joined"), std::string::npos) << err;
+}
+
+// A process that joins a run under way takes the run's clock from the ranks
+// there: its --time-limit ends with theirs, not a whole limit after its own
+// start (the keeper then waited at the end for the joiner's shard, and
+// failed). Rank 2 restarted halfway through the limit: its loop ends by the
+// run's limit, it stopped by the time limit, and every rank exits 0.
+TEST(CfmoTrainWorkers, AJoinerStopsWithTheRunAtItsTimeLimit) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const double limit = 24;
+  const auto started = std::chrono::steady_clock::now();
+  auto since_start = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(); };
+  double restarted_at = 0;
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(
+      start_three_and_restart_rank_two(ranks, dir, address, rejoin_flags({"--mode", "cfmo"}, "24s", dir), [&] {
+        ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 2 lost (", 60)) << slurp(dir / "err-0");
+        while (since_start() < limit / 2) usleep(100000);
+        restarted_at = since_start();
+        ASSERT_LT(restarted_at, limit - 6) << "the machine is too slow for this test's timing";
+      }));
+  const auto j = summary_with_rank_two_rejoined(ranks, dir);
+  ASSERT_FALSE(j.is_null());
+  const auto& joiner = j["per_worker"][2];
+  EXPECT_EQ(joiner["stopped_by"], "time-limit") << j.dump();
+  // Its own limit would have let it train about `limit` seconds; the run's
+  // leaves it what remained after its restart (3 s for the ranks' start).
+  EXPECT_LT(joiner["loop_s"].get<double>(), limit - restarted_at + 3) << j.dump();
+  EXPECT_LT(j["wall_s"].get<double>(), limit + 15) << j.dump();
 }
 
 // Rank 0 killed: the lowest live rank leads, and serves joins at the

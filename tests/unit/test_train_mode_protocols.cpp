@@ -860,12 +860,10 @@ TEST(CfmoFailover, TwoLossesOneAfterTheOtherLoseNoShard) {
 
 // ---- Joining, over the loopback transport (with real processes: test_cfmo_train_workers.cpp) ----
 
-// A process in a killed owner's place: the rank that served its shard
-// meanwhile hands it back whole, the joiner starts from the global
-// parameters and its place's last position, and the next round of all three
-// moves every shard by their mean, each contribution weighing 1 / 3 again.
-TEST(CfmoJoin, AJoinerInAKilledOwnersPlaceGetsTheGlobalStateAndItsShardBack) {
-  Cluster c(3, settings_for("cfmo"));
+// Three cfmo ranks step once (10 samples each), rank 2 is killed, the
+// others take a round, and a new process comes in rank 2's place (not yet
+// joined): the global state is then expected_global(i, 3, 1, 0.125f).
+void step_kill_rank_two_and_rejoin(Cluster& c) {
   for (int k = 0; k < 3; ++k) {
     for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
     ASSERT_TRUE(c.step(k, 1, 10));
@@ -874,6 +872,15 @@ TEST(CfmoJoin, AJoinerInAKilledOwnersPlaceGetsTheGlobalStateAndItsShardBack) {
   c.kill(2, {0, 1});
   c.round({0, 1}, 2, 0.125f);
   ASSERT_NO_FATAL_FAILURE(c.rejoin(2));
+}
+
+// A process in a killed owner's place: the rank that served its shard
+// meanwhile hands it back whole, the joiner starts from the global
+// parameters and its place's last position, and the next round of all three
+// moves every shard by their mean, each contribution weighing 1 / 3 again.
+TEST(CfmoJoin, AJoinerInAKilledOwnersPlaceGetsTheGlobalStateAndItsShardBack) {
+  Cluster c(3, settings_for("cfmo"));
+  ASSERT_NO_FATAL_FAILURE(step_kill_rank_two_and_rejoin(c));
   TrainPosition position;
   const Status joined = c.join(2, position);
   ASSERT_TRUE(joined) << joined.error().message;
@@ -882,6 +889,31 @@ TEST(CfmoJoin, AJoinerInAKilledOwnersPlaceGetsTheGlobalStateAndItsShardBack) {
   for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(c.param(2)[i], expected_global(i, 3, 1, 0.125f), 1e-5f) << i;
   for (int r = 0; r < 3; ++r) EXPECT_EQ(c.mode(r).shard_served_by(2), 2) << r;
   c.round({0, 1, 2}, 3, 0.25f);
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  for (size_t i = 0; i < kSize; ++i) {
+    EXPECT_NEAR(global->params[i], expected_global(i, 3, 1, 0.125f) + 0.25f, 1e-5f) << i;
+  }
+}
+
+// An owner lost while a process joins in the place of its backup: the
+// joiner holds the owner's replica (sent when it came) and serves the shard
+// from it, so its own wait for the global state ends (it had waited for a
+// shard it owned but would not take up until it had joined).
+TEST(CfmoJoin, AnOwnerLostWhileItsBackupJoinsHasItsShardServedByTheJoiner) {
+  Cluster c(3, settings_for("cfmo"));
+  ASSERT_NO_FATAL_FAILURE(step_kill_rank_two_and_rejoin(c));
+  // The others take the join up (a snapshot's request makes them look): rank
+  // 0 hands shard 2 back, rank 1 sends its backup-to-be the whole of shard 1.
+  ASSERT_TRUE(c.mode(0).request_snapshot());
+  ASSERT_TRUE(c.world.network->drain());
+  c.kill(1, {0, 2});
+  TrainPosition position;
+  const Status joined = c.join(2, position);
+  ASSERT_TRUE(joined) << joined.error().message;
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(c.param(2)[i], expected_global(i, 3, 1, 0.125f), 1e-5f) << i;
+  for (int r : {0, 2}) EXPECT_EQ(c.mode(r).shard_served_by(1), 2) << r;
+  c.round({0, 2}, 3, 0.25f);
   auto global = c.snapshot();
   ASSERT_TRUE(global);
   for (size_t i = 0; i < kSize; ++i) {

@@ -440,6 +440,18 @@ class CfmoMode final : public AsyncMode {
     send_whole_locked(j, backup_of_locked(j));
   }
 
+  /// Under mutex_: this rank, shard `j`'s owner now, serves it from the replica it holds.
+  void serve_replica_locked(int j) {
+    auto r = replicas_.find(j);
+    Served taken;
+    taken.values = std::move(r->second.values);
+    taken.version = r->second.version;
+    outer_.insert_or_assign(j, std::move(r->second.outer));
+    replicas_.erase(r);
+    served_.insert_or_assign(j, std::move(taken));
+    backup_[j] = -1;
+  }
+
   /// A backup: an owner's applied contribution, or its whole state, into the replica.
   void on_replica(std::span<const std::byte> m) {
     uint32_t kind = 0;
@@ -457,6 +469,14 @@ class CfmoMode final : public AsyncMode {
     if (served_.count(j) != 0) return;  // this rank serves it now: an old owner's late words
     if (kind == kReplicaWhole) {
       if (auto r = take_whole(j, version, m)) replicas_.insert_or_assign(j, std::move(*r));
+      // A joiner that became the shard's owner before its replica came (the
+      // owner was lost while the message waited for the joiner's handler)
+      // serves it now, as the membership change would have.
+      if (joining_ && replicas_.count(j) != 0 && owner_of_locked(j) == comm_.rank()) {
+        serve_replica_locked(j);
+        outer_.at(j).set_contributions_per_round(live());
+        send_whole_locked(j, backup_of_locked(j));
+      }
       return;
     }
     float weight = 0;
@@ -473,8 +493,8 @@ class CfmoMode final : public AsyncMode {
   /// (a join brought that rank back) goes to it whole, with a replica this
   /// rank holds of a rank that came back (it may not have promoted it yet);
   /// the shards whose owner is this rank now take up their replicas (or,
-  /// where every holder was lost, this rank's last global values of them;
-  /// never on a joiner, whose own shard comes handed over); every shard served
+  /// where every holder was lost, this rank's last global values of them,
+  /// which a joiner does not have); every shard served
   /// gets its backup's whole state when its backup changed.
   void on_membership_change_locked(const std::vector<int>& newly_lost, const std::vector<int>& rejoined) override {
     const int me = comm_.rank();
@@ -500,21 +520,21 @@ class CfmoMode final : public AsyncMode {
       post_whole(r, kHandOver, r, replica->second.version, replica->second.values, replica->second.outer);
       replicas_.erase(replica);
     }
-    for (int j = 0; j < shards_ && !joining_; ++j) {
+    for (int j = 0; j < shards_; ++j) {
       if (owner_of_locked(j) != me || served_.count(j) != 0) continue;
-      Served taken;
-      const auto r = replicas_.find(j);
-      if (r != replicas_.end()) {
-        taken.values = std::move(r->second.values);
-        taken.version = r->second.version;
-        outer_.insert_or_assign(j, std::move(r->second.outer));
-        replicas_.erase(r);
-      } else {
-        const auto first = base_.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(j)]);
-        taken.values.assign(first, first + static_cast<std::ptrdiff_t>(shard_size(j)));
-        taken.version = base_version_[static_cast<size_t>(j)];
-        outer_.insert_or_assign(j, OuterOptimizer(settings_, shard_size(j), live()));
+      if (replicas_.count(j) != 0) {
+        serve_replica_locked(j);
+        continue;
       }
+      // A joiner's base_ is nobody's yet: it takes up only a replica it holds
+      // (a rank lost while it joins, whose backup it is; the joiner itself
+      // waits for that shard, here or when the replica comes); its own comes handed over.
+      if (joining_) continue;
+      Served taken;
+      const auto first = base_.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(j)]);
+      taken.values.assign(first, first + static_cast<std::ptrdiff_t>(shard_size(j)));
+      taken.version = base_version_[static_cast<size_t>(j)];
+      outer_.insert_or_assign(j, OuterOptimizer(settings_, shard_size(j), live()));
       served_.insert_or_assign(j, std::move(taken));
       backup_[j] = -1;
     }
