@@ -77,6 +77,17 @@ class Lazy : public ::testing::Test {
     fs::create_directories(point());
   }
 
+  /// The image pushed to `repository` with its indexes (made from a full pull), for mounts by REF; its REF.
+  std::string push_indexed(const std::string& repository) {
+    EXPECT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
+    const std::string ref = registry_->host() + "/" + repository + ":v1";
+    const RunResult full = pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"});
+    EXPECT_EQ(full.status, 0) << full.err;
+    const RunResult indexed = pull({"index", (out_ / "full").string(), "--span", kSpan, "--push", "-q"});
+    EXPECT_EQ(indexed.status, 0) << indexed.err;
+    return full.status == 0 && indexed.status == 0 ? ref : "";
+  }
+
   fs::path lazy_dir() const { return out_ / "lazy"; }
   fs::path point() const { return out_ / "mnt"; }
 
@@ -878,11 +889,8 @@ TEST_F(Lazy, MountsAnImageStraightFromTheRegistry) {
 // --background fetches every layer meanwhile, so the mount becomes a full
 // local copy without a restart, and status of the layout says so.
 TEST_F(Lazy, MountByRefRecordsPrefetchesWritesAndFetchesInTheBackground) {
-  const std::string repository = "byref/flags";
-  ASSERT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
-  const std::string ref = registry_->host() + "/" + repository + ":v1";
-  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
-  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", kSpan, "--push", "-q"}).status, 0);
+  const std::string ref = push_indexed("byref/flags");
+  if (ref.empty()) return;  // failed, said so
   fs::create_directories(point());
   const fs::path cache = out_ / "cache";
   const fs::path recorded = out_ / "served.txt";
@@ -1011,11 +1019,8 @@ TEST_F(Lazy, MountByRefRecordsPrefetchesWritesAndFetchesInTheBackground) {
 // mount's log says so once; a cap that leaves nothing for them is refused
 // before mounting. Nothing stays mounted or in the memory directory.
 TEST_F(Lazy, WritesInMemoryStayUnderMaxMemoryAndFailWithEnospcPastIt) {
-  const std::string repository = "byref/capped";
-  ASSERT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
-  const std::string ref = registry_->host() + "/" + repository + ":v1";
-  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
-  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", kSpan, "--push", "-q"}).status, 0);
+  const std::string ref = push_indexed("byref/capped");
+  if (ref.empty()) return;  // failed, said so
   fs::create_directories(point());
   const fs::path cache = out_ / "cache";
   const ShmDir shm;
