@@ -31,6 +31,7 @@ std::string store_owner(const fs::path& store) {
 
 void remove_counted(const fs::path& path, CleanupReport& report) {
   const int64_t bytes = tree_bytes(path);
+  detach_unused_uppers(path);  // a dead --writable mount's tmpfs would keep its directory
   remove_tree(path);
   report.removed.push_back({path, bytes});
   report.bytes += bytes;

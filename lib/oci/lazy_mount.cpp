@@ -27,6 +27,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 #define ZSTD_STATIC_LINKING_ONLY  // ZSTD_frameHeader, ZSTD_estimateDStreamSize: the decoder's memory
 #include <zstd.h>
@@ -800,6 +801,32 @@ struct LazyMount::Impl {
 
   bool valid(fuse_ino_t ino) const { return ino >= 1 && ino <= tree.nodes.size(); }
 
+  /// --writable in memory: the writes' tmpfs (mounted by the tool once this
+  /// process serves) looked at four times a second until the mount stops;
+  /// one line in the log each time it fills (the writes failing with ENOSPC).
+  void watch_upper() {
+    const UpperDir& upper = *report.upper;
+    bool full = false;
+    while (!stopping) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+      struct stat base {};
+      struct stat parent {};
+      struct statvfs fs {};
+      if (::stat(upper.base.c_str(), &base) != 0 || ::stat(upper.base.parent_path().c_str(), &parent) != 0 ||
+          base.st_dev == parent.st_dev || ::statvfs(upper.base.c_str(), &fs) != 0) {
+        continue;  // not mounted yet, or gone
+      }
+      const bool now = fs.f_bavail == 0;
+      if (now && !full) {
+        note(
+            fmt::format("--writable: the writes' memory is full ({} of --max-memory {} in {}): writes fail with "
+                        "ENOSPC until files there are removed",
+                        human_bytes(upper.bytes), human_bytes(options.max_memory), upper.upper.string()));
+      }
+      full = now;
+    }
+  }
+
   void begin_stop() {
     if (stopping.exchange(true)) return;
     registry_stop = true;
@@ -808,7 +835,7 @@ struct LazyMount::Impl {
     // files get EIO until they close them (then the kernel ends the session).
     // A --writable overlay above goes first (unless umount took it already), its writes with it.
     if (report.upper && mounted_source(point) == kLazySubtype) {
-      if (::umount2(point.c_str(), MNT_DETACH) == 0) remove_tree(report.upper->base);
+      if (::umount2(point.c_str(), MNT_DETACH) == 0) remove_upper(report.upper->base);
     }
     if (const Status detached = detach_mount(report.fuse_point); !detached) note(detached.error().message);
   }
@@ -1191,23 +1218,49 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
     l.index.entries.shrink_to_fit();
   }
 
-  // The memory: the process itself, the indexes and the tree, then the chunks being inflated.
-  constexpr int64_t kBaseline = int64_t{24} << 20;
+  // The memory: the process itself, the indexes and the tree, the
+  // background fetch when it runs, then the chunks being inflated, and
+  // what is left the writes' (in memory). The hot layers are not counted
+  // here: they are in the pull's memory store, under the pull's --max-memory.
   const int64_t tree_bytes = static_cast<int64_t>(m->tree.nodes.size() * (sizeof(LazyNode) + 48));
   uint64_t largest = 0;
   for (size_t l = 0; l < m->layers.size(); ++l) {
     for (size_t k = 0; k < m->layers[l].index.checkpoints.size(); ++k)
       largest = std::max(largest, m->chunk_memory({l, k}));
   }
-  const int64_t left = options.max_memory - kBaseline - m->report.index_bytes - tree_bytes;
+  const bool pending =
+      std::any_of(m->layers.begin(), m->layers.end(), [](const Impl::Layer& l) { return !l.info.local; });
+  m->report.fetcher_bytes = pending ? options.fetcher_memory : 0;
+  const int64_t taken = kProcessMemory + m->report.index_bytes + tree_bytes + m->report.fetcher_bytes;
+  const std::string fetcher_part =
+      m->report.fetcher_bytes > 0 ? fmt::format(", the background fetch {}", human_bytes(m->report.fetcher_bytes)) : "";
+  const int64_t left = options.max_memory - taken;
   if (left < static_cast<int64_t>(largest)) {
     return make_error(ErrorKind::kUsage,
-                      "--max-memory {}: the process takes about {}, the indexes and tree {}, and one span needs {} "
+                      "--max-memory {}: the process takes about {}, the indexes and tree {}{}, and one span needs {} "
                       "(index with a smaller --span, or allow more)",
-                      human_bytes(options.max_memory), human_bytes(kBaseline),
-                      human_bytes(m->report.index_bytes + tree_bytes), human_bytes(static_cast<int64_t>(largest)));
+                      human_bytes(options.max_memory), human_bytes(kProcessMemory),
+                      human_bytes(m->report.index_bytes + tree_bytes), fetcher_part,
+                      human_bytes(static_cast<int64_t>(largest)));
   }
-  m->budget = std::make_unique<MemoryBudget>(static_cast<size_t>(left));
+  m->report.read_bytes = left;
+  if (m->report.upper && m->report.upper->in_memory) {
+    // The reads keep what they use at most (a span a worker, and the
+    // prefetch's); the writes take the rest, in a tmpfs of that size.
+    constexpr int64_t kLeastWrites = int64_t{1} << 20;
+    const int64_t reads = std::min<int64_t>(left, static_cast<int64_t>(largest) * (std::max(1, options.jobs) + 1));
+    if (left - reads < kLeastWrites) {
+      return make_error(ErrorKind::kUsage,
+                        "--max-memory {}: the process takes about {}, the indexes and tree {}{}, the spans being read "
+                        "{}: less than {} left for --writable's writes in memory (allow more)",
+                        human_bytes(options.max_memory), human_bytes(kProcessMemory),
+                        human_bytes(m->report.index_bytes + tree_bytes), fetcher_part, human_bytes(reads),
+                        human_bytes(kLeastWrites));
+    }
+    m->report.read_bytes = reads;
+    m->report.upper->bytes = left - reads;
+  }
+  m->budget = std::make_unique<MemoryBudget>(static_cast<size_t>(m->report.read_bytes));
   m->report.entries = m->tree.nodes.size();
   m->report.cache = m->cache_dir();
   m->report.log = m->dir / kLazyLogFile;
@@ -1273,6 +1326,7 @@ Status LazyMount::mount() {
   replace_file(m.record, m.point.string() + "\n" + (own_store ? m.report.upper->base.string() + "\n" : ""));
   m.save_stats();  // this mount's counts, from zero
   m.note(fmt::format("mounted {} at {} (pid {})", m.dir.string(), m.point.string(), ::getpid()));
+  if (m.report.upper && m.report.upper->bytes > 0) m.workers.emplace_back([&m] { m.watch_upper(); });
   return {};
 }
 

@@ -13,7 +13,9 @@
 /// writes one line naming the layer and span to the mount's log, caches
 /// nothing, and is tried again by the next read. With `writable`, the file
 /// system is mounted below an overlay (mount.h) whose upper directory holds
-/// the writes.
+/// the writes; in memory, they have a tmpfs of their own sized to what
+/// max_memory leaves them, so a write past it fails with ENOSPC (one line
+/// in the mount's log says so when it fills).
 ///
 /// One thread reads the FUSE device and answers metadata from memory, and
 /// reads of cached spans from their files' open descriptors; reads of spans
@@ -46,6 +48,8 @@ inline constexpr const char* kLazyLogFile = "cfmo-pull-mount.log";
 inline constexpr const char* kLazyStatsFile = "stats.json";
 /// The file system's type (fuse.<subtype>) and its source's prefix, "cfmo-pull@PID".
 inline constexpr const char* kLazySubtype = "cfmo-pull";
+/// What a cfmo-pull process takes before its indexes and buffers (code, libraries, heap), for --max-memory.
+inline constexpr int64_t kProcessMemory = int64_t{24} << 20;
 
 /// One node of the merged tree. Its inode number is its place in the tree's vector, plus one.
 struct LazyNode {
@@ -100,6 +104,9 @@ struct LazyMountOptions {
   /// REF): the upper directory goes in a memory store of the mount's own
   /// made in this directory (mount_store_upper); empty: DIR/layers/rw/.
   std::filesystem::path upper_memory_dir;
+  /// The background fetch (--background) started beside the mount: its
+  /// process and buffers, taken from max_memory first when a layer is not local.
+  int64_t fetcher_memory = 0;
   double grace_s = 2;  ///< after SIGTERM: how long processes holding files open get EIO before the daemon ends
 };
 
@@ -120,7 +127,9 @@ struct LazyMountReport {
   std::filesystem::path cache;
   std::filesystem::path log;
   std::filesystem::path fuse_point;  ///< where the FUSE file system is mounted: the mount point, or below an overlay
-  std::optional<UpperDir> upper;     ///< --writable: where the writes go
+  std::optional<UpperDir> upper;     ///< --writable: where the writes go (in memory: upper->bytes of them at most)
+  int64_t read_bytes = 0;            ///< the budget of the spans being inflated
+  int64_t fetcher_bytes = 0;         ///< the background fetch's share, when it runs
 };
 
 /// A lazy mount: prepare() does all that can fail clearly (the pull's

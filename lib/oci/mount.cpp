@@ -273,19 +273,51 @@ bool upper_in_use(const fs::path& base) {
   return false;
 }
 
+void remove_upper(const fs::path& base) {
+  if (const auto m = mount_at(base); m && m->fstype == "tmpfs" && m->source == kMountSource) {
+    ::umount2(base.c_str(), MNT_DETACH);
+  }
+  remove_tree(base);
+}
+
+void detach_unused_uppers(const fs::path& path) {
+  const std::string under = path.string() + "/";
+  for (const auto& m : mounts()) {
+    if (m.fstype != "tmpfs" || m.source != kMountSource) continue;
+    if (m.point != path && !m.point.string().starts_with(under)) continue;
+    if (!upper_in_use(m.point)) ::umount2(m.point.c_str(), MNT_DETACH);
+  }
+}
+
 namespace {
 
-/// An empty upper and work directory, marked as ours (so umount may remove them); the overlay's option for them.
+/// An empty upper and work directory, marked as ours (so umount may remove
+/// them), in a tmpfs of their own when `u.bytes` is set; the overlay's option for them.
 Result<std::string> make_upper(const UpperDir& u, const fs::path& point) {
   std::error_code ec;
-  remove_tree(u.base);
+  remove_upper(u.base);
+  fs::create_directories(u.base, ec);
+  if (ec) return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", u.base.string(), ec.message());
+  if (u.bytes > 0) {
+    const std::string size = fmt::format("size={},mode=0755", u.bytes);
+    if (::mount(kMountSource, u.base.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, size.c_str()) != 0) {
+      const int error = errno;
+      remove_tree(u.base);
+      return make_error(error == EPERM ? ErrorKind::kUsage : ErrorKind::kInternal,
+                        "'{}': the tmpfs for --writable's writes ({}) failed: {}", u.base.string(), size,
+                        std::strerror(error));
+    }
+  }
   fs::create_directories(u.upper, ec);
   fs::create_directories(u.base / "work", ec);
-  if (ec) return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", u.base.string(), ec.message());
+  if (ec) {
+    remove_upper(u.base);
+    return make_error(ErrorKind::kInternal, "'{}': cannot create: {}", u.base.string(), ec.message());
+  }
   std::ofstream(u.base / kRwMarker) << point.string() << "\n";
   if (u.own_store) {
     if (auto marked = mark_memory_store(u.base, u.owner); !marked) {
-      remove_tree(u.base);
+      remove_upper(u.base);
       return marked.error();
     }
   }
@@ -299,7 +331,7 @@ Status mount_writable_overlay(const fs::path& lower, const UpperDir& upper, cons
   const std::string data = "lowerdir=" + lower.string() + upper_option;
   if (::mount(kMountSource, point.c_str(), "overlay", 0, data.c_str()) != 0) {
     const int error = errno;
-    remove_tree(upper.base);
+    remove_upper(upper.base);
     return make_error(error == EPERM || error == EACCES ? ErrorKind::kUsage : ErrorKind::kInternal,
                       "mount point '{}': the overlay for --writable failed: {}", point.string(), std::strerror(error));
   }
@@ -517,7 +549,7 @@ Status unmount_image(const fs::path& mountpoint) {
     const auto end = entry->super_options.find(',', at);
     const fs::path upper =
         unescape(entry->super_options.substr(at + key.size(), end == std::string::npos ? end : end - at - key.size()));
-    if (fs::exists(upper.parent_path() / kRwMarker, ec)) remove_tree(upper.parent_path());
+    if (fs::exists(upper.parent_path() / kRwMarker, ec)) remove_upper(upper.parent_path());
   }
   // Over a lazy mount (--lazy --writable), its daemon goes too.
   const std::string lower_key = "lowerdir=";

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -64,6 +65,10 @@ struct UpperDir {
   bool in_memory = false;       ///< `store` is memory-backed (tmpfs)
   bool own_store = false;       ///< `base` is a memory store of the mount's own, removed whole with it
   std::filesystem::path owner;  ///< own_store: the layout it belongs to (kStoreOwnerFile), for prune
+  /// in_memory, for mount --lazy: `base` is a tmpfs of its own of this
+  /// size (the writes' share of --max-memory), so writes past it fail with
+  /// ENOSPC rather than growing the store; 0: a plain directory.
+  int64_t bytes = 0;
 };
 UpperDir upper_dir_for(const std::filesystem::path& dir, const std::filesystem::path& store,
                        const std::filesystem::path& point);
@@ -78,6 +83,13 @@ UpperDir mount_store_upper(const std::filesystem::path& dir, const std::filesyst
 
 /// Whether a cfmo-pull overlay mounted now has its upper directory under `base`.
 bool upper_in_use(const std::filesystem::path& base);
+
+/// Removes an upper directory's base, its own tmpfs (UpperDir::bytes) detached first.
+void remove_upper(const std::filesystem::path& base);
+
+/// Detaches the tmpfs of --writable's writes mounted at or below `path`
+/// that no overlay uses (their mount died): the tree can be removed then.
+void detach_unused_uppers(const std::filesystem::path& path);
 
 /// In an upper directory's base: the mount point it was made for (it marks the base as ours to remove).
 inline constexpr const char* kRwMarker = ".cfmo-pull-rw";

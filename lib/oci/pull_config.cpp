@@ -154,7 +154,10 @@ void add_pull_options(OptionTable& t, PullConfig& c, PullCommand s) {
           mounting);
     t.add("cache_size", &c.cache_size, "--lazy: the on-disk cache of inflated spans, least recently used first out",
           mounting);
-    t.add("max_memory", &c.max_memory, "--lazy: memory the mount's process may use, its indexes included", mounting);
+    t.add("max_memory", &c.max_memory,
+          "--lazy: memory the whole mount may use: its process and indexes, the background fetch, and --writable's "
+          "writes in memory (a tmpfs of what is left: ENOSPC past it)",
+          mounting);
     t.add("background", &c.background,
           "--lazy: fetch the layers not fetched yet in a detached process meanwhile (the mount reads them locally "
           "once there)",

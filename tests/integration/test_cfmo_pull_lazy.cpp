@@ -18,6 +18,7 @@
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -74,6 +75,17 @@ class Lazy : public ::testing::Test {
     ASSERT_EQ(lazy.status, 0) << lazy.err;
     fs::copy(out_ / "full" / oci::kIndexDir, lazy_dir() / oci::kIndexDir);
     fs::create_directories(point());
+  }
+
+  /// The image pushed to `repository` with its indexes (made from a full pull), for mounts by REF; its REF.
+  std::string push_indexed(const std::string& repository) {
+    EXPECT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
+    const std::string ref = registry_->host() + "/" + repository + ":v1";
+    const RunResult full = pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"});
+    EXPECT_EQ(full.status, 0) << full.err;
+    const RunResult indexed = pull({"index", (out_ / "full").string(), "--span", kSpan, "--push", "-q"});
+    EXPECT_EQ(indexed.status, 0) << indexed.err;
+    return full.status == 0 && indexed.status == 0 ? ref : "";
   }
 
   fs::path lazy_dir() const { return out_ / "lazy"; }
@@ -877,11 +889,8 @@ TEST_F(Lazy, MountsAnImageStraightFromTheRegistry) {
 // --background fetches every layer meanwhile, so the mount becomes a full
 // local copy without a restart, and status of the layout says so.
 TEST_F(Lazy, MountByRefRecordsPrefetchesWritesAndFetchesInTheBackground) {
-  const std::string repository = "byref/flags";
-  ASSERT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
-  const std::string ref = registry_->host() + "/" + repository + ":v1";
-  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
-  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", kSpan, "--push", "-q"}).status, 0);
+  const std::string ref = push_indexed("byref/flags");
+  if (ref.empty()) return;  // failed, said so
   fs::create_directories(point());
   const fs::path cache = out_ / "cache";
   const fs::path recorded = out_ / "served.txt";
@@ -1002,6 +1011,89 @@ TEST_F(Lazy, MountByRefRecordsPrefetchesWritesAndFetchesInTheBackground) {
   EXPECT_EQ(Json::parse(removed.out, nullptr, false)["removed"].size(), 2u) << removed.out;
   EXPECT_TRUE(fs::is_empty(shm.path));
   EXPECT_EQ(lazy_layouts(cache), 0u);
+}
+
+// --writable in memory lives under --max-memory with the rest of the mount:
+// the writes get a tmpfs of what the process, its indexes and the spans
+// being read leave, a write past it fails with ENOSPC (not an OOM) and the
+// mount's log says so once; a cap that leaves nothing for them is refused
+// before mounting. Nothing stays mounted or in the memory directory.
+TEST_F(Lazy, WritesInMemoryStayUnderMaxMemoryAndFailWithEnospcPastIt) {
+  const std::string ref = push_indexed("byref/capped");
+  if (ref.empty()) return;  // failed, said so
+  fs::create_directories(point());
+  const fs::path cache = out_ / "cache";
+  const ShmDir shm;
+  struct Detach {  // whatever the test did: the writes' tmpfs is not left mounted
+    const ShmDir& shm;
+    ~Detach() {
+      std::error_code ec;
+      for (const auto& e : fs::directory_iterator(shm.path, ec)) ::umount2(e.path().c_str(), MNT_DETACH);
+    }
+  } detach{shm};
+  const auto args = [&](const std::string& cap) {
+    return std::vector<std::string>{"mount",           "--lazy",       ref,      point().string(), "--cache",
+                                    cache.string(),    "--plain-http", "--json", "--writable",     "--memory-dir",
+                                    shm.path.string(), "--max-memory", cap};
+  };
+  MOUNT_WITH_OR_SKIP(j, args("32M"));
+  ASSERT_TRUE(j["upper_bytes"].is_number()) << j;
+  const int64_t cap = int64_t{32} << 20;
+  const int64_t writes = j["upper_bytes"].get<int64_t>();
+  EXPECT_GT(writes, int64_t{1} << 20) << j;
+  EXPECT_LE(writes + j["read_bytes"].get<int64_t>() + oci::kProcessMemory + j["index_bytes"].get<int64_t>(), cap) << j;
+  const fs::path upper = j["upper"].get<std::string>();
+  struct statvfs space {};
+  ASSERT_EQ(::statvfs(upper.c_str(), &space), 0);
+  EXPECT_LE(static_cast<int64_t>(space.f_blocks * space.f_frsize), writes + 4096);
+  EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");  // read through, under the same cap
+
+  // Writing twice the share: ENOSPC once it is used up, never more than it.
+  const int fd = ::open((point() / "big").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  const std::string block(1 << 20, 'w');
+  int64_t written = 0;
+  int error = 0;
+  while (written < 2 * writes) {
+    const ssize_t n = ::write(fd, block.data(), block.size());
+    if (n < 0) {
+      error = errno;
+      break;
+    }
+    written += n;
+  }
+  ::close(fd);
+  EXPECT_EQ(error, ENOSPC) << std::strerror(error);
+  EXPECT_LE(written, writes);
+  const std::string full = "the writes' memory is full";
+  const fs::path mount_log = fs::path(j["log"].get<std::string>());
+  for (int i = 0; i < 100 && slurp(mount_log).find(full) == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // a second line would be there by now
+  size_t lines = 0;
+  for (const auto& line : testing::lines(slurp(mount_log))) lines += line.find(full) != std::string::npos ? 1 : 0;
+  EXPECT_EQ(lines, 1u) << slurp(mount_log);
+  EXPECT_NE(slurp(mount_log).find("ENOSPC"), std::string::npos);
+  // Room again once the file goes; the mount still reads.
+  fs::remove(point() / "big");
+  std::ofstream(point() / "etc" / "new") << "written\n";
+  EXPECT_EQ(slurp(upper / "etc" / "new"), "written\n");
+  EXPECT_EQ(slurp(point() / "usr" / "bin" / "tool"), "#!/bin/sh\necho tool\n");
+  umount();
+  EXPECT_TRUE(fs::is_empty(point()));
+  EXPECT_TRUE(fs::is_empty(shm.path)) << "the writes' tmpfs outlived umount";
+
+  // A cap that leaves nothing for the writes: one line naming --max-memory and --writable, nothing mounted.
+  const RunResult small = pull(args("25M"));
+  EXPECT_EQ(small.status, 2) << small.err;
+  EXPECT_EQ(testing::lines(small.err).size(), 1u) << small.err;
+  EXPECT_NE(small.err.find("--max-memory"), std::string::npos) << small.err;
+  EXPECT_NE(small.err.find("--writable"), std::string::npos) << small.err;
+  EXPECT_TRUE(fs::is_empty(point()));
+  EXPECT_TRUE(fs::is_empty(shm.path));
+  EXPECT_TRUE(oci::mounted_source(fs::canonical(point())).empty());
+  EXPECT_EQ(pull({"rm", j["dir"].get<std::string>(), "-q"}).status, 0);
 }
 
 // rm DIR takes a lazy mount's whole footprint: the layout, its span cache
