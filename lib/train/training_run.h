@@ -145,6 +145,9 @@ struct TrainingRun {
   /// where their shards went, and those a new process joined, and writes each
   /// as a membership line of metrics.jsonl.
   Status announce_lost();
+  /// At an epoch's start: the world grew (a join took no lost rank's place),
+  /// so its global batches are cut among the grown world's ranks from now on.
+  void take_up_growth();
   /// cfmo --expert-parallel, the keeper after the whole model was assembled
   /// with a lost rank's experts: one line saying where they came from, and
   /// the summary's lost entries the same.
@@ -175,8 +178,8 @@ struct TrainingRun {
   /// takes the global state from the others and passes no start barrier.
   const bool joining;
   const Clock::time_point process_start;
-  double first_step_s = -1;    ///< a joiner: from process_start to the end of its first step
-  size_t joins_announced = 0;  ///< of comm->joined_ranks()
+  double first_step_s = -1;            ///< a joiner: from process_start to the end of its first step
+  size_t joins_announced = 0;          ///< of comm->joined_ranks()
   std::string join_address_announced;  ///< comm->join_address() as last said
 
   // What the run trains, in the order they must be destroyed backwards (the
@@ -184,7 +187,7 @@ struct TrainingRun {
   std::unique_ptr<DataSource> source;
   std::unique_ptr<model::Model> model_ptr;
   std::string model_spec;
-  size_t replicated = 0;                     ///< model().replicated_size(): what the mode reconciles
+  size_t replicated = 0;                            ///< model().replicated_size(): what the mode reconciles
   std::vector<model::ParamInfo> replicated_layout;  ///< its tensors
   /// The part of a flat buffer in the model's layout that the mode sees.
   std::span<float> replicated_part(std::span<float> flat) const {
@@ -203,6 +206,7 @@ struct TrainingRun {
   int batch = 0;
   int64_t global_batch = 0;
   int64_t batches_per_epoch = 0;
+  int data_world = 1;  ///< the ranks each global batch is cut among: the world, grown at an epoch's start
   int64_t step_limit = INT64_MAX;
   int64_t token_windows = 0;
   int64_t token_steps = 0;
@@ -231,11 +235,11 @@ struct TrainingRun {
   /// Every rank takes part in each checkpoint with its own inner optimizer
   /// state: the ranks' optimizers drift apart between rounds (localsgd).
   bool gathers_optimizers = false;
-  int64_t gathered_step = -1;                                              ///< the step `gathered` is of
+  int64_t gathered_step = -1;                                                      ///< the step `gathered` is of
   std::vector<std::vector<std::pair<std::string, tensor::FloatBuffer>>> gathered;  ///< rank 0: ranks 1..W-1's
-  std::vector<int64_t> gathered_steps;            ///< rank 0: every rank's optimizer steps then
-  std::vector<tensor::FloatBuffer> gathered_residuals;    ///< rank 0: every rank's error feedback (cfmo), or none
-  std::vector<TrainPosition> gathered_positions;  ///< rank 0: every rank's position then
+  std::vector<int64_t> gathered_steps;                  ///< rank 0: every rank's optimizer steps then
+  std::vector<tensor::FloatBuffer> gathered_residuals;  ///< rank 0: every rank's error feedback (cfmo), or none
+  std::vector<TrainPosition> gathered_positions;        ///< rank 0: every rank's position then
   /// Adds what gather_optimizers gathered at this step to `data`.
   void add_gathered(CheckpointData& data) const;
   /// cfmo --deterministic, every rank at a round's end: the owners' state
