@@ -285,13 +285,16 @@ class UcxCommunicator final : public CommunicatorBase {
     wake_fd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     const auto now = Clock::now();
     std::fill(last_heard_.begin(), last_heard_.end(), now);
-    progress_thread_ = std::thread([this] { progress_loop(); });
+    // The table before the progress thread starts: a membership note it
+    // handles at once (a second joiner admitted while this one connects)
+    // writes its entry there.
     addresses_ = std::move(met.addresses);
     description_ = rendezvous.description;
     join_host_ = rendezvous.host;
     join_port_ = rendezvous.port;
     grow_ = rendezvous.grow;
     first_size_ = met.first_size;
+    progress_thread_ = std::thread([this] { progress_loop(); });
     if (met.listener) {
       join_listener_ = std::move(met.listener);
       std::lock_guard lock(join_mutex_);
