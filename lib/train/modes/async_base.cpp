@@ -268,7 +268,7 @@ Status AsyncMode::take_global_state(std::span<float> params, TrainPosition& posi
     // Every shard, and the position if the keeper knew one (a rank lost before its first report had none).
     const bool placed = [&] {
       std::lock_guard lock(mutex_);
-      return join_position_.step > 0 || Clock::now() - first_asked > std::chrono::seconds(1);
+      return join_position_.step > 0 || keeper_answered_ || Clock::now() - first_asked > std::chrono::seconds(1);
     }();
     if (!ready_for_join) ready_for_join = take_snapshot();
     if (auto& got = ready_for_join; got && placed && got->params.size() == params.size()) {
@@ -599,6 +599,8 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
   if (kind != kSnapshotShard || !take(m, has_position) || (has_position != 0 && !take_position(m, position))) return;
   std::lock_guard lock(mutex_);
   if (has_position != 0 && position.samples >= join_position_.samples) join_position_ = position;
+  // The keeper keeps every rank's position: its answer says all there is (none for a new rank), no need to wait.
+  if (from == keeper_locked()) keeper_answered_ = true;
   if (id != snapshot_id_ || !take_owner_shards(m, snapshot_)) return;
   if (snapshot_.count < shards_) return;
   // Every shard is in (one whose every holder was lost never is: then no checkpoint is whole).

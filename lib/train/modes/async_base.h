@@ -379,6 +379,7 @@ class AsyncMode : public Mode {
   std::vector<int> last_lost_;               ///< comm_.lost_ranks() as refresh_membership last saw it
   std::vector<int64_t> retired_samples_;     ///< see retired_samples(); none until a join
   TrainPosition join_position_;              ///< a joiner: its place's last position, from the owners' answers
+  bool keeper_answered_ = false;             ///< a joiner: the keeper's answer (with the position it knew) is in
   Error cut_off_{ErrorKind::kPeer, {}};      ///< see cut_off(); empty message: not cut off
   size_t lost_count_ = 0;                    ///< how many
   std::atomic<int> live_{comm_.size()};      ///< see live()
