@@ -38,6 +38,13 @@ std::vector<int> PeerHealth::lost_ranks() const {
   return out;
 }
 
+void PeerHealth::grow(int size) {
+  std::lock_guard lock(mutex_);
+  if (static_cast<size_t>(size) <= lost_.size()) return;
+  lost_.resize(static_cast<size_t>(size));
+  departed_.resize(static_cast<size_t>(size), false);
+}
+
 void PeerHealth::rejoined(int peer) {
   std::lock_guard lock(mutex_);
   lost_[static_cast<size_t>(peer)].clear();

@@ -30,6 +30,10 @@ class PeerHealth {
   bool stopping() const { return stopping_.load(); }
 
   std::vector<int> lost_ranks() const;
+  /// The world grew to `size` ranks (a join with no rank lost): the new
+  /// ones start alive. Called before the transport's size says so, so that
+  /// a rank below size() is always known here.
+  void grow(int size);
   /// A new process took the place of `peer` (a join): it is live again, and
   /// its join is recorded (joined_ranks).
   void rejoined(int peer);

@@ -23,7 +23,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr uint32_t kMagic = 0x4346'4D4F;  // "CFMO"
-constexpr uint32_t kVersion = 2;          // 2: joins
+constexpr uint32_t kVersion = 3;          // 2: joins; 3: an offer says the run's first size (the world may grow)
 constexpr uint32_t kMaxAddress = 1 << 20;
 
 /// A socket, closed when it goes out of scope.
@@ -260,6 +260,7 @@ Result<Rendezvous> ask_rank_zero(const RendezvousConfig& config, int rank, int s
       Rendezvous out;
       out.rank = rank;
       out.size = size;
+      out.first_size = size;
       CFMO_ASSIGN_OR_RETURN(out.addresses, recv_table(s.get(), static_cast<uint32_t>(size), deadline, what));
       return out;
     }
@@ -279,8 +280,9 @@ Result<Rendezvous> ask_rank_zero(const RendezvousConfig& config, int rank, int s
     out.joined = true;
     CFMO_ASSIGN_OR_RETURN(uint32_t offered, recv_u32(s.get(), deadline, what));
     CFMO_ASSIGN_OR_RETURN(uint32_t world, recv_u32(s.get(), deadline, what));
+    CFMO_ASSIGN_OR_RETURN(uint32_t first, recv_u32(s.get(), deadline, what));
     CFMO_ASSIGN_OR_RETURN(auto description, recv_bytes(s.get(), deadline, what));
-    if (world < 2 || offered >= world)
+    if (world < 2 || offered >= world || first < 1 || first > world)
       return peer_error(fmt::format("{}: rank 0 offered rank {} of {}", what, offered, world));
     if (const Status fits = check_description(config, description); !fits) {
       // Declined: rank 0 takes nobody in, the run goes on as it was.
@@ -290,6 +292,7 @@ Result<Rendezvous> ask_rank_zero(const RendezvousConfig& config, int rank, int s
     CFMO_TRY(send_u32s(s.get(), {1u}, deadline, what));
     out.rank = static_cast<int>(offered);
     out.size = static_cast<int>(world);
+    out.first_size = static_cast<int>(first);
     CFMO_ASSIGN_OR_RETURN(out.addresses, recv_table(s.get(), world, deadline, what));
     out.lost.resize(world);
     for (uint32_t r = 0; r < world; ++r) {
@@ -320,14 +323,18 @@ Result<Hello> read_hello(int fd, Clock::time_point deadline) {
 
 }  // namespace
 
-Status serve_join(int socket, int size, const std::string& description, const JoinHooks& hooks, double timeout_s) {
+Status serve_join(int socket, int size, int first_size, const std::string& description, const JoinHooks& hooks,
+                  double timeout_s) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   CFMO_ASSIGN_OR_RETURN(Hello hello, read_hello(socket, std::min(deadline, Clock::now() + std::chrono::seconds(5))));
   const int asked = hello.rank == kAny ? kAnyRank : static_cast<int>(std::min<uint32_t>(hello.rank, 1u << 30));
   const JoinHooks::Decision decision = hooks.decide(asked, static_cast<int>(std::min<uint32_t>(hello.size, 1u << 30)));
   if (decision.rank < 0) return send_refusal(socket, decision.retry, decision.refusal, description, deadline);
   const std::string what = fmt::format("offering rank {} to a joining process", decision.rank);
-  CFMO_TRY(send_u32s(socket, {kAnswerOffer, static_cast<uint32_t>(decision.rank), static_cast<uint32_t>(size)},
+  const int world = std::max(size, decision.world);
+  CFMO_TRY(send_u32s(socket,
+                     {kAnswerOffer, static_cast<uint32_t>(decision.rank), static_cast<uint32_t>(world),
+                      static_cast<uint32_t>(first_size)},
                      deadline, what));
   CFMO_TRY(send_bytes(socket, std::as_bytes(std::span(description.data(), description.size())), deadline, what));
   CFMO_ASSIGN_OR_RETURN(uint32_t accepted, recv_u32(socket, deadline, what));
@@ -346,6 +353,7 @@ Result<Rendezvous> exchange_addresses(const RendezvousConfig& config, int rank, 
   Rendezvous out;
   out.rank = 0;
   out.size = size;
+  out.first_size = size;
   if (config.listen_fd >= 0) {
     out.listener = Socket(config.listen_fd);
   } else {

@@ -3,13 +3,14 @@
 /// it its transport address, and rank 0 answers each with the table of all
 /// of them. After that ranks talk directly. Rank 0 keeps listening: a
 /// process that comes later (`--join`, or a rank restarted with its launcher's
-/// variables) is offered the place of a lost rank and the run's description;
+/// variables) is offered the place of a lost rank (or, in a run that may
+/// grow and has none lost, a new rank W of W + 1) and the run's description;
 /// it declines (a mismatched flag) or accepts, and then gets the table.
 ///
 /// The exchange (u32 big-endian):
 ///   hello   [magic "CFMO"][version 2][rank, or ~0 for any][size, or 0][u32 n][address]
 ///   answer  [0: table][u32 size][size x ([u32 n][address])]               the start
-///           [1: offer][u32 rank][u32 size][u32 n][description]            a join;
+///           [1: offer][u32 rank][u32 size][u32 first size][u32 n][description]  a join;
 ///               then [u32 1 accept | 0 decline], and after an accept
 ///               [u32 size][size x ([u32 n][address])][size x u32 lost]
 ///           [2: refusal][u32 1 retry | 0 final][u32 n][reason][u32 n][description]
@@ -42,6 +43,10 @@ struct RendezvousConfig {
   double timeout_s = 60;    ///< how long to wait for every rank (a joiner: for a free rank)
   std::string description;  ///< rank 0: what a joiner is shown (cfmo-train: the run's configuration)
   JoinCheck check;          ///< a joiner: looks at the description; none accepts
+  /// The run may grow: a join when no rank is lost is a new rank W (the
+  /// world becomes W + 1), not refused until one is lost. Only for runs whose
+  /// mode takes new members (the leader's side decides).
+  bool grow = false;
 };
 
 /// What the rendezvous gave this process.
@@ -51,7 +56,8 @@ struct Rendezvous {
   std::vector<std::vector<std::byte>> addresses;  ///< every rank's, indexed by rank
   std::vector<bool> lost;                         ///< a join: the ranks lost as rank 0 saw them
   bool joined = false;                            ///< the run was under way: this process joined it
-  Fd listener;                                    ///< rank 0: where later processes ask to join
+  int first_size = 0;  ///< the world's size when the run started (a joiner: as the leader said; it may have grown)
+  Fd listener;         ///< rank 0: where later processes ask to join
 };
 
 /// Rank 0's side of a join, asked by serve_join.
@@ -62,6 +68,7 @@ struct JoinHooks {
     int rank = -1;
     std::string refusal;  ///< why not (when rank < 0)
     bool retry = true;    ///< the refusal may pass (a rank not yet found lost)
+    int world = 0;        ///< the world's size the process joins: more than now when it grows the world; 0: as now
   };
   std::function<Decision(int rank, int size)> decide;
   /// Takes the process in as `rank` at `address`; returns every rank's
@@ -74,7 +81,8 @@ struct JoinHooks {
 /// Rank 0: serves one process that connected to `listener` after the start
 /// (the caller accepts it): offer, answer, admission. Errors concern that
 /// process only.
-Status serve_join(int socket, int size, const std::string& description, const JoinHooks& hooks, double timeout_s);
+Status serve_join(int socket, int size, int first_size, const std::string& description, const JoinHooks& hooks,
+                  double timeout_s);
 
 /// "host:port" (IPv4, a name, or [IPv6]:port).
 Result<RendezvousConfig> parse_rendezvous(const std::string& text);

@@ -38,7 +38,8 @@ using Clock = std::chrono::steady_clock;
 constexpr uint8_t kCollective = 0;
 constexpr uint8_t kHeartbeat = 0xFF;
 constexpr uint8_t kGoodbye = 0xFE;  // a rank is leaving on purpose: its disconnect is not a failure
-// Joins: [u8 kRejoinedNote][u32 rank][its address] the leader to the others, [u8 kJoinAck][u32 rank] back.
+// Joins: [u8 kRejoinedNote][u32 rank][its address] the leader to the others (a rank past the
+// world's end: it grows), [u8 kJoinAck][u32 rank] back.
 constexpr uint8_t kMembership = 0xFD;
 constexpr uint8_t kRejoinedNote = 1;
 constexpr uint8_t kJoinAck = 2;
@@ -246,7 +247,7 @@ Result<UcxWorker> open_worker() {
   return out;
 }
 
-class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
+class UcxCommunicator final : public CommunicatorBase {
  public:
   UcxCommunicator(int rank, int size, UcxOptions options, UcxWorker opened, bool joined)
       : CommunicatorBase(rank, size),
@@ -257,7 +258,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
         context_(std::move(opened.context)),
         worker_(std::move(opened.worker)),
         worker_fd_(opened.worker_fd),
-        collectives_(*this) {
+        starting_world_(*this, rank, size),
+        collectives_(starting_world_) {
     last_heard_.assign(static_cast<size_t>(size), Clock::now());
     incarnation_.assign(static_cast<size_t>(size), 0);
     current_context_.assign(static_cast<size_t>(size), nullptr);
@@ -283,11 +285,16 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     wake_fd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     const auto now = Clock::now();
     std::fill(last_heard_.begin(), last_heard_.end(), now);
-    progress_thread_ = std::thread([this] { progress_loop(); });
+    // The table before the progress thread starts: a membership note it
+    // handles at once (a second joiner admitted while this one connects)
+    // writes its entry there.
     addresses_ = std::move(met.addresses);
     description_ = rendezvous.description;
     join_host_ = rendezvous.host;
     join_port_ = rendezvous.port;
+    grow_ = rendezvous.grow;
+    first_size_ = met.first_size;
+    progress_thread_ = std::thread([this] { progress_loop(); });
     if (met.listener) {
       join_listener_ = std::move(met.listener);
       std::lock_guard lock(join_mutex_);
@@ -306,8 +313,10 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
+  // The collectives are of the world this process started in: a rank that
+  // came later takes part in none (its joiner's sequence is not theirs).
   Status all_reduce_sum(std::span<float> data) override {
-    if (size_ == 1) return {};
+    if (starting_world_.size() == 1) return {};
     return run_collective([this, data] { return collectives_.all_reduce_sum(data); });
   }
 
@@ -317,7 +326,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   }
 
   Status barrier() override {
-    if (size_ == 1) return {};
+    if (starting_world_.size() == 1) return {};
     return run_collective([this] { return collectives_.barrier(); });
   }
 
@@ -340,10 +349,30 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
  private:
   // A joiner's exchange with the join service, from its hello to its table.
   static constexpr double kJoinTimeoutS = 10;
+  // A tag has 24 bits for the source rank.
+  static constexpr int kMaxRank = (1 << 24) - 1;
 
   struct ErrorContext {
     UcxCommunicator* self = nullptr;
     int peer = -1;
+  };
+
+  /// The point-to-point seam the collectives run over: this communicator's
+  /// exchange, among the ranks of the world as it started (it may grow).
+  class StartingWorld final : public PointToPoint {
+   public:
+    StartingWorld(UcxCommunicator& self, int rank, int size) : self_(self), rank_(rank), size_(size) {}
+    int rank() const override { return rank_; }
+    int size() const override { return size_; }
+    Status exchange(uint32_t tag, std::span<const SendTo> sends, std::span<const ReceiveFrom> receives,
+                    std::string_view what) override {
+      return self_.exchange(tag, sends, receives, what);
+    }
+
+   private:
+    UcxCommunicator& self_;
+    const int rank_;
+    const int size_;
   };
 
   static void on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
@@ -382,6 +411,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   /// (what it still had in flight fails without blaming the new process),
   /// the new one comes, and the peer is live again.
   void take_rejoined(int peer, const std::vector<std::byte>& address) {
+    grow_to(peer + 1);
     const auto p = static_cast<size_t>(peer);
     ++incarnation_[p];
     current_context_[p] = nullptr;
@@ -394,6 +424,28 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     peers_.rejoined(peer);
     std::lock_guard lock(join_mutex_);
     addresses_[p] = address;  // should this rank come to lead: the table a joiner gets
+  }
+
+  /// The world grew to `size` ranks (a join with no rank lost): the peer
+  /// tables first, then the health's, then the size others read, so that
+  /// any rank below size() is known everywhere here. Ranks between the old
+  /// size and the new one's last (notes this rank never got: cannot happen
+  /// over one ordered link, but never index past a table) start lost.
+  void grow_to(int size) {
+    const int before = size_.load();
+    if (size <= before) return;
+    const auto n = static_cast<size_t>(size);
+    endpoints_.resize(n);
+    last_heard_.resize(n, Clock::now());
+    incarnation_.resize(n, 0);
+    current_context_.resize(n, nullptr);
+    {
+      std::lock_guard lock(join_mutex_);
+      addresses_.resize(n);
+    }
+    peers_.grow(size);
+    for (int r = before; r < size - 1; ++r) peers_.mark_lost(r, "joined while this rank did not hear of it");
+    size_.store(size);
   }
 
   static std::vector<std::byte> membership_note(uint8_t kind, int rank, std::span<const std::byte> address = {}) {
@@ -409,7 +461,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
     if (m.size() < 5) return;
     uint32_t who = 0;
     std::memcpy(&who, m.data() + 1, 4);
-    if (who >= static_cast<uint32_t>(size_) || static_cast<int>(who) == rank_) return;
+    // A rank past the end is a new one: the world grows (the leader's notes come in order).
+    if (who > static_cast<uint32_t>(std::min(kMaxRank, size_.load() + 1024)) || static_cast<int>(who) == rank_) return;
     const auto kind = static_cast<uint8_t>(m[0]);
     // From the leader (the lowest live rank as it saw it: rank 0 until lost).
     if (kind == kRejoinedNote) {
@@ -468,27 +521,33 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
       const Fd s(::accept4(join_listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
       if (s.get() < 0) continue;
       // What goes wrong with one joiner concerns it alone: the run goes on.
-      [[maybe_unused]] const Status served = serve_join(s.get(), size_, description_, hooks, kJoinTimeoutS);
+      [[maybe_unused]] const Status served =
+          serve_join(s.get(), size_.load(), first_size_, description_, hooks, kJoinTimeoutS);
     }
   }
 
   /// A joiner takes a lost rank above the leader's (this one's): the
   /// keeper's duties (the budget, checkpoints, the final model: the lowest
   /// live rank's) never move to a new process that knows nothing of them.
+  /// With none lost, a run that may grow takes it as a new rank W (of W + 1).
+  /// One join at a time (this thread serves them in turn), so two joiners
+  /// never get the same rank.
   JoinHooks::Decision decide_join(int rank, int size) const {
-    if (size != 0 && size != size_) {
-      return {-1, fmt::format("the run has {} ranks; this process was started for {}", size_, size), false};
+    const int world = size_.load();
+    if (size != 0 && size != world) {
+      return {-1, fmt::format("the run has {} ranks; this process was started for {}", world, size), false};
     }
     if (peers_.stopping() || join_stop_.load()) return {-1, "the run is ending", false};
     if (rank == kAnyRank) {
-      for (int r = rank_ + 1; r < size_; ++r) {
+      for (int r = rank_ + 1; r < world; ++r) {
         if (is_lost(r)) return {r, {}, true};
       }
-      return {-1, fmt::format("no rank is free: all {} ranks are alive", size_), true};
+      if (grow_ && world < kMaxRank) return {world, {}, true, world + 1};
+      return {-1, fmt::format("no rank is free: all {} ranks are alive", world), true};
     }
-    if (rank <= rank_ || rank >= size_) {
+    if (rank <= rank_ || rank >= world) {
       return {-1,
-              fmt::format("rank {} cannot join a run of {} ranks whose rank {} serves the joins", rank, size_, rank_),
+              fmt::format("rank {} cannot join a run of {} ranks whose rank {} serves the joins", rank, world, rank_),
               false};
     }
     if (!is_lost(rank)) return {-1, fmt::format("rank {} is still alive in the run", rank), true};
@@ -532,8 +591,9 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
                });
       });
     }
-    std::vector<bool> lost(static_cast<size_t>(size_), false);
-    for (int r = 0; r < size_; ++r) lost[static_cast<size_t>(r)] = r != rank && is_lost(r);
+    const int world = size_.load();
+    std::vector<bool> lost(static_cast<size_t>(world), false);
+    for (int r = 0; r < world; ++r) lost[static_cast<size_t>(r)] = r != rank && is_lost(r);
     std::lock_guard lock(join_mutex_);
     return std::pair{addresses_, lost};
   }
@@ -659,6 +719,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   }
 
   void complete_receive(Pending& p) {
+    if (p.peer < 0 || p.peer >= size_) return;  // a rank this one does not know yet: nobody could read it
     if (p.channel != kHeartbeat && p.channel != kGoodbye && p.channel != kMembership) {
       stats_bytes_received_ += p.payload.size();
       ++stats_messages_received_;
@@ -906,7 +967,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   /// The point-to-point seam under the collectives: receives and sends
   /// posted alternately (a receive before the send to the same step's peer).
   Status exchange(uint32_t tag, std::span<const SendTo> sends, std::span<const ReceiveFrom> receives,
-                  std::string_view what) override {
+                  std::string_view what) {
     std::vector<std::pair<UcpRequest, int>> requests;
     requests.reserve(sends.size() + receives.size());
     for (size_t i = 0; i < std::max(sends.size(), receives.size()); ++i) {
@@ -1036,7 +1097,7 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   }
 
   const int rank_;
-  const int size_;
+  std::atomic<int> size_;            ///< the world now: grows with joins (changed on the thread that holds the worker)
   const bool joined_;                ///< this rank joined a run under way
   bool unclosed_endpoints_ = false;  ///< a forced close that did not finish: see release()
   const UcxOptions options_;
@@ -1069,7 +1130,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   std::vector<Clock::time_point> last_heard_;
   Clock::time_point last_heartbeat_{};
   Clock::time_point last_activity_{};
-  Collectives collectives_;  ///< on the thread that holds worker_mutex_
+  StartingWorld starting_world_;  ///< the ranks the collectives run among
+  Collectives collectives_;       ///< on the thread that holds worker_mutex_
 
   // The join service (its own thread, cfmo-join), serving while this rank leads.
   Fd join_listener_;  ///< join thread (rank 0's from the start)
@@ -1079,6 +1141,8 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
   std::string description_;                        ///< what a joiner is shown
   std::string join_host_;                          ///< the rendezvous address, where joiners come
   uint16_t join_port_ = 0;
+  bool grow_ = false;              ///< a join with no rank lost makes the world grow (RendezvousConfig::grow)
+  int first_size_ = 0;             ///< the world's size when the run started: a joiner is told it
   std::string join_address_;       ///< under join_mutex_: where this rank serves joins, empty while it does not
   mutable std::mutex join_mutex_;  ///< guards join_acks_, addresses_, join_address_
   std::condition_variable join_cv_;
@@ -1088,12 +1152,13 @@ class UcxCommunicator final : public CommunicatorBase, private PointToPoint {
 }  // namespace
 
 Result<std::unique_ptr<Communicator>> connect_ucx(int rank, int size, const RendezvousConfig& rendezvous,
-                                                  const UcxOptions& options) {
+                                                  const UcxOptions& options, int* first_size) {
   if (rank != kAnyRank && (size < 1 || rank < 0 || rank >= size)) {
     return make_error(ErrorKind::kUsage, "rank {} is not in a world of {} ranks", rank, size);
   }
   CFMO_ASSIGN_OR_RETURN(UcxWorker opened, open_worker());
   CFMO_ASSIGN_OR_RETURN(Rendezvous met, exchange_addresses(rendezvous, rank, size, opened.address));
+  if (first_size != nullptr) *first_size = met.first_size;
   auto comm = std::make_unique<UcxCommunicator>(met.rank, met.size, options, std::move(opened), met.joined);
   CFMO_TRY(comm->connect(met, rendezvous));
   return std::unique_ptr<Communicator>(std::move(comm));

@@ -20,8 +20,10 @@ struct UcxOptions {
 
 /// Creates the UCP context and worker, exchanges addresses through the
 /// rendezvous and connects to every peer. UCX_TLS, UCX_NET_DEVICES and the
-/// other UCX_* variables are honoured (read by ucp_config_read).
+/// other UCX_* variables are honoured (read by ucp_config_read). `first_size`,
+/// if given, gets the world's size when the run started (a joiner learns it
+/// from the leader: the world may have grown since).
 Result<std::unique_ptr<Communicator>> connect_ucx(int rank, int size, const RendezvousConfig& rendezvous,
-                                                  const UcxOptions& options = {});
+                                                  const UcxOptions& options = {}, int* first_size = nullptr);
 
 }  // namespace cfmo::comm

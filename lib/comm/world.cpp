@@ -350,7 +350,8 @@ Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInf
     rendezvous.timeout_s = std::max(60.0, options.peer_timeout_s);
     rendezvous.check = options.check;
     rendezvous.description = options.description;  // a joiner may come to lead, and serve joins
-    return connect_ucx(kAnyRank, 0, rendezvous, ucx);
+    rendezvous.grow = options.grow;
+    return connect_ucx(kAnyRank, 0, rendezvous, ucx, options.first_size);
   }
   if (!world || world->size <= 1) return make_solo_communicator();
   // Our own launcher's address wins: its rank 0 listens on the socket it inherited.
@@ -366,7 +367,8 @@ Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInf
   rendezvous.timeout_s = std::max(60.0, options.peer_timeout_s);
   rendezvous.description = options.description;
   rendezvous.check = options.check;
-  return connect_ucx(world->rank, world->size, rendezvous, ucx);
+  rendezvous.grow = options.grow;
+  return connect_ucx(world->rank, world->size, rendezvous, ucx, options.first_size);
 }
 
 }  // namespace cfmo::comm

@@ -49,14 +49,21 @@ struct WorldOptions {
   /// is already under way): its look at that, an error declining (comm/rendezvous.h).
   std::string description{};
   JoinCheck check{};
+  /// The run's mode takes new members: a join when no rank is lost grows the
+  /// world by one rank (rendezvous.h's RendezvousConfig::grow).
+  bool grow = false;
+  /// If given, set to the world's size when the run started (a joiner: as
+  /// the leader says; what the modes' fixed parts, e.g. the shard owners, are of).
+  int* first_size = nullptr;
 };
 
 /// This rank's Communicator in `world` (from world_from_environment): over
 /// UCX for a world of several ranks, after the rendezvous (which waits for
 /// the others at least 60 s), else the solo one. kUsage when several ranks
 /// have no rendezvous address, naming the variables that said how many.
-/// With `options.join`, the place of a lost rank in the run there (waiting
-/// for one at least 60 s); its rank and size are the communicator's.
+/// With `options.join`, the place of a lost rank in the run there, or a new
+/// rank where the run may grow (waiting for one at least 60 s); its rank and
+/// size are the communicator's.
 Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInfo>& world, const WorldOptions& options);
 
 /// Starts `workers` copies of this program (argv as given) with RANK,

@@ -54,7 +54,11 @@ bool RankStates::complete(uint64_t id, const std::vector<int>& lost) const {
   const auto it = answers_.find(id);
   for (int r = 0; r < comm_.size(); ++r) {
     if (r == comm_.rank() || std::find(lost.begin(), lost.end(), r) != lost.end()) continue;
-    if (it == answers_.end() || it->second[static_cast<size_t>(r)].empty()) return false;
+    // (A rank the world grew by after the answers began has none there yet.)
+    if (it == answers_.end() || it->second.size() <= static_cast<size_t>(r) ||
+        it->second[static_cast<size_t>(r)].empty()) {
+      return false;
+    }
   }
   return true;
 }
@@ -66,6 +70,7 @@ std::vector<std::vector<std::byte>> RankStates::take(uint64_t id) {
     out.swap(it->second);
     answers_.erase(it);
   }
+  out.resize(std::max(out.size(), static_cast<size_t>(comm_.size())));
   return out;
 }
 
@@ -81,7 +86,8 @@ void RankStates::on_message(int from, std::span<const std::byte> m) {
   // An answer to an older request, or to a keeper before this one, is stale.
   if (kind != kState || m.empty() || (id != current_ && id != kFinal)) return;
   auto& answers = answers_[id];
-  answers.resize(static_cast<size_t>(comm_.size()));
+  answers.resize(std::max(answers.size(), static_cast<size_t>(comm_.size())));
+  if (static_cast<size_t>(from) >= answers.size()) return;
   answers[static_cast<size_t>(from)].assign(m.begin(), m.end());
 }
 

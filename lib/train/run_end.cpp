@@ -113,7 +113,8 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
       const auto lost = comm->lost_ranks();
       {
         std::lock_guard lock(reports_mutex);
-        if (static_cast<int>(reports.size() + lost.size()) >= world - 1 || Clock::now() > deadline) break;
+        // Of the world now: it may have grown since the start.
+        if (static_cast<int>(reports.size() + lost.size()) >= comm->size() - 1 || Clock::now() > deadline) break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
@@ -129,6 +130,7 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
                                       reinterpret_cast<const std::byte*>(text.data()) + text.size()));
   }
   summary.lost_ranks = comm->lost_ranks();
+  summary.workers = std::max(summary.workers, comm->size());  // the ranks the world had at the end: it may grow
   CFMO_TRY(announce_lost());
   // The joiners' own figure of their start, from their reports.
   for (auto& joined : summary.joined) {
@@ -207,7 +209,7 @@ void TrainingRun::add_totals() {
     }
   }
   // What earlier processes in a joined rank's place trained up to their last contribution.
-  for (int r = 0; r < world; ++r) total_samples += mode->retired_samples(r);
+  for (int r = 0; r < (comm != nullptr ? comm->size() : 1); ++r) total_samples += mode->retired_samples(r);
   for (const auto& w : summary.per_worker) {
     total_samples += w.samples;
     total_steps += w.steps;

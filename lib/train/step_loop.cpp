@@ -261,9 +261,11 @@ Status TrainingRun::clip_gradients() {
 }
 
 Status TrainingRun::at_step_end() {
-  if (pos.batch_in_epoch == batches_per_epoch) {
+  // (>=: a joiner's position, of the world before it grew, may be past its own epoch's end.)
+  if (pos.batch_in_epoch >= batches_per_epoch) {
     ++pos.epoch;
     pos.batch_in_epoch = 0;
+    take_up_growth();
     // With --expert-parallel every rank's experts take part in the evaluation's passes.
     if ((rank == mode->keeper() || expert_parallel) && (world == 1 || traits.evaluates_mid_run)) {
       CFMO_TRY(evaluate(false));

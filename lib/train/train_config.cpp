@@ -148,7 +148,8 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         dist);
   t.add("join", &c.join,
         "host:port of a running run (its --rendezvous; after rank 0's loss, where the lowest live rank serves joins): "
-        "take a lost rank's place there, with the run's flags (cfmo, asgd, sync or localsgd with --elastic)",
+        "take a lost rank's place there, or with none lost a new rank's (the run grows), with the run's flags "
+        "(cfmo, asgd, sync or localsgd with --elastic)",
         dist);
 
   const std::string output = "Output";
@@ -307,6 +308,20 @@ std::vector<std::pair<std::string, std::string>> option_lines(std::string_view t
 }
 
 }  // namespace
+
+bool takes_new_ranks(const TrainConfig& config) {
+  const auto kind = parse_mode(config.mode);
+  if (!kind || config.deterministic || config.expert_parallel) return false;
+  const ModeTraits& traits = mode_entry(*kind).traits;
+  return traits.asynchronous || (traits.lockstep && config.elastic);
+}
+
+void fit_owners_to_run(TrainConfig& config, int first_size) {
+  if (first_size < 1) return;
+  ModeSettings settings;
+  settings.owners = config.owners;
+  config.owners = owner_count(settings, first_size);
+}
 
 Status check_join_fits(std::string_view run_config, std::string_view own_config) {
   // This process's own: where it writes and logs, how it computes, when it

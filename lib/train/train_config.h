@@ -125,6 +125,17 @@ Status validate(const TrainConfig& config);
 /// slowness, rendezvous, peer timeout).
 Status check_join_fits(std::string_view run_config, std::string_view own_config);
 
+/// Whether a run of `config` takes a joiner as a new rank when none is lost
+/// (the world grows): the modes whose membership changes at run time (cfmo,
+/// asgd; localsgd and sync with --elastic), not with --deterministic (a fixed
+/// world's order) or --expert-parallel (experts placed by the world's size).
+bool takes_new_ranks(const TrainConfig& config);
+
+/// A joiner of a run that started with `first_size` ranks (the world may have
+/// grown since): its shard owners are the run's, K of the first world, not
+/// of the world it joins (--owners set to that K).
+void fit_owners_to_run(TrainConfig& config, int first_size);
+
 /// The inner optimizer's settings from the config's flags.
 optim::OptimizerConfig optimizer_config(const TrainConfig& config, optim::OptimizerKind kind);
 

@@ -225,6 +225,7 @@ Status TrainingRun::plan_length() {
   batch = config.batch_size;
   global_batch = static_cast<int64_t>(batch) * world;
   batches_per_epoch = (train_examples + global_batch - 1) / global_batch;
+  data_world = world;
   // A rank's saved position at the very end of an epoch continues with the next one.
   if (!options.resume.empty()) pos = resume_position(pos, batches_per_epoch);
   step_limit = config.steps > 0 ? config.steps : INT64_MAX;
@@ -574,6 +575,15 @@ Status TrainingRun::announce_own_join() {
                         {"first_step_s", first_step_s}});
 }
 
+void TrainingRun::take_up_growth() {
+  // Losses keep the cut (a lost rank's share goes untrained, or to the
+  // members with --keep-global-batch); the budgets stay as planned.
+  if (comm == nullptr || comm->size() <= data_world) return;
+  data_world = comm->size();
+  global_batch = static_cast<int64_t>(batch) * data_world;
+  batches_per_epoch = (train_examples + global_batch - 1) / global_batch;
+}
+
 Status TrainingRun::announce_lost() {
   if (world <= 1 || !mode->survives_losses()) return {};
   if (const std::string at = comm->join_address(); rank != 0 && at != join_address_announced) {
@@ -584,11 +594,15 @@ Status TrainingRun::announce_lost() {
   const auto joins = comm->joined_ranks();
   for (; joins_announced < joins.size(); ++joins_announced) {
     const int r = joins[joins_announced];
+    const bool grown = static_cast<size_t>(r) >= announced.size();  // a new rank: the world grew
+    if (grown) announced.resize(static_cast<size_t>(r) + 1, false);
     announced[static_cast<size_t>(r)] = false;  // a loss of the new process is news again
     JoinedRank joined{r, pos.step, seconds_since(run_start), -1};
     if (options.observer != nullptr) {
-      options.observer->on_warning(fmt::format("rank {} joined (a new process in its place){}", r,
-                                               mode->shard_served_by(r) == r ? "; it serves its shard again" : ""));
+      options.observer->on_warning(
+          grown ? fmt::format("rank {} joined (a new rank: the world has {} ranks now)", r, r + 1)
+                : fmt::format("rank {} joined (a new process in its place){}", r,
+                              mode->shard_served_by(r) == r ? "; it serves its shard again" : ""));
     }
     CFMO_TRY(metrics.write({{"type", "membership"},
                             {"event", "joined"},
@@ -599,7 +613,8 @@ Status TrainingRun::announce_lost() {
     summary.joined.push_back(joined);
   }
   for (const int r : comm->lost_ranks()) {
-    if (announced[static_cast<size_t>(r)]) continue;
+    // (A new rank lost before this rank read its join: its join is announced next time.)
+    if (static_cast<size_t>(r) >= announced.size() || announced[static_cast<size_t>(r)]) continue;
     announced[static_cast<size_t>(r)] = true;
     LostRank lost{r,
                   pos.step,

@@ -146,6 +146,9 @@ struct TrainingRun {
   /// where their shards went, and those a new process joined, and writes each
   /// as a membership line of metrics.jsonl.
   Status announce_lost();
+  /// At an epoch's start: the world grew (a join took no lost rank's place),
+  /// so its global batches are cut among the grown world's ranks from now on.
+  void take_up_growth();
   /// cfmo --expert-parallel, the keeper after the whole model was assembled
   /// with a lost rank's experts: one line saying where they came from, and
   /// the summary's lost entries the same.
@@ -207,6 +210,7 @@ struct TrainingRun {
   int batch = 0;
   int64_t global_batch = 0;
   int64_t batches_per_epoch = 0;
+  int data_world = 1;  ///< the ranks each global batch is cut among: the world, grown at an epoch's start
   int64_t step_limit = INT64_MAX;
   int64_t token_windows = 0;
   int64_t token_steps = 0;

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -554,7 +555,9 @@ TEST(CfmoTrainWorkers, CfmoKilledWorkersRejoinAndAJoinWithOtherFlagsIsRefused) {
   kill(ranks.processes[1].pid, SIGKILL);
   ASSERT_TRUE(ranks.processes[1].wait(10));
   expect_join_with_another_batch_size_refused(run_flags, address);
-  // A new process with the run's flags takes rank 1's place.
+  // Once rank 1's loss is known (a join with none lost would grow the world
+  // instead), a new process with the run's flags takes rank 1's place.
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 1 lost (", 60)) << slurp(dir / "err-0");
   std::vector<std::string> joiner = run_flags;
   joiner.insert(joiner.end(), {"--join", address});
   ranks.processes.push_back(testing::spawn(args(joiner), {}, (dir / "out-1b").string(), (dir / "err-1b").string()));
@@ -652,6 +655,119 @@ TEST(CfmoTrainWorkers, AfterRankZeroIsLostTheNextRankServesJoinsAtTheRendezvousA
   EXPECT_GT(j["per_worker"][1]["samples"].get<int64_t>(), 0) << j.dump();
   EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << j.dump();
   EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+}
+
+// Two ranks started by hand at `address` (DIR/out-K, DIR/err-K); once rank 1
+// logged a step (no rank lost), `joiners` processes with --join started at
+// once (DIR/out-jN, DIR/err-jN; processes[2...]).
+void start_two_and_join(Ranks& ranks, const TempDir& dir, const std::string& address,
+                        const std::vector<std::string>& run_flags, int joiners) {
+  for (int r = 0; r < 2; ++r) {
+    ranks.processes.push_back(
+        testing::spawn(args(run_flags), {"RANK=" + std::to_string(r), "WORLD_SIZE=2", "CFMO_RENDEZVOUS=" + address},
+                       (dir / ("out-" + std::to_string(r))).string(), (dir / ("err-" + std::to_string(r))).string()));
+  }
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-1");
+  std::vector<std::string> joiner = run_flags;
+  joiner.insert(joiner.end(), {"--join", address});
+  for (int n = 0; n < joiners; ++n) {
+    // (Built by appending: GCC 12 warns falsely (-Wrestrict) about "j" + std::to_string(n).)
+    std::string name = "j";
+    name += std::to_string(n);
+    ranks.processes.push_back(
+        testing::spawn(args(joiner), {}, (dir / ("out-" + name)).string(), (dir / ("err-" + name)).string()));
+  }
+}
+
+// After start_two_and_join: every process ends with status 0, and rank 0's
+// summary has the world grown by the joiners, each with a rank of its own
+// (2, 3, ...), its report and its first step's time (printed), nobody lost.
+nlohmann::json summary_of_grown_run(Ranks& ranks, const TempDir& dir, int joiners) {
+  for (size_t p = 0; p < ranks.processes.size(); ++p) {
+    EXPECT_TRUE(ranks.processes[p].wait(240)) << "process " << p << " hangs";
+  }
+  std::string errs;
+  for (const auto& e : fs::directory_iterator(dir.path())) {
+    if (e.path().filename().string().starts_with("err-"))
+      errs += e.path().filename().string() + ":\n" + slurp(e.path());
+  }
+  for (auto& p : ranks.processes) EXPECT_EQ(p.status, 0) << errs;
+  const auto j = last_json(slurp(dir / "out-0"));
+  const size_t world = 2 + static_cast<size_t>(joiners);
+  if (j.is_null() || j["joined"].size() != static_cast<size_t>(joiners) || j["per_worker"].size() != world) {
+    ADD_FAILURE() << j.dump() << errs;
+    return nullptr;
+  }
+  EXPECT_EQ(j["workers"], world);
+  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array()) << j.dump();
+  std::vector<int> joined;
+  for (const auto& entry : j["joined"]) {
+    joined.push_back(entry["rank"].get<int>());
+    EXPECT_GT(entry["first_step_s"].get<double>(), 0.0) << j.dump();
+    std::printf("rank %d joined; its first step %.2f s after its start\n", joined.back(),
+                entry["first_step_s"].get<double>());
+  }
+  std::sort(joined.begin(), joined.end());
+  for (int n = 0; n < joiners; ++n) EXPECT_EQ(joined[static_cast<size_t>(n)], 2 + n) << j.dump();
+  for (size_t r = 2; r < world; ++r) {
+    EXPECT_TRUE(j["per_worker"][r]["joined"].get<bool>()) << j.dump();
+    EXPECT_GT(j["per_worker"][r]["samples"].get<int64_t>(), 0) << j.dump();
+  }
+  EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << j.dump();
+  EXPECT_NE(slurp(dir / "err-0").find("rank 2 joined (a new rank: the world has 3 ranks now)"), std::string::npos)
+      << slurp(dir / "err-0");
+  return j;
+}
+
+// Join with no rank lost: a 2-worker cfmo run takes a process started with
+// --join as a new rank 2 (the world grows to 3); it gets the global state,
+// trains its share, and the run ends with three live ranks.
+TEST(CfmoTrainWorkers, CfmoGrowsByAJoinerWhenNoRankIsLost) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(start_two_and_join(ranks, dir, address, rejoin_flags({"--mode", "cfmo"}, "25s", dir), 1));
+  const auto j = summary_of_grown_run(ranks, dir, 1);
+  ASSERT_FALSE(j.is_null());
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+  bool membership = false;
+  for (const auto& line : testing::lines(slurp(dir / "run" / "metrics.jsonl"))) {
+    const auto m = nlohmann::json::parse(line);
+    if (m["type"] == "membership") membership = m["event"] == "joined" && m["joined_rank"] == 2;
+  }
+  EXPECT_TRUE(membership);
+}
+
+// Two joins at once, none lost: each process gets a rank of its own (2 and
+// 3, never the same), in cfmo and in localsgd with --elastic, and the runs
+// end with four live ranks.
+TEST(CfmoTrainWorkers, TwoJoinsAtOnceGrowTheWorldByTwoInCfmoAndLocalSgd) {
+  for (const auto& mode : {std::vector<std::string>{"--mode", "cfmo"},
+                           std::vector<std::string>{"--mode", "localsgd", "--elastic", "--sync-interval", "5"}}) {
+    SCOPED_TRACE(mode[1]);
+    TempDir dir;
+    const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+    Ranks ranks;
+    ASSERT_NO_FATAL_FAILURE(start_two_and_join(ranks, dir, address, rejoin_flags(mode, "30s", dir), 2));
+    const auto j = summary_of_grown_run(ranks, dir, 2);
+    ASSERT_FALSE(j.is_null());
+    if (mode[1] == "localsgd") {
+      // One group: every rank stopped at the same step, the joiners too.
+      for (const auto& w : j["per_worker"]) EXPECT_EQ(w["stopped_by"], "time-limit") << j.dump();
+    }
+  }
+}
+
+// localsgd with --elastic, one join and none lost: taken into the group at a
+// round's end as rank 2, the run ends with three live ranks.
+TEST(CfmoTrainWorkers, ElasticLocalSgdGrowsByAJoinerWhenNoRankIsLost) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(start_two_and_join(
+      ranks, dir, address, rejoin_flags({"--mode", "localsgd", "--elastic", "--sync-interval", "5"}, "25s", dir), 1));
+  ASSERT_FALSE(summary_of_grown_run(ranks, dir, 1).is_null());
 }
 
 // The checkpoint directories of a run, oldest first (temporaries left out).

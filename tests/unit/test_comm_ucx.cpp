@@ -525,7 +525,7 @@ TEST(Rendezvous, AJoinerIsOfferedAFreeRankAndMayDecline) {
     return std::thread([&] {
       const Fd peer(::accept4(socket.get(), nullptr, nullptr, SOCK_CLOEXEC));
       ASSERT_GE(peer.get(), 0);
-      EXPECT_TRUE(serve_join(peer.get(), 3, "model = 'mlp:8'", hooks, 5));
+      EXPECT_TRUE(serve_join(peer.get(), 3, 3, "model = 'mlp:8'", hooks, 5));
     });
   };
   RendezvousConfig config;
@@ -554,4 +554,100 @@ TEST(Rendezvous, AJoinerIsOfferedAFreeRankAndMayDecline) {
   EXPECT_EQ(admitted.load(), 2);
 }
 
+}  // namespace cfmo::comm
+
+namespace cfmo::comm {
+namespace {
+
+// Waits until `comm` has `size` ranks, then sends every other rank its rank
+// and waits to hear from each: true when every rank of the grown world heard
+// from every other, once.
+bool everyone_hears_everyone(Communicator& comm, int size) {
+  std::mutex mutex;
+  std::vector<int> heard;
+  comm.on_message(kTestChannel, [&](int from, std::span<const std::byte> payload) {
+    int said = -1;
+    if (payload.size() == sizeof said) std::memcpy(&said, payload.data(), sizeof said);
+    std::lock_guard lock(mutex);
+    heard.push_back(said == from ? from : -1);
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (comm.size() < size) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      fprintf(stderr, "rank %d: the world has %d ranks, not %d\n", comm.rank(), comm.size(), size);
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  for (int p = 0; p < size; ++p) {
+    if (p == comm.rank()) continue;
+    std::vector<std::byte> payload(sizeof(int));
+    const int me = comm.rank();
+    std::memcpy(payload.data(), &me, sizeof me);
+    comm.post(p, kTestChannel, std::move(payload));
+  }
+  for (;;) {
+    {
+      std::lock_guard lock(mutex);
+      if (static_cast<int>(heard.size()) >= size - 1) break;
+    }
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  comm.on_message(kTestChannel, nullptr);
+  std::sort(heard.begin(), heard.end());
+  std::vector<int> others;
+  for (int p = 0; p < size; ++p) {
+    if (p != comm.rank()) others.push_back(p);
+  }
+  if (heard != others || !comm.lost_ranks().empty() || comm.size() != size) {
+    fprintf(stderr, "rank %d heard from the wrong ranks\n", comm.rank());
+    return false;
+  }
+  return true;
+}
+
+// A run that may grow (RendezvousConfig::grow) takes two processes that
+// join at once, no rank being lost, as new ranks 2 and 3: each its own rank,
+// every rank learns of both and reaches them, and the collectives stay among
+// the two ranks the world started with.
+TEST(UcxGrowth, TwoJoinsAtOnceWithNoRankLostGrowTheWorldByTwoRanks) {
+  auto listener = listen_tcp("127.0.0.1", 0);
+  ASSERT_TRUE(listener) << listener.error().message;
+  const uint16_t port = listener->second;
+  std::vector<pid_t> children;
+  for (int process = 0; process < 4; ++process) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      if (process != 0) close(listener->first);
+      RendezvousConfig config;
+      config.port = port;
+      config.listen_fd = process == 0 ? listener->first : -1;
+      config.timeout_s = 30;
+      config.grow = true;
+      // Processes 2 and 3 join (any rank) once the run is under way; they ask until it is.
+      auto comm = connect_ucx(process < 2 ? process : kAnyRank, process < 2 ? 2 : 0, config, {});
+      if (!comm) {
+        fprintf(stderr, "process %d: %s\n", process, comm.error().message.c_str());
+        _exit(10);
+      }
+      bool ok = process < 2 || ((*comm)->joined() && (*comm)->rank() >= 2);
+      if (process < 2) ok = ok && static_cast<bool>((*comm)->barrier());  // the start's world, before and after
+      ok = ok && everyone_hears_everyone(**comm, 4);
+      if (process < 2) ok = ok && static_cast<bool>((*comm)->barrier()) && (*comm)->joined_ranks().size() == 2;
+      comm->reset();
+      fflush(stderr);
+      _exit(ok ? 0 : 11);
+    }
+    children.push_back(pid);
+  }
+  close(listener->first);
+  for (pid_t pid : children) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  }
+}
+
+}  // namespace
 }  // namespace cfmo::comm

@@ -119,8 +119,12 @@ static int run(int argc, char** argv) {
     connect.check = [&options](std::string_view run_config) {
       return cfmo::train::check_join_fits(run_config, options.config_toml);
     };
+    connect.grow = cfmo::train::takes_new_ranks(config);  // the leader's side decides; a joiner may come to lead
+    int first_size = 0;
+    connect.first_size = &first_size;
     auto connected = cfmo::comm::connect_world(*world, connect);
     if (!connected) return fail(connected.error());
+    if ((*connected)->joined()) cfmo::train::fit_owners_to_run(config, first_size);
     comm = std::move(*connected);
     options.comm = comm.get();
     options.local_rank = world->has_value() ? (*world)->local_rank : -1;

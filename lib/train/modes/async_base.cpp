@@ -56,8 +56,9 @@ AsyncMode::AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std
       all_done_ = true;
       return;
     }
+    refresh_membership();  // a rank new to this one (the world grew) is counted
     std::lock_guard lock(mutex_);
-    done_from_.mark(from);
+    if (from < world_locked()) done_from_.mark(from);
   });
   comm.on_message(channels::kGather, [this](int from, std::span<const std::byte> m) { on_gather(from, m); });
   comm.on_message(channels::kGathered, [this](int from, std::span<const std::byte>) {
@@ -75,20 +76,20 @@ AsyncMode::~AsyncMode() {
 
 void AsyncMode::keep_positions_locked() {
   if (!progress_.empty()) return;
-  progress_.assign(static_cast<size_t>(comm_.size()), TrainPosition{});
+  progress_.assign(static_cast<size_t>(world_locked()), TrainPosition{});
   reconciled_samples_.assign(progress_.size(), 0);
-  for (int r = 0; r < comm_.size(); ++r) progress_[static_cast<size_t>(r)].samples = start_samples(r);
+  for (int r = 0; r < world_locked(); ++r) progress_[static_cast<size_t>(r)].samples = start_samples(r);
   progress_samples_ = 0;
   for (const auto& p : progress_) progress_samples_ += p.samples;
 }
 
 AsyncMode::PartialGlobalState& AsyncMode::gather_locked() {
-  if (gather_.received.empty()) gather_ = PartialGlobalState(shards_, comm_.size());
+  if (gather_.received.empty()) gather_ = PartialGlobalState(shards_, world_locked());
   return gather_;
 }
 
 int AsyncMode::owner_of_locked(int shard) const {
-  const int w = comm_.size();
+  const int w = world_locked();
   if (!replicated_) return lost_locked(shard) ? -1 : shard;
   for (int k = 0; k < w; ++k) {
     const int r = (shard + k) % w;
@@ -100,7 +101,7 @@ int AsyncMode::owner_of_locked(int shard) const {
 int AsyncMode::backup_of_locked(int shard) const {
   const int owner = owner_of_locked(shard);
   if (owner < 0 || !replicated_) return -1;
-  const int w = comm_.size();
+  const int w = world_locked();
   for (int k = 1; k < w; ++k) {
     const int r = (owner + k) % w;
     if (!lost_locked(r)) return r;
@@ -109,7 +110,7 @@ int AsyncMode::backup_of_locked(int shard) const {
 }
 
 int AsyncMode::keeper_locked() const {
-  for (int r = 0; r < comm_.size(); ++r) {
+  for (int r = 0; r < world_locked(); ++r) {
     if (!lost_locked(r)) return r;
   }
   return comm_.rank();
@@ -117,7 +118,7 @@ int AsyncMode::keeper_locked() const {
 
 int AsyncMode::standby_locked() const {
   const int keeper = keeper_locked();
-  for (int r = keeper + 1; r < comm_.size(); ++r) {
+  for (int r = keeper + 1; r < world_locked(); ++r) {
     if (!lost_locked(r)) return r;
   }
   return -1;
@@ -145,17 +146,42 @@ int AsyncMode::shard_served_by(int rank) const {
   return -1;
 }
 
+void AsyncMode::grow_locked(int world) {
+  const auto w = static_cast<size_t>(world);
+  if (w <= lost_.size()) return;
+  lost_.resize(w, false);
+  done_from_.grow(world);
+  gathered_from_.grow(world);
+  // The positions (kept by the keeper and its standby) and the samples counted apart.
+  if (!progress_.empty()) {
+    progress_.resize(w);
+    reconciled_samples_.resize(w, 0);
+  }
+  if (!retired_samples_.empty()) retired_samples_.resize(w, 0);
+  if (!start_samples_.empty()) start_samples_.resize(w, 0);
+  for (PartialGlobalState* partial : {&gather_, &snapshot_}) {
+    if (partial->received.empty()) continue;
+    partial->state.ranks.resize(w);
+    partial->state.owner_steps.resize(w, 0);
+  }
+}
+
 void AsyncMode::refresh_membership() {
-  // The joins first: a rank that joined after this read is still lost below, and taken up next time.
+  // The joins first: a rank that joined after this read is still lost below,
+  // and taken up next time; the size last, as the transport grows it before
+  // it records the join of a new rank, so that it covers every rank read here.
   const auto joined = comm_.joined_ranks();
   const auto lost = comm_.lost_ranks();
+  const int world = comm_.size();
   std::lock_guard lock(mutex_);
   if (joined.size() == joins_seen_ && lost == last_lost_) return;
   last_lost_ = lost;
   std::vector<int> before;
-  for (int r = 0; r < comm_.size(); ++r) {
+  for (int r = 0; r < world_locked(); ++r) {
     if (!lost_locked(r)) before.push_back(r);
   }
+  // A new rank (the world grew) is one more join below: it starts with nothing, as a rejoined rank does.
+  grow_locked(world);
   std::vector<int> rejoined;
   for (size_t i = joins_seen_; i < joined.size(); ++i) {
     const int r = joined[i];
@@ -186,7 +212,7 @@ void AsyncMode::refresh_membership() {
   }
   if (newly.empty() && rejoined.empty()) return;
   std::vector<int> after;
-  for (int r = 0; r < comm_.size(); ++r) {
+  for (int r = 0; r < world_locked(); ++r) {
     if (!lost_locked(r)) after.push_back(r);
   }
   live_ = static_cast<int>(after.size());
@@ -225,7 +251,7 @@ void AsyncMode::post_snapshot_request() {
     std::lock_guard lock(mutex_);
     snapshot_asked_ = Clock::now();
     ++snapshot_id_;
-    snapshot_ = PartialGlobalState(shards_, comm_.size());
+    snapshot_ = PartialGlobalState(shards_, world_locked());
     put(out, kSnapshotRequest);
     put(out, snapshot_id_);
   }
@@ -242,7 +268,7 @@ Status AsyncMode::take_global_state(std::span<float> params, TrainPosition& posi
     // Every shard, and the position if the keeper knew one (a rank lost before its first report had none).
     const bool placed = [&] {
       std::lock_guard lock(mutex_);
-      return join_position_.step > 0 || Clock::now() - first_asked > std::chrono::seconds(1);
+      return join_position_.step > 0 || keeper_answered_ || Clock::now() - first_asked > std::chrono::seconds(1);
     }();
     if (!ready_for_join) ready_for_join = take_snapshot();
     if (auto& got = ready_for_join; got && placed && got->params.size() == params.size()) {
@@ -315,11 +341,12 @@ bool AsyncMode::all_live(const RankFlags& flags) const {
   std::sort(lost.begin(), lost.end());
   lost.erase(std::unique(lost.begin(), lost.end()), lost.end());
   std::lock_guard lock(mutex_);
+  // Of the ranks this mode knows (a rank the world grew by counts once refresh_membership took it up).
   int set_or_lost = flags.count;
   for (const int r : lost) {
-    if (r >= 0 && r < comm_.size() && !flags[r]) ++set_or_lost;
+    if (r >= 0 && r < world_locked() && !flags[r]) ++set_or_lost;
   }
-  return set_or_lost == comm_.size();
+  return set_or_lost >= world_locked();
 }
 
 bool AsyncMode::gather_complete() {
@@ -403,7 +430,7 @@ Status AsyncMode::end_handshake(std::span<float> params) {
                     shard_of(params, j).begin());
       }
     }
-    for (int r = 0; r < comm_.size(); ++r) {
+    for (int r = 0; r < world_locked() && r < static_cast<int>(g.ranks.size()); ++r) {
       if (!gathered_from_[r] && !progress_.empty()) g.ranks[static_cast<size_t>(r)] = progress_[static_cast<size_t>(r)];
     }
     g.params.assign(params.begin(), params.end());
@@ -518,6 +545,7 @@ void AsyncMode::on_progress(int from, std::span<const std::byte> m) {
   {
     std::lock_guard lock(mutex_);
     keep_positions_locked();
+    if (static_cast<size_t>(from) >= progress_.size()) return;  // a rank this one does not know yet
     TrainPosition& kept = progress_[static_cast<size_t>(from)];
     progress_samples_ += p.samples - kept.samples;  // the total kept as it goes: O(1) per step, not O(W)
     kept = p;
@@ -533,9 +561,10 @@ void AsyncMode::on_progress(int from, std::span<const std::byte> m) {
 void AsyncMode::on_gather(int from, std::span<const std::byte> m) {
   TrainPosition p;
   if (!take_position(m, p)) return;
+  refresh_membership();  // a rank new to this one (the world grew) is counted
   std::lock_guard lock(mutex_);
   PartialGlobalState& gather = gather_locked();
-  if (take_owner_shards(m, gather)) {
+  if (from < world_locked() && take_owner_shards(m, gather)) {
     gather.state.ranks[static_cast<size_t>(from)] = p;
     gathered_from_.mark(from);
     done_from_.mark(from);  // a rank gathers once done: a keeper new since it said so counts it
@@ -556,7 +585,8 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
     {
       std::lock_guard lock(mutex_);
       // The asker's last position, where this rank keeps positions (the keeper, its standby): for a joiner.
-      const TrainPosition known = progress_.empty() ? TrainPosition{} : progress_[static_cast<size_t>(from)];
+      const TrainPosition known =
+          static_cast<size_t>(from) >= progress_.size() ? TrainPosition{} : progress_[static_cast<size_t>(from)];
       put(out, static_cast<uint8_t>(known.step > 0 ? 1 : 0));
       if (known.step > 0) put_position(out, known);
       put_owner_shards_locked(out);
@@ -569,6 +599,8 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
   if (kind != kSnapshotShard || !take(m, has_position) || (has_position != 0 && !take_position(m, position))) return;
   std::lock_guard lock(mutex_);
   if (has_position != 0 && position.samples >= join_position_.samples) join_position_ = position;
+  // The keeper keeps every rank's position: its answer says all there is (none for a new rank), no need to wait.
+  if (from == keeper_locked()) keeper_answered_ = true;
   if (id != snapshot_id_ || !take_owner_shards(m, snapshot_)) return;
   if (snapshot_.count < shards_) return;
   // Every shard is in (one whose every holder was lost never is: then no checkpoint is whole).

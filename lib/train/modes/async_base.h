@@ -140,6 +140,11 @@ class AsyncMode : public Mode {
 
   /// Under mutex_: whether `rank` is lost as this rank last saw it (refresh_membership).
   bool lost_locked(int rank) const { return lost_[static_cast<size_t>(rank)]; }
+  /// Under mutex_: the ranks of the world as refresh_membership last saw it
+  /// (it grows with a join when none was lost; the transport's size() may be
+  /// ahead of it for a moment, and a rank this mode does not know yet has no
+  /// place in its tables).
+  int world_locked() const { return static_cast<int>(lost_.size()); }
   /// Under mutex_: the rank serving `shard` now, -1 if none (see the top of this file).
   int owner_of_locked(int shard) const;
   /// Under mutex_: the rank keeping `shard`'s replica for its owner, -1 if none.
@@ -149,7 +154,8 @@ class AsyncMode : public Mode {
   int standby_locked() const;
 
   /// Takes up the ranks the transport found lost, and those a new process
-  /// joined, since the last call; on a change calls
+  /// joined (in a lost rank's place, or a new rank: the world grew), since
+  /// the last call; on a change calls
   /// on_membership_change_locked (both threads call it, at each step and with
   /// each contribution).
   void refresh_membership();
@@ -182,8 +188,9 @@ class AsyncMode : public Mode {
   /// keeper and its standby): sent before the contribution on the same link
   /// (cfmo), or with the step before (asgd).
   void note_reconciled(int from) {
-    if (progress_.empty()) return;  // not the keeper nor its standby: no positions kept here
     const auto r = static_cast<size_t>(from);
+    if (r >= progress_.size())
+      return;  // not the keeper nor its standby (no positions kept here), or a rank unknown yet
     reconciled_samples_[r] = std::max(reconciled_samples_[r], progress_[r].samples - start_samples(from));
   }
 
@@ -318,6 +325,9 @@ class AsyncMode : public Mode {
       set[static_cast<size_t>(rank)] = true;
       ++count;
     }
+    void grow(int world) {
+      if (static_cast<size_t>(world) > set.size()) set.resize(static_cast<size_t>(world), false);
+    }
     void unmark(int rank) {
       if (!set[static_cast<size_t>(rank)]) return;
       set[static_cast<size_t>(rank)] = false;
@@ -328,6 +338,8 @@ class AsyncMode : public Mode {
     int count = 0;
   };
 
+  /// Under mutex_: the per-rank tables grow to `world` ranks (a new rank, which starts alive).
+  void grow_locked(int world);
   /// True when every live rank has its flag in `flags` (guarded by mutex_)
   /// set: O(lost ranks), not O(W), for it is polled.
   bool all_live(const RankFlags& flags) const;
@@ -367,6 +379,7 @@ class AsyncMode : public Mode {
   std::vector<int> last_lost_;               ///< comm_.lost_ranks() as refresh_membership last saw it
   std::vector<int64_t> retired_samples_;     ///< see retired_samples(); none until a join
   TrainPosition join_position_;              ///< a joiner: its place's last position, from the owners' answers
+  bool keeper_answered_ = false;             ///< a joiner: the keeper's answer (with the position it knew) is in
   Error cut_off_{ErrorKind::kPeer, {}};      ///< see cut_off(); empty message: not cut off
   size_t lost_count_ = 0;                    ///< how many
   std::atomic<int> live_{comm_.size()};      ///< see live()

@@ -498,6 +498,8 @@ class CfmoMode final : public AsyncMode {
   /// gets its backup's whole state when its backup changed.
   void on_membership_change_locked(const std::vector<int>& newly_lost, const std::vector<int>& rejoined) override {
     const int me = comm_.rank();
+    // A new rank (the world grew) has its place in the per-rank tables; it serves no shard (K stays).
+    finished_.resize(std::max(finished_.size(), static_cast<size_t>(world_locked())), false);
     // Held replies go before any shard moves; rounds wait for the live ranks only.
     reply_due_locked(hold_.flush());
     for (const int r : newly_lost) reply_due_locked(hold_.finished(r));

@@ -36,10 +36,17 @@ size_t ElasticGroup::joins_of(int rank) const {
   return static_cast<size_t>(std::count(joined.begin(), joined.end(), rank));
 }
 
+void ElasticGroup::note_member(int rank) {
+  const auto r = static_cast<size_t>(rank);
+  if (r >= since_.size()) since_.resize(r + 1, 0);  // a new rank: the world grew
+  since_[r] = joins_of(rank);
+}
+
 bool ElasticGroup::gone(int rank) const {
   // A loss and the join in its place can both come and go between two looks
   // at lost_ranks(): the new process is not the member, and never sends its parts.
-  return lost(rank) || joins_of(rank) > since_[static_cast<size_t>(rank)];
+  const auto r = static_cast<size_t>(rank);
+  return lost(rank) || joins_of(rank) > (r < since_.size() ? since_[r] : 0);
 }
 
 void ElasticGroup::send(int to, Kind kind, uint32_t epoch, uint64_t seq, std::span<const float> floats, bool has,
@@ -151,9 +158,7 @@ Status ElasticGroup::all_reduce_sum(std::span<float> data) {
       if (!grow_to_.empty()) {
         // Joiners were taken in at this sum: the next one is theirs too.
         for (const int r : grow_to_) {
-          if (std::find(members_.begin(), members_.end(), r) == members_.end()) {
-            since_[static_cast<size_t>(r)] = joins_of(r);
-          }
+          if (std::find(members_.begin(), members_.end(), r) == members_.end()) note_member(r);
         }
         members_ = std::move(grow_to_);
         grow_to_.clear();
@@ -294,7 +299,7 @@ Result<ElasticGroup::Welcome> ElasticGroup::join(double timeout_s) {
     std::unique_lock lock(mutex_);
     Message w;
     if (take_locked(w, [](const Message& x) { return x.kind == kWelcome; })) {
-      for (int r = 0; r < comm_.size(); ++r) since_[static_cast<size_t>(r)] = joins_of(r);
+      for (int r = 0; r < comm_.size(); ++r) note_member(r);
       members_ = w.ranks;
       epoch_ = w.epoch;
       target_epoch_ = w.epoch;

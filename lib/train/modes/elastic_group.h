@@ -130,8 +130,10 @@ class ElasticGroup {
                   std::span<const std::byte> state = {}, bool after = false);
   void on_message(int from, std::span<const std::byte> payload);
   bool lost(int rank) const;
-  /// How many times a new process joined in `rank`'s place (Communicator::joined_ranks).
+  /// How many times a new process joined as `rank` (Communicator::joined_ranks: in a lost rank's place, or new).
   size_t joins_of(int rank) const;
+  /// `rank` becomes a member now: later joins as it are another process.
+  void note_member(int rank);
   /// A member lost, or replaced by a new process since it became one (not yet taken in).
   bool gone(int rank) const;
   /// Under lock: the first queued message that `match` accepts, removed; false if none.
@@ -150,7 +152,7 @@ class ElasticGroup {
 
   // Training thread.
   std::vector<int> members_;
-  std::vector<size_t> since_;  ///< per rank: joins_of(rank) when it became a member
+  std::vector<size_t> since_;  ///< per rank: joins_of(rank) when it became a member (grows with the world)
   uint32_t epoch_ = 0;
   uint64_t seq_ = 0;  ///< sums completed
   std::vector<float> last_;

@@ -45,9 +45,13 @@ std::vector<ReplyHold::Due> ReplyHold::finished(int rank) {
 }
 
 void ReplyHold::rejoined(int rank) {
-  if (rank < 0 || static_cast<size_t>(rank) >= active_by_rank_.size() || active_by_rank_[static_cast<size_t>(rank)]) {
-    return;
+  if (rank < 0) return;
+  if (static_cast<size_t>(rank) >= active_by_rank_.size()) {
+    // A new rank (the world grew): the ranks between, never heard of, are not waited for.
+    active_by_rank_.resize(static_cast<size_t>(rank) + 1, false);
+    for (auto& h : shards_) h.from.resize(active_by_rank_.size(), false);
   }
+  if (active_by_rank_[static_cast<size_t>(rank)]) return;
   active_by_rank_[static_cast<size_t>(rank)] = true;
   ++active_;
 }

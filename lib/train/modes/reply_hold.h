@@ -46,7 +46,7 @@ class ReplyHold {
   /// `rank` sent its last round (answered at once, without the shard), or was
   /// lost: rounds no longer wait for it. The replies now due.
   std::vector<Due> finished(int rank);
-  /// `rank` is back (a join): rounds wait for it again.
+  /// `rank` is back (a join), or new (the world grew to it): rounds wait for it (again).
   void rejoined(int rank);
   /// The owner's training step now: replies held `bound_steps` are due.
   std::vector<Due> tick(int64_t step);
