@@ -2,6 +2,7 @@
 
 #include "comm/collectives.h"
 #include "comm/communicator_base.h"
+#include "comm/silence_clock.h"
 #include "core/fd.h"
 
 #include <poll.h>
@@ -258,9 +259,10 @@ class UcxCommunicator final : public CommunicatorBase {
         context_(std::move(opened.context)),
         worker_(std::move(opened.worker)),
         worker_fd_(opened.worker_fd),
+        silence_(size, std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options.heartbeat_s)),
+                 Clock::now()),
         starting_world_(*this, rank, size),
         collectives_(starting_world_) {
-    last_heard_.assign(static_cast<size_t>(size), Clock::now());
     incarnation_.assign(static_cast<size_t>(size), 0);
     current_context_.assign(static_cast<size_t>(size), nullptr);
   }
@@ -283,8 +285,7 @@ class UcxCommunicator final : public CommunicatorBase {
       CFMO_TRY(open_endpoint(peer, met.addresses[static_cast<size_t>(peer)]));
     }
     wake_fd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
-    const auto now = Clock::now();
-    std::fill(last_heard_.begin(), last_heard_.end(), now);
+    silence_.reset(Clock::now());
     // The table before the progress thread starts: a membership note it
     // handles at once (a second joiner admitted while this one connects)
     // writes its entry there.
@@ -420,7 +421,7 @@ class UcxCommunicator final : public CommunicatorBase {
       mark_lost(peer, opened.error().message);
       return;
     }
-    last_heard_[p] = Clock::now();
+    silence_.heard(peer, Clock::now());
     peers_.rejoined(peer);
     std::lock_guard lock(join_mutex_);
     addresses_[p] = address;  // should this rank come to lead: the table a joiner gets
@@ -436,7 +437,7 @@ class UcxCommunicator final : public CommunicatorBase {
     if (size <= before) return;
     const auto n = static_cast<size_t>(size);
     endpoints_.resize(n);
-    last_heard_.resize(n, Clock::now());
+    silence_.grow(size, Clock::now());
     incarnation_.resize(n, 0);
     current_context_.resize(n, nullptr);
     {
@@ -695,7 +696,7 @@ class UcxCommunicator final : public CommunicatorBase {
         if (message == nullptr) break;
         any = true;
         const int from = tag_source(info.sender_tag);
-        if (from >= 0 && from < size_) last_heard_[static_cast<size_t>(from)] = Clock::now();
+        silence_.heard(from, Clock::now());
         Pending p;
         p.peer = from;
         p.channel = channel;
@@ -768,9 +769,12 @@ class UcxCommunicator final : public CommunicatorBase {
     // Silence is measured in seconds: looking every few milliseconds is enough.
     if (now - last_silence_check_ < std::chrono::milliseconds(5)) return;
     last_silence_check_ = now;
+    // Counted in time this rank listened: a stall of its own (or of the
+    // whole host) is no silence of its peers (comm/silence_clock.h).
+    silence_.listened(now);
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_ || departed(peer)) continue;
-      const double silent = std::chrono::duration<double>(now - last_heard_[static_cast<size_t>(peer)]).count();
+      const double silent = silence_.silent_s(peer);
       if (silent > options_.peer_timeout_s && !is_lost(peer)) {
         mark_lost(peer, fmt::format("no message for {:.1f}s", silent));
       }
@@ -937,7 +941,7 @@ class UcxCommunicator final : public CommunicatorBase {
       mark_lost(peer, fmt::format("receive failed: {}", ucs_status_string(UCS_PTR_STATUS(request))));
       return nullptr;
     }
-    last_heard_[static_cast<size_t>(peer)] = Clock::now();
+    silence_.heard(peer, Clock::now());
     return request;
   }
 
@@ -1127,7 +1131,7 @@ class UcxCommunicator final : public CommunicatorBase {
   std::vector<uint8_t> probed_;     ///< the channels probe_channels() looks at
   uint64_t probed_generation_ = 0;  ///< handlers_generation_ when probed_ was built
   Clock::time_point last_silence_check_{};
-  std::vector<Clock::time_point> last_heard_;
+  SilenceClock silence_;  ///< each peer's silence, in time this rank listened
   Clock::time_point last_heartbeat_{};
   Clock::time_point last_activity_{};
   StartingWorld starting_world_;  ///< the ranks the collectives run among
