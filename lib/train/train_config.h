@@ -70,6 +70,7 @@ struct TrainConfig {
   std::string outer_optimizer = "nesterov";
   double outer_lr = 0.5;
   double outer_momentum = 0.8;
+  int outer_warmup = 10;  ///< nesterov: rounds from plain averaging to outer_lr and outer_momentum
   std::string delta_dtype = "bf16";
   std::vector<std::string> slowdown;
   std::string straggler;
