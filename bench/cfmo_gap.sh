@@ -50,16 +50,5 @@ for v in "$@"; do
   i=$((i + 1))
   # shellcheck disable=SC2086
   for s in $SEEDS; do run "v$i" "$s" $v; done
-  "$PY" - "$tmp" "v$i" "$SEEDS" "$v" <<'EOF'
-import json, sys, statistics as st
-tmp, name, seeds, label = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4]
-runs = [json.load(open(f"{tmp}/{name}.{s}")) for s in seeds]
-sync = [json.load(open(f"{tmp}/sync.{s}"))["test_accuracy"] for s in seeds]
-acc = [r["test_accuracy"] for r in runs]
-gap = [a - b for a, b in zip(acc, sync)]
-se = st.stdev(gap) / len(gap) ** 0.5 if len(gap) > 1 else 0.0
-rounds = [w.get("rounds", 0) for r in runs for w in r["per_worker"]]
-sps = [r["samples_per_s"] for r in runs]
-print(f"| `{label}` | {st.mean(acc):.4f} | {100 * st.mean(gap):+.2f} | {100 * se:.2f} | {st.median(sps):.0f} | {st.mean(rounds):.1f} |")
-EOF
+  "$PY" bench/gap_table.py "$tmp" "v$i" "$SEEDS" "$v"
 done
