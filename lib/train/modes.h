@@ -64,6 +64,9 @@ struct ModeSettings {
   OuterKind outer_optimizer = OuterKind::kNesterov;
   double outer_lr = 0.5;
   double outer_momentum = 0.8;
+  /// nesterov: rounds over which the outer step goes from plain averaging
+  /// (lr 1, no momentum) to outer_lr and outer_momentum; 0: none.
+  int outer_warmup = 10;
   comm::WireDtype delta_dtype = comm::WireDtype::kBf16;
   int64_t sample_budget = 0;  ///< async modes: stop when all workers together saw this many (0: no budget)
   double peer_timeout_s = 10;

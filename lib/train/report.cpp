@@ -139,6 +139,7 @@ std::string TrainSummary::to_json() const {
         {"outer_optimizer", std::string(to_string(mode_settings.outer_optimizer))},
         {"outer_lr", mode_settings.outer_lr},
         {"outer_momentum", mode_settings.outer_momentum},
+        {"outer_warmup", mode_settings.outer_warmup},
         {"delta_dtype", std::string(to_string(mode_settings.delta_dtype))}}},
       {"simulation",
        {{"simulated", !slowdown.empty() || !straggler.empty()},

@@ -126,6 +126,10 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         dist);
   t.add("outer_momentum", &c.outer_momentum, "outer Nesterov momentum (DiLoCo's 0.9 is too much for cfmo: see BUGS)",
         dist);
+  t.add("outer_warmup", &c.outer_warmup,
+        "nesterov: rounds over which the outer step goes from plain averaging (lr 1, no momentum) to "
+        "--outer-lr and --outer-momentum (0: none)",
+        dist);
   t.add("reply_hold", &c.reply_hold,
         "cfmo: round (an owner answers a shard's contributions once every live rank's is in, or after 2 x "
         "--sync-interval of its own steps: fewer, larger rounds on a slow link) or off (each at once)",
@@ -256,6 +260,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
   }
   plan.outer_lr = c.outer_lr > 0 ? c.outer_lr : (plan.outer_optimizer == OuterKind::kAvg ? 1.0 : 0.5);
   if (!(c.outer_momentum >= 0 && c.outer_momentum < 1)) return usage("outer-momentum", "must be in [0, 1)");
+  if (c.outer_warmup < 0) return usage("outer-warmup", "must be >= 0");
   auto dtype = comm::parse_wire_dtype(c.delta_dtype);
   if (!dtype) return usage("delta-dtype", fmt::format("'{}' is not fp32, bf16 or int8", c.delta_dtype));
   plan.delta_dtype = *dtype;

@@ -71,6 +71,7 @@ struct TrainConfig {
   std::string outer_optimizer = "auto";
   double outer_lr = 0;  ///< 0: the outer step's own (1 with avg, 0.5 with nesterov)
   double outer_momentum = 0.8;
+  int outer_warmup = 10;  ///< nesterov: rounds from plain averaging to outer_lr and outer_momentum
   std::string delta_dtype = "bf16";
   std::vector<std::string> slowdown;
   std::string straggler;

@@ -242,6 +242,7 @@ Status TrainingRun::plan_length() {
   settings.outer_optimizer = plan.outer_optimizer;
   settings.outer_lr = plan.outer_lr;
   settings.outer_momentum = config.outer_momentum;
+  settings.outer_warmup = config.outer_warmup;
   settings.delta_dtype = plan.delta_dtype;
   settings.peer_timeout_s = config.peer_timeout;
   settings.elastic = config.elastic;

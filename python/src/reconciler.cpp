@@ -66,6 +66,7 @@ Status validate_settings(const ReconcilerSettings& s) {
   c.outer_optimizer = std::string(to_string(s.mode.outer_optimizer));
   c.outer_lr = s.mode.outer_lr;
   c.outer_momentum = s.mode.outer_momentum;
+  c.outer_warmup = s.mode.outer_warmup;
   c.delta_dtype = std::string(to_string(s.mode.delta_dtype));
   c.peer_timeout = s.mode.peer_timeout_s;
   c.steps = 1;

@@ -5,10 +5,10 @@
 // skips with the reason where the machine cannot give it what it needs.
 #include "integration/harness.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <netdb.h>
 #include <sys/prctl.h>
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -261,7 +261,9 @@ TEST(TwoHosts, CfmoLeadsSyncOnALinkOf100Mbit) {
   // until their rounds were whole, and the workers' shards sat rounds out
   // until then: fewer, larger rounds on the slow link.
   int64_t held = 0;
-  std::string adapted;
+  // And the outer step's warm-up (--outer-warmup), which the gap owes most to: plain averaging
+  // at the first rounds, Nesterov from the R-th on.
+  std::string adapted = fmt::format(" outer warm-up over {} rounds;", cfmo["settings"]["outer_warmup"].get<int>());
   for (const auto& w : cfmo["per_worker"]) {
     held += w["replies_held"].get<int64_t>();
     adapted += fmt::format(" rank {}: {} rounds, {} deferred, {} replies held, {} rounds cut;", w["rank"].get<int>(),
@@ -280,8 +282,10 @@ TEST(TwoHosts, CfmoLeadsSyncOnALinkOf100Mbit) {
       s, sync_acc, c, cfmo_acc, s > 0 ? c / s : 0.0, 100 * (cfmo_acc - sync_acc), adapted.c_str());
   // Issue 16 asks for cfmo within 1 point of sync here; on this job cfmo ends
   // 0.4 to 4.5 points below, run to run (bench/RESULTS.md: its whole run is a
-  // few tenths of a second, 6 to 10 rounds a rank, each a 100 Mbit transfer),
-  // so the check is against a collapse, 6 points, not the target.
+  // few tenths of a second, 6 to 10 rounds a rank, each a 100 Mbit transfer;
+  // with the outer warm-up 0.86 points below on the mean of 12 seeds,
+  // standard error 0.26: bench/two_hosts_gap.sh), so a single run's check is
+  // against a collapse, 6 points, not the target.
   EXPECT_GT(cfmo_acc, sync_acc - 0.06) << "cfmo " << cfmo_acc << " against sync " << sync_acc;
 }
 

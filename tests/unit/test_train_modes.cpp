@@ -5,17 +5,19 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace cfmo::train {
 namespace {
 
-ModeSettings outer(const char* name, double lr, double mu) {
+ModeSettings outer(const char* name, double lr, double mu, int warmup = 0) {
   ModeSettings s;
   s.outer_optimizer = *parse_outer_kind(name);
   s.outer_lr = lr;
   s.outer_momentum = mu;
+  s.outer_warmup = warmup;
   return s;
 }
 
@@ -27,7 +29,8 @@ float delta_of(int round, int k, size_t i) {
 TEST(OuterOptimizer, ARoundOfWContributionsIsOneStepOnTheirMean) {
   constexpr int kWorkers = 4;
   constexpr size_t kSize = 5;
-  for (const auto& settings : {outer("avg", 1.0, 0.9), outer("nesterov", 0.5, 0.8), outer("nesterov", 0.7, 0.9)}) {
+  for (const auto& settings : {outer("avg", 1.0, 0.9), outer("nesterov", 0.5, 0.8), outer("nesterov", 0.7, 0.9),
+                               outer("nesterov", 0.5, 0.8, 4)}) {
     SCOPED_TRACE(std::string(to_string(settings.outer_optimizer)) + " " + std::to_string(settings.outer_lr));
     OuterOptimizer per_round(settings, kSize, 1);                // localsgd: the sum, weighted 1/W
     OuterOptimizer per_contribution(settings, kSize, kWorkers);  // a cfmo owner
@@ -41,8 +44,11 @@ TEST(OuterOptimizer, ARoundOfWContributionsIsOneStepOnTheirMean) {
           d[i] = delta_of(round, k, i);
           sum[i] += d[i];
         }
+        // A cfmo owner's round: the shard's version / W, the same for the W contributions.
+        per_contribution.set_round((round * kWorkers + k) / kWorkers);
         per_contribution.apply(b, d, 1.0f / kWorkers);
       }
+      per_round.set_round(round);
       per_round.apply(a, sum, 1.0f / kWorkers);
       for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << "round " << round << " element " << i;
     }
@@ -68,6 +74,37 @@ TEST(OuterOptimizer, NesterovIsDiLoCosStepAndAvgKeepsNoState) {
   EXPECT_LT(m, 1.0 / (1 - mu));
   OuterOptimizer avg(outer("avg", 1.0, 0.9), 3, 3);
   EXPECT_TRUE(avg.momentum().empty());
+}
+
+TEST(OuterOptimizer, NesterovWarmsUpFromPlainAveraging) {
+  // --outer-warmup 4: round r < 4 takes lr 1 + (lr - 1) r / 4 and momentum mu r / 4.
+  const double lr = 0.5;
+  const double mu = 0.8;
+  constexpr int kWarmup = 4;
+  OuterOptimizer warm(outer("nesterov", lr, mu, kWarmup), 1, 1);
+  std::vector<float> global = {0.0f};
+  double expected = 0;
+  double m = 0;
+  for (int round = 0; round < 8; ++round) {
+    const double ramp = std::min(1.0, static_cast<double>(round) / kWarmup);
+    const double lr_r = 1 + (lr - 1) * ramp;
+    const double mu_r = mu * ramp;
+    warm.set_round(round);
+    warm.apply(global, std::vector<float>{1.0f}, 1.0f);
+    m = mu_r * m + 1.0;
+    expected += lr_r * (1.0 + mu_r * m);
+    EXPECT_NEAR(global[0], expected, 1e-5 * expected) << "round " << round;
+    // The first round is plain averaging: the mean delta, once.
+    if (round == 0) {
+      EXPECT_FLOAT_EQ(global[0], 1.0f);
+    }
+  }
+  // avg has nothing to warm up: lr as given from the first round.
+  OuterOptimizer avg(outer("avg", 1.5, 0.9, kWarmup), 1, 1);
+  std::vector<float> a = {0.0f};
+  avg.set_round(0);
+  avg.apply(a, std::vector<float>{1.0f}, 1.0f);
+  EXPECT_FLOAT_EQ(a[0], 1.5f);
 }
 
 TEST(ModeTable, RowsAreInModeKindOrderAndTheirNamesParseBack) {

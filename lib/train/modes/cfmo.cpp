@@ -312,7 +312,9 @@ class CfmoMode final : public AsyncMode {
     if (!dropped) {
       // 1 / W_live: after a loss a round of the survivors' deltas moves the shard by their mean.
       const float weight = static_cast<float>(std::pow(settings_.staleness_discount, s)) / static_cast<float>(live());
-      outer_.at(shard).apply(served.values, delta, weight);
+      OuterOptimizer& outer = outer_.at(shard);
+      outer.set_round(round_of(served.version));
+      outer.apply(served.values, delta, weight);
       ++served.version;
       ++stats_.contributions_applied;
       replicate_locked(shard, weight, dtype, encoded);
@@ -485,6 +487,8 @@ class CfmoMode final : public AsyncMode {
     if (kind != kReplicaApply || it == replicas_.end() || !take(m, weight) || !take(m, dtype) || dtype > 2) return;
     replica_incoming_.resize(shard_size(j));
     if (!comm::decode_floats(static_cast<comm::WireDtype>(dtype), m, replica_incoming_)) return;
+    // The owner applied it at one version fewer: the same round as there.
+    it->second.outer.set_round(round_of(version - 1));
     it->second.outer.apply(it->second.values, replica_incoming_, weight);
     it->second.version = version;
   }
@@ -549,6 +553,10 @@ class CfmoMode final : public AsyncMode {
       if (backup_[j] != backup) send_whole_locked(j, backup);
     }
   }
+
+  /// The outer round (--outer-warmup) of a contribution applied to a shard at
+  /// `version`: rounds of W contributions, as the staleness counts them.
+  int64_t round_of(int64_t version) const { return std::max<int64_t>(0, version) / comm_.size(); }
 
   /// A shard's outer optimizer as the run starts (with the resumed momentum).
   OuterOptimizer starting_outer(int shard, const ModeResume& resume) const {

@@ -73,6 +73,7 @@ class LocalSgdMode final : public LockstepMode {
     std::copy(global.begin(), global.end(), global_.begin());
     std::copy(momentum.begin(), momentum.end(), outer_.momentum().begin());
     vote_.read(welcome.sum.data() + params.size());
+    outer_.set_round(round_of(position.step));
     outer_.apply(global_, std::span<const float>(welcome.sum).first(params.size()),
                  1.0f / static_cast<float>(welcome.members));
     std::copy(global_.begin(), global_.end(), params.begin());
@@ -100,12 +101,17 @@ class LocalSgdMode final : public LockstepMode {
     CFMO_TRY(status);
     vote_.read(delta_.data() + params.size());
     const auto members = static_cast<float>(group_ ? group_->last_sum_members() : static_cast<size_t>(comm_.size()));
+    outer_.set_round(round_of(last_step_));
     outer_.apply(global_, std::span<const float>(delta_).first(params.size()), 1.0f / members);
     std::copy(global_.begin(), global_.end(), params.begin());
     ++stats_.rounds;
     since_sync_ = 0;
     return {};
   }
+
+  /// The outer round a reconciliation at `step` is (0 the first): the rounds
+  /// at each multiple of H before it; a last round between two counts as the next.
+  int64_t round_of(int64_t step) const { return std::max<int64_t>(0, step - 1) / settings_.sync_interval; }
 
   ModeSettings settings_;
   comm::Communicator& comm_;

@@ -6,11 +6,24 @@ namespace cfmo::train {
 
 OuterOptimizer::OuterOptimizer(const ModeSettings& settings, size_t size, int contributions_per_round)
     : nesterov_(settings.outer_optimizer == OuterKind::kNesterov),
-      lr_(static_cast<float>(settings.outer_lr)),
-      mu_(static_cast<float>(settings.outer_momentum)),
+      base_lr_(static_cast<float>(settings.outer_lr)),
+      base_mu_(static_cast<float>(settings.outer_momentum)),
+      warmup_(nesterov_ ? std::max(0, settings.outer_warmup) : 0),
+      lr_(base_lr_),
+      mu_(base_mu_),
       per_round_(std::max(1, contributions_per_round)),
       momentum_(nesterov_ ? size : 0, 0.0f),
-      round_sum_(nesterov_ && per_round_ > 1 ? size : 0, 0.0f) {}
+      round_sum_(nesterov_ && per_round_ > 1 ? size : 0, 0.0f) {
+  set_round(0);
+}
+
+void OuterOptimizer::set_round(int64_t round) {
+  if (warmup_ == 0) return;
+  const float ramp =
+      round >= warmup_ ? 1.0f : static_cast<float>(std::max<int64_t>(0, round)) / static_cast<float>(warmup_);
+  lr_ = 1.0f + (base_lr_ - 1.0f) * ramp;
+  mu_ = base_mu_ * ramp;
+}
 
 void OuterOptimizer::apply(std::span<float> global, std::span<const float> delta, float weight) {
   const size_t n = global.size();

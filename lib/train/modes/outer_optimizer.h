@@ -24,9 +24,23 @@ namespace cfmo::train {
 ///             is the delayed Nesterov update of Async Local-SGD (arXiv
 ///             2401.09135, without momentum between the updates); a momentum
 ///             step per contribution would amplify the mean by ~W / (1 - mu).
+///
+/// Warm-up (nesterov, --outer-warmup R): round r < R (set_round) is taken with
+/// lr_r = 1 + (lr - 1) r / R and mu_r = mu r / R, plain averaging at the first
+/// round. A momentum of 0.8 takes about 1 / (1 - mu) = 5 rounds to build up
+/// and then moves the parameters by lr / (1 - mu) = 2.5 times a round's mean
+/// delta; on a run of few rounds that gain comes too late and overshoots (a
+/// 3-worker run of 8 rounds a rank ended 1 point below plain averaging in
+/// localsgd and 1.5 in cfmo, whose workers train on between a send and its
+/// reply: bench/RESULTS.md), while runs of tens of rounds gain from it.
 class OuterOptimizer {
  public:
   OuterOptimizer(const ModeSettings& settings, size_t size, int contributions_per_round);
+  /// The round the next contributions belong to, 0 the first (rounds
+  /// completed before it); sets the warm-up's lr and momentum. The callers
+  /// derive it from what every replica of the state agrees on: localsgd from
+  /// the step, a cfmo owner and its backup from the shard's version.
+  void set_round(int64_t round);
   void apply(std::span<float> global, std::span<const float> delta, float weight);
   /// m, in the deltas' sign (empty for avg): what a checkpoint keeps, and
   /// where a resumed run puts it back.
@@ -45,8 +59,11 @@ class OuterOptimizer {
 
  private:
   bool nesterov_;
-  float lr_;
-  float mu_;
+  float base_lr_;  ///< --outer-lr
+  float base_mu_;  ///< --outer-momentum
+  int warmup_;     ///< --outer-warmup (0 with avg)
+  float lr_;       ///< this round's
+  float mu_;       ///< this round's
   int per_round_;
   int in_round_ = 0;
   tensor::FloatBuffer momentum_;
