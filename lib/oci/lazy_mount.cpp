@@ -97,6 +97,7 @@ void replace_file(const fs::path& path, const std::string& text) {
 constexpr double kForever = 3600;        ///< seconds the kernel may cache what never changes
 constexpr size_t kOpenSpans = 64;        ///< span files kept open for reads (SpanFds)
 constexpr int kSessionThreads = 4;       ///< threads reading the FUSE device (LazyMount::Impl::session)
+constexpr int kWakeSignal = SIGUSR2;     ///< interrupts a session thread's read of the device at the end
 constexpr unsigned kMaxRead = 1u << 20;  ///< the largest read libfuse 3.14 lets the kernel send (FUSE_MAX_MAX_PAGES)
 
 /// The size of the kernel's read requests (and the mount's readahead): as
@@ -848,20 +849,17 @@ struct LazyMount::Impl {
 
   /// One of the threads reading the FUSE device: each takes a request and
   /// answers it (metadata, and reads of cached spans, right here), so that
-  /// the requests of a readahead window are served side by side and a
-  /// thread that wakes finds the next one queued. Ends when `quit` is
-  /// readable, or when the session ends (then makes `ended` readable).
-  void session(int quit, int ended) {
+  /// the requests of a readahead window and of several readers are served
+  /// side by side. A blocking read(2), not poll: the kernel wakes one
+  /// waiting reader a request (poll woke all four, three for nothing). Ends
+  /// with the session (then makes `ended` readable), or on `quit`, which
+  /// serve() sets before interrupting the read with kWakeSignal.
+  void session(const std::atomic<bool>& quit, int ended) {
     fuse_buf buf{};
-    const int fd = fuse_session_fd(se);
-    for (;;) {
-      pollfd fds[2] = {{fd, POLLIN, 0}, {quit, POLLIN, 0}};
-      if (::poll(fds, 2, -1) < 0 && errno != EINTR) break;
-      if ((fds[1].revents & POLLIN) != 0) break;
-      if ((fds[0].revents & (POLLIN | POLLERR | POLLHUP)) == 0) continue;
+    while (!quit) {
       const int got = fuse_session_receive_buf(se, &buf);
-      if (got == -EINTR || got == -EAGAIN) continue;  // another thread took it
-      if (got <= 0) break;                            // -ENODEV: unmounted, and the last file closed
+      if (got == -EINTR || got == -EAGAIN) continue;
+      if (got <= 0) break;  // -ENODEV: unmounted, and the last file closed
       fuse_session_process_buf(se, &buf);
       if (initialized && !readahead_raised.exchange(true)) raise_readahead(report.fuse_point, max_read);
       if (fuse_session_exited(se) != 0) break;
@@ -1351,20 +1349,27 @@ Status LazyMount::mount() {
 Status LazyMount::serve() {
   Impl& m = *impl_;
   const sigset_t signals = stop_signals();
-  const int sfd = ::signalfd(-1, &signals, SFD_CLOEXEC);
-  // Readable once the session threads are to end (never read, so all of them see it), and once one saw the session end.
-  const Fd quit(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  const Fd signal_fd(::signalfd(-1, &signals, SFD_CLOEXEC));
+  const int sfd = signal_fd.get();
+  // Readable once a session thread saw the session end.
   const Fd ended(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (sfd < 0 || !quit || !ended) return make_error(ErrorKind::kInternal, "FUSE: eventfd: {}", std::strerror(errno));
-  // Non-blocking, so that a session thread woken with the others for one
-  // request does not sleep in read(2) past the end: it polls again.
-  const int fd = fuse_session_fd(m.se);
-  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  if (!signal_fd || !ended) {
+    return make_error(ErrorKind::kInternal, "FUSE: signalfd or eventfd: {}", std::strerror(errno));
+  }
+  // A handler that does nothing, without SA_RESTART: kWakeSignal makes a session thread's read(2) return EINTR.
+  struct sigaction wake {};
+  wake.sa_handler = [](int) {};
+  ::sigaction(kWakeSignal, &wake, nullptr);
   for (int i = 0; i < std::max(1, m.options.jobs); ++i) m.workers.emplace_back([&m] { m.worker(); });
   if (!m.options.prefetch.empty()) m.workers.emplace_back([&m] { m.prefetch(); });
+  std::atomic<bool> quit{false};
   std::vector<std::thread> sessions;
+  std::vector<std::atomic<bool>> done(kSessionThreads);
   for (int i = 0; i < kSessionThreads; ++i) {
-    sessions.emplace_back([&m, &quit, &ended] { m.session(quit.get(), ended.get()); });
+    sessions.emplace_back([&m, &quit, &ended, &done, i] {
+      m.session(quit, ended.get());
+      done[static_cast<size_t>(i)] = true;
+    });
   }
   std::chrono::steady_clock::time_point deadline{};
   for (;;) {
@@ -1388,13 +1393,19 @@ Status LazyMount::serve() {
       }
     }
   }
-  const uint64_t one = 1;
-  (void)!::write(quit.get(), &one, sizeof one);
-  for (auto& t : sessions) t.join();
+  // A thread may test `quit` just before it blocks in read(2), missing one
+  // signal: it is signalled again until it ends.
+  quit = true;
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    while (!done[i]) {
+      ::pthread_kill(sessions[i].native_handle(), kWakeSignal);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    sessions[i].join();
+  }
   m.stop_workers();
   for (auto& t : m.workers) t.join();
   m.workers.clear();
-  ::close(sfd);
   fuse_session_unmount(m.se);  // a mount made through fusermount3 is not libfuse's to unmount:
   if (!running_as_root() && lazy_mount_pid(mounted_source(m.report.fuse_point)) == ::getpid())
     (void)detach_mount(m.report.fuse_point);

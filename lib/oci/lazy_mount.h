@@ -15,7 +15,7 @@
 /// system is mounted below an overlay (mount.h) whose upper directory holds
 /// the writes.
 ///
-/// One thread reads the FUSE device and answers metadata from memory, and
+/// Four threads read the FUSE device and answer metadata from memory, and
 /// reads of cached spans from their files' open descriptors; reads of spans
 /// not cached go to `jobs` worker threads, each with its own registry clients. The
 /// chunks being inflated draw their buffers from a MemoryBudget, so the
