@@ -76,6 +76,22 @@ class Lazy : public ::testing::Test {
     fs::create_directories(point());
   }
 
+  /// An image of one gzip layer holding `file`, pushed as `repo`:v1, and a
+  /// lazy pull of it with the indexes of a full pull (spans of `span`).
+  void prepare_one_file(const std::string& repo, const std::string& file, const std::string& bytes,
+                        const std::string& span) {
+    const FixtureImage image = make_real_image({{testing::make_tar({testing::file(file, bytes)}), "tar+gzip"}});
+    ASSERT_TRUE(push_image(*registry_, repo, "v1", image));
+    const std::string ref = registry_->host() + "/" + repo + ":v1";
+    ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+    ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", span, "-q"}).status, 0);
+    const RunResult lazy =
+        pull({"pull", ref, "--output", "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
+    ASSERT_EQ(lazy.status, 0) << lazy.err;
+    fs::copy(out_ / "full" / oci::kIndexDir, lazy_dir() / oci::kIndexDir);
+    fs::create_directories(point());
+  }
+
   fs::path lazy_dir() const { return out_ / "lazy"; }
   fs::path point() const { return out_ / "mnt"; }
 
@@ -211,16 +227,7 @@ TEST_F(Lazy, ReadsStayRightWhileTheirSpansAreEvictedFromASmallCache) {
   // spans out (their open descriptors dropped with them), and reading it
   // again backwards, past the kernel's page cache, makes them again.
   const std::string bytes = testing::random_bytes(20 << 20, 11);
-  const FixtureImage big = make_real_image({{testing::make_tar({testing::file("big", bytes)}), "tar+gzip"}});
-  ASSERT_TRUE(push_image(*registry_, "lazy/big", "v1", big));
-  const std::string ref = registry_->host() + "/lazy/big:v1";
-  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
-  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", "1M", "-q"}).status, 0);
-  const RunResult lazy =
-      pull({"pull", ref, "--output", "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
-  ASSERT_EQ(lazy.status, 0) << lazy.err;
-  fs::copy(out_ / "full" / oci::kIndexDir, lazy_dir() / oci::kIndexDir);
-  fs::create_directories(point());
+  ASSERT_NO_FATAL_FAILURE(prepare_one_file("lazy/big", "big", bytes, "1M"));
   MOUNT_OR_SKIP(j, {"--cache-size", "16M"});
   EXPECT_EQ(slurp(point() / "big"), bytes);
   const auto first = stats();
@@ -252,16 +259,7 @@ TEST_F(Lazy, ConcurrentReadersGetTheRightBytesColdCachedAndWhileEvicted) {
   // cache of 32 of its 48 spans evicts (and drops the descriptors of) spans
   // other readers are using. Then a new mount over what the cache kept.
   const std::string bytes = testing::random_bytes(24 << 20, 23);
-  const FixtureImage image = make_real_image({{testing::make_tar({testing::file("f", bytes)}), "tar+gzip"}});
-  ASSERT_TRUE(push_image(*registry_, "lazy/many", "v1", image));
-  const std::string ref = registry_->host() + "/lazy/many:v1";
-  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
-  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", "512K", "-q"}).status, 0);
-  const RunResult lazy =
-      pull({"pull", ref, "--output", "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
-  ASSERT_EQ(lazy.status, 0) << lazy.err;
-  fs::copy(out_ / "full" / oci::kIndexDir, lazy_dir() / oci::kIndexDir);
-  fs::create_directories(point());
+  ASSERT_NO_FATAL_FAILURE(prepare_one_file("lazy/many", "f", bytes, "512K"));
   auto readers = [&](uint64_t seed) {
     std::vector<std::thread> threads;
     std::vector<std::string> wrong(8);
