@@ -256,9 +256,9 @@ TEST_F(Lazy, ConcurrentReadersGetTheRightBytesColdCachedAndWhileEvicted) {
   // Eight readers at once, at seeded offsets and sizes, past the page cache:
   // the session threads answer side by side, the workers fetch the same
   // spans at once (one makes it, the others wait for its bytes), and a
-  // cache of 32 of its 48 spans evicts (and drops the descriptors of) spans
+  // cache of 32 of its 40 spans evicts (and drops the descriptors of) spans
   // other readers are using. Then a new mount over what the cache kept.
-  const std::string bytes = testing::random_bytes(24 << 20, 23);
+  const std::string bytes = testing::random_bytes(20 << 20, 23);
   ASSERT_NO_FATAL_FAILURE(prepare_one_file("lazy/many", "f", bytes, "512K"));
   auto readers = [&](uint64_t seed) {
     std::vector<std::thread> threads;
@@ -270,7 +270,7 @@ TEST_F(Lazy, ConcurrentReadersGetTheRightBytesColdCachedAndWhileEvicted) {
         uint64_t state = seed * 31 + t;
         auto next = [&state] { return (state = state * 6364136223846793005u + 1442695040888963407u) >> 33; };
         std::string block;
-        for (int i = 0; i < 60 && wrong[t].empty(); ++i) {
+        for (int i = 0; i < 40 && wrong[t].empty(); ++i) {
           if (i % 10 == 0) (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
           const size_t at = next() % bytes.size();
           const size_t n = std::min<size_t>(1 + next() % (600 << 10), bytes.size() - at);
