@@ -23,6 +23,7 @@
 #include <malloc.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/mount.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -94,9 +95,27 @@ void replace_file(const fs::path& path, const std::string& text) {
   (void)::rename(temp.c_str(), path.c_str());
 }
 
-constexpr double kForever = 3600;          ///< seconds the kernel may cache what never changes
-constexpr size_t kOpenSpans = 64;          ///< span files kept open for reads (SpanFds)
-constexpr unsigned kReadahead = 1u << 20;  ///< the kernel's readahead on the mount, so its reads are up to this
+constexpr double kForever = 3600;        ///< seconds the kernel may cache what never changes
+constexpr size_t kOpenSpans = 64;        ///< span files kept open for reads (SpanFds)
+constexpr int kSessionThreads = 4;       ///< threads reading the FUSE device (LazyMount::Impl::session)
+constexpr int kWakeSignal = SIGUSR2;     ///< interrupts a session thread's read of the device at the end
+constexpr unsigned kMaxRead = 1u << 20;  ///< the largest read libfuse 3.14 lets the kernel send (FUSE_MAX_MAX_PAGES)
+
+/// The size of the kernel's read requests (and the mount's readahead): as
+/// large as one reply can be spliced. libfuse splices a reply through a
+/// pipe only if the pipe holds the data plus a page per buffer and two
+/// more; a pipe grows to /proc/sys/fs/pipe-max-size (1 MiB) without
+/// CAP_SYS_RESOURCE, so a 1 MiB reply never fitted and every one was
+/// copied into a fresh 1 MiB buffer instead (3-4 ms each on a loaded
+/// machine: page faults, pread, munmap). Eight pages are left for the
+/// header and the span boundaries a read crosses.
+unsigned max_read_size() {
+  const long page = ::sysconf(_SC_PAGESIZE);
+  long pipe_max = 1 << 20;
+  std::ifstream("/proc/sys/fs/pipe-max-size") >> pipe_max;
+  const long fits = (pipe_max - 8 * page) / page * page;
+  return static_cast<unsigned>(std::clamp<long>(fits, 32 * page, kMaxRead));
+}
 
 class TreeBuilder {
  public:
@@ -267,6 +286,8 @@ class TreeBuilder {
   LazyTree tree_;
 };
 
+void raise_readahead(const fs::path& point, unsigned bytes);
+
 using ChunkKey = std::pair<size_t, size_t>;  ///< (mount layer, checkpoint)
 
 struct ReadJob {
@@ -322,7 +343,9 @@ struct LazyMount::Impl {
   fuse_session* se = nullptr;
   std::atomic<bool> stopping{false};
   std::atomic<bool> registry_stop{false};
-  bool initialized = false;  ///< the kernel's INIT answered (set on the session thread)
+  std::atomic<bool> initialized{false};  ///< the kernel's INIT answered
+  std::atomic<bool> readahead_raised{false};
+  unsigned max_read = kMaxRead;  ///< max_read_size(), taken before serving
 
   // The chunk cache: what is on disk, least recently used last.
   std::mutex mu;
@@ -827,10 +850,55 @@ struct LazyMount::Impl {
     }
   }
 
-  void begin_stop() {
-    if (stopping.exchange(true)) return;
+  /// Workers end once the queue is empty; reads queued from now on get EIO (enqueue).
+  void stop_workers() {
+    {
+      std::lock_guard lock(queue_mu);
+      stopping = true;
+    }
     registry_stop = true;
     queue_cv.notify_all();
+  }
+
+  /// Hands a read to the workers, or answers EIO once they are stopping
+  /// (under queue_mu, so no read is queued after the last worker left).
+  void enqueue(const ReadJob& job) {
+    {
+      std::lock_guard lock(queue_mu);
+      if (!stopping) {
+        queue.push_back(job);
+        queue_cv.notify_one();
+        return;
+      }
+    }
+    fuse_reply_err(job.req, EIO);
+  }
+
+  /// One of the threads reading the FUSE device: each takes a request and
+  /// answers it (metadata, and reads of cached spans, right here), so that
+  /// the requests of a readahead window and of several readers are served
+  /// side by side. A blocking read(2), not poll: the kernel wakes one
+  /// waiting reader a request (poll woke all four, three for nothing). Ends
+  /// with the session (then makes `ended` readable), or on `quit`, which
+  /// serve() sets before interrupting the read with kWakeSignal.
+  void session(const std::atomic<bool>& quit, int ended) {
+    fuse_buf buf{};
+    while (!quit) {
+      const int got = fuse_session_receive_buf(se, &buf);
+      if (got == -EINTR || got == -EAGAIN) continue;
+      if (got <= 0) break;  // -ENODEV: unmounted, and the last file closed
+      fuse_session_process_buf(se, &buf);
+      if (initialized && !readahead_raised.exchange(true)) raise_readahead(report.fuse_point, max_read);
+      if (fuse_session_exited(se) != 0) break;
+    }
+    std::free(buf.mem);
+    const uint64_t one = 1;
+    (void)!::write(ended, &one, sizeof one);
+  }
+
+  void begin_stop() {
+    if (stopping.exchange(true)) return;
+    stop_workers();
     // Detached, the mount point is free now; the processes that still hold
     // files get EIO until they close them (then the kernel ends the session).
     // A --writable overlay above goes first (unless umount took it already), its writes with it.
@@ -904,11 +972,7 @@ void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset, fuse_fil
     std::vector<LazyMount::Impl::Piece> pieces;
     if (ChunkKey missing{}; m->plan(ino, size, offset, pieces, missing)) return LazyMount::Impl::reply(req, pieces);
   }
-  {
-    std::lock_guard lock(m->queue_mu);
-    m->queue.push_back({req, ino, size, offset});
-  }
-  m->queue_cv.notify_one();
+  m->enqueue({req, ino, size, offset});
 }
 
 void op_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
@@ -957,12 +1021,17 @@ sigset_t stop_signals() {
   return signals;
 }
 
-/// Reads as large as the kernel allows (the readahead window, raised after
-/// INIT by raise_readahead), answered by splicing from the span files.
+/// Reads as large as a reply can be spliced (max_read_size: max_write sets
+/// the kernel's max_pages, which bounds reads too, and the readahead window,
+/// raised after INIT by raise_readahead), answered by splicing from the span
+/// files. The tree never changes, so the page cache is never invalidated.
 void op_init(void* userdata, fuse_conn_info* conn) {
-  conn->max_readahead = kReadahead;
+  auto* m = static_cast<LazyMount::Impl*>(userdata);
+  conn->max_write = m->max_read;
+  conn->max_readahead = m->max_read;
   if ((conn->capable & FUSE_CAP_SPLICE_WRITE) != 0) conn->want |= FUSE_CAP_SPLICE_WRITE;
-  static_cast<LazyMount::Impl*>(userdata)->initialized = true;
+  conn->want &= ~FUSE_CAP_AUTO_INVAL_DATA;
+  m->initialized = true;
 }
 
 constexpr fuse_lowlevel_ops make_ops() {
@@ -1028,10 +1097,10 @@ Result<std::unique_ptr<LazyMount::Impl::Stream>> stream_layer(LayerIndex& index,
 
 /// The kernel sets a FUSE mount's readahead to the smaller of its device's
 /// default (128 KiB) and what INIT answered, so reads reach the daemon in
-/// 128 KiB requests, each a round trip; as root it is raised to kReadahead
+/// 128 KiB requests, each a round trip; as root it is raised to `bytes`
 /// through sysfs once INIT is answered (as `blockdev --setra` would for a
 /// disk). Without root it stays, and so do reads of 128 KiB.
-void raise_readahead(const fs::path& point) {
+void raise_readahead(const fs::path& point, unsigned bytes) {
   if (!running_as_root()) return;
   std::ifstream mounts("/proc/self/mountinfo");
   for (std::string line; std::getline(mounts, line);) {
@@ -1039,7 +1108,7 @@ void raise_readahead(const fs::path& point) {
     std::string id, parent, device, root, where;
     fields >> id >> parent >> device >> root >> where;
     if (where != point.string()) continue;
-    std::ofstream(fs::path("/sys/class/bdi") / device / "read_ahead_kb") << (kReadahead >> 10) << "\n";
+    std::ofstream(fs::path("/sys/class/bdi") / device / "read_ahead_kb") << (bytes >> 10) << "\n";
   }
 }
 
@@ -1299,6 +1368,7 @@ Status LazyMount::mount() {
   std::vector<char*> argv;
   for (auto& a : argv_strings) argv.push_back(a.data());
   fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
+  m.max_read = max_read_size();
   m.se = fuse_session_new(&args, &kOps, sizeof kOps, &m);
   if (m.se == nullptr) return make_error(ErrorKind::kInternal, "FUSE: cannot start a session (options '{}')", opts);
   std::string target = m.report.fuse_point.string();
@@ -1333,12 +1403,28 @@ Status LazyMount::mount() {
 Status LazyMount::serve() {
   Impl& m = *impl_;
   const sigset_t signals = stop_signals();
-  const int sfd = ::signalfd(-1, &signals, SFD_CLOEXEC);
+  const Fd signal_fd(::signalfd(-1, &signals, SFD_CLOEXEC));
+  const int sfd = signal_fd.get();
+  // Readable once a session thread saw the session end.
+  const Fd ended(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!signal_fd || !ended) {
+    return make_error(ErrorKind::kInternal, "FUSE: signalfd or eventfd: {}", std::strerror(errno));
+  }
+  // A handler that does nothing, without SA_RESTART: kWakeSignal makes a session thread's read(2) return EINTR.
+  struct sigaction wake {};
+  wake.sa_handler = [](int) {};
+  ::sigaction(kWakeSignal, &wake, nullptr);
   for (int i = 0; i < std::max(1, m.options.jobs); ++i) m.workers.emplace_back([&m] { m.worker(); });
   if (!m.options.prefetch.empty()) m.workers.emplace_back([&m] { m.prefetch(); });
-  const int fd = fuse_session_fd(m.se);
-  fuse_buf buf{};
-  bool raised = false;
+  std::atomic<bool> quit{false};
+  std::vector<std::thread> sessions;
+  std::vector<std::atomic<bool>> done(kSessionThreads);
+  for (int i = 0; i < kSessionThreads; ++i) {
+    sessions.emplace_back([&m, &quit, &ended, &done, i] {
+      m.session(quit, ended.get());
+      done[static_cast<size_t>(i)] = true;
+    });
+  }
   std::chrono::steady_clock::time_point deadline{};
   for (;;) {
     int timeout = -1;
@@ -1348,8 +1434,9 @@ Status LazyMount::serve() {
       if (left.count() <= 0) break;
       timeout = static_cast<int>(left.count());
     }
-    pollfd fds[2] = {{fd, POLLIN, 0}, {sfd, POLLIN, 0}};
+    pollfd fds[2] = {{ended.get(), POLLIN, 0}, {sfd, POLLIN, 0}};
     if (::poll(fds, 2, timeout) < 0 && errno != EINTR) break;
+    if ((fds[0].revents & POLLIN) != 0) break;  // unmounted, and the last file closed
     if ((fds[1].revents & POLLIN) != 0) {
       signalfd_siginfo info{};
       if (::read(sfd, &info, sizeof info) > 0 && !m.stopping) {
@@ -1359,22 +1446,20 @@ Status LazyMount::serve() {
                                                           std::chrono::duration<double>(m.options.grace_s));
       }
     }
-    if ((fds[0].revents & (POLLIN | POLLERR | POLLHUP)) != 0) {
-      const int got = fuse_session_receive_buf(m.se, &buf);
-      if (got == -EINTR || got == -EAGAIN) continue;
-      if (got <= 0) break;  // -ENODEV: unmounted, and the last file closed
-      fuse_session_process_buf(m.se, &buf);
-      if (m.initialized && !raised) raised = (raise_readahead(m.report.fuse_point), true);
-    }
-    if (fuse_session_exited(m.se) != 0) break;
   }
-  std::free(buf.mem);
-  m.stopping = true;
-  m.registry_stop = true;
-  m.queue_cv.notify_all();
+  // A thread may test `quit` just before it blocks in read(2), missing one
+  // signal: it is signalled again until it ends.
+  quit = true;
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    while (!done[i]) {
+      ::pthread_kill(sessions[i].native_handle(), kWakeSignal);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    sessions[i].join();
+  }
+  m.stop_workers();
   for (auto& t : m.workers) t.join();
   m.workers.clear();
-  ::close(sfd);
   fuse_session_unmount(m.se);  // a mount made through fusermount3 is not libfuse's to unmount:
   if (!running_as_root() && lazy_mount_pid(mounted_source(m.report.fuse_point)) == ::getpid())
     (void)detach_mount(m.report.fuse_point);

@@ -17,7 +17,7 @@
 /// max_memory leaves them, so a write past it fails with ENOSPC (one line
 /// in the mount's log says so when it fills).
 ///
-/// One thread reads the FUSE device and answers metadata from memory, and
+/// Four threads read the FUSE device and answer metadata from memory, and
 /// reads of cached spans from their files' open descriptors; reads of spans
 /// not cached go to `jobs` worker threads, each with its own registry clients. The
 /// chunks being inflated draw their buffers from a MemoryBudget, so the

@@ -88,6 +88,22 @@ class Lazy : public ::testing::Test {
     return full.status == 0 && indexed.status == 0 ? ref : "";
   }
 
+  /// An image of one gzip layer holding `file`, pushed as `repo`:v1, and a
+  /// lazy pull of it with the indexes of a full pull (spans of `span`).
+  void prepare_one_file(const std::string& repo, const std::string& file, const std::string& bytes,
+                        const std::string& span) {
+    const FixtureImage image = make_real_image({{testing::make_tar({testing::file(file, bytes)}), "tar+gzip"}});
+    ASSERT_TRUE(push_image(*registry_, repo, "v1", image));
+    const std::string ref = registry_->host() + "/" + repo + ":v1";
+    ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+    ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", span, "-q"}).status, 0);
+    const RunResult lazy =
+        pull({"pull", ref, "--output", "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
+    ASSERT_EQ(lazy.status, 0) << lazy.err;
+    fs::copy(out_ / "full" / oci::kIndexDir, lazy_dir() / oci::kIndexDir);
+    fs::create_directories(point());
+  }
+
   fs::path lazy_dir() const { return out_ / "lazy"; }
   fs::path point() const { return out_ / "mnt"; }
 
@@ -223,16 +239,7 @@ TEST_F(Lazy, ReadsStayRightWhileTheirSpansAreEvictedFromASmallCache) {
   // spans out (their open descriptors dropped with them), and reading it
   // again backwards, past the kernel's page cache, makes them again.
   const std::string bytes = testing::random_bytes(20 << 20, 11);
-  const FixtureImage big = make_real_image({{testing::make_tar({testing::file("big", bytes)}), "tar+gzip"}});
-  ASSERT_TRUE(push_image(*registry_, "lazy/big", "v1", big));
-  const std::string ref = registry_->host() + "/lazy/big:v1";
-  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
-  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", "1M", "-q"}).status, 0);
-  const RunResult lazy =
-      pull({"pull", ref, "--output", "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
-  ASSERT_EQ(lazy.status, 0) << lazy.err;
-  fs::copy(out_ / "full" / oci::kIndexDir, lazy_dir() / oci::kIndexDir);
-  fs::create_directories(point());
+  ASSERT_NO_FATAL_FAILURE(prepare_one_file("lazy/big", "big", bytes, "1M"));
   MOUNT_OR_SKIP(j, {"--cache-size", "16M"});
   EXPECT_EQ(slurp(point() / "big"), bytes);
   const auto first = stats();
@@ -254,6 +261,51 @@ TEST_F(Lazy, ReadsStayRightWhileTheirSpansAreEvictedFromASmallCache) {
   EXPECT_GT(second.requests, first.requests) << "the evicted spans were fetched again";
   EXPECT_EQ(second.errors, 0) << log();
   EXPECT_LE(second.cache_bytes, int64_t{16} << 20);
+  umount();
+}
+
+TEST_F(Lazy, ConcurrentReadersGetTheRightBytesColdCachedAndWhileEvicted) {
+  // Eight readers at once, at seeded offsets and sizes, past the page cache:
+  // the session threads answer side by side, the workers fetch the same
+  // spans at once (one makes it, the others wait for its bytes), and a
+  // cache of 32 of its 40 spans evicts (and drops the descriptors of) spans
+  // other readers are using. Then a new mount over what the cache kept.
+  const std::string bytes = testing::random_bytes(20 << 20, 23);
+  ASSERT_NO_FATAL_FAILURE(prepare_one_file("lazy/many", "f", bytes, "512K"));
+  auto readers = [&](uint64_t seed) {
+    std::vector<std::thread> threads;
+    std::vector<std::string> wrong(8);
+    for (size_t t = 0; t < wrong.size(); ++t) {
+      threads.emplace_back([&, t] {
+        Fd fd(::open((point() / "f").c_str(), O_RDONLY | O_CLOEXEC));
+        if (!fd) return (void)(wrong[t] = "open failed");
+        uint64_t state = seed * 31 + t;
+        auto next = [&state] { return (state = state * 6364136223846793005u + 1442695040888963407u) >> 33; };
+        std::string block;
+        for (int i = 0; i < 40 && wrong[t].empty(); ++i) {
+          if (i % 10 == 0) (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
+          const size_t at = next() % bytes.size();
+          const size_t n = std::min<size_t>(1 + next() % (600 << 10), bytes.size() - at);
+          block.resize(n);
+          const ssize_t got = ::pread(fd.get(), block.data(), n, static_cast<off_t>(at));
+          if (got != static_cast<ssize_t>(n) || block.compare(0, n, bytes, at, n) != 0)
+            wrong[t] = fmt::format("bytes {}+{}: read {}", at, n, got);
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (const auto& w : wrong) EXPECT_TRUE(w.empty()) << w;
+  };
+  MOUNT_OR_SKIP(j, {"--cache-size", "16M", "--max-memory", "48M"});
+  readers(1);
+  readers(2);
+  const auto cold = stats();
+  EXPECT_EQ(cold.errors, 0) << log();
+  EXPECT_LE(cold.cache_bytes, int64_t{16} << 20);
+  umount();
+  MOUNT_OR_SKIP(again, {"--cache-size", "16M", "--max-memory", "48M"});
+  readers(3);
+  EXPECT_EQ(stats().errors, 0) << log();
   umount();
 }
 
