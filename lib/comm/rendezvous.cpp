@@ -155,7 +155,11 @@ Result<RendezvousConfig> parse_rendezvous(const std::string& text) {
   return config;
 }
 
-Result<std::pair<int, uint16_t>> listen_tcp(const std::string& host, uint16_t port) {
+namespace {
+
+/// listen_tcp, and whether it failed because the address is in use (`in_use`).
+Result<std::pair<int, uint16_t>> listen_tcp_at(const std::string& host, uint16_t port, bool& in_use) {
+  in_use = false;
   CFMO_ASSIGN_OR_RETURN(addrinfo * list, resolve(host, port, true));
   std::string last_error = "no address";
   for (addrinfo* ai = list; ai != nullptr; ai = ai->ai_next) {
@@ -164,6 +168,7 @@ Result<std::pair<int, uint16_t>> listen_tcp(const std::string& host, uint16_t po
     const int one = 1;
     ::setsockopt(s.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (::bind(s.get(), ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(s.get(), 1024) != 0) {
+      in_use = in_use || errno == EADDRINUSE;
       last_error = std::strerror(errno);
       continue;
     }
@@ -177,6 +182,13 @@ Result<std::pair<int, uint16_t>> listen_tcp(const std::string& host, uint16_t po
   }
   ::freeaddrinfo(list);
   return make_error(ErrorKind::kUsage, "rendezvous: cannot listen on {}:{}: {}", host, port, last_error);
+}
+
+}  // namespace
+
+Result<std::pair<int, uint16_t>> listen_tcp(const std::string& host, uint16_t port) {
+  bool in_use = false;
+  return listen_tcp_at(host, port, in_use);
 }
 
 namespace {
@@ -357,8 +369,18 @@ Result<Rendezvous> exchange_addresses(const RendezvousConfig& config, int rank, 
   if (config.listen_fd >= 0) {
     out.listener = Socket(config.listen_fd);
   } else {
-    CFMO_ASSIGN_OR_RETURN(auto bound, listen_tcp(config.host, config.port));
-    out.listener = Socket(bound.first);
+    bool in_use = false;
+    auto bound = listen_tcp_at(config.host, config.port, in_use);
+    if (!bound && in_use && config.grow) {
+      // Rank 0 restarted with its command while its run goes on (another
+      // rank serves joins at the address now): it joins, at the rank it is given.
+      auto joined = ask_rank_zero(config, 0, size, own_address, deadline);
+      if (joined && joined->joined) return joined;
+      return make_error(bound.error().kind, "{}; nor did a run there take this process in: {}", bound.error().message,
+                        joined ? "it is starting" : joined.error().message);
+    }
+    if (!bound) return bound.error();
+    out.listener = Socket(bound->first);
   }
   auto& table = out.addresses;
   table.assign(static_cast<size_t>(size), {});

@@ -539,7 +539,9 @@ class UcxCommunicator final : public CommunicatorBase {
       return {-1, fmt::format("the run has {} ranks; this process was started for {}", world, size), false};
     }
     if (peers_.stopping() || join_stop_.load()) return {-1, "the run is ending", false};
-    if (rank == kAnyRank) {
+    // A rank below this one is lost (this is the lowest live rank): restarted
+    // with its command, it takes a free place as any joiner does.
+    if (rank == kAnyRank || (rank >= 0 && rank < rank_ && is_lost(rank))) {
       for (int r = rank_ + 1; r < world; ++r) {
         if (is_lost(r)) return {r, {}, true};
       }

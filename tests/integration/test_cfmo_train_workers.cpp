@@ -616,8 +616,9 @@ TEST(CfmoTrainWorkers, AJoinerStopsWithTheRunAtItsTimeLimit) {
 // Rank 0 killed: the lowest live rank leads, and serves joins at the
 // rendezvous address itself (one host: it listens there once rank 0's
 // process is gone), so a `--join` of the address the run started with
-// takes a rank killed after rank 0 back, through rank 1.
-TEST(CfmoTrainWorkers, AfterRankZeroIsLostTheNextRankServesJoinsAtTheRendezvousAddress) {
+// takes a rank killed after rank 0 back, through rank 1; and rank 0
+// restarted with its own command (it cannot listen there) joins as well.
+TEST(CfmoTrainWorkers, AfterRankZeroIsLostTheNextRankServesJoinsAndRankZeroRestartedComesBack) {
   TempDir dir;
   const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
   const std::vector<std::string> run_flags = {"--mode",      "cfmo", "--epochs", "0",     "--time-limit",        "40s",
@@ -640,19 +641,27 @@ TEST(CfmoTrainWorkers, AfterRankZeroIsLostTheNextRankServesJoinsAtTheRendezvousA
   std::vector<std::string> joiner = run_flags;
   joiner.insert(joiner.end(), {"--join", address});
   ranks.processes.push_back(testing::spawn(args(joiner), {}, (dir / "out-2b").string(), (dir / "err-2b").string()));
-  for (const size_t p : {size_t{1}, size_t{3}}) {
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-1", "rank 2 joined (", 60)) << slurp(dir / "err-1");
+  // Rank 0 restarted with its own command: rank 1 serves joins at its
+  // address, no rank above rank 1 is free, so it comes back as a new rank 3.
+  ranks.processes.push_back(testing::spawn(args(run_flags), {"RANK=0", "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address},
+                                           (dir / "out-0b").string(), (dir / "err-0b").string()));
+  for (const size_t p : {size_t{1}, size_t{3}, size_t{4}}) {
     ASSERT_TRUE(ranks.processes[p].wait(240)) << "process " << p << " hangs";
-    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-1") << slurp(dir / "err-2b");
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-1") << slurp(dir / "err-2b") << slurp(dir / "err-0b");
   }
   const auto j = last_json(slurp(dir / "out-1"));
   ASSERT_FALSE(j.is_null()) << slurp(dir / "out-1");
   EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({0})) << j.dump();
-  ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
+  ASSERT_EQ(j["joined"].size(), 2u) << j.dump();
   EXPECT_EQ(j["joined"][0]["rank"], 2);
-  EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0) << j.dump();
-  ASSERT_EQ(j["per_worker"].size(), 2u) << j.dump();
-  EXPECT_TRUE(j["per_worker"][1]["joined"].get<bool>());
-  EXPECT_GT(j["per_worker"][1]["samples"].get<int64_t>(), 0) << j.dump();
+  EXPECT_EQ(j["joined"][1]["rank"], 3);
+  for (const auto& joined : j["joined"]) EXPECT_GT(joined["first_step_s"].get<double>(), 0.0) << j.dump();
+  ASSERT_EQ(j["per_worker"].size(), 3u) << j.dump();
+  for (size_t w = 1; w < 3; ++w) {
+    EXPECT_TRUE(j["per_worker"][w]["joined"].get<bool>()) << j.dump();
+    EXPECT_GT(j["per_worker"][w]["samples"].get<int64_t>(), 0) << j.dump();
+  }
   EXPECT_GT(j["test_accuracy"].get<double>(), 0.4) << j.dump();
   EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
 }
