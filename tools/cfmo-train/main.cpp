@@ -6,6 +6,7 @@
 #include "commands.h"
 #include "console_observer.h"
 #include "train/checkpoint.h"
+#include "train/connect_run.h"
 #include "train/memory_estimate.h"
 #include "train/trainer.h"
 
@@ -109,22 +110,8 @@ static int run(int argc, char** argv) {
   }
   std::unique_ptr<cfmo::comm::Communicator> comm;
   if (joining || (world->has_value() && (*world)->size > 1)) {
-    cfmo::comm::WorldOptions connect;
-    connect.rendezvous = config.rendezvous;
-    connect.peer_timeout_s = config.peer_timeout;
-    connect.join = config.join;
-    // Rank 0 shows a joining process the run's configuration; the joiner (or a
-    // rank restarted into a run under way) declines one that is not its own.
-    connect.description = options.config_toml;
-    connect.check = [&options](std::string_view run_config) {
-      return cfmo::train::check_join_fits(run_config, options.config_toml);
-    };
-    connect.grow = cfmo::train::takes_new_ranks(config);  // the leader's side decides; a joiner may come to lead
-    int first_size = 0;
-    connect.first_size = &first_size;
-    auto connected = cfmo::comm::connect_world(*world, connect);
+    auto connected = cfmo::train::connect_run(config, *world, options.config_toml);
     if (!connected) return fail(connected.error());
-    if ((*connected)->joined()) cfmo::train::fit_owners_to_run(config, first_size);
     comm = std::move(*connected);
     options.comm = comm.get();
     options.local_rank = world->has_value() ? (*world)->local_rank : -1;

@@ -1,0 +1,24 @@
+#include "train/connect_run.h"
+
+namespace cfmo::train {
+
+Result<std::unique_ptr<comm::Communicator>> connect_run(TrainConfig& config,
+                                                        const std::optional<comm::WorldInfo>& world,
+                                                        const std::string& config_toml) {
+  comm::WorldOptions connect;
+  connect.rendezvous = config.rendezvous;
+  connect.peer_timeout_s = config.peer_timeout;
+  connect.join = config.join;
+  // Rank 0 shows a joining process the run's configuration; the joiner (or a
+  // rank restarted into a run under way) declines one that is not its own.
+  connect.description = config_toml;
+  connect.check = [&config_toml](std::string_view run_config) { return check_join_fits(run_config, config_toml); };
+  connect.grow = takes_new_ranks(config);  // the leader's side decides; a joiner may come to lead
+  int first_size = 0;
+  connect.first_size = &first_size;
+  CFMO_ASSIGN_OR_RETURN(auto connected, comm::connect_world(world, connect));
+  if (connected->joined()) fit_owners_to_run(config, first_size);
+  return connected;
+}
+
+}  // namespace cfmo::train

@@ -1,0 +1,25 @@
+#pragma once
+/// A training process's connection to its run's other ranks: the rendezvous
+/// (or --join) with the checks a joiner needs, and a joiner's shard owners
+/// fitted to the run's first world.
+
+#include "comm/communicator.h"
+#include "comm/world.h"
+#include "core/error.h"
+#include "train/train_config.h"
+
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace cfmo::train {
+
+/// Connects this process of `world` (or a --join) under `config`, whose
+/// TOML is `config_toml`: rank 0 shows it to joiners, a joiner declines a
+/// run whose own differs (check_join_fits). A joiner's --owners becomes the
+/// run's (fit_owners_to_run).
+Result<std::unique_ptr<comm::Communicator>> connect_run(TrainConfig& config,
+                                                        const std::optional<comm::WorldInfo>& world,
+                                                        const std::string& config_toml);
+
+}  // namespace cfmo::train
