@@ -56,6 +56,12 @@ constexpr auto kIdleSpin = std::chrono::microseconds(100);  // the progress thre
 // worker: at first, then at most (doubling while the collective lasts).
 constexpr auto kCallerNap = std::chrono::microseconds(200);
 constexpr auto kCallerNapMax = std::chrono::microseconds(3200);
+// How long a sleeping thread waits for an event before it looks anyway (UCX
+// does not promise one for everything): the caller of a collective and the
+// progress thread after traffic; the progress thread doubles it, up to the
+// most, while it finds nothing.
+constexpr auto kEventWait = std::chrono::microseconds(200);
+constexpr auto kEventWaitMax = std::chrono::microseconds(3200);
 
 ucp_tag_t make_tag(uint8_t channel, int source, uint32_t sequence) {
   return (ucp_tag_t{channel} << 56) | (ucp_tag_t{static_cast<uint32_t>(source) & 0xFFFFFF} << 32) | sequence;
@@ -810,6 +816,10 @@ class UcxCommunicator final : public CommunicatorBase {
   void progress_loop() {
     pthread_setname_np(pthread_self(), "cfmo-progress");
     auto nap = kCallerNap;
+    // Every wake-up of a rank that waits costs a turn on a shared core: 4
+    // ranks on 2 cores woken every 200 us spent a fifth of their CPU time
+    // here (bench/RESULTS.md). Events still wake it at once.
+    auto event_wait = kEventWait;
     while (!stop_thread_.load()) {
       if (caller_active_.load()) {
         std::this_thread::sleep_for(nap);  // the caller of a collective has the worker
@@ -820,6 +830,7 @@ class UcxCommunicator final : public CommunicatorBase {
       std::unique_lock worker(worker_mutex_);
       if (service()) {
         last_activity_ = Clock::now();
+        event_wait = kEventWait;
         continue;
       }
       // Spin (yielding the core) for a moment after traffic: replies tend to
@@ -831,15 +842,16 @@ class UcxCommunicator final : public CommunicatorBase {
         std::this_thread::yield();
         continue;
       }
-      idle_wait(&worker);
+      idle_wait(&worker, event_wait);
+      event_wait = std::min(event_wait * 2, kEventWaitMax);
     }
   }
 
-  /// Sleeps until UCX or another thread has something, at most 200 us (UCX
+  /// Sleeps until UCX or another thread has something, at most `wait` (UCX
   /// does not promise an event for every kind of progress a transport makes).
   /// The progress thread lets go of the worker while it sleeps (`worker`),
   /// the caller of a collective keeps it (null).
-  void idle_wait(std::unique_lock<std::mutex>* worker = nullptr) {
+  void idle_wait(std::unique_lock<std::mutex>* worker = nullptr, std::chrono::microseconds wait = kEventWait) {
     sleeping_.fetch_add(1);
     struct Awake {
       std::atomic<int>& count;
@@ -853,7 +865,7 @@ class UcxCommunicator final : public CommunicatorBase {
     if (worker_fd_ >= 0 && ucp_worker_arm(worker_.get()) != UCS_OK) return;  // events pending: go round again
     if (worker != nullptr) worker->unlock();
     pollfd fds[2] = {{wake_fd_.get(), POLLIN, 0}, {worker_fd_, POLLIN, 0}};
-    const timespec timeout{0, 200'000};
+    const timespec timeout{0, static_cast<long>(std::chrono::nanoseconds(wait).count())};
     ::ppoll(fds, worker_fd_ >= 0 ? 2 : 1, &timeout, nullptr);
   }
 

@@ -6,6 +6,7 @@
 #include "tensor/ops.h"
 
 #include <fmt/format.h>
+#include <malloc.h>
 #if defined(__x86_64__)
 #include <xmmintrin.h>
 #endif
@@ -112,7 +113,17 @@ Status TrainingRun::load_model_and_optimizer() {
   CFMO_ASSIGN_OR_RETURN(model_ptr, model::make_model(config.model, source->shape(), moe));
   model().init(static_cast<uint64_t>(config.seed));  // the same on every rank
   model_spec = model().spec_string();
-  if (expert_parallel) static_cast<model::Gpt&>(model()).set_expert_parallel(comm);
+  if (expert_parallel) {
+    // Every MoE layer and step allocates and frees the exchanged rows (a
+    // few 100 KiB a message, on three threads): glibc's sliding mmap
+    // threshold and its trimming of per-thread heaps handed them back to
+    // the kernel and faulted them in zeroed again, 15-25% of the CPU time
+    // of a 4-rank run on 2 cores (bench/RESULTS.md). Kept instead; the
+    // peak resident memory is the same, as the buffers are live at the peak.
+    ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    ::mallopt(M_TRIM_THRESHOLD, 256 << 20);
+    static_cast<model::Gpt&>(model()).set_expert_parallel(comm);
+  }
   replicated = model().replicated_size();
   for (const model::ParamInfo& p : model().params()) {
     if (p.offset < replicated) replicated_layout.push_back(p);
