@@ -463,7 +463,9 @@ void ExpertExchange::forward(int layer, const float* x, int top_k, const moe::Di
   const auto deadline = deadline_from(start);
   const auto r = static_cast<size_t>(ranks_);
   const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(float);
-  results.assign(r, {});
+  // Emptied, not freed: the buffers of the last pass take this one's rows.
+  results.resize(r);
+  for (auto& rows : results) rows.clear();
   have.assign(r, 0);
   refresh_lost();
   request_ = Request{kRows, layer, &results, &have, std::vector<uint8_t>(r, 0), start};
@@ -480,7 +482,8 @@ void ExpertExchange::forward(int layer, const float* x, int top_k, const moe::Di
   // The own rows for the own experts, while the rest travel and the server
   // computes the peers' (the copy is this pass's: only this thread writes it).
   const auto me = static_cast<size_t>(rank_);
-  std::vector<std::byte> own;
+  std::vector<std::byte>& own = own_rows_;
+  own.clear();
   moe::encode_rows(x, dim_, top_k, plan.slots[me], comm::WireDtype::kFp32, own);
   results[me].resize(own.size());
   serve_rows(rank_, layer, pass_, pass_, !training_, plan.counts[me], reinterpret_cast<const float*>(own.data()),
@@ -503,7 +506,8 @@ void ExpertExchange::backward(int layer, const moe::DispatchPlan& plan,
   const auto r = static_cast<size_t>(ranks_);
   const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(float);
   std::vector<uint8_t> got(r, 0);
-  d_in.assign(r, {});
+  d_in.resize(r);
+  for (auto& rows : d_in) rows.clear();
   refresh_lost();
   request_ = Request{kGrads, layer, &d_in, &got, std::vector<uint8_t>(r, 0), start};
   for (int p = 0; p < ranks_; ++p) {

@@ -174,6 +174,7 @@ class ExpertExchange {
   std::vector<uint8_t> lost_;
   std::vector<std::vector<double>> round_trips_;  ///< [peer] seconds, while warming up
   Request request_;
+  std::vector<std::byte> own_rows_;  ///< this rank's rows for its own experts (a buffer kept between passes)
 
   /// Held by the server while it computes with snapshot_, by the training
   /// thread while it writes it. Taken before mutex_ when both are.
