@@ -117,9 +117,9 @@ Status TrainingRun::load_model_and_optimizer() {
     // Every MoE layer and step allocates and frees the exchanged rows (a
     // few 100 KiB a message, on three threads): glibc's sliding mmap
     // threshold and its trimming of per-thread heaps handed them back to
-    // the kernel and faulted them in zeroed again, 15-25% of the CPU time
-    // of a 4-rank run on 2 cores (bench/RESULTS.md). Kept instead; the
-    // peak resident memory is the same, as the buffers are live at the peak.
+    // the kernel and faulted them in zeroed again, 12-29% of the CPU time
+    // of a 4-rank run on 2 cores. Kept instead, for a few MB more peak
+    // resident memory a rank (bench/RESULTS.md).
     ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
     ::mallopt(M_TRIM_THRESHOLD, 256 << 20);
     static_cast<model::Gpt&>(model()).set_expert_parallel(comm);
