@@ -9,6 +9,7 @@
 
 #include "core/atomic_file.h"
 #include "core/dir_lock.h"
+#include "core/fd.h"
 #include "oci/blob.h"
 #include "oci/cleanup.h"
 #include "oci/memory_budget.h"
@@ -24,6 +25,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/fanotify.h>
 #include <sys/mount.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -368,6 +370,7 @@ struct LazyMount::Impl {
   std::condition_variable queue_cv;
   std::deque<ReadJob> queue;
   std::vector<std::thread> workers;
+  Fd watch_wake;  ///< readable once the mount stops: ends watch_upper
 
   ~Impl() {
     if (log != nullptr) std::fclose(log);
@@ -825,28 +828,67 @@ struct LazyMount::Impl {
   bool valid(fuse_ino_t ino) const { return ino >= 1 && ino <= tree.nodes.size(); }
 
   /// --writable in memory: the writes' tmpfs (mounted by the tool once this
-  /// process serves) looked at four times a second until the mount stops;
-  /// one line in the log each time it fills (the writes failing with ENOSPC).
+  /// process serves) looked at when something happens, not on a clock: a
+  /// change of the mount table (/proc/self/mountinfo polls POLLPRI) until
+  /// the tmpfs is there, then fanotify's FAN_MODIFY over its whole file
+  /// system (every write that lands in it, the overlay's included) and
+  /// FAN_DELETE, each batch of events one statvfs. One line in the log each
+  /// time it fills (the writes failing with ENOSPC): a removal counts as
+  /// room again even when the batch that holds it ends full, so a file
+  /// removed and the memory filled again between two looks is a new line. A
+  /// write that fails adds no event, so a full tmpfs costs nothing. Where fanotify is refused (an old kernel, a
+  /// file system without file handles) it looks four times a second, as it
+  /// did before. Ends when stop_workers writes to watch_wake.
   void watch_upper() {
     const UpperDir& upper = *report.upper;
+    const Fd mountinfo(::open("/proc/self/mountinfo", O_RDONLY | O_CLOEXEC));
+    Fd events;
+    bool polling = false;  // fanotify refused: every kPollMs
     bool full = false;
+    constexpr int kPollMs = 250;
+    alignas(fanotify_event_metadata) char buffer[4096];
     while (!stopping) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(250));
       struct stat base {};
       struct stat parent {};
+      const bool mounted = ::stat(upper.base.c_str(), &base) == 0 &&
+                           ::stat(upper.base.parent_path().c_str(), &parent) == 0 && base.st_dev != parent.st_dev;
+      if (mounted && !events && !polling) {
+        events.reset(::fanotify_init(FAN_CLASS_NOTIF | FAN_REPORT_FID | FAN_CLOEXEC | FAN_NONBLOCK, O_RDONLY));
+        if (!events || ::fanotify_mark(events.get(), FAN_MARK_ADD | FAN_MARK_FILESYSTEM, FAN_MODIFY | FAN_DELETE,
+                                       AT_FDCWD, upper.base.c_str()) != 0) {
+          note(fmt::format("--writable: cannot watch the writes' memory with fanotify ({}): looking at it every {} ms",
+                           std::strerror(errno), kPollMs));
+          events.reset();
+          polling = true;
+        }
+      }
       struct statvfs fs {};
-      if (::stat(upper.base.c_str(), &base) != 0 || ::stat(upper.base.parent_path().c_str(), &parent) != 0 ||
-          base.st_dev == parent.st_dev || ::statvfs(upper.base.c_str(), &fs) != 0) {
-        continue;  // not mounted yet, or gone
+      if (mounted && ::statvfs(upper.base.c_str(), &fs) == 0) {
+        const bool now = fs.f_bavail == 0;
+        if (now && !full) {
+          note(
+              fmt::format("--writable: the writes' memory is full ({} of --max-memory {} in {}): writes fail with "
+                          "ENOSPC until files there are removed",
+                          human_bytes(upper.bytes), human_bytes(options.max_memory), upper.upper.string()));
+        }
+        full = now;
       }
-      const bool now = fs.f_bavail == 0;
-      if (now && !full) {
-        note(
-            fmt::format("--writable: the writes' memory is full ({} of --max-memory {} in {}): writes fail with "
-                        "ENOSPC until files there are removed",
-                        human_bytes(upper.bytes), human_bytes(options.max_memory), upper.upper.string()));
+      // Before the tmpfs is there: the mount table; then its writes.
+      pollfd fds[2] = {{watch_wake.get(), POLLIN, 0},
+                       events ? pollfd{events.get(), POLLIN, 0} : pollfd{mountinfo.get(), POLLPRI, 0}};
+      const bool waits = events || (!polling && !mounted && mountinfo);
+      if (::poll(fds, waits ? 2 : 1, waits ? -1 : kPollMs) < 0 && errno != EINTR) return;
+      if ((fds[0].revents & POLLIN) != 0) return;
+      // FID events hold no descriptor: read, their masks looked at, dropped.
+      for (ssize_t n; events && (n = ::read(events.get(), buffer, sizeof buffer)) > 0;) {
+        for (size_t at = 0; at + sizeof(fanotify_event_metadata) <= static_cast<size_t>(n);) {
+          fanotify_event_metadata event{};
+          std::memcpy(&event, buffer + at, sizeof event);
+          if (event.event_len < sizeof event) break;
+          if ((event.mask & FAN_DELETE) != 0) full = false;
+          at += event.event_len;
+        }
       }
-      full = now;
     }
   }
 
@@ -858,6 +900,10 @@ struct LazyMount::Impl {
     }
     registry_stop = true;
     queue_cv.notify_all();
+    if (watch_wake) {
+      const uint64_t one = 1;
+      (void)!::write(watch_wake.get(), &one, sizeof one);
+    }
   }
 
   /// Hands a read to the workers, or answers EIO once they are stopping
@@ -1396,7 +1442,11 @@ Status LazyMount::mount() {
   replace_file(m.record, m.point.string() + "\n" + (own_store ? m.report.upper->base.string() + "\n" : ""));
   m.save_stats();  // this mount's counts, from zero
   m.note(fmt::format("mounted {} at {} (pid {})", m.dir.string(), m.point.string(), ::getpid()));
-  if (m.report.upper && m.report.upper->bytes > 0) m.workers.emplace_back([&m] { m.watch_upper(); });
+  if (m.report.upper && m.report.upper->bytes > 0) {
+    m.watch_wake.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!m.watch_wake) return make_error(ErrorKind::kInternal, "--writable: eventfd: {}", std::strerror(errno));
+    m.workers.emplace_back([&m] { m.watch_upper(); });
+  }
   return {};
 }
 
