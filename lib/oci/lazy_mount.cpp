@@ -10,6 +10,7 @@
 #include "core/atomic_file.h"
 #include "core/dir_lock.h"
 #include "core/fd.h"
+#include "core/parallel.h"
 #include "oci/blob.h"
 #include "oci/cleanup.h"
 #include "oci/memory_budget.h"
@@ -100,6 +101,7 @@ void replace_file(const fs::path& path, const std::string& text) {
 constexpr double kForever = 3600;        ///< seconds the kernel may cache what never changes
 constexpr size_t kOpenSpans = 64;        ///< span files kept open for reads (SpanFds)
 constexpr int kSessionThreads = 4;       ///< threads reading the FUSE device (LazyMount::Impl::session)
+constexpr size_t kIndexThreads = 4;      ///< threads reading the indexes as the mount starts (prepare)
 constexpr int kWakeSignal = SIGUSR2;     ///< interrupts a session thread's read of the device at the end
 constexpr unsigned kMaxRead = 1u << 20;  ///< the largest read libfuse 3.14 lets the kernel send (FUSE_MAX_MAX_PAGES)
 
@@ -1255,17 +1257,55 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
   m->auth_file = options.auth_file.value_or(state.auth_file);
 
   // Layers without an index, or that an index cannot seek (one zstd frame), are fetched whole first.
-  std::vector<LazyLayer> infos(state.layers.size());
-  std::vector<std::optional<LayerIndex>> indexes(state.layers.size());
-  std::vector<size_t> whole;
-  for (size_t i = 0; i < state.layers.size(); ++i) {
+  const size_t count = state.layers.size();
+  std::vector<LazyLayer> infos(count);
+  std::vector<size_t> first_of(count);  ///< the first layer of the same digest
+  for (size_t i = 0; i < count; ++i) {
     const auto& l = state.layers[i];
     LazyLayer& info = infos[i];
     info.index = i;
     info.digest = l.blob.digest;
     info.hot = l.hot;
     info.local = l.status == LayerStatus::kFetched && fs::exists(blob_path(dir, l.blob.digest), ec);
-    CFMO_ASSIGN_OR_RETURN(indexes[i], find_index(dir, l, info.local, i, info));
+    first_of[i] = i;
+    for (size_t j = 0; j < i; ++j) {
+      if (state.layers[j].blob.digest == l.blob.digest) {
+        first_of[i] = j;
+        break;
+      }
+    }
+  }
+  // The indexes (MBs each: reading and checking them was most of a mount's
+  // start) read side by side, and meanwhile one Range request of a byte
+  // tells whether the registry serves parts of a blob (asked whenever a
+  // layer is cold; its answer is used unless every layer is fetched whole).
+  // A repeated layer's index is read after its first (which may write it).
+  const auto cold = std::find_if(infos.begin(), infos.end(), [](const LazyLayer& l) { return !l.local; });
+  bool refused = false;
+  Status probe{};
+  std::vector<Result<std::optional<LayerIndex>>> found(count, std::optional<LayerIndex>());
+  parallel_for(count + 1, static_cast<int>(std::min<size_t>(count + 1, kIndexThreads)), "mount-index", [&](size_t i) {
+    if (i < count) {
+      if (first_of[i] == i) found[i] = find_index(dir, state.layers[i], infos[i].local, i, infos[i]);
+      return;
+    }
+    if (cold == infos.end()) return;
+    RegistryPool pool(m->ref, m->endpoints, options.registry, m->auth_file,
+                      std::make_shared<EndpointHealth>(m->endpoints.size()));
+    probe = pool.each_until_ok("a Range request", [&](RegistryApi& client) -> Status {
+      RegistrySource source(client, cold->digest, "a Range request");
+      auto got = source.read(0, 1);
+      refused = refused || source.ranges_refused();
+      if (!got) return got.error();
+      return {};
+    });
+  });
+  std::vector<std::optional<LayerIndex>> indexes(count);
+  std::vector<size_t> whole;
+  for (size_t i = 0; i < count; ++i) {
+    LazyLayer& info = infos[i];
+    if (first_of[i] != i) found[i] = find_index(dir, state.layers[i], info.local, i, info);
+    CFMO_ASSIGN_OR_RETURN(indexes[i], std::move(found[i]));
     if (!indexes[i]) {
       info.whole_note = "no index: fetched whole, then indexed";
       whole.push_back(i);
@@ -1274,19 +1314,7 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
       whole.push_back(i);
     }
   }
-  // One Range request of a byte tells whether the registry serves parts of a blob.
-  if (const auto cold = std::find_if(infos.begin(), infos.end(), [](const LazyLayer& l) { return !l.local; });
-      cold != infos.end() && whole.size() < infos.size()) {
-    RegistryPool pool(m->ref, m->endpoints, options.registry, m->auth_file,
-                      std::make_shared<EndpointHealth>(m->endpoints.size()));
-    bool refused = false;
-    const Status probe = pool.each_until_ok("a Range request", [&](RegistryApi& client) -> Status {
-      RegistrySource source(client, cold->digest, "a Range request");
-      auto got = source.read(0, 1);
-      refused = refused || source.ranges_refused();
-      if (!got) return got.error();
-      return {};
-    });
+  if (cold != infos.end() && whole.size() < infos.size()) {
     if (refused) {
       for (auto& info : infos) {
         if (info.local || !info.whole_note.empty()) continue;
