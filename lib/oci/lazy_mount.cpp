@@ -835,18 +835,21 @@ struct LazyMount::Impl {
   /// the tmpfs is there, then fanotify's FAN_MODIFY over its whole file
   /// system (every write that lands in it, the overlay's included) and
   /// FAN_DELETE, each batch of events one statvfs. One line in the log each
-  /// time it fills (the writes failing with ENOSPC): a removal counts as
-  /// room again even when the batch that holds it ends full, so a file
-  /// removed and the memory filled again between two looks is a new line. A
-  /// write that fails adds no event, so a full tmpfs costs nothing. Where fanotify is refused (an old kernel, a
-  /// file system without file handles) it looks four times a second, as it
-  /// did before. Ends when stop_workers writes to watch_wake.
+  /// time it fills (the writes failing with ENOSPC): it is full again once
+  /// room was seen, or once a file was removed while it was full and a write
+  /// landed after that (a removal and a new fill between two looks are a new
+  /// line; a removal alone is not, as a removed file's pages may be freed
+  /// only later). A write that fails adds no event, so a full tmpfs costs
+  /// nothing. Where fanotify is refused (an old kernel, a file system
+  /// without file handles) it looks four times a second, as it did before.
+  /// Ends when stop_workers writes to watch_wake.
   void watch_upper() {
     const UpperDir& upper = *report.upper;
     const Fd mountinfo(::open("/proc/self/mountinfo", O_RDONLY | O_CLOEXEC));
     Fd events;
     bool polling = false;  // fanotify refused: every kPollMs
     bool full = false;
+    bool removed = false;  // a file removed since it was seen full
     constexpr int kPollMs = 250;
     alignas(fanotify_event_metadata) char buffer[4096];
     while (!stopping) {
@@ -874,6 +877,7 @@ struct LazyMount::Impl {
                           human_bytes(upper.bytes), human_bytes(options.max_memory), upper.upper.string()));
         }
         full = now;
+        if (!full) removed = false;
       }
       // Before the tmpfs is there: the mount table; then its writes.
       pollfd fds[2] = {{watch_wake.get(), POLLIN, 0},
@@ -887,7 +891,8 @@ struct LazyMount::Impl {
           fanotify_event_metadata event{};
           std::memcpy(&event, buffer + at, sizeof event);
           if (event.event_len < sizeof event) break;
-          if ((event.mask & FAN_DELETE) != 0) full = false;
+          if ((event.mask & FAN_DELETE) != 0 && full) removed = true;
+          if ((event.mask & FAN_MODIFY) != 0 && removed) full = removed = false;  // written after a removal
           at += event.event_len;
         }
       }
