@@ -163,10 +163,10 @@ Result<Json> indexes_from_registry(const std::string& layout, const PullReport& 
   if (!*found) return Json(nullptr);
   if (!quiet) {
     out.notes.push_back(fmt::format("indexes of {} layer(s) found in the registry through {} (artifact {}), in {}",
-                                    (*found)->blobs.size(), (*found)->via, short_digest((*found)->artifact),
+                                    (*found)->indexes.size(), (*found)->via, short_digest((*found)->artifact),
                                     (fs::path(layout) / kIndexDir).string()));
   }
-  return Json{{"artifact", (*found)->artifact}, {"via", (*found)->via}, {"layers", (*found)->blobs.size()}};
+  return Json{{"artifact", (*found)->artifact}, {"via", (*found)->via}, {"layers", (*found)->indexes.size()}};
 }
 
 /// What an IndexSink built: a note per layer it could not index (unless

@@ -966,6 +966,23 @@ Result<LayerIndex> parse_index(std::string_view bytes, const std::string& what) 
   return index;
 }
 
+Result<std::string> index_layer_digest(std::string_view bytes, const std::string& what) {
+  if (bytes.size() < sizeof kMagic + 32 || bytes.substr(0, sizeof kMagic) != std::string_view(kMagic, sizeof kMagic)) {
+    return bad_index(what, "not a cfmo layer index");
+  }
+  Reader r(bytes.substr(sizeof kMagic, bytes.size() - sizeof kMagic - 32), what);
+  const uint32_t version = r.u32();
+  if (version != 1 && version != kVersion) {
+    return bad_index(what, fmt::format("version {} (this cfmo-pull reads versions 1 and {})", version, kVersion));
+  }
+  for (int i = 0; i < 4; ++i) r.u8();   // compression and padding
+  for (int i = 0; i < 3; ++i) r.u64();  // span, compressed and uncompressed size
+  r.u32();                              // members
+  std::string digest = r.bytes(71);
+  if (r.failed() || !is_sha256_digest(digest)) return bad_index(what, "the layer digest is not sha256");
+  return digest;
+}
+
 Result<LayerIndex> read_index(const fs::path& path) {
   std::error_code ec;
   if (!fs::is_regular_file(path, ec)) {

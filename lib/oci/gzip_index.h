@@ -110,6 +110,10 @@ std::string serialize_index(const LayerIndex& index);
 uint64_t serialized_size(const LayerIndex& index);
 Result<LayerIndex> parse_index(std::string_view bytes, const std::string& what);
 Result<LayerIndex> read_index(const std::filesystem::path& path);
+/// The layer an index is of, from its header alone (the rest is checked
+/// when it is parsed): for bytes whose digest was checked already, as an
+/// index fetched from the registry, which the lazy mount parses anyway.
+Result<std::string> index_layer_digest(std::string_view bytes, const std::string& what);
 
 /// Where the index of `digest` lives in a pull's directory: DIR/cfmo-index/<hex>.
 std::filesystem::path index_path(const std::filesystem::path& dir, const std::string& digest);

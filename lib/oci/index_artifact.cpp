@@ -1,6 +1,7 @@
 #include "oci/index_artifact.h"
 
 #include "core/atomic_file.h"
+#include "core/parallel.h"
 #include "oci/blob.h"
 #include "oci/hosts.h"
 #include "oci/hot_set.h"
@@ -9,7 +10,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -27,6 +30,8 @@ constexpr const char* kEmptyBody = "{}";
 constexpr const char* kCreatedAnnotation = "org.opencontainers.image.created";
 /// An index is a few MiB for a GB layer (a window per 4 MiB span); more is not an index.
 constexpr size_t kIndexBlobLimit = size_t{256} << 20;
+/// Indexes fetched at once after a lazy pull (one connection each).
+constexpr size_t kIndexJobs = 4;
 
 std::string fallback_tag(const std::string& digest) {
   // The OCI 1.1 tag schema: <alg>-<ref>, truncated to a tag's 128 characters.
@@ -178,11 +183,11 @@ Result<PushedIndexes> push_index_artifact(RegistryApi& client, const Descriptor&
   return pushed;
 }
 
-Result<std::optional<FoundIndexes>> find_index_artifact(RegistryApi& client, const std::string& subject_digest) {
-  FoundIndexes found;
+Result<std::optional<ListedIndexes>> list_index_artifact(RegistryApi& client, const std::string& subject_digest) {
+  ListedIndexes found;
   CFMO_ASSIGN_OR_RETURN(const Json listed, referrers(client, subject_digest, found.via));
   const auto digest = newest_artifact(listed);
-  if (!digest) return std::optional<FoundIndexes>();
+  if (!digest) return std::optional<ListedIndexes>();
   found.artifact = *digest;
   const std::string what = fmt::format("index artifact {} of {} (found through {})", short_digest(*digest),
                                        short_digest(subject_digest), found.via);
@@ -203,28 +208,48 @@ Result<std::optional<FoundIndexes>> find_index_artifact(RegistryApi& client, con
   std::set<std::string> seen;
   for (const auto& layer : manifest["layers"]) {
     if (!layer.is_object() || layer.value("mediaType", "") != kIndexBlobType) continue;
-    const std::string blob_digest = layer.value("digest", "");
-    std::string layer_digest;
+    ListedIndex index;
+    index.blob_digest = layer.value("digest", "");
     if (layer.contains("annotations") && layer["annotations"].is_object()) {
-      layer_digest = layer["annotations"].value(kIndexLayerAnnotation, "");
+      index.layer_digest = layer["annotations"].value(kIndexLayerAnnotation, "");
     }
-    if (!is_sha256_digest(blob_digest) || !is_sha256_digest(layer_digest)) {
+    if (!is_sha256_digest(index.blob_digest) || !is_sha256_digest(index.layer_digest)) {
       return make_error(ErrorKind::kInput, "{}: a layer without a digest or the {} annotation", what,
                         kIndexLayerAnnotation);
     }
-    const std::string blob_what = fmt::format("{}: the index of layer {}", what, short_digest(layer_digest));
-    StringSink sink(blob_what, kIndexBlobLimit);
-    // Its size is known: grown by doubling, an index of MBs was copied several times.
-    sink.body.reserve(static_cast<size_t>(std::min<int64_t>(layer.value("size", int64_t{0}), kIndexBlobLimit)));
-    CFMO_TRY(client.get(blob_api(client, blob_digest), {}, sink, blob_what));
-    if (sha256_digest(sink.body) != blob_digest) {
-      return make_error(ErrorKind::kInput, "{}: the blob's bytes do not match its digest", blob_what);
-    }
-    CFMO_ASSIGN_OR_RETURN(const LayerIndex index, parse_index(sink.body, blob_what));
-    if (index.layer_digest != layer_digest) {
-      return make_error(ErrorKind::kInput, "{}: it indexes {}, not that layer", blob_what, index.layer_digest);
-    }
-    if (seen.insert(layer_digest).second) found.blobs.push_back({layer_digest, std::move(sink.body)});
+    const int64_t size = layer.value("size", int64_t{0});
+    index.size = std::clamp<int64_t>(size, 0, static_cast<int64_t>(kIndexBlobLimit));
+    index.what = fmt::format("{}: the index of layer {}", what, short_digest(index.layer_digest));
+    if (seen.insert(index.layer_digest).second) found.indexes.push_back(std::move(index));
+  }
+  return std::optional<ListedIndexes>(std::move(found));
+}
+
+Result<IndexBlob> fetch_index_blob(RegistryApi& client, const ListedIndex& index) {
+  StringSink sink(index.what, kIndexBlobLimit);
+  // Its size is known: grown by doubling, an index of MBs was copied several times.
+  sink.body.reserve(static_cast<size_t>(index.size));
+  CFMO_TRY(client.get(blob_api(client, index.blob_digest), {}, sink, index.what));
+  if (sha256_digest(sink.body) != index.blob_digest) {
+    return make_error(ErrorKind::kInput, "{}: the blob's bytes do not match its digest", index.what);
+  }
+  // Its header only: the lazy mount parses (and checks) the whole index when it reads it.
+  CFMO_ASSIGN_OR_RETURN(const std::string indexed, index_layer_digest(sink.body, index.what));
+  if (indexed != index.layer_digest) {
+    return make_error(ErrorKind::kInput, "{}: it indexes {}, not that layer", index.what, indexed);
+  }
+  return IndexBlob{index.layer_digest, std::move(sink.body)};
+}
+
+Result<std::optional<FoundIndexes>> find_index_artifact(RegistryApi& client, const std::string& subject_digest) {
+  CFMO_ASSIGN_OR_RETURN(const auto listed, list_index_artifact(client, subject_digest));
+  if (!listed) return std::optional<FoundIndexes>();
+  FoundIndexes found;
+  found.artifact = listed->artifact;
+  found.via = listed->via;
+  for (const auto& index : listed->indexes) {
+    CFMO_ASSIGN_OR_RETURN(IndexBlob blob, fetch_index_blob(client, index));
+    found.blobs.push_back(std::move(blob));
   }
   return std::optional<FoundIndexes>(std::move(found));
 }
@@ -286,25 +311,42 @@ Result<PushedIndexes> push_pull_indexes(const fs::path& dir, const RegistryOptio
   return pushed;
 }
 
-Result<std::optional<FoundIndexes>> fetch_pull_indexes(const fs::path& dir, const RegistryOptions& options) {
+Result<std::optional<ListedIndexes>> fetch_pull_indexes(const fs::path& dir, const RegistryOptions& options) {
   CFMO_ASSIGN_OR_RETURN(PullRegistry r, pull_registry(dir, std::nullopt));
-  RegistryPool pool(r.ref, r.endpoints, options, r.state.auth_file,
-                    std::make_shared<EndpointHealth>(r.endpoints.size()));
-  std::optional<FoundIndexes> found;
+  auto health = std::make_shared<EndpointHealth>(r.endpoints.size());
+  RegistryPool pool(r.ref, r.endpoints, options, r.state.auth_file, health);
+  std::optional<ListedIndexes> found;
   CFMO_TRY(pool.each_until_ok("the image's indexes", [&](RegistryApi& client) -> Status {
-    CFMO_ASSIGN_OR_RETURN(found, find_index_artifact(client, r.state.manifest_digest));
+    CFMO_ASSIGN_OR_RETURN(found, list_index_artifact(client, r.state.manifest_digest));
     return {};
   }));
   if (!found) return found;
   std::set<std::string> layers;
   for (const auto& l : r.state.layers) layers.insert(l.blob.digest);
-  for (const auto& blob : found->blobs) {
-    const fs::path path = index_path(dir, blob.layer_digest);
+  std::vector<const ListedIndex*> wanted;
+  for (const auto& index : found->indexes) {
     std::error_code ec;
-    if (layers.count(blob.layer_digest) == 0 || fs::exists(path, ec)) continue;
-    fs::create_directories(path.parent_path(), ec);
-    CFMO_TRY(write_file_atomic(path, blob.bytes));
+    if (layers.count(index.layer_digest) != 0 && !fs::exists(index_path(dir, index.layer_digest), ec)) {
+      wanted.push_back(&index);
+    }
   }
+  std::error_code ec;
+  if (!wanted.empty()) fs::create_directories(dir / kIndexDir, ec);
+  // Side by side, each on a connection of its own (the first on the pool's,
+  // open already): fetched, checked and written (fsync'd) at once, the
+  // indexes of a large image cost about one of them, not the sum.
+  std::vector<Status> done(wanted.size());
+  parallel_for(wanted.size(), static_cast<int>(std::min<size_t>(wanted.size(), kIndexJobs)), "pull-index",
+               [&](size_t i) {
+                 std::optional<RegistryPool> own;
+                 if (i != 0) own.emplace(r.ref, r.endpoints, options, r.state.auth_file, health);
+                 RegistryPool& p = i == 0 ? pool : *own;
+                 done[i] = p.each_until_ok(wanted[i]->what, [&](RegistryApi& client) -> Status {
+                   CFMO_ASSIGN_OR_RETURN(const IndexBlob blob, fetch_index_blob(client, *wanted[i]));
+                   return write_file_atomic(index_path(dir, blob.layer_digest), blob.bytes);
+                 });
+               });
+  for (const auto& status : done) CFMO_TRY(status);
   return found;
 }
 

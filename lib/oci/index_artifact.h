@@ -54,8 +54,30 @@ struct FoundIndexes {
   std::vector<IndexBlob> blobs;
 };
 
-/// The newest index artifact of the manifest `subject_digest`: none when the
-/// registry lists none; one listed but damaged is kInput naming it.
+/// An index listed in an artifact, not fetched yet.
+struct ListedIndex {
+  std::string blob_digest;
+  std::string layer_digest;
+  int64_t size = 0;  ///< as the artifact says (bounded)
+  std::string what;  ///< names it in errors
+};
+
+struct ListedIndexes {
+  std::string artifact;              ///< the artifact manifest's digest
+  std::string via;                   ///< "the referrers API" or "tag sha256-<hex>"
+  std::vector<ListedIndex> indexes;  ///< one per layer (the first listed of each)
+};
+
+/// The newest index artifact of the manifest `subject_digest`, its indexes
+/// listed: none when the registry lists none; one listed but damaged is
+/// kInput naming it.
+Result<std::optional<ListedIndexes>> list_index_artifact(RegistryApi& client, const std::string& subject_digest);
+
+/// One listed index, fetched and checked: its digest, and that its header
+/// names its layer (the rest is checked when it is parsed); kInput otherwise.
+Result<IndexBlob> fetch_index_blob(RegistryApi& client, const ListedIndex& index);
+
+/// list_index_artifact, then every index fetched on `client`, one after another.
 Result<std::optional<FoundIndexes>> find_index_artifact(RegistryApi& client, const std::string& subject_digest);
 
 /// `cfmo-pull index DIR --push`: the indexes in DIR/cfmo-index/ of the
@@ -66,10 +88,10 @@ Result<PushedIndexes> push_pull_indexes(const std::filesystem::path& dir, const 
                                         const std::optional<HostSettings>& hosts);
 
 /// After a pull into `dir`: the indexes its registry holds for the image
-/// (mirrors first, as the pull), written to DIR/cfmo-index/ for the layers
-/// that have none there yet. None listed is an empty answer; a damaged
-/// artifact is kInput.
-Result<std::optional<FoundIndexes>> fetch_pull_indexes(const std::filesystem::path& dir,
-                                                       const RegistryOptions& options);
+/// (mirrors first, as the pull), fetched side by side and written to
+/// DIR/cfmo-index/ for the layers that have none there yet (only those are
+/// fetched). None listed is an empty answer; a damaged artifact is kInput.
+Result<std::optional<ListedIndexes>> fetch_pull_indexes(const std::filesystem::path& dir,
+                                                        const RegistryOptions& options);
 
 }  // namespace cfmo::oci

@@ -9,6 +9,8 @@
 
 #include "core/atomic_file.h"
 #include "core/dir_lock.h"
+#include "core/fd.h"
+#include "core/parallel.h"
 #include "oci/blob.h"
 #include "oci/cleanup.h"
 #include "oci/memory_budget.h"
@@ -24,6 +26,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/fanotify.h>
 #include <sys/mount.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -98,6 +101,7 @@ void replace_file(const fs::path& path, const std::string& text) {
 constexpr double kForever = 3600;        ///< seconds the kernel may cache what never changes
 constexpr size_t kOpenSpans = 64;        ///< span files kept open for reads (SpanFds)
 constexpr int kSessionThreads = 4;       ///< threads reading the FUSE device (LazyMount::Impl::session)
+constexpr size_t kIndexThreads = 4;      ///< threads reading the indexes as the mount starts (prepare)
 constexpr int kWakeSignal = SIGUSR2;     ///< interrupts a session thread's read of the device at the end
 constexpr unsigned kMaxRead = 1u << 20;  ///< the largest read libfuse 3.14 lets the kernel send (FUSE_MAX_MAX_PAGES)
 
@@ -368,6 +372,7 @@ struct LazyMount::Impl {
   std::condition_variable queue_cv;
   std::deque<ReadJob> queue;
   std::vector<std::thread> workers;
+  Fd watch_wake;  ///< readable once the mount stops: ends watch_upper
 
   ~Impl() {
     if (log != nullptr) std::fclose(log);
@@ -825,28 +830,72 @@ struct LazyMount::Impl {
   bool valid(fuse_ino_t ino) const { return ino >= 1 && ino <= tree.nodes.size(); }
 
   /// --writable in memory: the writes' tmpfs (mounted by the tool once this
-  /// process serves) looked at four times a second until the mount stops;
-  /// one line in the log each time it fills (the writes failing with ENOSPC).
+  /// process serves) looked at when something happens, not on a clock: a
+  /// change of the mount table (/proc/self/mountinfo polls POLLPRI) until
+  /// the tmpfs is there, then fanotify's FAN_MODIFY over its whole file
+  /// system (every write that lands in it, the overlay's included) and
+  /// FAN_DELETE, each batch of events one statvfs. One line in the log each
+  /// time it fills (the writes failing with ENOSPC): it is full again once
+  /// room was seen, or once a file was removed while it was full and a write
+  /// landed after that (a removal and a new fill between two looks are a new
+  /// line; a removal alone is not, as a removed file's pages may be freed
+  /// only later). A write that fails adds no event, so a full tmpfs costs
+  /// nothing. Where fanotify is refused (an old kernel, a file system
+  /// without file handles) it looks four times a second, as it did before.
+  /// Ends when stop_workers writes to watch_wake.
   void watch_upper() {
     const UpperDir& upper = *report.upper;
+    const Fd mountinfo(::open("/proc/self/mountinfo", O_RDONLY | O_CLOEXEC));
+    Fd events;
+    bool polling = false;  // fanotify refused: every kPollMs
     bool full = false;
+    bool removed = false;  // a file removed since it was seen full
+    constexpr int kPollMs = 250;
+    alignas(fanotify_event_metadata) char buffer[4096];
     while (!stopping) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(250));
       struct stat base {};
       struct stat parent {};
+      const bool mounted = ::stat(upper.base.c_str(), &base) == 0 &&
+                           ::stat(upper.base.parent_path().c_str(), &parent) == 0 && base.st_dev != parent.st_dev;
+      if (mounted && !events && !polling) {
+        events.reset(::fanotify_init(FAN_CLASS_NOTIF | FAN_REPORT_FID | FAN_CLOEXEC | FAN_NONBLOCK, O_RDONLY));
+        if (!events || ::fanotify_mark(events.get(), FAN_MARK_ADD | FAN_MARK_FILESYSTEM, FAN_MODIFY | FAN_DELETE,
+                                       AT_FDCWD, upper.base.c_str()) != 0) {
+          note(fmt::format("--writable: cannot watch the writes' memory with fanotify ({}): looking at it every {} ms",
+                           std::strerror(errno), kPollMs));
+          events.reset();
+          polling = true;
+        }
+      }
       struct statvfs fs {};
-      if (::stat(upper.base.c_str(), &base) != 0 || ::stat(upper.base.parent_path().c_str(), &parent) != 0 ||
-          base.st_dev == parent.st_dev || ::statvfs(upper.base.c_str(), &fs) != 0) {
-        continue;  // not mounted yet, or gone
+      if (mounted && ::statvfs(upper.base.c_str(), &fs) == 0) {
+        const bool now = fs.f_bavail == 0;
+        if (now && !full) {
+          note(
+              fmt::format("--writable: the writes' memory is full ({} of --max-memory {} in {}): writes fail with "
+                          "ENOSPC until files there are removed",
+                          human_bytes(upper.bytes), human_bytes(options.max_memory), upper.upper.string()));
+        }
+        full = now;
+        if (!full) removed = false;
       }
-      const bool now = fs.f_bavail == 0;
-      if (now && !full) {
-        note(
-            fmt::format("--writable: the writes' memory is full ({} of --max-memory {} in {}): writes fail with "
-                        "ENOSPC until files there are removed",
-                        human_bytes(upper.bytes), human_bytes(options.max_memory), upper.upper.string()));
+      // Before the tmpfs is there: the mount table; then its writes.
+      pollfd fds[2] = {{watch_wake.get(), POLLIN, 0},
+                       events ? pollfd{events.get(), POLLIN, 0} : pollfd{mountinfo.get(), POLLPRI, 0}};
+      const bool waits = events || (!polling && !mounted && mountinfo);
+      if (::poll(fds, waits ? 2 : 1, waits ? -1 : kPollMs) < 0 && errno != EINTR) return;
+      if ((fds[0].revents & POLLIN) != 0) return;
+      // FID events hold no descriptor: read, their masks looked at, dropped.
+      for (ssize_t n; events && (n = ::read(events.get(), buffer, sizeof buffer)) > 0;) {
+        for (size_t at = 0; at + sizeof(fanotify_event_metadata) <= static_cast<size_t>(n);) {
+          fanotify_event_metadata event{};
+          std::memcpy(&event, buffer + at, sizeof event);
+          if (event.event_len < sizeof event) break;
+          if ((event.mask & FAN_DELETE) != 0 && full) removed = true;
+          if ((event.mask & FAN_MODIFY) != 0 && removed) full = removed = false;  // written after a removal
+          at += event.event_len;
+        }
       }
-      full = now;
     }
   }
 
@@ -858,6 +907,10 @@ struct LazyMount::Impl {
     }
     registry_stop = true;
     queue_cv.notify_all();
+    if (watch_wake) {
+      const uint64_t one = 1;
+      (void)!::write(watch_wake.get(), &one, sizeof one);
+    }
   }
 
   /// Hands a read to the workers, or answers EIO once they are stopping
@@ -1209,17 +1262,55 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
   m->auth_file = options.auth_file.value_or(state.auth_file);
 
   // Layers without an index, or that an index cannot seek (one zstd frame), are fetched whole first.
-  std::vector<LazyLayer> infos(state.layers.size());
-  std::vector<std::optional<LayerIndex>> indexes(state.layers.size());
-  std::vector<size_t> whole;
-  for (size_t i = 0; i < state.layers.size(); ++i) {
+  const size_t count = state.layers.size();
+  std::vector<LazyLayer> infos(count);
+  std::vector<size_t> first_of(count);  ///< the first layer of the same digest
+  for (size_t i = 0; i < count; ++i) {
     const auto& l = state.layers[i];
     LazyLayer& info = infos[i];
     info.index = i;
     info.digest = l.blob.digest;
     info.hot = l.hot;
     info.local = l.status == LayerStatus::kFetched && fs::exists(blob_path(dir, l.blob.digest), ec);
-    CFMO_ASSIGN_OR_RETURN(indexes[i], find_index(dir, l, info.local, i, info));
+    first_of[i] = i;
+    for (size_t j = 0; j < i; ++j) {
+      if (state.layers[j].blob.digest == l.blob.digest) {
+        first_of[i] = j;
+        break;
+      }
+    }
+  }
+  // The indexes (MBs each: reading and checking them was most of a mount's
+  // start) read side by side, and meanwhile one Range request of a byte
+  // tells whether the registry serves parts of a blob (asked whenever a
+  // layer is cold; its answer is used unless every layer is fetched whole).
+  // A repeated layer's index is read after its first (which may write it).
+  const auto cold = std::find_if(infos.begin(), infos.end(), [](const LazyLayer& l) { return !l.local; });
+  bool refused = false;
+  Status probe{};
+  std::vector<Result<std::optional<LayerIndex>>> found(count, std::optional<LayerIndex>());
+  parallel_for(count + 1, static_cast<int>(std::min<size_t>(count + 1, kIndexThreads)), "mount-index", [&](size_t i) {
+    if (i < count) {
+      if (first_of[i] == i) found[i] = find_index(dir, state.layers[i], infos[i].local, i, infos[i]);
+      return;
+    }
+    if (cold == infos.end()) return;
+    RegistryPool pool(m->ref, m->endpoints, options.registry, m->auth_file,
+                      std::make_shared<EndpointHealth>(m->endpoints.size()));
+    probe = pool.each_until_ok("a Range request", [&](RegistryApi& client) -> Status {
+      RegistrySource source(client, cold->digest, "a Range request");
+      auto got = source.read(0, 1);
+      refused = refused || source.ranges_refused();
+      if (!got) return got.error();
+      return {};
+    });
+  });
+  std::vector<std::optional<LayerIndex>> indexes(count);
+  std::vector<size_t> whole;
+  for (size_t i = 0; i < count; ++i) {
+    LazyLayer& info = infos[i];
+    if (first_of[i] != i) found[i] = find_index(dir, state.layers[i], info.local, i, info);
+    CFMO_ASSIGN_OR_RETURN(indexes[i], std::move(found[i]));
     if (!indexes[i]) {
       info.whole_note = "no index: fetched whole, then indexed";
       whole.push_back(i);
@@ -1228,19 +1319,7 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
       whole.push_back(i);
     }
   }
-  // One Range request of a byte tells whether the registry serves parts of a blob.
-  if (const auto cold = std::find_if(infos.begin(), infos.end(), [](const LazyLayer& l) { return !l.local; });
-      cold != infos.end() && whole.size() < infos.size()) {
-    RegistryPool pool(m->ref, m->endpoints, options.registry, m->auth_file,
-                      std::make_shared<EndpointHealth>(m->endpoints.size()));
-    bool refused = false;
-    const Status probe = pool.each_until_ok("a Range request", [&](RegistryApi& client) -> Status {
-      RegistrySource source(client, cold->digest, "a Range request");
-      auto got = source.read(0, 1);
-      refused = refused || source.ranges_refused();
-      if (!got) return got.error();
-      return {};
-    });
+  if (cold != infos.end() && whole.size() < infos.size()) {
     if (refused) {
       for (auto& info : infos) {
         if (info.local || !info.whole_note.empty()) continue;
@@ -1396,7 +1475,11 @@ Status LazyMount::mount() {
   replace_file(m.record, m.point.string() + "\n" + (own_store ? m.report.upper->base.string() + "\n" : ""));
   m.save_stats();  // this mount's counts, from zero
   m.note(fmt::format("mounted {} at {} (pid {})", m.dir.string(), m.point.string(), ::getpid()));
-  if (m.report.upper && m.report.upper->bytes > 0) m.workers.emplace_back([&m] { m.watch_upper(); });
+  if (m.report.upper && m.report.upper->bytes > 0) {
+    m.watch_wake.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!m.watch_wake) return make_error(ErrorKind::kInternal, "--writable: eventfd: {}", std::strerror(errno));
+    m.workers.emplace_back([&m] { m.watch_upper(); });
+  }
   return {};
 }
 

@@ -594,34 +594,41 @@ TEST_F(Lazy, PushedIndexesAreFoundThroughTheFallbackTagByALazyPull) {
 
 // An index artifact whose index is not one: the pull that finds it says so
 // in one line and exits 3.
-TEST_F(Lazy, ACorruptIndexArtifactIsRefused) {
-  const std::string repository = "corrupt/app";
-  ASSERT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
-  const std::string garbage = "not an index, whatever its digest says";
+/// Pushes `index` (bytes, whatever they are) as the index artifact of the
+/// test image's first layer in `repository`, listed under the fallback tag.
+void push_index_artifact_of_first_layer(Registry& registry, const std::string& repository, const FixtureImage& image,
+                                        const std::string& index) {
   const std::string empty = "{}";
-  ASSERT_TRUE(registry_->push_blob(repository, garbage));
-  ASSERT_TRUE(registry_->push_blob(repository, empty));
-  Json layer = descriptor(oci::kIndexBlobType, garbage);
-  layer["annotations"] = {{oci::kIndexLayerAnnotation, oci::sha256_digest(image_->layers[0])}};
+  ASSERT_TRUE(registry.push_blob(repository, index));
+  ASSERT_TRUE(registry.push_blob(repository, empty));
+  Json layer = descriptor(oci::kIndexBlobType, index);
+  layer["annotations"] = {{oci::kIndexLayerAnnotation, oci::sha256_digest(image.layers[0])}};
   const std::string artifact =
       Json{{"schemaVersion", 2},
            {"mediaType", "application/vnd.oci.image.manifest.v1+json"},
            {"artifactType", oci::kIndexArtifactType},
            {"config", descriptor("application/vnd.oci.empty.v1+json", empty)},
            {"layers", Json::array({layer})},
-           {"subject", descriptor("application/vnd.oci.image.manifest.v1+json", image_->manifest)}}
+           {"subject", descriptor("application/vnd.oci.image.manifest.v1+json", image.manifest)}}
           .dump();
-  ASSERT_TRUE(registry_->push_manifest(repository, oci::sha256_digest(artifact), artifact,
-                                       "application/vnd.oci.image.manifest.v1+json"))
-      << registry_->log();
+  ASSERT_TRUE(registry.push_manifest(repository, oci::sha256_digest(artifact), artifact,
+                                     "application/vnd.oci.image.manifest.v1+json"))
+      << registry.log();
   Json entry = descriptor("application/vnd.oci.image.manifest.v1+json", artifact);
   entry["artifactType"] = oci::kIndexArtifactType;
   const Json listing = {{"schemaVersion", 2},
                         {"mediaType", "application/vnd.oci.image.index.v1+json"},
                         {"manifests", Json::array({entry})}};
-  ASSERT_TRUE(registry_->push_manifest(repository, "sha256-" + image_->manifest_digest.substr(7), listing.dump(),
-                                       "application/vnd.oci.image.index.v1+json"))
-      << registry_->log();
+  ASSERT_TRUE(registry.push_manifest(repository, "sha256-" + image.manifest_digest.substr(7), listing.dump(),
+                                     "application/vnd.oci.image.index.v1+json"))
+      << registry.log();
+}
+
+TEST_F(Lazy, ACorruptIndexArtifactIsRefused) {
+  const std::string repository = "corrupt/app";
+  ASSERT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
+  push_index_artifact_of_first_layer(*registry_, repository, *image_, "not an index, whatever its digest says");
+  if (HasFatalFailure()) return;
 
   const RunResult r = pull({"pull", registry_->host() + "/" + repository + ":v1", "--output",
                             "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
@@ -630,6 +637,37 @@ TEST_F(Lazy, ACorruptIndexArtifactIsRefused) {
   EXPECT_NE(r.err.find("index artifact"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find(oci::short_digest(oci::sha256_digest(image_->layers[0]))), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(oci::index_path(lazy_dir(), oci::sha256_digest(image_->layers[0]))));
+}
+
+// An index whose header is right and whose body is damaged (its blob digest
+// matching the damaged bytes): the lazy pull checks only the digest and the
+// header, so it keeps it; the mount, which parses every index, refuses it
+// in one line naming the file and exits 3, mounting nothing.
+TEST_F(Lazy, AnIndexDamagedPastItsHeaderIsRefusedByTheMount) {
+  const std::string repository = "damaged/app";
+  ASSERT_TRUE(push_image(*registry_, repository, "v1", *image_)) << registry_->log();
+  const std::string ref = registry_->host() + "/" + repository + ":v1";
+  ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
+  ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", kSpan, "-q"}).status, 0);
+  const std::string layer = oci::sha256_digest(image_->layers[0]);
+  std::string index = slurp(oci::index_path(out_ / "full", layer));
+  ASSERT_GT(index.size(), 200u);
+  index[index.size() - 40] =
+      static_cast<char>(index[index.size() - 40] ^ 0x5a);  // past the header, before the checksum
+  push_index_artifact_of_first_layer(*registry_, repository, *image_, index);
+  if (HasFatalFailure()) return;
+
+  const RunResult lazy =
+      pull({"pull", ref, "--output", "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
+  ASSERT_EQ(lazy.status, 0) << lazy.err;
+  EXPECT_EQ(slurp(oci::index_path(lazy_dir(), layer)), index);
+  fs::create_directories(point());
+  const RunResult r = pull({"mount", lazy_dir().string(), point().string(), "--lazy", "-q"});
+  EXPECT_EQ(r.status, 3) << r.err;
+  EXPECT_EQ(testing::lines(r.err).size(), 1u) << r.err;
+  EXPECT_NE(r.err.find(oci::index_path(lazy_dir(), layer).string()), std::string::npos) << r.err;
+  EXPECT_TRUE(oci::mounted_source(fs::canonical(point())).empty());
+  EXPECT_TRUE(fs::is_empty(point()));
 }
 
 /// Layers that are not gzip: zstd in frames of 64 KiB of tar (a whiteout
@@ -1101,34 +1139,49 @@ TEST_F(Lazy, WritesInMemoryStayUnderMaxMemoryAndFailWithEnospcPastIt) {
   EXPECT_EQ(slurp(point() / "etc" / "os-release"), "ID=lazy\n");  // read through, under the same cap
 
   // Writing twice the share: ENOSPC once it is used up, never more than it.
-  const int fd = ::open((point() / "big").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  ASSERT_GE(fd, 0) << std::strerror(errno);
-  const std::string block(1 << 20, 'w');
-  int64_t written = 0;
-  int error = 0;
-  while (written < 2 * writes) {
-    const ssize_t n = ::write(fd, block.data(), block.size());
-    if (n < 0) {
-      error = errno;
-      break;
+  const auto fill = [&](const fs::path& path) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    EXPECT_GE(fd, 0) << std::strerror(errno);
+    const std::string block(1 << 20, 'w');
+    int64_t written = 0;
+    int error = 0;
+    while (fd >= 0 && written < 2 * writes) {
+      const ssize_t n = ::write(fd, block.data(), block.size());
+      if (n < 0) {
+        error = errno;
+        break;
+      }
+      written += n;
     }
-    written += n;
-  }
-  ::close(fd);
-  EXPECT_EQ(error, ENOSPC) << std::strerror(error);
-  EXPECT_LE(written, writes);
+    if (fd >= 0) ::close(fd);
+    EXPECT_EQ(error, ENOSPC) << std::strerror(error);
+    EXPECT_LE(written, writes);
+  };
   const std::string full = "the writes' memory is full";
   const fs::path mount_log = fs::path(j["log"].get<std::string>());
-  for (int i = 0; i < 100 && slurp(mount_log).find(full) == std::string::npos; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // a second line would be there by now
-  size_t lines = 0;
-  for (const auto& line : testing::lines(slurp(mount_log))) lines += line.find(full) != std::string::npos ? 1 : 0;
-  EXPECT_EQ(lines, 1u) << slurp(mount_log);
+  const auto full_lines = [&] {
+    size_t lines = 0;
+    for (const auto& line : testing::lines(slurp(mount_log))) lines += line.find(full) != std::string::npos ? 1 : 0;
+    return lines;
+  };
+  // The watcher wakes on the tmpfs's writes (fanotify), not on a clock: each
+  // time it fills is one line, however long it stays full.
+  const auto expect_lines = [&](size_t want) {
+    for (int i = 0; i < 100 && full_lines() < want; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));  // a further line would be there by now
+    EXPECT_EQ(full_lines(), want) << slurp(mount_log);
+  };
+  fill(point() / "big");
+  expect_lines(1);
   EXPECT_NE(slurp(mount_log).find("ENOSPC"), std::string::npos);
-  // Room again once the file goes; the mount still reads.
+  // Freed and filled again (through a file in a directory of its own): a second line.
   fs::remove(point() / "big");
+  fs::create_directories(point() / "var" / "spool");
+  fill(point() / "var" / "spool" / "big");
+  expect_lines(2);
+  EXPECT_EQ(slurp(mount_log).find("every 250 ms"), std::string::npos) << "fanotify refused: " << slurp(mount_log);
+  fs::remove(point() / "var" / "spool" / "big");
+  // Room again once the file goes; the mount still reads.
   std::ofstream(point() / "etc" / "new") << "written\n";
   EXPECT_EQ(slurp(upper / "etc" / "new"), "written\n");
   EXPECT_EQ(slurp(point() / "usr" / "bin" / "tool"), "#!/bin/sh\necho tool\n");

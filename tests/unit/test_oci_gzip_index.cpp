@@ -226,6 +226,28 @@ TEST(OciGzipIndex, ADamagedIndexIsBadInputNamingIt) {
   EXPECT_TRUE(fails_with(read_index(s.path / "absent"), ErrorKind::kInput, {"no such file"}));
 }
 
+// index_layer_digest reads the header alone (a lazy pull's check of an
+// index whose blob digest it verified): the layer's digest, whatever the
+// body; a file that is not an index, or a header cut short, is kInput.
+TEST(OciGzipIndex, TheHeaderAloneNamesTheLayer) {
+  const std::string tar = make_tar(entries());
+  Scratch s;
+  const Layer layer = write_layer(s, gzip(tar), kGzip, "layer");
+  auto index = build_layer_index(layer.path, layer.descriptor, kSpan, "layer");
+  ASSERT_TRUE(index) << index.error().message;
+  std::string bytes = serialize_index(*index);
+  auto digest = index_layer_digest(bytes, "x.idx");
+  ASSERT_TRUE(digest) << digest.error().message;
+  EXPECT_EQ(*digest, layer.descriptor.digest);
+  bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x20);  // the body: parse_index's to find
+  digest = index_layer_digest(bytes, "x.idx");
+  ASSERT_TRUE(digest) << digest.error().message;
+  EXPECT_EQ(*digest, layer.descriptor.digest);
+  EXPECT_TRUE(fails_with(index_layer_digest("not an index at all, not even close to one", "x.idx"), ErrorKind::kInput,
+                         {"index 'x.idx'", "not a cfmo layer index"}));
+  EXPECT_TRUE(fails_with(index_layer_digest(bytes.substr(0, 60), "x.idx"), ErrorKind::kInput, {"index 'x.idx'"}));
+}
+
 TEST(OciGzipIndex, ASpanWhoseBytesChangedIsRefused) {
   const std::string tar = make_tar(entries());
   Scratch s;
