@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -95,6 +96,16 @@ class Communicator {
   /// in the place of a lost rank: `cfmo-train --join`, a restarted rank), one
   /// entry per join, in order; such a rank is no longer in lost_ranks().
   virtual std::vector<int> joined_ranks() const { return {}; }
+  /// Whether `rank` is in lost_ranks(), and how many times it is in
+  /// joined_ranks(), without copying them (what a wait asks at every turn).
+  virtual bool is_lost_rank(int rank) const {
+    const auto lost = lost_ranks();
+    return std::find(lost.begin(), lost.end(), rank) != lost.end();
+  }
+  virtual size_t joins_of(int rank) const {
+    const auto joined = joined_ranks();
+    return static_cast<size_t>(std::count(joined.begin(), joined.end(), rank));
+  }
   /// This rank joined a run already under way: the others are past their
   /// start, so it may take part in no collective (their sequence is theirs),
   /// only in messages.

@@ -61,16 +61,18 @@ struct LoopbackState {
     bool present = true;                                           ///< its Communicator exists
     std::optional<LoopbackClock::time_point> quiet_since;          ///< silenced or killed
     bool killed = false;
-    /// Its Communicator's: a new process took `rank`'s place (join).
+    /// Its Communicator's: a new process took `rank`'s place, or the world
+    /// grew by the new rank `rank` (join).
     std::function<void(int rank)> rejoined;
   };
 
   LoopbackState(int n, LoopbackOptions o)
-      : size(n), options(o), links(static_cast<size_t>(n) * static_cast<size_t>(n)), ranks(static_cast<size_t>(n)) {}
+      : size(n),
+        options(o),
+        links(static_cast<size_t>(n), std::vector<Link>(static_cast<size_t>(n))),
+        ranks(static_cast<size_t>(n)) {}
 
-  Link& link(int from, int to) {
-    return links[static_cast<size_t>(from) * static_cast<size_t>(size) + static_cast<size_t>(to)];
-  }
+  Link& link(int from, int to) { return links[static_cast<size_t>(from)][static_cast<size_t>(to)]; }
   Rank& at(int r) { return ranks[static_cast<size_t>(r)]; }
   bool quiet(int r) { return at(r).quiet_since.has_value(); }
   bool connected(int from, int to) { return at(to).present && !quiet(from) && !quiet(to); }
@@ -118,32 +120,39 @@ struct LoopbackState {
     changed.notify_all();
   }
 
-  const int size;
+  /// The ranks now: changed under mutex (a join grows it), read anywhere.
+  std::atomic<int> size;
   const LoopbackOptions options;
   std::mutex mutex;
   std::condition_variable changed;  ///< any change: a message, a loss, a departure, a handler done
   uint64_t next_order = 0;
-  int64_t in_flight = 0;  ///< channel messages in inboxes or being handled
-  std::vector<Link> links;
+  int64_t in_flight = 0;                 ///< channel messages in inboxes or being handled
+  std::vector<std::vector<Link>> links;  ///< [from][to]; a new rank's links have no delay nor hold
   std::vector<Rank> ranks;
 };
 
 namespace {
 
-class LoopbackCommunicator final : public CommunicatorBase, private PointToPoint {
+class LoopbackCommunicator final : public CommunicatorBase {
  public:
   LoopbackCommunicator(std::shared_ptr<LoopbackState> state, int rank, bool joined = false)
       : CommunicatorBase(rank, state->size),
         state_(std::move(state)),
         rank_(rank),
         joined_(joined),
-        collectives_(*this),
+        starting_world_(*this, state_->size),
+        collectives_(starting_world_),
         reported_(static_cast<size_t>(state_->size), false) {
     {
       std::lock_guard lock(state_->mutex);
       // Under the state's mutex, as reported_: the peer is live again, and may be found lost anew.
       state_->at(rank_).rejoined = [this](int peer) {
         reported_[static_cast<size_t>(peer)] = false;
+        // A new rank first (the world grew): the peers' health knows it before size() says so.
+        if (static_cast<size_t>(peer) >= reported_.size()) {
+          peers_.grow(peer + 1);
+          reported_.resize(static_cast<size_t>(peer) + 1, false);
+        }
         peers_.rejoined(peer);
       };
     }
@@ -171,7 +180,7 @@ class LoopbackCommunicator final : public CommunicatorBase, private PointToPoint
   }
 
   int rank() const override { return rank_; }
-  int size() const override { return state_->size; }
+  int size() const override { return state_->size.load(); }
   bool joined() const override { return joined_; }
 
   Status all_reduce_sum(std::span<float> data) override {
@@ -199,6 +208,24 @@ class LoopbackCommunicator final : public CommunicatorBase, private PointToPoint
   }
 
  private:
+  /// The point-to-point seam the collectives run over: this rank's
+  /// exchanges, among the ranks of the world as this rank found it (it may
+  /// grow; a joiner takes part in no collective), as UCX's.
+  class StartingWorld final : public PointToPoint {
+   public:
+    StartingWorld(LoopbackCommunicator& self, int size) : self_(self), size_(size) {}
+    int rank() const override { return self_.rank_; }
+    int size() const override { return size_; }
+    Status exchange(uint32_t tag, std::span<const SendTo> sends, std::span<const ReceiveFrom> receives,
+                    std::string_view what) override {
+      return self_.exchange(tag, sends, receives, what);
+    }
+
+   private:
+    LoopbackCommunicator& self_;
+    const int size_;
+  };
+
   template <typename Body>
   Status run_collective(Body&& body) {
     CFMO_TRY(health());
@@ -210,7 +237,7 @@ class LoopbackCommunicator final : public CommunicatorBase, private PointToPoint
   }
 
   Status exchange(uint32_t tag, std::span<const SendTo> sends, std::span<const ReceiveFrom> receives,
-                  std::string_view what) override {
+                  std::string_view what) {
     LoopbackState& s = *state_;
     std::unique_lock lock(s.mutex);
     for (const SendTo& t : sends) {
@@ -312,8 +339,9 @@ class LoopbackCommunicator final : public CommunicatorBase, private PointToPoint
 
   const std::shared_ptr<LoopbackState> state_;
   const int rank_;
-  const bool joined_;        ///< took a lost rank's place in a run under way (LoopbackNetwork::join)
-  Collectives collectives_;  ///< under collective_call_mutex_
+  const bool joined_;             ///< joined a run under way (LoopbackNetwork::join)
+  StartingWorld starting_world_;  ///< before collectives_, which refers to it
+  Collectives collectives_;       ///< under collective_call_mutex_
   std::mutex collective_call_mutex_;
   std::vector<bool> reported_;  ///< progress thread, under the state's mutex: peers already found lost
   bool stop_ = false;           ///< under the state's mutex
@@ -370,23 +398,40 @@ bool LoopbackNetwork::drain(double timeout_s) {
 Result<std::unique_ptr<Communicator>> LoopbackNetwork::join(int rank) {
   {
     std::lock_guard lock(state_->mutex);
-    if (rank < 0 || rank >= state_->size) {
-      return make_error(ErrorKind::kUsage, "loopback: no rank {} in a world of {}", rank, state_->size);
-    }
-    auto& r = state_->at(rank);
-    if (r.present || !r.quiet_since) {
-      return make_error(ErrorKind::kUsage, "loopback: rank {} is not free (lost, its Communicator destroyed)", rank);
-    }
-    r = LoopbackState::Rank{};
-    for (int p = 0; p < state_->size; ++p) {
-      for (Link* l : {&state_->link(p, rank), &state_->link(rank, p)}) {
-        l->held = false;
-        l->waiting.clear();
+    const int size = state_->size.load();
+    if (rank == size) {
+      // A new rank: the world grows by one. The tables first, then every
+      // rank's communicator (its health knows the rank, the join recorded),
+      // then the size that others read, as UCX's ranks take one in.
+      const auto n = static_cast<size_t>(size) + 1;
+      state_->ranks.resize(n);
+      state_->links.resize(n);
+      for (auto& row : state_->links) row.resize(n);
+      for (int p = 0; p < size; ++p) {
+        if (state_->at(p).rejoined) state_->at(p).rejoined(rank);
       }
-      if (p != rank && state_->at(p).rejoined) state_->at(p).rejoined(rank);
+      state_->size.store(size + 1);
+      state_->changed.notify_all();
+    } else {
+      if (rank < 0 || rank > size) {
+        return make_error(ErrorKind::kUsage, "loopback: no rank {} in a world of {}", rank, size);
+      }
+      auto& r = state_->at(rank);
+      if (r.present || !r.quiet_since) {
+        return make_error(ErrorKind::kUsage, "loopback: rank {} is not free (lost, its Communicator destroyed)", rank);
+      }
+      r = LoopbackState::Rank{};
+      for (int p = 0; p < size; ++p) {
+        for (Link* l : {&state_->link(p, rank), &state_->link(rank, p)}) {
+          l->held = false;
+          l->waiting.clear();
+        }
+        if (p != rank && state_->at(p).rejoined) state_->at(p).rejoined(rank);
+      }
+      state_->changed.notify_all();
     }
-    state_->changed.notify_all();
   }
+  // (Outside the lock: the new rank's Communicator takes it.)
   return std::unique_ptr<Communicator>(std::make_unique<LoopbackCommunicator>(state_, rank, /*joined=*/true));
 }
 

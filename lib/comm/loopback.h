@@ -37,7 +37,13 @@
 ///                           run under way (`cfmo-train --join`): its joined()
 ///                           is true, and every other rank finds the rank live
 ///                           again at once, the join recorded (joined_ranks),
-///                           as UCX's ranks do before the joiner gets its table
+///                           as UCX's ranks do before the joiner gets its table;
+///                           join(W) in a world of W: a new rank W, the world
+///                           grows by one (a join with no rank lost), every
+///                           rank's size() says W + 1 and its joined_ranks()
+///                           records W, as UCX's; the collectives stay among
+///                           the ranks a communicator started with, and the
+///                           new rank's links start without delay or hold
 /// Collectives' messages take the links' delays and holds too; a rank that
 /// waits in a collective on a lost peer fails with kPeer naming it, as UCX.
 ///
@@ -68,7 +74,8 @@ class LoopbackNetwork {
   /// True once quiet; false if `timeout_s` passed first.
   bool drain(double timeout_s = 30);
   /// A process joining in `rank`'s place; kUsage unless the rank was
-  /// killed or silenced and its Communicator destroyed.
+  /// killed or silenced and its Communicator destroyed, or is the world's
+  /// size (a new rank: the world grows).
   Result<std::unique_ptr<Communicator>> join(int rank);
 
  private:

@@ -1,5 +1,6 @@
 #include "comm/peer_health.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace cfmo::comm {
@@ -55,6 +56,11 @@ void PeerHealth::rejoined(int peer) {
 std::vector<int> PeerHealth::joined_ranks() const {
   std::lock_guard lock(mutex_);
   return joined_;
+}
+
+size_t PeerHealth::joins_of(int peer) const {
+  std::lock_guard lock(mutex_);
+  return static_cast<size_t>(std::count(joined_.begin(), joined_.end(), peer));
 }
 
 Status PeerHealth::first_lost_locked() const {

@@ -39,6 +39,8 @@ class PeerHealth {
   void rejoined(int peer);
   /// The ranks that joined the run while this rank was in it, one entry per join, in order.
   std::vector<int> joined_ranks() const;
+  /// How many times `peer` is in joined_ranks() (no copy).
+  size_t joins_of(int peer) const;
   /// The root cause another rank reported, else a kPeer error naming the first lost rank; ok if none.
   Status health() const;
   std::string lost_reason(int peer) const;

@@ -39,6 +39,11 @@ struct TrainPosition {
   int64_t batch_in_epoch = 0;  ///< batches of the current epoch already used
   int64_t samples = 0;         ///< examples seen in total
   double train_s = 0;          ///< seconds spent in training steps, all runs together
+  /// The ranks this epoch's global batches are cut among (the world, grown
+  /// at an epoch's start by the ranks that joined: a joiner of a lockstep
+  /// group takes its members' cut from its welcome); 0: the run's workers.
+  /// Not in a checkpoint's state.json.
+  int64_t data_world = 0;
 };
 
 /// How the run that wrote a checkpoint was distributed. An older checkpoint
@@ -144,8 +149,9 @@ Result<DirLock> lock_run_dir(const std::filesystem::path& run_dir);
 /// optimizer's name must match; errors name the file and tensor. `world` and
 /// `outer_momentum` (the model's layout; left empty when the checkpoint has
 /// none), when given, receive the rest.
-Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, model::Model& model, optim::Optimizer& optimizer,
-                                      CheckpointWorld* world = nullptr, tensor::FloatBuffer* outer_momentum = nullptr,
+Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_dir, model::Model& model,
+                                      optim::Optimizer& optimizer, CheckpointWorld* world = nullptr,
+                                      tensor::FloatBuffer* outer_momentum = nullptr,
                                       tensor::FloatBuffer* outer_round_sum = nullptr);
 
 /// Rank `rank`'s own inner optimizer state, where the checkpoint holds one
@@ -153,12 +159,13 @@ Result<TrainPosition> load_checkpoint(const std::filesystem::path& checkpoint_di
 /// several workers), with its step count where rank_optimizer_steps has it:
 /// true when it was read into `optimizer`, false when there is none (rank 0,
 /// or an older checkpoint). Errors name the file and tensor.
-Result<bool> load_rank_optimizer(const std::filesystem::path& checkpoint_dir, const model::Model& model, optim::Optimizer& optimizer,
-                                 int rank);
+Result<bool> load_rank_optimizer(const std::filesystem::path& checkpoint_dir, const model::Model& model,
+                                 optim::Optimizer& optimizer, int rank);
 
 /// Rank `rank`'s error feedback (state.json's wire_residuals) over the
 /// model's whole vector; empty where the checkpoint has none for it.
-Result<tensor::FloatBuffer> load_wire_residual(const std::filesystem::path& checkpoint_dir, const model::Model& model, int rank);
+Result<tensor::FloatBuffer> load_wire_residual(const std::filesystem::path& checkpoint_dir, const model::Model& model,
+                                               int rank);
 
 /// A loaded checkpoint's positions (`position` and each of `world.ranks`)
 /// against the data they index: `examples` training examples cut into

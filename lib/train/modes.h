@@ -128,6 +128,9 @@ struct ModeResume {
   std::vector<std::vector<float>> owner_state;  ///< asgd: the owners' optimizer state, as in GlobalState
   std::vector<int64_t> owner_steps;             ///< asgd
   std::vector<TrainPosition> ranks;             ///< rank 0, async: the budget keeper's start
+  /// This rank's position's samples at its start (a resumed run's; else 0):
+  /// what it trains in this run counts from there (localsgd --elastic's tally).
+  int64_t start_samples = 0;
 };
 
 class Mode {
@@ -193,11 +196,14 @@ class Mode {
   /// ranks' final positions).
   virtual std::optional<GlobalState> final_state() { return std::nullopt; }
   virtual ModeStats stats() const { return {}; }
-  /// cfmo and asgd, the keeper: the samples `rank` trained in this run up to
-  /// its last contribution that reached the keeper (what a lost rank adds to the run).
+  /// cfmo and asgd, the keeper, and sync and localsgd with --elastic, every
+  /// member: the samples `rank` trained in this run up to its last
+  /// contribution that reached the keeper, or its last completed sum (what a
+  /// lost rank adds to the run).
   virtual int64_t reconciled_samples(int /*rank*/) const { return 0; }
-  /// cfmo, the keeper: the samples earlier processes in `rank`'s place
-  /// trained up to their last contribution, before a new one joined there.
+  /// cfmo, the keeper (sync and localsgd with --elastic, every member): the
+  /// samples earlier processes in `rank`'s place trained up to their last
+  /// contribution (sum), before a new one joined there.
   virtual int64_t retired_samples(int /*rank*/) const { return 0; }
   /// This rank joined the run under way (Communicator::joined): takes the
   /// global state from the ranks there into `params` and its place's last

@@ -86,6 +86,13 @@ Status TrainingRun::join_run() {
   // The host optimizer, current: sync's joiner takes the group's inner state into it.
   CFMO_ASSIGN_OR_RETURN(optim::Optimizer * inner, engine->host_optimizer());
   CFMO_TRY(mode->join(replicated_part(params), *inner, pos));
+  if (traits.lockstep && pos.data_world > 0) {
+    // The group's cut of this epoch's global batches (it grows at an epoch's
+    // start), so that this rank takes its own slice and ends the epoch, and
+    // an --epochs budget, at the members' step.
+    cut_batches(static_cast<int>(pos.data_world));
+    plan_step_limit();
+  }
   // The run's clock, so that this process stops with the others at the time limit.
   if (run_clock.adopt(config.peer_timeout)) {
     run_start = run_clock.start();
@@ -96,9 +103,30 @@ Status TrainingRun::join_run() {
   }
   CFMO_TRY(engine->parameters_changed());
   CFMO_TRY(engine->optimizer_changed());
-  // A position at the very end of an epoch continues with the next one.
+  // A position at the very end of an epoch continues with the next one,
+  // where the members took up the world grown by this rank (at_step_end).
+  const bool epoch_ended = pos.batch_in_epoch == batches_per_epoch;
   pos = resume_position(pos, batches_per_epoch);
+  if (epoch_ended) take_up_growth();
   return {};
+}
+
+void TrainingRun::plan_step_limit() {
+  step_limit = config.steps > 0 ? config.steps : INT64_MAX;
+  // The epochs left, from this epoch's start (an epoch's batches change when the world grows).
+  if (config.epochs > 0) {
+    step_limit = std::min(step_limit, pos.step - pos.batch_in_epoch + (config.epochs - pos.epoch) * batches_per_epoch);
+  }
+  if (token_steps > 0) step_limit = std::min(step_limit, token_steps);
+  // Asynchronous workers share a budget of samples instead (plan_length), unless --deterministic.
+  if (async && !config.deterministic) step_limit = INT64_MAX;
+}
+
+void TrainingRun::cut_batches(int ranks) {
+  data_world = ranks;
+  pos.data_world = ranks;
+  global_batch = static_cast<int64_t>(batch) * data_world;
+  batches_per_epoch = (train_examples + global_batch - 1) / global_batch;
 }
 
 Status TrainingRun::load_model_and_optimizer() {
@@ -237,14 +265,13 @@ Status TrainingRun::plan_length() {
   global_batch = static_cast<int64_t>(batch) * world;
   batches_per_epoch = (train_examples + global_batch - 1) / global_batch;
   data_world = world;
+  pos.data_world = data_world;
   // A rank's saved position at the very end of an epoch continues with the next one.
   if (!options.resume.empty()) pos = resume_position(pos, batches_per_epoch);
-  step_limit = config.steps > 0 ? config.steps : INT64_MAX;
-  if (config.epochs > 0) step_limit = std::min(step_limit, config.epochs * batches_per_epoch);
   // --tokens: a budget of training tokens, as windows of the model's context (rounded up).
   token_windows = config.tokens > 0 && context > 0 ? (config.tokens + context - 1) / context : 0;
   token_steps = token_windows > 0 ? (token_windows + global_batch - 1) / global_batch : 0;
-  if (token_steps > 0) step_limit = std::min(step_limit, token_steps);
+  plan_step_limit();
   settings.kind = plan.mode;
   settings.sync_interval = config.sync_interval;
   settings.staleness_discount = config.staleness_discount;
@@ -296,6 +323,7 @@ Status TrainingRun::make_mode_and_engine() {
       delta_writer->submit(round, step, base_version, base, delta);
     };
   }
+  resume.start_samples = pos.samples;
   CFMO_ASSIGN_OR_RETURN(
       mode, make_mode(settings, comm, replicated_layout, replicated_part(model().parameters()), optim_config, resume));
 
@@ -589,11 +617,18 @@ Status TrainingRun::announce_own_join() {
 
 void TrainingRun::take_up_growth() {
   // Losses keep the cut (a lost rank's share goes untrained, or to the
-  // members with --keep-global-batch); the budgets stay as planned.
-  if (comm == nullptr || comm->size() <= data_world) return;
-  data_world = comm->size();
-  global_batch = static_cast<int64_t>(batch) * data_world;
-  batches_per_epoch = (train_examples + global_batch - 1) / global_batch;
+  // members with --keep-global-batch).
+  if (comm == nullptr) return;
+  int grown = comm->size();
+  if (const auto members = mode->members(); traits.lockstep && !members.empty()) {
+    // A lockstep group's members, the same on every member at a step's end
+    // (they took the same sums), where the transport may count a joiner the
+    // group has not taken in yet.
+    grown = *std::max_element(members.begin(), members.end()) + 1;
+  }
+  if (grown <= data_world) return;
+  cut_batches(grown);
+  plan_step_limit();  // the epochs left are of the grown world's batches
 }
 
 Status TrainingRun::announce_lost() {

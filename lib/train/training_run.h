@@ -149,6 +149,10 @@ struct TrainingRun {
   /// At an epoch's start: the world grew (a join took no lost rank's place),
   /// so its global batches are cut among the grown world's ranks from now on.
   void take_up_growth();
+  /// This epoch's global batches cut among `ranks`: data_world, global_batch, batches_per_epoch.
+  void cut_batches(int ranks);
+  /// step_limit from --steps, the --epochs left (of this epoch's batches) and --tokens, at `pos`.
+  void plan_step_limit();
   /// cfmo --expert-parallel, the keeper after the whole model was assembled
   /// with a lost rank's experts: one line saying where they came from, and
   /// the summary's lost entries the same.

@@ -277,9 +277,34 @@ TEST(CfmoTrainWorkers, LockstepWorkersExitFourNamingARankKilledMidRun) {
   }
 }
 
+// The samples the workers' reports of a summary add up to.
+int64_t reported_samples(const nlohmann::json& summary) {
+  int64_t reported = 0;
+  for (const auto& w : summary["per_worker"]) reported += w["samples"].get<int64_t>();
+  return reported;
+}
+
+// The samples rank `rank` had trained (in a run not resumed) at the last
+// step it logged in RUN's metrics that is a multiple of `every` (its last
+// round's, where it reconciles every `every` steps); 0 if none. A line cut by
+// a kill is skipped.
+int64_t logged_samples_at_round(const fs::path& run, int rank, int every) {
+  const fs::path file =
+      run / (rank == 0 ? std::string("metrics.jsonl") : "metrics-rank-" + std::to_string(rank) + ".jsonl");
+  int64_t samples = 0;
+  for (const auto& line : testing::lines(slurp(file))) {
+    const auto m = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (m.is_discarded() || m.value("type", "") != "step" || m["step"].get<int64_t>() % every != 0) continue;
+    samples = m["samples"].get<int64_t>();
+  }
+  return samples;
+}
+
 // localsgd, and sync with --elastic: the workers left re-form their group
 // without a worker killed mid-run (rank 0 too: the keeper moves), train on
-// with W - 1 and exit 0.
+// with W - 1 and exit 0. The summary counts the killed worker's samples up
+// to its last completed sum (every step in sync, every H = 10 in localsgd)
+// on top of the survivors' reports.
 TEST(CfmoTrainWorkers, ElasticLockstepWorkersFinishWithoutARankKilledMidRun) {
   struct Case {
     std::vector<std::string> mode;
@@ -315,6 +340,12 @@ TEST(CfmoTrainWorkers, ElasticLockstepWorkersFinishWithoutARankKilledMidRun) {
     EXPECT_EQ(j["per_worker"].size(), 2u);
     EXPECT_EQ(j["stopped_by"], "time-limit");
     EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
+    const int64_t lost_samples = logged_samples_at_round(dir / "run", killed, c.mode[1] == "sync" ? 1 : 10);
+    EXPECT_GE(j["samples"].get<int64_t>(), reported_samples(j) + lost_samples) << j.dump();
+    if (c.mode[1] == "sync") {
+      EXPECT_GT(lost_samples, 0);  // it had logged a step, each one a sum
+      EXPECT_GT(j["samples"].get<int64_t>(), reported_samples(j)) << j.dump();
+    }
   }
 }
 
@@ -460,13 +491,6 @@ void expect_join_with_another_batch_size_refused(std::vector<std::string> flags,
   EXPECT_NE(refused.err.find("--batch-size"), std::string::npos) << refused.err;
 }
 
-// The samples the workers' reports of a summary add up to.
-int64_t reported_samples(const nlohmann::json& summary) {
-  int64_t reported = 0;
-  for (const auto& w : summary["per_worker"]) reported += w["samples"].get<int64_t>();
-  return reported;
-}
-
 // localsgd with --elastic: a worker killed mid-run and restarted with the
 // same command is taken into the group at the end of a round (the global
 // parameters before it, the outer momentum, the position) and every rank
@@ -480,6 +504,8 @@ TEST(CfmoTrainWorkers, ElasticLocalSgdTakesAKilledWorkerBackAtARound) {
   const auto j = summary_with_rank_two_rejoined(ranks, dir);
   ASSERT_FALSE(j.is_null());
   EXPECT_EQ(j["stopped_by"], "time-limit");
+  // The killed process's samples up to its last round (if it took one) come on top of the reports.
+  EXPECT_GE(j["samples"].get<int64_t>(), reported_samples(j)) << j.dump();
   EXPECT_NE(slurp(dir / "err-1").find("rank 2 joined"), std::string::npos) << slurp(dir / "err-1");
 }
 
@@ -500,7 +526,9 @@ TEST(CfmoTrainWorkers, ElasticSyncTakesAKilledWorkerBackAtAStepAndRefusesAJoinWi
   const auto j = summary_with_rank_two_rejoined(ranks, dir);
   ASSERT_FALSE(j.is_null());
   EXPECT_GT(j["per_worker"][2]["samples"].get<int64_t>(), 0) << j.dump();
-  EXPECT_EQ(j["samples"].get<int64_t>(), reported_samples(j)) << j.dump();
+  // The killed process's samples up to its last sum come on top of the
+  // reports: it had logged a step, and each step is a sum.
+  EXPECT_GT(j["samples"].get<int64_t>(), reported_samples(j)) << j.dump();
   EXPECT_EQ(j["stopped_by"], "time-limit");
   // Every rank stopped at the same step, the joiner too: it was one of the group.
   EXPECT_EQ(j["per_worker"][2]["stopped_by"], "time-limit");
@@ -778,6 +806,49 @@ TEST(CfmoTrainWorkers, ElasticLocalSgdGrowsByAJoinerWhenNoRankIsLost) {
   ASSERT_NO_FATAL_FAILURE(start_two_and_join(
       ranks, dir, address, rejoin_flags({"--mode", "localsgd", "--elastic", "--sync-interval", "5"}, "25s", dir), 1));
   ASSERT_FALSE(summary_of_grown_run(ranks, dir, 1).is_null());
+}
+
+// The last step rank `rank` logged in RUN's metrics (a line cut short skipped); -1 if none.
+int64_t last_logged_step(const fs::path& run, int rank) {
+  const fs::path file =
+      run / (rank == 0 ? std::string("metrics.jsonl") : "metrics-rank-" + std::to_string(rank) + ".jsonl");
+  int64_t step = -1;
+  for (const auto& line : testing::lines(slurp(file))) {
+    const auto m = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!m.is_discarded() && m.value("type", "") == "step") step = m["step"].get<int64_t>();
+  }
+  return step;
+}
+
+// A lockstep run grown by a joiner stops by its --epochs budget as the
+// starting ranks do: the joiner takes the group's cut of the epoch's batches
+// from its welcome, the grown world's batches are taken up by every member
+// at the same epoch's start, and the epochs left count them; so every rank
+// logs the same last step, stops by "epochs", and exits 0 (none waits for a
+// rank that left early, none is left behind). Rank 0 is slowed so that the
+// join comes before the end.
+TEST(CfmoTrainWorkers, ElasticLockstepRunsGrownByAJoinerStopAtTheirEpochsTogether) {
+  for (const auto& mode : {std::vector<std::string>{"--mode", "localsgd", "--elastic", "--sync-interval", "5"},
+                           std::vector<std::string>{"--mode", "sync", "--elastic"}}) {
+    SCOPED_TRACE(mode[1]);
+    TempDir dir;
+    const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+    std::vector<std::string> flags = mode;
+    for (const char* a : {"--epochs", "150", "--slowdown", "0=20", "--log-every", "1", "--json", "--out"}) {
+      flags.emplace_back(a);
+    }
+    flags.push_back((dir / "run").string());
+    Ranks ranks;
+    ASSERT_NO_FATAL_FAILURE(start_two_and_join(ranks, dir, address, flags, 1));
+    const auto j = summary_of_grown_run(ranks, dir, 1);
+    ASSERT_FALSE(j.is_null());
+    EXPECT_EQ(j["stopped_by"], "epochs") << j.dump();
+    EXPECT_EQ(j["epochs_completed"], 150) << j.dump();
+    for (const auto& w : j["per_worker"]) EXPECT_EQ(w["stopped_by"], "epochs") << j.dump();
+    const int64_t last = last_logged_step(dir / "run", 0);
+    EXPECT_GT(last, 0);
+    for (int r : {1, 2}) EXPECT_EQ(last_logged_step(dir / "run", r), last) << "rank " << r;
+  }
 }
 
 // The checkpoint directories of a run, oldest first (temporaries left out).

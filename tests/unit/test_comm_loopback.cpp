@@ -208,5 +208,47 @@ TEST(Loopback, AJoinerTakesAKilledRanksPlaceAndTheOthersFindItLiveAgain) {
   EXPECT_EQ(world.ranks[0]->lost_ranks(), (std::vector<int>{1, 3}));
 }
 
+// A join with no rank lost, as `cfmo-train --join` over UCX in a run that
+// may grow: join(W) gives a new rank W; every rank's world has W + 1 ranks
+// and records the join; messages flow both ways with the new rank; the
+// collectives stay among the ranks that started; and a rank beyond W is not
+// free. A loss of the new rank is news, as any other's.
+TEST(Loopback, AJoinWithNoRankLostGrowsTheWorldByANewRank) {
+  auto world = make_loopback_world(2);
+  EXPECT_FALSE(world.network->join(3));  // not the next rank
+  auto joined = world.network->join(2);
+  ASSERT_TRUE(joined) << joined.error().message;
+  world.ranks.push_back(std::move(*joined));
+  EXPECT_TRUE(world.ranks[2]->joined());
+  EXPECT_EQ(world.ranks[2]->rank(), 2);
+  for (size_t r = 0; r < 3; ++r) {
+    EXPECT_EQ(world.ranks[r]->size(), 3) << r;
+    EXPECT_TRUE(world.ranks[r]->lost_ranks().empty()) << r;
+  }
+  for (size_t r : {0u, 1u}) {
+    EXPECT_EQ(world.ranks[r]->joined_ranks(), std::vector<int>{2});
+    EXPECT_EQ(world.ranks[r]->joins_of(2), 1u);
+    EXPECT_FALSE(world.ranks[r]->is_lost_rank(2));
+  }
+  Recorder recorder(world);
+  world.ranks[0]->post(2, kTest, bytes_of(7));
+  world.ranks[2]->post(1, kTest, bytes_of(8));
+  ASSERT_TRUE(world.network->drain());
+  EXPECT_EQ(recorder.of(2), (std::vector<std::pair<int, int>>{{0, 7}}));
+  EXPECT_EQ(recorder.of(1), (std::vector<std::pair<int, int>>{{2, 8}}));
+  // The starting ranks' all-reduce is theirs alone: the joiner is not waited for.
+  std::vector<std::vector<float>> data(2, std::vector<float>{1.0f});
+  std::thread other([&] { EXPECT_TRUE(world.ranks[1]->all_reduce_sum(data[1])); });
+  EXPECT_TRUE(world.ranks[0]->all_reduce_sum(data[0]));
+  other.join();
+  EXPECT_EQ(data[0][0], 2.0f);
+  EXPECT_EQ(data[1][0], 2.0f);
+  world.network->kill(2);
+  for (size_t r : {0u, 1u}) {
+    while (!world.ranks[r]->is_lost_rank(2)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_EQ(world.ranks[r]->lost_ranks(), std::vector<int>{2});
+  }
+}
+
 }  // namespace
 }  // namespace cfmo::comm

@@ -99,6 +99,19 @@ struct Cluster {
     optimizers[r] = std::move(*optim::make_optimizer(sgd, layout, kSize));
   }
 
+  /// A new process joins with no rank lost (LoopbackNetwork::join of the
+  /// world's size): the world grows by a rank, whose mode comes, not yet joined.
+  void grow() {
+    auto joined = world.network->join(static_cast<int>(modes.size()));
+    ASSERT_TRUE(joined) << joined.error().message;
+    world.ranks.push_back(std::move(*joined));
+    auto mode = make_mode(settings, world.ranks.back().get(), layout, initial, sgd);
+    ASSERT_TRUE(mode) << mode.error().message;
+    modes.push_back(std::move(*mode));
+    params.emplace_back(kSize, 0.0f);
+    optimizers.push_back(std::move(*optim::make_optimizer(sgd, layout, kSize)));
+  }
+
   /// The joiner's Mode::join: its parameters and position from the run.
   Status join(int rank, TrainPosition& position) {
     return mode(rank).join(param(rank), *optimizers[static_cast<size_t>(rank)], position);
@@ -517,6 +530,32 @@ TEST(ElasticSyncProtocol, WithoutAKilledRankTheOthersAverageTheirOwnGradients) {
   }
 }
 
+// Each sum carries what every member had trained: after rank 0 (the
+// leader) is killed, the survivors know its samples up to its last sum (what
+// the run's summary adds for it), and each other's up to the newest.
+TEST(ElasticSyncProtocol, TheSurvivorsKnowAKilledRanksSamplesUpToItsLastSum) {
+  Cluster c(3, elastic_sync());
+  std::vector<std::vector<float>> grads(3, std::vector<float>(kSize, 1.0f));
+  auto sum = [&](const std::vector<int>& who) {
+    auto results = c.on_every_rank(
+        [&](int r) { return c.mode(r).on_gradients(grads[static_cast<size_t>(r)], 10 * (r + 1), 0.1f); }, who);
+    for (int r : who) ASSERT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
+  };
+  ASSERT_NO_FATAL_FAILURE(sum({0, 1, 2}));
+  ASSERT_NO_FATAL_FAILURE(sum({0, 1, 2}));
+  for (int r = 0; r < 3; ++r) {
+    for (int k = 0; k < 3; ++k) EXPECT_EQ(c.mode(r).reconciled_samples(k), 20 * (k + 1)) << r << " of " << k;
+  }
+  c.kill(0, {1, 2});
+  ASSERT_NO_FATAL_FAILURE(sum({1, 2}));
+  for (int r : {1, 2}) {
+    EXPECT_EQ(c.mode(r).reconciled_samples(0), 20) << r;  // its last sum's
+    EXPECT_EQ(c.mode(r).reconciled_samples(1), 60) << r;
+    EXPECT_EQ(c.mode(r).reconciled_samples(2), 90) << r;
+    for (int k = 0; k < 3; ++k) EXPECT_EQ(c.mode(r).retired_samples(k), 0) << r << " of " << k;
+  }
+}
+
 TEST(ElasticSyncProtocol, ASurvivorThatMissedTheLastSumGetsItWhenTheGroupReforms) {
   Cluster c(3, elastic_sync());
   std::vector<std::vector<float>> grads(3, std::vector<float>(kSize));
@@ -698,11 +737,12 @@ TEST(ElasticSyncProtocol, AMemberReplacedBeforeItsLossWasSeenIsTakenInAgain) {
   });
 }
 
-// localsgd --elastic of three: a round of all (each adds delta_of), then rank 2 killed.
+// localsgd --elastic of three: a round of all (each adds delta_of; rank k
+// at 10 (k + 1) samples), then rank 2 killed.
 void elastic_round_then_kill_rank_two(Cluster& c) {
   auto results = c.on_every_rank([&](int r) -> Status {
     for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += delta_of(r, i);
-    return c.step(r, 1);
+    return c.step(r, 1, 10 * (r + 1));
   });
   for (int r = 0; r < 3; ++r) ASSERT_TRUE(results[static_cast<size_t>(r)]);
   c.kill(2, {0, 1});
@@ -716,11 +756,15 @@ TEST(LocalSgdProtocol, WithElasticAKilledWorkerLeavesTheRoundsToTheOthers) {
   auto results = c.on_every_rank(
       [&](int r) -> Status {
         for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += 0.5f * static_cast<float>(r + 1);
-        return c.step(r, 2);
+        return c.step(r, 2, 25 * (r + 1));
       },
       {0, 1});
   for (int r : {0, 1}) {
     ASSERT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
+    // What each trained up to its last round: rank 2's from the round before its loss.
+    EXPECT_EQ(c.mode(r).reconciled_samples(0), 25) << r;
+    EXPECT_EQ(c.mode(r).reconciled_samples(1), 50) << r;
+    EXPECT_EQ(c.mode(r).reconciled_samples(2), 30) << r;
     for (size_t i = 0; i < kSize; ++i) {
       const float round1 = (delta_of(0, i) + delta_of(1, i) + delta_of(2, i)) / 3;
       EXPECT_NEAR(c.param(r)[i], 1.0f + round1 + (0.5f + 1.0f) / 2, 1e-5f) << i;  // the mean of the two left
@@ -926,6 +970,34 @@ TEST(CfmoJoin, AnOwnerLostWhileItsBackupJoinsHasItsShardServedByTheJoiner) {
   }
 }
 
+// localsgd --elastic: ranks 0 and 1 take rounds from step 2 on (`round(r,
+// step)`) while the process of rank 2 joins, until the group has grown to
+// three (both see it at the same sum; at most 20000 rounds of at least 1 ms,
+// both stopping at the same one: a failed join must not hang the test).
+// Returns each rank's last step (the joiner's: its welcome's position).
+std::vector<int64_t> rounds_while_rank_two_joins(Cluster& c, const std::function<Status(int, int64_t)>& round) {
+  std::vector<int64_t> last(3, 0);
+  const auto results = c.on_every_rank([&](int r) -> Status {
+    if (r == 2) {
+      TrainPosition position;
+      CFMO_TRY(c.join(2, position));
+      last[2] = position.step;
+      return {};
+    }
+    int64_t step = 2;
+    do {
+      CFMO_TRY(round(r, step));
+      last[static_cast<size_t>(r)] = step++;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    } while (c.mode(r).members().size() < 3 && step < 20000);
+    return {};
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
+  }
+  return last;
+}
+
 // localsgd --elastic: the leader takes a joiner in at the end of a round; it
 // gets the global parameters before that round, the outer momentum and the
 // round's sum, takes the outer step itself and so holds the members' bits;
@@ -937,44 +1009,68 @@ TEST(LocalSgdJoin, WithElasticAJoinerIsTakenInAtARoundsEndWithTheMembersBits) {
   ASSERT_NO_FATAL_FAILURE(elastic_round_then_kill_rank_two(c));
   std::vector<Status> results;
   ASSERT_NO_FATAL_FAILURE(c.rejoin(2));
-  std::vector<int64_t> last(3, 0);
-  results = c.on_every_rank([&](int r) -> Status {
-    if (r == 2) {
-      TrainPosition position;
-      CFMO_TRY(c.join(2, position));
-      last[2] = position.step;
-      return {};
-    }
-    // Rounds of the two (the first re-forms the group without rank 2) until
-    // the group has grown again: both see it at the same sum. At most 20000
-    // rounds of at least 1 ms (both stop at the same one): a failed join
-    // must not hang the test.
-    int64_t step = 2;
-    do {
-      for (auto& v : c.param(r)) v += 0.5f;
-      CFMO_TRY(c.step(r, step));
-      last[static_cast<size_t>(r)] = step++;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    } while (c.mode(r).members().size() < 3 && step < 20000);
-    return {};
+  // (The first round of the two re-forms the group without rank 2.)
+  const std::vector<int64_t> last = rounds_while_rank_two_joins(c, [&](int r, int64_t step) {
+    for (auto& v : c.param(r)) v += 0.5f;
+    return c.step(r, step);
   });
-  for (int r = 0; r < 3; ++r)
-    ASSERT_TRUE(results[static_cast<size_t>(r)]) << results[static_cast<size_t>(r)].error().message;
   EXPECT_EQ(last[0], last[1]);
   EXPECT_EQ(last[2], last[0]);
   EXPECT_EQ(c.param(2), c.param(0));
   EXPECT_EQ(c.param(1), c.param(0));
   for (int r = 0; r < 3; ++r) EXPECT_EQ(c.mode(r).members(), (std::vector<int>{0, 1, 2})) << r;
   const std::vector<float> before = c.param(0);
+  // The killed process's samples up to its round are counted apart, by every member, the joiner too.
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(c.mode(r).retired_samples(2), 30) << r;
   results = c.on_every_rank([&](int r) -> Status {
     for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += delta_of(r, i);
-    return c.step(r, last[0] + 1);
+    return c.step(r, last[0] + 1, 7);  // the joiner's own count starts at its welcome's position (0 here)
+  });
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(results[static_cast<size_t>(r)]);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(c.mode(r).reconciled_samples(2), 7) << r;
+    EXPECT_EQ(c.mode(r).retired_samples(2), 30) << r;
+  }
+  for (size_t i = 0; i < kSize; ++i) {
+    const float mean = (delta_of(0, i) + delta_of(1, i) + delta_of(2, i)) / 3;
+    for (int r = 0; r < 3; ++r) EXPECT_NEAR(c.param(r)[i], before[i] + mean, 1e-5f) << r << " " << i;
+  }
+}
+
+// localsgd --elastic of two, and a process joining with none lost: the
+// world grows to three (the loopback's join of a new rank, as UCX's), the
+// leader takes the new rank 2 in at a round's end with the members' bits, and
+// the next round is the mean of all three, each member knowing the others' samples.
+TEST(LocalSgdJoin, WithElasticANewRankGrowsTheGroupAtARoundsEnd) {
+  auto settings = settings_for("localsgd", 1);
+  settings.elastic = true;
+  Cluster c(2, settings);
+  auto results = c.on_every_rank([&](int r) -> Status {
+    for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += delta_of(r, i);
+    return c.step(r, 1, 10);
+  });
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(results[static_cast<size_t>(r)]);
+  ASSERT_NO_FATAL_FAILURE(c.grow());
+  const std::vector<int64_t> last =
+      rounds_while_rank_two_joins(c, [&](int r, int64_t step) { return c.step(r, step, 10 * step); });
+  EXPECT_EQ(last[2], last[0]);
+  EXPECT_EQ(last[1], last[0]);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(c.mode(r).members(), (std::vector<int>{0, 1, 2})) << r;
+    EXPECT_EQ(c.param(r), c.param(0)) << r;
+  }
+  const std::vector<float> before = c.param(0);
+  results = c.on_every_rank([&](int r) -> Status {
+    for (size_t i = 0; i < kSize; ++i) c.param(r)[i] += delta_of(r, i);
+    return c.step(r, last[0] + 1, 10 * (last[0] + 1));
   });
   for (int r = 0; r < 3; ++r) ASSERT_TRUE(results[static_cast<size_t>(r)]);
   for (size_t i = 0; i < kSize; ++i) {
     const float mean = (delta_of(0, i) + delta_of(1, i) + delta_of(2, i)) / 3;
     for (int r = 0; r < 3; ++r) EXPECT_NEAR(c.param(r)[i], before[i] + mean, 1e-5f) << r << " " << i;
   }
+  // The joiner's own samples count from its welcome's position: one step's 10.
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(c.mode(r).reconciled_samples(2), 10) << r;
 }
 
 // A rank cut off (silenced: it finds every other rank lost, as they find it)

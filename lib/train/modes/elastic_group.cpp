@@ -26,21 +26,50 @@ int ElasticGroup::index() const {
   return it == members_.end() ? -1 : static_cast<int>(it - members_.begin());
 }
 
-bool ElasticGroup::lost(int rank) const {
-  const auto lost = comm_.lost_ranks();
-  return std::find(lost.begin(), lost.end(), rank) != lost.end();
-}
+// (Asked at every turn of a wait: the transport answers without copying its lists.)
+bool ElasticGroup::lost(int rank) const { return comm_.is_lost_rank(rank); }
 
-size_t ElasticGroup::joins_of(int rank) const {
-  const auto joined = comm_.joined_ranks();
-  return static_cast<size_t>(std::count(joined.begin(), joined.end(), rank));
-}
+size_t ElasticGroup::joins_of(int rank) const { return comm_.joins_of(rank); }
 
 void ElasticGroup::note_member(int rank) {
   const auto r = static_cast<size_t>(rank);
   if (r >= since_.size()) since_.resize(r + 1, 0);  // a new rank: the world grew
   since_[r] = joins_of(rank);
+  retire(rank);
 }
+
+void ElasticGroup::retire(int rank) {
+  const auto r = static_cast<size_t>(rank);
+  if (r >= reconciled_.size()) reconciled_.resize(r + 1, 0);
+  if (r >= retired_.size()) retired_.resize(r + 1, 0);
+  retired_[r] += reconciled_[r];
+  reconciled_[r] = 0;
+}
+
+void ElasticGroup::count(std::span<const int64_t> tally) {
+  if (tally.size() != members_.size()) return;  // a sum got in a re-forming (kGroup): its tally stays the others'
+  for (size_t i = 0; i < tally.size(); ++i) {
+    const auto r = static_cast<size_t>(members_[i]);
+    if (r >= reconciled_.size()) reconciled_.resize(r + 1, 0);
+    reconciled_[r] = std::max(reconciled_[r], tally[i]);
+  }
+}
+
+namespace {
+void put_tally(std::vector<std::byte>& out, std::span<const int64_t> tally) {
+  put(out, static_cast<uint32_t>(tally.size()));
+  put_bytes(out, tally.data(), tally.size_bytes());
+}
+
+bool take_tally(std::span<const std::byte>& in, std::vector<int64_t>& tally, size_t most) {
+  uint32_t n = 0;
+  if (!take(in, n) || n > most || in.size() < n * sizeof(int64_t)) return false;
+  tally.resize(n);
+  if (n > 0) std::memcpy(tally.data(), in.data(), n * sizeof(int64_t));
+  in = in.subspan(n * sizeof(int64_t));
+  return true;
+}
+}  // namespace
 
 bool ElasticGroup::gone(int rank) const {
   // A loss and the join in its place can both come and go between two looks
@@ -50,11 +79,13 @@ bool ElasticGroup::gone(int rank) const {
 }
 
 void ElasticGroup::send(int to, Kind kind, uint32_t epoch, uint64_t seq, std::span<const float> floats, bool has,
-                        std::span<const int> ranks) {
+                        std::span<const int> ranks, std::span<const int64_t> tally) {
   std::vector<std::byte> out;
   put(out, static_cast<uint8_t>(kind));
   put(out, epoch);
   put(out, seq);
+  if (kind == kPart) put(out, samples_);
+  if (kind == kSum) put_tally(out, tally);
   if (kind == kGroup) {
     put(out, static_cast<uint32_t>(ranks.size()));
     for (const int r : ranks) put(out, static_cast<int32_t>(r));
@@ -78,6 +109,10 @@ void ElasticGroup::send_grown(int to, Kind kind, std::span<const float> sum, std
     put(out, static_cast<uint32_t>(after ? last_sum_members_ : members_.size()));
     put(out, static_cast<uint64_t>(state.size()));
     put_bytes(out, state.data(), state.size());
+    put_tally(out, reconciled_);
+    put_tally(out, retired_);
+  } else {
+    put_tally(out, tally_);
   }
   put_floats(out, sum);
   comm_.post(to, channel_, std::move(out));
@@ -103,11 +138,16 @@ void ElasticGroup::on_message(int from, std::span<const std::byte> m) {
     if (!take(m, has)) return;
     msg.has = has != 0;
   }
+  if (msg.kind == kPart && !take(m, msg.samples)) return;
+  // A tally by rank may name a rank this one has not heard of yet (two joins at once): bounded, not by size().
+  constexpr size_t kMostRanks = size_t{1} << 20;
+  if ((msg.kind == kSum || msg.kind == kSumGrow) && !take_tally(m, msg.tally, kMostRanks)) return;
   if (msg.kind == kWelcome) {
     uint64_t bytes = 0;
     if (!take(m, msg.count) || !take(m, bytes) || bytes > m.size()) return;
     msg.state.assign(m.begin(), m.begin() + static_cast<std::ptrdiff_t>(bytes));
     m = m.subspan(static_cast<size_t>(bytes));
+    if (!take_tally(m, msg.tally, kMostRanks) || !take_tally(m, msg.retired, kMostRanks)) return;
   }
   msg.floats.resize(m.size() / sizeof(float));
   if (!msg.floats.empty()) std::memcpy(msg.floats.data(), m.data(), msg.floats.size() * sizeof(float));
@@ -142,9 +182,11 @@ bool ElasticGroup::reform_asked_locked(uint32_t& epoch) const {
   return asked;
 }
 
-Status ElasticGroup::all_reduce_sum(std::span<float> data) {
+Status ElasticGroup::all_reduce_sum(std::span<float> data, int64_t samples) {
+  samples_ = samples;
   for (;;) {
     bool done = false;
+    tally_.clear();
     if (target_epoch_ <= epoch_) done = reduce_once(data) == Outcome::kDone;
     if (!done) {
       grow_to_.clear();
@@ -154,6 +196,7 @@ Status ElasticGroup::all_reduce_sum(std::span<float> data) {
       last_.assign(data.begin(), data.end());
       has_last_ = true;
       last_sum_members_ = members_.size();
+      count(tally_);
       ++seq_;
       if (!grow_to_.empty()) {
         // Joiners were taken in at this sum: the next one is theirs too.
@@ -172,6 +215,7 @@ Status ElasticGroup::all_reduce_sum(std::span<float> data) {
 
 ElasticGroup::Outcome ElasticGroup::reduce_once(std::span<float> data) {
   if (members_.size() == 1) {
+    tally_.assign(1, samples_);
     admit_joiners(data);  // a lone survivor still takes a joiner in
     return Outcome::kDone;
   }
@@ -188,6 +232,7 @@ ElasticGroup::Outcome ElasticGroup::reduce_once(std::span<float> data) {
             })) {
           if (m.floats.size() == data.size()) {
             std::copy(m.floats.begin(), m.floats.end(), data.begin());
+            tally_ = std::move(m.tally);
             if (m.kind == kSumGrow) grow_to_ = m.ranks;
             return Outcome::kDone;
           }
@@ -206,13 +251,18 @@ ElasticGroup::Outcome ElasticGroup::reduce_once(std::span<float> data) {
     }
   }
   std::map<int, std::vector<float>> parts;
+  std::map<int, int64_t> samples;
   parts[me].assign(data.begin(), data.end());
+  samples[me] = samples_;
   for (;;) {
     {
       std::unique_lock lock(mutex_);
       Message m;
       while (take_locked(m, [&](const Message& x) { return x.kind == kPart && x.epoch == epoch_ && x.seq == seq_; })) {
-        if (m.floats.size() == data.size()) parts[m.from] = std::move(m.floats);
+        if (m.floats.size() == data.size()) {
+          parts[m.from] = std::move(m.floats);
+          samples[m.from] = m.samples;
+        }
       }
       uint32_t asked = 0;
       if (reform_asked_locked(asked)) {
@@ -234,10 +284,11 @@ ElasticGroup::Outcome ElasticGroup::reduce_once(std::span<float> data) {
   for (const int r : members_) {
     const auto& part = parts[r];
     for (size_t i = 0; i < data.size(); ++i) data[i] += part[i];
+    tally_.push_back(samples[r]);
   }
   if (admit_joiners(data)) return Outcome::kDone;
   for (const int r : members_) {
-    if (r != me) send(r, kSum, epoch_, seq_, data);
+    if (r != me) send(r, kSum, epoch_, seq_, data, false, {}, tally_);
   }
   return Outcome::kDone;
 }
@@ -258,6 +309,10 @@ bool ElasticGroup::admit_joiners(std::span<const float> sum) {
   std::vector<int> grown = members_;
   grown.insert(grown.end(), joiners.begin(), joiners.end());
   std::sort(grown.begin(), grown.end());
+  // The joiners' places start their count afresh (their welcome says so), as
+  // every member's will when it takes them in; this sum's tally first.
+  count(tally_);
+  for (const int r : joiners) retire(r);
   for (const int r : members_) {
     if (r != comm_.rank()) send_grown(r, kSumGrow, sum, grown);
   }
@@ -307,6 +362,8 @@ Result<ElasticGroup::Welcome> ElasticGroup::join(double timeout_s) {
       last_ = w.floats;
       has_last_ = !w.floats.empty();  // a welcome sent later carries no sum
       last_sum_members_ = w.count;
+      reconciled_ = std::move(w.tally);
+      retired_ = std::move(w.retired);
       std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_ && x.kind != kAdmit; });
       return Welcome{std::move(w.state), std::move(w.floats), w.count};
     }

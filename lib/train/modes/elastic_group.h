@@ -7,7 +7,8 @@
 ///
 ///   all_reduce_sum(data)  each member sends its data to the leader, which
 ///                         adds them in rank order and sends the sum back:
-///                         every member gets the same bits
+///                         every member gets the same bits (and the samples
+///                         each member had trained: its tally)
 ///   after a loss          each survivor sends the (new) leader the number of
 ///                         the sum it is in and the last sum it got; the
 ///                         leader waits for every live member, then tells each
@@ -18,15 +19,22 @@
 ///                         found) plus the messages' time.
 ///
 /// Messages (on the channel given):
-///   kPart    [u8 1][u32 epoch][u64 seq][floats]     a member's data for sum seq
-///   kSum     [u8 2][u32 epoch][u64 seq][floats]     the leader's sum
+///   kPart    [u8 1][u32 epoch][u64 seq][i64 samples][floats]     a member's data for sum seq
+///   kSum     [u8 2][u32 epoch][u64 seq][tally][floats]             the leader's sum
 ///   kJoin    [u8 3][u32 epoch][u64 seq][u8 has last][floats: the last sum]
 ///   kGroup   [u8 4][u32 epoch][u64 seq][u32 n][n x i32 ranks][u8 has][floats: sum seq - 1]
 ///   kReform  [u8 5][u32 epoch][u64 0]               the leader asks the members to join
 ///   kAdmit   [u8 6][u32 0][u64 0]                   a process that joined the run asks to be a member
-///   kWelcome [u8 7][u32 epoch][u64 seq][u32 n][n x i32 ranks][u32 count][u64 n][bytes: state][floats: sum seq - 1]
-///   kSumGrow [u8 8][u32 epoch][u64 seq][u32 n][n x i32 ranks][floats]   kSum, and the members from then on
-/// where the epoch counts the group's re-formings and growths. A joiner is
+///   kWelcome [u8 7][u32 epoch][u64 seq][u32 n][n x i32 ranks][u32 count][u64 n][bytes: state]
+///            [tally: reconciled by rank][tally: retired by rank][floats: sum seq - 1]
+///   kSumGrow [u8 8][u32 epoch][u64 seq][u32 n][n x i32 ranks][tally][floats]   kSum, and the members from then on
+/// where the epoch counts the group's re-formings and growths, and a tally
+/// is [u32 n][n x i64 samples]: in a sum, each of the members that made it
+/// (in their order) had trained that many samples in this run when it sent
+/// its part. So every member knows what each member trained up to its last
+/// sum, which is what a lost member adds to the run's samples
+/// (reconciled_samples), and what earlier processes in a joined rank's place
+/// did (retired_samples), whichever member ends up keeping the run. A joiner is
 /// taken in by the leader at the end of a sum: it gets that sum, how many
 /// members made it, and the caller's state (set_welcome: the mode's global
 /// parameters before the sum), and is a member of the next. With
@@ -58,9 +66,17 @@ class ElasticGroup {
   ElasticGroup& operator=(const ElasticGroup&) = delete;
 
   /// Afterwards `data` holds the element-wise sum over the members (as the
-  /// group was when the sum completed). Fails (kPeer) only when the group
-  /// cannot re-form in time.
-  Status all_reduce_sum(std::span<float> data);
+  /// group was when the sum completed); `samples` is what this process has
+  /// trained in this run, this sum's part included. Fails (kPeer) only when
+  /// the group cannot re-form in time.
+  Status all_reduce_sum(std::span<float> data, int64_t samples);
+
+  /// The samples the process now in `rank`'s place had trained when its part
+  /// of its last completed sum was sent (0 for a rank never in a sum).
+  int64_t reconciled_samples(int rank) const { return at(reconciled_, rank); }
+  /// The samples earlier processes in `rank`'s place trained up to their last
+  /// sums, before a new process joined there.
+  int64_t retired_samples(int rank) const { return at(retired_, rank); }
 
   /// The members now, in rank order; the first is the leader.
   const std::vector<int>& members() const { return members_; }
@@ -113,6 +129,9 @@ class ElasticGroup {
     std::vector<float> floats;
     uint32_t count = 0;              ///< kWelcome: the members that made the sum
     std::vector<std::byte> state{};  ///< kWelcome
+    int64_t samples = 0;             ///< kPart: the sender's samples
+    std::vector<int64_t> tally{};    ///< kSum, kSumGrow: the members' samples; kWelcome: reconciled_
+    std::vector<int64_t> retired{};  ///< kWelcome: retired_
   };
   /// What a reduction attempt ended with.
   enum class Outcome { kDone, kReform };
@@ -123,7 +142,7 @@ class ElasticGroup {
   /// Re-forms the group; true when `data` got the sum this rank missed (the call is done).
   Result<bool> reform(std::span<float> data);
   void send(int to, Kind kind, uint32_t epoch, uint64_t seq, std::span<const float> floats, bool has = false,
-            std::span<const int> ranks = {});
+            std::span<const int> ranks = {}, std::span<const int64_t> tally = {});
   /// kSumGrow (to a member) or kWelcome (to a joiner) of the sum just made
   /// (`after` false), or kWelcome after it was counted (send_welcome).
   void send_grown(int to, Kind kind, std::span<const float> sum, std::span<const int> ranks,
@@ -136,6 +155,13 @@ class ElasticGroup {
   void note_member(int rank);
   /// A member lost, or replaced by a new process since it became one (not yet taken in).
   bool gone(int rank) const;
+  /// A new process is taken in as `rank`: what the last one there trained up to its last sum is counted apart.
+  void retire(int rank);
+  /// The members that made the sum just done had trained `tally` (in members_' order).
+  void count(std::span<const int64_t> tally);
+  static int64_t at(const std::vector<int64_t>& by_rank, int rank) {
+    return rank >= 0 && static_cast<size_t>(rank) < by_rank.size() ? by_rank[static_cast<size_t>(rank)] : 0;
+  }
   /// Under lock: the first queued message that `match` accepts, removed; false if none.
   template <typename Match>
   bool take_locked(Message& out, Match&& match);
@@ -162,7 +188,11 @@ class ElasticGroup {
   std::vector<int> grow_to_;  ///< the members after the sum under way (kSumGrow), empty: as they are
   std::function<std::vector<std::byte>()> welcome_;
   bool welcome_later_ = false;
-  std::vector<int> welcome_due_;  ///< the leader, welcome_later: joiners taken in at the last sum
+  std::vector<int> welcome_due_;     ///< the leader, welcome_later: joiners taken in at the last sum
+  int64_t samples_ = 0;              ///< this process's, as all_reduce_sum was last told
+  std::vector<int64_t> tally_;       ///< the sum under way's, once made or received (members_' order)
+  std::vector<int64_t> reconciled_;  ///< by rank: see reconciled_samples()
+  std::vector<int64_t> retired_;     ///< by rank: see retired_samples()
 };
 
 }  // namespace cfmo::train::modes

@@ -20,7 +20,11 @@ class LocalSgdMode final : public LockstepMode {
  public:
   LocalSgdMode(const ModeSettings& settings, comm::Communicator& comm, std::span<const float> initial,
                const ModeResume& resume)
-      : settings_(settings), comm_(comm), global_(initial.begin(), initial.end()), outer_(settings, initial.size(), 1) {
+      : settings_(settings),
+        comm_(comm),
+        global_(initial.begin(), initial.end()),
+        outer_(settings, initial.size(), 1),
+        start_samples_(resume.start_samples) {
     if (settings.elastic) {
       group_ = std::make_unique<ElasticGroup>(comm, channels::kElastic, settings.peer_timeout_s);
       // A joiner taken in at a round gets the global parameters before it,
@@ -78,12 +82,15 @@ class LocalSgdMode final : public LockstepMode {
                  1.0f / static_cast<float>(welcome.members));
     std::copy(global_.begin(), global_.end(), params.begin());
     position_ = position;
+    start_samples_ = position.samples;  // this process's own count starts here
     last_step_ = position.step;
     since_sync_ = 0;
     return {};
   }
   int keeper() const override { return group_ ? first_live(comm_, group_->members()) : 0; }
   std::vector<int> members() const override { return group_ ? group_->members() : std::vector<int>(); }
+  int64_t reconciled_samples(int rank) const override { return group_ ? group_->reconciled_samples(rank) : 0; }
+  int64_t retired_samples(int rank) const override { return group_ ? group_->retired_samples(rank) : 0; }
 
  private:
   Status reconcile(std::span<float> params) {
@@ -96,7 +103,8 @@ class LocalSgdMode final : public LockstepMode {
     }
     vote_.write(delta_.data() + params.size());
     const auto start = Clock::now();
-    Status status = group_ ? group_->all_reduce_sum(delta_) : comm_.all_reduce_sum(delta_);
+    Status status =
+        group_ ? group_->all_reduce_sum(delta_, position_.samples - start_samples_) : comm_.all_reduce_sum(delta_);
     stats_.wait_s += seconds_since(start);
     CFMO_TRY(status);
     vote_.read(delta_.data() + params.size());
@@ -121,6 +129,7 @@ class LocalSgdMode final : public LockstepMode {
   int64_t since_sync_ = 0;
   int64_t last_step_ = 0;
   TrainPosition position_;  ///< as after_step last saw it: a joiner's welcome
+  int64_t start_samples_;   ///< position.samples at this process's start: its own samples count from there
   ModeStats stats_;
   std::unique_ptr<ElasticGroup> group_;  ///< with --elastic
 };

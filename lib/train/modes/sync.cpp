@@ -86,6 +86,8 @@ class SyncMode final : public LockstepMode {
   bool survives_losses() const override { return group_ != nullptr; }
   int keeper() const override { return group_ ? first_live(comm_, group_->members()) : 0; }
   std::vector<int> members() const override { return group_ ? group_->members() : std::vector<int>(); }
+  int64_t reconciled_samples(int rank) const override { return group_ ? group_->reconciled_samples(rank) : 0; }
+  int64_t retired_samples(int rank) const override { return group_ ? group_->retired_samples(rank) : 0; }
 
   Status on_gradients(std::span<float> grads, int count, float) override {
     if (device_reduce_) {
@@ -103,11 +105,12 @@ class SyncMode final : public LockstepMode {
     // [weighted gradients..., example count, stop votes (time limit, interrupt)]
     buffer_.resize(grads.size() + 3);
     const auto n = static_cast<float>(count);
+    samples_ += count;
     for (size_t i = 0; i < grads.size(); ++i) buffer_[i] = grads[i] * n;
     buffer_[grads.size()] = n;
     vote_.write(buffer_.data() + grads.size() + 1);
     const auto start = Clock::now();
-    Status status = group_ ? group_->all_reduce_sum(buffer_) : comm_.all_reduce_sum(buffer_);
+    Status status = group_ ? group_->all_reduce_sum(buffer_, samples_) : comm_.all_reduce_sum(buffer_);
     stats_.wait_s += seconds_since(start);
     CFMO_TRY(status);
     vote_.read(buffer_.data() + grads.size() + 1);
@@ -125,6 +128,7 @@ class SyncMode final : public LockstepMode {
   const double peer_timeout_s_;
   tensor::FloatBuffer buffer_;
   std::array<float, 2> votes_{};  ///< the last sum's stop votes: a joiner's welcome
+  int64_t samples_ = 0;           ///< this process's, as on_gradients counted them (its group's tally)
   ModeStats stats_;
   DeviceReduce device_reduce_;
   std::unique_ptr<ElasticGroup> group_;  ///< with --elastic

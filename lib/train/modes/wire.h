@@ -40,18 +40,19 @@ inline void put_floats(std::vector<std::byte>& out, std::span<const float> value
   put_bytes(out, values.data(), values.size_bytes());
 }
 
-/// [i64 step][i64 epoch][i64 batch in epoch][i64 samples][f64 train_s]
+/// [i64 step][i64 epoch][i64 batch in epoch][i64 samples][f64 train_s][i64 data world]
 inline void put_position(std::vector<std::byte>& out, const TrainPosition& p) {
   put(out, p.step);
   put(out, p.epoch);
   put(out, p.batch_in_epoch);
   put(out, p.samples);
   put(out, p.train_s);
+  put(out, p.data_world);
 }
 
 inline bool take_position(std::span<const std::byte>& in, TrainPosition& p) {
   return take(in, p.step) && take(in, p.epoch) && take(in, p.batch_in_epoch) && take(in, p.samples) &&
-         take(in, p.train_s);
+         take(in, p.train_s) && take(in, p.data_world);
 }
 
 /// [u64 count][count floats]
