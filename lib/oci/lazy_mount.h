@@ -169,6 +169,7 @@ struct LazyStats {
   int64_t cache_bytes = 0;
   int64_t cache_capacity = 0;
   int64_t errors = 0;
+  int64_t page_cache_bytes = 0;  ///< file bytes stored into the kernel's page cache after random reads
 };
 Result<LazyStats> read_lazy_stats(const std::filesystem::path& dir);
 
