@@ -103,7 +103,7 @@ constexpr int kWakeSignal = SIGUSR2;     ///< interrupts a session thread's read
 constexpr unsigned kMaxRead = 1u << 20;  ///< the largest read libfuse 3.14 lets the kernel send (FUSE_MAX_MAX_PAGES)
 constexpr int kFillThreads = 2;          ///< threads storing pages into the page cache (Impl::fill)
 constexpr size_t kFillQueue = 64;        ///< spans waiting to be stored into the page cache (Impl::fill)
-constexpr size_t kFillsRemembered = size_t{1} << 16;  ///< (file, span) pairs stored once per mount, at most
+constexpr size_t kFillsRemembered = size_t{1} << 15;  ///< (file, span) pairs remembered a mount, at most (~1.5 MB)
 
 /// The size of the kernel's read requests (and the mount's readahead): as
 /// large as one reply can be spliced. libfuse splices a reply through a
@@ -394,7 +394,7 @@ struct LazyMount::Impl {
   std::mutex fill_mu;
   std::condition_variable fill_cv;
   std::deque<ChunkKey> fill_queue;  ///< (inode, checkpoint of its layer), waiting
-  std::set<ChunkKey> filled;        ///< queued or stored: each once per mount
+  std::map<ChunkKey, bool> fills;   ///< a random read seen there (false), or queued or stored (true): once a mount
   bool fill_stop = false;           ///< under fill_mu
   std::vector<std::thread> fillers;
 
@@ -783,15 +783,24 @@ struct LazyMount::Impl {
     return at + slack < last || at > last + slack;
   }
 
-  /// After a random read of `ino` at `offset`: the file's pages in the span
-  /// that holds it go to the page cache (fill), once a mount.
+  /// After a random read of `ino` at `offset`: at the second in the same
+  /// span, the file's pages in that span go to the page cache (fill), once
+  /// a mount. Not at the first: a reader that touches a large file here
+  /// and there, once a span, would have its spans stored for nothing (4 MiB
+  /// of page cache, ~1 ms of CPU each, for one 4 KiB read).
   void queue_fill(size_t ino, off_t offset) {
     const LazyNode& n = tree.node(ino);
     const size_t layer = static_cast<size_t>(n.layer);
     const ChunkKey key{ino, checkpoint_at(layer, n.offset + static_cast<uint64_t>(offset))};
     std::lock_guard lock(fill_mu);
-    if (fill_stop || fill_queue.size() >= kFillQueue || filled.size() >= kFillsRemembered) return;
-    if (!filled.insert(key).second) return;
+    if (fill_stop) return;
+    const auto it = fills.find(key);
+    if (it == fills.end()) {
+      if (fills.size() < kFillsRemembered) fills.emplace(key, false);
+      return;
+    }
+    if (it->second || fill_queue.size() >= kFillQueue) return;
+    it->second = true;
     fill_queue.push_back(key);
     fill_cv.notify_one();
   }
@@ -831,9 +840,9 @@ struct LazyMount::Impl {
   /// threads: the kernel locks each page it stores, and a page may be
   /// locked by a read waiting for its answer, which only a session thread
   /// gives. A random read through FUSE is a round trip (~50-80 us here),
-  /// a page-cache hit a few us; so after a random read of a file, its
-  /// other bytes in the same span (inflated and on disk already) are stored
-  /// too, and the next random reads there are hits. Sequential readers get
+  /// a page-cache hit a few us; so after random reads of a file, its other
+  /// bytes in the same span (inflated and on disk already) are stored too,
+  /// and the next random reads there are hits. Sequential readers get
   /// nothing stored: the kernel's readahead serves them in large requests.
   /// Nothing is stored while the system's available memory is under an
   /// eighth of its total: the page cache is evictable, but filling it then

@@ -366,10 +366,10 @@ std::string pread_matches(const fs::path& path, const std::string& bytes, size_t
   return block == bytes.substr(at, n) ? "" : fmt::format("bytes {}+{}: wrong", at, n);
 }
 
-TEST_F(Lazy, ARandomReadStoresItsSpanInThePageCacheAndOnlyVerifiedBytes) {
-  // A file of 6 spans of 1M through a proxy. A random read stores the
-  // file's other pages in its span into the kernel's page cache (the
-  // daemon's filler); the bytes read through the mount after that, at
+TEST_F(Lazy, RandomReadsStoreTheirSpanInThePageCacheAndOnlyVerifiedBytes) {
+  // A file of 6 spans of 1M through a proxy. A second random read in a
+  // span stores the file's other pages there into the kernel's page cache
+  // (the daemon's fillers); the bytes read through the mount after that, at
   // random offsets and whole, are the file's. A span corrupted on the wire
   // is EIO, and none of its pages reach the page cache; once the registry
   // answers right, the next read gets the right bytes.
@@ -385,12 +385,15 @@ TEST_F(Lazy, ARandomReadStoresItsSpanInThePageCacheAndOnlyVerifiedBytes) {
     return stats().page_cache_bytes;
   };
   EXPECT_EQ(pread_matches(f, bytes, (5 << 20) / 2), "");
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(stats().page_cache_bytes, 0) << "a span stored after its first random read";
+  EXPECT_EQ(pread_matches(f, bytes, (9 << 20) / 4), "");
   const int64_t first = wait_stored(0);
-  EXPECT_GT(first, 512 << 10) << "the span of a random read was not stored";
+  EXPECT_GT(first, 512 << 10) << "the span of two random reads was not stored";
   EXPECT_LE(first, (1 << 20) + (256 << 10));  // a span: 1M, to the end of a deflate block
   auto resident = resident_pages(f, bytes.size());
   ASSERT_EQ(resident.size(), bytes.size() / page);
-  // Its span (the file's bytes from about 2M to 3M: checkpoints fall at
+  // Their span (the file's bytes from about 2M to 3M: checkpoints fall at
   // the end of a deflate block, and the tar header shifts the file by 512)
   // is in the page cache, not read page by page; nothing else is.
   EXPECT_TRUE(resident[((2 << 20) + (128 << 10)) / page]);
@@ -398,11 +401,12 @@ TEST_F(Lazy, ARandomReadStoresItsSpanInThePageCacheAndOnlyVerifiedBytes) {
   EXPECT_FALSE(resident[(5 << 20) / page]);
   EXPECT_FALSE(resident[(1 << 20) / page]);
 
-  // A corrupt span: EIO, logged, nothing of it stored.
+  // A corrupt span: EIO (twice, at random), logged, nothing of it stored.
   const std::string blob = "/blobs/" + oci::sha256_digest(one_layer_);
   proxy.add(FaultProxy::corrupt(blob, 100, 1, 0));
   const size_t bad = (9 << 20) / 2;
   EXPECT_NE(pread_matches(f, bytes, bad), "") << "a corrupt span was served";
+  EXPECT_NE(pread_matches(f, bytes, bad - (256 << 10)), "") << "a corrupt span was served";
   EXPECT_NE(log().find("SHA-256 mismatch"), std::string::npos) << log();
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   resident = resident_pages(f, bytes.size());
