@@ -836,7 +836,7 @@ struct LazyMount::Impl {
     return stored;
   }
 
-  /// The thread that stores pages into the page cache, off the session
+  /// One of the kFillThreads that store pages into the page cache, off the session
   /// threads: the kernel locks each page it stores, and a page may be
   /// locked by a read waiting for its answer, which only a session thread
   /// gives. A random read through FUSE is a round trip (~50-80 us here),
@@ -859,7 +859,7 @@ struct LazyMount::Impl {
         fill_queue.pop_front();
       }
       const auto [available, total] = memory_available();
-      if (available < total / 8 + 2 * uint64_t{max_read}) continue;
+      if (total > 0 && available < total / 8 + 2 * uint64_t{max_read}) continue;  // unreadable: no limit known
       const int64_t stored = store_pages(key.first, key.second);
       bool idle = false;
       {
@@ -1615,7 +1615,7 @@ Status LazyMount::serve() {
       }
     }
   }
-  // The filler first, while the session threads still answer the reads
+  // The fillers first, while the session threads still answer the reads
   // whose pages a store may be waiting for (EIO, once stopping).
   m.stop_fill();
   for (auto& t : m.fillers) t.join();
