@@ -6,8 +6,9 @@ e.g. after reading every file once through a mount) at a new mount point
 with each cfmo-pull given, reads every file (or RANDOM 4 KiB preads at
 seeded offsets) through it, unmounts, then reads the same files of ROOTFS
 (a full pull's rootfs, page cache warm). Prints the median and best
-throughput of each and the CPU seconds of the reader and of the mount's
-daemon (load-independent, unlike the times).
+throughput of each, the CPU seconds of the reader and of the mount's
+daemon (load-independent, unlike the times), and the daemon's largest
+VmHWM.
 
     bench/lazy_reads.py LAZY_DIR ROOTFS NAME=CFMO_PULL [NAME=CFMO_PULL...]
         env: TRIALS=5  READER=readv (128 KiB readv into one buffer) | cat
@@ -76,6 +77,11 @@ def daemon_cpu(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def daemon_hwm_mb(pid):
+    line = next(l for l in open(f"/proc/{pid}/status") if l.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
 def main():
     if len(sys.argv) < 4:
         sys.exit(__doc__)
@@ -98,10 +104,11 @@ def main():
                 pid = int(re.search(r"cfmo-pull@(\d+)", line).group(1))
                 seconds, total, cpu = read_all(point, reader)
                 daemon = daemon_cpu(pid)
+                hwm = daemon_hwm_mb(pid)
                 subprocess.run([pull, "umount", point, "-q"], check=True)
-                results.setdefault(name, []).append((seconds, cpu, daemon))
+                results.setdefault(name, []).append((seconds, cpu, daemon, hwm))
             seconds, total, cpu = read_all(rootfs, reader)
-            results.setdefault("local", []).append((seconds, cpu, 0.0))
+            results.setdefault("local", []).append((seconds, cpu, 0.0, 0.0))
             load = open("/proc/loadavg").read().split()[0]
             print(f"trial {trial}: " + ", ".join(f"{k} {v[-1][0]:.3f} s" for k, v in results.items()) + f"; load {load}",
                   flush=True)
@@ -114,7 +121,8 @@ def main():
         times = [r[0] for r in runs]
         print(f"{name:8s} median {mb / statistics.median(times):6.0f} MB/s ({local / statistics.median(times):.2f}x local)"
               f"  best {mb / min(times):6.0f} MB/s  reader CPU {statistics.median(r[1] for r in runs):.2f} s"
-              f"  daemon CPU {statistics.median(r[2] for r in runs):.2f} s")
+              f"  daemon CPU {statistics.median(r[2] for r in runs):.2f} s"
+              f"  daemon VmHWM {max(r[3] for r in runs):.0f} MB")
 
 
 if __name__ == "__main__":

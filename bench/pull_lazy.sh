@@ -18,7 +18,9 @@
 # rootfs (page cache warm); random reads (RANDOM_READS preads of
 # RANDOM_BLOCK bytes at offsets drawn with a fixed seed over every file,
 # the same ones everywhere) through a new mount over the cached spans and of
-# the rootfs, and COLD_RANDOM_READS of them through a mount with its span
+# the rootfs (page cache warm), the same reads again through that mount (its
+# page cache), both sides again with the page cache dropped (the span files
+# and the rootfs read from disk), and COLD_RANDOM_READS of them through a mount with its span
 # cache emptied; the lazy path's phases (the pull, the mount command, each
 # entry file's first read); and peak RSS from /usr/bin/time -v of each phase. The lazy phase runs in a PID namespace of its own (unshare
 # --fork --pid --mount-proc) so that the mount's daemon, which detaches, is
@@ -124,6 +126,8 @@ read_all() { # DIR: seconds to cat every file, and the bytes
   local bytes; bytes=$(cd "$1" && find . -type f -print0 | xargs -0 cat | wc -c)
   echo "$(secs "$t" "$(now)") $bytes"
 }
+# Both sides of the disk-cold random row start with nothing in the page cache.
+drop_caches() { sync && echo 3 >/proc/sys/vm/drop_caches; }
 read_random() { # DIR COUNT: seconds for COUNT preads of RANDOM_BLOCK bytes at seeded offsets of its files, and the bytes
   python3 - "$1" "$2" "$RANDOM_BLOCK" <<'PY'
 import os, random, sys, time
@@ -189,6 +193,11 @@ lazy_phase() {
   "$PULL" umount "$WORK/mnt" -q
   mount_lazy
   read_random "$WORK/mnt" "$RANDOM_READS" >"$WORK/lazy-random-cached.txt"
+  read_random "$WORK/mnt" "$RANDOM_READS" >"$WORK/lazy-random-again.txt"  # this mount's page cache
+  "$PULL" umount "$WORK/mnt" -q
+  drop_caches
+  mount_lazy
+  read_random "$WORK/mnt" "$RANDOM_READS" >"$WORK/lazy-random-disk.txt"  # the span files read from disk
   "$PULL" umount "$WORK/mnt" -q
   rm -rf "$WORK/lazy/cfmo-lazy-cache"
   mount_lazy
@@ -196,7 +205,7 @@ lazy_phase() {
   "$PULL" umount "$WORK/mnt" -q
 }
 export PULL REF WORK MAX_MEMORY RANDOM_BLOCK RANDOM_READS COLD_RANDOM_READS
-export -f now secs entry read_all read_random lazy_phase
+export -f now secs entry read_all read_random drop_caches lazy_phase
 FILES_LIST=$(printf '%q ' "${FILES[@]}")
 sync
 /usr/bin/time -v -o "$WORK/time-lazy.txt" /usr/bin/unshare --fork --pid --mount-proc \
@@ -212,6 +221,10 @@ read -r RANDOM_COLD_S RANDOM_COLD_BYTES <"$WORK/lazy-random-cold.txt"
 read_all "$WORK/rootfs" >/dev/null  # the page cache warm for the local figure
 read -r LOCAL_S _ < <(read_all "$WORK/rootfs")
 read -r RANDOM_LOCAL_S _ < <(read_random "$WORK/rootfs" "$RANDOM_READS")
+read -r RANDOM_AGAIN_S _ <"$WORK/lazy-random-again.txt"
+read -r RANDOM_DISK_S _ <"$WORK/lazy-random-disk.txt"
+drop_caches
+read -r RANDOM_LOCAL_DISK_S _ < <(read_random "$WORK/rootfs" "$RANDOM_READS")
 
 pct() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.1f", 100 * a / b}'; }
 mbps() { awk -v b="$1" -v s="$2" 'BEGIN {printf "%.0f", b / 1048576 / (s > 0 ? s : 0.001)}'; }
@@ -225,4 +238,5 @@ echo "  lazy pull + mount --lazy + entry:       $LAZY_S s ($(pct "$LAZY_S" "$FUL
 sed 's/^/  lazy phase: /' "$WORK/lazy-phases.txt"
 echo "reading every file (sequential): mount cold $(mbps "$BYTES" "$COLD_S") MB/s ($COLD_S s, $ALL_FETCHED bytes fetched), a new mount over its span cache $(mbps "$BYTES" "$CACHED_S") MB/s ($CACHED_S s; $(awk -v a="$LOCAL_S" -v b="$CACHED_S" 'BEGIN {printf "%.2f", a / b}')x local), the same mount again (its page cache) $(mbps "$BYTES" "$AGAIN_S") MB/s ($AGAIN_S s), local rootfs (page cache) $(mbps "$BYTES" "$LOCAL_S") MB/s ($LOCAL_S s)"
 echo "random reads ($RANDOM_BLOCK bytes, seeded offsets over every file): a new mount over its span cache $RANDOM_READS in $RANDOM_CACHED_S s ($(mbps "$RANDOM_BYTES" "$RANDOM_CACHED_S") MB/s; $(awk -v a="$RANDOM_LOCAL_S" -v b="$RANDOM_CACHED_S" 'BEGIN {printf "%.2f", a / b}')x local), local rootfs (page cache) in $RANDOM_LOCAL_S s ($(mbps "$RANDOM_BYTES" "$RANDOM_LOCAL_S") MB/s); cold (span cache emptied) $COLD_RANDOM_READS in $RANDOM_COLD_S s ($(mbps "$RANDOM_COLD_BYTES" "$RANDOM_COLD_S") MB/s)"
+echo "random reads, the same reads again through the same mount (its page cache) in $RANDOM_AGAIN_S s ($(awk -v a="$RANDOM_LOCAL_S" -v b="$RANDOM_AGAIN_S" 'BEGIN {printf "%.2f", a / b}')x local page cache); disk cold (page cache dropped before each): a new mount over its span cache in $RANDOM_DISK_S s, local rootfs in $RANDOM_LOCAL_DISK_S s ($(awk -v a="$RANDOM_LOCAL_DISK_S" -v b="$RANDOM_DISK_S" 'BEGIN {printf "%.2f", a / b}')x local)"
 echo "peak RSS of the lazy phase (/usr/bin/time -v, its largest process): $(max_rss_mb "$WORK/time-lazy.txt") MB; the mount daemon's VmHWM: $(($(cat "$WORK/hwm-cold.txt") / 1024)) MB cold, $(($(cat "$WORK/hwm-cached.txt") / 1024)) MB cached (--max-memory $MAX_MEMORY, --jobs 4)"

@@ -45,6 +45,7 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <limits>
 #include <list>
 #include <map>
 #include <mutex>
@@ -104,6 +105,9 @@ constexpr int kSessionThreads = 4;       ///< threads reading the FUSE device (L
 constexpr size_t kIndexThreads = 4;      ///< threads reading the indexes as the mount starts (prepare)
 constexpr int kWakeSignal = SIGUSR2;     ///< interrupts a session thread's read of the device at the end
 constexpr unsigned kMaxRead = 1u << 20;  ///< the largest read libfuse 3.14 lets the kernel send (FUSE_MAX_MAX_PAGES)
+constexpr int kFillThreads = 2;          ///< threads storing pages into the page cache (Impl::fill)
+constexpr size_t kFillQueue = 64;        ///< spans waiting to be stored into the page cache (Impl::fill)
+constexpr size_t kFillsRemembered = size_t{1} << 15;  ///< (file, span) pairs remembered a mount, at most (~1.5 MB)
 
 /// The size of the kernel's read requests (and the mount's readahead): as
 /// large as one reply can be spliced. libfuse splices a reply through a
@@ -299,7 +303,23 @@ struct ReadJob {
   size_t ino;
   size_t size;
   off_t offset;
+  bool fill = false;  ///< a read away from where the file's last one ended: store its span's pages after it
 };
+
+/// The memory the system has available, and its total (/proc/meminfo), in bytes; zeros if unreadable.
+std::pair<uint64_t, uint64_t> memory_available() {
+  std::ifstream in("/proc/meminfo");
+  uint64_t available = 0;
+  uint64_t total = 0;
+  for (std::string key; in >> key;) {
+    uint64_t kib = 0;
+    in >> kib;
+    if (key == "MemTotal:") total = kib << 10;
+    if (key == "MemAvailable:") available = kib << 10;
+    in.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return {available, total};
+}
 
 std::string layer_name(size_t index, const std::string& digest) {
   return fmt::format("layer {} ({})", short_digest(digest), index);
@@ -374,6 +394,15 @@ struct LazyMount::Impl {
   std::vector<std::thread> workers;
   Fd watch_wake;  ///< readable once the mount stops: ends watch_upper
 
+  // Storing the pages around random reads into the kernel's page cache (fill).
+  std::vector<std::atomic<uint64_t>> read_ends;  ///< per inode: where its last read ended (away)
+  std::mutex fill_mu;
+  std::condition_variable fill_cv;
+  std::deque<ChunkKey> fill_queue;  ///< (inode, checkpoint of its layer), waiting
+  std::map<ChunkKey, bool> fills;   ///< a random read seen there (false), or queued or stored (true): once a mount
+  bool fill_stop = false;           ///< under fill_mu
+  std::vector<std::thread> fillers;
+
   ~Impl() {
     if (log != nullptr) std::fclose(log);
     if (record_file != nullptr) std::fclose(record_file);
@@ -437,9 +466,10 @@ struct LazyMount::Impl {
     nlohmann::ordered_json j;
     {
       std::lock_guard lock(mu);
-      j = {{"bytes_fetched", stats.bytes_fetched},   {"requests", stats.requests},
-           {"spans_inflated", stats.spans_inflated}, {"cache_bytes", cache_used},
-           {"cache_capacity", options.cache_bytes},  {"errors", stats.errors}};
+      j = {{"bytes_fetched", stats.bytes_fetched},      {"requests", stats.requests},
+           {"spans_inflated", stats.spans_inflated},    {"cache_bytes", cache_used},
+           {"cache_capacity", options.cache_bytes},     {"errors", stats.errors},
+           {"page_cache_bytes", stats.page_cache_bytes}};
     }
     std::lock_guard lock(stats_mu);
     replace_file(cache_dir() / kLazyStatsFile, j.dump() + "\n");
@@ -665,6 +695,14 @@ struct LazyMount::Impl {
     return handle;
   }
 
+  /// The checkpoint of mount layer `layer` whose chunk holds uncompressed byte `position`.
+  size_t checkpoint_at(size_t layer, uint64_t position) const {
+    const auto& cps = layers[layer].index.checkpoints;
+    return static_cast<size_t>(std::upper_bound(cps.begin(), cps.end(), position,
+                                                [](uint64_t p, const IndexCheckpoint& c) { return p < c.out; }) -
+                               cps.begin() - 1);
+  }
+
   /// The pieces of file `ino`'s bytes [offset, offset + size) if every
   /// chunk they need is cached or made (true), else the first chunk missing.
   bool plan(size_t ino, size_t size, off_t offset, std::vector<Piece>& pieces, ChunkKey& missing) {
@@ -672,15 +710,10 @@ struct LazyMount::Impl {
     const LazyNode& n = tree.node(ino);
     if (static_cast<uint64_t>(offset) >= n.size) return true;
     const uint64_t length = std::min<uint64_t>(size, n.size - static_cast<uint64_t>(offset));
-    const auto& cps = layers[static_cast<size_t>(n.layer)].index.checkpoints;
     std::lock_guard lock(mu);
     for (uint64_t done = 0; done < length;) {
       const uint64_t position = n.offset + static_cast<uint64_t>(offset) + done;
-      const size_t k =
-          static_cast<size_t>(std::upper_bound(cps.begin(), cps.end(), position,
-                                               [](uint64_t p, const IndexCheckpoint& c) { return p < c.out; }) -
-                              cps.begin() - 1);
-      const ChunkKey key{static_cast<size_t>(n.layer), k};
+      const ChunkKey key{static_cast<size_t>(n.layer), checkpoint_at(static_cast<size_t>(n.layer), position)};
       const auto [begin, end] = chunk_range(key);
       Piece piece;
       piece.at = position - begin;
@@ -701,33 +734,158 @@ struct LazyMount::Impl {
     return true;
   }
 
-  /// Answers a read with its pieces: the span files' bytes go from their
-  /// descriptors to the kernel (spliced, where the kernel allows), without
-  /// a copy here.
+  /// Pieces as libfuse's buffer vector: the span files' bytes by their
+  /// descriptors, so that they go to the kernel spliced where it allows,
+  /// without a copy here. Valid while the pieces are.
+  class PieceBufs {
+   public:
+    explicit PieceBufs(const std::vector<Piece>& pieces) : storage_(pieces.size() + 1) {
+      // Room for the fuse_bufvec header before the bufs.
+      static_assert(sizeof(fuse_bufvec) <= 2 * sizeof(fuse_buf) && offsetof(fuse_bufvec, buf) <= sizeof(fuse_buf));
+      vec_ = reinterpret_cast<fuse_bufvec*>(reinterpret_cast<char*>(storage_.data() + 1) - offsetof(fuse_bufvec, buf));
+      vec_->count = pieces.size();
+      vec_->idx = 0;
+      vec_->off = 0;
+      fuse_buf* bufs = storage_.data() + 1;
+      for (size_t i = 0; i < pieces.size(); ++i) {
+        const Piece& p = pieces[i];
+        fuse_buf b{};
+        b.size = p.length;
+        if (p.fd) {
+          b.flags = static_cast<fuse_buf_flags>(FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK);
+          b.fd = p.fd->get();
+          b.pos = static_cast<off_t>(p.at);
+        } else {
+          b.mem = const_cast<char*>(p.bytes->data() + p.at);
+        }
+        bufs[i] = b;
+      }
+    }
+    PieceBufs(const PieceBufs&) = delete;
+    PieceBufs& operator=(const PieceBufs&) = delete;
+    fuse_bufvec* get() const { return vec_; }
+
+   private:
+    std::vector<fuse_buf> storage_;
+    fuse_bufvec* vec_ = nullptr;
+  };
+
+  /// Answers a read with its pieces.
   static void reply(fuse_req_t req, const std::vector<Piece>& pieces) {
     if (pieces.empty()) return (void)fuse_reply_buf(req, nullptr, 0);
-    std::vector<fuse_buf> storage(pieces.size() + 1);  // room for the fuse_bufvec header before the bufs
-    static_assert(sizeof(fuse_bufvec) <= 2 * sizeof(fuse_buf) && offsetof(fuse_bufvec, buf) <= sizeof(fuse_buf));
-    auto* vec =
-        reinterpret_cast<fuse_bufvec*>(reinterpret_cast<char*>(storage.data() + 1) - offsetof(fuse_bufvec, buf));
-    vec->count = pieces.size();
-    vec->idx = 0;
-    vec->off = 0;
-    fuse_buf* bufs = storage.data() + 1;
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      const Piece& p = pieces[i];
-      fuse_buf b{};
-      b.size = p.length;
-      if (p.fd) {
-        b.flags = static_cast<fuse_buf_flags>(FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK);
-        b.fd = p.fd->get();
-        b.pos = static_cast<off_t>(p.at);
-      } else {
-        b.mem = const_cast<char*>(p.bytes->data() + p.at);
-      }
-      bufs[i] = b;
+    const PieceBufs bufs(pieces);
+    fuse_reply_data(req, bufs.get(), static_cast<fuse_buf_copy_flags>(0));
+  }
+
+  /// Whether a read of `ino` lands away from where its last read ended: a
+  /// random read, not the next of a sequential reader (whose readahead
+  /// requests the session threads may answer a little out of order, hence
+  /// the slack of two requests). The first read of a file counts from 0.
+  bool away(size_t ino, size_t size, off_t offset) {
+    const uint64_t at = static_cast<uint64_t>(offset);
+    const uint64_t last = read_ends[ino - 1].exchange(at + size, std::memory_order_relaxed);
+    const uint64_t slack = 2 * uint64_t{size};
+    return at + slack < last || at > last + slack;
+  }
+
+  /// After a random read of `ino` at `offset`: at the second in the same
+  /// span, the file's pages in that span go to the page cache (fill), once
+  /// a mount. Not at the first: a reader that touches a large file here
+  /// and there, once a span, would have its spans stored for nothing (4 MiB
+  /// of page cache, ~1 ms of CPU each, for one 4 KiB read).
+  void queue_fill(size_t ino, off_t offset) {
+    const LazyNode& n = tree.node(ino);
+    const size_t layer = static_cast<size_t>(n.layer);
+    const ChunkKey key{ino, checkpoint_at(layer, n.offset + static_cast<uint64_t>(offset))};
+    std::lock_guard lock(fill_mu);
+    if (fill_stop) return;
+    const auto it = fills.find(key);
+    if (it == fills.end()) {
+      if (fills.size() < kFillsRemembered) fills.emplace(key, false);
+      return;
     }
-    fuse_reply_data(req, vec, static_cast<fuse_buf_copy_flags>(0));
+    if (it->second || fill_queue.size() >= kFillQueue) return;
+    it->second = true;
+    fill_queue.push_back(key);
+    fill_cv.notify_one();
+  }
+
+  /// Stores file `ino`'s bytes in chunk `k` of its layer into the kernel's
+  /// page cache of the file (FUSE_NOTIFY_STORE), in requests as large as a
+  /// read's, from the span files (verified before they were written; a
+  /// chunk not cached, or evicted meanwhile, stores nothing more). Whole
+  /// pages only: a page the chunk shares with the next or the last is left
+  /// to reads. Returns the bytes stored.
+  int64_t store_pages(size_t ino, size_t k) {
+    const LazyNode& n = tree.node(ino);
+    const auto [begin, end] = chunk_range({static_cast<size_t>(n.layer), k});
+    const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    const uint64_t first = std::max(begin, n.offset) - n.offset;
+    const uint64_t last = std::min(end, n.offset + n.size) - n.offset;
+    uint64_t at = (first + page - 1) / page * page;
+    const uint64_t stop = last == n.size ? last : last / page * page;
+    int64_t stored = 0;
+    std::vector<Piece> pieces;
+    while (at < stop && !stopping) {
+      const size_t length = static_cast<size_t>(std::min<uint64_t>(max_read, stop - at));
+      ChunkKey missing{};
+      if (!plan(ino, length, static_cast<off_t>(at), pieces, missing)) break;
+      const PieceBufs bufs(pieces);
+      const int sent =
+          fuse_lowlevel_notify_store(se, ino, static_cast<off_t>(at), bufs.get(), static_cast<fuse_buf_copy_flags>(0));
+      pieces.clear();
+      if (sent != 0) break;  // -ENOENT: the kernel forgot the inode (its pages with it); or the mount is gone
+      stored += static_cast<int64_t>(length);
+      at += length;
+    }
+    return stored;
+  }
+
+  /// One of the kFillThreads that store pages into the page cache, off the session
+  /// threads: the kernel locks each page it stores, and a page may be
+  /// locked by a read waiting for its answer, which only a session thread
+  /// gives. A random read through FUSE is a round trip (~50-80 us here),
+  /// a page-cache hit a few us; so after random reads of a file, its other
+  /// bytes in the same span (inflated and on disk already) are stored too,
+  /// and the next random reads there are hits. Sequential readers get
+  /// nothing stored: the kernel's readahead serves them in large requests.
+  /// Nothing is stored while the system's available memory is under an
+  /// eighth of its total: the page cache is evictable, but filling it then
+  /// would push out pages others use. The daemon's own memory is not
+  /// touched: the bytes go from the span files to the kernel spliced.
+  void fill() {
+    for (;;) {
+      ChunkKey key;
+      {
+        std::unique_lock lock(fill_mu);
+        fill_cv.wait(lock, [&] { return fill_stop || !fill_queue.empty(); });
+        if (fill_stop) return;
+        key = fill_queue.front();
+        fill_queue.pop_front();
+      }
+      const auto [available, total] = memory_available();
+      if (total > 0 && available < total / 8 + 2 * uint64_t{max_read}) continue;  // unreadable: no limit known
+      const int64_t stored = store_pages(key.first, key.second);
+      bool idle = false;
+      {
+        std::lock_guard lock(mu);
+        stats.page_cache_bytes += stored;
+      }
+      {
+        std::lock_guard lock(fill_mu);
+        idle = fill_queue.empty();
+      }
+      if (idle && stored > 0) save_stats();
+    }
+  }
+
+  void stop_fill() {
+    {
+      std::lock_guard lock(fill_mu);
+      fill_stop = true;
+      fill_queue.clear();
+    }
+    fill_cv.notify_all();
   }
 
   /// A read the session thread could not answer from the cache: the chunks
@@ -786,6 +944,8 @@ struct LazyMount::Impl {
       if (const Status s = serve_read(job, pool, answered); !s) {
         note(s.error().message);
         if (!answered) fuse_reply_err(job.req, EIO);
+      } else if (job.fill) {
+        queue_fill(job.ino, job.offset);
       }
     }
   }
@@ -952,6 +1112,7 @@ struct LazyMount::Impl {
   void begin_stop() {
     if (stopping.exchange(true)) return;
     stop_workers();
+    stop_fill();
     // Detached, the mount point is free now; the processes that still hold
     // files get EIO until they close them (then the kernel ends the session).
     // A --writable overlay above goes first (unless umount took it already), its writes with it.
@@ -1019,13 +1180,18 @@ void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset, fuse_fil
   auto* m = self(req);
   if (m->stopping) return (void)fuse_reply_err(req, EIO);
   if (!m->valid(ino) || m->tree.node(ino).type != '0') return (void)fuse_reply_err(req, EISDIR);
+  const bool fill = m->away(ino, size, offset);
   // Cached (the common case once a span was read): answered here, from the
   // span files' open descriptors, without waking a worker.
   if (!m->tree.node(ino).sparse) {
     std::vector<LazyMount::Impl::Piece> pieces;
-    if (ChunkKey missing{}; m->plan(ino, size, offset, pieces, missing)) return LazyMount::Impl::reply(req, pieces);
+    if (ChunkKey missing{}; m->plan(ino, size, offset, pieces, missing)) {
+      LazyMount::Impl::reply(req, pieces);
+      if (fill) m->queue_fill(ino, offset);
+      return;
+    }
   }
-  m->enqueue({req, ino, size, offset});
+  m->enqueue({req, ino, size, offset, fill});
 }
 
 void op_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
@@ -1365,12 +1531,13 @@ Result<std::unique_ptr<LazyMount>> LazyMount::prepare(const fs::path& dir, const
     l.index.entries.clear();  // in the tree now
     l.index.entries.shrink_to_fit();
   }
+  m->read_ends = std::vector<std::atomic<uint64_t>>(m->tree.nodes.size());
 
   // The memory: the process itself, the indexes and the tree, the
   // background fetch when it runs, then the chunks being inflated, and
   // what is left the writes' (in memory). The hot layers are not counted
   // here: they are in the pull's memory store, under the pull's --max-memory.
-  const int64_t tree_bytes = static_cast<int64_t>(m->tree.nodes.size() * (sizeof(LazyNode) + 48));
+  const int64_t tree_bytes = static_cast<int64_t>(m->tree.nodes.size() * (sizeof(LazyNode) + 48 + sizeof(uint64_t)));
   uint64_t largest = 0;
   for (size_t l = 0; l < m->layers.size(); ++l) {
     for (size_t k = 0; k < m->layers[l].index.checkpoints.size(); ++k)
@@ -1498,6 +1665,7 @@ Status LazyMount::serve() {
   wake.sa_handler = [](int) {};
   ::sigaction(kWakeSignal, &wake, nullptr);
   for (int i = 0; i < std::max(1, m.options.jobs); ++i) m.workers.emplace_back([&m] { m.worker(); });
+  for (int i = 0; i < kFillThreads; ++i) m.fillers.emplace_back([&m] { m.fill(); });
   if (!m.options.prefetch.empty()) m.workers.emplace_back([&m] { m.prefetch(); });
   std::atomic<bool> quit{false};
   std::vector<std::thread> sessions;
@@ -1530,6 +1698,11 @@ Status LazyMount::serve() {
       }
     }
   }
+  // The fillers first, while the session threads still answer the reads
+  // whose pages a store may be waiting for (EIO, once stopping).
+  m.stop_fill();
+  for (auto& t : m.fillers) t.join();
+  m.fillers.clear();
   // A thread may test `quit` just before it blocks in read(2), missing one
   // signal: it is signalled again until it ends.
   quit = true;
@@ -1579,6 +1752,7 @@ Result<LazyStats> read_lazy_stats(const fs::path& dir) {
   s.cache_bytes = j.value("cache_bytes", int64_t{0});
   s.cache_capacity = j.value("cache_capacity", int64_t{0});
   s.errors = j.value("errors", int64_t{0});
+  s.page_cache_bytes = j.value("page_cache_bytes", int64_t{0});
   return s;
 }
 

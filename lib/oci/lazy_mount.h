@@ -19,7 +19,11 @@
 ///
 /// Four threads read the FUSE device and answer metadata from memory, and
 /// reads of cached spans from their files' open descriptors; reads of spans
-/// not cached go to `jobs` worker threads, each with its own registry clients. The
+/// not cached go to `jobs` worker threads, each with its own registry
+/// clients. After a random read (not the next of a sequential reader), two
+/// filler threads store the file's other pages in that span into the
+/// kernel's page cache (FUSE_NOTIFY_STORE), so that later random reads
+/// there do not each cost a round trip through the daemon. The
 /// chunks being inflated draw their buffers from a MemoryBudget, so the
 /// process stays under `max_memory` with the indexes counted. SIGTERM (what
 /// `cfmo-pull umount` sends) detaches the mount, so that the mount point is
@@ -169,6 +173,7 @@ struct LazyStats {
   int64_t cache_bytes = 0;
   int64_t cache_capacity = 0;
   int64_t errors = 0;
+  int64_t page_cache_bytes = 0;  ///< file bytes stored into the kernel's page cache after random reads
 };
 Result<LazyStats> read_lazy_stats(const std::filesystem::path& dir);
 

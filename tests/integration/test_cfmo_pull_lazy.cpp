@@ -16,12 +16,15 @@
 #include <fcntl.h>
 #include <pwd.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <thread>
 
@@ -89,16 +92,18 @@ class Lazy : public ::testing::Test {
   }
 
   /// An image of one gzip layer holding `file`, pushed as `repo`:v1, and a
-  /// lazy pull of it with the indexes of a full pull (spans of `span`).
+  /// lazy pull of it through `host` (the registry's when empty) with the
+  /// indexes of a full pull (spans of `span`); the layer in one_layer_.
   void prepare_one_file(const std::string& repo, const std::string& file, const std::string& bytes,
-                        const std::string& span) {
+                        const std::string& span, const std::string& host = "") {
     const FixtureImage image = make_real_image({{testing::make_tar({testing::file(file, bytes)}), "tar+gzip"}});
+    one_layer_ = image.layers[0];
     ASSERT_TRUE(push_image(*registry_, repo, "v1", image));
     const std::string ref = registry_->host() + "/" + repo + ":v1";
     ASSERT_EQ(pull({"pull", ref, "--output", "oci:" + (out_ / "full").string(), "--plain-http", "-q"}).status, 0);
     ASSERT_EQ(pull({"index", (out_ / "full").string(), "--span", span, "-q"}).status, 0);
-    const RunResult lazy =
-        pull({"pull", ref, "--output", "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
+    const RunResult lazy = pull({"pull", (host.empty() ? registry_->host() : host) + "/" + repo + ":v1", "--output",
+                                 "oci:" + lazy_dir().string(), "--plain-http", "--cold", "lazy", "-q"});
     ASSERT_EQ(lazy.status, 0) << lazy.err;
     fs::copy(out_ / "full" / oci::kIndexDir, lazy_dir() / oci::kIndexDir);
     fs::create_directories(point());
@@ -162,6 +167,7 @@ class Lazy : public ::testing::Test {
   TempDir out_;
   Guard guard_;
   bool skipped_ = false;
+  std::string one_layer_;  ///< prepare_one_file's layer
   static inline Registry* registry_ = nullptr;
   static inline FixtureImage* image_ = nullptr;
   static inline std::string setup_error_;
@@ -330,6 +336,109 @@ TEST_F(Lazy, ACorruptSpanIsEioLoggedNotCachedAndTheNextReadRetries) {
   // Nothing of it was kept: the next read asks again, and gets the right bytes.
   proxy.clear();
   EXPECT_EQ(slurp(point() / "lib" / "runtime.so"), testing::random_bytes(150000, 7));
+  umount();
+}
+
+/// Which pages of `path` (of `size` bytes) are in its page cache: mincore over a mapping of it, which reads nothing.
+std::vector<bool> resident_pages(const fs::path& path, size_t size) {
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<bool> out;
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) return out;
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd.get(), 0);
+  if (map == MAP_FAILED) return out;
+  std::vector<unsigned char> in((size + page - 1) / page);
+  if (::mincore(map, size, in.data()) == 0) {
+    for (const unsigned char c : in) out.push_back((c & 1) != 0);
+  }
+  ::munmap(map, size);
+  return out;
+}
+
+/// A 4 KiB pread of the mount's `path` at `at` equals `bytes` there ("" if so, else what went wrong).
+std::string pread_matches(const fs::path& path, const std::string& bytes, size_t at) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) return "open failed";
+  const size_t n = std::min<size_t>(4096, bytes.size() - at);
+  std::string block(n, '\0');
+  const ssize_t got = ::pread(fd.get(), block.data(), n, static_cast<off_t>(at));
+  if (got != static_cast<ssize_t>(n)) return fmt::format("bytes {}+{}: read {} ({})", at, n, got, std::strerror(errno));
+  return block == bytes.substr(at, n) ? "" : fmt::format("bytes {}+{}: wrong", at, n);
+}
+
+TEST_F(Lazy, RandomReadsStoreTheirSpanInThePageCacheAndOnlyVerifiedBytes) {
+  // A file of 6 spans of 1M through a proxy. A second random read in a
+  // span stores the file's other pages there into the kernel's page cache
+  // (the daemon's fillers); the bytes read through the mount after that, at
+  // random offsets and whole, are the file's. A span corrupted on the wire
+  // is EIO, and none of its pages reach the page cache; once the registry
+  // answers right, the next read gets the right bytes.
+  FaultProxy proxy(registry_->host());
+  const std::string bytes = testing::random_bytes(6 << 20, 41);
+  ASSERT_NO_FATAL_FAILURE(prepare_one_file("lazy/random", "f", bytes, "1M", proxy.host()));
+  MOUNT_OR_SKIP(j);
+  const fs::path f = point() / "f";
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  auto wait_stored = [&](int64_t more_than) {
+    for (int i = 0; i < 500 && stats().page_cache_bytes <= more_than; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return stats().page_cache_bytes;
+  };
+  EXPECT_EQ(pread_matches(f, bytes, (5 << 20) / 2), "");
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(stats().page_cache_bytes, 0) << "a span stored after its first random read";
+  EXPECT_EQ(pread_matches(f, bytes, (9 << 20) / 4), "");
+  const int64_t first = wait_stored(0);
+  EXPECT_GT(first, 512 << 10) << "the span of two random reads was not stored";
+  EXPECT_LE(first, (1 << 20) + (256 << 10));  // a span: 1M, to the end of a deflate block
+  auto resident = resident_pages(f, bytes.size());
+  ASSERT_EQ(resident.size(), bytes.size() / page);
+  // Their span (the file's bytes from about 2M to 3M: checkpoints fall at
+  // the end of a deflate block, and the tar header shifts the file by 512)
+  // is in the page cache, not read page by page; nothing else is.
+  EXPECT_TRUE(resident[((2 << 20) + (128 << 10)) / page]);
+  EXPECT_TRUE(resident[((3 << 20) - (128 << 10)) / page]);
+  EXPECT_FALSE(resident[(5 << 20) / page]);
+  EXPECT_FALSE(resident[(1 << 20) / page]);
+
+  // A corrupt span: EIO (twice, at random), logged, nothing of it stored.
+  const std::string blob = "/blobs/" + oci::sha256_digest(one_layer_);
+  proxy.add(FaultProxy::corrupt(blob, 100, 1, 0));
+  const size_t bad = (9 << 20) / 2;
+  EXPECT_NE(pread_matches(f, bytes, bad), "") << "a corrupt span was served";
+  EXPECT_NE(pread_matches(f, bytes, bad - (256 << 10)), "") << "a corrupt span was served";
+  EXPECT_NE(log().find("SHA-256 mismatch"), std::string::npos) << log();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  resident = resident_pages(f, bytes.size());
+  for (size_t p = (4 << 20) / page + 1; p < (5 << 20) / page; ++p) ASSERT_FALSE(resident[p]) << "page " << p;
+  EXPECT_EQ(stats().page_cache_bytes, first) << "pages stored from a corrupt span";
+  proxy.clear();
+  EXPECT_EQ(pread_matches(f, bytes, bad), "");
+
+  // Random reads over the whole file, then all of it: the file's bytes, pages stored or not.
+  uint64_t state = 7;
+  for (int i = 0; i < 300; ++i) {
+    state = state * 6364136223846793005u + 1442695040888963407u;
+    const size_t at = (state >> 33) % bytes.size();
+    ASSERT_EQ(pread_matches(f, bytes, at), "");
+  }
+  for (int i = 0; i < 500 && std::count(resident.begin(), resident.end(), true) < 6 * 240; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    resident = resident_pages(f, bytes.size());
+  }
+  EXPECT_GE(std::count(resident.begin(), resident.end(), true), 6 * 240) << "the spans were not stored";
+  EXPECT_EQ(slurp(f), bytes);
+  {
+    Fd fd(::open(f.c_str(), O_RDONLY | O_CLOEXEC));
+    ASSERT_TRUE(fd);
+    void* map = ::mmap(nullptr, bytes.size(), PROT_READ, MAP_SHARED, fd.get(), 0);
+    ASSERT_NE(map, MAP_FAILED);
+    EXPECT_EQ(std::memcmp(map, bytes.data(), bytes.size()), 0) << "mapped bytes differ";
+    ::munmap(map, bytes.size());
+  }
+  const auto s = stats();
+  EXPECT_LE(s.page_cache_bytes, static_cast<int64_t>(bytes.size())) << "a span was stored twice";
+  EXPECT_GE(s.errors, 1);
   umount();
 }
 
