@@ -246,13 +246,15 @@ bool AsyncMode::request_snapshot() {
   return true;
 }
 
-void AsyncMode::post_snapshot_request() {
+void AsyncMode::post_snapshot_request(bool again) {
   std::vector<std::byte> out;
   {
     std::lock_guard lock(mutex_);
     snapshot_asked_ = Clock::now();
-    ++snapshot_id_;
-    snapshot_ = PartialGlobalState(shards_, world_locked());
+    if (!again || snapshot_.received.empty()) {
+      ++snapshot_id_;
+      snapshot_ = PartialGlobalState(shards_, world_locked());
+    }
     put(out, kSnapshotRequest);
     put(out, snapshot_id_);
   }
@@ -289,10 +291,12 @@ Status AsyncMode::take_global_state(std::span<float> params, TrainPosition& posi
           comm_.rank(), settings_.peer_timeout_s * 2 + 5);
     }
     // Asked again while incomplete: an owner that answered before its shard came back to this rank, or one lost
-    // meanwhile.
+    // meanwhile. The same request, the shards in so far kept: an owner whose answer waits behind its stream of
+    // replica deltas to this rank (its backup) answered more than 500 ms late under load, and a new request each
+    // time dropped every answer of the last and never completed.
     if (!ready_for_join && Clock::now() - asked > std::chrono::milliseconds(500)) {
+      post_snapshot_request(/*again=*/asked != Clock::time_point{});
       asked = Clock::now();
-      post_snapshot_request();
     }
     seam_sleep_for(std::chrono::milliseconds(2));
   }

@@ -358,8 +358,9 @@ class AsyncMode : public Mode {
   /// The end's first half: tell the keeper this rank is done (again when the
   /// keeper moves); the keeper tells every rank once all live ranks are.
   void wait_until_all_done(Clock::time_point deadline);
-  /// A snapshot request to every rank, numbered anew (the keeper's checkpoints, a joiner's state).
-  void post_snapshot_request();
+  /// A snapshot request to every rank, numbered anew (the keeper's checkpoints, a joiner's state), or
+  /// `again`: the request being answered, posted once more, the shards in so far kept (a joiner's).
+  void post_snapshot_request(bool again = false);
   /// Under mutex_: [u32 n][n owner shards], those this rank serves.
   void put_owner_shards_locked(std::vector<std::byte>& out);
   /// Under mutex_: owner shards into `a`; false when malformed.
