@@ -14,11 +14,12 @@
 #
 # Goodput: samples trained per second of wall time with faults over the
 # fault-free run's, the seconds from the first rank's start to the last
-# process's end as the script measures them; the samples are cfmo's summary's
-# (a killed process's counted up to its last reconciliation) and, for sync
-# and localsgd, whose summary counts only the last processes', the step lines
-# of every process's metrics (--log-every 10; a joiner from one step before
-# its own joined line). Accuracy: the final test accuracy with faults and
+# process's end as the script measures them; the samples, in every mode the
+# same way, from the step lines of every process's metrics (--log-every 10;
+# a joiner from one step before its own joined line; a killed process up to
+# its last line), and each run's summary's samples over those below the
+# table (cfmo's and asgd's count a killed process up to its last
+# reconciliation, so a little under 1). Accuracy: the final test accuracy with faults and
 # without. Join: each joiner's first_step_s (seconds from its start to its
 # first training step; its metrics line), median and max, and how many kills
 # ended in a join. A process that does not exit 0, a run whose summary is
@@ -133,10 +134,10 @@ root, reps, modes, batch = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), i
 problems = []
 
 def logged_samples(d):
-    """sync and localsgd: the samples every process trained, from the step
-    lines of its rank's metrics (every 10 steps): a process that joined
-    starts one step before its own joined line, at the position it was
-    given. (Their summary counts only the last processes' samples.)"""
+    """The samples every process trained, from the step lines of its rank's
+    metrics (every 10 steps): a process that joined starts one step before
+    its own joined line, at the position it was given. Every mode the same
+    way, whatever its summary counts."""
     total = 0
     for path in glob.glob(os.path.join(d, "run", "metrics*.jsonl")):
         start, last = 0, None
@@ -185,6 +186,7 @@ def check_statuses(d):
             problems.append("%s: rank process %s exited %s: %s" % (os.path.basename(d), name, st,
                                                                    err[-1] if err else "(no stderr)"))
 
+counted = []
 rows = ["| mode | fault-free samples/s | with faults samples/s | goodput | accuracy fault-free / faults | kills / joins | first step of a join, median / max s |",
         "|---|---|---|---|---|---|---|"]
 for mode in modes:
@@ -199,7 +201,9 @@ for mode in modes:
             if s is None:
                 continue
             wall = float(open(os.path.join(d, "wall_s")).read())
-            rate[faults].append((s["samples"] if mode == "cfmo" else logged_samples(d)) / wall)
+            logged = logged_samples(d)
+            rate[faults].append(logged / wall)
+            counted.append("%s %s: %.3f" % (mode, faults, s["samples"] / logged if logged else 0))
             acc[faults].append(s["test_accuracy"])
             if faults == "faults":
                 k = int(open(os.path.join(d, "kills")).read())
@@ -218,6 +222,8 @@ for mode in modes:
     rows.append("| %s | %.0f | %.0f | %.2f | %.4f / %.4f | %d / %d | %s |" % (
         name, r0, r1, r1 / r0, statistics.median(acc["none"]), statistics.median(acc["faults"]), kills, joined, first))
 print("\n".join(rows))
+print()
+print("summary's samples over the step lines': " + ", ".join(counted))
 if problems:
     print()
     print("problems:")
@@ -228,7 +234,7 @@ EOF
 what="$W ranks, ${DURATION}s of --time-limit each run; with faults, one killed (SIGKILL) every ${KILL_EVERY}s (ranks 3, 2, 1, 3, ... in turn, rank 0 last) and restarted with the same command ${RESTART_AFTER}s later"
 echo "$what"
 echo "$report"
-echo "sync and localsgd: samples from the metrics' step lines (their summary counts only the last processes')"
+echo "samples: every mode's from the metrics' step lines of every process"
 echo "load average before/after (1, 5, 15 min): $load_before / $load_after; $((elapsed / 60)) min $((elapsed % 60)) s"
 if $record; then
   {

@@ -23,5 +23,7 @@ inline constexpr comm::Channel kElastic{13};    ///< sync --elastic, localsgd: t
 inline constexpr comm::Channel kGathered{12};   ///< cfmo/asgd: the keeper holds every final shard: the others may leave
 inline constexpr comm::Channel kRankState{20};  ///< cfmo/asgd: each rank's own state for the keeper's checkpoints
 inline constexpr comm::Channel kRunClock{21};   ///< a joiner asks the run's seconds so far (run_clock.h)
+inline constexpr comm::Channel kSampleCounts{
+    22};  ///< cfmo/asgd: the keeper's counts of replaced processes' samples, to its standby
 
 }  // namespace cfmo::train::channels

@@ -695,6 +695,74 @@ TEST(CfmoTrainWorkers, AfterRankZeroIsLostTheNextRankServesJoinsAndRankZeroResta
   EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
 }
 
+// The samples of the last step line in `metrics` before the first line
+// holding `until` (or in the whole file): a process's position when killed.
+int64_t last_logged_samples(const fs::path& metrics, const std::string& until = {}) {
+  int64_t samples = 0;
+  for (const auto& line : testing::lines(slurp(metrics))) {
+    if (!until.empty() && line.find(until) != std::string::npos) break;
+    const auto m = nlohmann::json::parse(line);
+    if (m["type"] == "step") samples = m["samples"].get<int64_t>();
+  }
+  return samples;
+}
+
+// The keeper's standby (rank 1) killed and restarted with the same command,
+// then the keeper (rank 0) killed: the restarted rank 1 keeps the run and
+// writes the summary. It counts what the killed rank 1 trained before its
+// restart (the old keeper's count, which the standby now gets) and what
+// rank 0 trained up to its last round, on top of the live ranks' reports.
+// Its summary used to leave the killed rank 1's samples out: a fresh
+// standby knew nothing of the processes replaced before it stood by.
+TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAfterIt) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  const auto run_flags = rejoin_flags({"--mode", "cfmo"}, "40s", dir);
+  auto rank_env = [&](int r) {
+    return std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address};
+  };
+  Ranks ranks;
+  for (int r = 0; r < 3; ++r) {
+    ranks.processes.push_back(testing::spawn(args(run_flags), rank_env(r),
+                                             (dir / ("out-" + std::to_string(r))).string(),
+                                             (dir / ("err-" + std::to_string(r))).string()));
+  }
+  const fs::path metrics1 = dir / "run" / "metrics-rank-1.jsonl";
+  // Far more samples than the slack below.
+  ASSERT_TRUE(wait_for_text(ranks.processes, metrics1, "\"step\":3000,", 120)) << slurp(dir / "err-1");
+  kill(ranks.processes[1].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[1].wait(10));
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 1 lost (", 60)) << slurp(dir / "err-0");
+  ranks.processes.push_back(
+      testing::spawn(args(run_flags), rank_env(1), (dir / "out-1b").string(), (dir / "err-1b").string()));
+  ASSERT_TRUE(wait_for_text(ranks.processes, metrics1, "\"first_step_s\"", 120)) << slurp(dir / "err-1b");
+  // The keeper's counts reach its standby each second.
+  sleep(3);
+  kill(ranks.processes[0].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[0].wait(10));
+  for (const size_t p : {size_t{2}, size_t{3}}) {
+    ASSERT_TRUE(ranks.processes[p].wait(240)) << "process " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-1b") << slurp(dir / "err-2");
+  }
+  const auto j = last_json(slurp(dir / "out-1b"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-1b") << slurp(dir / "err-1b");
+  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({0})) << j.dump();
+  const int64_t killed_one = last_logged_samples(metrics1, "\"first_step_s\"");
+  const int64_t killed_zero = last_logged_samples(dir / "run" / "metrics.jsonl");
+  ASSERT_GE(killed_one, 3000 * 32);  // (an epoch of the synthetic data ends in a short batch)
+  // A lost process counts up to its last round that reached an owner (H = 10
+  // steps of 64; rounds wait while a shard's last delta is in flight, and
+  // this tiny model steps fast): say at most 20 rounds short each, far less
+  // than the killed rank 1 trained; and not more than it trained (give or
+  // take the steps between its last report and its last metrics line).
+  const int64_t slack = 20 * 10 * 64;
+  const int64_t counted = j["samples"].get<int64_t>();
+  const std::string logged =
+      "killed rank 1 logged " + std::to_string(killed_one) + ", rank 0 " + std::to_string(killed_zero) + "; ";
+  EXPECT_GE(counted, reported_samples(j) + killed_one + killed_zero - 2 * slack) << logged << j.dump();
+  EXPECT_LE(counted, reported_samples(j) + killed_one + killed_zero + 4 * 64) << logged << j.dump();
+}
+
 // Two ranks started by hand at `address` (DIR/out-K, DIR/err-K); once rank 1
 // logged a step (no rank lost), `joiners` processes with --join started at
 // once (DIR/out-jN, DIR/err-jN; processes[2...]).

@@ -970,6 +970,22 @@ TEST(CfmoJoin, AnOwnerLostWhileItsBackupJoinsHasItsShardServedByTheJoiner) {
   }
 }
 
+// An owner whose answers reach the joiner later than the joiner asks again
+// (500 ms; under load an owner's answer waited behind its stream of replica
+// deltas to the joiner, its backup): the joiner keeps the shards in so far
+// and takes the late answers. A new request each time dropped every late
+// answer, and the join failed after 2 x --peer-timeout + 5 s.
+TEST(CfmoJoin, AJoinerTakesAnOwnersAnswerThatComesAfterItAskedAgain) {
+  Cluster c(3, settings_for("cfmo"));
+  ASSERT_NO_FATAL_FAILURE(step_kill_rank_two_and_rejoin(c));
+  c.world.network->set_delay(0, 2, 0.8);
+  TrainPosition position;
+  const Status joined = c.join(2, position);
+  ASSERT_TRUE(joined) << joined.error().message;
+  EXPECT_EQ(position.samples, 10);
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(c.param(2)[i], expected_global(i, 3, 1, 0.125f), 1e-5f) << i;
+}
+
 // localsgd --elastic: ranks 0 and 1 take rounds from step 2 on (`round(r,
 // step)`) while the process of rank 2 joins, until the group has grown to
 // three (both see it at the same sum; at most 20000 rounds of at least 1 ms,

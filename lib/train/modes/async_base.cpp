@@ -50,6 +50,7 @@ AsyncMode::AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std
   stats_.staleness_histogram.assign(static_cast<size_t>(settings.max_staleness) + 2, 0);
   comm.on_message(channels::kFreshShard, [this](int from, std::span<const std::byte> m) { on_fresh(from, m); });
   comm.on_message(channels::kProgress, [this](int from, std::span<const std::byte> m) { on_progress(from, m); });
+  comm.on_message(channels::kSampleCounts, [this](int, std::span<const std::byte> m) { on_sample_counts(m); });
   comm.on_message(channels::kStop, [this](int, std::span<const std::byte>) { stop_ = true; });
   comm.on_message(channels::kDone, [this](int from, std::span<const std::byte> m) {
     if (!m.empty()) {
@@ -68,8 +69,8 @@ AsyncMode::AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std
 }
 
 AsyncMode::~AsyncMode() {
-  for (comm::Channel c : {channels::kFreshShard, channels::kProgress, channels::kStop, channels::kDone,
-                          channels::kGather, channels::kGathered, channels::kCheckpoint}) {
+  for (comm::Channel c : {channels::kFreshShard, channels::kProgress, channels::kSampleCounts, channels::kStop,
+                          channels::kDone, channels::kGather, channels::kGathered, channels::kCheckpoint}) {
     comm_.on_message(c, nullptr);
   }
 }
@@ -245,13 +246,15 @@ bool AsyncMode::request_snapshot() {
   return true;
 }
 
-void AsyncMode::post_snapshot_request() {
+void AsyncMode::post_snapshot_request(bool again) {
   std::vector<std::byte> out;
   {
     std::lock_guard lock(mutex_);
     snapshot_asked_ = Clock::now();
-    ++snapshot_id_;
-    snapshot_ = PartialGlobalState(shards_, world_locked());
+    if (!again || snapshot_.received.empty()) {
+      ++snapshot_id_;
+      snapshot_ = PartialGlobalState(shards_, world_locked());
+    }
     put(out, kSnapshotRequest);
     put(out, snapshot_id_);
   }
@@ -288,10 +291,12 @@ Status AsyncMode::take_global_state(std::span<float> params, TrainPosition& posi
           comm_.rank(), settings_.peer_timeout_s * 2 + 5);
     }
     // Asked again while incomplete: an owner that answered before its shard came back to this rank, or one lost
-    // meanwhile.
+    // meanwhile. The same request, the shards in so far kept: an owner whose answer waits behind its stream of
+    // replica deltas to this rank (its backup) answered more than 500 ms late under load, and a new request each
+    // time dropped every answer of the last and never completed.
     if (!ready_for_join && Clock::now() - asked > std::chrono::milliseconds(500)) {
+      post_snapshot_request(/*again=*/asked != Clock::time_point{});
       asked = Clock::now();
-      post_snapshot_request();
     }
     seam_sleep_for(std::chrono::milliseconds(2));
   }
@@ -334,6 +339,51 @@ void AsyncMode::report_progress(const TrainPosition& position) {
   put_position(out, position);
   if (standby >= 0) comm_.post(standby, channels::kProgress, out);
   comm_.post(keeper, channels::kProgress, std::move(out));
+  if (keeper == comm_.rank() && standby >= 0) send_sample_counts(standby);
+}
+
+void AsyncMode::send_sample_counts(int standby) {
+  // A standby that takes over as keeper writes the summary: the samples of
+  // the processes replaced by joins before it stood by (a joiner in its own
+  // place, a rank that came after one lost) are known only here. Sent when
+  // the standby changes and every second, so that a loss of this rank just
+  // after a join leaves the standby at most a second behind.
+  std::vector<std::byte> out;
+  {
+    std::lock_guard lock(mutex_);
+    if (progress_.empty()) return;
+    const auto now = Clock::now();
+    if (standby == counts_sent_to_ && now - counts_sent_at_ < std::chrono::seconds(1)) return;
+    counts_sent_to_ = standby;
+    counts_sent_at_ = now;
+    const size_t n = progress_.size();
+    put(out, static_cast<uint64_t>(n));
+    for (size_t r = 0; r < n; ++r) put(out, r < retired_samples_.size() ? retired_samples_[r] : int64_t{0});
+    for (size_t r = 0; r < n; ++r) put(out, start_samples(static_cast<int>(r)));
+    for (size_t r = 0; r < n; ++r) put(out, reconciled_samples_[r]);
+  }
+  comm_.post(standby, channels::kSampleCounts, std::move(out));
+}
+
+void AsyncMode::on_sample_counts(std::span<const std::byte> m) {
+  uint64_t n = 0;
+  if (!take(m, n) || n > m.size() / (3 * sizeof(int64_t))) return;
+  std::vector<int64_t> counts(3 * n);
+  for (auto& c : counts) take(m, c);
+  refresh_membership();  // the keeper's joins are this rank's too before its counts replace these
+  std::lock_guard lock(mutex_);
+  if (keeper_locked() == comm_.rank()) return;  // the keeper's own are the newest now
+  keep_positions_locked();
+  const size_t w = std::max(progress_.size(), static_cast<size_t>(n));
+  retired_samples_.assign(counts.begin(), counts.begin() + static_cast<std::ptrdiff_t>(n));
+  start_samples_.assign(counts.begin() + static_cast<std::ptrdiff_t>(n),
+                        counts.begin() + static_cast<std::ptrdiff_t>(2 * n));
+  std::vector<int64_t> reconciled(counts.begin() + static_cast<std::ptrdiff_t>(2 * n), counts.end());
+  retired_samples_.resize(w, 0);
+  start_samples_.resize(w, 0);
+  reconciled.resize(w, 0);
+  reconciled_samples_ = std::move(reconciled);
+  progress_.resize(w);
 }
 
 bool AsyncMode::all_live(const RankFlags& flags) const {

@@ -24,6 +24,8 @@
 /// Messages (train/modes/wire.h encodes them):
 ///   kFreshShard  [u32 shard][u32 flags: 1 dropped][i64 version][i64 staleness][floats of the shard, or none]
 ///   kProgress    [position]                         every step, to the keeper and its standby
+///   kSampleCounts [u64 n][n i64 retired][n i64 start][n i64 reconciled]
+///                                                   the keeper to its standby: when it changes, and each second
 ///   kStop        []                                 the keeper: the budget is spent
 ///   kDone        []                                 this rank has finished: to the keeper
 ///                [u8 1]                             the keeper: every live rank has finished
@@ -356,8 +358,9 @@ class AsyncMode : public Mode {
   /// The end's first half: tell the keeper this rank is done (again when the
   /// keeper moves); the keeper tells every rank once all live ranks are.
   void wait_until_all_done(Clock::time_point deadline);
-  /// A snapshot request to every rank, numbered anew (the keeper's checkpoints, a joiner's state).
-  void post_snapshot_request();
+  /// A snapshot request to every rank, numbered anew (the keeper's checkpoints, a joiner's state), or
+  /// `again`: the request being answered, posted once more, the shards in so far kept (a joiner's).
+  void post_snapshot_request(bool again = false);
   /// Under mutex_: [u32 n][n owner shards], those this rank serves.
   void put_owner_shards_locked(std::vector<std::byte>& out);
   /// Under mutex_: owner shards into `a`; false when malformed.
@@ -367,6 +370,10 @@ class AsyncMode : public Mode {
   bool gather_complete();
   void on_fresh(int from, std::span<const std::byte> m);
   void on_progress(int from, std::span<const std::byte> m);
+  /// The keeper: its sample counts to `standby` when it is new, or a second after the last ones.
+  void send_sample_counts(int standby);
+  /// The standby: the keeper's counts replace its own, which miss what came before it stood by.
+  void on_sample_counts(std::span<const std::byte> m);
   void on_gather(int from, std::span<const std::byte> m);
   void on_checkpoint(int from, std::span<const std::byte> m);
 
@@ -387,6 +394,8 @@ class AsyncMode : public Mode {
   int64_t progress_samples_ = 0;             ///< the sum of progress_'s samples, kept as they come: the budget
   std::vector<int64_t> start_samples_;       ///< resumed: each rank's samples when this run started (else empty)
   std::vector<int64_t> reconciled_samples_;  ///< keeper and standby: see reconciled_samples()
+  int counts_sent_to_ = -1;                  ///< the keeper: the standby its sample counts last went to
+  Clock::time_point counts_sent_at_;         ///< and when
   bool stop_sent_ = false;                   ///< the keeper
   uint64_t snapshot_id_ = 0;                 ///< the keeper: the request being answered
   Clock::time_point snapshot_asked_;         ///< the keeper: when it was sent
