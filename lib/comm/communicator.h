@@ -95,6 +95,11 @@ class Communicator {
   /// in the place of a lost rank: `cfmo-train --join`, a restarted rank), one
   /// entry per join, in order; such a rank is no longer in lost_ranks().
   virtual std::vector<int> joined_ranks() const { return {}; }
+  /// Why the process that the `join`-th join (an index into joined_ranks())
+  /// took the place of was lost: a rank may be lost and taken back between
+  /// two looks at lost_ranks(), and its loss is still news. Empty for a new
+  /// rank (the world grew).
+  virtual std::string replaced_loss(size_t /*join*/) const { return {}; }
   /// This rank joined a run already under way: the others are past their
   /// start, so it may take part in no collective (their sequence is theirs),
   /// only in messages.

@@ -82,6 +82,7 @@ class CommunicatorBase : public Communicator {
   Status health() const override { return peers_.health(); }
   std::string lost_reason(int rank) const override { return peers_.lost_reason(rank); }
   std::vector<int> joined_ranks() const override { return peers_.joined_ranks(); }
+  std::string replaced_loss(size_t join) const override { return peers_.replaced_loss(join); }
   void leave_with(const Error& error) override { peers_.leave_with(error); }
 
   CommStats stats() const override {

@@ -39,6 +39,9 @@ class PeerHealth {
   void rejoined(int peer);
   /// The ranks that joined the run while this rank was in it, one entry per join, in order.
   std::vector<int> joined_ranks() const;
+  /// Why the process the `join`-th join (an index into joined_ranks()) took
+  /// the place of was lost; empty for a new rank (the world grew).
+  std::string replaced_loss(size_t join) const;
   /// The root cause another rank reported, else a kPeer error naming the first lost rank; ok if none.
   Status health() const;
   std::string lost_reason(int peer) const;
@@ -70,6 +73,7 @@ class PeerHealth {
   std::vector<std::string> lost_;                    ///< per rank: why it is lost, empty while alive
   std::vector<bool> departed_;                       ///< per rank: said goodbye
   std::vector<int> joined_;                          ///< see joined_ranks()
+  std::vector<std::string> replaced_;                ///< per join: see replaced_loss()
   std::string first_failure_;                        ///< the first failure any rank reported, e.g. "rank 2 lost: .."
   ErrorKind first_failure_kind_ = ErrorKind::kPeer;  ///< and its kind: the status the run ends with
   Error left_with_{ErrorKind::kPeer, {}};            ///< this rank's own failure (leave_with)
