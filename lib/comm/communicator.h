@@ -106,6 +106,11 @@ class Communicator {
     const auto joined = joined_ranks();
     return static_cast<size_t>(std::count(joined.begin(), joined.end(), rank));
   }
+  /// Why the process that the `join`-th join (an index into joined_ranks())
+  /// took the place of was lost: a rank may be lost and taken back between
+  /// two looks at lost_ranks(), and its loss is still news. Empty for a new
+  /// rank (the world grew).
+  virtual std::string replaced_loss(size_t /*join*/) const { return {}; }
   /// This rank joined a run already under way: the others are past their
   /// start, so it may take part in no collective (their sequence is theirs),
   /// only in messages.

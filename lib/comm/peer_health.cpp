@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 namespace cfmo::comm {
 namespace {
@@ -48,9 +49,14 @@ void PeerHealth::grow(int size) {
 
 void PeerHealth::rejoined(int peer) {
   std::lock_guard lock(mutex_);
-  lost_[static_cast<size_t>(peer)].clear();
+  replaced_.push_back(std::exchange(lost_[static_cast<size_t>(peer)], std::string()));
   departed_[static_cast<size_t>(peer)] = false;
   joined_.push_back(peer);
+}
+
+std::string PeerHealth::replaced_loss(size_t join) const {
+  std::lock_guard lock(mutex_);
+  return join < replaced_.size() ? replaced_[join] : std::string();
 }
 
 std::vector<int> PeerHealth::joined_ranks() const {

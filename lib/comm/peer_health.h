@@ -41,6 +41,9 @@ class PeerHealth {
   std::vector<int> joined_ranks() const;
   /// How many times `peer` is in joined_ranks() (no copy).
   size_t joins_of(int peer) const;
+  /// Why the process the `join`-th join (an index into joined_ranks()) took
+  /// the place of was lost; empty for a new rank (the world grew).
+  std::string replaced_loss(size_t join) const;
   /// The root cause another rank reported, else a kPeer error naming the first lost rank; ok if none.
   Status health() const;
   std::string lost_reason(int peer) const;
@@ -72,6 +75,7 @@ class PeerHealth {
   std::vector<std::string> lost_;                    ///< per rank: why it is lost, empty while alive
   std::vector<bool> departed_;                       ///< per rank: said goodbye
   std::vector<int> joined_;                          ///< see joined_ranks()
+  std::vector<std::string> replaced_;                ///< per join: see replaced_loss()
   std::string first_failure_;                        ///< the first failure any rank reported, e.g. "rank 2 lost: .."
   ErrorKind first_failure_kind_ = ErrorKind::kPeer;  ///< and its kind: the status the run ends with
   Error left_with_{ErrorKind::kPeer, {}};            ///< this rank's own failure (leave_with)

@@ -643,6 +643,14 @@ Status TrainingRun::announce_lost() {
     const int r = joins[joins_announced];
     const bool grown = static_cast<size_t>(r) >= announced.size();  // a new rank: the world grew
     if (grown) announced.resize(static_cast<size_t>(r) + 1, false);
+    // Lost and taken back between two steps of this rank (under load a step
+    // can outlast the joiner's wait): the loss happened all the same, and is
+    // told before the join. Not for a rank of the grown world's first join.
+    if (!grown && r != rank && !announced[static_cast<size_t>(r)]) {
+      std::string why = comm->replaced_loss(joins_announced);
+      if (why.empty()) why = "a new process took its place before this rank found it lost";
+      CFMO_TRY(announce_loss(r, std::move(why), -1));
+    }
     announced[static_cast<size_t>(r)] = false;  // a loss of the new process is news again
     JoinedRank joined{r, pos.step, seconds_since(run_start), -1};
     if (options.observer != nullptr) {
@@ -662,30 +670,35 @@ Status TrainingRun::announce_lost() {
   for (const int r : comm->lost_ranks()) {
     // (A new rank lost before this rank read its join: its join is announced next time.)
     if (static_cast<size_t>(r) >= announced.size() || announced[static_cast<size_t>(r)]) continue;
-    announced[static_cast<size_t>(r)] = true;
-    LostRank lost{r,
-                  pos.step,
-                  seconds_since(run_start),
-                  comm->lost_reason(r),
-                  mode->shard_served_by(r),
-                  expert_parallel ? model().experts_held_by(r) : std::vector<int>{},
-                  {}};
-    if (options.observer != nullptr) {
-      options.observer->on_warning(
-          fmt::format("rank {} lost ({}){}", r, lost.why,
-                      lost.served_by >= 0 ? fmt::format("; its shard is now served by rank {}", lost.served_by) : ""));
-    }
-    CFMO_TRY(metrics.write({{"type", "membership"},
-                            {"event", "lost"},
-                            {"rank", rank},
-                            {"lost_rank", r},
-                            {"step", pos.step},
-                            {"wall_s", lost.wall_s},
-                            {"why", lost.why},
-                            {"served_by", lost.served_by < 0 ? nlohmann::ordered_json(nullptr)
-                                                             : nlohmann::ordered_json(lost.served_by)}}));
-    summary.lost.push_back(std::move(lost));
+    CFMO_TRY(announce_loss(r, comm->lost_reason(r), mode->shard_served_by(r)));
   }
+  return {};
+}
+
+Status TrainingRun::announce_loss(int r, std::string why, int served_by) {
+  announced[static_cast<size_t>(r)] = true;
+  LostRank lost{r,
+                pos.step,
+                seconds_since(run_start),
+                std::move(why),
+                served_by,
+                expert_parallel ? model().experts_held_by(r) : std::vector<int>{},
+                {}};
+  if (options.observer != nullptr) {
+    options.observer->on_warning(
+        fmt::format("rank {} lost ({}){}", r, lost.why,
+                    lost.served_by >= 0 ? fmt::format("; its shard is now served by rank {}", lost.served_by) : ""));
+  }
+  CFMO_TRY(metrics.write(
+      {{"type", "membership"},
+       {"event", "lost"},
+       {"rank", rank},
+       {"lost_rank", r},
+       {"step", pos.step},
+       {"wall_s", lost.wall_s},
+       {"why", lost.why},
+       {"served_by", lost.served_by < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(lost.served_by)}}));
+  summary.lost.push_back(std::move(lost));
   return {};
 }
 

@@ -146,6 +146,8 @@ struct TrainingRun {
   /// where their shards went, and those a new process joined, and writes each
   /// as a membership line of metrics.jsonl.
   Status announce_lost();
+  /// One loss of `r` for announce_lost: the warning, the metrics line, the summary's entry.
+  Status announce_loss(int r, std::string why, int served_by);
   /// At an epoch's start: the world grew (a join took no lost rank's place),
   /// so its global batches are cut among the grown world's ranks from now on.
   void take_up_growth();

@@ -7,6 +7,8 @@
 #include "comm/ucx_communicator.h"
 #include "core/fd.h"
 
+#include <ucp/api/ucp.h>
+
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -718,6 +720,158 @@ bool everyone_hears_everyone(Communicator& comm, int size) {
     return false;
   }
   return true;
+}
+
+// Rank 2 as a bare UCX process: it says a few heartbeats to rank 0 (its
+// endpoint is wired up, over shared memory when UCX picks it), then sends
+// rank 0 one message and is killed while UCX writes it: the message's
+// packing (a generic datatype's pack) runs after UCX took an element of rank
+// 0's shared-memory receive FIFO and before it marked the element written,
+// as SIGKILL can catch a process that sends. Never returns.
+[[noreturn]] void killed_while_sending_to_rank_zero(uint16_t port) {
+  setenv("UCX_MM_ERROR_HANDLING", "y", 1);  // as connect_ucx does (allow_shared_memory)
+  ucp_config_t* config = nullptr;
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG;
+  ucp_worker_params_t worker_params{};
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  ucp_address_t* address = nullptr;
+  size_t length = 0;
+  if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK || ucp_init(&params, config, &context) != UCS_OK ||
+      ucp_worker_create(context, &worker_params, &worker) != UCS_OK ||
+      ucp_worker_get_address(worker, &address, &length) != UCS_OK) {
+    _exit(20);
+  }
+  const auto* first = reinterpret_cast<const std::byte*>(address);
+  RendezvousConfig rendezvous;
+  rendezvous.port = port;
+  rendezvous.timeout_s = 30;
+  auto met = exchange_addresses(rendezvous, 2, 3, std::vector<std::byte>(first, first + length));
+  if (!met) _exit(21);
+  ucp_ep_params_t ep_params{};
+  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  ep_params.address = reinterpret_cast<const ucp_address_t*>(met->addresses[0].data());
+  ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ucp_ep_h endpoint = nullptr;
+  if (ucp_ep_create(worker, &ep_params, &endpoint) != UCS_OK) _exit(22);
+  // Heartbeats (channel 0xFF, from rank 2), as a live rank's, for a second.
+  const ucp_tag_t heartbeat = (ucp_tag_t{0xFF} << 56) | (ucp_tag_t{2} << 32);
+  const std::byte beat{1};
+  for (int i = 0; i < 10; ++i) {
+    ucp_request_param_t send{};
+    void* request = ucp_tag_send_nbx(endpoint, &beat, 1, heartbeat, &send);
+    if (UCS_PTR_IS_ERR(request)) _exit(23);
+    while (request != nullptr && ucp_request_check_status(request) == UCS_INPROGRESS) ucp_worker_progress(worker);
+    if (request != nullptr) ucp_request_free(request);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+    while (std::chrono::steady_clock::now() < until) ucp_worker_progress(worker);
+  }
+  ucp_generic_dt_ops_t ops{};
+  ops.start_pack = [](void* context, const void*, size_t) -> void* { return context; };
+  ops.packed_size = [](void*) -> size_t { return 2000; };  // eager, copied through the FIFO
+  ops.pack = [](void*, size_t, void*, size_t) -> size_t {
+    ::raise(SIGKILL);
+    return 0;
+  };
+  ops.finish = [](void*) {};
+  ucp_datatype_t killing = 0;
+  if (ucp_dt_create_generic(&ops, nullptr, &killing) != UCS_OK) _exit(24);
+  ucp_request_param_t send{};
+  send.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE;
+  send.datatype = killing;
+  const std::byte unused{0};
+  void* request = ucp_tag_send_nbx(endpoint, &unused, 1, heartbeat, &send);
+  for (;;) {
+    if (UCS_PTR_IS_ERR(request)) _exit(25);
+    ucp_worker_progress(worker);  // a send not packed at once is packed here
+  }
+}
+
+// A rank killed while it writes a message to rank 0 (over `tls`, "" for
+// UCX's choice) is lost; the other ranks, which kept talking, are not. Rank
+// 0 and rank 1 exchange messages for four peer timeouts after rank 2's
+// death: neither may take the other for lost, and rank 0 finds rank 2 lost.
+void expect_only_the_rank_killed_while_sending_lost(const std::string& tls) {
+  auto listener = listen_tcp("127.0.0.1", 0);
+  ASSERT_TRUE(listener) << listener.error().message;
+  const uint16_t port = listener->second;
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < 3; ++rank) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      if (!tls.empty()) setenv("UCX_TLS", tls.c_str(), 1);
+      if (rank != 0) close(listener->first);
+      if (rank == 2) killed_while_sending_to_rank_zero(port);
+      RendezvousConfig config;
+      config.port = port;
+      config.listen_fd = rank == 0 ? listener->first : -1;
+      config.timeout_s = 30;
+      UcxOptions options;
+      options.peer_timeout_s = 2;
+      auto comm = connect_ucx(rank, 3, config, options);
+      if (!comm) {
+        fprintf(stderr, "rank %d: %s\n", rank, comm.error().message.c_str());
+        _exit(10);
+      }
+      std::atomic<int> heard{0};
+      (*comm)->on_message(kTestChannel, [&](int, std::span<const std::byte>) { ++heard; });
+      const int other = 1 - rank;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(8);
+      bool ok = true;
+      while (ok && std::chrono::steady_clock::now() < until) {
+        (*comm)->post(other, kTestChannel, std::vector<std::byte>(8));
+        const auto lost = (*comm)->lost_ranks();
+        ok = std::find(lost.begin(), lost.end(), other) == lost.end();
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      const auto lost = (*comm)->lost_ranks();
+      fprintf(stderr, "rank %d: heard %d messages from rank %d; lost:", rank, heard.load(), other);
+      for (const int r : lost) fprintf(stderr, " %d (%s)", r, (*comm)->lost_reason(r).c_str());
+      fprintf(stderr, "\n");
+      ok = lost == std::vector<int>{2};
+      comm->reset();
+      fflush(stderr);
+      _exit(ok ? 0 : 11);
+    }
+    children.push_back(pid);
+  }
+  close(listener->first);
+  // Rank 2 first, reaped as soon as it dies (a zombie passes for alive to UCX's keepalive).
+  for (const pid_t pid : {children[2], children[0], children[1]}) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (pid == children[2]) {
+      EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
+          << "rank 2 was not killed while sending: " << status;
+    } else {
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+    }
+  }
+}
+
+TEST(UcxKilledSender, OverTcpOnlyTheKilledRankIsLost) { expect_only_the_rank_killed_while_sending_lost("tcp,self"); }
+
+// Known to fail, the cause of live ranks taken for lost in cfmo-train's kill
+// tests (CfmoKilledWorkersRejoinAndAJoinWithOtherFlagsIsRefused, about 1 run
+// in 10 under load): UCX's shared-memory transports (posix, sysv) give each
+// receiving process ONE receive FIFO that all its senders write into. A
+// sender takes the next element (an atomic step of the FIFO's head), writes
+// the message, then marks the element written; the receiver reads elements
+// in order. A sender killed between the two leaves an element that is never
+// marked, and the receiver reads nothing after it again, from any sender:
+// rank 0 hears no rank from rank 2's death on and takes the live rank 1 for
+// lost one peer timeout later ("no message for ..."), while rank 1 still
+// hears rank 0. UCX 1.13 has no way out (the receiver cannot tell a dead
+// writer from a slow one); peer error handling over shared memory is UCX's
+// experimental MM_ERROR_HANDLING, which connect_ucx turns on for speed.
+// Enable this test with a fix (a FIFO per sender, that is a UCX worker per
+// peer, or a receiver that rebuilds its worker and tells its peers).
+TEST(UcxKilledSender, DISABLED_OverSharedMemoryOnlyTheKilledRankIsLost) {
+  expect_only_the_rank_killed_while_sending_lost("posix,cma,self");
 }
 
 // A run that may grow (RendezvousConfig::grow) takes two processes that

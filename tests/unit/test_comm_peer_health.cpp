@@ -1,0 +1,34 @@
+// PeerHealth, the health every transport keeps of its peers: here what a
+// join leaves of the loss it ended.
+#include "comm/peer_health.h"
+
+#include <gtest/gtest.h>
+
+namespace cfmo::comm {
+namespace {
+
+// A rank lost and taken back before anyone looked at lost_ranks() again
+// (under load the joiner's wait can be shorter than a trainer's step) was
+// lost all the same: each join keeps why the process it replaced was lost,
+// while the rank itself is live again; a new rank (the world grew) replaced
+// nobody.
+TEST(PeerHealth, AJoinKeepsWhyTheProcessItReplacedWasLost) {
+  PeerHealth health(0, 3);
+  health.mark_lost(2, "no message for 5.0s");
+  health.rejoined(2);
+  EXPECT_TRUE(health.lost_ranks().empty());
+  EXPECT_EQ(health.lost_reason(2), "");
+  ASSERT_EQ(health.joined_ranks(), std::vector<int>{2});
+  EXPECT_EQ(health.replaced_loss(0), "no message for 5.0s");
+  health.grow(4);
+  health.rejoined(3);
+  health.mark_lost(2, "connection error: Connection reset by remote peer");
+  health.rejoined(2);
+  EXPECT_EQ(health.joined_ranks(), (std::vector<int>{2, 3, 2}));
+  EXPECT_EQ(health.replaced_loss(1), "");
+  EXPECT_EQ(health.replaced_loss(2), "connection error: Connection reset by remote peer");
+  EXPECT_EQ(health.replaced_loss(3), "");  // no such join
+}
+
+}  // namespace
+}  // namespace cfmo::comm
