@@ -140,7 +140,7 @@ class LoopbackCommunicator final : public CommunicatorBase {
         state_(std::move(state)),
         rank_(rank),
         joined_(joined),
-        starting_world_(*this, state_->size),
+        starting_world_(*this, rank, state_->size),
         collectives_(starting_world_),
         reported_(static_cast<size_t>(state_->size), false) {
     {
@@ -208,23 +208,7 @@ class LoopbackCommunicator final : public CommunicatorBase {
   }
 
  private:
-  /// The point-to-point seam the collectives run over: this rank's
-  /// exchanges, among the ranks of the world as this rank found it (it may
-  /// grow; a joiner takes part in no collective), as UCX's.
-  class StartingWorld final : public PointToPoint {
-   public:
-    StartingWorld(LoopbackCommunicator& self, int size) : self_(self), size_(size) {}
-    int rank() const override { return self_.rank_; }
-    int size() const override { return size_; }
-    Status exchange(uint32_t tag, std::span<const SendTo> sends, std::span<const ReceiveFrom> receives,
-                    std::string_view what) override {
-      return self_.exchange(tag, sends, receives, what);
-    }
-
-   private:
-    LoopbackCommunicator& self_;
-    const int size_;
-  };
+  friend class StartingWorld<LoopbackCommunicator>;
 
   template <typename Body>
   Status run_collective(Body&& body) {
@@ -339,9 +323,9 @@ class LoopbackCommunicator final : public CommunicatorBase {
 
   const std::shared_ptr<LoopbackState> state_;
   const int rank_;
-  const bool joined_;             ///< joined a run under way (LoopbackNetwork::join)
-  StartingWorld starting_world_;  ///< before collectives_, which refers to it
-  Collectives collectives_;       ///< under collective_call_mutex_
+  const bool joined_;                                   ///< joined a run under way (LoopbackNetwork::join)
+  StartingWorld<LoopbackCommunicator> starting_world_;  ///< before collectives_, which refers to it
+  Collectives collectives_;                             ///< under collective_call_mutex_
   std::mutex collective_call_mutex_;
   std::vector<bool> reported_;  ///< progress thread, under the state's mutex: peers already found lost
   bool stop_ = false;           ///< under the state's mutex

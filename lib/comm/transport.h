@@ -49,4 +49,26 @@ class PointToPoint {
                           std::string_view what) = 0;
 };
 
+/// The seam a communicator's collectives run over: the communicator's own
+/// exchange among the ranks of the world as it started. The world may grow
+/// (a rank that joins later takes part in no collective), and every member
+/// must agree on the ranks a collective spans, so this size never changes.
+/// The owner names it a friend to lend it its private exchange.
+template <typename Owner>
+class StartingWorld final : public PointToPoint {
+ public:
+  StartingWorld(Owner& owner, int rank, int size) : owner_(owner), rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Status exchange(uint32_t tag, std::span<const SendTo> sends, std::span<const ReceiveFrom> receives,
+                  std::string_view what) override {
+    return owner_.exchange(tag, sends, receives, what);
+  }
+
+ private:
+  Owner& owner_;
+  const int rank_;
+  const int size_;
+};
+
 }  // namespace cfmo::comm

@@ -364,23 +364,7 @@ class UcxCommunicator final : public CommunicatorBase {
     int peer = -1;
   };
 
-  /// The point-to-point seam the collectives run over: this communicator's
-  /// exchange, among the ranks of the world as it started (it may grow).
-  class StartingWorld final : public PointToPoint {
-   public:
-    StartingWorld(UcxCommunicator& self, int rank, int size) : self_(self), rank_(rank), size_(size) {}
-    int rank() const override { return rank_; }
-    int size() const override { return size_; }
-    Status exchange(uint32_t tag, std::span<const SendTo> sends, std::span<const ReceiveFrom> receives,
-                    std::string_view what) override {
-      return self_.exchange(tag, sends, receives, what);
-    }
-
-   private:
-    UcxCommunicator& self_;
-    const int rank_;
-    const int size_;
-  };
+  friend class StartingWorld<UcxCommunicator>;
 
   static void on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto* context = static_cast<ErrorContext*>(arg);
@@ -1148,8 +1132,8 @@ class UcxCommunicator final : public CommunicatorBase {
   SilenceClock silence_;  ///< each peer's silence, in time this rank listened
   Clock::time_point last_heartbeat_{};
   Clock::time_point last_activity_{};
-  StartingWorld starting_world_;  ///< the ranks the collectives run among
-  Collectives collectives_;       ///< on the thread that holds worker_mutex_
+  StartingWorld<UcxCommunicator> starting_world_;  ///< the ranks the collectives run among
+  Collectives collectives_;                        ///< on the thread that holds worker_mutex_
 
   // The join service (its own thread, cfmo-join), serving while this rank leads.
   Fd join_listener_;  ///< join thread (rank 0's from the start)
