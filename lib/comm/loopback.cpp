@@ -372,6 +372,7 @@ void LoopbackNetwork::kill(int rank) {
   if (!r.quiet_since) r.quiet_since = LoopbackClock::now();
   r.killed = true;
   state_->drop_incoming(rank);
+  state_->changed.notify_all();  // the others' progress loops find the kill now, not at their next nap's end
 }
 
 bool LoopbackNetwork::drain(double timeout_s) {
