@@ -20,13 +20,16 @@ namespace cfmo::oci {
 namespace fs = std::filesystem;
 
 /// One layer's indexer: build_layer_index on its own thread, reading the
-/// bytes on disk before the download started, then the queue.
+/// bytes on disk before the download started (from `prefix_fd`, which it
+/// owns), then the queue.
 class IndexSink::Job : public LayerBytes {
  public:
-  Job(const Descriptor& layer, fs::path prefix, int64_t prefix_bytes, uint64_t span, size_t cap, std::string what)
+  Job(const Descriptor& layer, fs::path prefix, int prefix_fd, int64_t prefix_bytes, uint64_t span, size_t cap,
+      std::string what)
       : layer_(layer),
         prefix_(std::move(prefix)),
         prefix_left_(prefix_bytes),
+        fd_(prefix_fd),
         streamed_(prefix_bytes < layer.size),
         cap_(cap),
         what_(std::move(what)) {
@@ -98,9 +101,6 @@ class IndexSink::Job : public LayerBytes {
 
  private:
   Result<size_t> read_prefix(unsigned char* buffer, size_t size) {
-    if (fd_ < 0) fd_ = ::open(prefix_.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0)
-      return make_error(ErrorKind::kInternal, "'{}': cannot open: {}", prefix_.string(), std::strerror(errno));
     ssize_t n = 0;
     do {
       n = ::read(fd_, buffer, std::min<size_t>(size, static_cast<size_t>(prefix_left_)));
@@ -115,7 +115,7 @@ class IndexSink::Job : public LayerBytes {
   Descriptor layer_;
   fs::path prefix_;
   int64_t prefix_left_;
-  int fd_ = -1;
+  int fd_;
   bool streamed_;
   size_t cap_;
   std::string what_;
@@ -166,14 +166,18 @@ void IndexSink::start(size_t layer, int64_t bytes_on_disk) {
   const Descriptor& d = layers_[layer];
   const std::string what = fmt::format("layer {} ({})", short_digest(d.digest), layer);
   fs::path prefix;
+  int fd = -1;
   if (bytes_on_disk > 0) {
+    // Opened now, before this call returns: the pull renames the partial
+    // blob once it is complete, which may be before the job reads it.
     prefix = on_disk(layer, bytes_on_disk);
-    if (prefix.empty()) {
+    if (!prefix.empty()) fd = ::open(prefix.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
       outcomes_.push_back({layer, d.digest, false, false, "its partial blob is not where the pull keeps it"});
       return;
     }
   }
-  jobs_[layer] = std::make_unique<Job>(d, prefix, bytes_on_disk, span_, queue_bytes_, what);
+  jobs_[layer] = std::make_unique<Job>(d, prefix, fd, bytes_on_disk, span_, queue_bytes_, what);
 }
 
 void IndexSink::on_blob_start(size_t layer, int64_t bytes_on_disk) {
