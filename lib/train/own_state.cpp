@@ -80,9 +80,17 @@ Status TrainingRun::answer_state_request() {
 Status TrainingRun::submit_async_checkpoint() {
   if (!pending_global) pending_global = mode->take_snapshot();
   if (!pending_global) return {};
+  // A snapshot asked while an earlier one still waited for the ranks' states
+  // has no request of its own (the earlier one took those answers): it asks
+  // now, or every rank's state in it would be the keeper's.
+  if (rank_states && states_asked == 0) {
+    states_asked = rank_states->request();
+    states_asked_at = Clock::now();
+    return {};
+  }
   // The ranks' answers come at their next step's end: a slow rank's later,
   // a lost one's never (it keeps the keeper's state and its last position).
-  if (rank_states && states_asked != 0 && !rank_states->complete(states_asked, comm->lost_ranks()) &&
+  if (rank_states && !rank_states->complete(states_asked, comm->lost_ranks()) &&
       seconds_since(states_asked_at) < 2 * config.peer_timeout) {
     return {};
   }
