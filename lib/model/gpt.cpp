@@ -335,6 +335,13 @@ size_t Gpt::workspace_floats(int batch) const {
          static_cast<size_t>(gpt::kAttentionBlock) * t + moe;
 }
 
+void Gpt::prepare(int batch) {
+  ensure_workspace(batch);  // zero-filled: touched
+  for (const auto& layer : moe_) {
+    if (layer) layer->prepare(batch * spec_.context);
+  }
+}
+
 void Gpt::ensure_workspace(int batch) {
   if (batch <= workspace_batch_) return;
   workspace_batch_ = batch;

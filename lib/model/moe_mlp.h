@@ -106,6 +106,9 @@ class MoeMlp {
   int top_k() const { return top_k_; }
   /// Floats forward and backward keep for `rows` tokens (an upper bound).
   size_t workspace_floats(int rows) const;
+  /// Touches the buffers a pass over `rows` tokens can need at most, so that
+  /// the first pass does not fault them in (their capacity stays).
+  void prepare(int rows);
 
  private:
   /// Sends the rows to their experts' ranks, computes the rows received with
