@@ -98,6 +98,12 @@ void touch(std::vector<T>& v, size_t n) {
 
 }  // namespace
 
+size_t MoeMlp::rows_to(int experts, int rows) const {
+  const size_t all = static_cast<size_t>(rows) * static_cast<size_t>(top_k_);
+  const int64_t cap = capacity(rows);
+  return cap < 0 ? all : std::min(all, static_cast<size_t>(experts) * static_cast<size_t>(cap));
+}
+
 void MoeMlp::prepare(int rows) {
   const auto r = static_cast<size_t>(rows);
   const auto e = static_cast<size_t>(experts_);
@@ -105,11 +111,7 @@ void MoeMlp::prepare(int rows) {
   const auto c = static_cast<size_t>(dim_);
   const auto d = static_cast<size_t>(expert_dim_);
   const auto ranks = static_cast<size_t>(placement_.ranks);
-  const int64_t cap = capacity(rows);
-  // Each expert takes at most `cap` rows from each rank (dropless: every assignment).
-  const auto to_experts = [&](int count) {
-    return cap < 0 ? r * k : std::min(r * k, static_cast<size_t>(count) * static_cast<size_t>(cap));
-  };
+  const auto to_experts = [&](int count) { return rows_to(count, rows); };
   touch(logits_, r * e);
   touch(probs_, r * e);
   touch(d_logits_, r * e);

@@ -109,6 +109,9 @@ class MoeMlp {
   /// Touches the buffers a pass over `rows` tokens can need at most, so that
   /// the first pass does not fault them in (their capacity stays).
   void prepare(int rows);
+  /// The most rows a pass over `rows` tokens sends to `experts` experts
+  /// (each takes at most its capacity from a rank; dropless: every assignment).
+  size_t rows_to(int experts, int rows) const;
 
  private:
   /// Sends the rows to their experts' ranks, computes the rows received with
