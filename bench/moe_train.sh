@@ -29,7 +29,11 @@
 # gaps measured, so a median over one seed says little. tokens/s, val_loss
 # and the peak resident memory of the largest process (a rank: /usr/bin/time
 # reports the largest child) are medians over REPS, each rank's own peak
-# resident memory (getrusage, the summary's per_worker) too. Prints a
+# resident memory (getrusage, the summary's per_worker) too. Each share of
+# the ceiling is split into its two factors, from the ranks' loop_cpu_s:
+# the loop's CPU per token against solo's (work beyond solo's) and the
+# cores kept busy against solo's core (idle), which the machine's other load
+# changes less than tokens/s. Prints a
 # Markdown table, the ratios, the ceiling and the memory per rank;
 # --record appends them to bench/RESULTS.md.
 #
