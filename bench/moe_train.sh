@@ -29,7 +29,11 @@
 # gaps measured, so a median over one seed says little. tokens/s, val_loss
 # and the peak resident memory of the largest process (a rank: /usr/bin/time
 # reports the largest child) are medians over REPS, each rank's own peak
-# resident memory (getrusage, the summary's per_worker) too. Prints a
+# resident memory (getrusage, the summary's per_worker) too. Each share of
+# the ceiling is split into its two factors, from the ranks' loop_cpu_s:
+# the loop's CPU per token against solo's (work beyond solo's) and the
+# cores kept busy against solo's core (idle), which the machine's other load
+# changes less than tokens/s. Prints a
 # Markdown table, the ratios, the ceiling and the memory per rank;
 # --record appends them to bench/RESULTS.md.
 #
@@ -105,7 +109,7 @@ def median(values):
     return statistics.median(values) if values else float("nan")
 out = {}
 for name, model, flags, workers, tokens in rows:
-    speed, loss, rss, ranks_rss, wait = [], [], [], [], []
+    speed, loss, rss, ranks_rss, wait, cpu, busy = [], [], [], [], [], [], []
     for rep in range(1, reps + 1):
         try:
             j = json.loads(open(os.path.join(root, f"{name}.{rep}.json")).read().strip().splitlines()[-1])
@@ -119,13 +123,20 @@ for name, model, flags, workers, tokens in rows:
         per = j.get("per_worker") or []
         ranks_rss.append([w.get("peak_rss_bytes", 0) / 2**20 for w in per])
         wait.append([w.get("dispatch_wait_s", 0) for w in per])
+        # The loop's CPU time (every rank's processes, all their threads): per
+        # token, and over the cores the run had for its longest loop.
+        loop_cpu = sum(w.get("loop_cpu_s", 0) for w in per)
+        longest = max((w.get("loop_s", 0) for w in per), default=0)
+        if loop_cpu > 0 and j.get("tokens", 0) > 0 and longest > 0:
+            cpu.append(loop_cpu / j["tokens"] * 1e6)
+            busy.append(loop_cpu / (longest * min(int(workers), cores)))
     per_rank = [median([r[i] for r in ranks_rss if len(r) > i]) for i in range(max(map(len, ranks_rss), default=0))]
     waits = [median([r[i] for r in wait if len(r) > i]) for i in range(max(map(len, wait), default=0))]
     out[name] = (median(speed), median(loss), median(rss), len(speed), model, f"{flags} --workers {workers}", moe, per_rank,
-                 waits)
+                 waits, median(cpu), median(busy))
 print("| row | model | flags | runs | tokens/s (median) | val_loss (median) | peak RSS of a rank, MB | each rank's peak RSS, MB | each rank's dispatch wait, s | dispatch/combine p50, us | late (rank 0) | aux loss | dropped |")
 print("| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |")
-for name, (s, l, r, n, model, flags, moe, per_rank, waits) in out.items():
+for name, (s, l, r, n, model, flags, moe, per_rank, waits, _, _) in out.items():
     aux = f"{moe['aux_loss']:.3f}" if moe else "-"
     drop = f"{100 * moe['dropped_share']:.1f}%" if moe else "-"
     d = (moe or {}).get("dispatch")
@@ -157,9 +168,17 @@ if "solo" in out and workers > 0:
     ceiling = out["solo"][0] * used
     print(f"\nCPU ceiling: {ceiling:.0f} tokens/s = solo {out['solo'][0]:.0f} tokens/s x {used:.2f} cores "
           f"({workers} workers on {cores} cores, slowdown {slowdown or 'none'}); each row's share of it:")
+    # A share is (solo's CPU per token / the row's) x (the row's busy cores /
+    # solo's): what the row spends beyond solo's work, and what it leaves idle.
+    # Both come from CPU time, which other load changes less than tokens/s.
+    solo_cpu, solo_busy = out["solo"][9], out["solo"][10]
     for name, o in out.items():
         if name != "solo" and o[0] == o[0]:
-            print(f"- {name}: {o[0] / ceiling:.2f}")
+            split = (f" (loop CPU per token {o[9] / solo_cpu:.2f}x solo's, cores busy {o[10] / solo_busy:.2f}x solo's)"
+                     if o[9] == o[9] and solo_cpu == solo_cpu else "")
+            print(f"- {name}: {o[0] / ceiling:.2f}{split}")
+    if solo_cpu == solo_cpu:
+        print(f"- solo: loop CPU {solo_cpu:.1f} ms per 1k tokens, its core busy {solo_busy:.2f} of the loop")
     if "moe-ep-sync" in out and out["moe-ep-sync"][0] > 0:
         print(f"- the most any mode can gain over moe-ep-sync here: {ceiling / out['moe-ep-sync'][0]:.2f}x")
 def mean(values):

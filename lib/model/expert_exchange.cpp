@@ -6,6 +6,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #if defined(__x86_64__)
 #include <xmmintrin.h>
@@ -67,6 +68,15 @@ bool parse(const std::vector<std::byte>& bytes, size_t dim, Parsed& out) {
   out.rows = (bytes.size() - out.offset) / (dim * sizeof(float));
   out.data = reinterpret_cast<const float*>(bytes.data() + out.offset);
   return true;
+}
+
+/// Allocates `bytes` on this thread's heap, writes every page and frees them.
+void touch_heap(size_t bytes) {
+  if (bytes == 0) return;
+  auto* p = static_cast<volatile std::byte*>(std::malloc(bytes));
+  if (p == nullptr) return;
+  for (size_t i = 0; i < bytes; i += 4096) p[i] = std::byte{0};
+  std::free(const_cast<std::byte*>(p));
 }
 
 /// `low` (a pass's low 32 bits) widened against `near` (passes differ by far less than 2^31).
@@ -220,6 +230,21 @@ void ExpertExchange::take_snapshot(bool finishing) {
   requested_.notify_one();
 }
 
+void ExpertExchange::prepare(size_t rows_per_peer) {
+  const auto c = static_cast<size_t>(dim_);
+  const auto d = static_cast<size_t>(expert_dim_);
+  const size_t chunks = static_cast<size_t>(ranks_ - 1) * moe_layers_.size() * rows_per_peer * sizeof(float);
+  // The server, per peer and layer: the rows, fc and act kept, the results,
+  // the gradients in and out, d_act; this thread: the rows and gradients sent.
+  std::unique_lock lock(mutex_);
+  warm_bytes_ = chunks * (4 * c + 3 * d);
+  requested_.notify_one();
+  lock.unlock();
+  touch_heap(chunks * 2 * c);
+  lock.lock();
+  answered_.wait(lock, [&] { return warm_bytes_ == 0 || stop_; });
+}
+
 void ExpertExchange::begin_pass(bool training) {
   ++pass_;
   training_ = training;
@@ -282,9 +307,18 @@ void ExpertExchange::serve_loop() {
     Message m;
     {
       std::unique_lock lock(mutex_);
-      requested_.wait(lock,
-                      [&] { return stop_ || !requests_.empty() || (!deferred_.empty() && retried != snapshots_); });
+      requested_.wait(lock, [&] {
+        return stop_ || warm_bytes_ > 0 || !requests_.empty() || (!deferred_.empty() && retried != snapshots_);
+      });
       if (stop_) return;
+      if (warm_bytes_ > 0) {
+        lock.unlock();
+        touch_heap(warm_bytes_);
+        lock.lock();
+        warm_bytes_ = 0;
+        answered_.notify_all();
+        continue;
+      }
       if (!deferred_.empty() && retried != snapshots_) {
         // What waited for a later pass goes first: it came before the rest.
         retried = snapshots_;

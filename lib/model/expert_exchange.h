@@ -64,6 +64,14 @@ class ExpertExchange {
 
   static constexpr int kWarmupPasses = 4;
 
+  /// Before the training loop: the memory of a pass in which every peer
+  /// sends up to `rows_per_peer` rows to this rank's experts (what the
+  /// server keeps and answers, the rows this rank sends), allocated and
+  /// freed once on the server's heap and the caller's. glibc keeps it
+  /// (expert-parallel runs raise its trim threshold), so the first passes
+  /// no longer fault their buffers in inside the loop (bench/RESULTS.md).
+  void prepare(size_t rows_per_peer);
+
   /// Before each forward pass (`training`: a backward pass follows).
   void begin_pass(bool training);
   /// Layer `layer`'s forward exchange: x's rows of `plan` to their ranks;
@@ -193,7 +201,8 @@ class ExpertExchange {
   bool no_deadline_ = true;            ///< as of the snapshot
   bool finishing_ = false;
   bool stop_ = false;
-  uint32_t mxcsr_ = 0;  ///< the training thread's floating-point mode (flush to zero), for the server
+  size_t warm_bytes_ = 0;  ///< prepare(): the server touches this much of its heap, then sets it 0
+  uint32_t mxcsr_ = 0;     ///< the training thread's floating-point mode (flush to zero), for the server
   std::vector<std::vector<Served>> served_;       ///< [source][layer]
   std::vector<std::vector<int64_t>> seen_rows_;   ///< [source][layer]: the latest pass whose rows were served
   std::vector<std::vector<int64_t>> seen_grads_;  ///< [source][layer]: the latest pass whose gradients were served

@@ -335,6 +335,17 @@ size_t Gpt::workspace_floats(int batch) const {
          static_cast<size_t>(gpt::kAttentionBlock) * t + moe;
 }
 
+void Gpt::prepare(int batch) {
+  ensure_workspace(batch);  // zero-filled: touched
+  size_t rows_per_peer = 0;
+  for (const auto& layer : moe_) {
+    if (!layer) continue;
+    layer->prepare(batch * spec_.context);
+    rows_per_peer = std::max(rows_per_peer, layer->rows_to(local_experts(), batch * spec_.context));
+  }
+  if (exchange_) exchange_->prepare(rows_per_peer);
+}
+
 void Gpt::ensure_workspace(int batch) {
   if (batch <= workspace_batch_) return;
   workspace_batch_ = batch;

@@ -76,6 +76,7 @@ class Gpt final : public Model {
   float forward_backward(const Examples& batch) override;
   EvalResult evaluate(const Examples& batch) override;
   size_t workspace_floats(int batch) const override;
+  void prepare(int batch) override;
   double flops_per_example() const override;
   /// GPT2Config: the run directory then loads with GPT2LMHeadModel.from_pretrained.
   std::string hf_config_json() const override;

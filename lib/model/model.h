@@ -126,6 +126,11 @@ class Model {
   /// examples allocates (activations kept for the backward pass, scratch).
   virtual size_t workspace_floats(int batch) const = 0;
 
+  /// Allocates and touches the workspaces of batches of up to `batch`
+  /// examples now, before the training loop: a process's first step would
+  /// otherwise fault them in page by page (bench/RESULTS.md).
+  virtual void prepare(int /*batch*/) {}
+
   /// Floating-point operations of one forward and backward pass over one
   /// example (multiply-adds count two), for GFLOP/s reports.
   virtual double flops_per_example() const = 0;

@@ -87,6 +87,55 @@ size_t MoeMlp::workspace_floats(int rows) const {
   return 3 * r * e + r + a * (4 * c + 3 * d) + 5 * a;
 }
 
+namespace {
+
+/// Zero-filled to `n` (its pages touched), then emptied: the capacity stays.
+template <typename T>
+void touch(std::vector<T>& v, size_t n) {
+  v.resize(n);
+  v.clear();
+}
+
+}  // namespace
+
+size_t MoeMlp::rows_to(int experts, int rows) const {
+  const size_t all = static_cast<size_t>(rows) * static_cast<size_t>(top_k_);
+  const int64_t cap = capacity(rows);
+  return cap < 0 ? all : std::min(all, static_cast<size_t>(experts) * static_cast<size_t>(cap));
+}
+
+void MoeMlp::prepare(int rows) {
+  const auto r = static_cast<size_t>(rows);
+  const auto e = static_cast<size_t>(experts_);
+  const auto k = static_cast<size_t>(top_k_);
+  const auto c = static_cast<size_t>(dim_);
+  const auto d = static_cast<size_t>(expert_dim_);
+  const auto ranks = static_cast<size_t>(placement_.ranks);
+  const auto to_experts = [&](int count) { return rows_to(count, rows); };
+  touch(logits_, r * e);
+  touch(probs_, r * e);
+  touch(d_logits_, r * e);
+  touch(lse_, r);
+  touch(routing_.expert, r * k);
+  touch(routing_.gate, r * k);
+  touch(d_gate_, r * k);
+  const size_t row = c * sizeof(float);
+  send_.resize(ranks);
+  results_.resize(ranks);
+  received_.resize(ranks);
+  size_t in_rows = 0;
+  for (size_t p = 0; p < ranks; ++p) {
+    const size_t out = to_experts(placement_.count(static_cast<int>(p)));
+    touch(send_[p], out * row);
+    touch(results_[p], out * row);
+    if (exchange_ != nullptr) continue;  // async: the exchange serves peers' rows
+    touch(received_[p], to_experts(local_experts()) * row);
+    in_rows += to_experts(local_experts());
+  }
+  for (auto* v : {&in_, &out_, &d_out_, &d_in_}) touch(*v, in_rows * c);
+  for (auto* v : {&fc_, &act_, &d_act_}) touch(*v, in_rows * d);
+}
+
 void MoeMlp::forward(const float* x, const float* residual, int rows, const float* router,
                      std::span<const ExpertTensors> experts, float* y) {
   rows_ = rows;

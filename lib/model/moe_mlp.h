@@ -106,6 +106,12 @@ class MoeMlp {
   int top_k() const { return top_k_; }
   /// Floats forward and backward keep for `rows` tokens (an upper bound).
   size_t workspace_floats(int rows) const;
+  /// Touches the buffers a pass over `rows` tokens can need at most, so that
+  /// the first pass does not fault them in (their capacity stays).
+  void prepare(int rows);
+  /// The most rows a pass over `rows` tokens sends to `experts` experts
+  /// (each takes at most its capacity from a rank; dropless: every assignment).
+  size_t rows_to(int experts, int rows) const;
 
  private:
   /// Sends the rows to their experts' ranks, computes the rows received with

@@ -26,6 +26,7 @@ void visit_fields(Report& w, F&& f) {
   f("dispatch_wait_s", w.dispatch_wait_s);
   f("peak_rss_bytes", w.peak_rss_bytes);
   f("loop_s", w.loop_s);
+  f("loop_cpu_s", w.loop_cpu_s);
   f("bytes_sent", w.bytes_sent);
   f("bytes_received", w.bytes_received);
   f("contributions_dropped", w.contributions_dropped);

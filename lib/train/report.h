@@ -26,6 +26,7 @@ struct WorkerReport {
   double dispatch_wait_s = 0;     ///< --expert-parallel: in the MoE layers' exchanges (training passes)
   int64_t peak_rss_bytes = 0;     ///< the process's peak resident memory (getrusage)
   double loop_s = 0;              ///< time in the training loop
+  double loop_cpu_s = 0;          ///< the process's CPU time (all its threads) in the training loop
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
   uint64_t contributions_dropped = 0;

@@ -69,6 +69,7 @@ WorkerReport TrainingRun::own_report(const ModeStats& mode_stats, int64_t deltas
   own.wait_s = mode_stats.wait_s;
   own.finish_wait_s = mode_stats.finish_wait_s;
   own.loop_s = loop_s;
+  own.loop_cpu_s = loop_cpu_s;
   own.contributions_dropped = mode_stats.contributions_dropped;
   own.contributions_sent = mode_stats.contributions_sent;
   own.contributions_applied = mode_stats.contributions_applied;

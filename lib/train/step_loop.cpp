@@ -12,6 +12,8 @@
 #include <cmath>
 #include <thread>
 
+#include <time.h>
+
 namespace cfmo::train::detail {
 namespace {
 
@@ -29,6 +31,13 @@ std::string one_line(const std::string& text) {
   return out;
 }
 
+/// This process's CPU time so far, every thread's.
+double process_cpu_s() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
 }  // namespace
 
 Status TrainingRun::run_loop() {
@@ -38,6 +47,7 @@ Status TrainingRun::run_loop() {
   // A joiner comes after the others passed theirs.
   if (world > 1 && !joining) CFMO_TRY(comm->barrier());
   loop_start = Clock::now();
+  const double cpu_start = process_cpu_s();
   for (;;) {
     CFMO_ASSIGN_OR_RETURN(const bool stop, should_stop());
     if (stop) break;
@@ -45,6 +55,7 @@ Status TrainingRun::run_loop() {
     if (joining && first_step_s < 0) CFMO_TRY(announce_own_join());
   }
   loop_s = seconds_since(loop_start);
+  loop_cpu_s = process_cpu_s() - cpu_start;
   return {};
 }
 

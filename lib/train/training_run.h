@@ -273,6 +273,7 @@ struct TrainingRun {
   int64_t last_eval_step = -1;
   Clock::time_point loop_start;
   double loop_s = 0;
+  double loop_cpu_s = 0;  ///< the process's CPU time (every thread) in the loop
   std::vector<bool> announced;
   std::string stopped_by;
 };

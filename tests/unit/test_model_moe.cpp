@@ -202,6 +202,31 @@ TEST(TestModelMoe, WholeModelGradientsMatchFiniteDifferencesForEveryTensor) {
                                         [&] { return static_cast<double>(model.forward_backward(batch)); });
 }
 
+TEST(TestModelMoe, APreparedModelComputesTheSameLossAndGradients) {
+  // prepare() only allocates and touches the workspaces before the first
+  // step: with and without it, with drops and dropless, the passes agree bit for bit.
+  const GptSpec spec = moe_spec();
+  for (const auto policy : {moe::DropPolicy::kDropless, moe::DropPolicy::kResidual}) {
+    MoeOptions options;
+    options.drop_policy = policy;
+    options.capacity_factor = 1.0;
+    Gpt plain(spec, options);
+    Gpt prepared(spec, options);
+    plain.init(51);
+    prepared.init(51);
+    constexpr int kBatch = 3;
+    prepared.prepare(kBatch);
+    for (uint64_t seed : {52, 53}) {
+      // A smaller batch than prepared for, then the full one.
+      const int n = seed == 52 ? kBatch - 1 : kBatch;
+      const auto tokens = random_tokens(spec, n, seed);
+      const Examples batch = windows(tokens, n);
+      EXPECT_EQ(plain.forward_backward(batch), prepared.forward_backward(batch));
+      EXPECT_TRUE(std::equal(plain.gradients().begin(), plain.gradients().end(), prepared.gradients().begin()));
+    }
+  }
+}
+
 TEST(TestModelMoe, TensorsAreNamedAndTheExpertsComeLast) {
   auto spec = GptSpec::parse("gpt:layers=4,heads=2,dim=8,context=5,experts=3,top_k=1,moe_every=2", 11);
   ASSERT_TRUE(spec.has_value());

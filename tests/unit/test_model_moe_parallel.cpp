@@ -221,6 +221,8 @@ TEST(TestModelMoeParallel, AsyncDispatchWithoutADeadlineEqualsSyncBitForBit) {
     on_every_rank(kRanks, [&](int r) {
       Gpt& m = *parts[static_cast<size_t>(r)];
       Trace& trace = traces[static_cast<size_t>(r)];
+      // As the trainer does; only the async side, so an effect would show.
+      if (async) m.prepare(kBatch);
       for (int step = 0; step < kSteps; ++step) {
         const size_t first = static_cast<size_t>((step * kRanks + r) * kBatch) * static_cast<size_t>(spec.context + 1);
         Examples batch;

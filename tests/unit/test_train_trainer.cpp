@@ -150,6 +150,10 @@ TEST(Trainer, SummaryJsonHasTheDocumentedKeys) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   EXPECT_EQ(j["per_worker"][0]["rank"], 0);
+  // The loop's CPU time: some, and no more than its wall time on one thread.
+  const auto& own = j["per_worker"][0];
+  EXPECT_GT(own["loop_cpu_s"].get<double>(), 0);
+  EXPECT_LE(own["loop_cpu_s"].get<double>(), own["loop_s"].get<double>() * 1.05 + 0.01);
   EXPECT_TRUE(j["run_dir"].is_null());
   EXPECT_EQ(j["parameters"], 784 * 32 + 32 + 32 * 10 + 10);  // trainable parameters, no padding
 }
