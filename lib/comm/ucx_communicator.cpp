@@ -867,9 +867,10 @@ class UcxCommunicator final : public CommunicatorBase {
 
   /// Ends the requests of a collective that cannot finish, before the
   /// caller's buffers go away. Cancelling ends the receives nothing matched
-  /// yet, not a send or a receive under way: over shared memory nothing ever
-  /// fails those when the peer died (UCX's keepalive takes a dead process
-  /// that is not yet reaped for a live one), so the lost peer's endpoint is
+  /// yet, not a send or a receive under way: over UCX's shared-memory FIFOs
+  /// (where UCX_TLS names them) nothing ever fails those when the peer died
+  /// (UCX's keepalive takes a dead process that is not yet reaped for a live
+  /// one), nor over a cut link before the keepalive, so the lost peer's endpoint is
   /// closed by force, which ends everything on it with an error. What still
   /// involves a live peer gets a second, then that endpoint is closed too:
   /// the run is failing, and no request should outlive its buffer. A receive
