@@ -10,7 +10,7 @@
 #
 #   comm-a2a     bench/comm-a2a's all-to-all-v p50 (us) at each of SIZES
 #                bytes per peer and its 1-float all-reduce, WORKERS ranks
-#   mlp-cfmo     cfmo-train --mode cfmo, the default MLP, 1 epoch: samples/s
+#   mlp-cfmo     cfmo-train --mode cfmo, the default MLP, MLP_EPOCHS epochs: samples/s
 #   mlp-sync     the same in --mode sync
 #   gpt-cfmo     the small GPT on fortunes, --mode cfmo, TOKENS tokens: tokens/s
 #   moe-ep-cfmo  bench/moe_train.sh's row of that name (expert parallel,
@@ -18,7 +18,8 @@
 #   moe-ep-sync  bench/moe_train.sh's row of that name: tokens/s
 #
 #   bench/ucx_fifos.sh [--record]
-#   REPS=5 WORKERS=4 TOKENS=200000 SIZES="4096 16384 65536 262144 1048576" ITERS=1000   (the defaults)
+#   REPS=5 WORKERS=4 TOKENS=200000 MLP_EPOCHS=1 SIZES="4096 16384 65536 262144 1048576" ITERS=1000   (the defaults)
+#   ROWS=comm-a2a,mlp-cfmo runs only those rows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/common.sh
@@ -28,11 +29,13 @@ WORKERS=${WORKERS:-4}
 TOKENS=${TOKENS:-200000}
 SIZES=${SIZES:-"4096 16384 65536 262144 1048576"}
 ITERS=${ITERS:-1000}
+MLP_EPOCHS=${MLP_EPOCHS:-1}
+ROWS=${ROWS:-comm-a2a,mlp-cfmo,mlp-sync,gpt-cfmo,moe-ep-cfmo,moe-ep-sync}
 TRAIN=${TRAIN:-build/tools/cfmo-train}
 A2A=${A2A:-build/bench/comm-a2a}
 record=false
 [ "${1:-}" = "--record" ] && record=true
-[ -x "$TRAIN" ] && [ -x "$A2A" ] || { echo "build first: ninja -C build tools/cfmo-train bench/comm-a2a" >&2; exit 2; }
+{ [ -x "$TRAIN" ] && [ -x "$A2A" ]; } || { echo "build first: ninja -C build tools/cfmo-train bench/comm-a2a" >&2; exit 2; }
 [ -z "${UCX_TLS:-}" ] || { echo "unset UCX_TLS: this script sets it" >&2; exit 2; }
 
 gpt=gpt:layers=2,heads=4,dim=128,context=64
@@ -40,10 +43,12 @@ moe=$gpt,experts=12,top_k=2,expert_dim=256
 text=(--data text:/usr/share/games/fortunes --batch-size 16 --epochs 0 --tokens "$TOKENS" --val-tokens 50000 --lr 0.003
   --beta2 0.95)
 # name|flags (after --workers W --quiet --json)
-rows=("mlp-cfmo|--mode cfmo --epochs 1" "mlp-sync|--mode sync --epochs 1"
+all_rows=("mlp-cfmo|--mode cfmo --epochs $MLP_EPOCHS" "mlp-sync|--mode sync --epochs $MLP_EPOCHS"
   "gpt-cfmo|--model $gpt --mode cfmo ${text[*]}"
   "moe-ep-cfmo|--model $moe --mode cfmo --expert-parallel --dispatch async --slowdown 1=1.25 ${text[*]}"
   "moe-ep-sync|--model $moe --mode sync --expert-parallel --slowdown 1=1.25 ${text[*]}")
+rows=()
+for row in "${all_rows[@]}"; do [[ ",$ROWS," == *",${row%%|*},"* ]] && rows+=("$row"); done
 choices=("tcp+cma|" "fifos|all")
 
 tmp=$(mktemp -d)
@@ -53,9 +58,11 @@ start=$(date +%s)
 for rep in $(seq 1 "$REPS"); do
   for choice in "${choices[@]}"; do
     IFS='|' read -r label tls <<< "$choice"
-    # shellcheck disable=SC2086
-    env ${tls:+UCX_TLS=$tls} "$A2A" --ranks "$WORKERS" --iters "$ITERS" $SIZES > "$tmp/comm-a2a.$label.$rep" 2>&1 ||
-      echo "comm-a2a failed: $label rep $rep" >&2
+    if [[ ",$ROWS," == *,comm-a2a,* ]]; then
+      # shellcheck disable=SC2086
+      env ${tls:+UCX_TLS=$tls} "$A2A" --ranks "$WORKERS" --iters "$ITERS" $SIZES > "$tmp/comm-a2a.$label.$rep" 2>&1 ||
+        echo "comm-a2a failed: $label rep $rep" >&2
+    fi
     for row in "${rows[@]}"; do
       IFS='|' read -r name flags <<< "$row"
       # shellcheck disable=SC2086
@@ -69,9 +76,9 @@ done
 elapsed=$(($(date +%s) - start))
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 
-report=$("$PY" - "$tmp" "$REPS" "$SIZES" <<'EOF'
+report=$("$PY" - "$tmp" "$REPS" "$SIZES" "$ROWS" <<'EOF'
 import json, os, statistics, sys
-root, reps, sizes = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
+root, reps, sizes, wanted = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split(",")
 labels = ["tcp+cma", "fifos"]
 def median(v):
     return statistics.median(v) if v else float("nan")
@@ -80,9 +87,9 @@ def lines(path):
         return [json.loads(l) for l in open(path).read().splitlines() if l.startswith("{")]
     except (OSError, ValueError):
         return []
-print("| row | measure | tcp+cma (median) | fifos (median) | tcp+cma / fifos | runs |")
-print("| --- | --- | ---: | ---: | ---: | ---: |")
-keys = [("all_reduce_1", "4")] + [("all_to_all_v", s) for s in sizes]
+print("| row | measure | tcp+cma (median) | fifos (median) | tcp+cma / fifos | runs | tcp+cma runs | fifos runs |")
+print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- |")
+keys = [("all_reduce_1", "4")] + [("all_to_all_v", s) for s in sizes] if "comm-a2a" in wanted else []
 for op, size in keys:
     got = {l: [] for l in labels}
     for l in labels:
@@ -92,9 +99,12 @@ for op, size in keys:
                     got[l].append(j["p50_us"])
     a, b = median(got["tcp+cma"]), median(got["fifos"])
     what = "1-float all-reduce" if op == "all_reduce_1" else f"all-to-all-v {size} B/peer"
-    print(f"| comm-a2a | {what}, p50 us | {a:.1f} | {b:.1f} | {a / b:.2f} | {len(got['fifos'])} |")
+    runs = [" ".join(f"{v:.0f}" for v in got[l]) for l in labels]
+    print(f"| comm-a2a | {what}, p50 us | {a:.1f} | {b:.1f} | {a / b:.2f} | {len(got['fifos'])} | {runs[0]} | {runs[1]} |")
 for name, key in [("mlp-cfmo", "samples_per_s"), ("mlp-sync", "samples_per_s"), ("gpt-cfmo", "tokens_per_s"),
                   ("moe-ep-cfmo", "tokens_per_s"), ("moe-ep-sync", "tokens_per_s")]:
+    if name not in wanted:
+        continue
     got = {l: [] for l in labels}
     for l in labels:
         for rep in range(1, reps + 1):
@@ -103,10 +113,11 @@ for name, key in [("mlp-cfmo", "samples_per_s"), ("mlp-sync", "samples_per_s"), 
                 got[l].append(j[-1][key])
     a, b = median(got["tcp+cma"]), median(got["fifos"])
     unit = key.replace("_per_s", "/s")
-    print(f"| {name} | {unit} | {a:.0f} | {b:.0f} | {a / b:.2f} | {min(len(got['tcp+cma']), len(got['fifos']))} |")
+    runs = [" ".join(f"{v:.0f}" for v in got[l]) for l in labels]
+    print(f"| {name} | {unit} | {a:.0f} | {b:.0f} | {a / b:.2f} | {min(len(got['tcp+cma']), len(got['fifos']))} | {runs[0]} | {runs[1]} |")
 EOF
 )
-command="REPS=$REPS WORKERS=$WORKERS TOKENS=$TOKENS SIZES=\"$SIZES\" ITERS=$ITERS bench/ucx_fifos.sh"
+command="REPS=$REPS WORKERS=$WORKERS TOKENS=$TOKENS MLP_EPOCHS=$MLP_EPOCHS SIZES=\"$SIZES\" ITERS=$ITERS ROWS=$ROWS bench/ucx_fifos.sh"
 echo "$report"
 echo "load average before $load_before, after $load_after; $elapsed s"
 if $record; then
