@@ -190,27 +190,39 @@ struct UcxWorker {
   std::vector<std::byte> address;
 };
 
-/// UCX (1.13 at least) keeps shared memory and CMA away from endpoints
-/// that ask for peer error handling unless told they may claim it: the
-/// shared-memory FIFOs (sysv, posix) have no failure reporting of their own
-/// and CMA cannot invalidate a registration. Without these, every byte
-/// between two ranks on one host goes over TCP loopback (bench/RESULTS.md
-/// has by how much). Peer failure is still seen: UCX's keepalive checks that a local
-/// peer's process is alive, and the heartbeats here mark a silent peer
-/// lost. CMA's rendezvous has the receiver read the sender's buffer
-/// (get), so a peer found lost can at most read a send buffer of this
-/// rank, never write into its memory. A UCX_* variable the user set wins.
-void allow_shared_memory(ucp_config_t* config) {
+/// The transports between ranks of one host, unless the user named them
+/// (UCX_TLS): TCP for messages (loopback here) and CMA for large ones, not
+/// UCX's shared-memory FIFOs (posix, sysv). Those give each process ONE
+/// receive FIFO that all its local senders write into, in order: a sender
+/// killed between taking an element and marking it written leaves the
+/// receiver deaf to every sender from then on, and it takes live ranks for
+/// lost (tests/unit/test_comm_ucx.cpp, UcxKilledSender). A killed sender's
+/// TCP connection is its own, and the kernel resets it at once. What that
+/// costs against the FIFOs is in bench/RESULTS.md (issue 16's shm-deaf).
+///
+/// UCX 1.13 also keeps CMA, and the FIFOs where a user names them, away
+/// from endpoints that ask for peer error handling unless told they may
+/// claim them: CMA cannot invalidate a registration, the FIFOs have no
+/// failure reporting of their own. Peer failure is still seen: TCP's reset
+/// and UCX's keepalive, and the heartbeats here mark a silent peer lost.
+/// CMA's rendezvous has the receiver read the sender's buffer (get), so a
+/// peer found lost can at most read a send buffer of this rank, never write
+/// into its memory. A UCX_* variable the user set wins.
+void choose_transports(ucp_config_t* config) {
   const auto user_set = [](std::initializer_list<const char*> names) {
     return std::any_of(names.begin(), names.end(), [](const char* n) { return std::getenv(n) != nullptr; });
   };
+  // Every transport UCX finds (InfiniBand across hosts too) but the FIFOs.
+  if (!user_set({"UCX_TLS"})) ucp_config_modify(config, "TLS", "^posix,sysv");
+  // For a user who names posix or sysv in UCX_TLS, knowing the risk above.
   if (!user_set({"UCX_MM_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_POSIX_ERROR_HANDLING"})) {
     ucp_config_modify(config, "MM_ERROR_HANDLING", "y");  // unknown to another UCX: ignored
   }
   // CMA's memory domain reads its options without the CMA_ prefix.
   if (!user_set({"UCX_CMA_MEMORY_INVALIDATE"})) ucp_config_modify(config, "MEMORY_INVALIDATE", "y");
-  // A local peer that died is seen by that keepalive (a look at its
-  // process), every 20 s by default: every second, as TCP's reset was.
+  // A peer that died without a reset (a host gone, a cut link; a local one
+  // over the FIFOs) is seen by that keepalive every 20 s by default: every
+  // second instead.
   if (!user_set({"UCX_KEEPALIVE_INTERVAL"})) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
 }
 
@@ -222,7 +234,7 @@ Result<UcxWorker> open_worker() {
   ucs_status_t status = ucp_config_read(nullptr, nullptr, &read_config);
   if (status != UCS_OK) return ucx_error("reading the UCX configuration", status);
   const UcpConfig config(read_config);
-  allow_shared_memory(config.get());
+  choose_transports(config.get());
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
@@ -855,9 +867,10 @@ class UcxCommunicator final : public CommunicatorBase {
 
   /// Ends the requests of a collective that cannot finish, before the
   /// caller's buffers go away. Cancelling ends the receives nothing matched
-  /// yet, not a send or a receive under way: over shared memory nothing ever
-  /// fails those when the peer died (UCX's keepalive takes a dead process
-  /// that is not yet reaped for a live one), so the lost peer's endpoint is
+  /// yet, not a send or a receive under way: over UCX's shared-memory FIFOs
+  /// (where UCX_TLS names them) nothing ever fails those when the peer died
+  /// (UCX's keepalive takes a dead process that is not yet reaped for a live
+  /// one), nor over a cut link before the keepalive, so the lost peer's endpoint is
   /// closed by force, which ends everything on it with an error. What still
   /// involves a live peer gets a second, then that endpoint is closed too:
   /// the run is failing, and no request should outlive its buffer. A receive
