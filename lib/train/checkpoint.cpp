@@ -2,12 +2,14 @@
 
 #include "ckpt/safetensors.h"
 #include "core/atomic_file.h"
+#include "core/dir_lock.h"
 
 #include <fcntl.h>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include <algorithm>
 #include <chrono>
@@ -60,7 +62,8 @@ int64_t step_of(const std::string& name) {
 
 /// Keeps the newest `keep` checkpoints up to `current`. Checkpoints past
 /// `current` belong to a run that was abandoned when this one resumed from an
-/// earlier step, and temporary directories to writers that crashed: both go.
+/// earlier step, and temporary directories to writers that died or to this
+/// process's failed writes: both go.
 /// Best effort: a checkpoint that cannot be removed costs disk, not correctness.
 void prune_checkpoints(const fs::path& root, int64_t current, int keep) {
   std::error_code ec;
@@ -70,8 +73,11 @@ void prune_checkpoints(const fs::path& root, int64_t current, int keep) {
     const std::string name = it->path().filename().string();
     if (!it->is_directory(ec)) continue;
     const int64_t step = step_of(name);
-    if (name.starts_with(".step-") && name.find(".tmp-") != std::string::npos) {
-      doomed.push_back(it->path());
+    if (const auto tmp = name.find(".tmp-"); name.starts_with(".step-") && tmp != std::string::npos) {
+      // Another live process's write in progress (a second keeper of a
+      // split run) is its to finish or drop; a dead writer's is left over.
+      const int pid = std::atoi(name.c_str() + tmp + 5);
+      if (pid == ::getpid() || !process_alive(pid)) doomed.push_back(it->path());
     } else if (step > current) {
       doomed.push_back(it->path());
     } else if (step >= 0) {
@@ -198,8 +204,8 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
   for (size_t k = 0; k < data.wire_residuals.size(); ++k) {
     residual_files.push_back(wire_residual_file(static_cast<int>(k)));
     CFMO_TRY(ckpt::write_safetensors(temp_dir / residual_files.back().get<std::string>(),
-                               tensors_of(data.wire_residuals[k], ".wire_residual"),
-                               {{"cfmo.state", "wire_residual"}}));
+                                     tensors_of(data.wire_residuals[k], ".wire_residual"),
+                                     {{"cfmo.state", "wire_residual"}}));
   }
 
   nlohmann::ordered_json state = {{"format", "cfmo-checkpoint"},
@@ -331,8 +337,9 @@ bool negative(const TrainPosition& p) { return p.step < 0 || p.epoch < 0 || p.ba
 
 }  // namespace
 
-Result<TrainPosition> load_checkpoint(const fs::path& dir, model::Model& model, optim::Optimizer& optimizer, CheckpointWorld* world,
-                                      tensor::FloatBuffer* outer_momentum, tensor::FloatBuffer* outer_round_sum) {
+Result<TrainPosition> load_checkpoint(const fs::path& dir, model::Model& model, optim::Optimizer& optimizer,
+                                      CheckpointWorld* world, tensor::FloatBuffer* outer_momentum,
+                                      tensor::FloatBuffer* outer_round_sum) {
   const fs::path state_path = dir / "state.json";
   CFMO_ASSIGN_OR_RETURN(std::string text, read_file(state_path));
   TrainPosition position;

@@ -100,12 +100,19 @@ TEST(Checkpoint, ResumingFromAnEarlierStepDropsTheAbandonedFuture) {
   for (int64_t step : {1, 2, 3, 4, 5}) {
     ASSERT_TRUE(save_checkpoint(dir.path(), f.model, *f.optimizer, {step, 0, step, step, 0}, "", 10));
   }
-  fs::create_directories(dir / "checkpoints/.step-00000009.tmp-12345");  // left by a crashed writer
+  const pid_t dead = fork();  // a writer that crashed: its pid, reaped
+  if (dead == 0) _exit(0);
+  ASSERT_GT(dead, 0);
+  ASSERT_EQ(waitpid(dead, nullptr, 0), dead);
+  fs::create_directories(dir / fmt::format("checkpoints/.step-00000009.tmp-{}", dead));
+  // Another live process writing (a second keeper of a split run): its write is its own.
+  const std::string live = fmt::format(".step-00000010.tmp-{}", getppid());
+  fs::create_directories(dir / "checkpoints" / live);
   ASSERT_TRUE(save_checkpoint(dir.path(), f.model, *f.optimizer, {3, 0, 3, 3, 0}, "", 10));
   std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(dir / "checkpoints")) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"latest", "step-00000001", "step-00000002", "step-00000003"}));
+  EXPECT_EQ(names, (std::vector<std::string>{live, "latest", "step-00000001", "step-00000002", "step-00000003"}));
 }
 
 TEST(Checkpoint, KeepsTheWorldAndTheOuterMomentumOfSeveralWorkers) {
