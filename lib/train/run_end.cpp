@@ -38,6 +38,7 @@ Result<TrainSummary> TrainingRun::finish() {
     rank_states->send(keeper, RankStates::kFinal, std::move(state));
   }
   CFMO_TRY(gather_reports(own));
+  at_end = true;
   if (rank == keeper) take_up_keeping();
   if (rank == keeper || expert_parallel) CFMO_TRY(write_final_outputs());
   // This rank's passes are over (the final evaluation's too): async dispatch
