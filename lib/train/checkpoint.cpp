@@ -560,14 +560,9 @@ Status check_positions(const fs::path& dir, const TrainPosition& position, const
       return make_error(ErrorKind::kInput, "'{}': {}samples {} is more than {} steps of this data take", state, where,
                         p.samples, p.step);
     }
-    if (!std::isfinite(p.train_s) || p.train_s < 0) {
-      return make_error(ErrorKind::kInput, "'{}': {}train_s {} is not a duration", state, where, p.train_s);
-    }
-    total_steps = p.step > INT64_MAX - total_steps ? INT64_MAX : total_steps + p.step;
     return {};
   };
-  auto check = [&](const TrainPosition& p, const std::string& where, int rank) -> Status {
-    if (world.first_workers > 0 && world.first_workers != world.workers) return check_grown(p, where);
+  auto check_counts = [&](const TrainPosition& p, const std::string& where, int rank) -> Status {
     // The examples rank `rank` takes in the first `n` batches of an epoch (the last batches can be short or empty).
     auto samples_in = [&](int64_t n) {
       int64_t sum = 0;
@@ -592,6 +587,15 @@ Status check_positions(const fs::path& dir, const TrainPosition& position, const
         p.samples != p.epoch * samples_in(batches) + samples_in(p.batch_in_epoch)) {
       return make_error(ErrorKind::kInput, "'{}': {}samples {} is not what {} steps of this data take", state, where,
                         p.samples, p.step);
+    }
+    return {};
+  };
+  // A position's counters (a grown world's as such), its time, and the steps of all.
+  auto check = [&](const TrainPosition& p, const std::string& where, int rank) -> Status {
+    if (world.first_workers > 0 && world.first_workers != world.workers) {
+      CFMO_TRY(check_grown(p, where));
+    } else {
+      CFMO_TRY(check_counts(p, where, rank));
     }
     if (!std::isfinite(p.train_s) || p.train_s < 0) {
       return make_error(ErrorKind::kInput, "'{}': {}train_s {} is not a duration", state, where, p.train_s);

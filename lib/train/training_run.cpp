@@ -350,6 +350,8 @@ Status TrainingRun::make_mode_and_engine() {
   resume.start_samples = pos.samples;
   CFMO_ASSIGN_OR_RETURN(
       mode, make_mode(settings, comm, replicated_layout, replicated_part(model().parameters()), optim_config, resume));
+  // Whoever writes the summary lists every join of the run: a restarted or replaced keeper too.
+  if (world > 1 && mode->survives_losses()) join_log = std::make_unique<JoinLog>(*comm);
 
   // Where the arithmetic runs (--device). The host model and optimizer stay the
   // mirror the modes, checkpoints and deltas use; a CUDA engine copies to them
@@ -713,12 +715,24 @@ Status TrainingRun::announce_lost() {
                             {"joined_rank", r},
                             {"step", pos.step},
                             {"wall_s", joined.wall_s}}));
-    summary.joined.push_back(joined);
+    // (Merged: the keeper's list may have come with it already.)
+    summary.joined = merge_joins(summary.joined, {joined});
   }
-  for (const int r : comm->lost_ranks()) {
+  const auto lost = comm->lost_ranks();
+  for (const int r : lost) {
     // (A new rank lost before this rank read its join: its join is announced next time.)
     if (static_cast<size_t>(r) >= announced.size() || announced[static_cast<size_t>(r)]) continue;
     CFMO_TRY(announce_loss(r, comm->lost_reason(r), mode->shard_served_by(r)));
+  }
+  if (join_log) {
+    // The others' lists in, and this one to the keeper and its standby (the next live rank).
+    join_log->merge_received(summary.joined);
+    const int keeping = mode->keeper();
+    int standby = -1;
+    for (int r = keeping + 1; r < comm->size() && standby < 0; ++r) {
+      if (std::find(lost.begin(), lost.end(), r) == lost.end()) standby = r;
+    }
+    join_log->share(summary.joined, keeping, standby);
   }
   return {};
 }

@@ -23,6 +23,7 @@
 #include "train/data_source.h"
 #include "train/delta_writer.h"
 #include "train/device_engine.h"
+#include "train/join_log.h"
 #include "train/metrics_log.h"
 #include "train/rank_states.h"
 #include "train/run_clock.h"
@@ -202,9 +203,11 @@ struct TrainingRun {
   /// from its checkpoint), the same on every rank, however the world grew.
   int planned_world;
   const Clock::time_point process_start;
-  RunClock run_clock;                  ///< tells joiners the run's seconds; a joiner's own comes from it
-  double first_step_s = -1;            ///< a joiner: from process_start to the end of its first step
-  size_t joins_announced = 0;          ///< of comm->joined_ranks()
+  RunClock run_clock;          ///< tells joiners the run's seconds; a joiner's own comes from it
+  double first_step_s = -1;    ///< a joiner: from process_start to the end of its first step
+  size_t joins_announced = 0;  ///< of comm->joined_ranks()
+  /// The run's joins, shared with the keeper and its standby (null: a mode that survives no loss).
+  std::unique_ptr<JoinLog> join_log;
   std::string join_address_announced;  ///< comm->join_address() as last said
 
   // What the run trains, in the order they must be destroyed backwards (the

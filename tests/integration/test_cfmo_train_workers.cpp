@@ -747,6 +747,11 @@ TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAfte
   const auto j = last_json(slurp(dir / "out-1b"));
   ASSERT_FALSE(j.is_null()) << slurp(dir / "out-1b") << slurp(dir / "err-1b");
   EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({0})) << j.dump();
+  // The restarted keeper noticed no join itself (its own came before it):
+  // the join comes with the old keeper's list, which it got as the standby.
+  ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["joined"][0]["rank"], 1) << j.dump();
+  EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0) << j.dump();
   const int64_t killed_one = last_logged_samples(metrics1, "\"first_step_s\"");
   const int64_t killed_zero = last_logged_samples(dir / "run" / "metrics.jsonl");
   ASSERT_GE(killed_one, 3000 * 32);  // (an epoch of the synthetic data ends in a short batch)
@@ -962,7 +967,7 @@ TEST(CfmoTrainWorkers, ACfmoRunGrownByAJoinCheckpointsEveryRankAndResumesWithThr
     SCOPED_TRACE(workers);
     const fs::path out = dir / (std::string("resumed-") + workers);
     const RunResult resumed = run(args({"--workers", workers, "--mode", "cfmo", "--epochs", "0", "--time-limit", "3s",
-                                        "--resume", end.string(), "--out", out.string()}),
+                                        "--resume", end.string(), "--out", out.string(), "--no-quiet"}),
                                   300);
     ASSERT_EQ(resumed.status, 0) << resumed.err;
     EXPECT_EQ(resumed.err.find("redistributed") != std::string::npos, std::string(workers) == "2") << resumed.err;

@@ -4,6 +4,7 @@
 // --join` is one of UCX's (with real processes: test_cfmo_train_workers.cpp).
 #include "ckpt/safetensors.h"
 #include "comm/loopback.h"
+#include "train/join_log.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
 
@@ -202,8 +203,8 @@ TEST(GrownRun, LocalSgdCheckpointsEveryMemberAndResumesBitwiseWithTheGrownWorld)
   EXPECT_EQ(state_of(after).at("data_world"), 3);
   const auto final_params = model_of(dir.path() / "whole" / "model.safetensors");
 
-  for (const fs::path& from : {within, after}) {
-    if (from.empty()) continue;  // (a join later than the first epoch: only the second case)
+  // From the join's round (or the first after it) if it came in the first epoch, else from the next epoch.
+  for (const fs::path& from : {within.empty() ? after : within}) {
     SCOPED_TRACE(from.string());
     TrainConfig again = config;
     again.out = (dir.path() / ("again-" + from.filename().string())).string();
@@ -272,6 +273,51 @@ TEST(GrownRun, CfmoCheckpointsEveryRanksOwnStateAndResumesWithEitherWorld) {
     EXPECT_EQ(said[0]->all_notes().find("redistributed") != std::string::npos, workers == 2) << said[0]->all_notes();
     EXPECT_GT(resumed.summaries[0]->samples, 0);
   }
+}
+
+JoinedRank join(int rank, double wall_s, double first_step_s = -1) { return {rank, 0, wall_s, first_step_s}; }
+
+std::vector<std::pair<int, double>> ranks_and_times(const std::vector<JoinedRank>& joins) {
+  std::vector<std::pair<int, double>> out;
+  for (const auto& j : joins) out.emplace_back(j.rank, j.wall_s);
+  return out;
+}
+
+// Each rank's list of joins is a window of the run's sequence of them: two
+// merge at their overlap, whichever is older (a keeper restarted gets the
+// list of the run before it), a join noticed by both counted once.
+TEST(JoinLog, ListsOfJoinsMergeAtTheirOverlap) {
+  using Seen = std::vector<std::pair<int, double>>;
+  // The standby noticed the keeper's last join (a little later) and one more after the keeper was lost.
+  EXPECT_EQ(ranks_and_times(merge_joins({join(2, 5), join(3, 9)}, {join(3, 9.3), join(2, 20)})),
+            (Seen{{2, 5}, {3, 9}, {2, 20}}));
+  // A keeper restarted as rank 1 noticed joins from its start only; the list it receives is older.
+  EXPECT_EQ(ranks_and_times(merge_joins({join(1, 30)}, {join(2, 5), join(1, 12), join(1, 30.2)})),
+            (Seen{{2, 5}, {1, 12}, {1, 30.2}}));
+  // A rank's second join is another entry; the joiner's own first_step_s is kept.
+  const auto merged = merge_joins({join(1, 10)}, {join(1, 10.5, 1.25), join(1, 15)});
+  EXPECT_EQ(ranks_and_times(merged), (Seen{{1, 10}, {1, 15}}));
+  EXPECT_EQ(merged[0].first_step_s, 1.25);
+  // Disjoint: one after the other; the same list: itself.
+  EXPECT_EQ(merge_joins({join(2, 5)}, {join(3, 40)}).size(), 2u);
+  EXPECT_EQ(merge_joins({join(2, 5), join(3, 9)}, {join(2, 5), join(3, 9)}).size(), 2u);
+  EXPECT_TRUE(merge_joins({}, {}).empty());
+}
+
+// The keeper's list reaches its standby, which merges it into its own.
+TEST(JoinLog, TheKeepersListReachesItsStandby) {
+  auto world = comm::make_loopback_world(3, {.peer_timeout_s = 5});
+  JoinLog keeper(*world.ranks[0]);
+  JoinLog standby(*world.ranks[1]);
+  JoinLog other(*world.ranks[2]);
+  keeper.share({join(2, 5), join(2, 12)}, 0, 1);
+  ASSERT_TRUE(world.network->drain());
+  std::vector<JoinedRank> own = {join(2, 12.1)};
+  standby.merge_received(own);
+  EXPECT_EQ(ranks_and_times(own), (std::vector<std::pair<int, double>>{{2, 5}, {2, 12}}));
+  std::vector<JoinedRank> none;
+  other.merge_received(none);
+  EXPECT_TRUE(none.empty()) << "sent to the keeper and its standby only";
 }
 
 }  // namespace
