@@ -17,37 +17,28 @@ bool same_join(const JoinedRank& a, const JoinedRank& b) {
   return a.rank == b.rank && std::abs(a.wall_s - b.wall_s) < kSameJoinS;
 }
 
-/// `later` placed after the first entries of `earlier`: at the first offset
-/// where every entry both cover is the same join (at worst after its end).
-std::vector<JoinedRank> append_at_overlap(const std::vector<JoinedRank>& earlier,
-                                          const std::vector<JoinedRank>& later) {
-  for (size_t at = 0; at <= earlier.size(); ++at) {
-    bool fits = true;
-    for (size_t i = 0; fits && i < later.size() && at + i < earlier.size(); ++i) {
-      fits = same_join(earlier[at + i], later[i]);
-    }
-    if (!fits) continue;
-    std::vector<JoinedRank> out = earlier;
-    for (size_t i = 0; i < later.size(); ++i) {
-      if (at + i < out.size()) {
-        out[at + i].first_step_s = std::max(out[at + i].first_step_s, later[i].first_step_s);
-      } else {
-        out.push_back(later[i]);
-      }
-    }
-    return out;
-  }
-  return earlier;  // (not reached: at = earlier.size() always fits)
-}
-
 }  // namespace
 
 std::vector<JoinedRank> merge_joins(const std::vector<JoinedRank>& a, const std::vector<JoinedRank>& b) {
-  // Either may be the older window (a keeper restarted receives the list of
-  // the run before it): the order with the larger overlap.
-  auto ab = append_at_overlap(a, b);
-  auto ba = append_at_overlap(b, a);
-  return ba.size() < ab.size() ? ba : ab;
+  // The union, a join noticed in both once (its first notice, with the
+  // joiner's first_step_s where either knew it), in the order of the run's
+  // clock: robust whichever list is older and however they came to be merged.
+  std::vector<JoinedRank> out = a;
+  for (const JoinedRank& j : b) {
+    const auto seen = std::find_if(out.begin(), out.end(), [&](const JoinedRank& o) { return same_join(o, j); });
+    if (seen == out.end()) {
+      out.push_back(j);
+      continue;
+    }
+    seen->first_step_s = std::max(seen->first_step_s, j.first_step_s);
+    if (j.wall_s < seen->wall_s) {
+      seen->wall_s = j.wall_s;
+      seen->step = j.step;
+    }
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const JoinedRank& x, const JoinedRank& y) { return x.wall_s < y.wall_s; });
+  return out;
 }
 
 JoinLog::JoinLog(comm::Communicator& comm) : comm_(comm) {

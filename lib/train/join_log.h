@@ -8,18 +8,17 @@
 /// standby changed, and every rank merges what it receives: the keeper's
 /// list, or the standby's that outlived it, holds every join of the run.
 ///
-/// Each list is a window of the run's one sequence of joins (a rank notices
-/// every join from its start on, in the order the run took them), so two
-/// lists merge by their overlap (merge_joins): an entry of one is one of
-/// the other where the same rank joined within kSameJoinS of the other's
-/// notice (a join is noticed at each rank's next step; two joins of one rank
-/// need a loss and a new process between them).
+/// Two lists merge into their union (merge_joins): an entry of one is one
+/// of the other where the same rank joined within kSameJoinS of the other's
+/// notice (a join is noticed at each rank's next step, on the run's clock,
+/// which a joiner takes from the others; two joins of one rank need a loss
+/// and a new process between them), in the order of their times.
 ///
 /// Messages on channels::kJoins:
 ///   [u32 n] n x [i32 rank][i64 step][f64 wall_s][f64 first_step_s]
 ///
 /// Threads: the handler runs on the communicator's thread and queues the
-/// lists; the training thread takes them (take_received).
+/// lists; the training thread merges them (merge_received).
 
 #include "comm/communicator.h"
 #include "train/report.h"
@@ -32,9 +31,8 @@ namespace cfmo::train {
 /// Two notices of one join lie at most this far apart (seconds of the run's clock).
 inline constexpr double kSameJoinS = 2.0;
 
-/// `a` and `b`, two windows of the run's sequence of joins, as one: the
-/// entries of the two at their largest consistent overlap, in order (a
-/// first_step_s known in either kept).
+/// `a` and `b` as one list: every join of either once (at its first
+/// notice, a first_step_s known in either kept), ordered by wall_s.
 std::vector<JoinedRank> merge_joins(const std::vector<JoinedRank>& a, const std::vector<JoinedRank>& b);
 
 class JoinLog {

@@ -283,9 +283,9 @@ std::vector<std::pair<int, double>> ranks_and_times(const std::vector<JoinedRank
   return out;
 }
 
-// Each rank's list of joins is a window of the run's sequence of them: two
-// merge at their overlap, whichever is older (a keeper restarted gets the
-// list of the run before it), a join noticed by both counted once.
+// Two ranks' lists of joins merge into one, whichever is older (a keeper
+// restarted gets the list of the run before it), a join noticed by both
+// (within 2 s of each other) counted once, in the order of their times.
 TEST(JoinLog, ListsOfJoinsMergeAtTheirOverlap) {
   using Seen = std::vector<std::pair<int, double>>;
   // The standby noticed the keeper's last join (a little later) and one more after the keeper was lost.
@@ -293,7 +293,10 @@ TEST(JoinLog, ListsOfJoinsMergeAtTheirOverlap) {
             (Seen{{2, 5}, {3, 9}, {2, 20}}));
   // A keeper restarted as rank 1 noticed joins from its start only; the list it receives is older.
   EXPECT_EQ(ranks_and_times(merge_joins({join(1, 30)}, {join(2, 5), join(1, 12), join(1, 30.2)})),
-            (Seen{{2, 5}, {1, 12}, {1, 30.2}}));
+            (Seen{{2, 5}, {1, 12}, {1, 30}}));
+  // As a keeper saw them: its own later notice of a join that a rank behind it on the clock listed.
+  EXPECT_EQ(ranks_and_times(merge_joins({join(3, 8.53)}, {join(2, 7.05), join(3, 8.03)})),
+            (Seen{{2, 7.05}, {3, 8.03}}));
   // A rank's second join is another entry; the joiner's own first_step_s is kept.
   const auto merged = merge_joins({join(1, 10)}, {join(1, 10.5, 1.25), join(1, 15)});
   EXPECT_EQ(ranks_and_times(merged), (Seen{{1, 10}, {1, 15}}));
