@@ -62,7 +62,21 @@ TrainingRun::TrainingRun(const TrainConfig& config, const TrainPlan& plan, const
       planned_world(joining && options.first_world > 0 ? options.first_world : world),
       process_start(options.process_start.value_or(Clock::now())),
       run_clock(comm, run_start, joining),
-      announced(static_cast<size_t>(world), false) {}
+      announced(static_cast<size_t>(world), false) {
+  if (comm != nullptr && world > 1) {
+    comm->on_message(channels::kReport, [this](int, std::span<const std::byte> payload) {
+      auto report =
+          WorkerReport::from_json(std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
+      if (!report) return;
+      std::lock_guard lock(reports_mutex);
+      reports.push_back(std::move(*report));
+    });
+  }
+}
+
+TrainingRun::~TrainingRun() {
+  if (comm != nullptr && world > 1) comm->on_message(channels::kReport, nullptr);
+}
 
 Status TrainingRun::set_up() {
   tensor::ops::set_num_threads(config.threads);

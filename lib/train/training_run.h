@@ -33,6 +33,7 @@
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -45,6 +46,9 @@ using cfmo::seconds_since;
 
 struct TrainingRun {
   TrainingRun(const TrainConfig& config, const TrainPlan& plan, const TrainOptions& options);
+  TrainingRun(const TrainingRun&) = delete;
+  TrainingRun& operator=(const TrainingRun&) = delete;
+  ~TrainingRun();
 
   Status set_up();
   Status run_loop();
@@ -77,6 +81,11 @@ struct TrainingRun {
   WorkerReport own_report(const ModeStats& mode_stats, int64_t deltas_written, int64_t deltas_skipped) const;
   /// Every worker's report goes to the keeper, which waits for the live ones.
   Status gather_reports(const WorkerReport& own);
+  /// The reports received (channels::kReport): taken from the start, on every
+  /// rank (any may come to keep the run), since a worker that finishes first
+  /// sends its report before the keeper is done with its own last round.
+  std::mutex reports_mutex;
+  std::vector<WorkerReport> reports;
   /// The keeper: the final evaluation, checkpoint, model and its config.json.
   Status write_final_outputs();
   /// The summary's figures over all workers.

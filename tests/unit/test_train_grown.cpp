@@ -241,6 +241,9 @@ TEST(GrownRun, CfmoCheckpointsEveryRanksOwnStateAndResumesWithEitherWorld) {
     EXPECT_TRUE(whole.summaries[r]) << r << ": " << whole.summaries[r].error().message;
   }
   for (size_t r = 0; r < whole.summaries.size(); ++r) ASSERT_TRUE(whole.summaries[r]);
+  // Every worker's report reached the keeper (one that finished first too: its report came before the keeper's end).
+  EXPECT_EQ(whole.summaries[0]->per_worker.size(), 3u);
+  EXPECT_EQ(whole.summaries[0]->workers, 3);
   // The joiner's schedule is the members': its rate at a step is theirs there.
   ASSERT_FALSE(observers[2]->lr.empty());
   for (const auto& [step, lr] : observers[2]->lr) {
