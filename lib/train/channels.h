@@ -25,5 +25,6 @@ inline constexpr comm::Channel kRankState{20};  ///< cfmo/asgd: each rank's own 
 inline constexpr comm::Channel kRunClock{21};   ///< a joiner asks the run's seconds so far (run_clock.h)
 inline constexpr comm::Channel kSampleCounts{
     22};  ///< cfmo/asgd: the keeper's counts of replaced processes' samples, to its standby
+inline constexpr comm::Channel kJoins{23};  ///< each rank's list of the run's joins, to the keeper and its standby
 
 }  // namespace cfmo::train::channels

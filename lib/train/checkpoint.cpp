@@ -111,13 +111,19 @@ CheckpointData checkpoint_data(const model::Model& model, optim::Optimizer& opti
 
 namespace {
 
-nlohmann::ordered_json position_json(const TrainPosition& p) {
-  return {{"step", p.step},
-          {"epoch", p.epoch},
-          {"batch_in_epoch", p.batch_in_epoch},
-          {"samples", p.samples},
-          {"train_s", p.train_s}};
+/// A position; of a grown world (`grown`), with the cut of its epoch.
+nlohmann::ordered_json position_json(const TrainPosition& p, bool grown) {
+  nlohmann::ordered_json out = {{"step", p.step},
+                                {"epoch", p.epoch},
+                                {"batch_in_epoch", p.batch_in_epoch},
+                                {"samples", p.samples},
+                                {"train_s", p.train_s}};
+  if (grown && p.data_world > 0) out["data_world"] = p.data_world;
+  return out;
 }
+
+/// Whether a checkpoint's world grew by joins since the run started.
+bool grew(const CheckpointWorld& w) { return w.first_workers > 0 && w.first_workers != w.workers; }
 
 /// Puts `temp_dir` where `final_dir` is: a rename, or, when a checkpoint of
 /// the same step is there already (a resumed run that stopped where it began,
@@ -219,11 +225,17 @@ Result<fs::path> write_checkpoint(const fs::path& run_dir, const std::string& mo
                                   {"optimizer", data.optimizer_name},
                                   {"optimizer_steps", data.optimizer_steps},
                                   {"workers", data.world.workers}};
+  const bool grown = grew(data.world);
+  if (grown) {
+    // The world the run started with (its plan), and the cut of this position's epoch.
+    state["first_workers"] = data.world.first_workers;
+    if (position.data_world > 0) state["data_world"] = position.data_world;
+  }
   if (!data.world.mode.empty()) state["mode"] = data.world.mode;
   if (data.world.batch_size > 0) state["batch_size"] = data.world.batch_size;
   if (!data.world.ranks.empty()) {
     nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
-    for (const auto& p : data.world.ranks) ranks.push_back(position_json(p));
+    for (const auto& p : data.world.ranks) ranks.push_back(position_json(p, grown));
     state["ranks"] = ranks;
   }
   if (!data.world.shard_optimizer_steps.empty()) state["shard_optimizer_steps"] = data.world.shard_optimizer_steps;
@@ -330,10 +342,13 @@ TrainPosition position_from(const nlohmann::json& j) {
   p.batch_in_epoch = j.at("batch_in_epoch").get<int64_t>();
   p.samples = j.at("samples").get<int64_t>();
   p.train_s = j.at("train_s").get<double>();
+  p.data_world = j.value("data_world", int64_t{0});
   return p;
 }
 
-bool negative(const TrainPosition& p) { return p.step < 0 || p.epoch < 0 || p.batch_in_epoch < 0 || p.samples < 0; }
+bool negative(const TrainPosition& p) {
+  return p.step < 0 || p.epoch < 0 || p.batch_in_epoch < 0 || p.samples < 0 || p.data_world < 0;
+}
 
 }  // namespace
 
@@ -359,6 +374,7 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, model::Model& model, 
     model_name = state.value("model", std::string());
     optimizer_steps = state.at("optimizer_steps").get<int64_t>();
     recorded.workers = state.value("workers", 1);
+    recorded.first_workers = state.value("first_workers", 0);
     recorded.mode = state.value("mode", std::string());
     recorded.batch_size = state.value("batch_size", 0);
     if (state.contains("ranks")) {
@@ -401,6 +417,18 @@ Result<TrainPosition> load_checkpoint(const fs::path& dir, model::Model& model, 
   }
   if (negative(position) || bad_ranks) {
     return make_error(ErrorKind::kInput, "'{}': negative counters", state_path.string());
+  }
+  // A grown world's cuts lie between the ranks it started with and those it has.
+  auto cut_outside = [&](const TrainPosition& p) {
+    return p.data_world != 0 &&
+           (!grew(recorded) || p.data_world < recorded.first_workers || p.data_world > recorded.workers);
+  };
+  if (recorded.first_workers < 0 || recorded.first_workers > recorded.workers || cut_outside(position) ||
+      std::any_of(recorded.ranks.begin(), recorded.ranks.end(), cut_outside)) {
+    return make_error(ErrorKind::kInput,
+                      "'{}': first_workers and data_world must lie between 1 and workers ({}), data_world only "
+                      "where first_workers is below workers",
+                      state_path.string(), recorded.workers);
   }
   if (recorded.workers < 1 || recorded.batch_size < 0 ||
       (!recorded.ranks.empty() && recorded.ranks.size() != static_cast<size_t>(recorded.workers)) ||
@@ -508,8 +536,40 @@ Status check_positions(const fs::path& dir, const TrainPosition& position, const
   const std::string state = (dir / "state.json").string();
   const int64_t global_batch = static_cast<int64_t>(batch) * world.workers;
   const int64_t batches = (examples + global_batch - 1) / global_batch;  // an epoch's
+  auto batches_of = [&](int64_t ranks) {
+    const int64_t cut = static_cast<int64_t>(batch) * ranks;
+    return (examples + cut - 1) / cut;
+  };
   int64_t total_steps = 0;
-  auto check = [&](const TrainPosition& p, const std::string& where, int rank) -> Status {
+  auto check_grown = [&](const TrainPosition& p, const std::string& where) -> Status {
+    // Each epoch was cut among first_workers to workers ranks, as this rank
+    // took the world's growth up (a joiner of cfmo from its own start, of a
+    // lockstep group with the members' position): its epochs had between
+    // the grown world's batches and the first world's each.
+    const int64_t cut = p.data_world > 0 ? p.data_world : world.workers;
+    const int64_t fewest = batches_of(world.workers);
+    const int64_t most = batches_of(world.first_workers);
+    if (p.batch_in_epoch > batches_of(cut)) {
+      return make_error(ErrorKind::kInput, "'{}': {}batch_in_epoch {} is past the end of an epoch ({} batches of {})",
+                        state, where, p.batch_in_epoch, batches_of(cut), static_cast<int64_t>(batch) * cut);
+    }
+    // (epoch <= step / fewest first: the products below then do not overflow, but the longest may.)
+    const int64_t longest = p.epoch > INT64_MAX / most ? INT64_MAX : p.epoch * most;
+    if (p.epoch > p.step / fewest || p.step - p.batch_in_epoch < p.epoch * fewest ||
+        p.step - p.batch_in_epoch > longest) {
+      return make_error(ErrorKind::kInput,
+                        "'{}': {}step {} is not epoch {} x {} to {} batches + batch_in_epoch {} (the data has {} "
+                        "examples, the world grew from {} to {} ranks)",
+                        state, where, p.step, p.epoch, fewest, most, p.batch_in_epoch, examples, world.first_workers,
+                        world.workers);
+    }
+    if (p.step > INT64_MAX / std::max(batch, 1) || p.samples > p.step * batch) {
+      return make_error(ErrorKind::kInput, "'{}': {}samples {} is more than {} steps of this data take", state, where,
+                        p.samples, p.step);
+    }
+    return {};
+  };
+  auto check_counts = [&](const TrainPosition& p, const std::string& where, int rank) -> Status {
     // The examples rank `rank` takes in the first `n` batches of an epoch (the last batches can be short or empty).
     auto samples_in = [&](int64_t n) {
       int64_t sum = 0;
@@ -534,6 +594,15 @@ Status check_positions(const fs::path& dir, const TrainPosition& position, const
         p.samples != p.epoch * samples_in(batches) + samples_in(p.batch_in_epoch)) {
       return make_error(ErrorKind::kInput, "'{}': {}samples {} is not what {} steps of this data take", state, where,
                         p.samples, p.step);
+    }
+    return {};
+  };
+  // A position's counters (a grown world's as such), its time, and the steps of all.
+  auto check = [&](const TrainPosition& p, const std::string& where, int rank) -> Status {
+    if (world.first_workers > 0 && world.first_workers != world.workers) {
+      CFMO_TRY(check_grown(p, where));
+    } else {
+      CFMO_TRY(check_counts(p, where, rank));
     }
     if (!std::isfinite(p.train_s) || p.train_s < 0) {
       return make_error(ErrorKind::kInput, "'{}': {}train_s {} is not a duration", state, where, p.train_s);

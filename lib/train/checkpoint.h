@@ -42,14 +42,17 @@ struct TrainPosition {
   /// The ranks this epoch's global batches are cut among (the world, grown
   /// at an epoch's start by the ranks that joined: a joiner of a lockstep
   /// group takes its members' cut from its welcome); 0: the run's workers.
-  /// Not in a checkpoint's state.json.
+  /// In a checkpoint's state.json only where the run grew.
   int64_t data_world = 0;
 };
 
 /// How the run that wrote a checkpoint was distributed. An older checkpoint
 /// says nothing of it: workers 1, mode empty, batch_size 0.
 struct CheckpointWorld {
-  int workers = 1;
+  int workers = 1;  ///< the ranks recorded: the world at the checkpoint (grown by joins)
+  /// A run that grew by joins: the ranks it started with, for which its
+  /// length, budget and learning-rate schedule were planned; 0: `workers`.
+  int first_workers = 0;
   std::string mode;                            ///< empty: not recorded
   int batch_size = 0;                          ///< 0: not recorded
   std::vector<TrainPosition> ranks;            ///< cfmo, asgd: each rank's; empty: every rank at the position
@@ -175,7 +178,11 @@ Result<tensor::FloatBuffer> load_wire_residual(const std::filesystem::path& chec
 /// next epoch's start),
 /// step = epoch x batches an epoch + batch_in_epoch, samples those steps'
 /// examples, optimizer steps no more than the steps; errors are kInput
-/// naming state.json and the field.
+/// naming state.json and the field. A grown world's (`first_workers`) epochs
+/// were cut among first_workers to workers ranks, each epoch's cut as a
+/// rank saw it: there batch_in_epoch is checked against the position's own
+/// cut (data_world), step against the fewest and the most batches an epoch
+/// can have, and samples as at most those steps' examples.
 Status check_positions(const std::filesystem::path& checkpoint_dir, const TrainPosition& position,
                        const CheckpointWorld& world, int64_t optimizer_steps, int64_t examples, int batch);
 

@@ -4,7 +4,7 @@ namespace cfmo::train {
 
 Result<std::unique_ptr<comm::Communicator>> connect_run(TrainConfig& config,
                                                         const std::optional<comm::WorldInfo>& world,
-                                                        const std::string& config_toml) {
+                                                        const std::string& config_toml, int* first_world) {
   comm::WorldOptions connect;
   connect.rendezvous = config.rendezvous;
   connect.peer_timeout_s = config.peer_timeout;
@@ -18,6 +18,9 @@ Result<std::unique_ptr<comm::Communicator>> connect_run(TrainConfig& config,
   connect.first_size = &first_size;
   CFMO_ASSIGN_OR_RETURN(auto connected, comm::connect_world(world, connect));
   if (connected->joined()) fit_owners_to_run(config, first_size);
+  // A joiner plans the run's length and learning-rate schedule for the world
+  // the others planned them for, not the one it grew (TrainingRun::plan_length).
+  if (first_world != nullptr) *first_world = connected->joined() ? first_size : 0;
   return connected;
 }
 

@@ -17,9 +17,10 @@ namespace cfmo::train {
 /// Connects this process of `world` (or a --join) under `config`, whose
 /// TOML is `config_toml`: rank 0 shows it to joiners, a joiner declines a
 /// run whose own differs (check_join_fits). A joiner's --owners becomes the
-/// run's (fit_owners_to_run).
+/// run's (fit_owners_to_run), and `first_world`, when given, the ranks the
+/// run started with (TrainOptions::first_world; 0 for a process that did not join).
 Result<std::unique_ptr<comm::Communicator>> connect_run(TrainConfig& config,
                                                         const std::optional<comm::WorldInfo>& world,
-                                                        const std::string& config_toml);
+                                                        const std::string& config_toml, int* first_world = nullptr);
 
 }  // namespace cfmo::train

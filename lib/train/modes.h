@@ -231,6 +231,9 @@ class Mode {
   /// Lockstep modes that survive losses: the workers of the group now, in
   /// rank order (the trainer's shares of a global batch); empty: every rank.
   virtual std::vector<int> members() const { return {}; }
+  /// Lockstep modes that survive losses: the members that made the last
+  /// reconciliation (a rank taken in at it has nothing of it yet); empty: every rank.
+  virtual std::vector<int> round_members() const { return members(); }
 };
 
 /// What the trainer needs to know of a mode with several workers, before

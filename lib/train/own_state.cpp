@@ -115,12 +115,34 @@ std::vector<std::vector<std::byte>> TrainingRun::final_rank_states() {
   return rank_states->take(RankStates::kFinal);
 }
 
-Status TrainingRun::add_rank_states(CheckpointData& data, std::vector<std::vector<std::byte>> states) {
-  states.resize(static_cast<size_t>(world));
+std::vector<std::vector<std::byte>> TrainingRun::member_states() {
+  if (at_end) return final_rank_states();
+  // The members that made this round sent theirs at its step, before their
+  // next round, which waits for this rank (the group's leader) anyway; a
+  // rank taken in at it has nothing of it, a lost one never answers.
+  const uint64_t id = RankStates::at_step(pos.step);
+  const auto made = mode->round_members();
+  const auto deadline = Clock::now() + std::chrono::duration<double>(2 * config.peer_timeout);
+  for (;;) {
+    auto skip = comm->lost_ranks();
+    for (int r = 0; r < comm->size(); ++r) {
+      if (!made.empty() && std::find(made.begin(), made.end(), r) == made.end()) skip.push_back(r);
+    }
+    if (rank_states->complete(id, skip) || Clock::now() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return rank_states->take(id);
+}
+
+Status TrainingRun::add_rank_states(CheckpointData& data, std::vector<std::vector<std::byte>> states,
+                                    const std::vector<int>& fresh) {
+  // Every rank of the world now: one that grew by joins has more than it started with.
+  const int ranks = data.world.workers;
+  states.resize(static_cast<size_t>(ranks));
   CFMO_ASSIGN_OR_RETURN(states[static_cast<size_t>(rank)], own_state());
-  std::vector<std::optional<OwnState>> got(static_cast<size_t>(world));
-  std::vector<std::vector<std::byte>> experts(static_cast<size_t>(world));
-  for (int r = 0; r < world; ++r) {
+  std::vector<std::optional<OwnState>> got(static_cast<size_t>(ranks));
+  std::vector<std::vector<std::byte>> experts(static_cast<size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
     const auto& bytes = states[static_cast<size_t>(r)];
     if (bytes.empty()) continue;
     OwnState s;
@@ -137,20 +159,31 @@ Status TrainingRun::add_rank_states(CheckpointData& data, std::vector<std::vecto
     CFMO_ASSIGN_OR_RETURN(whole_model, assemble_whole_model(data, experts));
   }
   const size_t size = data.params.size();
-  if (data.world.ranks.size() != static_cast<size_t>(world)) data.world.ranks.assign(static_cast<size_t>(world), pos);
+  // The asynchronous modes' ranks each have a position of their own (a rank
+  // the owners' snapshot did not know yet: the keeper's, until it answers);
+  // a lockstep group's share the keeper's.
+  if (async) data.world.ranks.resize(static_cast<size_t>(ranks), pos);
   if (!mode->wire_residual().empty())
-    data.wire_residuals.assign(static_cast<size_t>(world), tensor::FloatBuffer(size, 0.0f));
+    data.wire_residuals.assign(static_cast<size_t>(ranks), tensor::FloatBuffer(size, 0.0f));
   const bool own_optimizers = !traits.owners_optimize;
   if (own_optimizers) {
     // A rank that did not answer keeps the keeper's inner state (as before
     // these messages): the whole of it, experts included, is the base.
-    data.rank_optimizer_state.assign(static_cast<size_t>(world - 1), data.optimizer_state);
-    data.world.rank_optimizer_steps.assign(static_cast<size_t>(world), data.optimizer_steps);
+    data.rank_optimizer_state.assign(static_cast<size_t>(ranks - 1), data.optimizer_state);
+    data.world.rank_optimizer_steps.assign(static_cast<size_t>(ranks), data.optimizer_steps);
   }
-  for (int r = 0; r < world; ++r) {
+  for (const int r : fresh) {
+    // Taken in at this round: its inner optimizer starts afresh (no steps, zero state).
+    if (!own_optimizers || r <= 0 || r >= ranks || got[static_cast<size_t>(r)]) continue;
+    for (auto& [name, buffer] : data.rank_optimizer_state[static_cast<size_t>(r) - 1]) {
+      std::fill(buffer.begin(), buffer.end(), 0.0f);
+    }
+    data.world.rank_optimizer_steps[static_cast<size_t>(r)] = 0;
+  }
+  for (int r = 0; r < ranks; ++r) {
     const auto& s = got[static_cast<size_t>(r)];
     if (!s) continue;
-    data.world.ranks[static_cast<size_t>(r)] = s->position;
+    if (async) data.world.ranks[static_cast<size_t>(r)] = s->position;
     if (!data.wire_residuals.empty()) {
       std::copy(s->residual.begin(), s->residual.end(), data.wire_residuals[static_cast<size_t>(r)].begin());
     }

@@ -84,7 +84,10 @@ void RankStates::on_message(int from, std::span<const std::byte> m) {
     return;
   }
   // An answer to an older request, or to a keeper before this one, is stale.
-  if (kind != kState || m.empty() || (id != current_ && id != kFinal)) return;
+  if (kind != kState || m.empty() || (id != current_ && id != kFinal && !is_at_step(id))) return;
+  // States sent at a step: an earlier step's that the keeper did not take (it
+  // was not writing then) are stale once a later one comes.
+  if (is_at_step(id)) std::erase_if(answers_, [id](const auto& a) { return is_at_step(a.first) && a.first < id; });
   auto& answers = answers_[id];
   answers.resize(std::max(answers.size(), static_cast<size_t>(comm_.size())));
   if (static_cast<size_t>(from) >= answers.size()) return;

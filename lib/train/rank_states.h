@@ -6,6 +6,9 @@
 /// inner optimizer state and steps, its error feedback, its position; with
 /// --expert-parallel its experts and their optimizer state). At the run's
 /// end every rank sends its last state to the keeper unasked (id kFinal).
+/// localsgd with --elastic, whose checkpoints fall at a round's end, the same
+/// step on every member: each member sends its state there unasked (id
+/// at_step(step)), and the keeper waits for the members of that round.
 ///
 /// Messages:
 ///   [u32 0: request][u64 id]        the keeper to every other rank
@@ -30,6 +33,8 @@ class RankStates {
  public:
   /// The id of a rank's last state, sent at the end without a request.
   static constexpr uint64_t kFinal = UINT64_MAX;
+  /// The id of a state sent unasked at `step` (a lockstep group's checkpoint).
+  static constexpr uint64_t at_step(int64_t step) { return kAtStep | static_cast<uint64_t>(step); }
 
   explicit RankStates(comm::Communicator& comm);
   RankStates(const RankStates&) = delete;
@@ -49,6 +54,8 @@ class RankStates {
   std::vector<std::vector<std::byte>> take(uint64_t id);
 
  private:
+  static constexpr uint64_t kAtStep = uint64_t{1} << 62;
+  static bool is_at_step(uint64_t id) { return id != kFinal && (id & kAtStep) != 0; }
   static constexpr uint32_t kRequest = 0;
   static constexpr uint32_t kState = 1;
 

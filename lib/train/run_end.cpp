@@ -38,6 +38,7 @@ Result<TrainSummary> TrainingRun::finish() {
     rank_states->send(keeper, RankStates::kFinal, std::move(state));
   }
   CFMO_TRY(gather_reports(own));
+  at_end = true;
   if (rank == keeper) take_up_keeping();
   if (rank == keeper || expert_parallel) CFMO_TRY(write_final_outputs());
   // This rank's passes are over (the final evaluation's too): async dispatch
@@ -99,16 +100,8 @@ WorkerReport TrainingRun::own_report(const ModeStats& mode_stats, int64_t deltas
 
 Status TrainingRun::gather_reports(const WorkerReport& own) {
   if (comm == nullptr || world <= 1) return {};
-  std::mutex reports_mutex;
-  std::vector<WorkerReport> reports;
   if (rank == keeper) {
-    comm->on_message(channels::kReport, [&](int, std::span<const std::byte> payload) {
-      auto report =
-          WorkerReport::from_json(std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
-      if (!report) return;
-      std::lock_guard lock(reports_mutex);
-      reports.push_back(std::move(*report));
-    });
+    // (The handler, registered from the start: TrainingRun's constructor.)
     const auto deadline = Clock::now() + std::chrono::duration<double>(config.peer_timeout * 2);
     for (;;) {
       const auto lost = comm->lost_ranks();
@@ -119,7 +112,6 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
-    comm->on_message(channels::kReport, nullptr);
     std::lock_guard lock(reports_mutex);
     for (auto& r : reports) summary.per_worker.push_back(std::move(r));
     std::sort(summary.per_worker.begin(), summary.per_worker.end(),

@@ -283,9 +283,9 @@ Status TrainingRun::at_step_end() {
       last_eval_step = pos.step;
     }
     take_up_keeping();
-    checkpoint_due = checkpoints || gathers_optimizers || joins_checkpoints;
-  } else if ((checkpoints || gathers_optimizers || joins_checkpoints) && config.checkpoint_every > 0 &&
-             pos.step % config.checkpoint_every == 0) {
+    checkpoint_due = checkpoints || gathers_optimizers || joins_checkpoints || gives_own_state;
+  } else if ((checkpoints || gathers_optimizers || joins_checkpoints || gives_own_state) &&
+             config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {
     checkpoint_due = true;
   }
   if (async && !checkpoints && config.checkpoint_every > 0 && pos.step % config.checkpoint_every == 0) {

@@ -63,6 +63,9 @@ struct TrainOptions {
   TrainObserver* observer = nullptr;
   comm::Communicator* comm = nullptr;  ///< the other workers; null for a single worker
   int local_rank = -1;           ///< this worker's index on its host (comm/world.h); -1: its rank
+  /// A joiner: the ranks the run started with (connect_run), for which the
+  /// run planned its length and learning-rate schedule; 0: comm's size.
+  int first_world = 0;
   /// When this process started (a joiner's first_step_s counts from it); default: when train() starts.
   std::optional<std::chrono::steady_clock::time_point> process_start;
 };

@@ -59,9 +59,24 @@ TrainingRun::TrainingRun(const TrainConfig& config, const TrainPlan& plan, const
       async(world > 1 && traits.asynchronous),
       expert_parallel(world > 1 && config.expert_parallel),
       joining(comm != nullptr && comm->joined()),
+      planned_world(joining && options.first_world > 0 ? options.first_world : world),
       process_start(options.process_start.value_or(Clock::now())),
       run_clock(comm, run_start, joining),
-      announced(static_cast<size_t>(world), false) {}
+      announced(static_cast<size_t>(world), false) {
+  if (comm != nullptr && world > 1) {
+    comm->on_message(channels::kReport, [this](int, std::span<const std::byte> payload) {
+      auto report =
+          WorkerReport::from_json(std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
+      if (!report) return;
+      std::lock_guard lock(reports_mutex);
+      reports.push_back(std::move(*report));
+    });
+  }
+}
+
+TrainingRun::~TrainingRun() {
+  if (comm != nullptr && world > 1) comm->on_message(channels::kReport, nullptr);
+}
 
 Status TrainingRun::set_up() {
   tensor::ops::set_num_threads(config.threads);
@@ -189,9 +204,12 @@ Status TrainingRun::resume_from_checkpoint() {
   CFMO_TRY(check_positions(options.resume, pos, saved, optimizer->step_count(), train_examples, config.batch_size));
   if (saved.workers != world) {
     CFMO_TRY(redistribute(saved));
-  } else if (!saved.ranks.empty()) {
+  } else {
     // Every rank starts from the global parameters; in cfmo and asgd each at its own position.
-    pos = saved.ranks[static_cast<size_t>(rank)];
+    if (!saved.ranks.empty()) pos = saved.ranks[static_cast<size_t>(rank)];
+    // A grown world resumed whole: its plan stays the first world's, and each
+    // rank's epoch keeps its cut (plan_length) until the next epoch's start.
+    if (saved.first_workers > 0) planned_world = saved.first_workers;
   }
   // localsgd, cfmo: each rank with its own inner optimizer state (rank 0's is
   // the checkpoint's optimizer.safetensors; with --expert-parallel the file
@@ -228,9 +246,13 @@ Status TrainingRun::redistribute(const CheckpointWorld& saved) {
   // takes its shard of it; the positions count global batches of the old
   // world and are recounted in the new one's.
   const int batch_size = saved.batch_size > 0 ? saved.batch_size : config.batch_size;
-  const int64_t from_batch = static_cast<int64_t>(batch_size) * saved.workers;
+  // A grown world's position counts global batches of its epoch's own cut.
+  const TrainPosition& first = saved.ranks.empty() ? pos : saved.ranks[0];
+  const int64_t from_batch =
+      static_cast<int64_t>(batch_size) * (first.data_world > 0 ? first.data_world : saved.workers);
   const int64_t to_batch = static_cast<int64_t>(config.batch_size) * world;
-  const TrainPosition base = regrid(saved.ranks.empty() ? pos : saved.ranks[0], from_batch, to_batch, train_examples);
+  TrainPosition base = regrid(first, from_batch, to_batch, train_examples);
+  base.data_world = 0;  // this world's cut
   pos = base;
   if (!saved.ranks.empty() && world > 1) {
     // The asynchronous modes' shared budget counts the ranks' samples: the
@@ -254,9 +276,13 @@ Status TrainingRun::redistribute(const CheckpointWorld& saved) {
     owners.owners = config.owners;
     const int shards = traits.asynchronous ? owner_count(owners, world) : world;
     observer().on_note(
-        fmt::format("--resume '{}': written by {} worker(s), resumed with {}: the global state is "
+        fmt::format("--resume '{}': written by {} worker(s){}, resumed with {}: the global state is "
                     "redistributed over {} shard(s) and every rank continues at epoch {}, batch {}",
-                    options.resume.string(), saved.workers, world, shards, base.epoch, base.batch_in_epoch));
+                    options.resume.string(), saved.workers,
+                    saved.first_workers > 0 && saved.first_workers != saved.workers
+                        ? fmt::format(" (a run grown from {} by joins)", saved.first_workers)
+                        : "",
+                    world, shards, base.epoch, base.batch_in_epoch));
   }
   return {};
 }
@@ -266,12 +292,16 @@ Status TrainingRun::plan_length() {
   // world x batch examples; rank k takes the k-th slice of each. With sync,
   // a step of W workers therefore sees exactly one worker's batch of W x B.
   batch = config.batch_size;
-  global_batch = static_cast<int64_t>(batch) * world;
-  batches_per_epoch = (train_examples + global_batch - 1) / global_batch;
-  data_world = world;
-  pos.data_world = data_world;
-  // A rank's saved position at the very end of an epoch continues with the next one.
-  if (!options.resume.empty()) pos = resume_position(pos, batches_per_epoch);
+  // A rank of a resumed grown world finishes its epoch with the cut it had
+  // (as it would have, uninterrupted); the next epoch's is the whole world's.
+  const bool resumed_cut = !options.resume.empty() && pos.data_world > 0 && pos.data_world < world;
+  cut_batches(resumed_cut ? static_cast<int>(pos.data_world) : world);
+  if (!options.resume.empty()) {
+    // A rank's saved position at the very end of an epoch continues with the next one.
+    const bool epoch_ended = pos.batch_in_epoch == batches_per_epoch;
+    pos = resume_position(pos, batches_per_epoch);
+    if (epoch_ended && resumed_cut) cut_batches(world);
+  }
   // --tokens: a budget of training tokens, as windows of the model's context (rounded up).
   token_windows = config.tokens > 0 && context > 0 ? (config.tokens + context - 1) / context : 0;
   token_steps = token_windows > 0 ? (token_windows + global_batch - 1) / global_batch : 0;
@@ -290,18 +320,26 @@ Status TrainingRun::plan_length() {
   settings.elastic = config.elastic;
   settings.deterministic = config.deterministic && async;
   settings.hold_replies = config.reply_hold == "round";
-  int64_t schedule_steps = step_limit == INT64_MAX ? 0 : step_limit;
+  // The run's length as planned for the world it started with: a joiner's
+  // and a resumed grown world's schedule (and budget) are the members' own.
+  const int64_t planned_batch = static_cast<int64_t>(batch) * planned_world;
+  int64_t planned_steps = config.steps > 0 ? config.steps : INT64_MAX;
+  if (config.epochs > 0) {
+    planned_steps = std::min(planned_steps, config.epochs * ((train_examples + planned_batch - 1) / planned_batch));
+  }
+  if (token_windows > 0) planned_steps = std::min(planned_steps, (token_windows + planned_batch - 1) / planned_batch);
+  int64_t schedule_steps = planned_steps == INT64_MAX ? 0 : planned_steps;
   // --deterministic: the workers stop at the same step, as lockstep workers
   // do, not when a shared budget's message happens to reach them.
   if (async && !settings.deterministic) {
     // Asynchronous workers share a budget of samples, kept by rank 0: a fast
     // worker takes more steps than a slow one. The same budget as sync's.
     int64_t budget = INT64_MAX;
-    if (config.steps > 0) budget = config.steps * global_batch;
+    if (config.steps > 0) budget = config.steps * planned_batch;
     if (config.epochs > 0) budget = std::min(budget, config.epochs * train_examples);
     if (token_windows > 0) budget = std::min(budget, token_windows);
     settings.sample_budget = budget == INT64_MAX ? 0 : budget;
-    schedule_steps = settings.sample_budget > 0 ? settings.sample_budget / global_batch : 0;
+    schedule_steps = settings.sample_budget > 0 ? settings.sample_budget / planned_batch : 0;
     step_limit = INT64_MAX;
   }
   CFMO_ASSIGN_OR_RETURN(simulated, heterogeneity_for(config, rank));
@@ -330,6 +368,8 @@ Status TrainingRun::make_mode_and_engine() {
   resume.start_samples = pos.samples;
   CFMO_ASSIGN_OR_RETURN(
       mode, make_mode(settings, comm, replicated_layout, replicated_part(model().parameters()), optim_config, resume));
+  // Whoever writes the summary lists every join of the run: a restarted or replaced keeper too.
+  if (world > 1 && mode->survives_losses()) join_log = std::make_unique<JoinLog>(*comm);
 
   // Where the arithmetic runs (--device). The host model and optimizer stay the
   // mirror the modes, checkpoints and deltas use; a CUDA engine copies to them
@@ -393,8 +433,13 @@ Status TrainingRun::open_outputs() {
   // cfmo --deterministic: every rank meets at each checkpoint's round, so
   // every rank's own state goes in too.
   gathers_optimizers = gathers_optimizers || (async && settings.deterministic && !run_dir.empty());
-  // cfmo and asgd: each rank's own state comes to the keeper by message.
-  if (async && !settings.deterministic && !run_dir.empty()) rank_states = std::make_unique<RankStates>(*comm);
+  // cfmo and asgd: each rank's own state comes to the keeper by message; in
+  // localsgd with --elastic too, at each checkpoint's round.
+  gives_own_state = world > 1 && traits.lockstep && !traits.reduces_gradients && !run_dir.empty() && !expert_parallel &&
+                    config.elastic;
+  if ((async && !settings.deterministic && !run_dir.empty()) || gives_own_state) {
+    rank_states = std::make_unique<RankStates>(*comm);
+  }
   joins_checkpoints = expert_parallel && !run_dir.empty() && !rank_states;
   if (expert_parallel && rank_states) {
     // The keeper's checkpoints hold every expert: the whole model's layout.
@@ -433,7 +478,9 @@ Status TrainingRun::evaluate(bool final) {
 CheckpointData TrainingRun::checkpoint_of(std::span<const float> params, const GlobalState* global) {
   CheckpointData data = checkpoint_data(model(), *optimizer, pos);
   data.params.assign(params.begin(), params.end());
-  data.world.workers = world;
+  // The world now (grown by joins: every rank's state goes in) and the one it was planned for.
+  data.world.workers = comm != nullptr ? comm->size() : 1;
+  data.world.first_workers = planned_world;
   data.world.mode = config.mode;
   data.world.batch_size = config.batch_size;
   const auto outer = mode->outer_momentum();
@@ -466,14 +513,31 @@ Status TrainingRun::checkpoint() {
     last_checkpoint_step = pos.step;
     return {};
   }
-  if (!checkpoints && !gathers_optimizers) return {};
+  if (!checkpoints && !gathers_optimizers && !gives_own_state) return {};
   CFMO_TRY(sync_host());
   if (async) return deterministic_checkpoint();
   if (gathers_optimizers && gathered_step != pos.step) CFMO_TRY(gather_optimizers());
   last_checkpoint_step = pos.step;
+  if (gives_own_state && !checkpoints) {
+    // A member of a localsgd --elastic group: its own inner state to the keeper, which writes this round's.
+    if (const int to = mode->keeper(); to != rank && !at_end) {
+      CFMO_ASSIGN_OR_RETURN(auto state, own_state());
+      rank_states->send(to, RankStates::at_step(pos.step), std::move(state));
+    }
+    return {};
+  }
   if (!checkpoints) return {};
   CheckpointData data = checkpoint_of(model().parameters(), nullptr);
   add_gathered(data);
+  if (gives_own_state) {
+    // A joiner taken in at this round starts its inner optimizer afresh, as it did uninterrupted.
+    std::vector<int> fresh;
+    const auto made = mode->round_members();
+    for (const int r : mode->members()) {
+      if (!at_end && !made.empty() && std::find(made.begin(), made.end(), r) == made.end()) fresh.push_back(r);
+    }
+    CFMO_TRY(add_rank_states(data, member_states(), fresh));
+  }
   CFMO_TRY(write_checkpoint(run_dir, model_spec, model().params(), data, options.config_toml, config.keep_checkpoints));
   return {};
 }
@@ -669,12 +733,24 @@ Status TrainingRun::announce_lost() {
                             {"joined_rank", r},
                             {"step", pos.step},
                             {"wall_s", joined.wall_s}}));
-    summary.joined.push_back(joined);
+    // (Merged: the keeper's list may have come with it already.)
+    summary.joined = merge_joins(summary.joined, {joined});
   }
-  for (const int r : comm->lost_ranks()) {
+  const auto lost = comm->lost_ranks();
+  for (const int r : lost) {
     // (A new rank lost before this rank read its join: its join is announced next time.)
     if (static_cast<size_t>(r) >= announced.size() || announced[static_cast<size_t>(r)]) continue;
     CFMO_TRY(announce_loss(r, comm->lost_reason(r), mode->shard_served_by(r)));
+  }
+  if (join_log) {
+    // The others' lists in, and this one to the keeper and its standby (the next live rank).
+    join_log->merge_received(summary.joined);
+    const int keeping = mode->keeper();
+    int standby = -1;
+    for (int r = keeping + 1; r < comm->size() && standby < 0; ++r) {
+      if (std::find(lost.begin(), lost.end(), r) == lost.end()) standby = r;
+    }
+    join_log->share(summary.joined, keeping, standby);
   }
   return {};
 }

@@ -23,6 +23,7 @@
 #include "train/data_source.h"
 #include "train/delta_writer.h"
 #include "train/device_engine.h"
+#include "train/join_log.h"
 #include "train/metrics_log.h"
 #include "train/rank_states.h"
 #include "train/run_clock.h"
@@ -32,6 +33,7 @@
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -44,6 +46,9 @@ using cfmo::seconds_since;
 
 struct TrainingRun {
   TrainingRun(const TrainConfig& config, const TrainPlan& plan, const TrainOptions& options);
+  TrainingRun(const TrainingRun&) = delete;
+  TrainingRun& operator=(const TrainingRun&) = delete;
+  ~TrainingRun();
 
   Status set_up();
   Status run_loop();
@@ -76,6 +81,11 @@ struct TrainingRun {
   WorkerReport own_report(const ModeStats& mode_stats, int64_t deltas_written, int64_t deltas_skipped) const;
   /// Every worker's report goes to the keeper, which waits for the live ones.
   Status gather_reports(const WorkerReport& own);
+  /// The reports received (channels::kReport): taken from the start, on every
+  /// rank (any may come to keep the run), since a worker that finishes first
+  /// sends its report before the keeper is done with its own last round.
+  std::mutex reports_mutex;
+  std::vector<WorkerReport> reports;
   /// The keeper: the final evaluation, checkpoint, model and its config.json.
   Status write_final_outputs();
   /// The summary's figures over all workers.
@@ -124,14 +134,25 @@ struct TrainingRun {
   /// The keeper: adds the ranks' states (`states`, by rank; empty where none
   /// came: that rank keeps the keeper's inner state and its last reported
   /// position) and its own to `data`; with --expert-parallel the experts
-  /// make `whole_model`, and `data` is in its layout.
-  Status add_rank_states(CheckpointData& data, std::vector<std::vector<std::byte>> states);
+  /// make `whole_model`, and `data` is in its layout. `fresh`: ranks taken
+  /// in at this checkpoint's round (localsgd --elastic), whose inner state is a new one.
+  Status add_rank_states(CheckpointData& data, std::vector<std::vector<std::byte>> states,
+                         const std::vector<int>& fresh = {});
   /// The keeper: submits the owners' snapshot once every live rank's state is in.
   Status submit_async_checkpoint();
   /// The keeper at the end: every live rank's last state (sent in finish).
   std::vector<std::vector<std::byte>> final_rank_states();
-  std::unique_ptr<RankStates> rank_states;  ///< null: not asynchronous, --deterministic or no run directory
-  uint64_t states_asked = 0;                ///< the keeper: its open request (0: none)
+  /// localsgd --elastic, the keeper at a checkpoint's round: the states the
+  /// members that made it sent at this step (at the end: their last ones).
+  std::vector<std::vector<std::byte>> member_states();
+  /// null: not asynchronous (or localsgd --elastic), --deterministic or no run directory
+  std::unique_ptr<RankStates> rank_states;
+  /// localsgd --elastic with a run directory: every member's inner state
+  /// goes to the keeper by message at each checkpoint's round (no collective
+  /// of the whole world may run: a lost rank would fail it, a joiner is not in it).
+  bool gives_own_state = false;
+  bool at_end = false;        ///< finish: the end's checkpoint
+  uint64_t states_asked = 0;  ///< the keeper: its open request (0: none)
   Clock::time_point states_asked_at;
   std::optional<GlobalState> pending_global;   ///< the keeper: a snapshot waiting for the ranks' states
   std::vector<model::ParamInfo> whole_layout;  ///< --expert-parallel: the layout of the model holding every expert
@@ -186,10 +207,16 @@ struct TrainingRun {
   /// This process joined the run under way (--join, a restarted rank): it
   /// takes the global state from the others and passes no start barrier.
   const bool joining;
+  /// The ranks the run's length, budget and schedule are planned for: the
+  /// world it started with (a joiner's from the run; a resumed grown world's
+  /// from its checkpoint), the same on every rank, however the world grew.
+  int planned_world;
   const Clock::time_point process_start;
-  RunClock run_clock;                  ///< tells joiners the run's seconds; a joiner's own comes from it
-  double first_step_s = -1;            ///< a joiner: from process_start to the end of its first step
-  size_t joins_announced = 0;          ///< of comm->joined_ranks()
+  RunClock run_clock;          ///< tells joiners the run's seconds; a joiner's own comes from it
+  double first_step_s = -1;    ///< a joiner: from process_start to the end of its first step
+  size_t joins_announced = 0;  ///< of comm->joined_ranks()
+  /// The run's joins, shared with the keeper and its standby (null: a mode that survives no loss).
+  std::unique_ptr<JoinLog> join_log;
   std::string join_address_announced;  ///< comm->join_address() as last said
 
   // What the run trains, in the order they must be destroyed backwards (the

@@ -748,6 +748,11 @@ TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAfte
   const auto j = last_json(slurp(dir / "out-1b"));
   ASSERT_FALSE(j.is_null()) << slurp(dir / "out-1b") << slurp(dir / "err-1b");
   EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({0})) << j.dump();
+  // The restarted keeper noticed no join itself (its own came before it):
+  // the join comes with the old keeper's list, which it got as the standby.
+  ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["joined"][0]["rank"], 1) << j.dump();
+  EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0) << j.dump();
   const int64_t killed_one = last_logged_samples(metrics1, "\"first_step_s\"");
   const int64_t killed_zero = last_logged_samples(dir / "run" / "metrics.jsonl");
   ASSERT_GE(killed_one, 3000 * 32);  // (an epoch of the synthetic data ends in a short batch)
@@ -929,6 +934,51 @@ std::vector<fs::path> checkpoints_of(const fs::path& run) {
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+// A run grown by a --join checkpoints every rank: cfmo of two, a joiner as
+// the new rank 2, and the end's checkpoint records the three ranks' own
+// inner states and positions and the world it started with; resumed with
+// three workers (each from its own state) and with two (the shards
+// redistributed, said in one line), both finish. (Over the loopback, with
+// the bitwise resume of a grown localsgd run: test_train_grown.cpp.)
+TEST(CfmoTrainWorkers, ACfmoRunGrownByAJoinCheckpointsEveryRankAndResumesWithThreeOrTwo) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  std::vector<std::string> flags = rejoin_flags({"--mode", "cfmo"}, "12s", dir);
+  for (const char* a : {"--checkpoint-every", "20", "--keep-checkpoints", "1000"}) flags.emplace_back(a);
+  Ranks ranks;
+  ASSERT_NO_FATAL_FAILURE(start_two_and_join(ranks, dir, address, flags, 1));
+  ASSERT_FALSE(summary_of_grown_run(ranks, dir, 1).is_null());
+  const auto all = checkpoints_of(dir / "run");
+  ASSERT_FALSE(all.empty());
+  const fs::path end = all.back();
+  const auto state = nlohmann::json::parse(slurp(end / "state.json"));
+  EXPECT_EQ(state["workers"], 3) << state.dump();
+  EXPECT_EQ(state["first_workers"], 2) << state.dump();
+  ASSERT_EQ(state["ranks"].size(), 3u) << state.dump();
+  EXPECT_GT(state["ranks"][2]["step"].get<int64_t>(), 0) << "the joiner's own position: " << state.dump();
+  EXPECT_EQ(state["rank_optimizers"],
+            nlohmann::json::array({"optimizer-rank-1.safetensors", "optimizer-rank-2.safetensors"}))
+      << state.dump();
+  EXPECT_NE(parameters(end / "optimizer-rank-2.safetensors"), parameters(end / "optimizer.safetensors"))
+      << "rank 2's inner state is its own";
+
+  for (const char* workers : {"3", "2"}) {
+    SCOPED_TRACE(workers);
+    const fs::path out = dir / (std::string("resumed-") + workers);
+    const RunResult resumed = run(args({"--workers", workers, "--mode", "cfmo", "--epochs", "0", "--time-limit", "3s",
+                                        "--resume", end.string(), "--out", out.string(), "--no-quiet"}),
+                                  300);
+    ASSERT_EQ(resumed.status, 0) << resumed.err;
+    EXPECT_EQ(resumed.err.find("redistributed") != std::string::npos, std::string(workers) == "2") << resumed.err;
+    if (std::string(workers) == "2") {
+      EXPECT_NE(resumed.err.find("written by 3 worker(s) (a run grown from 2 by joins), resumed with 2"),
+                std::string::npos)
+          << resumed.err;
+    }
+    EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+  }
 }
 
 // A checkpoint is whole: its state reads, and so does every file it names.

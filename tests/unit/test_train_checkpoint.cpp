@@ -390,6 +390,82 @@ TEST(Checkpoint, PositionsTheDataCouldNotHaveGivenAreInputErrorsNamingTheField) 
   EXPECT_TRUE(fails(two.ranks[0], two, 9, {"optimizer_steps 9"}));
 }
 
+// A run grown from two ranks to three by a join: state.json records the
+// first world and each position's cut of its epoch, and the reader checks
+// them (the cut within the two worlds, and only where the world grew).
+TEST(Checkpoint, AGrownWorldKeepsItsFirstWorldAndEachPositionsCut) {
+  TempDir dir;
+  Fixture f("adamw");
+  TrainPosition keeper{20, 1, 4, 640, 0.5};
+  keeper.data_world = 3;
+  CheckpointData data = checkpoint_data(f.model, *f.optimizer, keeper);
+  data.world.workers = 3;
+  data.world.first_workers = 2;
+  data.world.mode = "cfmo";
+  data.world.batch_size = 32;
+  TrainPosition joiner{7, 0, 7, 224, 0.1};
+  joiner.data_world = 3;
+  TrainPosition behind{14, 0, 14, 448, 0.3};
+  behind.data_world = 2;  // still in the epoch it was in when the world grew
+  data.world.ranks = {keeper, behind, joiner};
+  auto path = write_checkpoint(dir.path(), f.model.spec_string(), f.model.params(), data, "", 3);
+  ASSERT_TRUE(path) << path.error().message;
+  const std::string good = read_file(*path / "state.json").value();
+  Fixture loaded("adamw");
+  CheckpointWorld world;
+  auto position = load_checkpoint(*path, loaded.model, *loaded.optimizer, &world);
+  ASSERT_TRUE(position) << position.error().message;
+  EXPECT_EQ(position->data_world, 3);
+  EXPECT_EQ(world.workers, 3);
+  EXPECT_EQ(world.first_workers, 2);
+  ASSERT_EQ(world.ranks.size(), 3u);
+  EXPECT_EQ(world.ranks[1].data_world, 2);
+  // 1024 examples, batches of 32: 16 global batches an epoch of two ranks, 11 of three.
+  EXPECT_TRUE(check_positions(*path, *position, world, 20, 1024, 32));
+  auto fails = [&](const TrainPosition& p, const CheckpointWorld& w, std::initializer_list<std::string> parts) {
+    return fails_with(check_positions(*path, p, w, 0, 1024, 32), ErrorKind::kInput, parts);
+  };
+  TrainPosition past = behind;
+  past.batch_in_epoch = 12;
+  past.step = 12;
+  past.data_world = 3;  // 11 batches of three ranks
+  EXPECT_TRUE(fails(past, world, {"state.json", "batch_in_epoch 12"}));
+  TrainPosition short_epoch{12, 1, 2, 0, 0};  // an epoch of 10 batches: fewer than three ranks' 11
+  short_epoch.data_world = 3;
+  EXPECT_TRUE(fails(short_epoch, world, {"step 12", "grew from 2 to 3"}));
+  TrainPosition long_epoch{20, 1, 2, 0, 0};  // an epoch of 18: more than two ranks' 16
+  long_epoch.data_world = 3;
+  EXPECT_TRUE(fails(long_epoch, world, {"step 20"}));
+  TrainPosition too_many = keeper;
+  too_many.samples = 20 * 32 + 1;
+  EXPECT_TRUE(fails(too_many, world, {"samples 641"}));
+
+  // A cut without a grown world, or outside its two worlds, and a first world above the last: refused.
+  for (const auto& [from, to] :
+       std::vector<std::pair<std::string, std::string>>{{R"("first_workers": 2)", R"("first_workers": 3)"},
+                                                        {R"("first_workers": 2)", R"("first_workers": 4)"},
+                                                        {R"("data_world": 3)", R"("data_world": 1)"},
+                                                        {R"("data_world": 3)", R"("data_world": 4)"}}) {
+    std::string bad = good;
+    const auto at = bad.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    bad.replace(at, from.size(), to);
+    ASSERT_TRUE(write_file_atomic(*path / "state.json", bad));
+    auto refused = load_checkpoint(*path, loaded.model, *loaded.optimizer, &world);
+    ASSERT_FALSE(refused) << to;
+    EXPECT_EQ(refused.error().kind, ErrorKind::kInput) << to;
+    EXPECT_NE(refused.error().message.find("first_workers"), std::string::npos) << refused.error().message;
+  }
+  ASSERT_TRUE(write_file_atomic(*path / "state.json", good));
+  // A world that never grew writes neither.
+  data.world.first_workers = 3;
+  auto same = write_checkpoint(dir / "same", f.model.spec_string(), f.model.params(), data, "", 3);
+  ASSERT_TRUE(same);
+  const std::string plain = read_file(*same / "state.json").value();
+  EXPECT_EQ(plain.find("first_workers"), std::string::npos) << plain;
+  EXPECT_EQ(plain.find("data_world"), std::string::npos) << plain;
+}
+
 TEST(Checkpoint, AFailedWriteLeavesNoTemporaryDirectoryBehind) {
   TempDir dir;
   Fixture f("adamw");

@@ -110,7 +110,7 @@ static int run(int argc, char** argv) {
   }
   std::unique_ptr<cfmo::comm::Communicator> comm;
   if (joining || (world->has_value() && (*world)->size > 1)) {
-    auto connected = cfmo::train::connect_run(config, *world, options.config_toml);
+    auto connected = cfmo::train::connect_run(config, *world, options.config_toml, &options.first_world);
     if (!connected) return fail(connected.error());
     comm = std::move(*connected);
     options.comm = comm.get();

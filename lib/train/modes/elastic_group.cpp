@@ -196,6 +196,7 @@ Status ElasticGroup::all_reduce_sum(std::span<float> data, int64_t samples) {
       last_.assign(data.begin(), data.end());
       has_last_ = true;
       last_sum_members_ = members_.size();
+      last_sum_ranks_ = members_;
       count(tally_);
       ++seq_;
       if (!grow_to_.empty()) {
@@ -362,6 +363,7 @@ Result<ElasticGroup::Welcome> ElasticGroup::join(double timeout_s) {
       last_ = w.floats;
       has_last_ = !w.floats.empty();  // a welcome sent later carries no sum
       last_sum_members_ = w.count;
+      last_sum_ranks_ = members_;
       reconciled_ = std::move(w.tally);
       retired_ = std::move(w.retired);
       std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_ && x.kind != kAdmit; });

@@ -82,6 +82,8 @@ class ElasticGroup {
   const std::vector<int>& members() const { return members_; }
   /// How many members made the last sum (the group may have grown after it).
   size_t last_sum_members() const { return last_sum_members_; }
+  /// Those members, in rank order (a joiner: the group it was taken into).
+  const std::vector<int>& last_sum_ranks() const { return last_sum_ranks_; }
 
   /// What the leader gives a joiner with the sum it is taken in at (called on
   /// the leader's training thread, inside all_reduce_sum, before the caller
@@ -185,6 +187,7 @@ class ElasticGroup {
   bool has_last_ = false;
   uint32_t target_epoch_ = 0;  ///< a re-forming asked for this epoch
   size_t last_sum_members_ = 0;
+  std::vector<int> last_sum_ranks_;
   std::vector<int> grow_to_;  ///< the members after the sum under way (kSumGrow), empty: as they are
   std::function<std::vector<std::byte>()> welcome_;
   bool welcome_later_ = false;

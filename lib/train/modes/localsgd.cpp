@@ -89,6 +89,7 @@ class LocalSgdMode final : public LockstepMode {
   }
   int keeper() const override { return group_ ? first_live(comm_, group_->members()) : 0; }
   std::vector<int> members() const override { return group_ ? group_->members() : std::vector<int>(); }
+  std::vector<int> round_members() const override { return group_ ? group_->last_sum_ranks() : std::vector<int>(); }
   int64_t reconciled_samples(int rank) const override { return group_ ? group_->reconciled_samples(rank) : 0; }
   int64_t retired_samples(int rank) const override { return group_ ? group_->retired_samples(rank) : 0; }
 

@@ -1,0 +1,330 @@
+// A run that grows by a join, its checkpoints and their resumes: whole
+// training runs (train()) over the in-process loopback transport, a thread
+// per rank, the joiner a new rank of the loopback world as `cfmo-train
+// --join` is one of UCX's (with real processes: test_cfmo_train_workers.cpp).
+#include "ckpt/safetensors.h"
+#include "comm/loopback.h"
+#include "train/join_log.h"
+#include "train/train_config.h"
+#include "train/trainer.h"
+
+#include "integration/harness.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <thread>
+
+namespace cfmo::train {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+/// Holds a member at its first step (in on_step, on its training thread)
+/// until `hold_s` passed, having said it got there (`reached`): the joiner
+/// comes then, once the members' world is made, and is taken in early (at
+/// the group's first round, or within a few); records notes and each
+/// step's learning rate.
+class Member final : public TrainObserver {
+ public:
+  explicit Member(double hold_s = 0, std::atomic<int>* reached = nullptr) : hold_s_(hold_s), reached_(reached) {}
+  void on_step(const StepEvent& e) override {
+    if (e.step == 1 && reached_ != nullptr) ++*reached_;
+    if (e.step == 1 && hold_s_ > 0) std::this_thread::sleep_for(std::chrono::duration<double>(hold_s_));
+    std::lock_guard lock(mutex_);
+    lr[e.step] = e.lr;
+  }
+  void on_note(std::string_view text) override {
+    std::lock_guard lock(mutex_);
+    notes.emplace_back(text);
+  }
+  std::string all_notes() {
+    std::lock_guard lock(mutex_);
+    std::string out;
+    for (const auto& n : notes) out += n + "\n";
+    return out;
+  }
+  std::map<int64_t, double> lr;  ///< by step (after the run: no lock needed)
+
+ private:
+  const double hold_s_;
+  std::atomic<int>* reached_;
+  std::mutex mutex_;
+  std::vector<std::string> notes;
+};
+
+TrainConfig grown_config(const std::string& mode, const fs::path& out) {
+  TrainConfig c;
+  c.data = "synthetic:1024:256";
+  c.model = "mlp:32";
+  c.mode = mode;
+  c.elastic = mode != "cfmo";
+  c.batch_size = 32;  // 16 global batches an epoch of two ranks, 11 of three
+  c.epochs = 2;
+  c.sync_interval = 2;
+  c.schedule = "cosine";
+  c.warmup_steps = 2;
+  c.optimizer = "adamw";
+  c.lr = 1e-3;
+  c.threads = 1;
+  c.checkpoint_every = 2;
+  c.keep_checkpoints = 1000;
+  c.peer_timeout = 10;
+  c.quiet = true;
+  c.out = out.string();
+  return c;
+}
+
+struct RunResult {
+  std::vector<Result<TrainSummary>> summaries;
+};
+
+/// Ranks 0 and 1 train `config` from the start (or from `resume` with
+/// `workers` ranks); with `joiner`, a third process joins as the new rank 2
+/// (planning for the first world of two, as connect_run tells it).
+RunResult run_world(const TrainConfig& config, int workers, bool joiner, const fs::path& resume = {},
+                    std::vector<std::unique_ptr<Member>>* observers = nullptr) {
+  auto world = comm::make_loopback_world(workers, {.peer_timeout_s = config.peer_timeout});
+  std::vector<std::unique_ptr<Member>> own;
+  auto& obs = observers != nullptr ? *observers : own;
+  const int ranks = workers + (joiner ? 1 : 0);
+  std::atomic<int> reached{0};
+  for (int r = 0; r < ranks; ++r) {
+    obs.push_back(joiner && r < workers ? std::make_unique<Member>(1.0, &reached) : std::make_unique<Member>());
+  }
+  RunResult out;
+  out.summaries.resize(static_cast<size_t>(ranks), make_error(ErrorKind::kInternal, "did not run"));
+  std::vector<std::thread> threads;
+  std::vector<TrainOptions> options(static_cast<size_t>(ranks));
+  std::unique_ptr<comm::Communicator> joined;
+  for (int r = 0; r < ranks; ++r) {
+    auto& o = options[static_cast<size_t>(r)];
+    o.comm = r < workers ? world.ranks[static_cast<size_t>(r)].get() : nullptr;
+    o.observer = obs[static_cast<size_t>(r)].get();
+    o.resume = resume;
+    if (r >= workers) o.first_world = workers;  // as connect_run tells a joiner
+  }
+  for (int r = 0; r < workers; ++r) {
+    threads.emplace_back(
+        [&, r] { out.summaries[static_cast<size_t>(r)] = train(config, options[static_cast<size_t>(r)]); });
+  }
+  if (joiner) {
+    // Once the members stepped (their world is made: it grows now).
+    for (int i = 0; i < 60000 && reached.load() < workers; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    auto c = world.network->join(workers);
+    EXPECT_TRUE(c) << c.error().message;
+    if (c) {
+      joined = std::move(*c);
+      options.back().comm = joined.get();
+      threads.emplace_back([&] {
+        // Its shard owners are the run's, as connect_run fits them.
+        TrainConfig own = config;
+        fit_owners_to_run(own, workers);
+        out.summaries.back() = train(own, options.back());
+      });
+    }
+  }
+  for (auto& t : threads) t.join();
+  joined.reset();
+  world.ranks.clear();
+  return out;
+}
+
+nlohmann::json state_of(const fs::path& checkpoint) {
+  return nlohmann::json::parse(std::ifstream(checkpoint / "state.json"));
+}
+
+/// The run's checkpoints, by step.
+std::map<int64_t, fs::path> checkpoints_of(const fs::path& run) {
+  std::map<int64_t, fs::path> out;
+  for (const auto& e : fs::directory_iterator(run / "checkpoints")) {
+    if (e.is_directory() && e.path().filename().string().starts_with("step-")) {
+      out[state_of(e.path()).at("step").get<int64_t>()] = e.path();
+    }
+  }
+  return out;
+}
+
+std::vector<float> model_of(const fs::path& file) {
+  auto f = ckpt::SafetensorsFile::read(file);
+  EXPECT_TRUE(f) << f.error().message;
+  std::vector<float> out;
+  if (!f) return out;
+  for (const auto& t : f->tensors()) {
+    std::vector<float> v(static_cast<size_t>(t.elements()));
+    EXPECT_TRUE(f->read_f32(t.name, t.shape, v));
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+// localsgd --elastic of two grows to three at a round's end: each
+// checkpoint after the join records all three members' inner states and
+// the data's cut of the epoch (two ranks until the epoch's end, three
+// after), and a resume of one with three ranks ends on the uninterrupted
+// run's final parameters bit for bit (localsgd sums in the members' order:
+// it is deterministic without --deterministic, which takes no joins). With
+// two ranks it resumes too, the shards redistributed, and says so.
+TEST(GrownRun, LocalSgdCheckpointsEveryMemberAndResumesBitwiseWithTheGrownWorld) {
+  TempDir dir;
+  const TrainConfig config = grown_config("localsgd", dir.path() / "whole");
+  std::vector<std::unique_ptr<Member>> observers;
+  const auto whole = run_world(config, 2, /*joiner=*/true, {}, &observers);
+  for (size_t r = 0; r < whole.summaries.size(); ++r) {
+    ASSERT_TRUE(whole.summaries[r]) << r << ": " << whole.summaries[r].error().message;
+  }
+  // The joiner's learning rate is the members' at every step it took (planned for two ranks).
+  for (const auto& [step, lr] : observers[2]->lr) EXPECT_EQ(lr, observers[0]->lr.at(step)) << step;
+
+  // A checkpoint of the grown world within the epoch it joined in, and one after that epoch.
+  fs::path within;
+  fs::path after;
+  for (const auto& [step, path] : checkpoints_of(dir.path() / "whole")) {
+    const auto s = state_of(path);
+    if (s.at("workers") != 3) continue;
+    EXPECT_EQ(s.at("first_workers"), 2);
+    ASSERT_TRUE(s.contains("rank_optimizers")) << path;
+    EXPECT_EQ(s.at("rank_optimizers").size(), 2u);
+    EXPECT_EQ(s.at("rank_optimizer_steps").size(), 3u);
+    if (s.at("epoch") == 0 && within.empty()) within = path;
+    if (s.at("epoch") == 1 && s.at("batch_in_epoch") > 0 && after.empty()) after = path;
+  }
+  ASSERT_FALSE(after.empty()) << "no checkpoint of three ranks after the first epoch";
+  if (!within.empty()) {
+    EXPECT_EQ(state_of(within).at("data_world"), 2) << within;
+  }
+  EXPECT_EQ(state_of(after).at("data_world"), 3);
+  const auto final_params = model_of(dir.path() / "whole" / "model.safetensors");
+
+  // From the join's round (or the first after it) if it came in the first epoch, else from the next epoch.
+  for (const fs::path& from : {within.empty() ? after : within}) {
+    SCOPED_TRACE(from.string());
+    TrainConfig again = config;
+    again.out = (dir.path() / ("again-" + from.filename().string())).string();
+    const auto resumed = run_world(again, 3, /*joiner=*/false, from);
+    for (size_t r = 0; r < resumed.summaries.size(); ++r) {
+      ASSERT_TRUE(resumed.summaries[r]) << r << ": " << resumed.summaries[r].error().message;
+    }
+    EXPECT_EQ(model_of(fs::path(again.out) / "model.safetensors"), final_params) << "bit for bit";
+  }
+
+  // With two ranks: redistributed, and said so.
+  TrainConfig two = config;
+  two.out = (dir.path() / "two").string();
+  std::vector<std::unique_ptr<Member>> said;
+  const auto fewer = run_world(two, 2, /*joiner=*/false, after, &said);
+  for (size_t r = 0; r < fewer.summaries.size(); ++r) {
+    ASSERT_TRUE(fewer.summaries[r]) << r << ": " << fewer.summaries[r].error().message;
+  }
+  EXPECT_NE(said[0]->all_notes().find("written by 3 worker(s) (a run grown from 2 by joins), resumed with 2"),
+            std::string::npos)
+      << said[0]->all_notes();
+}
+
+// cfmo of two grows to three: the keeper's checkpoints hold every rank's own
+// state and position (the joiner's too), and resume with three ranks (each
+// from its own) and with two (redistributed).
+TEST(GrownRun, CfmoCheckpointsEveryRanksOwnStateAndResumesWithEitherWorld) {
+  TempDir dir;
+  TrainConfig config = grown_config("cfmo", dir.path() / "whole");
+  config.checkpoint_every = 4;
+  std::vector<std::unique_ptr<Member>> observers;
+  const auto whole = run_world(config, 2, /*joiner=*/true, {}, &observers);
+  for (size_t r = 0; r < whole.summaries.size(); ++r) {
+    EXPECT_TRUE(whole.summaries[r]) << r << ": " << whole.summaries[r].error().message;
+  }
+  for (size_t r = 0; r < whole.summaries.size(); ++r) ASSERT_TRUE(whole.summaries[r]);
+  // Every worker's report reached the keeper (one that finished first too: its report came before the keeper's end).
+  EXPECT_EQ(whole.summaries[0]->per_worker.size(), 3u);
+  EXPECT_EQ(whole.summaries[0]->workers, 3);
+  // The joiner's schedule is the members': its rate at a step is theirs there.
+  ASSERT_FALSE(observers[2]->lr.empty());
+  for (const auto& [step, lr] : observers[2]->lr) {
+    if (observers[0]->lr.count(step) != 0) {
+      EXPECT_EQ(lr, observers[0]->lr.at(step)) << step;
+    }
+  }
+  fs::path grown;
+  for (const auto& [step, path] : checkpoints_of(dir.path() / "whole")) {
+    const auto s = state_of(path);
+    if (s.at("workers") == 3) grown = path;  // the newest: the end's
+  }
+  ASSERT_FALSE(grown.empty());
+  const auto s = state_of(grown);
+  EXPECT_EQ(s.at("first_workers"), 2);
+  EXPECT_EQ(s.at("ranks").size(), 3u);
+  EXPECT_EQ(s.at("rank_optimizers").size(), 2u);
+  EXPECT_GT(s.at("ranks")[2].at("step").get<int64_t>(), 0) << "the joiner's own position";
+
+  for (const int workers : {3, 2}) {
+    SCOPED_TRACE(workers);
+    TrainConfig again = config;
+    again.epochs = 3;  // one epoch more than the checkpoint's run
+    again.out = (dir.path() / fmt::format("again-{}", workers)).string();
+    std::vector<std::unique_ptr<Member>> said;
+    const auto resumed = run_world(again, workers, /*joiner=*/false, grown, &said);
+    for (size_t r = 0; r < resumed.summaries.size(); ++r) {
+      ASSERT_TRUE(resumed.summaries[r]) << r << ": " << resumed.summaries[r].error().message;
+    }
+    EXPECT_EQ(said[0]->all_notes().find("redistributed") != std::string::npos, workers == 2) << said[0]->all_notes();
+    EXPECT_GT(resumed.summaries[0]->samples, 0);
+  }
+}
+
+JoinedRank join(int rank, double wall_s, double first_step_s = -1) { return {rank, 0, wall_s, first_step_s}; }
+
+std::vector<std::pair<int, double>> ranks_and_times(const std::vector<JoinedRank>& joins) {
+  std::vector<std::pair<int, double>> out;
+  for (const auto& j : joins) out.emplace_back(j.rank, j.wall_s);
+  return out;
+}
+
+// Two ranks' lists of joins merge into one, whichever is older (a keeper
+// restarted gets the list of the run before it), a join noticed by both
+// (within 2 s of each other) counted once, in the order of their times.
+TEST(JoinLog, ListsOfJoinsMergeAtTheirOverlap) {
+  using Seen = std::vector<std::pair<int, double>>;
+  // The standby noticed the keeper's last join (a little later) and one more after the keeper was lost.
+  EXPECT_EQ(ranks_and_times(merge_joins({join(2, 5), join(3, 9)}, {join(3, 9.3), join(2, 20)})),
+            (Seen{{2, 5}, {3, 9}, {2, 20}}));
+  // A keeper restarted as rank 1 noticed joins from its start only; the list it receives is older.
+  EXPECT_EQ(ranks_and_times(merge_joins({join(1, 30)}, {join(2, 5), join(1, 12), join(1, 30.2)})),
+            (Seen{{2, 5}, {1, 12}, {1, 30}}));
+  // As a keeper saw them: its own later notice of a join that a rank behind it on the clock listed.
+  EXPECT_EQ(ranks_and_times(merge_joins({join(3, 8.53)}, {join(2, 7.05), join(3, 8.03)})),
+            (Seen{{2, 7.05}, {3, 8.03}}));
+  // A rank's second join is another entry; the joiner's own first_step_s is kept.
+  const auto merged = merge_joins({join(1, 10)}, {join(1, 10.5, 1.25), join(1, 15)});
+  EXPECT_EQ(ranks_and_times(merged), (Seen{{1, 10}, {1, 15}}));
+  EXPECT_EQ(merged[0].first_step_s, 1.25);
+  // Disjoint: one after the other; the same list: itself.
+  EXPECT_EQ(merge_joins({join(2, 5)}, {join(3, 40)}).size(), 2u);
+  EXPECT_EQ(merge_joins({join(2, 5), join(3, 9)}, {join(2, 5), join(3, 9)}).size(), 2u);
+  EXPECT_TRUE(merge_joins({}, {}).empty());
+}
+
+// The keeper's list reaches its standby, which merges it into its own.
+TEST(JoinLog, TheKeepersListReachesItsStandby) {
+  auto world = comm::make_loopback_world(3, {.peer_timeout_s = 5});
+  JoinLog keeper(*world.ranks[0]);
+  JoinLog standby(*world.ranks[1]);
+  JoinLog other(*world.ranks[2]);
+  keeper.share({join(2, 5), join(2, 12)}, 0, 1);
+  ASSERT_TRUE(world.network->drain());
+  std::vector<JoinedRank> own = {join(2, 12.1)};
+  standby.merge_received(own);
+  EXPECT_EQ(ranks_and_times(own), (std::vector<std::pair<int, double>>{{2, 5}, {2, 12}}));
+  std::vector<JoinedRank> none;
+  other.merge_received(none);
+  EXPECT_TRUE(none.empty()) << "sent to the keeper and its standby only";
+}
+
+}  // namespace
+}  // namespace cfmo::train
