@@ -208,12 +208,14 @@ struct UcxWorker {
 /// CMA's rendezvous has the receiver read the sender's buffer (get), so a
 /// peer found lost can at most read a send buffer of this rank, never write
 /// into its memory. A UCX_* variable the user set wins.
-void choose_transports(ucp_config_t* config) {
+///
+/// A run that ends at its first loss (UcxOptions::fifos) keeps the FIFOs.
+void choose_transports(ucp_config_t* config, bool fifos) {
   const auto user_set = [](std::initializer_list<const char*> names) {
     return std::any_of(names.begin(), names.end(), [](const char* n) { return std::getenv(n) != nullptr; });
   };
   // Every transport UCX finds (InfiniBand across hosts too) but the FIFOs.
-  if (!user_set({"UCX_TLS"})) ucp_config_modify(config, "TLS", "^posix,sysv");
+  if (!fifos && !user_set({"UCX_TLS"})) ucp_config_modify(config, "TLS", "^posix,sysv");
   // For a user who names posix or sysv in UCX_TLS, knowing the risk above.
   if (!user_set({"UCX_MM_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_POSIX_ERROR_HANDLING"})) {
     ucp_config_modify(config, "MM_ERROR_HANDLING", "y");  // unknown to another UCX: ignored
@@ -226,7 +228,7 @@ void choose_transports(ucp_config_t* config) {
   if (!user_set({"UCX_KEEPALIVE_INTERVAL"})) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
 }
 
-Result<UcxWorker> open_worker() {
+Result<UcxWorker> open_worker(bool fifos) {
   // UCX logs to stdout, where --json goes; unless the user asked for UCX's
   // own logging, keep only its errors (they still name the transport).
   if (std::getenv("UCX_LOG_LEVEL") == nullptr) ucs_global_opts.log_component.log_level = UCS_LOG_LEVEL_ERROR;
@@ -234,7 +236,7 @@ Result<UcxWorker> open_worker() {
   ucs_status_t status = ucp_config_read(nullptr, nullptr, &read_config);
   if (status != UCS_OK) return ucx_error("reading the UCX configuration", status);
   const UcpConfig config(read_config);
-  choose_transports(config.get());
+  choose_transports(config.get(), fifos);
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
@@ -1171,7 +1173,7 @@ Result<std::unique_ptr<Communicator>> connect_ucx(int rank, int size, const Rend
   if (rank != kAnyRank && (size < 1 || rank < 0 || rank >= size)) {
     return make_error(ErrorKind::kUsage, "rank {} is not in a world of {} ranks", rank, size);
   }
-  CFMO_ASSIGN_OR_RETURN(UcxWorker opened, open_worker());
+  CFMO_ASSIGN_OR_RETURN(UcxWorker opened, open_worker(options.fifos));
   CFMO_ASSIGN_OR_RETURN(Rendezvous met, exchange_addresses(rendezvous, rank, size, opened.address));
   if (first_size != nullptr) *first_size = met.first_size;
   auto comm = std::make_unique<UcxCommunicator>(met.rank, met.size, options, std::move(opened), met.joined);

@@ -16,6 +16,12 @@ namespace cfmo::comm {
 struct UcxOptions {
   double peer_timeout_s = 10;  ///< a peer silent this long is lost
   double heartbeat_s = 0.5;    ///< how often each rank says it is alive
+  /// The run ends at its first lost rank: UCX's shared-memory FIFOs may
+  /// carry the small messages between ranks of one host (several times
+  /// faster than TCP loopback), although a sender killed mid-write leaves
+  /// the receiver deaf to every local sender (ucx_communicator.cpp,
+  /// choose_transports): here that only delays the end by a peer timeout.
+  bool fifos = false;
 };
 
 /// Creates the UCP context and worker, exchanges addresses through the

@@ -345,6 +345,7 @@ Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInf
                                                     const WorldOptions& options) {
   UcxOptions ucx;
   ucx.peer_timeout_s = options.peer_timeout_s;
+  ucx.fifos = options.fifos;
   if (!options.join.empty()) {
     CFMO_ASSIGN_OR_RETURN(RendezvousConfig rendezvous, parse_rendezvous(options.join));
     rendezvous.timeout_s = std::max(60.0, options.peer_timeout_s);

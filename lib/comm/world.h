@@ -55,6 +55,8 @@ struct WorldOptions {
   /// If given, set to the world's size when the run started (a joiner: as
   /// the leader says; what the modes' fixed parts, e.g. the shard owners, are of).
   int* first_size = nullptr;
+  /// The run ends at its first lost rank (UcxOptions::fifos).
+  bool fifos = false;
 };
 
 /// This rank's Communicator in `world` (from world_from_environment): over

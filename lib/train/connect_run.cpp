@@ -13,6 +13,7 @@ Result<std::unique_ptr<comm::Communicator>> connect_run(TrainConfig& config,
   // rank restarted into a run under way) declines one that is not its own.
   connect.description = config_toml;
   connect.check = [&config_toml](std::string_view run_config) { return check_join_fits(run_config, config_toml); };
+  connect.fifos = ends_at_a_loss(config);  // the faster transport where a loss ends the run anyway
   connect.grow = takes_new_ranks(config);  // the leader's side decides; a joiner may come to lead
   int first_size = 0;
   connect.first_size = &first_size;

@@ -321,6 +321,11 @@ bool takes_new_ranks(const TrainConfig& config) {
   return traits.asynchronous || (traits.lockstep && config.elastic);
 }
 
+bool ends_at_a_loss(const TrainConfig& config) {
+  const auto kind = parse_mode(config.mode);
+  return kind && !mode_entry(*kind).traits.asynchronous && !config.elastic && config.join.empty();
+}
+
 void fit_owners_to_run(TrainConfig& config, int first_size) {
   if (first_size < 1) return;
   ModeSettings settings;

@@ -132,6 +132,9 @@ Status check_join_fits(std::string_view run_config, std::string_view own_config)
 /// world's order) or --expert-parallel (experts placed by the world's size).
 bool takes_new_ranks(const TrainConfig& config);
 
+/// The run ends at its first lost rank (sync or localsgd without --elastic, not joining).
+bool ends_at_a_loss(const TrainConfig& config);
+
 /// A joiner of a run that started with `first_size` ranks (the world may have
 /// grown since): its shard owners are the run's, K of the first world, not
 /// of the world it joins (--owners set to that K).

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <fstream>
 #include <functional>
+#include <tuple>
 
 namespace cfmo::train {
 namespace {
@@ -139,6 +140,25 @@ TEST(Trainer, InvalidConfigurationIsAUsageError) {
   c.epochs = 0;
   c.time_limit = "10s";
   EXPECT_EQ(train(c, {}).error().kind, ErrorKind::kUsage);
+}
+
+// Which runs may keep UCX's shared-memory FIFOs (comm::UcxOptions::fifos):
+// those a lost rank ends anyway.
+TEST(Trainer, OnlyARunThatEndsAtALossKeepsTheFifos) {
+  TrainConfig c = small_config();
+  for (const auto& [mode, elastic, join, ends] :
+       std::vector<std::tuple<std::string, bool, std::string, bool>>{{"sync", false, "", true},
+                                                                     {"localsgd", false, "", true},
+                                                                     {"sync", true, "", false},
+                                                                     {"localsgd", true, "", false},
+                                                                     {"sync", true, "127.0.0.1:9", false},
+                                                                     {"cfmo", false, "", false},
+                                                                     {"asgd", false, "", false}}) {
+    c.mode = mode;
+    c.elastic = elastic;
+    c.join = join;
+    EXPECT_EQ(ends_at_a_loss(c), ends) << mode << (elastic ? " --elastic" : "") << (join.empty() ? "" : " --join");
+  }
 }
 
 TEST(Trainer, SummaryJsonHasTheDocumentedKeys) {

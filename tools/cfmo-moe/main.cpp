@@ -79,7 +79,9 @@ static int run(int argc, char** argv) {
     return *status;
   }
 
-  auto connected = cfmo::comm::connect_world(*world, {config.rendezvous, config.peer_timeout});
+  cfmo::comm::WorldOptions connect{config.rendezvous, config.peer_timeout};
+  connect.fifos = true;  // a lost rank ends the benchmark
+  auto connected = cfmo::comm::connect_world(*world, connect);
   if (!connected) return fail(connected.error());
   std::unique_ptr<cfmo::comm::Communicator> comm = std::move(*connected);
   const int rank = comm->rank();
