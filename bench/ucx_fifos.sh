@@ -2,7 +2,8 @@
 # What leaving UCX's shared-memory FIFOs out costs between ranks of one host
 # (issue 16, comm/ucx_communicator.cpp choose_transports): each row runs
 # with connect_ucx's own choice ("tcp+cma": TCP loopback for messages, CMA
-# for rendezvous) and with UCX_TLS=all ("fifos": posix/sysv for messages,
+# for rendezvous, in runs that go on after a loss; a run that ends at its
+# first loss, sync here, keeps the FIFOs, so its two columns are alike) and with UCX_TLS=all ("fifos": posix/sysv for messages,
 # CMA for rendezvous, with MM_ERROR_HANDLING, connect_ucx's choice before),
 # alternately (rep 1 of every row and both choices, then rep 2, ...), the
 # same binaries. Prints a Markdown table of medians over REPS; --record
@@ -11,11 +12,11 @@
 #   comm-a2a     bench/comm-a2a's all-to-all-v p50 (us) at each of SIZES
 #                bytes per peer and its 1-float all-reduce, WORKERS ranks
 #   mlp-cfmo     cfmo-train --mode cfmo, the default MLP, MLP_EPOCHS epochs: samples/s
-#   mlp-sync     the same in --mode sync
+#   mlp-sync     the same in --mode sync (the FIFOs in both columns: a control)
 #   gpt-cfmo     the small GPT on fortunes, --mode cfmo, TOKENS tokens: tokens/s
 #   moe-ep-cfmo  bench/moe_train.sh's row of that name (expert parallel,
 #                --dispatch async, --slowdown 1=1.25), TOKENS tokens: tokens/s
-#   moe-ep-sync  bench/moe_train.sh's row of that name: tokens/s
+#   moe-ep-sync  bench/moe_train.sh's row of that name: tokens/s (the FIFOs in both columns)
 #
 #   bench/ucx_fifos.sh [--record]
 #   REPS=5 WORKERS=4 TOKENS=200000 MLP_EPOCHS=1 SIZES="4096 16384 65536 262144 1048576" ITERS=1000   (the defaults)

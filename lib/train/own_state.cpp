@@ -106,13 +106,20 @@ Status TrainingRun::submit_async_checkpoint() {
   return {};
 }
 
-std::vector<std::vector<std::byte>> TrainingRun::final_rank_states() {
-  // Sent before each rank's report, which the keeper has waited for already.
+std::vector<std::vector<std::byte>> TrainingRun::await_states(uint64_t id, const std::vector<int>& silent) {
   const auto deadline = Clock::now() + std::chrono::duration<double>(2 * config.peer_timeout);
-  while (!rank_states->complete(RankStates::kFinal, comm->lost_ranks()) && Clock::now() < deadline) {
+  for (;;) {
+    auto skip = comm->lost_ranks();
+    skip.insert(skip.end(), silent.begin(), silent.end());
+    if (rank_states->complete(id, skip) || Clock::now() > deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  return rank_states->take(RankStates::kFinal);
+  return rank_states->take(id);
+}
+
+std::vector<std::vector<std::byte>> TrainingRun::final_rank_states() {
+  // Sent before each rank's report, which the keeper has waited for already.
+  return await_states(RankStates::kFinal, {});
 }
 
 std::vector<std::vector<std::byte>> TrainingRun::member_states() {
@@ -120,18 +127,12 @@ std::vector<std::vector<std::byte>> TrainingRun::member_states() {
   // The members that made this round sent theirs at its step, before their
   // next round, which waits for this rank (the group's leader) anyway; a
   // rank taken in at it has nothing of it, a lost one never answers.
-  const uint64_t id = RankStates::at_step(pos.step);
   const auto made = mode->round_members();
-  const auto deadline = Clock::now() + std::chrono::duration<double>(2 * config.peer_timeout);
-  for (;;) {
-    auto skip = comm->lost_ranks();
-    for (int r = 0; r < comm->size(); ++r) {
-      if (!made.empty() && std::find(made.begin(), made.end(), r) == made.end()) skip.push_back(r);
-    }
-    if (rank_states->complete(id, skip) || Clock::now() > deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  std::vector<int> silent;
+  for (int r = 0; r < comm->size(); ++r) {
+    if (!made.empty() && std::find(made.begin(), made.end(), r) == made.end()) silent.push_back(r);
   }
-  return rank_states->take(id);
+  return await_states(RankStates::at_step(pos.step), silent);
 }
 
 Status TrainingRun::add_rank_states(CheckpointData& data, std::vector<std::vector<std::byte>> states,
