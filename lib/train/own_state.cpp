@@ -106,11 +106,15 @@ Status TrainingRun::submit_async_checkpoint() {
   return {};
 }
 
-std::vector<std::vector<std::byte>> TrainingRun::await_states(uint64_t id, const std::vector<int>& silent) {
+std::vector<std::vector<std::byte>> TrainingRun::await_states(uint64_t id, const std::vector<int>& from) {
   const auto deadline = Clock::now() + std::chrono::duration<double>(2 * config.peer_timeout);
   for (;;) {
+    // Who need not answer, anew each time: the world may grow meanwhile (a
+    // joiner the transport has, not yet in the group, sent nothing).
     auto skip = comm->lost_ranks();
-    skip.insert(skip.end(), silent.begin(), silent.end());
+    for (int r = 0; r < comm->size() && !from.empty(); ++r) {
+      if (std::find(from.begin(), from.end(), r) == from.end()) skip.push_back(r);
+    }
     if (rank_states->complete(id, skip) || Clock::now() > deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
@@ -127,12 +131,7 @@ std::vector<std::vector<std::byte>> TrainingRun::member_states() {
   // The members that made this round sent theirs at its step, before their
   // next round, which waits for this rank (the group's leader) anyway; a
   // rank taken in at it has nothing of it, a lost one never answers.
-  const auto made = mode->round_members();
-  std::vector<int> silent;
-  for (int r = 0; r < comm->size(); ++r) {
-    if (!made.empty() && std::find(made.begin(), made.end(), r) == made.end()) silent.push_back(r);
-  }
-  return await_states(RankStates::at_step(pos.step), silent);
+  return await_states(RankStates::at_step(pos.step), mode->round_members());
 }
 
 Status TrainingRun::add_rank_states(CheckpointData& data, std::vector<std::vector<std::byte>> states,

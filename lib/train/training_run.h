@@ -145,9 +145,10 @@ struct TrainingRun {
   /// localsgd --elastic, the keeper at a checkpoint's round: the states the
   /// members that made it sent at this step (at the end: their last ones).
   std::vector<std::vector<std::byte>> member_states();
-  /// The answers to `id` once every rank but the lost and `silent` ones gave
-  /// one, or 2x --peer-timeout passed (a rank that did not keeps the keeper's).
-  std::vector<std::vector<std::byte>> await_states(uint64_t id, const std::vector<int>& silent);
+  /// The answers to `id` once every live rank of `from` (empty: of the world,
+  /// as it is while waiting) gave one, or 2x --peer-timeout passed (a rank
+  /// that did not keeps the keeper's).
+  std::vector<std::vector<std::byte>> await_states(uint64_t id, const std::vector<int>& from);
   /// null: not asynchronous (or localsgd --elastic), --deterministic or no run directory
   std::unique_ptr<RankStates> rank_states;
   /// localsgd --elastic with a run directory: every member's inner state
