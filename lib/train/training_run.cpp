@@ -6,7 +6,6 @@
 #include "tensor/ops.h"
 
 #include <fmt/format.h>
-#include <malloc.h>
 #if defined(__x86_64__)
 #include <xmmintrin.h>
 #endif
@@ -161,14 +160,6 @@ Status TrainingRun::load_model_and_optimizer() {
   model().init(static_cast<uint64_t>(config.seed));  // the same on every rank
   model_spec = model().spec_string();
   if (expert_parallel) {
-    // Every MoE layer and step allocates and frees the exchanged rows (a
-    // few 100 KiB a message, on three threads): glibc's sliding mmap
-    // threshold and its trimming of per-thread heaps handed them back to
-    // the kernel and faulted them in zeroed again, 12-29% of the CPU time
-    // of a 4-rank run on 2 cores. Kept instead, for a few MB more peak
-    // resident memory a rank (bench/RESULTS.md).
-    ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
-    ::mallopt(M_TRIM_THRESHOLD, 256 << 20);
     static_cast<model::Gpt&>(model()).set_expert_parallel(comm);
   }
   replicated = model().replicated_size();

@@ -1,5 +1,6 @@
 // cfmo-train: parse flags and config, find or start the workers, run the
 // library's trainer, report. The parts besides are in commands.h.
+#include "../common/allocator.h"
 #include "../common/stop_signals.h"
 #include "../common/tool_main.h"
 #include "comm/world.h"
@@ -81,6 +82,7 @@ static int run(int argc, char** argv) {
   // A file-size limit (ulimit -f) makes a write fail with EFBIG, reported as
   // any failed write (exit 5, naming the file), not a crash by SIGXFSZ.
   std::signal(SIGXFSZ, SIG_IGN);
+  if (config.expert_parallel) cfmo::tool::keep_exchange_buffers();
   if (compare) return compare_modes(argc, argv, config, json);
 
   auto world = cfmo::comm::world_from_environment();
