@@ -342,7 +342,11 @@ TEST(CfmoTrainWorkers, ElasticLockstepWorkersFinishWithoutARankKilledMidRun) {
     EXPECT_EQ(j["stopped_by"], "time-limit");
     EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
     const int64_t lost_samples = logged_samples_at_round(dir / "run", killed, c.mode[1] == "sync" ? 1 : 10);
-    EXPECT_GE(j["samples"].get<int64_t>(), reported_samples(j) + lost_samples) << j.dump();
+    // The killed leader logs its round once its sum is sent, which the kill
+    // may stop short of the members: then that round was never made (the
+    // survivors re-formed without it) and its samples are rightly not counted.
+    const int64_t sum_in_flight = killed == 0 && c.mode[1] == "localsgd" ? 10 * 64 : 0;
+    EXPECT_GE(j["samples"].get<int64_t>(), reported_samples(j) + lost_samples - sum_in_flight) << j.dump();
     if (c.mode[1] == "sync") {
       EXPECT_GT(lost_samples, 0);  // it had logged a step, each one a sum
       EXPECT_GT(j["samples"].get<int64_t>(), reported_samples(j)) << j.dump();
