@@ -11,6 +11,7 @@
 #include "core/error.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -111,6 +112,12 @@ class Communicator {
   /// two looks at lost_ranks(), and its loss is still news. Empty for a new
   /// rank (the world grew).
   virtual std::string replaced_loss(size_t /*join*/) const { return {}; }
+  /// When this rank took the `join`-th join in: every rank takes a join in
+  /// within the leader's admission (which waits for their answers), where
+  /// each notices it only at its next look, which a long step delays.
+  virtual std::chrono::steady_clock::time_point joined_at(size_t /*join*/) const {
+    return std::chrono::steady_clock::now();
+  }
   /// This rank joined a run already under way: the others are past their
   /// start, so it may take part in no collective (their sequence is theirs),
   /// only in messages.

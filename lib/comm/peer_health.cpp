@@ -52,11 +52,17 @@ void PeerHealth::rejoined(int peer) {
   replaced_.push_back(std::exchange(lost_[static_cast<size_t>(peer)], std::string()));
   departed_[static_cast<size_t>(peer)] = false;
   joined_.push_back(peer);
+  joined_at_.push_back(std::chrono::steady_clock::now());
 }
 
 std::string PeerHealth::replaced_loss(size_t join) const {
   std::lock_guard lock(mutex_);
   return join < replaced_.size() ? replaced_[join] : std::string();
+}
+
+std::chrono::steady_clock::time_point PeerHealth::joined_at(size_t join) const {
+  std::lock_guard lock(mutex_);
+  return join < joined_at_.size() ? joined_at_[join] : std::chrono::steady_clock::now();
 }
 
 std::vector<int> PeerHealth::joined_ranks() const {

@@ -8,6 +8,7 @@
 #include "core/error.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <mutex>
 #include <span>
@@ -44,6 +45,8 @@ class PeerHealth {
   /// Why the process the `join`-th join (an index into joined_ranks()) took
   /// the place of was lost; empty for a new rank (the world grew).
   std::string replaced_loss(size_t join) const;
+  /// When this rank took the `join`-th join in (an index into joined_ranks()).
+  std::chrono::steady_clock::time_point joined_at(size_t join) const;
   /// The root cause another rank reported, else a kPeer error naming the first lost rank; ok if none.
   Status health() const;
   std::string lost_reason(int peer) const;
@@ -79,6 +82,8 @@ class PeerHealth {
   std::string first_failure_;                        ///< the first failure any rank reported, e.g. "rank 2 lost: .."
   ErrorKind first_failure_kind_ = ErrorKind::kPeer;  ///< and its kind: the status the run ends with
   Error left_with_{ErrorKind::kPeer, {}};            ///< this rank's own failure (leave_with)
+  /// Per join: see joined_at().
+  std::vector<std::chrono::steady_clock::time_point> joined_at_;
 };
 
 }  // namespace cfmo::comm

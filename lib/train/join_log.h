@@ -10,9 +10,10 @@
 ///
 /// Two lists merge into their union (merge_joins): an entry of one is one
 /// of the other where the same rank joined within kSameJoinS of the other's
-/// notice (a join is noticed at each rank's next step, on the run's clock,
-/// which a joiner takes from the others; two joins of one rank need a loss
-/// and a new process between them), in the order of their times.
+/// time (when each rank's transport took the join in, on the run's clock,
+/// which a joiner takes from the others: within the leader's admission of
+/// it; two joins of one rank need a loss and a new process between them),
+/// in the order of their times.
 ///
 /// Messages on channels::kJoins:
 ///   [u32 n] n x [i32 rank][i64 step][f64 wall_s][f64 first_step_s]
@@ -28,7 +29,7 @@
 
 namespace cfmo::train {
 
-/// Two notices of one join lie at most this far apart (seconds of the run's clock).
+/// Two ranks' times of one join lie at most this far apart (seconds of the run's clock).
 inline constexpr double kSameJoinS = 2.0;
 
 /// `a` and `b` as one list: every join of either once (at its first

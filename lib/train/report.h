@@ -53,7 +53,7 @@ struct WorkerReport {
 struct LostRank {
   int rank = 0;
   int64_t step = 0;          ///< this rank's step when it noticed
-  double wall_s = 0;         ///< seconds since this rank's start when it noticed
+  double wall_s = 0;         ///< the run's seconds when this rank's transport took the join in
   std::string why;           ///< the transport's reason, e.g. "no message for 10.0s"
   int served_by = -1;        ///< cfmo: the rank serving its shard now; -1 where none does
   std::vector<int> experts;  ///< --expert-parallel: its experts, lost with it (their tokens take the residual)
@@ -66,7 +66,7 @@ struct LostRank {
 struct JoinedRank {
   int rank = 0;
   int64_t step = 0;          ///< this rank's step when it noticed
-  double wall_s = 0;         ///< seconds since this rank's start when it noticed
+  double wall_s = 0;         ///< the run's seconds when this rank's transport took the join in
   double first_step_s = -1;  ///< the joiner's own: from its start to the end of its first step (-1: it did not report)
 };
 

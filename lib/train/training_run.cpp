@@ -711,7 +711,10 @@ Status TrainingRun::announce_lost() {
       CFMO_TRY(announce_loss(r, std::move(why), -1));
     }
     announced[static_cast<size_t>(r)] = false;  // a loss of the new process is news again
-    JoinedRank joined{r, pos.step, seconds_since(run_start), -1};
+    // On the run's clock when the transport took it in, not when this rank
+    // looked: the ranks' notices of one join then agree (merge_joins).
+    JoinedRank joined{r, pos.step, std::chrono::duration<double>(comm->joined_at(joins_announced) - run_start).count(),
+                      -1};
     if (options.observer != nullptr) {
       options.observer->on_warning(
           grown ? fmt::format("rank {} joined (a new rank: the world has {} ranks now)", r, r + 1)

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 namespace cfmo::comm {
 namespace {
 
@@ -15,7 +17,9 @@ namespace {
 TEST(PeerHealth, AJoinKeepsWhyTheProcessItReplacedWasLost) {
   PeerHealth health(0, 3);
   health.mark_lost(2, "no message for 5.0s");
+  const auto before = std::chrono::steady_clock::now();
   health.rejoined(2);
+  const auto after = std::chrono::steady_clock::now();
   EXPECT_TRUE(health.lost_ranks().empty());
   EXPECT_EQ(health.lost_reason(2), "");
   ASSERT_EQ(health.joined_ranks(), std::vector<int>{2});
@@ -28,6 +32,11 @@ TEST(PeerHealth, AJoinKeepsWhyTheProcessItReplacedWasLost) {
   EXPECT_EQ(health.replaced_loss(1), "");
   EXPECT_EQ(health.replaced_loss(2), "connection error: Connection reset by remote peer");
   EXPECT_EQ(health.replaced_loss(3), "");  // no such join
+  // When each join was taken in, not when a trainer looked: the ranks' times of one join agree.
+  EXPECT_GE(health.joined_at(0), before);
+  EXPECT_LE(health.joined_at(0), after);
+  EXPECT_LE(health.joined_at(0), health.joined_at(1));
+  EXPECT_LE(health.joined_at(1), health.joined_at(2));
 }
 
 }  // namespace
