@@ -60,26 +60,29 @@ void RunClock::open(int planned_world) {
   for (const int r : waiting) answer(r);
 }
 
+bool RunClock::all_left() const {
+  if (comm_ == nullptr) return false;
+  for (int r = 0; r < comm_->size(); ++r) {
+    if (r != comm_->rank() && !comm_->left(r) && !comm_->is_lost_rank(r)) return false;
+  }
+  return true;
+}
+
 std::optional<int> RunClock::adopt(double timeout_s, int own_plan) {
   if (comm_ == nullptr) return std::nullopt;
   const auto lost = comm_->lost_ranks();
-  std::vector<int> asked;
   for (int r = 0; r < comm_->size(); ++r) {
     if (r != comm_->rank() && std::find(lost.begin(), lost.end(), r) == lost.end()) {
       comm_->post(r, channels::kRunClock, {});
-      asked.push_back(r);
     }
   }
-  // Every rank asked left (or was lost) meanwhile: none will answer.
-  auto all_gone = [&] {
-    return std::all_of(asked.begin(), asked.end(), [&](int r) { return comm_->left(r) || comm_->is_lost_rank(r); });
-  };
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   std::optional<int> planned;
   {
     std::unique_lock lock(mutex_);
-    while (!answer_ && Clock::now() < deadline && !all_gone()) {
+    // (Not once every other rank left the run: none will answer.)
+    while (!answer_ && Clock::now() < deadline && !all_left()) {
       answered_.wait_for(lock, std::chrono::milliseconds(20));
     }
     if (answer_) {

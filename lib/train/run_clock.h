@@ -55,6 +55,8 @@ class RunClock {
   /// others too (with `own_plan` where none came). The run's planned world,
   /// or nothing when no answer came (the clock stays this process's own).
   std::optional<int> adopt(double timeout_s, int own_plan);
+  /// Every other rank of the run left it (or was lost): none will answer.
+  bool all_left() const;
 
  private:
   void on_message(int from, std::span<const std::byte> m);

@@ -112,7 +112,7 @@ void TrainingRun::take_runs_plan() {
   if (const auto planned = run_clock.adopt(config.peer_timeout, planned_world)) {
     run_start = run_clock.start();
     planned_world = *planned;
-  } else if (plan.time_limit_s > 0) {
+  } else if (plan.time_limit_s > 0 && !run_clock.all_left()) {
     observer().on_warning(fmt::format(
         "rank {} joined, but no rank told the run's time within {:.1f}s: its --time-limit counts from its own start",
         rank, config.peer_timeout));
