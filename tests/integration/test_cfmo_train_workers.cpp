@@ -936,6 +936,20 @@ std::vector<fs::path> checkpoints_of(const fs::path& run) {
   return out;
 }
 
+// Two ranks of `mode` for `time_limit` in DIR/run, checkpointing every 20
+// steps, grown by a --join to three (summary_of_grown_run): the newest checkpoint.
+fs::path grown_run_checkpoint(const TempDir& dir, const std::vector<std::string>& mode, const char* time_limit) {
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  std::vector<std::string> flags = rejoin_flags(mode, time_limit, dir);
+  for (const char* a : {"--checkpoint-every", "20", "--keep-checkpoints", "1000"}) flags.emplace_back(a);
+  Ranks ranks;
+  start_two_and_join(ranks, dir, address, flags, 1);
+  if (::testing::Test::HasFatalFailure() || summary_of_grown_run(ranks, dir, 1).is_null()) return {};
+  const auto all = checkpoints_of(dir / "run");
+  EXPECT_FALSE(all.empty());
+  return all.empty() ? fs::path() : all.back();
+}
+
 // A run grown by a --join checkpoints every rank: cfmo of two, a joiner as
 // the new rank 2, and the end's checkpoint records the three ranks' own
 // inner states and positions and the world it started with; resumed with
@@ -944,15 +958,8 @@ std::vector<fs::path> checkpoints_of(const fs::path& run) {
 // the bitwise resume of a grown localsgd run: test_train_grown.cpp.)
 TEST(CfmoTrainWorkers, ACfmoRunGrownByAJoinCheckpointsEveryRankAndResumesWithThreeOrTwo) {
   TempDir dir;
-  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
-  std::vector<std::string> flags = rejoin_flags({"--mode", "cfmo"}, "12s", dir);
-  for (const char* a : {"--checkpoint-every", "20", "--keep-checkpoints", "1000"}) flags.emplace_back(a);
-  Ranks ranks;
-  ASSERT_NO_FATAL_FAILURE(start_two_and_join(ranks, dir, address, flags, 1));
-  ASSERT_FALSE(summary_of_grown_run(ranks, dir, 1).is_null());
-  const auto all = checkpoints_of(dir / "run");
-  ASSERT_FALSE(all.empty());
-  const fs::path end = all.back();
+  const fs::path end = grown_run_checkpoint(dir, {"--mode", "cfmo"}, "12s");
+  ASSERT_FALSE(end.empty());
   const auto state = nlohmann::json::parse(slurp(end / "state.json"));
   EXPECT_EQ(state["workers"], 3) << state.dump();
   EXPECT_EQ(state["first_workers"], 2) << state.dump();
@@ -1002,17 +1009,9 @@ std::map<int64_t, double> logged_rates(const fs::path& file) {
 TEST(CfmoTrainWorkers, AJoinerOfAResumedGrownRunPlansForTheRunsFirstWorld) {
   TempDir dir;
   const std::vector<std::string> mode = {"--mode", "localsgd", "--elastic", "--sync-interval", "5"};
-  {
-    const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
-    std::vector<std::string> flags = rejoin_flags(mode, "8s", dir);
-    for (const char* a : {"--checkpoint-every", "20", "--keep-checkpoints", "1000"}) flags.emplace_back(a);
-    Ranks ranks;
-    ASSERT_NO_FATAL_FAILURE(start_two_and_join(ranks, dir, address, flags, 1));
-    ASSERT_FALSE(summary_of_grown_run(ranks, dir, 1).is_null());
-  }
-  const auto all = checkpoints_of(dir / "run");
-  ASSERT_FALSE(all.empty());
-  const auto state = nlohmann::json::parse(slurp(all.back() / "state.json"));
+  const fs::path end = grown_run_checkpoint(dir, mode, "8s");
+  ASSERT_FALSE(end.empty());
+  const auto state = nlohmann::json::parse(slurp(end / "state.json"));
   ASSERT_EQ(state["workers"], 3) << state.dump();
   ASSERT_EQ(state["first_workers"], 2) << state.dump();
 
@@ -1026,7 +1025,7 @@ TEST(CfmoTrainWorkers, AJoinerOfAResumedGrownRunPlansForTheRunsFirstWorld) {
   }
   flags.insert(flags.end(), {"--epochs", epochs, "--out", (dir / "resumed").string()});
   std::vector<std::string> resumed = flags;
-  resumed.insert(resumed.end(), {"--resume", all.back().string()});
+  resumed.insert(resumed.end(), {"--resume", end.string()});
   Ranks ranks;
   for (int r = 0; r < 3; ++r) {
     ranks.processes.push_back(testing::spawn(
