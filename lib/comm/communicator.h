@@ -107,6 +107,9 @@ class Communicator {
     const auto joined = joined_ranks();
     return static_cast<size_t>(std::count(joined.begin(), joined.end(), rank));
   }
+  /// Whether `rank` left the run on purpose (said goodbye as it ended; a
+  /// rank that failed is lost as well): it answers nothing from now on.
+  virtual bool left(int /*rank*/) const { return false; }
   /// Why the process that the `join`-th join (an index into joined_ranks())
   /// took the place of was lost: a rank may be lost and taken back between
   /// two looks at lost_ranks(), and its loss is still news. Empty for a new

@@ -133,6 +133,12 @@ struct ModeResume {
   int64_t start_samples = 0;
 };
 
+/// What a joiner's Mode::join came to.
+enum class Joined {
+  kTakenIn,   ///< it has the run's state and trains
+  kRunEnded,  ///< the run ended before the others took it in: nothing to train
+};
+
 class Mode {
  public:
   virtual ~Mode() = default;
@@ -213,9 +219,12 @@ class Mode {
   /// localsgd with --elastic (the group's leader, at its next round) and sync
   /// with --elastic (the leader after its next step: its parameters and the
   /// inner state into `optimizer`, the host's, which the trainer then hands
-  /// to its engine). Fails (kPeer) when the state does not come within the
-  /// peer timeout; other modes take no joins (kUsage).
-  virtual Status join(std::span<float> /*params*/, optim::Optimizer& /*optimizer*/, TrainPosition& /*position*/) {
+  /// to its engine). kRunEnded: the run ended before the group took this
+  /// rank in (localsgd, sync: it came too late, and trains nothing). Fails
+  /// (kPeer) when the state does not come within the peer timeout; other
+  /// modes take no joins (kUsage).
+  virtual Result<Joined> join(std::span<float> /*params*/, optim::Optimizer& /*optimizer*/,
+                              TrainPosition& /*position*/) {
     return make_error(ErrorKind::kUsage, "--join: --mode {} takes no joining worker", name());
   }
   /// The rank that keeps the budget and writes the checkpoints, the final

@@ -122,8 +122,9 @@ std::vector<std::vector<std::byte>> TrainingRun::await_states(uint64_t id, const
 }
 
 std::vector<std::vector<std::byte>> TrainingRun::final_rank_states() {
-  // Sent before each rank's report, which the keeper has waited for already.
-  return await_states(RankStates::kFinal, {});
+  // Sent before each rank's report, which the keeper has waited for already;
+  // by the group's members only, in localsgd --elastic (ranks_at_end).
+  return await_states(RankStates::kFinal, ranks_at_end());
 }
 
 std::vector<std::vector<std::byte>> TrainingRun::member_states() {

@@ -102,12 +102,14 @@ struct TrainSummary {
   std::vector<std::string> muon_tensors;
   std::vector<std::string> adamw_tensors;
   uint64_t bytes_sent = 0;
-  std::string stopped_by;  ///< "epochs", "steps", "time-limit" or "interrupt"
+  /// "epochs", "steps", "time-limit", "interrupt", "peer"; "run-ended": a
+  /// joiner that came after the run's last round (it trained nothing)
+  std::string stopped_by;
   std::string run_dir;
   std::string resumed_from;
   std::vector<WorkerReport> per_worker;
-  int rank = 0;           ///< the rank that made this summary (only the keeper's is complete)
-  int keeper = 0;         ///< the rank that kept the run: rank 0, or the lowest live rank in cfmo and asgd
+  int rank = 0;    ///< the rank that made this summary (only the keeper's is complete)
+  int keeper = 0;  ///< the rank that kept the run: rank 0, or the lowest live rank in cfmo and asgd (-1: run-ended)
   double efficiency = 0;  ///< total samples/s over the sum of the workers' solo samples/s
   std::vector<int> lost_ranks;
   std::vector<LostRank> lost;      ///< each loss this rank noticed (a rank lost, joined and lost again: twice)

@@ -48,6 +48,26 @@ Result<TrainSummary> TrainingRun::finish() {
   return summary;
 }
 
+std::vector<int> TrainingRun::ranks_at_end() const {
+  std::vector<int> out = mode->members();
+  if (out.empty()) {
+    for (int r = 0; r < comm->size(); ++r) out.push_back(r);
+  }
+  return out;
+}
+
+TrainSummary TrainingRun::too_late_summary() const {
+  TrainSummary late;
+  late.mode = plan.mode_entry().name;
+  late.workers = comm != nullptr ? comm->size() : world;
+  late.rank = rank;
+  late.keeper = -1;  // it keeps nothing: its tool prints no summary
+  late.model = model_spec;
+  late.stopped_by = "run-ended";
+  late.wall_s = seconds_since(run_start);
+  return late;
+}
+
 Status TrainingRun::last_reconciliation() {
   // Afterwards rank 0 holds the global parameters.
   CFMO_ASSIGN_OR_RETURN(auto params, engine->host_parameters());
@@ -103,12 +123,17 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
   if (rank == keeper) {
     // (The handler, registered from the start: TrainingRun's constructor.)
     const auto deadline = Clock::now() + std::chrono::duration<double>(config.peer_timeout * 2);
+    // Every rank of the world now (it may have grown since the start), or of
+    // the group (a joiner it did not take in before the end sends nothing).
+    const std::vector<int> from = ranks_at_end();
     for (;;) {
-      const auto lost = comm->lost_ranks();
       {
         std::lock_guard lock(reports_mutex);
-        // Of the world now: it may have grown since the start.
-        if (static_cast<int>(reports.size() + lost.size()) >= comm->size() - 1 || Clock::now() > deadline) break;
+        const bool all_in = std::all_of(from.begin(), from.end(), [&](int r) {
+          return r == rank || comm->is_lost_rank(r) ||
+                 std::any_of(reports.begin(), reports.end(), [r](const WorkerReport& w) { return w.rank == r; });
+        });
+        if (all_in || Clock::now() > deadline) break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }

@@ -9,6 +9,7 @@ Result<TrainSummary> train(const TrainConfig& config, const TrainOptions& option
   CFMO_ASSIGN_OR_RETURN(const TrainPlan plan, make_plan(config));
   detail::TrainingRun run(config, plan, options);
   CFMO_TRY(run.set_up());
+  if (run.came_too_late) return run.too_late_summary();
   CFMO_TRY(run.run_loop());
   return run.finish();
 }

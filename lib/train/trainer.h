@@ -62,7 +62,7 @@ struct TrainOptions {
   const std::atomic<bool>* stop = nullptr;  ///< set by a signal handler: stop cleanly
   TrainObserver* observer = nullptr;
   comm::Communicator* comm = nullptr;  ///< the other workers; null for a single worker
-  int local_rank = -1;           ///< this worker's index on its host (comm/world.h); -1: its rank
+  int local_rank = -1;                 ///< this worker's index on its host (comm/world.h); -1: its rank
   /// A joiner: the ranks the run started with (connect_run), for which the
   /// run planned its length and learning-rate schedule; 0: comm's size.
   int first_world = 0;

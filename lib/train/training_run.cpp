@@ -60,7 +60,7 @@ TrainingRun::TrainingRun(const TrainConfig& config, const TrainPlan& plan, const
       joining(comm != nullptr && comm->joined()),
       planned_world(joining && options.first_world > 0 ? options.first_world : world),
       process_start(options.process_start.value_or(Clock::now())),
-      run_clock(comm, run_start, joining),
+      run_clock(comm, run_start),
       announced(static_cast<size_t>(world), false) {
   if (comm != nullptr && world > 1) {
     comm->on_message(channels::kReport, [this](int, std::span<const std::byte> payload) {
@@ -88,6 +88,7 @@ Status TrainingRun::set_up() {
 #endif
   CFMO_TRY(load_model_and_optimizer());
   CFMO_TRY(resume_from_checkpoint());
+  take_runs_plan();
   CFMO_TRY(plan_length());
   CFMO_TRY(make_mode_and_engine());
   // The workspaces now, not in the first step: faulting them in there cost
@@ -95,7 +96,26 @@ Status TrainingRun::set_up() {
   // share with 4 ranks on 2 cores (bench/RESULTS.md).
   if (engine->host_resident()) model().prepare(batch);
   CFMO_TRY(join_run());
+  if (came_too_late) return {};  // nothing to train, nothing to write
   return open_outputs();
+}
+
+void TrainingRun::take_runs_plan() {
+  if (!joining) {
+    run_clock.open(planned_world);
+    return;
+  }
+  // The run's clock, so that this process stops with the others at the time
+  // limit, and the world the run's schedule is planned for, which the
+  // rendezvous does not know (a resumed grown run plans for its first world).
+  if (const auto planned = run_clock.adopt(config.peer_timeout, planned_world)) {
+    run_start = run_clock.start();
+    planned_world = *planned;
+  } else if (plan.time_limit_s > 0 && !run_clock.all_left()) {
+    observer().on_warning(fmt::format(
+        "rank {} joined, but no rank told the run's time within {:.1f}s: its --time-limit counts from its own start",
+        rank, config.peer_timeout));
+  }
 }
 
 Status TrainingRun::join_run() {
@@ -103,21 +123,20 @@ Status TrainingRun::join_run() {
   CFMO_ASSIGN_OR_RETURN(auto params, engine->host_parameters());
   // The host optimizer, current: sync's joiner takes the group's inner state into it.
   CFMO_ASSIGN_OR_RETURN(optim::Optimizer * inner, engine->host_optimizer());
-  CFMO_TRY(mode->join(replicated_part(params), *inner, pos));
+  CFMO_ASSIGN_OR_RETURN(const Joined joined, mode->join(replicated_part(params), *inner, pos));
+  if (joined == Joined::kRunEnded) {
+    // Too late, through no fault of its own: the others had ended the run.
+    came_too_late = true;
+    observer().on_warning(fmt::format(
+        "rank {} joined as the run ended: the others had taken their last round; it trained nothing", rank));
+    return {};
+  }
   if (traits.lockstep && pos.data_world > 0) {
     // The group's cut of this epoch's global batches (it grows at an epoch's
     // start), so that this rank takes its own slice and ends the epoch, and
     // an --epochs budget, at the members' step.
     cut_batches(static_cast<int>(pos.data_world));
     plan_step_limit();
-  }
-  // The run's clock, so that this process stops with the others at the time limit.
-  if (run_clock.adopt(config.peer_timeout)) {
-    run_start = run_clock.start();
-  } else if (time_limit_s > 0) {
-    observer().on_warning(fmt::format(
-        "rank {} joined, but no rank told the run's time within {:.1f}s: its --time-limit counts from its own start",
-        rank, config.peer_timeout));
   }
   CFMO_TRY(engine->parameters_changed());
   CFMO_TRY(engine->optimizer_changed());

@@ -60,10 +60,17 @@ struct TrainingRun {
   /// A checkpoint of another number of workers: positions recounted, the
   /// global state spread over this world's shards; rank 0 says so in one line.
   Status redistribute(const CheckpointWorld& saved);
+  /// The run's clock and planned world: a rank of the start tells joiners
+  /// its own from now on, a joiner takes the run's (run_clock.h).
+  void take_runs_plan();
   Status plan_length();
   Status make_mode_and_engine();
   /// A joiner (comm->joined()): the global state and its place's position from the run.
   Status join_run();
+  /// A joiner that the run ended before it was taken in (join_run says so
+  /// in one line): train() ends at once, with this summary (status 0).
+  bool came_too_late = false;
+  TrainSummary too_late_summary() const;
   Status open_outputs();
 
   // run_loop's parts
@@ -81,6 +88,10 @@ struct TrainingRun {
   WorkerReport own_report(const ModeStats& mode_stats, int64_t deltas_written, int64_t deltas_skipped) const;
   /// Every worker's report goes to the keeper, which waits for the live ones.
   Status gather_reports(const WorkerReport& own);
+  /// The ranks whose report and last state the keeper waits for at the end:
+  /// the group's members (sync and localsgd with --elastic: a joiner the
+  /// group had not taken in has neither), else every rank of the world now.
+  std::vector<int> ranks_at_end() const;
   /// The reports received (channels::kReport): taken from the start, on every
   /// rank (any may come to keep the run), since a worker that finishes first
   /// sends its report before the keeper is done with its own last round.
@@ -140,7 +151,7 @@ struct TrainingRun {
                          const std::vector<int>& fresh = {});
   /// The keeper: submits the owners' snapshot once every live rank's state is in.
   Status submit_async_checkpoint();
-  /// The keeper at the end: every live rank's last state (sent in finish).
+  /// The keeper at the end: every live rank's last state (sent in finish) of ranks_at_end.
   std::vector<std::vector<std::byte>> final_rank_states();
   /// localsgd --elastic, the keeper at a checkpoint's round: the states the
   /// members that made it sent at this step (at the end: their last ones).
@@ -212,11 +223,12 @@ struct TrainingRun {
   /// takes the global state from the others and passes no start barrier.
   const bool joining;
   /// The ranks the run's length, budget and schedule are planned for: the
-  /// world it started with (a joiner's from the run; a resumed grown world's
-  /// from its checkpoint), the same on every rank, however the world grew.
+  /// world it started with (a joiner's from the ranks there, run_clock.h; a
+  /// resumed grown world's from its checkpoint), the same on every rank,
+  /// however the world grew.
   int planned_world;
   const Clock::time_point process_start;
-  RunClock run_clock;          ///< tells joiners the run's seconds; a joiner's own comes from it
+  RunClock run_clock;          ///< tells joiners the run's seconds and plan; a joiner's own come from it
   double first_step_s = -1;    ///< a joiner: from process_start to the end of its first step
   size_t joins_announced = 0;  ///< of comm->joined_ranks()
   /// The run's joins, shared with the keeper and its standby (null: a mode that survives no loss).

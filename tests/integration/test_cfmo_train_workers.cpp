@@ -940,6 +940,20 @@ std::vector<fs::path> checkpoints_of(const fs::path& run) {
   return out;
 }
 
+// Two ranks of `mode` for `time_limit` in DIR/run, checkpointing every 20
+// steps, grown by a --join to three (summary_of_grown_run): the newest checkpoint.
+fs::path grown_run_checkpoint(const TempDir& dir, const std::vector<std::string>& mode, const char* time_limit) {
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  std::vector<std::string> flags = rejoin_flags(mode, time_limit, dir);
+  for (const char* a : {"--checkpoint-every", "20", "--keep-checkpoints", "1000"}) flags.emplace_back(a);
+  Ranks ranks;
+  start_two_and_join(ranks, dir, address, flags, 1);
+  if (::testing::Test::HasFatalFailure() || summary_of_grown_run(ranks, dir, 1).is_null()) return {};
+  const auto all = checkpoints_of(dir / "run");
+  EXPECT_FALSE(all.empty());
+  return all.empty() ? fs::path() : all.back();
+}
+
 // A run grown by a --join checkpoints every rank: cfmo of two, a joiner as
 // the new rank 2, and the end's checkpoint records the three ranks' own
 // inner states and positions and the world it started with; resumed with
@@ -948,15 +962,8 @@ std::vector<fs::path> checkpoints_of(const fs::path& run) {
 // the bitwise resume of a grown localsgd run: test_train_grown.cpp.)
 TEST(CfmoTrainWorkers, ACfmoRunGrownByAJoinCheckpointsEveryRankAndResumesWithThreeOrTwo) {
   TempDir dir;
-  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
-  std::vector<std::string> flags = rejoin_flags({"--mode", "cfmo"}, "12s", dir);
-  for (const char* a : {"--checkpoint-every", "20", "--keep-checkpoints", "1000"}) flags.emplace_back(a);
-  Ranks ranks;
-  ASSERT_NO_FATAL_FAILURE(start_two_and_join(ranks, dir, address, flags, 1));
-  ASSERT_FALSE(summary_of_grown_run(ranks, dir, 1).is_null());
-  const auto all = checkpoints_of(dir / "run");
-  ASSERT_FALSE(all.empty());
-  const fs::path end = all.back();
+  const fs::path end = grown_run_checkpoint(dir, {"--mode", "cfmo"}, "12s");
+  ASSERT_FALSE(end.empty());
   const auto state = nlohmann::json::parse(slurp(end / "state.json"));
   EXPECT_EQ(state["workers"], 3) << state.dump();
   EXPECT_EQ(state["first_workers"], 2) << state.dump();
@@ -982,6 +989,142 @@ TEST(CfmoTrainWorkers, ACfmoRunGrownByAJoinCheckpointsEveryRankAndResumesWithThr
           << resumed.err;
     }
     EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+  }
+}
+
+// Each step's learning rate that `file` (a rank's metrics) logged, by step.
+std::map<int64_t, double> logged_rates(const fs::path& file) {
+  std::map<int64_t, double> out;
+  for (const auto& line : testing::lines(slurp(file))) {
+    const auto m = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!m.is_discarded() && m.value("type", "") == "step" && m.contains("lr")) {
+      out[m["step"].get<int64_t>()] = m["lr"].get<double>();
+    }
+  }
+  return out;
+}
+
+// A run grown from two ranks to three, checkpointed and resumed with three,
+// grows again by a --join: the joiner plans the run's schedule for the
+// world the run started with (two, from its ranks; the rendezvous knows only
+// the three the resumed run started with), so its learning rate at each
+// step is the members' there. localsgd with --elastic: the joiner takes the
+// members' steps from its round on.
+TEST(CfmoTrainWorkers, AJoinerOfAResumedGrownRunPlansForTheRunsFirstWorld) {
+  TempDir dir;
+  const std::vector<std::string> mode = {"--mode", "localsgd", "--elastic", "--sync-interval", "5"};
+  const fs::path end = grown_run_checkpoint(dir, mode, "8s");
+  ASSERT_FALSE(end.empty());
+  const auto state = nlohmann::json::parse(slurp(end / "state.json"));
+  ASSERT_EQ(state["workers"], 3) << state.dump();
+  ASSERT_EQ(state["first_workers"], 2) << state.dump();
+
+  // Resumed by hand with three ranks, for 150 epochs more on a cosine schedule
+  // (rank 0 slowed, as above, so that the join comes before the end).
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  std::vector<std::string> flags = mode;
+  const std::string epochs = std::to_string(state["epoch"].get<int64_t>() + 150);
+  for (const char* a : {"--schedule", "cosine", "--warmup-steps", "10", "--slowdown", "0=20", "--log-every", "1"}) {
+    flags.emplace_back(a);
+  }
+  flags.insert(flags.end(), {"--epochs", epochs, "--out", (dir / "resumed").string()});
+  std::vector<std::string> resumed = flags;
+  resumed.insert(resumed.end(), {"--resume", end.string()});
+  Ranks ranks;
+  for (int r = 0; r < 3; ++r) {
+    ranks.processes.push_back(testing::spawn(
+        args(resumed), {"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address},
+        (dir / ("resumed-out-" + std::to_string(r))).string(), (dir / ("resumed-err-" + std::to_string(r))).string()));
+  }
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "resumed" / "metrics-rank-1.jsonl", 120))
+      << slurp(dir / "resumed-err-0") << slurp(dir / "resumed-err-1");
+  std::vector<std::string> joiner = flags;
+  joiner.insert(joiner.end(), {"--join", address});
+  ranks.processes.push_back(
+      testing::spawn(args(joiner), {}, (dir / "resumed-out-j").string(), (dir / "resumed-err-j").string()));
+  for (auto& p : ranks.processes) {
+    ASSERT_TRUE(p.wait(240)) << "a process hangs";
+    EXPECT_EQ(p.status, 0) << slurp(dir / "resumed-err-0") << slurp(dir / "resumed-err-j");
+  }
+  EXPECT_NE(slurp(dir / "resumed-err-0").find("rank 3 joined (a new rank: the world has 4 ranks now)"),
+            std::string::npos)
+      << slurp(dir / "resumed-err-0");
+  const auto members = logged_rates(dir / "resumed" / "metrics.jsonl");
+  const auto joined = logged_rates(dir / "resumed" / "metrics-rank-3.jsonl");
+  ASSERT_GT(joined.size(), 5u) << slurp(dir / "resumed-err-j");
+  for (const auto& [step, lr] : joined) {
+    ASSERT_EQ(members.count(step), 1u) << "rank 0 logged no step " << step;
+    EXPECT_DOUBLE_EQ(lr, members.at(step)) << "step " << step;
+  }
+}
+
+// A process that joins in the last moments of a run with --elastic, at its
+// time limit: taken in at the last round it stops with the others;
+// coming after it, it is told the run ended and goes with one line. Either
+// way it did nothing wrong (status 0), nobody waits for it (the keeper
+// neither for its report nor for its state: the whole run ends well within
+// --peer-timeout of its time limit) and the summary is the run's. (One that
+// reaches the rendezvous while the leader shuts down is refused there,
+// still with status 2; cfmo holds such a joiner and the ranks up to
+// 2x --peer-timeout: see the branch's report.)
+TEST(CfmoTrainWorkers, AnElasticJoinerAtTheVeryEndOfARunEndsWithItAtOnce) {
+  for (const auto& mode : {std::vector<std::string>{"--mode", "localsgd", "--elastic", "--sync-interval", "5"},
+                           std::vector<std::string>{"--mode", "sync", "--elastic"}}) {
+    SCOPED_TRACE(mode[1]);
+    TempDir dir;
+    const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+    const double limit = 4;
+    const auto flags = rejoin_flags(mode, "4s", dir);
+    const auto started = std::chrono::steady_clock::now();
+    auto since_start = [&] {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    };
+    Ranks ranks;
+    for (int r = 0; r < 2; ++r) {
+      ranks.processes.push_back(
+          testing::spawn(args(flags), {"RANK=" + std::to_string(r), "WORLD_SIZE=2", "CFMO_RENDEZVOUS=" + address},
+                         (dir / ("out-" + std::to_string(r))).string(), (dir / ("err-" + std::to_string(r))).string()));
+    }
+    ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-1.jsonl", 120)) << slurp(dir / "err-0");
+    // At the time limit (the ranks' clock starts a little after this one):
+    // later, the run may be gone before the joiner reaches it.
+    while (since_start() < limit - 0.1) usleep(10000);
+    std::vector<std::string> joiner = flags;
+    joiner.insert(joiner.end(), {"--join", address});
+    ranks.processes.push_back(testing::spawn(args(joiner), {}, (dir / "out-j").string(), (dir / "err-j").string()));
+    std::vector<double> ended;
+    for (auto& p : ranks.processes) {
+      ASSERT_TRUE(p.wait(120)) << "a process hangs";
+      ended.push_back(since_start());
+    }
+    const std::string err = slurp(dir / "err-j");
+    const bool refused = err.find("the run is ending") != std::string::npos;
+    for (size_t p = 0; p < ranks.processes.size(); ++p) {
+      if (p < 2 || !refused) {
+        EXPECT_EQ(ranks.processes[p].status, 0) << p << ": " << slurp(dir / "err-0") << err;
+      }
+      // The peer timeout is 5 s: the keeper waited 2x that for a joiner's report, the joiner 60 s.
+      EXPECT_LT(ended[p], limit + 3) << "process " << p << " ended late";
+    }
+    const auto j = last_json(slurp(dir / "out-0"));
+    ASSERT_FALSE(j.is_null()) << slurp(dir / "err-0");
+    EXPECT_EQ(j["stopped_by"], "time-limit") << j.dump();
+    EXPECT_EQ(j["lost_ranks"], nlohmann::json::array()) << j.dump();
+    EXPECT_GE(j["samples"].get<int64_t>(), reported_samples(j)) << j.dump();
+    EXPECT_TRUE(last_json(slurp(dir / "out-j")).is_null()) << "one summary, the keeper's";
+    const bool too_late = err.find("rank 2 joined as the run ended") != std::string::npos;
+    if (too_late || refused) {
+      EXPECT_EQ(testing::lines(err).size(), 1u) << err;
+      EXPECT_EQ(j["per_worker"].size(), 2u) << j.dump();
+    } else {
+      // Taken in before the end: a member of the grown run, reported.
+      EXPECT_EQ(j["per_worker"].size(), 3u) << j.dump() << err;
+    }
+    std::printf("%s: the members ended %.2f s and %.2f s, the joiner %.2f s after their start (limit %.0f s); %s\n",
+                mode[1].c_str(), ended[0], ended[1], ended[2], limit,
+                too_late  ? "it came too late"
+                : refused ? "the rendezvous refused it"
+                          : "it was taken in");
   }
 }
 

@@ -4,6 +4,7 @@
 // --join` is one of UCX's (with real processes: test_cfmo_train_workers.cpp).
 #include "ckpt/safetensors.h"
 #include "comm/loopback.h"
+#include "optim/schedule.h"
 #include "train/join_log.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
@@ -17,8 +18,10 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 namespace cfmo::train {
 namespace {
@@ -35,8 +38,11 @@ class Member final : public TrainObserver {
  public:
   explicit Member(double hold_s = 0, std::atomic<int>* reached = nullptr) : hold_s_(hold_s), reached_(reached) {}
   void on_step(const StepEvent& e) override {
-    if (e.step == 1 && reached_ != nullptr) ++*reached_;
-    if (e.step == 1 && hold_s_ > 0) std::this_thread::sleep_for(std::chrono::duration<double>(hold_s_));
+    // (Its first step: a resumed run's is not step 1.)
+    if (std::exchange(first_, false)) {
+      if (reached_ != nullptr) ++*reached_;
+      if (hold_s_ > 0) std::this_thread::sleep_for(std::chrono::duration<double>(hold_s_));
+    }
     std::lock_guard lock(mutex_);
     lr[e.step] = e.lr;
   }
@@ -55,6 +61,7 @@ class Member final : public TrainObserver {
  private:
   const double hold_s_;
   std::atomic<int>* reached_;
+  bool first_ = true;  ///< (the training thread's)
   std::mutex mutex_;
   std::vector<std::string> notes;
 };
@@ -86,8 +93,9 @@ struct RunResult {
 };
 
 /// Ranks 0 and 1 train `config` from the start (or from `resume` with
-/// `workers` ranks); with `joiner`, a third process joins as the new rank 2
-/// (planning for the first world of two, as connect_run tells it).
+/// `workers` ranks); with `joiner`, one more process joins as the new rank
+/// `workers` (told the world of `workers` as its first, as connect_run tells
+/// it: the world the transport started with).
 RunResult run_world(const TrainConfig& config, int workers, bool joiner, const fs::path& resume = {},
                     std::vector<std::unique_ptr<Member>>* observers = nullptr) {
   auto world = comm::make_loopback_world(workers, {.peer_timeout_s = config.peer_timeout});
@@ -265,17 +273,107 @@ TEST(GrownRun, CfmoCheckpointsEveryRanksOwnStateAndResumesWithEitherWorld) {
 
   for (const int workers : {3, 2}) {
     SCOPED_TRACE(workers);
+    // Resumed with the grown world, it grows once more: the joiner plans for
+    // the run's first world of two (as its ranks do, from the checkpoint),
+    // not for the three the transport started with.
+    const bool grows = workers == 3;
     TrainConfig again = config;
     again.epochs = 3;  // one epoch more than the checkpoint's run
     again.out = (dir.path() / fmt::format("again-{}", workers)).string();
     std::vector<std::unique_ptr<Member>> said;
-    const auto resumed = run_world(again, workers, /*joiner=*/false, grown, &said);
+    const auto resumed = run_world(again, workers, /*joiner=*/grows, grown, &said);
     for (size_t r = 0; r < resumed.summaries.size(); ++r) {
       ASSERT_TRUE(resumed.summaries[r]) << r << ": " << resumed.summaries[r].error().message;
     }
     EXPECT_EQ(said[0]->all_notes().find("redistributed") != std::string::npos, workers == 2) << said[0]->all_notes();
     EXPECT_GT(resumed.summaries[0]->samples, 0);
+    if (!grows) continue;
+    EXPECT_EQ(resumed.summaries[0]->workers, 4);
+    // The members' schedule: the budget of three epochs in global batches of two ranks.
+    optim::Schedule planned;
+    planned.kind = optim::Schedule::Kind::kCosine;
+    planned.base_lr = again.lr;
+    planned.min_lr = again.min_lr;
+    planned.warmup_steps = again.warmup_steps;
+    planned.total_steps = again.epochs * 1024 / (2 * again.batch_size);
+    ASSERT_FALSE(said[3]->lr.empty());
+    // (A step's event has its rate for the update after step - 1 steps.)
+    for (const auto& [step, lr] : said[3]->lr) EXPECT_DOUBLE_EQ(lr, planned.at(step - 1)) << "the joiner's " << step;
+    for (const auto& [step, lr] : said[1]->lr) EXPECT_DOUBLE_EQ(lr, planned.at(step - 1)) << "rank 1's " << step;
   }
+}
+
+/// Runs `at_end` once on the keeper's training thread at its final
+/// evaluation: after the group's last round, before the end's checkpoint.
+class AtFinalEvaluation final : public TrainObserver {
+ public:
+  explicit AtFinalEvaluation(std::function<void()> at_end) : at_end_(std::move(at_end)) {}
+  void on_eval(const EvalEvent& e) override {
+    if (e.final && at_end_) std::exchange(at_end_, nullptr)();
+  }
+
+ private:
+  std::function<void()> at_end_;
+};
+
+// localsgd --elastic: a process that joins after the group's last round (at
+// the keeper's final evaluation) is told at once that the run ended: it
+// trains nothing and ends with "run-ended" (its tool: one line, status 0),
+// and the keeper's end's checkpoint waits for the members' states only, not
+// 2x --peer-timeout for the joiner's.
+TEST(GrownRun, AJoinerAfterAnElasticGroupsLastRoundEndsAtOnceAndNobodyWaitsForIt) {
+  using Clock = std::chrono::steady_clock;
+  TempDir dir;
+  TrainConfig config = grown_config("localsgd", dir.path() / "run");
+  config.epochs = 1;
+  auto world = comm::make_loopback_world(2, {.peer_timeout_s = config.peer_timeout});
+  std::unique_ptr<comm::Communicator> joined;
+  Result<TrainSummary> late = make_error(ErrorKind::kInternal, "did not run");
+  double late_s = -1;
+  Clock::time_point released{};
+  AtFinalEvaluation keeper([&] {
+    auto c = world.network->join(2);
+    ASSERT_TRUE(c) << c.error().message;
+    joined = std::move(*c);
+    TrainOptions o;
+    o.comm = joined.get();
+    o.first_world = 2;
+    const auto start = Clock::now();
+    late = train(config, o);  // meanwhile the keeper waits here
+    late_s = std::chrono::duration<double>(Clock::now() - start).count();
+    released = Clock::now();
+  });
+  Member other;
+  std::vector<Result<TrainSummary>> summaries(2, make_error(ErrorKind::kInternal, "did not run"));
+  Clock::time_point keeper_done{};
+  std::vector<TrainOptions> options(2);
+  for (int r = 0; r < 2; ++r) {
+    options[static_cast<size_t>(r)].comm = world.ranks[static_cast<size_t>(r)].get();
+    options[static_cast<size_t>(r)].observer = r == 0 ? static_cast<TrainObserver*>(&keeper) : &other;
+  }
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      summaries[static_cast<size_t>(r)] = train(config, options[static_cast<size_t>(r)]);
+      if (r == 0) keeper_done = Clock::now();
+    });
+  }
+  for (auto& t : threads) t.join();
+  joined.reset();
+  world.ranks.clear();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(summaries[static_cast<size_t>(r)]) << r << ": " << summaries[static_cast<size_t>(r)].error().message;
+  }
+  ASSERT_TRUE(late) << late.error().message;
+  EXPECT_EQ(late->stopped_by, "run-ended");
+  EXPECT_EQ(late->rank, 2);
+  EXPECT_NE(late->keeper, late->rank) << "its tool prints no summary";
+  EXPECT_LT(late_s, 5.0) << "told, not timed out";
+  EXPECT_LT(std::chrono::duration<double>(keeper_done - released).count(), config.peer_timeout)
+      << "the keeper waited for the joiner's state";
+  EXPECT_EQ(summaries[0]->per_worker.size(), 2u);
+  EXPECT_EQ(summaries[0]->stopped_by, "epochs");
+  EXPECT_FALSE(fs::exists(dir.path() / "run" / "metrics-rank-2.jsonl")) << "it wrote nothing";
 }
 
 JoinedRank join(int rank, double wall_s, double first_step_s = -1) { return {rank, 0, wall_s, first_step_s}; }

@@ -18,6 +18,13 @@
 namespace cfmo::train {
 namespace {
 
+/// A Mode::join's outcome as a status: the run ending first is a failure here.
+Status taken_in(const Result<Joined>& joined) {
+  if (!joined) return joined.error();
+  if (*joined != Joined::kTakenIn) return make_error(ErrorKind::kPeer, "the run ended before it was taken in");
+  return {};
+}
+
 constexpr size_t kSize = 96;  // shards of 48 floats for 2 workers, 32 for 3 (16-float boundaries)
 
 struct Cluster {
@@ -114,7 +121,7 @@ struct Cluster {
 
   /// The joiner's Mode::join: its parameters and position from the run.
   Status join(int rank, TrainPosition& position) {
-    return mode(rank).join(param(rank), *optimizers[static_cast<size_t>(rank)], position);
+    return taken_in(mode(rank).join(param(rank), *optimizers[static_cast<size_t>(rank)], position));
   }
 
   /// A round of the ranks in `who` at `step`: each adds `delta` to its
@@ -688,7 +695,7 @@ void expect_rank_two_rejoins_as_a_replica(const std::function<void(JoinView::Fla
   // The new process in rank 2's place: taken in at a step, it wants to stop 5 steps later.
   SyncWorker joiner(*views[2], initial);
   joiner.comm_rank = 2;
-  const Status joined = joiner.mode->join(joiner.params, *joiner.optimizer, joiner.position);
+  const Status joined = taken_in(joiner.mode->join(joiner.params, *joiner.optimizer, joiner.position));
   const Status ran = joined ? joiner.run(5) : joined;
   if (!joined) {
     // Not taken in: the others go on without rank 2, and stop, rather than wait for it.

@@ -57,9 +57,10 @@ class AsgdMode final : public AsyncMode {
     const auto lost = comm_.lost_ranks();
     return std::find(lost.begin(), lost.end(), rank) == lost.end() ? rank : -1;
   }
-  Status join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
+  Result<Joined> join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
     if (comm_.rank() < shards_) CFMO_TRY(take_own_shard());
-    return take_global_state(params, position);
+    CFMO_TRY(take_global_state(params, position));
+    return Joined::kTakenIn;
   }
   bool owns_update() const override { return true; }
   bool uses_gradients() const override { return true; }

@@ -76,8 +76,9 @@ class CfmoMode final : public AsyncMode {
     stop_serving_owner_state();
   }
   std::string_view name() const override { return "cfmo"; }
-  Status join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
-    return take_global_state(params, position);
+  Result<Joined> join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
+    CFMO_TRY(take_global_state(params, position));
+    return Joined::kTakenIn;
   }
 
   bool needs_params(const TrainPosition& position) const override {

@@ -121,7 +121,7 @@ void ElasticGroup::send_grown(int to, Kind kind, std::span<const float> sum, std
 void ElasticGroup::on_message(int from, std::span<const std::byte> m) {
   Message msg;
   uint8_t kind = 0;
-  if (!take(m, kind) || kind < kPart || kind > kSumGrow || !take(m, msg.epoch) || !take(m, msg.seq)) return;
+  if (!take(m, kind) || kind < kPart || kind > kEnded || !take(m, msg.epoch) || !take(m, msg.seq)) return;
   msg.kind = static_cast<Kind>(kind);
   msg.from = from;
   if (msg.kind == kGroup || msg.kind == kWelcome || msg.kind == kSumGrow) {
@@ -151,11 +151,28 @@ void ElasticGroup::on_message(int from, std::span<const std::byte> m) {
   }
   msg.floats.resize(m.size() / sizeof(float));
   if (!msg.floats.empty()) std::memcpy(msg.floats.data(), m.data(), msg.floats.size() * sizeof(float));
+  bool too_late = false;
   {
     std::lock_guard lock(mutex_);
-    inbox_.push_back(std::move(msg));
+    too_late = closed_ && msg.kind == kAdmit;
+    if (!too_late) inbox_.push_back(std::move(msg));
   }
+  // (A post from the handler is allowed.)
+  if (too_late) send(from, kEnded, 0, 0, {});
   arrived_.notify_all();
+}
+
+void ElasticGroup::close() {
+  std::vector<int> asked;
+  {
+    std::lock_guard lock(mutex_);
+    closed_ = true;
+    Message m;
+    while (take_locked(m, [](const Message& x) { return x.kind == kAdmit; })) {
+      if (std::find(asked.begin(), asked.end(), m.from) == asked.end()) asked.push_back(m.from);
+    }
+  }
+  for (const int r : asked) send(r, kEnded, 0, 0, {});
 }
 
 template <typename Match>
@@ -333,42 +350,57 @@ void ElasticGroup::send_welcome(std::span<const std::byte> state) {
   welcome_due_.clear();
 }
 
-Result<ElasticGroup::Welcome> ElasticGroup::join(double timeout_s) {
+Result<std::optional<ElasticGroup::Welcome>> ElasticGroup::join(double timeout_s) {
   const auto deadline = Clock::now() + seconds(timeout_s);
   Clock::time_point asked{};
   for (;;) {
+    {
+      std::unique_lock lock(mutex_);
+      Message w;
+      if (take_locked(w, [](const Message& x) { return x.kind == kWelcome; })) {
+        for (int r = 0; r < comm_.size(); ++r) note_member(r);
+        members_ = w.ranks;
+        epoch_ = w.epoch;
+        target_epoch_ = w.epoch;
+        seq_ = w.seq;
+        last_ = w.floats;
+        has_last_ = !w.floats.empty();  // a welcome sent later carries no sum
+        last_sum_members_ = w.count;
+        last_sum_ranks_ = members_;
+        reconciled_ = std::move(w.tally);
+        retired_ = std::move(w.retired);
+        std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_ && x.kind != kAdmit; });
+        return std::optional<Welcome>(Welcome{std::move(w.state), std::move(w.floats), w.count});
+      }
+      // (Asked again after a welcome was sent: the welcome above counts, not this.)
+      if (take_locked(w, [](const Message& x) { return x.kind == kEnded; })) return std::optional<Welcome>();
+    }
     if (Clock::now() > deadline) {
       return make_error(ErrorKind::kPeer, "rank {} joined, but the group's leader did not take it in within {:.1f}s",
                         comm_.rank(), timeout_s);
     }
-    if (Clock::now() - asked > std::chrono::seconds(1)) {
-      // The lowest live rank leads; asked again in case it was lost meanwhile.
-      asked = Clock::now();
-      const auto lost_now = comm_.lost_ranks();
-      for (int r = 0; r < comm_.size(); ++r) {
-        if (r != comm_.rank() && std::find(lost_now.begin(), lost_now.end(), r) == lost_now.end()) {
-          send(r, kAdmit, 0, 0, {});
-          break;
-        }
+    // The others' goodbyes: a run whose every other rank left or is lost
+    // takes nobody in. It ended if one left as it ended (not as it failed).
+    bool any_left = false;
+    int live = -1;
+    for (int r = comm_.size() - 1; r >= 0; --r) {
+      if (r == comm_.rank()) continue;
+      if (comm_.left(r)) {
+        any_left = any_left || !lost(r);
+      } else if (!lost(r)) {
+        live = r;  // the lowest, in the end: the leader
       }
     }
-    std::unique_lock lock(mutex_);
-    Message w;
-    if (take_locked(w, [](const Message& x) { return x.kind == kWelcome; })) {
-      for (int r = 0; r < comm_.size(); ++r) note_member(r);
-      members_ = w.ranks;
-      epoch_ = w.epoch;
-      target_epoch_ = w.epoch;
-      seq_ = w.seq;
-      last_ = w.floats;
-      has_last_ = !w.floats.empty();  // a welcome sent later carries no sum
-      last_sum_members_ = w.count;
-      last_sum_ranks_ = members_;
-      reconciled_ = std::move(w.tally);
-      retired_ = std::move(w.retired);
-      std::erase_if(inbox_, [&](const Message& x) { return x.epoch < epoch_ && x.kind != kAdmit; });
-      return Welcome{std::move(w.state), std::move(w.floats), w.count};
+    if (live < 0) {
+      if (any_left) return std::optional<Welcome>();
+      return make_error(ErrorKind::kPeer, "rank {} joined, but every other rank of the run is lost", comm_.rank());
     }
+    if (Clock::now() - asked > std::chrono::seconds(1)) {
+      // Asked again in case the leader was lost meanwhile.
+      asked = Clock::now();
+      send(live, kAdmit, 0, 0, {});
+    }
+    std::unique_lock lock(mutex_);
     arrived_.wait_for(lock, kNap);
   }
 }

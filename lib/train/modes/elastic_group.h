@@ -28,6 +28,7 @@
 ///   kWelcome [u8 7][u32 epoch][u64 seq][u32 n][n x i32 ranks][u32 count][u64 n][bytes: state]
 ///            [tally: reconciled by rank][tally: retired by rank][floats: sum seq - 1]
 ///   kSumGrow [u8 8][u32 epoch][u64 seq][u32 n][n x i32 ranks][tally][floats]   kSum, and the members from then on
+///   kEnded   [u8 9][u32 0][u64 0]                   a member to a joiner: the group made its last sum (close)
 /// where the epoch counts the group's re-formings and growths, and a tally
 /// is [u32 n][n x i64 samples]: in a sum, each of the members that made it
 /// (in their order) had trained that many samples in this run when it sent
@@ -40,7 +41,9 @@
 /// parameters before the sum), and is a member of the next. With
 /// welcome_later (sync) the kWelcome carries no sum: the leader sends it
 /// once the caller has used the sum (send_welcome: its parameters and
-/// optimizer state after the step), still before the next sum.
+/// optimizer state after the step), still before the next sum. A joiner
+/// that asks once the group made its last sum (close) is told so (kEnded),
+/// as it is by the others leaving the run: it comes too late, and goes.
 ///
 /// Threads: the training thread calls all_reduce_sum; the handler only
 /// queues what arrives.
@@ -53,6 +56,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -105,8 +109,13 @@ class ElasticGroup {
     size_t members = 0;
   };
   /// This rank joined the run (Communicator::joined): asks the leader until
-  /// it is taken in, at most `timeout_s`; afterwards it is a member.
-  Result<Welcome> join(double timeout_s);
+  /// it is taken in, at most `timeout_s`; afterwards it is a member. Nothing
+  /// when the run ended first: a member said the group made its last sum,
+  /// or every other rank left the run (none lost only: an error then).
+  Result<std::optional<Welcome>> join(double timeout_s);
+  /// The group made its last sum (the run's end): a joiner that asks, or
+  /// asked and was not taken in, is told so. Any thread.
+  void close();
   /// This rank's place among them.
   int index() const;
 
@@ -119,7 +128,8 @@ class ElasticGroup {
     kReform = 5,
     kAdmit = 6,
     kWelcome = 7,
-    kSumGrow = 8
+    kSumGrow = 8,
+    kEnded = 9
   };
   struct Message {
     Kind kind = kPart;
@@ -177,6 +187,7 @@ class ElasticGroup {
   std::mutex mutex_;
   std::condition_variable arrived_;
   std::deque<Message> inbox_;  ///< under mutex_
+  bool closed_ = false;        ///< under mutex_: close() was called
 
   // Training thread.
   std::vector<int> members_;

@@ -58,14 +58,19 @@ class LocalSgdMode final : public LockstepMode {
   std::span<const float> outer_momentum() const override { return outer_.momentum(); }
   Status finish(std::span<float> params, optim::Optimizer&) override {
     // Every rank took the same number of steps, so all agree whether one more round is due.
-    return since_sync_ != 0 ? reconcile(params) : Status{};
+    const Status last = since_sync_ != 0 ? reconcile(params) : Status{};
+    // No sum comes after it: a joiner not taken in by now comes too late.
+    if (group_) group_->close();
+    return last;
   }
   ModeStats stats() const override { return stats_; }
   bool survives_losses() const override { return group_ != nullptr; }
-  Status join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
+  Result<Joined> join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
     if (!group_) return make_error(ErrorKind::kUsage, "--join: localsgd takes joining workers only with --elastic");
     // The leader takes a joiner in at the end of a round: up to H steps away.
-    CFMO_ASSIGN_OR_RETURN(auto welcome, group_->join(std::max(60.0, 4 * settings_.peer_timeout_s)));
+    CFMO_ASSIGN_OR_RETURN(auto welcomed, group_->join(std::max(60.0, 4 * settings_.peer_timeout_s)));
+    if (!welcomed) return Joined::kRunEnded;
+    const auto& welcome = *welcomed;
     std::span<const std::byte> state = welcome.state;
     std::vector<float> momentum;
     std::vector<float> global;
@@ -85,7 +90,7 @@ class LocalSgdMode final : public LockstepMode {
     start_samples_ = position.samples;  // this process's own count starts here
     last_step_ = position.step;
     since_sync_ = 0;
-    return {};
+    return Joined::kTakenIn;
   }
   int keeper() const override { return group_ ? first_live(comm_, group_->members()) : 0; }
   std::vector<int> members() const override { return group_ ? group_->members() : std::vector<int>(); }

@@ -50,11 +50,12 @@ class SyncMode final : public LockstepMode {
     group_->send_welcome(out);
     return {};
   }
-  Status join(std::span<float> params, optim::Optimizer& optimizer, TrainPosition& position) override {
+  Result<Joined> join(std::span<float> params, optim::Optimizer& optimizer, TrainPosition& position) override {
     if (!group_) return make_error(ErrorKind::kUsage, "--join: sync takes joining workers only with --elastic");
     // The leader takes a joiner in at the end of a sum: the next step's.
     CFMO_ASSIGN_OR_RETURN(auto welcome, group_->join(std::max(60.0, 4 * peer_timeout_s_)));
-    std::span<const std::byte> in = welcome.state;
+    if (!welcome) return Joined::kRunEnded;
+    std::span<const std::byte> in = welcome->state;
     std::array<float, 2> votes{};
     std::vector<float> values;
     uint32_t buffers = 0;
@@ -76,9 +77,14 @@ class SyncMode final : public LockstepMode {
     if (!take(in, steps)) return malformed();
     optimizer.set_step_count(steps);
     vote_.read(votes.data());  // the others stop after that step: so does the joiner
-    return {};
+    return Joined::kTakenIn;
   }
   bool uses_gradients() const override { return true; }
+  Status finish(std::span<float>, optim::Optimizer&) override {
+    // No sum comes after the last step's: a joiner not taken in by now comes too late.
+    if (group_) group_->close();
+    return {};
+  }
   // An elastic group sums on the host: its members change, a device communicator's do not.
   void use_device_reduce(DeviceReduce reduce) override {
     if (!group_) device_reduce_ = std::move(reduce);
