@@ -91,6 +91,9 @@ class Communicator {
   virtual Status health() const = 0;
   /// Why `rank` is lost ("no message for 10.0s"); empty while it is not.
   virtual std::string lost_reason(int /*rank*/) const { return {}; }
+  /// Whether `rank` said goodbye: its process is leaving the run (finished,
+  /// or failed: then it is lost too, its failure the reason), and does not go on.
+  virtual bool said_goodbye(int /*rank*/) const { return false; }
 
   /// The ranks that joined the run while this rank was in it (a new process
   /// in the place of a lost rank: `cfmo-train --join`, a restarted rank), one
