@@ -92,6 +92,10 @@ class Communicator {
   virtual Status health() const = 0;
   /// Why `rank` is lost ("no message for 10.0s"); empty while it is not.
   virtual std::string lost_reason(int /*rank*/) const { return {}; }
+  /// Whether `rank` said goodbye: its process is leaving the run (finished,
+  /// or failed: then it is lost too, its failure the reason), does not go
+  /// on, and answers nothing from now on.
+  virtual bool said_goodbye(int /*rank*/) const { return false; }
 
   /// The ranks that joined the run while this rank was in it (a new process
   /// in the place of a lost rank: `cfmo-train --join`, a restarted rank), one
@@ -107,9 +111,6 @@ class Communicator {
     const auto joined = joined_ranks();
     return static_cast<size_t>(std::count(joined.begin(), joined.end(), rank));
   }
-  /// Whether `rank` left the run on purpose (said goodbye as it ended; a
-  /// rank that failed is lost as well): it answers nothing from now on.
-  virtual bool left(int /*rank*/) const { return false; }
   /// Why the process that the `join`-th join (an index into joined_ranks())
   /// took the place of was lost: a rank may be lost and taken back between
   /// two looks at lost_ranks(), and its loss is still news. Empty for a new

@@ -81,10 +81,10 @@ class CommunicatorBase : public Communicator {
   std::vector<int> lost_ranks() const override { return peers_.lost_ranks(); }
   Status health() const override { return peers_.health(); }
   std::string lost_reason(int rank) const override { return peers_.lost_reason(rank); }
+  bool said_goodbye(int rank) const override { return rank >= 0 && rank < size() && peers_.departed(rank); }
   std::vector<int> joined_ranks() const override { return peers_.joined_ranks(); }
   bool is_lost_rank(int rank) const override { return rank >= 0 && rank < size() && peers_.is_lost(rank); }
   size_t joins_of(int rank) const override { return peers_.joins_of(rank); }
-  bool left(int rank) const override { return rank >= 0 && rank < size() && peers_.departed(rank); }
   std::string replaced_loss(size_t join) const override { return peers_.replaced_loss(join); }
   std::chrono::steady_clock::time_point joined_at(size_t join) const override { return peers_.joined_at(join); }
   void leave_with(const Error& error) override { peers_.leave_with(error); }

@@ -63,7 +63,7 @@ void RunClock::open(int planned_world) {
 bool RunClock::all_left() const {
   if (comm_ == nullptr) return false;
   for (int r = 0; r < comm_->size(); ++r) {
-    if (r != comm_->rank() && !comm_->left(r) && !comm_->is_lost_rank(r)) return false;
+    if (r != comm_->rank() && !comm_->said_goodbye(r) && !comm_->is_lost_rank(r)) return false;
   }
   return true;
 }

@@ -1114,8 +1114,30 @@ TEST(CfmoFailover, ARankCutOffFromTheOthersStopsAndTheMajorityGoesOn) {
   EXPECT_EQ(alone.error().kind, ErrorKind::kPeer);
   EXPECT_NE(alone.error().message.find("rank 2 is cut off: 2 of the 3 ranks"), std::string::npos)
       << alone.error().message;
+  // Each loss's reason: every peer silent at once is what a rank that could not hear finds.
+  EXPECT_NE(alone.error().message.find("; rank 0 lost: no message for "), std::string::npos) << alone.error().message;
   EXPECT_TRUE(c.step(0, 2));
   EXPECT_TRUE(c.step(1, 2));
+}
+
+// A rank that stops (cut off, or its run failed) says so in its goodbye: it
+// goes on nowhere, so it is no other side of a split. Of ranks 0 and 2 left
+// after rank 1's loss, rank 0 leaving so made rank 2, half of {0, 2} without
+// the lowest, stop too ("cut off"), and no rank was left to finish the run.
+TEST(CfmoFailover, TheLastSurvivorGoesOnWhenTheOtherLeavesWithItsRunFailed) {
+  Cluster c(3, settings_for("cfmo"), {.peer_timeout_s = 0.05});
+  first_round(c, 3);
+  c.kill(1, {0, 2});
+  ASSERT_TRUE(c.step(0, 2));
+  ASSERT_TRUE(c.step(2, 2));
+  c.world.ranks[0]->leave_with(Error{ErrorKind::kPeer, "rank 0 is cut off"});
+  c.modes[0].reset();
+  c.world.ranks[0].reset();  // its goodbye, with its failure
+  while (!c.world.ranks[2]->is_lost_rank(0)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_TRUE(c.world.ranks[2]->said_goodbye(0));
+  const Status goes_on = c.step(2, 3);
+  EXPECT_TRUE(goes_on) << goes_on.error().message;
+  EXPECT_EQ(c.mode(2).keeper(), 2);
 }
 
 TEST(CfmoFailover, OfTwoWorkersRankZeroGoesOnAlone) {

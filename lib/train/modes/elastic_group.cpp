@@ -385,7 +385,7 @@ Result<std::optional<ElasticGroup::Welcome>> ElasticGroup::join(double timeout_s
     int live = -1;
     for (int r = comm_.size() - 1; r >= 0; --r) {
       if (r == comm_.rank()) continue;
-      if (comm_.left(r)) {
+      if (comm_.said_goodbye(r)) {
         any_left = any_left || !lost(r);
       } else if (!lost(r)) {
         live = r;  // the lowest, in the end: the leader
@@ -442,7 +442,11 @@ Result<bool> ElasticGroup::reform(std::span<float> data) {
   for (;;) {
     if (expired()) return too_late();
     const auto live = live_members();
-    CFMO_TRY(check_quorum(me, members_, live));
+    std::vector<int> stopped;  // lost members that said goodbye: they go on nowhere (train/modes/quorum.h)
+    for (const int r : members_) {
+      if (r != me && gone(r) && comm_.said_goodbye(r)) stopped.push_back(r);
+    }
+    CFMO_TRY(check_quorum(me, members_, live, stopped, [this](int r) { return comm_.lost_reason(r); }));
     const int leader = live.front();
     if (leader != me) {
       send(leader, kJoin, epoch, seq_, has_last_ ? std::span<const float>(last_) : std::span<const float>(), has_last_);

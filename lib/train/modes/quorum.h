@@ -4,31 +4,52 @@
 /// sides must not go on (two keepers would write the same run directory), so
 /// only a majority of the ranks live before goes on, or exactly half of
 /// them when it holds the lowest. With two workers, rank 0 goes on.
+///
+/// A rank that said goodbye before it was lost (its run failed: it was cut
+/// off itself, or failed on its own) goes on nowhere, so it is no other side:
+/// the split is judged without it. Otherwise one rank cut off took the last
+/// other survivor down with it: of ranks 0 and 2 left after rank 1's loss, a
+/// rank 0 cut off (deaf to both) made rank 2, alone of {0, 2} without the
+/// lowest, stop too, and the run ended with no rank left.
 
 #include "core/error.h"
 
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <vector>
 
 namespace cfmo::train::modes {
 
 /// Ok when the ranks `after` (live now, this rank among them) may go on
-/// from `before` (live until now, sorted); else the kPeer error this rank ends with.
-inline Status check_quorum(int me, const std::vector<int>& before, const std::vector<int>& after) {
-  const size_t was = before.size();
+/// from `before` (live until now, sorted); else the kPeer error this rank
+/// ends with. `stopped`: ranks of `before` lost now that said goodbye (they
+/// do not go on); `why(r)`: lost rank r's reason, for the message.
+inline Status check_quorum(int me, const std::vector<int>& before, const std::vector<int>& after,
+                           const std::vector<int>& stopped = {}, const std::function<std::string(int)>& why = {}) {
+  auto in = [](const std::vector<int>& v, int r) { return std::find(v.begin(), v.end(), r) != v.end(); };
+  std::vector<int> sides;  // the ranks that may go on, on this side or another
+  for (const int r : before) {
+    if (in(after, r) || !in(stopped, r)) sides.push_back(r);
+  }
+  const size_t was = sides.size();
   const size_t left = after.size();
-  const bool lowest_left = !before.empty() && std::find(after.begin(), after.end(), before.front()) != after.end();
+  const bool lowest_left = !sides.empty() && in(after, sides.front());
   if (2 * left > was || (2 * left == was && lowest_left)) return {};
   std::string gone;
-  for (const int r : before) {
-    if (std::find(after.begin(), after.end(), r) != after.end()) continue;
+  std::string reasons;
+  for (const int r : sides) {
+    if (in(after, r)) continue;
     gone += (gone.empty() ? "" : ", ") + std::to_string(r);
+    // Why each was lost: a connection error, a silence, a goodbye; what tells
+    // a rank that could not hear (every peer silent at once) from one left alone.
+    const std::string reason = why ? why(r) : std::string();
+    if (!reason.empty()) reasons += fmt::format("; rank {} lost: {}", r, reason);
   }
   return make_error(ErrorKind::kPeer,
                     "rank {} is cut off: {} of the {} ranks it worked with were lost at once (rank {}); the others go "
-                    "on without it",
-                    me, was - left, was, gone);
+                    "on without it{}",
+                    me, was - left, was, gone, reasons);
 }
 
 }  // namespace cfmo::train::modes
