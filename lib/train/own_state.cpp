@@ -123,8 +123,9 @@ std::vector<std::vector<std::byte>> TrainingRun::await_states(uint64_t id, const
 
 std::vector<std::vector<std::byte>> TrainingRun::final_rank_states() {
   // Sent before each rank's report, which the keeper has waited for already;
-  // by the group's members only, in localsgd --elastic (ranks_at_end).
-  return await_states(RankStates::kFinal, ranks_at_end());
+  // by the group's members only, in localsgd and sync with --elastic (a
+  // joiner the group did not take in before the end has none).
+  return await_states(RankStates::kFinal, mode->members());
 }
 
 std::vector<std::vector<std::byte>> TrainingRun::member_states() {

@@ -48,14 +48,6 @@ Result<TrainSummary> TrainingRun::finish() {
   return summary;
 }
 
-std::vector<int> TrainingRun::ranks_at_end() const {
-  std::vector<int> out = mode->members();
-  if (out.empty()) {
-    for (int r = 0; r < comm->size(); ++r) out.push_back(r);
-  }
-  return out;
-}
-
 TrainSummary TrainingRun::too_late_summary() const {
   TrainSummary late;
   late.mode = plan.mode_entry().name;
@@ -123,16 +115,18 @@ Status TrainingRun::gather_reports(const WorkerReport& own) {
   if (rank == keeper) {
     // (The handler, registered from the start: TrainingRun's constructor.)
     const auto deadline = Clock::now() + std::chrono::duration<double>(config.peer_timeout * 2);
-    // Every rank of the world now (it may have grown since the start), or of
-    // the group (a joiner it did not take in before the end sends nothing).
-    const std::vector<int> from = ranks_at_end();
+    // Every rank of the world as it is (it may grow meanwhile), or of the
+    // group (a joiner it did not take in before the end sends nothing).
+    const std::vector<int> members = mode->members();
     for (;;) {
       {
         std::lock_guard lock(reports_mutex);
-        const bool all_in = std::all_of(from.begin(), from.end(), [&](int r) {
-          return r == rank || comm->is_lost_rank(r) ||
-                 std::any_of(reports.begin(), reports.end(), [r](const WorkerReport& w) { return w.rank == r; });
-        });
+        bool all_in = true;
+        for (int r = 0; r < comm->size() && all_in; ++r) {
+          if (r == rank || comm->is_lost_rank(r)) continue;
+          if (!members.empty() && std::find(members.begin(), members.end(), r) == members.end()) continue;
+          all_in = std::any_of(reports.begin(), reports.end(), [r](const WorkerReport& w) { return w.rank == r; });
+        }
         if (all_in || Clock::now() > deadline) break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));

@@ -88,10 +88,6 @@ struct TrainingRun {
   WorkerReport own_report(const ModeStats& mode_stats, int64_t deltas_written, int64_t deltas_skipped) const;
   /// Every worker's report goes to the keeper, which waits for the live ones.
   Status gather_reports(const WorkerReport& own);
-  /// The ranks whose report and last state the keeper waits for at the end:
-  /// the group's members (sync and localsgd with --elastic: a joiner the
-  /// group had not taken in has neither), else every rank of the world now.
-  std::vector<int> ranks_at_end() const;
   /// The reports received (channels::kReport): taken from the start, on every
   /// rank (any may come to keep the run), since a worker that finishes first
   /// sends its report before the keeper is done with its own last round.
@@ -151,7 +147,7 @@ struct TrainingRun {
                          const std::vector<int>& fresh = {});
   /// The keeper: submits the owners' snapshot once every live rank's state is in.
   Status submit_async_checkpoint();
-  /// The keeper at the end: every live rank's last state (sent in finish) of ranks_at_end.
+  /// The keeper at the end: every live rank's last state (sent in finish), of the group's members where there is one.
   std::vector<std::vector<std::byte>> final_rank_states();
   /// localsgd --elastic, the keeper at a checkpoint's round: the states the
   /// members that made it sent at this step (at the end: their last ones).

@@ -1065,8 +1065,8 @@ TEST(CfmoTrainWorkers, AJoinerOfAResumedGrownRunPlansForTheRunsFirstWorld) {
 // neither for its report nor for its state: the whole run ends well within
 // --peer-timeout of its time limit) and the summary is the run's. (One that
 // reaches the rendezvous while the leader shuts down is refused there,
-// still with status 2; cfmo holds such a joiner and the ranks up to
-// 2x --peer-timeout: see the branch's report.)
+// still with status 2; cfmo still holds such a joiner and the ranks up to
+// 2x --peer-timeout: open in issue 16.)
 TEST(CfmoTrainWorkers, AnElasticJoinerAtTheVeryEndOfARunEndsWithItAtOnce) {
   for (const auto& mode : {std::vector<std::string>{"--mode", "localsgd", "--elastic", "--sync-interval", "5"},
                            std::vector<std::string>{"--mode", "sync", "--elastic"}}) {

@@ -218,12 +218,7 @@ void AsyncMode::refresh_membership() {
   }
   live_ = static_cast<int>(after.size());
   if (!newly.empty()) {
-    std::vector<int> stopped;  // said goodbye: their runs failed, they go on nowhere (train/modes/quorum.h)
-    for (const int r : newly) {
-      if (comm_.said_goodbye(r)) stopped.push_back(r);
-    }
-    const auto why = [this](int r) { return comm_.lost_reason(r); };
-    if (Status quorum = check_quorum(comm_.rank(), before, after, stopped, why); !quorum && cut_off_.message.empty()) {
+    if (Status quorum = check_quorum(comm_, before, after); !quorum && cut_off_.message.empty()) {
       cut_off_ = quorum.error();
     }
   }

@@ -442,11 +442,7 @@ Result<bool> ElasticGroup::reform(std::span<float> data) {
   for (;;) {
     if (expired()) return too_late();
     const auto live = live_members();
-    std::vector<int> stopped;  // lost members that said goodbye: they go on nowhere (train/modes/quorum.h)
-    for (const int r : members_) {
-      if (r != me && gone(r) && comm_.said_goodbye(r)) stopped.push_back(r);
-    }
-    CFMO_TRY(check_quorum(me, members_, live, stopped, [this](int r) { return comm_.lost_reason(r); }));
+    CFMO_TRY(check_quorum(comm_, members_, live));
     const int leader = live.front();
     if (leader != me) {
       send(leader, kJoin, epoch, seq_, has_last_ ? std::span<const float>(last_) : std::span<const float>(), has_last_);

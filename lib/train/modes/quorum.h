@@ -12,10 +12,10 @@
 /// rank 0 cut off (deaf to both) made rank 2, alone of {0, 2} without the
 /// lowest, stop too, and the run ended with no rank left.
 
+#include "comm/communicator.h"
 #include "core/error.h"
 
 #include <algorithm>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -23,14 +23,13 @@ namespace cfmo::train::modes {
 
 /// Ok when the ranks `after` (live now, this rank among them) may go on
 /// from `before` (live until now, sorted); else the kPeer error this rank
-/// ends with. `stopped`: ranks of `before` lost now that said goodbye (they
-/// do not go on); `why(r)`: lost rank r's reason, for the message.
-inline Status check_quorum(int me, const std::vector<int>& before, const std::vector<int>& after,
-                           const std::vector<int>& stopped = {}, const std::function<std::string(int)>& why = {}) {
+/// ends with, naming why `comm` lost each of the others.
+inline Status check_quorum(const comm::Communicator& comm, const std::vector<int>& before,
+                           const std::vector<int>& after) {
   auto in = [](const std::vector<int>& v, int r) { return std::find(v.begin(), v.end(), r) != v.end(); };
   std::vector<int> sides;  // the ranks that may go on, on this side or another
   for (const int r : before) {
-    if (in(after, r) || !in(stopped, r)) sides.push_back(r);
+    if (in(after, r) || !comm.said_goodbye(r)) sides.push_back(r);
   }
   const size_t was = sides.size();
   const size_t left = after.size();
@@ -43,13 +42,13 @@ inline Status check_quorum(int me, const std::vector<int>& before, const std::ve
     gone += (gone.empty() ? "" : ", ") + std::to_string(r);
     // Why each was lost: a connection error, a silence, a goodbye; what tells
     // a rank that could not hear (every peer silent at once) from one left alone.
-    const std::string reason = why ? why(r) : std::string();
+    const std::string reason = comm.lost_reason(r);
     if (!reason.empty()) reasons += fmt::format("; rank {} lost: {}", r, reason);
   }
   return make_error(ErrorKind::kPeer,
                     "rank {} is cut off: {} of the {} ranks it worked with were lost at once (rank {}); the others go "
                     "on without it{}",
-                    me, was - left, was, gone, reasons);
+                    comm.rank(), was - left, was, gone, reasons);
 }
 
 }  // namespace cfmo::train::modes
