@@ -104,7 +104,9 @@ RunResult run_world(const TrainConfig& config, int workers, bool joiner, const f
   const int ranks = workers + (joiner ? 1 : 0);
   std::atomic<int> reached{0};
   for (int r = 0; r < ranks; ++r) {
-    obs.push_back(joiner && r < workers ? std::make_unique<Member>(1.0, &reached) : std::make_unique<Member>());
+    // (3 s: under CI's load a cfmo joiner's set-up and its shards took more
+    // than 1 s, and the members of a short run ended before it was in.)
+    obs.push_back(joiner && r < workers ? std::make_unique<Member>(3.0, &reached) : std::make_unique<Member>());
   }
   RunResult out;
   out.summaries.resize(static_cast<size_t>(ranks), make_error(ErrorKind::kInternal, "did not run"));
