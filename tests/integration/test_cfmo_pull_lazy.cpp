@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <sstream>
 #include <thread>
 
 namespace cfmo::pulltest {
@@ -50,6 +51,47 @@ FixtureImage lazy_image() {
   return make_real_image({{base, "tar+gzip"}, {runtime, "tar+gzip"}, {app, "tar"}});
 }
 
+/// What a test left of its own: mounts at or under `dir` (or in a memory
+/// directory of the tests', /dev/shm/cfmo-test-rw-*), such directories
+/// themselves, and processes (a mount's daemon, a background fetch, a
+/// container) whose command line names `dir`; empty when nothing is left.
+std::vector<std::string> leftovers(const fs::path& dir) {
+  std::vector<std::string> left;
+  const std::string under = dir.string() + "/";
+  const std::string shm = "/dev/shm/cfmo-test-rw-";
+  for (const auto& line : testing::lines(slurp("/proc/self/mountinfo"))) {
+    std::istringstream fields(line);
+    std::string id, parent, device, root, point;
+    fields >> id >> parent >> device >> root >> point;
+    if (point == dir.string() || point.rfind(under, 0) == 0 || point.rfind(shm, 0) == 0)
+      left.push_back("mounted: " + point);
+  }
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/dev/shm", ec)) {
+    if (e.path().string().rfind(shm, 0) == 0) left.push_back("left in /dev/shm: " + e.path().string());
+  }
+  for (const auto& e : fs::directory_iterator("/proc", ec)) {
+    const std::string pid = e.path().filename().string();
+    if (pid.find_first_not_of("0123456789") != std::string::npos || std::stoi(pid) == ::getpid()) continue;
+    std::string cmdline = slurp(e.path() / "cmdline");
+    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+    if (cmdline.find(dir.string()) != std::string::npos) left.push_back("running: pid " + pid + ": " + cmdline);
+  }
+  return left;
+}
+
+/// Fails the test for what it left behind, once a daemon or fetcher still
+/// ending has had a few seconds (umount waits for the daemon; SIGTERM gives
+/// open files a 2 s grace).
+void expect_nothing_left(const fs::path& dir) {
+  std::vector<std::string> left = leftovers(dir);
+  for (int i = 0; i < 100 && !left.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    left = leftovers(dir);
+  }
+  for (const auto& l : left) ADD_FAILURE() << "left behind: " << l;
+}
+
 class Lazy : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -62,6 +104,8 @@ class Lazy : public ::testing::Test {
     if (!fs::exists(kRegistryBinary) || !fs::exists("/dev/fuse")) GTEST_SKIP() << "no docker-registry or no /dev/fuse";
     ASSERT_TRUE(setup_error_.empty()) << setup_error_;
   }
+  /// Before the guard: what the test itself left is a failure, not tidied away.
+  void TearDown() override { expect_nothing_left(out_.path()); }
 
   /// A full pull and its indexes (the reference), its rootfs, and a lazy pull
   /// through `host` holding nothing but the manifest, config and indexes.
@@ -1483,6 +1527,7 @@ class LazyContainer : public ::testing::Test {
     if (::geteuid() != 0) GTEST_SKIP() << "crun runs a container with its own namespaces as root only here";
     ASSERT_TRUE(setup_error_.empty()) << setup_error_;
   }
+  void TearDown() override { expect_nothing_left(out_.path()); }
 
   /// Deletes the container and unmounts, whatever the test did.
   struct Guard {
