@@ -240,6 +240,7 @@ struct RealLayer {
   std::string tar;
   std::string kind = "tar+gzip";
   size_t zstd_frame = 0;  ///< "tar+zstd": frames of this many tar bytes each; 0: one frame
+  int gzip_level = 6;     ///< "tar+gzip": zlib's level (1 for a large fixture made quickly)
 };
 
 /// An OCI image of real tar layers, with the config's diff_ids right (umoci checks them).
@@ -250,7 +251,7 @@ inline FixtureImage make_real_image(const std::vector<RealLayer>& layers, const 
   for (const auto& layer : layers) {
     diff_ids.push_back(oci::sha256_digest(layer.tar));
     std::string blob = layer.tar;
-    if (layer.kind == "tar+gzip") blob = testing::gzip(layer.tar);
+    if (layer.kind == "tar+gzip") blob = testing::gzip(layer.tar, layer.gzip_level);
     if (layer.kind == "tar+zstd")
       blob = layer.zstd_frame > 0 ? testing::zstd_frames(layer.tar, layer.zstd_frame) : testing::zstd(layer.tar);
     image.layers.push_back(blob);

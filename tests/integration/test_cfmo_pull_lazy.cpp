@@ -23,8 +23,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <iostream>
 #include <map>
 #include <sstream>
 #include <thread>
@@ -1679,6 +1681,141 @@ TEST_F(LazyContainer, CrunRunsAProgramFromALazyMountOfARef) {
   run_and_check(point, dir, guard);
   EXPECT_EQ(pull({"rm", dir.string(), "-q"}).status, 0);
   EXPECT_TRUE(fs::is_empty(cache / "lazy"));
+}
+
+/// The largest VmHWM seen of each process, sampled every 10 ms while it
+/// lives: the background fetch ends before anyone can read its own figure.
+class PeakSampler {
+ public:
+  explicit PeakSampler(std::vector<int> pids) : pids_(std::move(pids)), peaks_(pids_.size(), 0) {
+    thread_ = std::thread([this] {
+      while (!stop_) {
+        for (size_t i = 0; i < pids_.size(); ++i) peaks_[i] = std::max(peaks_[i], hwm_bytes(pids_[i]));
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    });
+  }
+  ~PeakSampler() { stop(); }
+  void stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  int64_t peak(size_t i) const { return peaks_[i]; }
+
+  /// A process's VmHWM in bytes, or 0 once it is gone.
+  static int64_t hwm_bytes(int pid) {
+    const std::string status = slurp(fmt::format("/proc/{}/status", pid));
+    const auto at = status.find("VmHWM:");
+    return at == std::string::npos ? 0 : std::stoll(status.substr(at + 6)) * 1024;
+  }
+
+ private:
+  std::vector<int> pids_;
+  std::vector<int64_t> peaks_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// The memory bound, on an image four times the cap (the `slow`
+// suite runs it: 256 MiB of files): mount --lazy REF --background with
+// --max-memory 96M and a span cache of 64M, every file read through the
+// mount while the background fetch turns it into a local copy. The daemon
+// stays under 64 MB, and the daemon and the fetch together under the cap
+// (the fetch's share is what the mount set aside for it); every byte read
+// is the file's, the span cache stays in its size, and nothing is left.
+TEST(LazyRss, EveryFileOfAnImageLargerThanTheCapReadThroughTheMountWithItsFetcher) {
+  if (!fs::exists(kRegistryBinary) || !fs::exists("/dev/fuse")) GTEST_SKIP() << "no docker-registry or no /dev/fuse";
+  Registry registry;
+  ASSERT_TRUE(registry.start()) << registry.log();
+  // Two gzip layers of 16 files of 8 MiB each, half of them random, half text.
+  std::map<std::string, std::string> files;
+  std::vector<RealLayer> layers;
+  for (int l = 0; l < 2; ++l) {
+    std::vector<testing::TarEntry> entries = {testing::dir(fmt::format("layer{}", l))};
+    for (int f = 0; f < 16; ++f) {
+      const std::string path = fmt::format("layer{}/file{:02}", l, f);
+      std::string bytes;
+      if (f % 2 == 0) {
+        bytes = testing::random_bytes(size_t{8} << 20, static_cast<uint64_t>(100 + l * 16 + f));
+      } else {
+        bytes.reserve(size_t{8} << 20);
+        for (uint64_t k = 0; bytes.size() < (size_t{8} << 20); ++k)
+          bytes += fmt::format("{:010} {:x}\n", k, k * 2654435761u);
+        bytes.resize(size_t{8} << 20);
+      }
+      entries.push_back(testing::file(path, bytes));
+      files[path] = std::move(bytes);
+    }
+    layers.push_back({testing::make_tar(entries), "tar+gzip", 0, 1});
+  }
+  FixtureImage image = make_real_image(layers);
+  layers.clear();
+  ASSERT_TRUE(push_image(registry, "big/lazy", "v1", image)) << registry.log();
+  image.layers.clear();
+  TempDir out;
+  const std::string ref = registry.host() + "/big/lazy:v1";
+  const RunResult pushed =
+      pull({"index", ref, "--push", "--plain-http", "--cache", (out / "scratch").string(), "-q"}, 600);
+  ASSERT_EQ(pushed.status, 0) << pushed.err;
+  const fs::path point = out / "mnt";
+  fs::create_directories(point);
+  constexpr int64_t kCap = int64_t{96} << 20;
+  const RunResult mounted =
+      pull({"mount", "--lazy", ref, point.string(), "--cache", (out / "cache").string(), "--plain-http", "--max-memory",
+            "96M", "--cache-size", "64M", "--background", "--json"});
+  if (mounted.status == 2 && mounted.err.find("FUSE mount failed") != std::string::npos)
+    GTEST_SKIP() << "FUSE mounts are not allowed";
+  ASSERT_EQ(mounted.status, 0) << mounted.err;
+  const Json j = Json::parse(mounted.out);
+  struct Unmount {
+    fs::path point;
+    int pid = 0;
+    ~Unmount() {
+      ::umount2(point.c_str(), MNT_DETACH);
+      if (pid > 0) ::kill(pid, SIGKILL);
+    }
+  } guard{point, j["pid"].get<int>()};
+  ASSERT_TRUE(j["background_pid"].is_number()) << j;
+  const int daemon = j["pid"].get<int>();
+  const int fetcher = j["background_pid"].get<int>();
+  const fs::path dir = j["dir"].get<std::string>();
+  EXPECT_GT(j["fetcher_bytes"].get<int64_t>(), 0) << j;
+  PeakSampler sampler({daemon, fetcher});
+
+  std::string wrong;
+  size_t read = 0;
+  for (const auto& [path, bytes] : files) {
+    if (slurp(point / path) != bytes) wrong += path + " ";
+    ++read;
+  }
+  EXPECT_EQ(read, 32u);
+  EXPECT_TRUE(wrong.empty()) << "wrong bytes: " << wrong;
+  for (int i = 0; i < 6000 && PeakSampler::hwm_bytes(fetcher) > 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(PeakSampler::hwm_bytes(fetcher), 0) << "the background fetch did not end";
+  // Every file again, from the local blobs now.
+  for (const auto& [path, bytes] : files) EXPECT_TRUE(slurp(point / path) == bytes) << path;
+  sampler.stop();
+  const int64_t daemon_peak = std::max(sampler.peak(0), PeakSampler::hwm_bytes(daemon));
+  const int64_t fetcher_peak = sampler.peak(1);
+  EXPECT_GT(fetcher_peak, 0);
+  EXPECT_LT(daemon_peak, int64_t{64} << 20) << "the daemon's VmHWM";
+  EXPECT_LE(daemon_peak + fetcher_peak, kCap) << "daemon " << daemon_peak << " + fetcher " << fetcher_peak;
+  auto stats = oci::read_lazy_stats(dir);
+  ASSERT_TRUE(stats) << stats.error().message;
+  EXPECT_EQ(stats->errors, 0) << slurp(dir / oci::kLazyLogFile);
+  EXPECT_LE(stats->cache_bytes, int64_t{64} << 20);
+  const RunResult status = pull({"status", dir.string()});
+  EXPECT_NE(status.out.find("layers    2 of 2 fetched"), std::string::npos) << status.out;
+  RecordProperty("daemon_vmhwm_bytes", std::to_string(daemon_peak));
+  RecordProperty("fetcher_vmhwm_bytes", std::to_string(fetcher_peak));
+  std::cout << "daemon VmHWM " << (daemon_peak >> 20) << " MiB, background fetch " << (fetcher_peak >> 20)
+            << " MiB (sampled), --max-memory 96M\n";
+  const RunResult down = pull({"umount", point.string()});
+  EXPECT_EQ(down.status, 0) << down.err;
+  guard.pid = 0;
+  EXPECT_EQ(pull({"rm", dir.string(), "-q"}).status, 0);
+  expect_nothing_left(out.path());
 }
 
 }  // namespace
