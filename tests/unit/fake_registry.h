@@ -4,10 +4,15 @@
 // docker-registry). It serves manifests and blobs from memory, honours
 // "Range: bytes=N-" and "bytes=N-M" as Distribution does, records each
 // request, and injects faults per blob: a connection dropped after some
-// bytes, a flipped byte, Range refused.
+// bytes, a flipped byte, Range refused. It takes uploads (POST and PUT of
+// blobs, PUT of manifests) and, once `enable_referrers_api`, keeps each
+// pushed manifest's subject as an OCI 1.1 registry does: it answers
+// OCI-Subject and lists the referrers at /v2/NAME/referrers/DIGEST, which
+// Debian's docker-registry 2.8 lacks.
 #include "oci/registry.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <map>
@@ -50,6 +55,16 @@ class FakeRegistry {
     std::lock_guard lock(mu_);
     ranges_ = false;
   }
+  void enable_referrers_api() {
+    std::lock_guard lock(mu_);
+    referrers_api_ = true;
+  }
+  /// A manifest pushed or added under `reference` (a tag or digest), or empty.
+  std::string manifest(const std::string& reference) const {
+    std::lock_guard lock(mu_);
+    const auto m = manifests_.find(reference);
+    return m == manifests_.end() ? "" : m->second.second;
+  }
   std::vector<Request> requests(const std::string& part = "") const {
     std::lock_guard lock(mu_);
     std::vector<Request> out;
@@ -75,9 +90,10 @@ class FakeRegistry {
                              const std::string& what, bool head) override {
       return registry_.serve(api_path, headers, sink, what, head);
     }
-    Result<ResponseInfo> send(const std::string&, const std::string&, const std::vector<std::string>&, std::string_view,
-                              BodySink&, const std::string& what) override {
-      return make_error(ErrorKind::kPeer, "{}: the fake registry takes no uploads", what);
+    Result<ResponseInfo> send(const std::string& method, const std::string& target,
+                              const std::vector<std::string>& headers, std::string_view body, BodySink&,
+                              const std::string& what) override {
+      return registry_.receive(method, target, headers, std::string(body), what);
     }
     const Reference& reference() const override { return ref_; }
 
@@ -85,6 +101,52 @@ class FakeRegistry {
     FakeRegistry& registry_;
     Reference ref_;
   };
+
+  /// An upload: POST starts one, PUT ...?digest= stores a blob, PUT /manifests/REF a manifest.
+  Result<ResponseInfo> receive(const std::string& method, const std::string& target,
+                               const std::vector<std::string>& headers, const std::string& body,
+                               const std::string& what) {
+    std::lock_guard lock(mu_);
+    requests_.push_back({method + " " + target, -1});
+    ResponseInfo info;
+    const auto uploads = target.find("/blobs/uploads/");
+    if (method == "POST" && uploads != std::string::npos) {
+      info.status = 202;
+      info.headers["location"] = target.substr(0, uploads) + fmt::format("/blobs/uploads/{}", ++uploads_);
+      return info;
+    }
+    const auto digest_at = target.find("digest=");
+    if (method == "PUT" && uploads != std::string::npos && digest_at != std::string::npos) {
+      const std::string digest = target.substr(digest_at + 7);
+      if (sha256_digest(body) != digest)
+        return make_error(ErrorKind::kInput, "{}: registry fake answered HTTP 400", what);
+      blobs_[digest] = body;
+      info.status = 201;
+      return info;
+    }
+    const auto manifests = target.find("/manifests/");
+    if (method == "PUT" && manifests != std::string::npos) {
+      std::string media_type;
+      for (const auto& h : headers) {
+        if (h.rfind("Content-Type: ", 0) == 0) media_type = h.substr(14);
+      }
+      const std::string digest = sha256_digest(body);
+      manifests_[target.substr(manifests + 11)] = {media_type, body};
+      manifests_[digest] = {media_type, body};
+      const auto json = nlohmann::json::parse(body, nullptr, false);
+      if (referrers_api_ && json.is_object() && json.contains("subject") && json["subject"].is_object()) {
+        const std::string subject = json["subject"].value("digest", "");
+        nlohmann::json entry = {{"mediaType", media_type}, {"digest", digest}, {"size", body.size()}};
+        if (json.contains("artifactType")) entry["artifactType"] = json["artifactType"];
+        if (json.contains("annotations")) entry["annotations"] = json["annotations"];
+        referrers_[subject].push_back(entry);
+        info.headers["oci-subject"] = subject;
+      }
+      info.status = 201;
+      return info;
+    }
+    return make_error(ErrorKind::kInput, "{}: registry fake answered HTTP 405", what);
+  }
 
   Result<ResponseInfo> serve(const std::string& path, std::vector<std::string> headers, BodySink& sink,
                              const std::string& what, bool head) {
@@ -102,7 +164,13 @@ class FakeRegistry {
       requests_.push_back({path, first});
       const auto slash = path.rfind('/');
       const std::string name = path.substr(slash + 1);
-      if (path.find("/manifests/") != std::string::npos && manifests_.count(name) != 0) {
+      if (path.find("/referrers/") != std::string::npos && referrers_api_) {
+        info.headers["content-type"] = "application/vnd.oci.image.index.v1+json";
+        body = nlohmann::json{{"schemaVersion", 2},
+                              {"mediaType", "application/vnd.oci.image.index.v1+json"},
+                              {"manifests", referrers_.count(name) != 0 ? referrers_[name] : nlohmann::json::array()}}
+                   .dump();
+      } else if (path.find("/manifests/") != std::string::npos && manifests_.count(name) != 0) {
         info.headers["content-type"] = manifests_[name].first;
         body = manifests_[name].second;
       } else if (path.find("/blobs/") != std::string::npos && blobs_.count(name) != 0) {
@@ -141,6 +209,9 @@ class FakeRegistry {
   std::map<std::string, std::pair<size_t, int>> drops_;
   std::map<std::string, size_t> corrupt_;
   bool ranges_ = true;
+  bool referrers_api_ = false;
+  std::map<std::string, nlohmann::json> referrers_;  ///< subject digest -> its referrers' descriptors
+  int uploads_ = 0;
   std::vector<Request> requests_;
 };
 

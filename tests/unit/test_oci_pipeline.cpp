@@ -7,6 +7,7 @@
 #include "oci/blob.h"
 #include "oci/cleanup.h"
 #include "oci/gzip_index.h"
+#include "oci/index_artifact.h"
 #include "oci/index_sink.h"
 #include "oci/pull.h"
 #include "oci/rootfs.h"
@@ -384,6 +385,72 @@ TEST_F(Pipeline, TheStateFileIsOneOfTheSinks) {
   ASSERT_TRUE(pull_to_layout(ref(), options_, out_.path() / "cache", "v1"));
   EXPECT_FALSE(fs::exists(state_path(out_.path() / "cache")));
   EXPECT_EQ(cache.fetched_.back(), static_cast<long>(layers_.size()));
+}
+
+// A registry with the OCI 1.1 referrers API (the fake's; docker-registry 2.8,
+// the integration tests' registry, has only the fallback tag): index --push's
+// artifact is taken with its subject (OCI-Subject), no fallback tag is
+// written, and the pull finds the newest artifact through the API, its
+// indexes checked. Without the API the same push lists it under the tag.
+TEST_F(Pipeline, IndexArtifactsGoThroughTheReferrersApiWhereTheRegistryHasIt) {
+  registry_.enable_referrers_api();
+  const std::string manifest = registry_.manifest("v1");
+  const Descriptor subject{
+      "application/vnd.oci.image.manifest.v1+json", sha256_digest(manifest), static_cast<int64_t>(manifest.size()), {}};
+  const auto indexes = [&](uint64_t span) {
+    std::vector<IndexBlob> blobs;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const fs::path file = out_.path() / fmt::format("layer{}", i);
+      std::ofstream(file, std::ios::binary) << layers_[i];
+      const Descriptor d{
+          "application/vnd.oci.image.layer.v1.tar+gzip", digest(i), static_cast<int64_t>(layers_[i].size()), {}};
+      auto index = build_layer_index(file, d, span, "layer");
+      EXPECT_TRUE(index) << index.error().message;
+      if (index) blobs.push_back({digest(i), serialize_index(*index)});
+    }
+    return blobs;
+  };
+  auto client = registry_.connector()(ref(), options_.registry);
+  ASSERT_TRUE(client) << client.error().message;
+  const auto first = push_index_artifact(**client, subject, indexes(64 << 10));
+  ASSERT_TRUE(first) << first.error().message;
+  EXPECT_TRUE(first->referrers_api);
+  EXPECT_TRUE(first->fallback_tag.empty());
+  EXPECT_EQ(first->layers, 3u);
+  EXPECT_EQ(registry_.manifest("sha256-" + subject.digest.substr(7)), "") << "a fallback tag beside the API";
+  // A second push (other spans) is listed beside the first; the pull takes the newer.
+  const auto blobs = indexes(128 << 10);
+  const auto second = push_index_artifact(**client, subject, blobs);
+  ASSERT_TRUE(second) << second.error().message;
+  EXPECT_TRUE(second->referrers_api);
+  auto found = find_index_artifact(**client, subject.digest);
+  ASSERT_TRUE(found) << found.error().message;
+  ASSERT_TRUE(found->has_value());
+  EXPECT_EQ((*found)->via, "the referrers API");
+  EXPECT_EQ((*found)->artifact, second->artifact);
+  ASSERT_EQ((*found)->blobs.size(), 3u);
+  for (size_t i = 0; i < blobs.size(); ++i) {
+    EXPECT_EQ((*found)->blobs[i].layer_digest, blobs[i].layer_digest);
+    EXPECT_TRUE((*found)->blobs[i].bytes == blobs[i].bytes) << i;
+  }
+  EXPECT_FALSE(registry_.requests("/referrers/" + subject.digest).empty());
+  EXPECT_TRUE(registry_.requests("/manifests/sha256-").empty()) << "the fallback tag was asked for";
+
+  // A registry without the API: the same push lists the artifact under the fallback tag, found through it.
+  testing::FakeRegistry plain;
+  plain.add_manifest("v1", "application/vnd.oci.image.manifest.v1+json", manifest);
+  auto plain_client = plain.connector()(ref(), options_.registry);
+  ASSERT_TRUE(plain_client);
+  const auto tagged = push_index_artifact(**plain_client, subject, blobs);
+  ASSERT_TRUE(tagged) << tagged.error().message;
+  EXPECT_FALSE(tagged->referrers_api);
+  EXPECT_EQ(tagged->fallback_tag, "sha256-" + subject.digest.substr(7));
+  EXPECT_EQ(tagged->fallback_entries, 1u);
+  auto through_tag = find_index_artifact(**plain_client, subject.digest);
+  ASSERT_TRUE(through_tag) << through_tag.error().message;
+  ASSERT_TRUE(through_tag->has_value());
+  EXPECT_EQ((*through_tag)->via, "tag sha256-" + subject.digest.substr(7));
+  EXPECT_EQ((*through_tag)->artifact, tagged->artifact);
 }
 
 }  // namespace
