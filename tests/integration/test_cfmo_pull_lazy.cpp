@@ -26,6 +26,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -535,6 +536,45 @@ TEST_F(Lazy, UnmountWithFilesOpenGivesEioNotAHang) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_FALSE(alive(again["pid"].get<int>()));
   EXPECT_TRUE(fs::is_empty(point()));
+  guard_.point.clear();
+  guard_.pid = 0;
+}
+
+// A read waiting on a registry that stalls mid-span when umount comes: the
+// read gets EIO (not a wait for the stall timeout), umount returns, and the
+// daemon ends with the worker still in its request.
+TEST_F(Lazy, UnmountWhileAReadWaitsOnAStalledRegistryIsEioNotAHang) {
+  FaultProxy proxy(registry_->host());
+  prepare(proxy.host());
+  MOUNT_OR_SKIP(j, {"--stall-timeout", "300"});
+  const int pid = j["pid"].get<int>();
+  proxy.add(FaultProxy::stall_after("/blobs/" + oci::sha256_digest(image_->layers[0]), 1000, 1, 0));
+  struct Read {
+    ssize_t got = 0;
+    int error = 0;
+  };
+  auto reader = std::async(std::launch::async, [&] {
+    Read r;
+    Fd fd(::open((point() / "usr" / "big").c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) return Read{-2, errno};
+    char buffer[4096];
+    r.got = ::pread(fd.get(), buffer, sizeof buffer, 0);
+    r.error = errno;
+    return r;
+  });
+  for (int i = 0; i < 400 && !proxy.stalled(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  ASSERT_TRUE(proxy.stalled()) << "the read never reached the registry";
+  const RunResult down = pull({"umount", point().string()}, 60);
+  EXPECT_EQ(down.status, 0) << down.err;
+  const bool ended = reader.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  EXPECT_TRUE(ended) << "the read still waits after umount";
+  proxy.release();  // whatever happened, let it end
+  const Read r = reader.get();
+  EXPECT_EQ(r.got, -1);
+  EXPECT_TRUE(r.error == EIO || r.error == ENOTCONN || r.error == ECONNABORTED) << std::strerror(r.error);
+  for (int i = 0; i < 200 && alive(pid); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(alive(pid)) << "the daemon waits for its stalled request";
+  EXPECT_TRUE(fs::is_empty(point())) << "still mounted";
   guard_.point.clear();
   guard_.pid = 0;
 }
