@@ -1418,7 +1418,18 @@ TEST_F(Lazy, RmAndPruneLeaveNothingOfLazyMountsBehind) {
   ASSERT_EQ(std::distance(fs::directory_iterator(shm), fs::directory_iterator()), 1);
   const fs::path store = *fs::directory_iterator(shm);
   EXPECT_EQ(upper.string().rfind(store.string(), 0), 0u) << upper << " is not in the memory store " << store;
+  // The hot layer is read from the memory store: nothing fetched, nothing in the span cache for it.
+  ASSERT_EQ(j["layers"].size(), 3u) << j;
+  EXPECT_EQ(j["layers"][0]["hot"], true) << j;
+  EXPECT_EQ(j["layers"][0]["local"], true) << j;
+  const auto fetched = [&] {
+    auto s = oci::read_lazy_stats(dir);
+    return s ? s->bytes_fetched : -1;
+  };
+  EXPECT_EQ(slurp(point() / "usr" / "big"), testing::random_bytes(700000, 3));
+  EXPECT_EQ(fetched(), 0) << "a hot layer's file came from the registry";
   EXPECT_EQ(slurp(point() / "lib" / "text"), std::string(200000, 'x'));  // a cold layer: into the span cache
+  EXPECT_GT(fetched(), 0);
   std::ofstream(point() / "written") << "upper\n";
   EXPECT_FALSE(fs::is_empty(dir / oci::kLazyCacheDir));
   const RunResult busy = pull({"rm", dir.string()});
