@@ -21,7 +21,9 @@
 # the rootfs (page cache warm), the same reads again through that mount (its
 # page cache), both sides again with the page cache dropped (the span files
 # and the rootfs read from disk), and COLD_RANDOM_READS of them through a mount with its span
-# cache emptied; the lazy path's phases (the pull, the mount command, each
+# cache emptied; the FUSE round trip (ROUND_TRIPS LOOKUPs of missing names
+# and O_DIRECT 4 KiB preads of a file through a new mount over the span
+# cache, against 4 KiB page-cache hits there and on the rootfs); the lazy path's phases (the pull, the mount command, each
 # entry file's first read); and peak RSS from /usr/bin/time -v of each phase. The lazy phase runs in a PID namespace of its own (unshare
 # --fork --pid --mount-proc) so that the mount's daemon, which detaches, is
 # reaped inside it and counted in /usr/bin/time's figure (the largest
@@ -29,7 +31,7 @@
 #
 #   bench/pull_lazy.sh      LAYERS=4 LAYER_SIZE=512M FILE_SIZE=8M RANDOM_SHARE=0.5 ENTRY_FILES=3
 #                           MAX_MEMORY=64M (the mount's --max-memory) SKOPEO=1 (0: no skopeo row)
-#                           RANDOM_READS=20000 RANDOM_BLOCK=4096 COLD_RANDOM_READS=50
+#                           RANDOM_READS=20000 RANDOM_BLOCK=4096 COLD_RANDOM_READS=50 ROUND_TRIPS=20000
 #
 # Needs root (unshare; FUSE), Debian's docker-registry, and for the skopeo
 # row skopeo and umoci (scripts/install-deps.sh --bench). The figures of the
@@ -49,6 +51,7 @@ SKOPEO=${SKOPEO:-1}
 RANDOM_READS=${RANDOM_READS:-20000}
 RANDOM_BLOCK=${RANDOM_BLOCK:-4096}
 COLD_RANDOM_READS=${COLD_RANDOM_READS:-50}
+ROUND_TRIPS=${ROUND_TRIPS:-20000}
 for cmd in /usr/bin/docker-registry /usr/bin/time /usr/bin/unshare python3 curl; do
   command -v "$cmd" >/dev/null || { echo "pull_lazy.sh: $cmd is not installed" >&2; exit 2; }
 done
@@ -149,6 +152,40 @@ for f, at in picks:
 print(f"{time.monotonic() - start:.3f} {got}")
 PY
 }
+round_trip() { # DIR COUNT: microseconds per LOOKUP of a missing name, per O_DIRECT 4 KiB pread, per 4 KiB page-cache hit
+  python3 - "$1" "$2" <<'PY'
+import mmap, os, sys, time
+# Through a FUSE mount a LOOKUP of a name that is not there and an O_DIRECT
+# pread (past the page cache) are each one round trip to the daemon; the
+# same pages read again without O_DIRECT are page-cache hits.
+root, count = sys.argv[1], int(sys.argv[2])
+start = time.monotonic()
+for i in range(count):
+    try:
+        os.stat(os.path.join(root, f".cfmo-round-trip-{i}"))
+    except FileNotFoundError:
+        pass
+lookup = (time.monotonic() - start) / count * 1e6
+path = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names
+              if os.path.getsize(os.path.join(d, f)) >= 1 << 20)[0]
+pages = os.path.getsize(path) // 4096
+buf = mmap.mmap(-1, 4096)
+fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+start = time.monotonic()
+for i in range(count):
+    os.preadv(fd, [buf], (i * 7919 % pages) * 4096)
+direct = (time.monotonic() - start) / count * 1e6
+os.close(fd)
+fd = os.open(path, os.O_RDONLY)
+for i in range(count):
+    os.pread(fd, 4096, (i * 7919 % pages) * 4096)
+start = time.monotonic()
+for i in range(count):
+    os.pread(fd, 4096, (i * 7919 % pages) * 4096)
+hit = (time.monotonic() - start) / count * 1e6
+print(f"{lookup:.1f} {direct:.1f} {hit:.1f}")
+PY
+}
 # Lazy: the pull without layers, the mount, the entry point; then every file
 # cold, then every file through a second mount over the cached spans.
 lazy_phase() {
@@ -192,6 +229,9 @@ lazy_phase() {
   awk '/VmHWM/ {print $2}' "/proc/$pid/status" >"$WORK/hwm-cached.txt"
   "$PULL" umount "$WORK/mnt" -q
   mount_lazy
+  round_trip "$WORK/mnt" "$ROUND_TRIPS" >"$WORK/lazy-round-trip.txt"
+  "$PULL" umount "$WORK/mnt" -q
+  mount_lazy
   read_random "$WORK/mnt" "$RANDOM_READS" >"$WORK/lazy-random-cached.txt"
   read_random "$WORK/mnt" "$RANDOM_READS" >"$WORK/lazy-random-again.txt"  # this mount's page cache
   "$PULL" umount "$WORK/mnt" -q
@@ -204,8 +244,8 @@ lazy_phase() {
   read_random "$WORK/mnt" "$COLD_RANDOM_READS" >"$WORK/lazy-random-cold.txt"
   "$PULL" umount "$WORK/mnt" -q
 }
-export PULL REF WORK MAX_MEMORY RANDOM_BLOCK RANDOM_READS COLD_RANDOM_READS
-export -f now secs entry read_all read_random drop_caches lazy_phase
+export PULL REF WORK MAX_MEMORY RANDOM_BLOCK RANDOM_READS COLD_RANDOM_READS ROUND_TRIPS
+export -f now secs entry read_all read_random round_trip drop_caches lazy_phase
 FILES_LIST=$(printf '%q ' "${FILES[@]}")
 sync
 /usr/bin/time -v -o "$WORK/time-lazy.txt" /usr/bin/unshare --fork --pid --mount-proc \
@@ -239,4 +279,7 @@ sed 's/^/  lazy phase: /' "$WORK/lazy-phases.txt"
 echo "reading every file (sequential): mount cold $(mbps "$BYTES" "$COLD_S") MB/s ($COLD_S s, $ALL_FETCHED bytes fetched), a new mount over its span cache $(mbps "$BYTES" "$CACHED_S") MB/s ($CACHED_S s; $(awk -v a="$LOCAL_S" -v b="$CACHED_S" 'BEGIN {printf "%.2f", a / b}')x local), the same mount again (its page cache) $(mbps "$BYTES" "$AGAIN_S") MB/s ($AGAIN_S s), local rootfs (page cache) $(mbps "$BYTES" "$LOCAL_S") MB/s ($LOCAL_S s)"
 echo "random reads ($RANDOM_BLOCK bytes, seeded offsets over every file): a new mount over its span cache $RANDOM_READS in $RANDOM_CACHED_S s ($(mbps "$RANDOM_BYTES" "$RANDOM_CACHED_S") MB/s; $(awk -v a="$RANDOM_LOCAL_S" -v b="$RANDOM_CACHED_S" 'BEGIN {printf "%.2f", a / b}')x local), local rootfs (page cache) in $RANDOM_LOCAL_S s ($(mbps "$RANDOM_BYTES" "$RANDOM_LOCAL_S") MB/s); cold (span cache emptied) $COLD_RANDOM_READS in $RANDOM_COLD_S s ($(mbps "$RANDOM_COLD_BYTES" "$RANDOM_COLD_S") MB/s)"
 echo "random reads, the same reads again through the same mount (its page cache) in $RANDOM_AGAIN_S s ($(awk -v a="$RANDOM_LOCAL_S" -v b="$RANDOM_AGAIN_S" 'BEGIN {printf "%.2f", a / b}')x local page cache); disk cold (page cache dropped before each): a new mount over its span cache in $RANDOM_DISK_S s, local rootfs in $RANDOM_LOCAL_DISK_S s ($(awk -v a="$RANDOM_LOCAL_DISK_S" -v b="$RANDOM_DISK_S" 'BEGIN {printf "%.2f", a / b}')x local)"
+read -r RT_LOOKUP RT_READ RT_HIT <"$WORK/lazy-round-trip.txt" || true
+read -r _ _ RT_LOCAL_HIT < <(round_trip "$WORK/rootfs" "$ROUND_TRIPS") || true
+echo "FUSE round trip ($ROUND_TRIPS each, a new mount over its span cache): LOOKUP of a missing name $RT_LOOKUP us, O_DIRECT 4 KiB pread $RT_READ us; a 4 KiB page-cache hit $RT_HIT us through the mount, $RT_LOCAL_HIT us on the local rootfs"
 echo "peak RSS of the lazy phase (/usr/bin/time -v, its largest process): $(max_rss_mb "$WORK/time-lazy.txt") MB; the mount daemon's VmHWM: $(($(cat "$WORK/hwm-cold.txt") / 1024)) MB cold, $(($(cat "$WORK/hwm-cached.txt") / 1024)) MB cached (--max-memory $MAX_MEMORY, --jobs 4)"
