@@ -158,14 +158,40 @@ ExpertExchange::~ExpertExchange() {
 
 void ExpertExchange::on_message(int from, std::vector<std::byte> payload) {
   if (payload.size() < sizeof(Header) || from < 0 || from >= ranks_) return;
-  uint32_t kind = 0;
-  std::memcpy(&kind, payload.data(), sizeof kind);
-  const bool reply = kind == kResults || kind == kGradResults;
+  Header h;
+  std::memcpy(&h, payload.data(), sizeof h);
+  const bool reply = h.kind == kResults || h.kind == kGradResults;
+  bool wake = !reply;
   {
     std::lock_guard lock(mutex_);
-    (reply ? replies_ : requests_).push_back(Message{from, std::move(payload), Clock::now()});
+    bool awaited = false;
+    if (reply) {
+      // The training thread sleeps until the last reply it awaits is in
+      // (or its deadline, or a health check); a late one waits in replies_.
+      const auto f = static_cast<size_t>(from);
+      const uint32_t want = h.kind == kResults ? kRows : kGrads;
+      awaited = request_.kind == want && request_.layer == static_cast<int>(h.layer) && request_.pass == h.pass &&
+                f < request_.awaiting.size() && request_.awaiting[f] != 0;
+      if (awaited) {
+        request_.awaiting[f] = 0;
+        wake = --request_.pending == 0;
+      }
+    }
+    (reply ? replies_ : requests_).push_back(Message{from, std::move(payload), Clock::now(), awaited});
   }
-  (reply ? answered_ : requested_).notify_one();
+  if (wake) (reply ? answered_ : requested_).notify_one();
+}
+
+void ExpertExchange::open_request(uint32_t kind, int layer, std::vector<std::vector<std::byte>>* results,
+                                  std::vector<uint8_t>* have, std::vector<uint8_t> awaiting, Clock::time_point start) {
+  std::lock_guard lock(mutex_);
+  const auto pending = static_cast<int>(std::count(awaiting.begin(), awaiting.end(), uint8_t{1}));
+  request_ = Request{kind, layer, static_cast<uint32_t>(pass_), results, have, std::move(awaiting), pending, start};
+}
+
+void ExpertExchange::close_request() {
+  std::lock_guard lock(mutex_);
+  request_ = Request{};
 }
 
 std::vector<int> ExpertExchange::lost_ranks() const {
@@ -216,6 +242,7 @@ void ExpertExchange::take_snapshot(bool finishing) {
       std::copy_n(live_params[i].proj_b, c, copy[i].proj_b);
     }
   }
+  bool retry = false;
   {
     std::lock_guard lock(mutex_);
     snapshot_pass_ = pass_;
@@ -226,8 +253,9 @@ void ExpertExchange::take_snapshot(bool finishing) {
     }
     no_deadline_ = deadline_s_ == kNoDeadline;
     mxcsr_ = float_mode();
+    retry = !deferred_.empty();  // the server sleeps otherwise: no wake-up for nothing
   }
-  requested_.notify_one();
+  if (retry) requested_.notify_one();
 }
 
 void ExpertExchange::prepare(size_t rows_per_peer) {
@@ -261,10 +289,11 @@ void ExpertExchange::begin_pass(bool training) {
   take_snapshot(false);  // chunks that waited for this pass are served now, in the order they came
 }
 
-void ExpertExchange::pump(Clock::time_point until, const std::function<bool()>& done) {
+void ExpertExchange::pump(Clock::time_point until, const std::function<bool()>& done, bool watch_served) {
   auto last_health = Clock::time_point{};
   std::deque<Message> batch;
   std::unique_lock lock(mutex_);
+  watch_served_ = watch_served;
   while (true) {
     if (const auto now = Clock::now(); now - last_health > std::chrono::milliseconds(20)) {
       lock.unlock();
@@ -278,22 +307,27 @@ void ExpertExchange::pump(Clock::time_point until, const std::function<bool()>& 
       for (const Message& m : batch) take_reply(m);  // the training thread's own state only
       batch.clear();
       lock.lock();
+      continue;  // done() may count replies that came meanwhile: they are taken first
     }
-    if (done() || Clock::now() >= until) return;
+    if (done() || Clock::now() >= until) {
+      watch_served_ = false;
+      return;
+    }
     const auto limit = std::min(until, Clock::now() + std::chrono::milliseconds(20));  // health checks between
-    answered_.wait_until(lock, limit, [&] { return !replies_.empty() || done(); });
+    answered_.wait_until(lock, limit, [&] { return done(); });
   }
 }
 
 void ExpertExchange::take_reply(const Message& m) {
+  // For the exchange this rank waits in (marked on arrival), or late. The
+  // request is this thread's to close, so it is still the one marked for
+  // unless the message outlived it (then kind, layer or pass differ).
+  if (!m.awaited) return;
   Parsed in;
   if (!parse(m.bytes, static_cast<size_t>(dim_), in) || in.h.layer >= static_cast<uint32_t>(layers_)) return;
   const auto f = static_cast<size_t>(m.from);
-  // For the exchange this rank waits in, or late.
   const uint32_t want = in.h.kind == kResults ? kRows : kGrads;
-  if (request_.kind == want && request_.layer == static_cast<int>(in.h.layer) &&
-      static_cast<uint32_t>(pass_) == in.h.pass && request_.awaiting[f] != 0) {
-    request_.awaiting[f] = 0;
+  if (request_.kind == want && request_.layer == static_cast<int>(in.h.layer) && request_.pass == in.h.pass) {
     (*request_.results)[f].assign(m.bytes.begin() + static_cast<ptrdiff_t>(in.offset), m.bytes.end());
     (*request_.have)[f] = 1;
     note_round_trip(m.from, moe::seconds_between(request_.start, m.arrived));
@@ -351,11 +385,13 @@ bool ExpertExchange::serve(const Message& m, std::vector<std::byte>& reply) {
   const auto f = static_cast<size_t>(from);
   if (!parse(m.bytes, static_cast<size_t>(dim_), in)) return true;  // not ours: ignored
   if (in.h.kind == kDone) {
+    bool wake = false;
     {
       std::lock_guard lock(mutex_);
       done_[f] = 1;
+      wake = watch_served_;
     }
-    answered_.notify_one();
+    if (wake) answered_.notify_one();
     return true;
   }
   if (in.h.layer >= static_cast<uint32_t>(layers_) || (in.h.kind != kRows && in.h.kind != kGrads)) return true;
@@ -397,11 +433,13 @@ bool ExpertExchange::serve(const Message& m, std::vector<std::byte>& reply) {
       if (s.awaiting) ++skipped_grads_;  // its gradients never came
       s.awaiting = false;
     }
+    bool wake = false;
     {
       std::lock_guard lock(mutex_);
       seen_rows_[f][l] = std::max(seen_rows_[f][l], pass);
+      wake = watch_served_;
     }
-    answered_.notify_one();
+    if (wake) answered_.notify_one();
     return true;
   }
   // The gradients of rows served: only this thread changes s's vectors.
@@ -412,13 +450,15 @@ bool ExpertExchange::serve(const Message& m, std::vector<std::byte>& reply) {
     reply = start_message(Header{kGradResults, in.h.pass, in.h.layer, 0, 0, 0}, s.counts, in.rows, row_bytes);
     serve_grads(from, layer, pass, in.data, reinterpret_cast<float*>(reply.data() + rows_offset(s.counts.size())));
   }
+  bool wake = false;
   {
     // After the stash: end_pass, which waits for seen_grads_, then finds the weight gradients there.
     std::lock_guard lock(mutex_);
     if (matches) s.awaiting = false;
     seen_grads_[f][l] = std::max(seen_grads_[f][l], pass);
+    wake = watch_served_;
   }
-  answered_.notify_one();
+  if (wake) answered_.notify_one();
   return true;
 }
 
@@ -481,12 +521,15 @@ void ExpertExchange::serve_grads(int source, int layer, int64_t pass, const floa
 
 void ExpertExchange::await_replies(Clock::time_point deadline, MoeMlp::Timing& timing) {
   const auto wait = Clock::now();
-  pump(deadline, [&] {
-    for (size_t p = 0; p < request_.awaiting.size(); ++p) {
-      if (request_.awaiting[p] != 0 && lost_[p] == 0) return false;
-    }
-    return true;
-  });
+  pump(
+      deadline,
+      [&] {  // under mutex_
+        for (size_t p = 0; p < request_.awaiting.size(); ++p) {
+          if (request_.awaiting[p] != 0 && lost_[p] == 0) return false;
+        }
+        return true;
+      },
+      /*watch_served=*/false);
   timing.combine_s += moe::seconds_between(wait, Clock::now());
 }
 
@@ -502,7 +545,12 @@ void ExpertExchange::forward(int layer, const float* x, int top_k, const moe::Di
   for (auto& rows : results) rows.clear();
   have.assign(r, 0);
   refresh_lost();
-  request_ = Request{kRows, layer, &results, &have, std::vector<uint8_t>(r, 0), start};
+  std::vector<uint8_t> awaiting(r, 0);
+  for (int p = 0; p < ranks_; ++p) {
+    const auto pi = static_cast<size_t>(p);
+    awaiting[pi] = p != rank_ && lost_[pi] == 0 && !plan.slots[pi].empty() ? 1 : 0;
+  }
+  open_request(kRows, layer, &results, &have, std::move(awaiting), start);
   for (int p = 0; p < ranks_; ++p) {
     const auto pi = static_cast<size_t>(p);
     if (p == rank_ || lost_[pi] != 0) continue;  // a finished peer still serves until every rank has
@@ -511,7 +559,6 @@ void ExpertExchange::forward(int layer, const float* x, int top_k, const moe::Di
     std::vector<std::byte> message = start_message(h, plan.counts[pi], 0, row_bytes);
     moe::encode_rows(x, dim_, top_k, plan.slots[pi], comm::WireDtype::kFp32, message);
     comm_.post(p, moe::channels::kModelExperts, std::move(message));
-    request_.awaiting[pi] = plan.slots[pi].empty() ? 0 : 1;
   }
   // The own rows for the own experts, while the rest travel and the server
   // computes the peers' (the copy is this pass's: only this thread writes it).
@@ -529,7 +576,7 @@ void ExpertExchange::forward(int layer, const float* x, int top_k, const moe::Di
     timing.kept += static_cast<int64_t>(plan.slots[p].size());
     if (have[p] == 0) timing.late += static_cast<int64_t>(plan.slots[p].size());
   }
-  request_ = Request{};
+  close_request();
 }
 
 void ExpertExchange::backward(int layer, const moe::DispatchPlan& plan,
@@ -543,7 +590,12 @@ void ExpertExchange::backward(int layer, const moe::DispatchPlan& plan,
   d_in.resize(r);
   for (auto& rows : d_in) rows.clear();
   refresh_lost();
-  request_ = Request{kGrads, layer, &d_in, &got, std::vector<uint8_t>(r, 0), start};
+  std::vector<uint8_t> awaiting(r, 0);
+  for (int p = 0; p < ranks_; ++p) {
+    const auto pi = static_cast<size_t>(p);
+    awaiting[pi] = p != rank_ && lost_[pi] == 0 && have[pi] != 0 && !plan.slots[pi].empty() ? 1 : 0;
+  }
+  open_request(kGrads, layer, &d_in, &got, std::move(awaiting), start);
   for (int p = 0; p < ranks_; ++p) {
     const auto pi = static_cast<size_t>(p);
     if (p == rank_ || lost_[pi] != 0) continue;
@@ -557,7 +609,6 @@ void ExpertExchange::backward(int layer, const moe::DispatchPlan& plan,
     std::vector<std::byte> message = start_message(h, {}, send ? plan.slots[pi].size() : 0, row_bytes);
     if (send) std::memcpy(message.data() + rows_offset(0), d_out[pi].data(), plan.slots[pi].size() * row_bytes);
     comm_.post(p, moe::channels::kModelExperts, std::move(message));
-    request_.awaiting[pi] = send ? 1 : 0;
   }
   const auto me = static_cast<size_t>(rank_);
   Served& own = served_[me][static_cast<size_t>(layer)];
@@ -577,7 +628,7 @@ void ExpertExchange::backward(int layer, const moe::DispatchPlan& plan,
     if (have[p] != 0 && got[p] == 0 && p != me) timing.late_grads += static_cast<int64_t>(plan.slots[p].size());
     if (got[p] == 0) d_in[p].clear();
   }
-  request_ = Request{};
+  close_request();
 }
 
 void ExpertExchange::end_pass() {
@@ -585,19 +636,22 @@ void ExpertExchange::end_pass() {
   const auto deadline = deadline_from(start);
   const auto r = static_cast<size_t>(ranks_);
   const bool no_deadline = deadline_s_ == kNoDeadline;
-  pump(deadline, [&] {  // under mutex_
-    for (size_t p = 0; p < r; ++p) {
-      if (!live(static_cast<int>(p))) continue;
-      for (const int layer : moe_layers_) {
-        const auto l = static_cast<size_t>(layer);
-        // Rows served in this pass whose gradients are still out.
-        if (served_[p][l].awaiting && served_[p][l].at_pass == pass_) return false;
-        // With no deadline every live peer's rows (and gradients) of this pass come first.
-        if (no_deadline && (seen_rows_[p][l] < pass_ || (training_ && seen_grads_[p][l] < pass_))) return false;
-      }
-    }
-    return true;
-  });
+  pump(
+      deadline,
+      [&] {  // under mutex_
+        for (size_t p = 0; p < r; ++p) {
+          if (!live(static_cast<int>(p))) continue;
+          for (const int layer : moe_layers_) {
+            const auto l = static_cast<size_t>(layer);
+            // Rows served in this pass whose gradients are still out.
+            if (served_[p][l].awaiting && served_[p][l].at_pass == pass_) return false;
+            // With no deadline every live peer's rows (and gradients) of this pass come first.
+            if (no_deadline && (seen_rows_[p][l] < pass_ || (training_ && seen_grads_[p][l] < pass_))) return false;
+          }
+        }
+        return true;
+      },
+      /*watch_served=*/true);
   if (!training_) return;  // what peers' training passes left waits for this rank's next
   std::vector<Stashed> stash;
   {
@@ -631,12 +685,15 @@ Status ExpertExchange::finish() {
   for (int p = 0; p < ranks_; ++p) {
     if (p != rank_) comm_.post(p, moe::channels::kModelExperts, start_message(Header{kDone, 0, 0, 0, 0, 0}, {}, 0, 0));
   }
-  pump(Clock::time_point::max(), [&] {
-    for (int p = 0; p < ranks_; ++p) {
-      if (live(p)) return false;
-    }
-    return true;
-  });
+  pump(
+      Clock::time_point::max(),
+      [&] {
+        for (int p = 0; p < ranks_; ++p) {
+          if (live(p)) return false;
+        }
+        return true;
+      },
+      /*watch_served=*/true);
   return {};
 }
 

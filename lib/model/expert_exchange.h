@@ -103,6 +103,7 @@ class ExpertExchange {
     int from = -1;
     std::vector<std::byte> bytes;
     std::chrono::steady_clock::time_point arrived;
+    bool awaited = false;  ///< a reply the open request awaited (set on arrival, under mutex_)
   };
   /// What this rank computed for a source's rows of one layer, kept for their
   /// backward. The vectors belong to the thread that serves the source (the
@@ -124,12 +125,18 @@ class ExpertExchange {
     std::vector<float> in, act, d_out, d_act;
   };
   /// The exchange the training thread is waiting in: where replies go.
+  /// Opened and closed by the training thread under mutex_; `awaiting` is
+  /// cleared by the progress thread as each awaited reply arrives (under
+  /// mutex_), so the training thread is woken once, by the last of them,
+  /// not by each (every wake-up is a turn on a shared core).
   struct Request {
     uint32_t kind = 0;
     int layer = -1;
+    uint32_t pass = 0;  ///< low 32 bits, as in the header
     std::vector<std::vector<std::byte>>* results = nullptr;
     std::vector<uint8_t>* have = nullptr;
     std::vector<uint8_t> awaiting;
+    int pending = 0;  ///< awaiting's ones
     std::chrono::steady_clock::time_point start;
   };
 
@@ -138,7 +145,13 @@ class ExpertExchange {
 
   // ---- the training thread ----
   /// Takes replies until `done()` (called under mutex_) or `until`.
-  void pump(std::chrono::steady_clock::time_point until, const std::function<bool()>& done);
+  /// `watch_served`: done() reads what the server serves, so it wakes this
+  /// thread after each chunk (otherwise only the last awaited reply does).
+  void pump(std::chrono::steady_clock::time_point until, const std::function<bool()>& done, bool watch_served);
+  /// Opens the request (under mutex_) before its messages go out: a reply may come back at once.
+  void open_request(uint32_t kind, int layer, std::vector<std::vector<std::byte>>* results, std::vector<uint8_t>* have,
+                    std::vector<uint8_t> awaiting, std::chrono::steady_clock::time_point start);
+  void close_request();
   /// Takes replies until the request's are in (or lost) or `deadline`; the wait goes to timing.combine_s.
   void await_replies(std::chrono::steady_clock::time_point deadline, MoeMlp::Timing& timing);
   void take_reply(const Message& m);
@@ -181,7 +194,6 @@ class ExpertExchange {
   bool finished_ = false;  ///< finish() was called
   std::vector<uint8_t> lost_;
   std::vector<std::vector<double>> round_trips_;  ///< [peer] seconds, while warming up
-  Request request_;
   std::vector<std::byte> own_rows_;  ///< this rank's rows for its own experts (a buffer kept between passes)
 
   /// Held by the server while it computes with snapshot_, by the training
@@ -196,6 +208,8 @@ class ExpertExchange {
   std::deque<Message> requests_;       ///< rows, gradients and `done`s of peers, in order
   std::deque<Message> replies_;        ///< results and rows' gradients for this rank
   std::deque<Message> deferred_;       ///< the server's: chunks of a later pass (no deadline)
+  Request request_;                    ///< see Request for who writes what
+  bool watch_served_ = false;          ///< pump(watch_served): the server wakes the training thread
   int64_t snapshot_pass_ = -1;         ///< the pass of snapshot_ (-1: none yet)
   uint64_t snapshots_ = 0;             ///< snapshots taken: deferred chunks are tried again after each
   bool no_deadline_ = true;            ///< as of the snapshot
