@@ -38,9 +38,15 @@ Status truncate_after(const fs::path& path, int64_t step) {
 Result<MetricsLog> MetricsLog::open(const fs::path& path, int64_t resume_step) {
   std::error_code ec;
   if (resume_step >= 0 && fs::exists(path, ec)) CFMO_TRY(truncate_after(path, resume_step));
+  return open_stream(path, resume_step >= 0 ? std::ios::app : std::ios::trunc);
+}
+
+Result<MetricsLog> MetricsLog::append(const fs::path& path) { return open_stream(path, std::ios::app); }
+
+Result<MetricsLog> MetricsLog::open_stream(const fs::path& path, std::ios::openmode mode) {
   MetricsLog log;
   errno = 0;
-  log.out_ = std::make_unique<std::ofstream>(path, resume_step >= 0 ? std::ios::app : std::ios::trunc);
+  log.out_ = std::make_unique<std::ofstream>(path, mode);
   if (!*log.out_) {
     return make_error(ErrorKind::kInternal, "Failed to open '{}' for writing: {}", path.string(), reason());
   }

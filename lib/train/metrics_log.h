@@ -21,9 +21,14 @@ class MetricsLog {
   /// `resume_step` >= 0: a resumed run appends, after dropping the lines
   /// logged after that step; else the file starts empty.
   static Result<MetricsLog> open(const std::filesystem::path& path, int64_t resume_step);
+  /// A joiner's: appends, dropping nothing. The lines there are the history
+  /// of the processes that held its rank before, whatever position it
+  /// continues from (none at all where the keeper was lost before it told).
+  static Result<MetricsLog> append(const std::filesystem::path& path);
   Status write(const nlohmann::ordered_json& line);
 
  private:
+  static Result<MetricsLog> open_stream(const std::filesystem::path& path, std::ios::openmode mode);
   std::unique_ptr<std::ofstream> out_;
   std::filesystem::path path_;
 };

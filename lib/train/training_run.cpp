@@ -404,8 +404,11 @@ Status TrainingRun::open_outputs() {
     std::filesystem::create_directories(run_dir, ec);
     if (ec) return make_error(ErrorKind::kUsage, "--out '{}': {}", run_dir.string(), ec.message());
     const std::string name = rank == 0 ? "metrics.jsonl" : fmt::format("metrics-rank-{}.jsonl", rank);
-    CFMO_ASSIGN_OR_RETURN(metrics,
-                          MetricsLog::open(run_dir / name, options.resume.empty() && !joining ? -1 : pos.step));
+    // A joiner keeps the lines of the processes before it in its rank's
+    // place: what they trained stays on record even where this one
+    // continues from an earlier step (bench/elastic.sh counts from them).
+    CFMO_ASSIGN_OR_RETURN(metrics, joining ? MetricsLog::append(run_dir / name)
+                                           : MetricsLog::open(run_dir / name, options.resume.empty() ? -1 : pos.step));
   }
 
   summary.mode = plan.mode_entry().name;

@@ -20,6 +20,7 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <sstream>
 #include <thread>
 #include <utility>
 
@@ -303,6 +304,38 @@ TEST(GrownRun, CfmoCheckpointsEveryRanksOwnStateAndResumesWithEitherWorld) {
     for (const auto& [step, lr] : said[3]->lr) EXPECT_DOUBLE_EQ(lr, planned.at(step - 1)) << "the joiner's " << step;
     for (const auto& [step, lr] : said[1]->lr) EXPECT_DOUBLE_EQ(lr, planned.at(step - 1)) << "rank 1's " << step;
   }
+}
+
+// A joiner appends to its rank's metrics file and drops nothing: the lines
+// there are the history of the processes that held the place before it,
+// kept even where it continues from an earlier step than theirs (here a new
+// rank's step 0; in a run, a replaced rank whose keeper was lost before it
+// told the joiner its place's position, which bench/elastic.sh met: the
+// lines of 45 s of training were gone, and its count of them with them).
+TEST(GrownRun, AJoinerKeepsTheMetricsLinesOfTheProcessesBeforeIt) {
+  TempDir dir;
+  const TrainConfig config = grown_config("cfmo", dir.path() / "run");
+  const fs::path file = dir.path() / "run" / "metrics-rank-2.jsonl";
+  fs::create_directories(file.parent_path());
+  const std::string before =
+      "{\"type\":\"step\",\"rank\":2,\"step\":40,\"samples\":1280}\n"
+      "{\"type\":\"step\",\"rank\":2,\"step\":50,\"samples\":1600}\n";
+  std::ofstream(file) << before;
+  const auto run = run_world(config, 2, /*joiner=*/true);
+  for (size_t r = 0; r < run.summaries.size(); ++r) {
+    ASSERT_TRUE(run.summaries[r]) << r << ": " << run.summaries[r].error().message;
+  }
+  std::stringstream text;
+  text << std::ifstream(file).rdbuf();
+  ASSERT_TRUE(text.str().starts_with(before)) << text.str();
+  bool joined = false;
+  std::string line;
+  text.seekg(static_cast<std::streamoff>(before.size()));
+  while (std::getline(text, line)) {
+    const auto m = nlohmann::json::parse(line);
+    if (m.value("event", "") == "joined" && m.contains("first_step_s")) joined = true;
+  }
+  EXPECT_TRUE(joined) << "its own joined line follows them: " << text.str();
 }
 
 /// Runs `at_end` once on the keeper's training thread at its final

@@ -977,6 +977,37 @@ TEST(CfmoJoin, AnOwnerLostWhileItsBackupJoinsHasItsShardServedByTheJoiner) {
   }
 }
 
+// As above, but the owner's whole state never reaches the joiner: it went
+// while the joiner was still loading its data, before it took any message,
+// and the owner died before the joiner took it (a large message needs its
+// sender alive until then). bench/elastic.sh met it on a loaded machine:
+// the joiner waited for a shard it owned and held nothing of, 25 s, and
+// exited 4. It now asks every rank for its copy and serves the freshest.
+TEST(CfmoJoin, AnOwnerLostBeforeItsReplicaReachedItsJoiningBackupHasItsShardServedFromACopy) {
+  Cluster c(3, settings_for("cfmo"));
+  ASSERT_NO_FATAL_FAILURE(step_kill_rank_two_and_rejoin(c));
+  c.world.network->hold(1, 2);  // rank 1's whole shard 1, for its backup-to-be, never arrives
+  ASSERT_TRUE(c.mode(0).request_snapshot());
+  ASSERT_TRUE(c.world.network->drain());
+  c.kill(1, {0, 2});
+  TrainPosition position;
+  const Status joined = c.join(2, position);
+  ASSERT_TRUE(joined) << joined.error().message;
+  // Shard 1 as rank 0 last had it, with its own round-2 delta: rank 1's own,
+  // applied after its reply to rank 0 went, was lost with rank 1 and the
+  // replica that never came (0.125 / 2 live ranks).
+  const auto bounds = shard_bounds(kSize, 3);
+  const auto expected = [&](size_t i) {
+    return expected_global(i, 3, 1, 0.125f) - (i >= bounds[1] && i < bounds[2] ? 0.0625f : 0.0f);
+  };
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(c.param(2)[i], expected(i), 1e-5f) << i;
+  for (int r : {0, 2}) EXPECT_EQ(c.mode(r).shard_served_by(1), 2) << r;
+  c.round({0, 2}, 3, 0.25f);
+  auto global = c.snapshot();
+  ASSERT_TRUE(global);
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(global->params[i], expected(i) + 0.25f, 1e-5f) << i;
+}
+
 // An owner whose answers reach the joiner later than the joiner asks again
 // (500 ms; under load an owner's answer waited behind its stream of replica
 // deltas to the joiner, its backup): the joiner keeps the shards in so far

@@ -23,6 +23,9 @@
 // kReplica    [u32 0: apply][u32 shard][i64 version][f32 weight][u32 dtype][encoded floats]
 //             [u32 1: whole][u32 shard][i64 version][u32 in round][u64 n][values][u64 n][momentum][u64 n][round sum]
 //             [u32 2: hand-over] as whole, to its owner: a join brought it back
+//             [u32 3: copy request][u32 shard][i64 0]  a joiner owning a shard it holds nothing of, to each rank
+//             [u32 4: copy][u32 shard][i64 version][u32 served][u64 n][values]  the answer: that rank's copy
+//             of the shard (served: 1 where it serves the shard, whose hand-over then comes)
 #include "train/modes/async_base.h"
 #include "train/modes/outer_optimizer.h"
 #include "train/modes/reply_hold.h"
@@ -30,6 +33,7 @@
 
 #include <cmath>
 #include <memory>
+#include <set>
 
 namespace cfmo::train::modes {
 namespace {
@@ -66,7 +70,7 @@ class CfmoMode final : public AsyncMode {
       std::fill(sent_at_.begin(), sent_at_.end(), last_step_);
     }
     comm.on_message(channels::kDeltaShard, [this](int from, std::span<const std::byte> m) { on_delta(from, m); });
-    comm.on_message(channels::kReplica, [this](int, std::span<const std::byte> m) { on_replica(m); });
+    comm.on_message(channels::kReplica, [this](int from, std::span<const std::byte> m) { on_replica(from, m); });
     start_serving_owner_state();
   }
   // Unregistered here, before this class's members go: the base's destructor would be too late.
@@ -433,7 +437,11 @@ class CfmoMode final : public AsyncMode {
   void take_handed_over_locked(int j, int64_t version, std::span<const std::byte> m) {
     auto whole = take_whole(j, version, m);
     if (!whole) return;
-    if (const auto it = served_.find(j); it != served_.end() && it->second.version >= version) return;
+    if (const auto it = served_.find(j);
+        it != served_.end() && it->second.version >= version && from_copies_.count(j) == 0) {
+      return;
+    }
+    from_copies_.erase(j);
     Served taken;
     taken.values = std::move(whole->values);
     taken.version = version;
@@ -455,8 +463,9 @@ class CfmoMode final : public AsyncMode {
     backup_[j] = -1;
   }
 
-  /// A backup: an owner's applied contribution, or its whole state, into the replica.
-  void on_replica(std::span<const std::byte> m) {
+  /// A backup: an owner's applied contribution, or its whole state, into the
+  /// replica; a joiner's request for this rank's copy of a shard, and the copy.
+  void on_replica(int from, std::span<const std::byte> m) {
     uint32_t kind = 0;
     uint32_t shard = 0;
     int64_t version = 0;
@@ -464,7 +473,18 @@ class CfmoMode final : public AsyncMode {
       return;
     }
     const int j = static_cast<int>(shard);
+    // A copy's asker may be a join this rank has not taken up: a shard it
+    // serves goes back to the joiner first (a hand-over) where it is its owner.
+    if (kind == kCopyRequest) refresh_membership();
     std::lock_guard lock(mutex_);
+    if (kind == kCopyRequest) {
+      send_copy_locked(j, from);
+      return;
+    }
+    if (kind == kCopy) {
+      take_copy_locked(j, from, version, m);
+      return;
+    }
     if (kind == kHandOver) {
       take_handed_over_locked(j, version, m);
       return;
@@ -535,8 +555,16 @@ class CfmoMode final : public AsyncMode {
       }
       // A joiner's base_ is nobody's yet: it takes up only a replica it holds
       // (a rank lost while it joins, whose backup it is; the joiner itself
-      // waits for that shard, here or when the replica comes); its own comes handed over.
-      if (joining_) continue;
+      // waits for that shard, here or when the replica comes); its own comes
+      // handed over. A replica the owner sent before its loss may never
+      // come: it went while the joiner was still loading, before it took any
+      // message, and a large message needs its sender alive until it is
+      // taken. So the joiner also asks every rank for its copy, and serves
+      // the freshest once all have answered, unless the replica came first.
+      if (joining_) {
+        ask_copies_locked(j);
+        continue;
+      }
       Served taken;
       const auto first = base_.begin() + static_cast<std::ptrdiff_t>(bounds_[static_cast<size_t>(j)]);
       taken.values.assign(first, first + static_cast<std::ptrdiff_t>(shard_size(j)));
@@ -544,6 +572,15 @@ class CfmoMode final : public AsyncMode {
       outer_.insert_or_assign(j, OuterOptimizer(settings_, shard_size(j), live()));
       served_.insert_or_assign(j, std::move(taken));
       backup_[j] = -1;
+    }
+    // A joiner's copies: a rank come back since it asked is asked too, a
+    // rank lost before its copy came is answered for.
+    for (const auto& [j, got] : copies_) {
+      if (served_.count(j) != 0) continue;
+      for (const int r : rejoined) {
+        if (got.count(r) == 0) post_copy_request_locked(j, r);
+      }
+      serve_copy_if_whole_locked(j);
     }
     // A round of the outer step is now one contribution of each survivor.
     for (auto& entry : outer_) entry.second.set_contributions_per_round(live());
@@ -553,6 +590,96 @@ class CfmoMode final : public AsyncMode {
       const int backup = backup_of_locked(j);
       if (backup_[j] != backup) send_whole_locked(j, backup);
     }
+  }
+
+  /// A joiner, under mutex_: asks every live rank once for its copy of shard `j`.
+  void ask_copies_locked(int j) {
+    if (!copies_.emplace(j, std::map<int, Copy>{}).second) return;
+    for (int r = 0; r < world_locked(); ++r) {
+      if (r != comm_.rank() && !lost_locked(r)) post_copy_request_locked(j, r);
+    }
+  }
+
+  void post_copy_request_locked(int j, int to) {
+    std::vector<std::byte> out;
+    put(out, kCopyRequest);
+    put(out, static_cast<uint32_t>(j));
+    put(out, int64_t{0});
+    comm_.post(to, channels::kReplica, std::move(out));
+  }
+
+  /// Under mutex_: this rank's copy of shard `j` to `to`: the shard itself
+  /// where it serves it, else the freshest global values it has of it (a
+  /// reply not yet rebased on, or those it last rebased on).
+  void send_copy_locked(int j, int to) {
+    const size_t first = bounds_[static_cast<size_t>(j)];
+    const auto served = served_.find(j);
+    std::span<const float> values = std::span<const float>(base_).subspan(first, shard_size(j));
+    int64_t version = base_version_[static_cast<size_t>(j)];
+    if (served != served_.end()) {
+      values = served->second.values;
+      version = served->second.version;
+    } else {
+      for (const FreshShard& f : inbox_) {
+        if (f.shard == j && f.values.size() == shard_size(j) && f.version > version) {
+          values = f.values;
+          version = f.version;
+        }
+      }
+    }
+    std::vector<std::byte> out;
+    put(out, kCopy);
+    put(out, static_cast<uint32_t>(j));
+    put(out, version);
+    put(out, static_cast<uint32_t>(served != served_.end() ? 1 : 0));
+    put_vector(out, values);
+    comm_.post(to, channels::kReplica, std::move(out));
+  }
+
+  /// A joiner, under mutex_: `from`'s copy of shard `j`, asked for above.
+  void take_copy_locked(int j, int from, int64_t version, std::span<const std::byte> m) {
+    const auto asked = copies_.find(j);
+    uint32_t served = 0;
+    std::vector<float> values;
+    if (asked == copies_.end() || !take(m, served) || !take_vector(m, values) || values.size() != shard_size(j)) {
+      return;
+    }
+    Copy& copy = asked->second[from];
+    copy.values.assign(values.begin(), values.end());
+    copy.version = version;
+    copy.served = served != 0;
+    serve_copy_if_whole_locked(j);
+  }
+
+  /// A joiner, under mutex_: once every live rank's copy of shard `j` is in
+  /// and none of them serves it (then its hand-over comes), serves the
+  /// freshest (the highest version) with a new outer state (the owner's was
+  /// lost with it), as a rank that holds no replica serves its last global
+  /// values; nothing where the shard is served already (the replica came)
+  /// or is another rank's now.
+  void serve_copy_if_whole_locked(int j) {
+    const auto asked = copies_.find(j);
+    if (asked == copies_.end() || served_.count(j) != 0 || replicas_.count(j) != 0 ||
+        owner_of_locked(j) != comm_.rank()) {
+      return;
+    }
+    const auto& copies = asked->second;
+    const Copy* freshest = nullptr;
+    for (int r = 0; r < world_locked(); ++r) {
+      if (r == comm_.rank() || lost_locked(r)) continue;
+      const auto it = copies.find(r);
+      if (it == copies.end() || it->second.served) return;
+      if (freshest == nullptr || it->second.version > freshest->version) freshest = &it->second;
+    }
+    if (freshest == nullptr) return;
+    Served taken;
+    taken.values.assign(freshest->values.begin(), freshest->values.end());
+    taken.version = freshest->version;
+    outer_.insert_or_assign(j, OuterOptimizer(settings_, shard_size(j), live()));
+    served_.insert_or_assign(j, std::move(taken));
+    from_copies_.insert(j);
+    backup_[j] = -1;
+    send_whole_locked(j, backup_of_locked(j));
   }
 
   /// The outer round (--outer-warmup) of a contribution applied to a shard at
@@ -620,6 +747,17 @@ class CfmoMode final : public AsyncMode {
   static constexpr uint32_t kReplicaApply = 0;
   static constexpr uint32_t kReplicaWhole = 1;
   static constexpr uint32_t kHandOver = 2;  ///< as kReplicaWhole, to serve: a join gave the shard back
+  static constexpr uint32_t kCopyRequest = 3;
+  static constexpr uint32_t kCopy = 4;
+  /// A joiner, under mutex_: the shards it owns but holds nothing of, each
+  /// with the copies of it that came, by rank.
+  struct Copy {
+    std::vector<float> values;
+    int64_t version = 0;
+    bool served = false;  ///< its sender serves the shard: a hand-over comes
+  };
+  std::map<int, std::map<int, Copy>> copies_;
+  std::set<int> from_copies_;  ///< a joiner, under mutex_: shards served from a copy (a hand-over replaces them)
 
   /// In a delta's dtype field: the sender's last round, answered without the shard.
   static constexpr uint32_t kLastRound = 0x100;
