@@ -5,7 +5,9 @@
 
 #include "ckpt/cfd.h"
 #include "ckpt/safetensors.h"
+#include "comm/rendezvous.h"
 #include "core/atomic_file.h"
+#include "core/fd.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -21,6 +23,7 @@
 #include <map>
 #include <numeric>
 #include <sstream>
+#include <thread>
 
 namespace cfmo {
 namespace {
@@ -1134,6 +1137,55 @@ TEST(CfmoTrainWorkers, AnElasticJoinerAtTheVeryEndOfARunEndsWithItAtOnce) {
 TEST(CfmoTrainWorkers, AJoinerAtTheVeryEndOfAnAsynchronousRunEndsWithItAtOnce) {
   expect_a_joiner_at_the_very_end_to_end_with_the_run({"--mode", "cfmo", "--sync-interval", "5"});
   expect_a_joiner_at_the_very_end_to_end_with_the_run({"--mode", "asgd"});
+}
+
+// A joiner that the rank serving joins refuses because the run is ending
+// (it shuts down) came too late through no fault of its own: one line, no
+// output, status 0, as one its mode turned away. (A stand-in for the
+// leader refuses here: the real one does so only in the moment it shuts down.)
+TEST(CfmoTrainWorkers, AJoinerRefusedAsTheRunEndsSaysSoAndEndsWithStatusZero) {
+  TempDir dir;
+  auto listener = comm::listen_tcp("127.0.0.1", 0);
+  ASSERT_TRUE(listener) << listener.error().message;
+  const Fd socket(listener->first);
+  comm::JoinHooks hooks;
+  hooks.decide = [](int, int) { return comm::JoinHooks::Decision{-1, "the run is ending", false, 0, /*ended=*/true}; };
+  std::thread leader([&] {
+    const Fd peer(::accept4(socket.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    ASSERT_GE(peer.get(), 0);
+    EXPECT_TRUE(comm::serve_join(peer.get(), 2, 2, "", hooks, 10));
+  });
+  const std::string address = "127.0.0.1:" + std::to_string(listener->second);
+  auto flags = rejoin_flags({"--mode", "cfmo"}, "4s", dir);
+  flags.insert(flags.end(), {"--join", address});
+  const RunResult late = run(args(flags), 120);
+  leader.join();
+  EXPECT_EQ(late.status, 0) << late.err;
+  EXPECT_EQ(testing::lines(late.err).size(), 1u) << late.err;
+  EXPECT_NE(late.err.find("joined as the run ended: the run at " + address + " was ending and took nobody in"),
+            std::string::npos)
+      << late.err;
+  EXPECT_TRUE(late.out.empty()) << late.out;
+  EXPECT_FALSE(fs::exists(dir / "run")) << "it wrote nothing";
+}
+
+// A joiner that finds nobody at the address (the run ended and every
+// process is gone, or it has not started) asks for --join-timeout seconds,
+// then exits 4 with one line naming the address and what it means.
+TEST(CfmoTrainWorkers, AJoinerThatFindsNobodyAtTheAddressGivesUpAfterTheJoinTimeout) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  auto flags = rejoin_flags({"--mode", "cfmo"}, "4s", dir);
+  flags.insert(flags.end(), {"--join", address, "--join-timeout", "1"});
+  const auto start = std::chrono::steady_clock::now();
+  const RunResult alone = run(args(flags), 60);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(alone.status, 4) << alone.err;
+  EXPECT_EQ(testing::lines(alone.err).size(), 1u) << alone.err;
+  EXPECT_NE(alone.err.find("nobody answered at " + address + " within 1s"), std::string::npos) << alone.err;
+  EXPECT_NE(alone.err.find("no run listens there (it ended, or has not started)"), std::string::npos) << alone.err;
+  EXPECT_LT(took, 30.0) << "it asked for --join-timeout, not the default 60 s";
+  EXPECT_FALSE(fs::exists(dir / "run")) << "it wrote nothing";
 }
 
 // A checkpoint is whole: its state reads, and so does every file it names.
