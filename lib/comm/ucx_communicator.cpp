@@ -330,6 +330,7 @@ class UcxCommunicator final : public CommunicatorBase {
     std::lock_guard lock(join_mutex_);
     return join_address_;
   }
+  void close_joins() override { joins_closed_ = true; }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -542,7 +543,9 @@ class UcxCommunicator final : public CommunicatorBase {
     if (size != 0 && size != world) {
       return {-1, fmt::format("the run has {} ranks; this process was started for {}", world, size), false};
     }
-    if (peers_.stopping() || join_stop_.load()) return {-1, "the run is ending", false, 0, /*ended=*/true};
+    if (peers_.stopping() || join_stop_.load() || joins_closed_.load()) {
+      return {-1, "the run is ending", false, 0, /*ended=*/true};
+    }
     // A rank below this one is lost (this is the lowest live rank): restarted
     // with its command, it takes a free place as any joiner does.
     if (rank == kAnyRank || (rank >= 0 && rank < rank_ && is_lost(rank))) {
@@ -1154,6 +1157,7 @@ class UcxCommunicator final : public CommunicatorBase {
   Fd join_listener_;  ///< join thread (rank 0's from the start)
   std::thread join_thread_;
   std::atomic<bool> join_stop_{false};
+  std::atomic<bool> joins_closed_{false};          ///< close_joins: the run is ending
   std::vector<std::vector<std::byte>> addresses_;  ///< every rank's address now, under join_mutex_
   std::string description_;                        ///< what a joiner is shown
   std::string join_host_;                          ///< the rendezvous address, where joiners come

@@ -1068,7 +1068,9 @@ TEST(CfmoTrainWorkers, AJoinerOfAResumedGrownRunPlansForTheRunsFirstWorld) {
 // line; refused at the rendezvous as the leader shuts down, the same. Every
 // way it did nothing wrong (status 0), nobody waits for it (the keeper
 // neither for its report nor for its state: the whole run ends well within
-// --peer-timeout of its time limit) and the summary is the run's.
+// --peer-timeout of its time limit) and the summary is the run's. (Under
+// load its start may take so long that every process of the run is gone
+// when it asks: then it finds nobody, and after --join-timeout exits 4.)
 void expect_a_joiner_at_the_very_end_to_end_with_the_run(const std::vector<std::string>& mode) {
   SCOPED_TRACE(mode[1]);
   TempDir dir;
@@ -1088,7 +1090,7 @@ void expect_a_joiner_at_the_very_end_to_end_with_the_run(const std::vector<std::
   // later, the run may be gone before the joiner reaches it.
   while (since_start() < limit - 0.1) usleep(10000);
   std::vector<std::string> joiner = flags;
-  joiner.insert(joiner.end(), {"--join", address});
+  joiner.insert(joiner.end(), {"--join", address, "--join-timeout", "3"});
   ranks.processes.push_back(testing::spawn(args(joiner), {}, (dir / "out-j").string(), (dir / "err-j").string()));
   std::vector<double> ended;
   for (auto& p : ranks.processes) {
@@ -1096,10 +1098,11 @@ void expect_a_joiner_at_the_very_end_to_end_with_the_run(const std::vector<std::
     ended.push_back(since_start());
   }
   const std::string err = slurp(dir / "err-j");
+  const bool gone = err.find("nobody answered at " + address) != std::string::npos;
   for (size_t p = 0; p < ranks.processes.size(); ++p) {
-    EXPECT_EQ(ranks.processes[p].status, 0) << p << ": " << slurp(dir / "err-0") << err;
+    EXPECT_EQ(ranks.processes[p].status, p == 2 && gone ? 4 : 0) << p << ": " << slurp(dir / "err-0") << err;
     // The peer timeout is 5 s: before, the keeper waited 2x that for a joiner's report (cfmo: 3x), the joiner 60 s.
-    EXPECT_LT(ended[p], limit + 3) << "process " << p << " ended late";
+    EXPECT_LT(ended[p], limit + 3 + (p == 2 && gone ? 3 : 0)) << "process " << p << " ended late";
   }
   const auto j = last_json(slurp(dir / "out-0"));
   ASSERT_FALSE(j.is_null()) << slurp(dir / "err-0");
@@ -1109,9 +1112,9 @@ void expect_a_joiner_at_the_very_end_to_end_with_the_run(const std::vector<std::
   EXPECT_TRUE(last_json(slurp(dir / "out-j")).is_null()) << "one summary, the keeper's";
   const bool too_late = err.find("joined as the run ended") != std::string::npos;
   const bool refused = err.find("was ending and took nobody in") != std::string::npos;
-  if (too_late) {
+  if (too_late || gone) {
     EXPECT_EQ(testing::lines(err).size(), 1u) << err;
-    EXPECT_NE(err.find("it trained nothing"), std::string::npos) << err;
+    EXPECT_NE(err.find("trained nothing"), std::string::npos) << err;
     EXPECT_EQ(j["per_worker"].size(), 2u) << j.dump();
     EXPECT_FALSE(fs::exists(dir / "run" / "metrics-rank-2.jsonl")) << "it wrote nothing";
   } else {
@@ -1120,7 +1123,8 @@ void expect_a_joiner_at_the_very_end_to_end_with_the_run(const std::vector<std::
   }
   std::printf("%s: the members ended %.2f s and %.2f s, the joiner %.2f s after their start (limit %.0f s); %s\n",
               mode[1].c_str(), ended[0], ended[1], ended[2], limit,
-              refused    ? "the rendezvous refused it"
+              gone       ? "it found nobody"
+              : refused  ? "the rendezvous refused it"
               : too_late ? "it came too late"
                          : "it was taken in");
 }
