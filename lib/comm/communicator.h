@@ -130,6 +130,10 @@ class Communicator {
   /// rank 0 at the rendezvous address; after rank 0's loss, the lowest live
   /// rank, there if it can listen there, else at that port of its own host.
   virtual std::string join_address() const { return {}; }
+  /// The run is ending (this rank's mode took its last round, and takes
+  /// nobody in now): a process that asks to join from now on is refused
+  /// with "the run ends" (rendezvous.h), not taken in to wait for nothing.
+  virtual void close_joins() {}
 
   /// This rank is about to leave because of its own failure (not the
   /// network's): the goodbye it sends on leaving carries `error`, so that a

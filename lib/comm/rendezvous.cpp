@@ -23,7 +23,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr uint32_t kMagic = 0x4346'4D4F;  // "CFMO"
-constexpr uint32_t kVersion = 3;          // 2: joins; 3: an offer says the run's first size (the world may grow)
+// 2: joins; 3: an offer says the run's first size (the world may grow); 4: a refusal may say the run ends.
+constexpr uint32_t kVersion = 4;
 constexpr uint32_t kMaxAddress = 1 << 20;
 
 /// A socket, closed when it goes out of scope.
@@ -103,7 +104,9 @@ Result<addrinfo*> resolve(const std::string& host, uint16_t port, bool passive) 
   return result;
 }
 
-Result<Socket> connect_with_retry(const RendezvousConfig& config, Clock::time_point deadline) {
+/// A connection to rank 0 (or whoever serves joins there), tried until the
+/// deadline; `joining`: a process that joins (or rejoins) a run under way.
+Result<Socket> connect_with_retry(const RendezvousConfig& config, Clock::time_point deadline, bool joining) {
   const std::string where = fmt::format("{}:{}", config.host, config.port);
   std::string last_error = "no address";
   while (Clock::now() < deadline) {
@@ -122,6 +125,13 @@ Result<Socket> connect_with_retry(const RendezvousConfig& config, Clock::time_po
     ::freeaddrinfo(list);
     // Rank 0 may simply not be listening yet.
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (joining) {
+    // Nobody listens: a run that ended looks the same as one not started yet.
+    return peer_error(
+        fmt::format("nobody answered at {} within {:.0f}s ({}): no run listens there (it ended, or "
+                    "has not started); this process trained nothing",
+                    where, config.timeout_s, last_error));
   }
   return peer_error(fmt::format("no answer from rank 0 at {} within {:.0f}s: {}", where, config.timeout_s, last_error));
 }
@@ -229,9 +239,14 @@ Result<std::vector<std::vector<std::byte>>> recv_table(int fd, uint32_t size, Cl
   return table;
 }
 
-Status send_refusal(int fd, bool retry, std::string_view reason, std::string_view description,
+/// A refusal's second word.
+constexpr uint32_t kRefusedFinal = 0;
+constexpr uint32_t kRefusedRetry = 1;
+constexpr uint32_t kRefusedRunEnds = 2;
+
+Status send_refusal(int fd, uint32_t why, std::string_view reason, std::string_view description,
                     Clock::time_point deadline) {
-  CFMO_TRY(send_u32s(fd, {kAnswerRefusal, retry ? 1u : 0u}, deadline, "refusing a join"));
+  CFMO_TRY(send_u32s(fd, {kAnswerRefusal, why}, deadline, "refusing a join"));
   CFMO_TRY(send_bytes(fd, std::as_bytes(std::span(reason.data(), reason.size())), deadline, "refusing a join"));
   return send_bytes(fd, std::as_bytes(std::span(description.data(), description.size())), deadline, "refusing a join");
 }
@@ -253,7 +268,7 @@ Result<Rendezvous> ask_rank_zero(const RendezvousConfig& config, int rank, int s
     if (!refused.empty() && Clock::now() >= deadline) {
       return peer_error(fmt::format("no place in the run at {} within {:.0f}s: {}", where, config.timeout_s, refused));
     }
-    CFMO_ASSIGN_OR_RETURN(Socket s, connect_with_retry(config, deadline));
+    CFMO_ASSIGN_OR_RETURN(Socket s, connect_with_retry(config, deadline, rank == kAnyRank || !refused.empty()));
     CFMO_TRY(send_u32s(
         s.get(), {kMagic, kVersion, rank == kAnyRank ? kAny : static_cast<uint32_t>(rank), static_cast<uint32_t>(size)},
         deadline, what));
@@ -277,38 +292,46 @@ Result<Rendezvous> ask_rank_zero(const RendezvousConfig& config, int rank, int s
       return out;
     }
     if (*answer == kAnswerRefusal) {
-      CFMO_ASSIGN_OR_RETURN(uint32_t retry, recv_u32(s.get(), deadline, what));
+      CFMO_ASSIGN_OR_RETURN(uint32_t why, recv_u32(s.get(), deadline, what));
       CFMO_ASSIGN_OR_RETURN(auto reason, recv_bytes(s.get(), deadline, what));
       CFMO_ASSIGN_OR_RETURN(auto description, recv_bytes(s.get(), deadline, what));
       refused.assign(reinterpret_cast<const char*>(reason.data()), reason.size());
       // A process that does not fit the run learns it now, not after waiting for a free rank.
       CFMO_TRY(check_description(config, description));
-      if (retry == 0) return make_error(ErrorKind::kUsage, "joining the run at {}: {}", where, refused);
+      if (why == kRefusedRunEnds) {
+        Rendezvous out;
+        out.run_ended = true;
+        return out;
+      }
+      if (why != kRefusedRetry) return make_error(ErrorKind::kUsage, "joining the run at {}: {}", where, refused);
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
       continue;
     }
     if (*answer != kAnswerOffer) return peer_error(fmt::format("{}: unknown answer {}", what, *answer));
+    // A place is offered: the wait for one (the timeout) is over, and the
+    // admission, for which the leader waits on every live rank, has its own time.
+    const auto admission = std::max(deadline, Clock::now() + std::chrono::seconds(60));
     Rendezvous out;
     out.joined = true;
-    CFMO_ASSIGN_OR_RETURN(uint32_t offered, recv_u32(s.get(), deadline, what));
-    CFMO_ASSIGN_OR_RETURN(uint32_t world, recv_u32(s.get(), deadline, what));
-    CFMO_ASSIGN_OR_RETURN(uint32_t first, recv_u32(s.get(), deadline, what));
-    CFMO_ASSIGN_OR_RETURN(auto description, recv_bytes(s.get(), deadline, what));
+    CFMO_ASSIGN_OR_RETURN(uint32_t offered, recv_u32(s.get(), admission, what));
+    CFMO_ASSIGN_OR_RETURN(uint32_t world, recv_u32(s.get(), admission, what));
+    CFMO_ASSIGN_OR_RETURN(uint32_t first, recv_u32(s.get(), admission, what));
+    CFMO_ASSIGN_OR_RETURN(auto description, recv_bytes(s.get(), admission, what));
     if (world < 2 || offered >= world || first < 1 || first > world)
       return peer_error(fmt::format("{}: rank 0 offered rank {} of {}", what, offered, world));
     if (const Status fits = check_description(config, description); !fits) {
       // Declined: rank 0 takes nobody in, the run goes on as it was.
-      [[maybe_unused]] auto declined = send_u32s(s.get(), {0u}, deadline, what);
+      [[maybe_unused]] auto declined = send_u32s(s.get(), {0u}, admission, what);
       return fits.error();
     }
-    CFMO_TRY(send_u32s(s.get(), {1u}, deadline, what));
+    CFMO_TRY(send_u32s(s.get(), {1u}, admission, what));
     out.rank = static_cast<int>(offered);
     out.size = static_cast<int>(world);
     out.first_size = static_cast<int>(first);
-    CFMO_ASSIGN_OR_RETURN(out.addresses, recv_table(s.get(), world, deadline, what));
+    CFMO_ASSIGN_OR_RETURN(out.addresses, recv_table(s.get(), world, admission, what));
     out.lost.resize(world);
     for (uint32_t r = 0; r < world; ++r) {
-      CFMO_ASSIGN_OR_RETURN(uint32_t lost, recv_u32(s.get(), deadline, what));
+      CFMO_ASSIGN_OR_RETURN(uint32_t lost, recv_u32(s.get(), admission, what));
       out.lost[r] = lost != 0;
     }
     return out;
@@ -341,7 +364,10 @@ Status serve_join(int socket, int size, int first_size, const std::string& descr
   CFMO_ASSIGN_OR_RETURN(Hello hello, read_hello(socket, std::min(deadline, Clock::now() + std::chrono::seconds(5))));
   const int asked = hello.rank == kAny ? kAnyRank : static_cast<int>(std::min<uint32_t>(hello.rank, 1u << 30));
   const JoinHooks::Decision decision = hooks.decide(asked, static_cast<int>(std::min<uint32_t>(hello.size, 1u << 30)));
-  if (decision.rank < 0) return send_refusal(socket, decision.retry, decision.refusal, description, deadline);
+  if (decision.rank < 0) {
+    const uint32_t why = decision.ended ? kRefusedRunEnds : decision.retry ? kRefusedRetry : kRefusedFinal;
+    return send_refusal(socket, why, decision.refusal, description, deadline);
+  }
   const std::string what = fmt::format("offering rank {} to a joining process", decision.rank);
   const int world = std::max(size, decision.world);
   CFMO_TRY(send_u32s(socket,
@@ -375,7 +401,7 @@ Result<Rendezvous> exchange_addresses(const RendezvousConfig& config, int rank, 
       // Rank 0 restarted with its command while its run goes on (another
       // rank serves joins at the address now): it joins, at the rank it is given.
       auto joined = ask_rank_zero(config, 0, size, own_address, deadline);
-      if (joined && joined->joined) return joined;
+      if (joined && (joined->joined || joined->run_ended)) return joined;
       return make_error(bound.error().kind, "{}; nor did a run there take this process in: {}", bound.error().message,
                         joined ? "it is starting" : joined.error().message);
     }
@@ -405,7 +431,8 @@ Result<Rendezvous> exchange_addresses(const RendezvousConfig& config, int rank, 
     if (!hello) continue;
     if (hello->rank == kAny) {
       // A join while the run starts: it asks again once the run is under way.
-      [[maybe_unused]] auto refused = send_refusal(s.get(), true, "the run is still starting", {}, hello_deadline);
+      [[maybe_unused]] auto refused =
+          send_refusal(s.get(), kRefusedRetry, "the run is still starting", {}, hello_deadline);
       continue;
     }
     if (hello->size != static_cast<uint32_t>(size)) {

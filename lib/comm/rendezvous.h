@@ -13,9 +13,11 @@
 ///           [1: offer][u32 rank][u32 size][u32 first size][u32 n][description]  a join;
 ///               then [u32 1 accept | 0 decline], and after an accept
 ///               [u32 size][size x ([u32 n][address])][size x u32 lost]
-///           [2: refusal][u32 1 retry | 0 final][u32 n][reason][u32 n][description]
+///           [2: refusal][u32 1 retry | 0 final | 2 the run ends][u32 n][reason][u32 n][description]
 /// A joiner looks at the description in a refusal too: one that does not fit
-/// the run ends at once rather than waiting for a free rank.
+/// the run ends at once rather than waiting for a free rank. A refusal
+/// because the run ends (its leader shuts down) is no failure of the
+/// process that came: Rendezvous::run_ended.
 
 #include "core/error.h"
 #include "core/fd.h"
@@ -40,7 +42,7 @@ struct RendezvousConfig {
   std::string host = "127.0.0.1";
   uint16_t port = 0;
   int listen_fd = -1;       ///< rank 0: an already listening socket (the local launcher passes one)
-  double timeout_s = 60;    ///< how long to wait for every rank (a joiner: for a free rank)
+  double timeout_s = 60;    ///< how long to wait for every rank (a joiner: for an answer, then for a free rank)
   std::string description;  ///< rank 0: what a joiner is shown (cfmo-train: the run's configuration)
   JoinCheck check;          ///< a joiner: looks at the description; none accepts
   /// The run may grow: a join when no rank is lost is a new rank W (the
@@ -57,7 +59,11 @@ struct Rendezvous {
   std::vector<bool> lost;                         ///< a join: the ranks lost as rank 0 saw them
   bool joined = false;                            ///< the run was under way: this process joined it
   int first_size = 0;  ///< the world's size when the run started (a joiner: as the leader said; it may have grown)
-  Fd listener;         ///< rank 0: where later processes ask to join
+  /// A joiner (or a rank restarted into its run) that the leader refused
+  /// because the run is ending: it came too late, through no fault of its
+  /// own; no rank, no table.
+  bool run_ended = false;
+  Fd listener;  ///< rank 0: where later processes ask to join
 };
 
 /// Rank 0's side of a join, asked by serve_join.
@@ -69,6 +75,7 @@ struct JoinHooks {
     std::string refusal;  ///< why not (when rank < 0)
     bool retry = true;    ///< the refusal may pass (a rank not yet found lost)
     int world = 0;        ///< the world's size the process joins: more than now when it grows the world; 0: as now
+    bool ended = false;   ///< refused because the run is ending (the process came too late)
   };
   std::function<Decision(int rank, int size)> decide;
   /// Takes the process in as `rank` at `address`; returns every rank's

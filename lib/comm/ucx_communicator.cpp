@@ -330,6 +330,7 @@ class UcxCommunicator final : public CommunicatorBase {
     std::lock_guard lock(join_mutex_);
     return join_address_;
   }
+  void close_joins() override { joins_closed_ = true; }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -542,7 +543,9 @@ class UcxCommunicator final : public CommunicatorBase {
     if (size != 0 && size != world) {
       return {-1, fmt::format("the run has {} ranks; this process was started for {}", world, size), false};
     }
-    if (peers_.stopping() || join_stop_.load()) return {-1, "the run is ending", false};
+    if (peers_.stopping() || join_stop_.load() || joins_closed_.load()) {
+      return {-1, "the run is ending", false, 0, /*ended=*/true};
+    }
     // A rank below this one is lost (this is the lowest live rank): restarted
     // with its command, it takes a free place as any joiner does.
     if (rank == kAnyRank || (rank >= 0 && rank < rank_ && is_lost(rank))) {
@@ -1154,6 +1157,7 @@ class UcxCommunicator final : public CommunicatorBase {
   Fd join_listener_;  ///< join thread (rank 0's from the start)
   std::thread join_thread_;
   std::atomic<bool> join_stop_{false};
+  std::atomic<bool> joins_closed_{false};          ///< close_joins: the run is ending
   std::vector<std::vector<std::byte>> addresses_;  ///< every rank's address now, under join_mutex_
   std::string description_;                        ///< what a joiner is shown
   std::string join_host_;                          ///< the rendezvous address, where joiners come
@@ -1169,12 +1173,20 @@ class UcxCommunicator final : public CommunicatorBase {
 }  // namespace
 
 Result<std::unique_ptr<Communicator>> connect_ucx(int rank, int size, const RendezvousConfig& rendezvous,
-                                                  const UcxOptions& options, int* first_size) {
+                                                  const UcxOptions& options, int* first_size, bool* run_ended) {
   if (rank != kAnyRank && (size < 1 || rank < 0 || rank >= size)) {
     return make_error(ErrorKind::kUsage, "rank {} is not in a world of {} ranks", rank, size);
   }
   CFMO_ASSIGN_OR_RETURN(UcxWorker opened, open_worker(options.fifos));
   CFMO_ASSIGN_OR_RETURN(Rendezvous met, exchange_addresses(rendezvous, rank, size, opened.address));
+  if (met.run_ended) {
+    if (run_ended == nullptr) {
+      return make_error(ErrorKind::kPeer, "the run at {}:{} ended as this process came", rendezvous.host,
+                        rendezvous.port);
+    }
+    *run_ended = true;
+    return std::unique_ptr<Communicator>();
+  }
   if (first_size != nullptr) *first_size = met.first_size;
   auto comm = std::make_unique<UcxCommunicator>(met.rank, met.size, options, std::move(opened), met.joined);
   CFMO_TRY(comm->connect(met, rendezvous));

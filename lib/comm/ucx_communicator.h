@@ -28,8 +28,12 @@ struct UcxOptions {
 /// rendezvous and connects to every peer. UCX_TLS, UCX_NET_DEVICES and the
 /// other UCX_* variables are honoured (read by ucp_config_read). `first_size`,
 /// if given, gets the world's size when the run started (a joiner learns it
-/// from the leader: the world may have grown since).
+/// from the leader: the world may have grown since). `run_ended`, if given,
+/// is set when this process (a joiner, a rank restarted into its run) came as
+/// the run ended (Rendezvous::run_ended): then no communicator (null) is
+/// returned; without it that is an error (kPeer).
 Result<std::unique_ptr<Communicator>> connect_ucx(int rank, int size, const RendezvousConfig& rendezvous,
-                                                  const UcxOptions& options = {}, int* first_size = nullptr);
+                                                  const UcxOptions& options = {}, int* first_size = nullptr,
+                                                  bool* run_ended = nullptr);
 
 }  // namespace cfmo::comm

@@ -348,11 +348,11 @@ Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInf
   ucx.fifos = options.fifos;
   if (!options.join.empty()) {
     CFMO_ASSIGN_OR_RETURN(RendezvousConfig rendezvous, parse_rendezvous(options.join));
-    rendezvous.timeout_s = std::max(60.0, options.peer_timeout_s);
+    rendezvous.timeout_s = options.join_timeout_s;
     rendezvous.check = options.check;
     rendezvous.description = options.description;  // a joiner may come to lead, and serve joins
     rendezvous.grow = options.grow;
-    return connect_ucx(kAnyRank, 0, rendezvous, ucx, options.first_size);
+    return connect_ucx(kAnyRank, 0, rendezvous, ucx, options.first_size, options.run_ended);
   }
   if (!world || world->size <= 1) return make_solo_communicator();
   // Our own launcher's address wins: its rank 0 listens on the socket it inherited.
@@ -369,7 +369,7 @@ Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInf
   rendezvous.description = options.description;
   rendezvous.check = options.check;
   rendezvous.grow = options.grow;
-  return connect_ucx(world->rank, world->size, rendezvous, ucx, options.first_size);
+  return connect_ucx(world->rank, world->size, rendezvous, ucx, options.first_size, options.run_ended);
 }
 
 }  // namespace cfmo::comm

@@ -45,6 +45,8 @@ struct WorldOptions {
   /// host:port of a running run's rank 0 (--join): this process takes the
   /// place of a lost rank there, whatever the environment says.
   std::string join{};
+  /// A --join: how long it asks there while nobody answers or no rank is free.
+  double join_timeout_s = 60;
   /// Rank 0: what a joining process is shown; a joiner (or a rank whose run
   /// is already under way): its look at that, an error declining (comm/rendezvous.h).
   std::string description{};
@@ -57,6 +59,10 @@ struct WorldOptions {
   int* first_size = nullptr;
   /// The run ends at its first lost rank (UcxOptions::fifos).
   bool fifos = false;
+  /// If given, set when this process (--join, or a rank restarted into its
+  /// run) came as the run ended: its leader refused it as it shut down. Then
+  /// connect_world returns no communicator (null): nothing failed.
+  bool* run_ended = nullptr;
 };
 
 /// This rank's Communicator in `world` (from world_from_environment): over
@@ -64,8 +70,10 @@ struct WorldOptions {
 /// the others at least 60 s), else the solo one. kUsage when several ranks
 /// have no rendezvous address, naming the variables that said how many.
 /// With `options.join`, the place of a lost rank in the run there, or a new
-/// rank where the run may grow (waiting for one at least 60 s); its rank and
-/// size are the communicator's.
+/// rank where the run may grow (waiting for an answer and for one
+/// `options.join_timeout_s`); its rank and
+/// size are the communicator's. Null where the run ended as this process
+/// came (`options.run_ended`).
 Result<std::unique_ptr<Communicator>> connect_world(const std::optional<WorldInfo>& world, const WorldOptions& options);
 
 /// Starts `workers` copies of this program (argv as given) with RANK,

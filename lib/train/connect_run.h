@@ -14,13 +14,22 @@
 
 namespace cfmo::train {
 
+/// What connect_run came to: this process's place in the run, or none.
+struct RunConnection {
+  std::unique_ptr<comm::Communicator> comm;  ///< null when the run ended as this process came
+  /// Then the one line that says so: a joiner (or a rank restarted into its
+  /// run) refused because the run was ending came too late through no fault
+  /// of its own, trains nothing and writes nothing (status 0), as a joiner
+  /// told so by its mode (Joined::kRunEnded).
+  std::string too_late;
+};
+
 /// Connects this process of `world` (or a --join) under `config`, whose
 /// TOML is `config_toml`: rank 0 shows it to joiners, a joiner declines a
 /// run whose own differs (check_join_fits). A joiner's --owners becomes the
 /// run's (fit_owners_to_run), and `first_world`, when given, the ranks the
 /// run started with (TrainOptions::first_world; 0 for a process that did not join).
-Result<std::unique_ptr<comm::Communicator>> connect_run(TrainConfig& config,
-                                                        const std::optional<comm::WorldInfo>& world,
-                                                        const std::string& config_toml, int* first_world = nullptr);
+Result<RunConnection> connect_run(TrainConfig& config, const std::optional<comm::WorldInfo>& world,
+                                  const std::string& config_toml, int* first_world = nullptr);
 
 }  // namespace cfmo::train

@@ -220,7 +220,9 @@ class Mode {
   /// with --elastic (the leader after its next step: its parameters and the
   /// inner state into `optimizer`, the host's, which the trainer then hands
   /// to its engine). kRunEnded: the run ended before the group took this
-  /// rank in (localsgd, sync: it came too late, and trains nothing). Fails
+  /// rank in (localsgd, sync), or the keeper's end began before it did
+  /// (cfmo, asgd: the rank has taken part in the end's handshake): it came
+  /// too late, and trains nothing. Fails
   /// (kPeer) when the state does not come within the peer timeout; other
   /// modes take no joins (kUsage).
   virtual Result<Joined> join(std::span<float> /*params*/, optim::Optimizer& /*optimizer*/,
@@ -238,7 +240,10 @@ class Mode {
   /// sync with --elastic); false when a loss ends the run (exit status 4).
   virtual bool survives_losses() const { return false; }
   /// Lockstep modes that survive losses: the workers of the group now, in
-  /// rank order (the trainer's shares of a global batch); empty: every rank.
+  /// rank order (the trainer's shares of a global batch); cfmo and asgd, the
+  /// keeper once its end began: every rank but the joiners it did not take
+  /// in; empty: every rank. The keeper waits at the end for these ranks'
+  /// reports and last states.
   virtual std::vector<int> members() const { return {}; }
   /// Lockstep modes that survive losses: the members that made the last
   /// reconciliation (a rank taken in at it has nothing of it yet); empty: every rank.

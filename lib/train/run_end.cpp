@@ -64,6 +64,10 @@ Status TrainingRun::last_reconciliation() {
   // Afterwards rank 0 holds the global parameters.
   CFMO_ASSIGN_OR_RETURN(auto params, engine->host_parameters());
   const Status finished = mode->finish(replicated_part(params), engine->mode_optimizer());
+  // The mode takes nobody in from here on: a process that comes to join now
+  // is told at the rendezvous that the run is ending, rather than taken in
+  // there to wait for a state nobody sends.
+  if (comm != nullptr) comm->close_joins();
   const Status announced_now = announce_lost();
   CFMO_TRY(finished);
   CFMO_TRY(announced_now);

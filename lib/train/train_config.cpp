@@ -155,6 +155,10 @@ void add_train_options(OptionTable& t, TrainConfig& c) {
         "take a lost rank's place there, or with none lost a new rank's (the run grows), with the run's flags "
         "(cfmo, asgd, sync or localsgd with --elastic)",
         dist);
+  t.add("join_timeout", &c.join_timeout,
+        "--join: seconds to ask there while nobody answers (no run there: it ended, or has not started) or no rank "
+        "is free; then exit 4",
+        dist);
 
   const std::string output = "Output";
   t.add("log_every", &c.log_every, "log a metrics line every N steps", output);
@@ -277,6 +281,7 @@ Result<TrainPlan> make_plan(const TrainConfig& c) {
     // checkpoints every worker meets at would no longer be the same.
     return usage("deterministic", "stops by --steps, --epochs or --tokens, not --time-limit");
   }
+  if (!(c.join_timeout > 0)) return usage("join-timeout", "must be positive");
   if (!c.join.empty()) {
     if (auto where = comm::parse_rendezvous(c.join); !where) return usage("join", where.error().message);
     if (!plan.traits().asynchronous && !c.elastic) {
@@ -337,9 +342,9 @@ Status check_join_fits(std::string_view run_config, std::string_view own_config)
   // This process's own: where it writes and logs, how it computes, when it
   // stops on its own, whom it asks; everything else must be the run's.
   static constexpr std::string_view kOwn[] = {
-      "out",          "quiet",  "log_every",  "sample_every", "checkpoint_every", "keep_checkpoints",
-      "threads",      "device", "time_limit", "slowdown",     "straggler",        "rendezvous",
-      "peer_timeout", "join",   "workers"};
+      "out",          "quiet",  "log_every",    "sample_every", "checkpoint_every", "keep_checkpoints",
+      "threads",      "device", "time_limit",   "slowdown",     "straggler",        "rendezvous",
+      "peer_timeout", "join",   "join_timeout", "workers"};
   const auto theirs = option_lines(run_config);
   if (theirs.empty()) return make_error(ErrorKind::kPeer, "--join: the run sent no configuration");
   for (const auto& [key, value] : option_lines(own_config)) {

@@ -81,6 +81,7 @@ struct TrainConfig {
   bool keep_global_batch = false;  ///< sync --elastic: the survivors take a lost worker's share of each batch
   bool deterministic = false;      ///< cfmo: a fixed order of messages (bitwise reproducible, exact resume)
   std::string join;                ///< host:port of a running run's rank 0: take a lost rank's place there
+  double join_timeout = 60;        ///< --join: seconds to ask there while nobody answers or no rank is free
   /// cfmo: owners answer by rounds (round) or each contribution at once (off).
   std::string reply_hold = "round";
   // output

@@ -606,6 +606,25 @@ TEST(Rendezvous, MissingRankZeroTimesOutNamingTheAddress) {
   EXPECT_NE(table.error().message.find(std::to_string(port)), std::string::npos) << table.error().message;
 }
 
+// A joiner (kAnyRank) that finds nobody at the address cannot tell a run
+// that ended from one not started: it says so, naming the address.
+TEST(Rendezvous, AJoinerThatFindsNobodySaysNoRunListensThere) {
+  auto listener = listen_tcp("127.0.0.1", 0);
+  ASSERT_TRUE(listener);
+  const uint16_t port = listener->second;
+  close(listener->first);  // nobody listens there now
+  RendezvousConfig config;
+  config.port = port;
+  config.timeout_s = 0.5;
+  auto joined = exchange_addresses(config, kAnyRank, 0, std::vector<std::byte>(4));
+  ASSERT_FALSE(joined);
+  EXPECT_EQ(joined.error().kind, ErrorKind::kPeer);
+  EXPECT_NE(joined.error().message.find(fmt::format("nobody answered at 127.0.0.1:{}", port)), std::string::npos)
+      << joined.error().message;
+  EXPECT_NE(joined.error().message.find("no run listens there (it ended, or has not started)"), std::string::npos)
+      << joined.error().message;
+}
+
 TEST(Rendezvous, RankZeroNamesTheRanksThatNeverCame) {
   RendezvousConfig config;
   config.timeout_s = 0.5;
@@ -667,6 +686,56 @@ TEST(Rendezvous, AJoinerIsOfferedAFreeRankAndMayDecline) {
   EXPECT_EQ(joined->size, 3);
   EXPECT_EQ(joined->lost, (std::vector<bool>{false, true, false}));
   EXPECT_EQ(admitted.load(), 2);
+}
+
+// A joiner (or a rank restarted into its run) that the leader refuses
+// because the run is ending came too late, through no fault of its own:
+// no error, but Rendezvous::run_ended; connect_ucx then gives no
+// communicator where the caller asked to hear of it, else a kPeer error.
+TEST(Rendezvous, AJoinerRefusedAsTheRunEndsIsToldSoNotFailed) {
+  auto listener = listen_tcp("127.0.0.1", 0);
+  ASSERT_TRUE(listener);
+  const Fd socket(listener->first);
+  JoinHooks hooks;
+  hooks.decide = [](int, int) { return JoinHooks::Decision{-1, "the run is ending", false, 0, /*ended=*/true}; };
+  hooks.admit = [](int, const std::vector<std::byte>&) {
+    ADD_FAILURE() << "a refused process is not admitted";
+    return Result<std::pair<std::vector<std::vector<std::byte>>, std::vector<bool>>>(
+        make_error(ErrorKind::kInternal, "admitted"));
+  };
+  auto serve = [&](int count) {
+    return std::thread([&, count] {
+      for (int i = 0; i < count; ++i) {
+        const Fd peer(::accept4(socket.get(), nullptr, nullptr, SOCK_CLOEXEC));
+        ASSERT_GE(peer.get(), 0);
+        EXPECT_TRUE(serve_join(peer.get(), 2, 2, "model = 'mlp:8'", hooks, 5));
+      }
+    });
+  };
+  RendezvousConfig config;
+  config.port = listener->second;
+  config.timeout_s = 5;
+  std::thread server = serve(2);
+  auto late = exchange_addresses(config, kAnyRank, 0, std::vector<std::byte>(4));
+  ASSERT_TRUE(late) << late.error().message;
+  EXPECT_TRUE(late->run_ended);
+  EXPECT_FALSE(late->joined);
+  auto restarted = exchange_addresses(config, 1, 2, std::vector<std::byte>(4));  // a rank restarted with its command
+  server.join();
+  ASSERT_TRUE(restarted) << restarted.error().message;
+  EXPECT_TRUE(restarted->run_ended);
+
+  server = serve(2);
+  bool ended = false;
+  auto none = connect_ucx(kAnyRank, 0, config, {}, nullptr, &ended);
+  ASSERT_TRUE(none) << none.error().message;
+  EXPECT_TRUE(ended);
+  EXPECT_EQ(none->get(), nullptr);
+  auto unasked = connect_ucx(kAnyRank, 0, config);
+  server.join();
+  ASSERT_FALSE(unasked);
+  EXPECT_EQ(unasked.error().kind, ErrorKind::kPeer);
+  EXPECT_NE(unasked.error().message.find("ended as this process came"), std::string::npos) << unasked.error().message;
 }
 
 }  // namespace cfmo::comm

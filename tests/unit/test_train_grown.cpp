@@ -351,16 +351,20 @@ class AtFinalEvaluation final : public TrainObserver {
   std::function<void()> at_end_;
 };
 
-// localsgd --elastic: a process that joins after the group's last round (at
-// the keeper's final evaluation) is told at once that the run ended: it
-// trains nothing and ends with "run-ended" (its tool: one line, status 0),
-// and the keeper's end's checkpoint waits for the members' states only, not
-// 2x --peer-timeout for the joiner's.
-TEST(GrownRun, AJoinerAfterAnElasticGroupsLastRoundEndsAtOnceAndNobodyWaitsForIt) {
+// A process that joins after the run's last round (at the keeper's final
+// evaluation) is told at once that the run ended: it trains nothing and ends
+// with "run-ended" (its tool: one line, status 0), and the keeper waits for
+// nothing of it (its end's checkpoint for the members' states only, its
+// summary for their reports), not 2x --peer-timeout. localsgd --elastic: its
+// group closed after its last sum; cfmo and asgd: the keeper's end began
+// before the joiner's request for the global state came.
+void expect_a_joiner_after_the_last_round_to_end_at_once(const std::string& mode) {
+  SCOPED_TRACE(mode);
   using Clock = std::chrono::steady_clock;
   TempDir dir;
-  TrainConfig config = grown_config("localsgd", dir.path() / "run");
+  TrainConfig config = grown_config(mode, dir.path() / "run");
   config.epochs = 1;
+  config.owners = 2;  // the run's, as connect_run fits a joiner's (asgd, cfmo)
   auto world = comm::make_loopback_world(2, {.peer_timeout_s = config.peer_timeout});
   std::unique_ptr<comm::Communicator> joined;
   Result<TrainSummary> late = make_error(ErrorKind::kInternal, "did not run");
@@ -405,10 +409,21 @@ TEST(GrownRun, AJoinerAfterAnElasticGroupsLastRoundEndsAtOnceAndNobodyWaitsForIt
   EXPECT_NE(late->keeper, late->rank) << "its tool prints no summary";
   EXPECT_LT(late_s, 5.0) << "told, not timed out";
   EXPECT_LT(std::chrono::duration<double>(keeper_done - released).count(), config.peer_timeout)
-      << "the keeper waited for the joiner's state";
+      << "the keeper waited for the joiner's report or state";
   EXPECT_EQ(summaries[0]->per_worker.size(), 2u);
-  EXPECT_EQ(summaries[0]->stopped_by, "epochs");
+  if (mode == "localsgd") {
+    EXPECT_EQ(summaries[0]->stopped_by, "epochs");
+  }
   EXPECT_FALSE(fs::exists(dir.path() / "run" / "metrics-rank-2.jsonl")) << "it wrote nothing";
+}
+
+TEST(GrownRun, AJoinerAfterAnElasticGroupsLastRoundEndsAtOnceAndNobodyWaitsForIt) {
+  expect_a_joiner_after_the_last_round_to_end_at_once("localsgd");
+}
+
+TEST(GrownRun, AJoinerAfterTheKeepersEndBeganEndsAtOnceAndNobodyWaitsForIt) {
+  expect_a_joiner_after_the_last_round_to_end_at_once("cfmo");
+  expect_a_joiner_after_the_last_round_to_end_at_once("asgd");
 }
 
 JoinedRank join(int rank, double wall_s, double first_step_s = -1) { return {rank, 0, wall_s, first_step_s}; }

@@ -114,7 +114,11 @@ static int run(int argc, char** argv) {
   if (joining || (world->has_value() && (*world)->size > 1)) {
     auto connected = cfmo::train::connect_run(config, *world, options.config_toml, &options.first_world);
     if (!connected) return fail(connected.error());
-    comm = std::move(*connected);
+    if (!connected->comm) {  // it came as the run ended: nothing to do, and nothing went wrong
+      fmt::print(stderr, "{}\n", connected->too_late);
+      return 0;
+    }
+    comm = std::move(connected->comm);
     options.comm = comm.get();
     options.local_rank = world->has_value() ? (*world)->local_rank : -1;
   }

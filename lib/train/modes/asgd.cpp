@@ -59,8 +59,7 @@ class AsgdMode final : public AsyncMode {
   }
   Result<Joined> join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
     if (comm_.rank() < shards_) CFMO_TRY(take_own_shard());
-    CFMO_TRY(take_global_state(params, position));
-    return Joined::kTakenIn;
+    return take_global_state(params, position);
   }
   bool owns_update() const override { return true; }
   bool uses_gradients() const override { return true; }

@@ -58,8 +58,14 @@ AsyncMode::AsyncMode(const ModeSettings& settings, comm::Communicator& comm, std
       return;
     }
     refresh_membership();  // a rank new to this one (the world grew) is counted
-    std::lock_guard lock(mutex_);
-    if (from < world_locked()) done_from_.mark(from);
+    bool late = false;
+    {
+      std::lock_guard lock(mutex_);
+      if (from < world_locked()) done_from_.mark(from);
+      // Done after every other rank was (a joiner told the run ended that hands in a shard): told so at once.
+      late = all_done_.load() && keeper_locked() == comm_.rank();
+    }
+    if (late) comm_.post(from, channels::kDone, std::vector<std::byte>{std::byte{1}});
   });
   comm.on_message(channels::kGather, [this](int from, std::span<const std::byte> m) { on_gather(from, m); });
   comm.on_message(channels::kGathered, [this](int from, std::span<const std::byte>) {
@@ -202,6 +208,8 @@ void AsyncMode::refresh_membership() {
     }
     done_from_.unmark(r);
     gathered_from_.unmark(r);
+    // Not taken in until the keeper answers its request for the global state (turn_away_locked).
+    if (std::find(unadmitted_.begin(), unadmitted_.end(), r) == unadmitted_.end()) unadmitted_.push_back(r);
     if (stop_sent_) comm_.post(r, channels::kStop, {});  // the budget was spent before it came
   }
   joins_seen_ = joined.size();
@@ -246,7 +254,7 @@ bool AsyncMode::request_snapshot() {
   return true;
 }
 
-void AsyncMode::post_snapshot_request(bool again) {
+void AsyncMode::post_snapshot_request(bool again, uint32_t kind) {
   std::vector<std::byte> out;
   {
     std::lock_guard lock(mutex_);
@@ -255,13 +263,64 @@ void AsyncMode::post_snapshot_request(bool again) {
       ++snapshot_id_;
       snapshot_ = PartialGlobalState(shards_, world_locked());
     }
-    put(out, kSnapshotRequest);
+    put(out, kind);
     put(out, snapshot_id_);
   }
   for (int r = 0; r < comm_.size(); ++r) comm_.post(r, channels::kCheckpoint, out);
 }
 
-Status AsyncMode::take_global_state(std::span<float> params, TrainPosition& position) {
+bool AsyncMode::turn_away_locked(int from) {
+  if (keeper_locked() != comm_.rank()) return false;  // the keeper decides; the others answer as owners
+  const auto it = std::find(unadmitted_.begin(), unadmitted_.end(), from);
+  if (it == unadmitted_.end()) return false;  // taken in already (this is a request asked again)
+  if (joins_closed_) return true;
+  unadmitted_.erase(it);
+  return false;
+}
+
+bool AsyncMode::hands_in_locked(int from) {
+  if (gathered_by_.load() >= 0) return false;  // the gather is over
+  for (int j = 0; j < shards_; ++j) {
+    if (owner_of_locked(j) == from && (gather_.received.empty() || !gather_.received[static_cast<size_t>(j)])) {
+      return true;
+    }
+  }
+  // Nothing of it to wait for: it counts as done and gathered.
+  if (from < world_locked()) {
+    done_from_.mark(from);
+    gathered_from_.mark(from);
+  }
+  return false;
+}
+
+int AsyncMode::others_live() const {
+  int live = 0;
+  bool left = false;
+  for (int r = 0; r < comm_.size(); ++r) {
+    if (r == comm_.rank()) continue;
+    const bool lost = comm_.is_lost_rank(r);
+    if (comm_.said_goodbye(r)) {
+      left = left || !lost;
+    } else if (!lost) {
+      ++live;
+    }
+  }
+  return live > 0 ? live : left ? 0 : -1;
+}
+
+std::vector<int> AsyncMode::members() const {
+  std::lock_guard lock(mutex_);
+  if (!joins_closed_) return {};
+  // The ranks this rank knows, but the joiners it did not take in: a process
+  // the transport took in after the keeper's last look is none either.
+  std::vector<int> out;
+  for (int r = 0; r < world_locked(); ++r) {
+    if (std::find(unadmitted_.begin(), unadmitted_.end(), r) == unadmitted_.end()) out.push_back(r);
+  }
+  return out;
+}
+
+Result<Joined> AsyncMode::take_global_state(std::span<float> params, TrainPosition& position) {
   const auto deadline = Clock::now() + seconds(settings_.peer_timeout_s * 2 + 5);
   Clock::time_point asked{};
   const auto first_asked = Clock::now();
@@ -273,6 +332,29 @@ Status AsyncMode::take_global_state(std::span<float> params, TrainPosition& posi
       std::lock_guard lock(mutex_);
       return join_position_.step > 0 || keeper_answered_ || Clock::now() - first_asked > std::chrono::seconds(1);
     }();
+    if (run_ended_.load()) {
+      // Too late to train. A shard the keeper's gather still needs of it (its
+      // lost owner's, handed over to it as it came) goes there, in the end's
+      // handshake as any rank's; else the keeper counts it done already.
+      {
+        std::lock_guard lock(mutex_);
+        position = join_position_;
+        position_ = position;
+      }
+      if (hand_in_.load()) CFMO_TRY(end_handshake(params));
+      return Joined::kRunEnded;
+    }
+    // Every other rank gone: none will answer. It ended if one left as it
+    // ended (the keeper's mode gone before this rank asked), not as it failed.
+    if (const int live = others_live(); live <= 0) {
+      if (live == 0) {
+        std::lock_guard lock(mutex_);
+        position = join_position_;
+        position_ = position;
+        return Joined::kRunEnded;
+      }
+      return make_error(ErrorKind::kPeer, "rank {} joined, but every other rank of the run is lost", comm_.rank());
+    }
     if (!ready_for_join) ready_for_join = take_snapshot();
     if (auto& got = ready_for_join; got && placed && got->params.size() == params.size()) {
       std::copy(got->params.begin(), got->params.end(), params.begin());
@@ -282,7 +364,7 @@ Status AsyncMode::take_global_state(std::span<float> params, TrainPosition& posi
       position = join_position_;
       position_ = position;
       joining_ = false;
-      return {};
+      return Joined::kTakenIn;
     }
     if (Clock::now() > deadline) {
       return make_error(
@@ -295,7 +377,7 @@ Status AsyncMode::take_global_state(std::span<float> params, TrainPosition& posi
     // replica deltas to this rank (its backup) answered more than 500 ms late under load, and a new request each
     // time dropped every answer of the last and never completed.
     if (!ready_for_join && Clock::now() - asked > std::chrono::milliseconds(500)) {
-      post_snapshot_request(/*again=*/asked != Clock::time_point{});
+      post_snapshot_request(/*again=*/asked != Clock::time_point{}, kJoinRequest);
       asked = Clock::now();
     }
     seam_sleep_for(std::chrono::milliseconds(2));
@@ -437,6 +519,12 @@ void AsyncMode::wait_until_all_done(Clock::time_point deadline) {
 }
 
 Status AsyncMode::end_handshake(std::span<float> params) {
+  {
+    // The keeper takes no joiner in from here on (turn_away_locked): one
+    // that asks now is told the run ended, and nothing waits for its training.
+    std::lock_guard lock(mutex_);
+    joins_closed_ = true;
+  }
   const auto start = Clock::now();
   const auto deadline = start + seconds(settings_.peer_timeout_s * 3);
   wait_until_all_done(deadline);
@@ -481,7 +569,11 @@ Status AsyncMode::end_handshake(std::span<float> params) {
       }
     }
     for (int r = 0; r < world_locked() && r < static_cast<int>(g.ranks.size()); ++r) {
-      if (!gathered_from_[r] && !progress_.empty()) g.ranks[static_cast<size_t>(r)] = progress_[static_cast<size_t>(r)];
+      // (A joiner told the run ended trained nothing: its place's last position is the keeper's.)
+      const bool turned_away = std::find(unadmitted_.begin(), unadmitted_.end(), r) != unadmitted_.end();
+      if ((!gathered_from_[r] || turned_away) && !progress_.empty()) {
+        g.ranks[static_cast<size_t>(r)] = progress_[static_cast<size_t>(r)];
+      }
     }
     g.params.assign(params.begin(), params.end());
     final_ = std::move(g);
@@ -596,6 +688,8 @@ void AsyncMode::on_progress(int from, std::span<const std::byte> m) {
     std::lock_guard lock(mutex_);
     keep_positions_locked();
     if (static_cast<size_t>(from) >= progress_.size()) return;  // a rank this one does not know yet
+    // It trains: taken in (by the keeper; its standby, which may come to keep the run, learns it so).
+    if (!unadmitted_.empty()) std::erase(unadmitted_, from);
     TrainPosition& kept = progress_[static_cast<size_t>(from)];
     progress_samples_ += p.samples - kept.samples;  // the total kept as it goes: O(1) per step, not O(W)
     kept = p;
@@ -627,30 +721,43 @@ void AsyncMode::on_checkpoint(int from, std::span<const std::byte> m) {
   uint32_t kind = 0;
   uint64_t id = 0;
   if (!take(m, kind) || !take(m, id)) return;
-  if (kind == kSnapshotRequest) {
+  if (kind == kSnapshotRequest || kind == kJoinRequest) {
     refresh_membership();  // a joiner's shard goes back to it before the answer
     std::vector<std::byte> out;
-    put(out, kSnapshotShard);
-    put(out, id);
     {
       std::lock_guard lock(mutex_);
+      const bool ended = kind == kJoinRequest && turn_away_locked(from);
+      const bool hand_in = ended && hands_in_locked(from);
+      put(out, ended ? kRunEnded : kSnapshotShard);
+      put(out, id);
       // The asker's last position, where this rank keeps positions (the keeper, its standby): for a joiner.
       const TrainPosition known =
           static_cast<size_t>(from) >= progress_.size() ? TrainPosition{} : progress_[static_cast<size_t>(from)];
       put(out, static_cast<uint8_t>(known.step > 0 ? 1 : 0));
       if (known.step > 0) put_position(out, known);
-      put_owner_shards_locked(out);
+      if (ended) put(out, static_cast<uint8_t>(hand_in ? 1 : 0));
+      if (!ended) put_owner_shards_locked(out);
     }
     comm_.post(from, channels::kCheckpoint, std::move(out));
     return;
   }
   uint8_t has_position = 0;
   TrainPosition position;
-  if (kind != kSnapshotShard || !take(m, has_position) || (has_position != 0 && !take_position(m, position))) return;
+  if ((kind != kSnapshotShard && kind != kRunEnded) || !take(m, has_position) ||
+      (has_position != 0 && !take_position(m, position))) {
+    return;
+  }
   std::lock_guard lock(mutex_);
   if (has_position != 0 && position.samples >= join_position_.samples) join_position_ = position;
   // The keeper keeps every rank's position: its answer says all there is (none for a new rank), no need to wait.
   if (from == keeper_locked()) keeper_answered_ = true;
+  if (kind == kRunEnded) {
+    uint8_t hand_in = 0;
+    if (!joining_ || !take(m, hand_in)) return;
+    hand_in_ = hand_in != 0;
+    run_ended_ = true;
+    return;
+  }
   if (id != snapshot_id_ || !take_owner_shards(m, snapshot_)) return;
   if (snapshot_.count < shards_) return;
   // Every shard is in (one whose every holder was lost never is: then no checkpoint is whole).

@@ -7,6 +7,13 @@
 /// back; snapshots of the global state for checkpoints; and the end-of-run
 /// handshake that gathers the owners' shards on the keeper.
 ///
+/// Joins at the end: the keeper takes a joiner in by answering its request
+/// for the global state before the keeper's own end begins (end_handshake);
+/// a joiner that asks later is told the run ended (as localsgd's group does
+/// once closed): it trains nothing, yet hands the keeper in the end's gather
+/// what it serves (a lost owner's shard handed to it as it came), and the
+/// keeper waits for no report or last state of it (members()).
+///
 /// Ownership: shard j's owner is rank j while it lives (ranks K and up serve
 /// nothing, unless they take a shard over). In a replicated mode
 /// (cfmo) each owner keeps one other rank, its shard's backup (the next live
@@ -32,7 +39,15 @@
 ///   kGather      [position][u32 n][n owner shards]  at the end, to the keeper
 ///   kGathered    []                                 the keeper holds every shard
 ///   kCheckpoint  [u32 0: request][u64 id]           the keeper to the owners
-///                [u32 1: shards][u64 id][u32 n][n owner shards] an owner's answer
+///                [u32 2: a join's request][u64 id]  a joiner to every rank: as a request; the
+///                                                   keeper takes it in, or says the run ended
+///                [u32 1: shards][u64 id][u8 has position][position if has][u32 n][n owner shards]
+///                                                   an owner's answer (the position: the asker's
+///                                                   last, where this rank keeps positions)
+///                [u32 3: run ended][u64 id][u8 has position][position if has][u8 hand in]
+///                                                   the keeper to a joiner it had not taken in
+///                                                   when its end began: the run ended (hand in:
+///                                                   the gather waits for a shard it serves)
 /// where an owner shard is [u32 shard][i64 version][i64 owner steps]
 /// [u32 buffers][u64 n][n floats: params][u64 n][n floats: owner state]...
 /// (cfmo: owner steps are the pending round's contributions, the state the
@@ -90,6 +105,9 @@ class AsyncMode : public Mode {
     return rank >= 0 && r < retired_samples_.size() ? retired_samples_[r] : 0;
   }
   int keeper() const override;
+  /// The keeper, once a joiner was told the run ended: every rank but those
+  /// (nothing of theirs to wait for at the end); else empty: every rank.
+  std::vector<int> members() const override;
   /// K: the shards, and the ranks 0..K-1 that own them.
   int shards() const { return shards_; }
   bool survives_losses() const override { return true; }
@@ -172,8 +190,11 @@ class AsyncMode : public Mode {
   /// serves, again every half second until every shard is in (its own too,
   /// handed over by the rank that served it meanwhile), then takes them as
   /// its parameters and base, and its place's last position as the keeper
-  /// knew it.
-  Status take_global_state(std::span<float> params, TrainPosition& position);
+  /// knew it. kRunEnded when the keeper's end had begun before it took this
+  /// rank in: then this rank has taken part in the end's handshake (it
+  /// trains nothing, but hands the keeper what it serves) and `position` is
+  /// its place's last as the keeper knew it.
+  Result<Joined> take_global_state(std::span<float> params, TrainPosition& position);
   /// The error this rank ends with when a loss left it on the losing side
   /// (train/modes/quorum.h): then it must not go on; ok otherwise.
   Status cut_off() const;
@@ -304,6 +325,8 @@ class AsyncMode : public Mode {
  private:
   static constexpr uint32_t kSnapshotRequest = 0;
   static constexpr uint32_t kSnapshotShard = 1;
+  static constexpr uint32_t kJoinRequest = 2;
+  static constexpr uint32_t kRunEnded = 3;
 
   /// A global state being put together from the owners' shards.
   struct PartialGlobalState {
@@ -360,7 +383,19 @@ class AsyncMode : public Mode {
   void wait_until_all_done(Clock::time_point deadline);
   /// A snapshot request to every rank, numbered anew (the keeper's checkpoints, a joiner's state), or
   /// `again`: the request being answered, posted once more, the shards in so far kept (a joiner's).
-  void post_snapshot_request(bool again = false);
+  /// `kind`: kSnapshotRequest, or a joiner's kJoinRequest.
+  void post_snapshot_request(bool again = false, uint32_t kind = kSnapshotRequest);
+  /// The keeper, under mutex_: whether a joiner's request from `from` comes
+  /// too late (the keeper's end began before it took that rank in).
+  bool turn_away_locked(int from);
+  /// How many other ranks are live (neither said goodbye nor lost); when
+  /// none: 0 if one left as the run ended (its goodbye said no failure), -1
+  /// if every other is lost.
+  int others_live() const;
+  /// The keeper, under mutex_, turning `from` away: whether the end's gather
+  /// waits for a shard it serves (a lost owner's, handed to it); if not, it
+  /// counts as done and gathered.
+  bool hands_in_locked(int from);
   /// Under mutex_: [u32 n][n owner shards], those this rank serves.
   void put_owner_shards_locked(std::vector<std::byte>& out);
   /// Under mutex_: owner shards into `a`; false when malformed.
@@ -406,6 +441,13 @@ class AsyncMode : public Mode {
   std::atomic<bool> gathered_{false};        ///< the keeper said it holds every shard
   std::atomic<int> gathered_by_{-1};         ///< and which rank that was
   std::optional<GlobalState> final_;         ///< the keeper: the end's state, until taken
+  bool joins_closed_ = false;                ///< the keeper: its end began, it takes no joiner in
+  /// Joiners not taken in: not yet answered by this rank as the keeper, or
+  /// told the run ended (every rank keeps it, its standby too: one whose
+  /// progress comes trains, and leaves it).
+  std::vector<int> unadmitted_;
+  std::atomic<bool> run_ended_{false};  ///< a joiner: the keeper said the run ended
+  std::atomic<bool> hand_in_{false};    ///< and that its gather waits for a shard this rank serves
 };
 
 }  // namespace cfmo::train::modes

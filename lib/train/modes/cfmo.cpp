@@ -81,8 +81,7 @@ class CfmoMode final : public AsyncMode {
   }
   std::string_view name() const override { return "cfmo"; }
   Result<Joined> join(std::span<float> params, optim::Optimizer&, TrainPosition& position) override {
-    CFMO_TRY(take_global_state(params, position));
-    return Joined::kTakenIn;
+    return take_global_state(params, position);
   }
 
   bool needs_params(const TrainPosition& position) const override {
