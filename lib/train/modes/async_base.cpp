@@ -367,10 +367,25 @@ Result<Joined> AsyncMode::take_global_state(std::span<float> params, TrainPositi
       return Joined::kTakenIn;
     }
     if (Clock::now() > deadline) {
-      return make_error(
-          ErrorKind::kPeer,
-          "rank {} joined, but the owners' shards of the global parameters did not all come within {:.1f}s",
-          comm_.rank(), settings_.peer_timeout_s * 2 + 5);
+      // Which shards, from whom: the line says where to look.
+      std::vector<std::string> missing;
+      {
+        std::lock_guard lock(mutex_);
+        for (int j = 0; j < shards_; ++j) {
+          if (snapshot_.received.empty() || !snapshot_.received[static_cast<size_t>(j)]) {
+            missing.push_back(fmt::format("shard {} from rank {}", j, owner_of_locked(j)));
+          }
+        }
+        if (!placed) missing.emplace_back("no position from the keeper");
+        if (ready_for_join) {
+          missing.push_back(
+              fmt::format("a state of {} parameters came, {} expected", ready_for_join->params.size(), params.size()));
+        }
+      }
+      return make_error(ErrorKind::kPeer,
+                        "rank {} joined, but the owners' shards of the global parameters did not all come within "
+                        "{:.1f}s (missing: {})",
+                        comm_.rank(), settings_.peer_timeout_s * 2 + 5, fmt::join(missing, ", "));
     }
     // Asked again while incomplete: an owner that answered before its shard came back to this rank, or one lost
     // meanwhile. The same request, the shards in so far kept: an owner whose answer waits behind its stream of
