@@ -282,11 +282,21 @@ TEST(GrownRun, CfmoCheckpointsEveryRanksOwnStateAndResumesWithEitherWorld) {
     const bool grows = workers == 3;
     TrainConfig again = config;
     again.epochs = 3;  // one epoch more than the checkpoint's run
-    again.out = (dir.path() / fmt::format("again-{}", workers)).string();
     std::vector<std::unique_ptr<Member>> said;
-    const auto resumed = run_world(again, workers, /*joiner=*/grows, grown, &said);
-    for (size_t r = 0; r < resumed.summaries.size(); ++r) {
-      ASSERT_TRUE(resumed.summaries[r]) << r << ": " << resumed.summaries[r].error().message;
+    RunResult resumed;
+    // A joiner that came as the run ended (its members' one epoch, or the
+    // budget, was over before it asked: under CI's load its set-up took
+    // longer than their hold) rightly trains nothing; the schedule is
+    // checked on a run it trained in, so such a run is tried again, at most
+    // twice.
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      again.out = (dir.path() / fmt::format("again-{}-{}", workers, attempt)).string();
+      said.clear();
+      resumed = run_world(again, workers, /*joiner=*/grows, grown, &said);
+      for (size_t r = 0; r < resumed.summaries.size(); ++r) {
+        ASSERT_TRUE(resumed.summaries[r]) << r << ": " << resumed.summaries[r].error().message;
+      }
+      if (!grows || !said[3]->lr.empty()) break;
     }
     EXPECT_EQ(said[0]->all_notes().find("redistributed") != std::string::npos, workers == 2) << said[0]->all_notes();
     EXPECT_GT(resumed.summaries[0]->samples, 0);
