@@ -1,6 +1,7 @@
 #include "train/run_clock.h"
 
 #include "train/channels.h"
+#include "train/modes/quorum.h"
 #include "train/modes/wire.h"
 
 #include <algorithm>
@@ -60,13 +61,7 @@ void RunClock::open(int planned_world) {
   for (const int r : waiting) answer(r);
 }
 
-bool RunClock::all_left() const {
-  if (comm_ == nullptr) return false;
-  for (int r = 0; r < comm_->size(); ++r) {
-    if (r != comm_->rank() && !comm_->said_goodbye(r) && !comm_->is_lost_rank(r)) return false;
-  }
-  return true;
-}
+bool RunClock::all_left() const { return comm_ != nullptr && modes::others_of(*comm_).live == 0; }
 
 std::optional<int> RunClock::adopt(double timeout_s, int own_plan) {
   if (comm_ == nullptr) return std::nullopt;

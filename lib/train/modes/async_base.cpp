@@ -293,21 +293,6 @@ bool AsyncMode::hands_in_locked(int from) {
   return false;
 }
 
-int AsyncMode::others_live() const {
-  int live = 0;
-  bool left = false;
-  for (int r = 0; r < comm_.size(); ++r) {
-    if (r == comm_.rank()) continue;
-    const bool lost = comm_.is_lost_rank(r);
-    if (comm_.said_goodbye(r)) {
-      left = left || !lost;
-    } else if (!lost) {
-      ++live;
-    }
-  }
-  return live > 0 ? live : left ? 0 : -1;
-}
-
 std::vector<int> AsyncMode::members() const {
   std::lock_guard lock(mutex_);
   if (!joins_closed_) return {};
@@ -346,8 +331,8 @@ Result<Joined> AsyncMode::take_global_state(std::span<float> params, TrainPositi
     }
     // Every other rank gone: none will answer. It ended if one left as it
     // ended (the keeper's mode gone before this rank asked), not as it failed.
-    if (const int live = others_live(); live <= 0) {
-      if (live == 0) {
+    if (const Others others = others_of(comm_); others.live == 0) {
+      if (others.one_left) {
         std::lock_guard lock(mutex_);
         position = join_position_;
         position_ = position;

@@ -388,10 +388,6 @@ class AsyncMode : public Mode {
   /// The keeper, under mutex_: whether a joiner's request from `from` comes
   /// too late (the keeper's end began before it took that rank in).
   bool turn_away_locked(int from);
-  /// How many other ranks are live (neither said goodbye nor lost); when
-  /// none: 0 if one left as the run ended (its goodbye said no failure), -1
-  /// if every other is lost.
-  int others_live() const;
   /// The keeper, under mutex_, turning `from` away: whether the end's gather
   /// waits for a shard it serves (a lost owner's, handed to it); if not, it
   /// counts as done and gathered.

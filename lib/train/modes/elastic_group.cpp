@@ -381,18 +381,10 @@ Result<std::optional<ElasticGroup::Welcome>> ElasticGroup::join(double timeout_s
     }
     // The others' goodbyes: a run whose every other rank left or is lost
     // takes nobody in. It ended if one left as it ended (not as it failed).
-    bool any_left = false;
-    int live = -1;
-    for (int r = comm_.size() - 1; r >= 0; --r) {
-      if (r == comm_.rank()) continue;
-      if (comm_.said_goodbye(r)) {
-        any_left = any_left || !lost(r);
-      } else if (!lost(r)) {
-        live = r;  // the lowest, in the end: the leader
-      }
-    }
+    const Others others = others_of(comm_);
+    const int live = others.lowest_live;  // the leader
     if (live < 0) {
-      if (any_left) return std::optional<Welcome>();
+      if (others.one_left) return std::optional<Welcome>();
       return make_error(ErrorKind::kPeer, "rank {} joined, but every other rank of the run is lost", comm_.rank());
     }
     if (Clock::now() - asked > std::chrono::seconds(1)) {

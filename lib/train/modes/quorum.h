@@ -51,4 +51,29 @@ inline Status check_quorum(const comm::Communicator& comm, const std::vector<int
                     comm.rank(), was - left, was, gone, reasons);
 }
 
+/// The ranks besides this one, as a joiner that waits on them sees them:
+/// those not lost and not gone (live, and the lowest of them), and whether
+/// one left as the run ended (said goodbye, not lost). None live and none
+/// left: every other rank is lost.
+struct Others {
+  int live = 0;
+  int lowest_live = -1;
+  bool one_left = false;
+};
+
+inline Others others_of(const comm::Communicator& comm) {
+  Others o;
+  for (int r = comm.size() - 1; r >= 0; --r) {
+    if (r == comm.rank()) continue;
+    const bool lost = comm.is_lost_rank(r);
+    if (comm.said_goodbye(r)) {
+      o.one_left = o.one_left || !lost;
+    } else if (!lost) {
+      ++o.live;
+      o.lowest_live = r;
+    }
+  }
+  return o;
+}
+
 }  // namespace cfmo::train::modes
