@@ -61,6 +61,7 @@ struct LoopbackState {
     bool present = true;                                           ///< its Communicator exists
     std::optional<LoopbackClock::time_point> quiet_since;          ///< silenced or killed
     bool killed = false;
+    bool joins_closed = false;  ///< close_joins: its run is ending
     /// Its Communicator's: a new process took `rank`'s place, or the world
     /// grew by the new rank `rank` (join).
     std::function<void(int rank)> rejoined;
@@ -182,6 +183,10 @@ class LoopbackCommunicator final : public CommunicatorBase {
   int rank() const override { return rank_; }
   int size() const override { return state_->size.load(); }
   bool joined() const override { return joined_; }
+  void close_joins() override {
+    std::lock_guard lock(state_->mutex);
+    state_->at(rank_).joins_closed = true;
+  }
 
   Status all_reduce_sum(std::span<float> data) override {
     return run_collective([&] { return collectives_.all_reduce_sum(data); });
@@ -380,10 +385,18 @@ bool LoopbackNetwork::drain(double timeout_s) {
   return state_->changed.wait_for(lock, seconds(timeout_s), [&] { return state_->in_flight == 0; });
 }
 
-Result<std::unique_ptr<Communicator>> LoopbackNetwork::join(int rank) {
+Result<std::unique_ptr<Communicator>> LoopbackNetwork::join(int rank, bool past_close) {
   {
     std::lock_guard lock(state_->mutex);
     const int size = state_->size.load();
+    // The lowest live rank serves joins, as UCX's leader does at the
+    // rendezvous: once its run ends, or with nobody live, nobody is taken in.
+    int leader = 0;
+    while (leader < size && (!state_->at(leader).present || state_->quiet(leader))) ++leader;
+    if (leader == size) return make_error(ErrorKind::kPeer, "loopback: no live rank takes rank {} in", rank);
+    if (state_->at(leader).joins_closed && !past_close) {
+      return make_error(ErrorKind::kPeer, "loopback: the run ends: rank {} takes nobody in", leader);
+    }
     if (rank == size) {
       // A new rank: the world grows by one. The tables first, then every
       // rank's communicator (its health knows the rank, the join recorded),

@@ -43,7 +43,13 @@
 ///                           rank's size() says W + 1 and its joined_ranks()
 ///                           records W, as UCX's; the collectives stay among
 ///                           the ranks a communicator started with, and the
-///                           new rank's links start without delay or hold
+///                           new rank's links start without delay or hold;
+///                           refused (kPeer, "the run ends") once the lowest
+///                           live rank closed joins (close_joins), as the
+///                           rendezvous refuses, and with no rank live
+///   join(rank, true)        taken in all the same: a process the rendezvous
+///                           admitted just before the close, whose request
+///                           for the run's state comes after the modes' end
 /// Collectives' messages take the links' delays and holds too; a rank that
 /// waits in a collective on a lost peer fails with kPeer naming it, as UCX.
 ///
@@ -76,7 +82,7 @@ class LoopbackNetwork {
   /// A process joining in `rank`'s place; kUsage unless the rank was
   /// killed or silenced and its Communicator destroyed, or is the world's
   /// size (a new rank: the world grows).
-  Result<std::unique_ptr<Communicator>> join(int rank);
+  Result<std::unique_ptr<Communicator>> join(int rank, bool past_close = false);
 
  private:
   std::shared_ptr<LoopbackState> state_;

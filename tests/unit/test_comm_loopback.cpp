@@ -250,5 +250,32 @@ TEST(Loopback, AJoinWithNoRankLostGrowsTheWorldByANewRank) {
   }
 }
 
+// Once the lowest live rank closed joins (its run ends), a join is refused
+// as the rendezvous refuses it ("the run ends"), unless the test asks for a
+// process admitted just before the close; a rank below it that is gone does
+// not serve joins, and with nobody live nobody takes a joiner in.
+TEST(Loopback, AJoinAfterTheLeaderClosedJoinsIsRefusedAsTheRunEnds) {
+  auto world = make_loopback_world(3);
+  world.ranks[1]->close_joins();  // not the leader: joins go on
+  auto grown = world.network->join(3);
+  ASSERT_TRUE(grown) << grown.error().message;
+  world.ranks.push_back(std::move(*grown));
+  world.ranks[0]->close_joins();
+  const auto refused = world.network->join(4);
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().kind, ErrorKind::kPeer);
+  EXPECT_NE(refused.error().message.find("the run ends"), std::string::npos) << refused.error().message;
+  auto admitted = world.network->join(4, /*past_close=*/true);
+  ASSERT_TRUE(admitted) << admitted.error().message;
+  world.ranks.push_back(std::move(*admitted));
+  // Rank 0 gone: rank 1 leads, and it closed joins too.
+  world.ranks[0].reset();
+  EXPECT_FALSE(world.network->join(5));
+  for (auto& r : world.ranks) r.reset();
+  const auto nobody = world.network->join(5);
+  ASSERT_FALSE(nobody);
+  EXPECT_NE(nobody.error().message.find("no live rank"), std::string::npos) << nobody.error().message;
+}
+
 }  // namespace
 }  // namespace cfmo::comm
