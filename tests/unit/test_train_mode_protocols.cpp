@@ -1024,6 +1024,48 @@ TEST(CfmoJoin, AJoinerTakesAnOwnersAnswerThatComesAfterItAskedAgain) {
   for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(c.param(2)[i], expected_global(i, 3, 1, 0.125f), 1e-5f) << i;
 }
 
+// A process in a killed owner's place that asks for the global state only
+// after the keeper's end began (it was still loading, say) is told the run
+// ended; the shard handed back to it as it came (rank 0 served it
+// meanwhile) is one the keeper's end still needs, so it hands it in, in the
+// end's gather, and the final model holds that shard's fresh values, not
+// the keeper's own, which missed rank 1's last round.
+TEST(CfmoJoin, AJoinerTurnedAwayAsTheRunEndsHandsTheKeeperTheShardHandedBackToIt) {
+  Cluster c(3, settings_for("cfmo"));
+  for (int k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
+    ASSERT_TRUE(c.step(k, 1, 10));
+  }
+  ASSERT_TRUE(c.world.network->drain());
+  c.kill(2, {0, 1});
+  c.round({0, 1}, 2, 0.125f);
+  c.round({1}, 3, 0.25f);  // rank 1 alone (weighing 1 / 2): rank 0 never rebases on it
+  ASSERT_NO_FATAL_FAILURE(c.rejoin(2));
+  const auto fresh = [](size_t i) { return expected_global(i, 3, 1, 0.125f) + 0.25f / 2; };
+  const auto bounds = shard_bounds(kSize, 3);
+  ASSERT_GT(std::abs(c.param(0)[bounds[2]] - fresh(bounds[2])), 0.1f);  // the keeper's own values are stale
+  std::vector<Status> ended(2);
+  std::vector<std::thread> members;
+  for (int r = 0; r < 2; ++r) members.emplace_back([&, r] { ended[static_cast<size_t>(r)] = c.finish(r); });
+  // The keeper's end began (it waits for the joiner, live again, to be done).
+  while (c.mode(0).members().empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  TrainPosition position;
+  const auto joined = c.mode(2).join(c.param(2), *c.optimizers[2], position);
+  for (auto& t : members) t.join();
+  ASSERT_TRUE(joined) << joined.error().message;
+  EXPECT_EQ(*joined, Joined::kRunEnded);
+  EXPECT_EQ(position.samples, 10);  // the killed process's last report
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(ended[static_cast<size_t>(r)]) << ended[static_cast<size_t>(r)].error().message;
+  }
+  EXPECT_EQ(c.mode(0).members(), (std::vector<int>{0, 1}));  // nothing of the joiner's waited for, but its shard
+  auto final_state = c.mode(0).final_state();
+  ASSERT_TRUE(final_state);
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(final_state->params[i], fresh(i), 1e-5f) << i;
+  EXPECT_EQ(final_state->ranks[2].samples, 10);
+  EXPECT_FALSE(c.mode(2).final_state());
+}
+
 // localsgd --elastic: ranks 0 and 1 take rounds from step 2 on (`round(r,
 // step)`) while the process of rank 2 joins, until the group has grown to
 // three (both see it at the same sum; at most 20000 rounds of at least 1 ms,
