@@ -529,6 +529,19 @@ Status AsyncMode::end_handshake(std::span<float> params) {
   const auto start = Clock::now();
   const auto deadline = start + seconds(settings_.peer_timeout_s * 3);
   wait_until_all_done(deadline, params);
+  if (!all_done_.load()) {
+    // The keeper waited its whole end for some rank: say which (a rank that
+    // is not the keeper says below that nobody gathered).
+    std::lock_guard lock(mutex_);
+    std::vector<int> waiting;
+    for (int r = 0; r < world_locked() && keeper_locked() == comm_.rank(); ++r) {
+      if (!done_from_[r] && !comm_.is_lost_rank(r)) waiting.push_back(r);
+    }
+    if (!waiting.empty()) {
+      return make_error(ErrorKind::kPeer, "rank {} ended, but rank {} did not finish within {:.1f}s", comm_.rank(),
+                        fmt::join(waiting, ", rank "), settings_.peer_timeout_s * 3);
+    }
+  }
   // Owners' shards now include every contribution: each goes to the keeper,
   // again to a new keeper if it is lost, and again when this rank takes over
   // a lost owner's shard meanwhile.
