@@ -1024,6 +1024,48 @@ TEST(CfmoJoin, AJoinerTakesAnOwnersAnswerThatComesAfterItAskedAgain) {
   for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(c.param(2)[i], expected_global(i, 3, 1, 0.125f), 1e-5f) << i;
 }
 
+// A process in a killed owner's place that asks for the global state only
+// after the keeper's end began (it was still loading, say) is told the run
+// ended; the shard handed back to it as it came (rank 0 served it
+// meanwhile) is one the keeper's end still needs, so it hands it in, in the
+// end's gather, and the final model holds that shard's fresh values, not
+// the keeper's own, which missed rank 1's last round.
+TEST(CfmoJoin, AJoinerTurnedAwayAsTheRunEndsHandsTheKeeperTheShardHandedBackToIt) {
+  Cluster c(3, settings_for("cfmo"));
+  for (int k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
+    ASSERT_TRUE(c.step(k, 1, 10));
+  }
+  ASSERT_TRUE(c.world.network->drain());
+  c.kill(2, {0, 1});
+  c.round({0, 1}, 2, 0.125f);
+  c.round({1}, 3, 0.25f);  // rank 1 alone (weighing 1 / 2): rank 0 never rebases on it
+  ASSERT_NO_FATAL_FAILURE(c.rejoin(2));
+  const auto fresh = [](size_t i) { return expected_global(i, 3, 1, 0.125f) + 0.25f / 2; };
+  const auto bounds = shard_bounds(kSize, 3);
+  ASSERT_GT(std::abs(c.param(0)[bounds[2]] - fresh(bounds[2])), 0.1f);  // the keeper's own values are stale
+  std::vector<Status> ended(2);
+  std::vector<std::thread> members;
+  for (int r = 0; r < 2; ++r) members.emplace_back([&, r] { ended[static_cast<size_t>(r)] = c.finish(r); });
+  // The keeper's end began (it waits for the joiner, live again, to be done).
+  while (c.mode(0).members().empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  TrainPosition position;
+  const auto joined = c.mode(2).join(c.param(2), *c.optimizers[2], position);
+  for (auto& t : members) t.join();
+  ASSERT_TRUE(joined) << joined.error().message;
+  EXPECT_EQ(*joined, Joined::kRunEnded);
+  EXPECT_EQ(position.samples, 10);  // the killed process's last report
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(ended[static_cast<size_t>(r)]) << ended[static_cast<size_t>(r)].error().message;
+  }
+  EXPECT_EQ(c.mode(0).members(), (std::vector<int>{0, 1}));  // nothing of the joiner's waited for, but its shard
+  auto final_state = c.mode(0).final_state();
+  ASSERT_TRUE(final_state);
+  for (size_t i = 0; i < kSize; ++i) EXPECT_NEAR(final_state->params[i], fresh(i), 1e-5f) << i;
+  EXPECT_EQ(final_state->ranks[2].samples, 10);
+  EXPECT_FALSE(c.mode(2).final_state());
+}
+
 // localsgd --elastic: ranks 0 and 1 take rounds from step 2 on (`round(r,
 // step)`) while the process of rank 2 joins, until the group has grown to
 // three (both see it at the same sum; at most 20000 rounds of at least 1 ms,
@@ -1218,6 +1260,49 @@ TEST(AsgdProtocol, OwnersApplyEveryGradientAndWorkersTakeTheFreshShards) {
   ASSERT_TRUE(global);
   for (size_t i = 0; i < kSize; ++i) EXPECT_FLOAT_EQ(c.param(1)[i], global->params[i]) << i;
   EXPECT_EQ(c.mode(0).stats().contributions_applied, 2u);  // as owner of shard 0: both gradients
+}
+
+// asgd: an owner killed near the end, whose new process comes after the
+// others took their last step: they send it their copies of its shard
+// while they end (the keeper only once its end began), not only at steps
+// they no longer take, so it serves the freshest at once, is told the run
+// ended, and hands that shard in; every rank ends. Before, the joiner
+// waited 2 x --peer-timeout + 5 s for copies that never came and failed,
+// and the members waited as long for it.
+TEST(AsgdJoin, AnOwnerRestartedAsTheRunEndsServesTheFreshestCopyAndHandsItIn) {
+  Cluster c(3, settings_for("asgd"));
+  std::vector<float> grad(kSize);
+  for (size_t i = 0; i < kSize; ++i) grad[i] = delta_of(0, i);
+  // Owner 2 applies rank 0's gradient, then rank 1's: rank 1's copy of shard 2 is the fresher.
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(c.mode(k).on_gradients(grad, 4, 0.1f));
+    ASSERT_TRUE(c.world.network->drain());
+  }
+  for (int k = 0; k < 3; ++k) ASSERT_TRUE(c.step(k, 1, 10));
+  ASSERT_TRUE(c.world.network->drain());
+  const auto bounds = shard_bounds(kSize, 3);
+  const auto shard_two = [&](const std::vector<float>& v) {
+    return std::vector<float>(v.begin() + static_cast<std::ptrdiff_t>(bounds[2]), v.end());
+  };
+  const std::vector<float> freshest = shard_two(c.param(1));
+  ASSERT_NE(freshest, shard_two(c.param(0)));
+  c.kill(2, {0, 1});
+  ASSERT_NO_FATAL_FAILURE(c.rejoin(2));
+  std::vector<Status> ended(2);
+  std::vector<std::thread> members;
+  for (int r = 0; r < 2; ++r) members.emplace_back([&, r] { ended[static_cast<size_t>(r)] = c.finish(r); });
+  TrainPosition position;
+  const auto joined = c.mode(2).join(c.param(2), *c.optimizers[2], position);
+  for (auto& t : members) t.join();
+  ASSERT_TRUE(joined) << joined.error().message;
+  EXPECT_EQ(*joined, Joined::kRunEnded);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(ended[static_cast<size_t>(r)]) << ended[static_cast<size_t>(r)].error().message;
+  }
+  auto final_state = c.mode(0).final_state();
+  ASSERT_TRUE(final_state);
+  EXPECT_EQ(shard_two(final_state->params), freshest);
+  EXPECT_EQ(final_state->ranks[2].samples, 10);  // the lost process's last report: the joiner trained nothing
 }
 
 // ---- K owners (--owners): fewer shards than ranks ----

@@ -6,9 +6,11 @@
 // A lost owner's shard is served by nobody (it is not replicated), and the
 // workers' copies of it stay as its last replies left them. A process that
 // joins in its place (a restarted rank, --join) gets every live rank's copy
-// of its shard, serves the freshest (the highest version) with its inner
-// optimizer afresh (the lost one's state went with it), then takes the
-// other owners' shards as a cfmo joiner does.
+// of its shard (sent at a step, or while that rank ends: a join as the run
+// ends gets them too), serves the freshest (the highest version) with its
+// inner optimizer afresh (the lost one's state went with it), then takes the
+// other owners' shards as a cfmo joiner does, or, told the run ended, hands
+// the keeper that shard in the end's gather.
 //
 // kGradShard [u32 shard][u32 dtype][i64 base version][f32 lr][encoded floats (comm/codec.h)]
 // kReplica   [u32 shard][i64 version][floats]   a worker's copy of a lost owner's shard, to its joiner
@@ -121,7 +123,7 @@ class AsgdMode final : public AsyncMode {
   Status finish(std::span<float> params, optim::Optimizer&) override {
     CFMO_TRY(cut_off());
     const auto start = Clock::now();
-    drain_replies(start + seconds(settings_.peer_timeout_s), [&](FreshShard& f) { apply(f, params); });
+    drain_replies(start + seconds(settings_.peer_timeout_s), params, [&](FreshShard& f) { apply(f, params); });
     count_finish_wait(start);
     return end_handshake(params);
   }
@@ -169,6 +171,9 @@ class AsgdMode final : public AsyncMode {
     reply_fresh_locked(from, comm_.rank(), s, false);
   }
 
+  /// A join as this rank ends gets its copy too, and the replies its lost process owed are given up.
+  void while_ending(std::span<const float> params) override { hand_copies_to_joiners(params); }
+
   /// Whether a rank joined since hand_copies_to_joiners last looked.
   bool joins_unseen() const { return comm_.joined_ranks().size() != joins_handled_; }
 
@@ -177,6 +182,11 @@ class AsgdMode final : public AsyncMode {
   /// process owed are given up.
   void hand_copies_to_joiners(std::span<const float> params) {
     if (!joins_unseen()) return;
+    {
+      // A joiner told the run ended holds no global values to copy.
+      std::lock_guard lock(mutex_);
+      if (joining_) return;
+    }
     const auto joined = comm_.joined_ranks();
     for (; joins_handled_ < joined.size(); ++joins_handled_) {
       const int r = joined[joins_handled_];
@@ -208,19 +218,23 @@ class AsgdMode final : public AsyncMode {
   }
 
   /// A joining owner: waits for every live rank's copy of its shard (until
-  /// the peer timeout, then takes what came) and serves the freshest.
+  /// 2x the peer timeout + 5 s, then takes what came) and serves the
+  /// freshest. A rank that left (the run ended there) owes none; with every
+  /// other rank gone and no copy, it serves nothing, and take_global_state
+  /// says why.
   Status take_own_shard() {
     const int me = comm_.rank();
     const double timeout_s = settings_.peer_timeout_s * 2 + 5;
     const auto deadline = Clock::now() + seconds(timeout_s);
     for (;;) {
-      const auto lost = comm_.lost_ranks();
+      std::vector<int> owe;  // the ranks neither lost nor gone
+      for (int r = 0; r < comm_.size(); ++r) {
+        if (r != me && !comm_.is_lost_rank(r) && !comm_.said_goodbye(r)) owe.push_back(r);
+      }
       {
         std::lock_guard lock(mutex_);
-        bool all = true;
-        for (int r = 0; r < comm_.size() && all; ++r) {
-          all = r == me || copies_.count(r) != 0 || std::find(lost.begin(), lost.end(), r) != lost.end();
-        }
+        const bool all = std::all_of(owe.begin(), owe.end(), [&](int r) { return copies_.count(r) != 0; });
+        if (all && copies_.empty()) return {};
         const bool late = Clock::now() > deadline;
         if (all || (late && !copies_.empty())) {
           auto freshest = copies_.begin();

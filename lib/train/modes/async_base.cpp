@@ -491,7 +491,7 @@ bool AsyncMode::gather_complete() {
   return true;
 }
 
-void AsyncMode::wait_until_all_done(Clock::time_point deadline) {
+void AsyncMode::wait_until_all_done(Clock::time_point deadline, std::span<const float> params) {
   // Done goes to the keeper only, which answers every rank once all live
   // ranks are done: 2W messages, where done from everyone to everyone was
   // W^2. A rank is done once its contributions were answered (finish drains
@@ -499,6 +499,7 @@ void AsyncMode::wait_until_all_done(Clock::time_point deadline) {
   int told = -1;
   while (!all_done_.load() && Clock::now() < deadline) {
     refresh_membership();
+    while_ending(params);
     int keeper = 0;
     {
       std::lock_guard lock(mutex_);
@@ -527,7 +528,20 @@ Status AsyncMode::end_handshake(std::span<float> params) {
   }
   const auto start = Clock::now();
   const auto deadline = start + seconds(settings_.peer_timeout_s * 3);
-  wait_until_all_done(deadline);
+  wait_until_all_done(deadline, params);
+  if (!all_done_.load()) {
+    // The keeper waited its whole end for some rank: say which (a rank that
+    // is not the keeper says below that nobody gathered).
+    std::lock_guard lock(mutex_);
+    std::vector<int> waiting;
+    for (int r = 0; r < world_locked() && keeper_locked() == comm_.rank(); ++r) {
+      if (!done_from_[r] && !comm_.is_lost_rank(r)) waiting.push_back(r);
+    }
+    if (!waiting.empty()) {
+      return make_error(ErrorKind::kPeer, "rank {} ended, but rank {} did not finish within {:.1f}s", comm_.rank(),
+                        fmt::join(waiting, ", rank "), settings_.peer_timeout_s * 3);
+    }
+  }
   // Owners' shards now include every contribution: each goes to the keeper,
   // again to a new keeper if it is lost, and again when this rank takes over
   // a lost owner's shard meanwhile.
@@ -555,6 +569,7 @@ Status AsyncMode::end_handshake(std::span<float> params) {
     keeping = keeper == comm_.rank();
     if (keeping && gather_complete()) break;
     if (!keeping && gathered_.load()) break;
+    while_ending(params);
     seam_sleep_for(std::chrono::milliseconds(1));
   }
   if (keeping) {

@@ -258,10 +258,12 @@ class AsyncMode : public Mode {
   /// records; its standby keeps them too, to take over.
   void report_progress(const TrainPosition& position);
 
-  /// Waits (draining the inbox through `apply`) until no reply is owed or the deadline passes.
+  /// Waits (draining the inbox through `apply`, and doing while_ending's
+  /// duties with `params`) until no reply is owed or the deadline passes.
   template <typename Apply>
-  void drain_replies(Clock::time_point deadline, Apply&& apply) {
+  void drain_replies(Clock::time_point deadline, std::span<const float> params, Apply&& apply) {
     while (outstanding() > 0 && Clock::now() < deadline) {
+      while_ending(params);
       auto fresh = take_inbox();
       if (fresh.empty()) {
         seam_sleep_for(std::chrono::microseconds(200));
@@ -276,6 +278,12 @@ class AsyncMode : public Mode {
     std::lock_guard lock(mutex_);
     stats_.finish_wait_s += seconds_since(start);
   }
+
+  /// The training thread, while this rank ends (finish's drain, and each
+  /// wait of end_handshake), with this rank's parameters: what its steps
+  /// did for the others and a rank that joins as the run ends still needs
+  /// (asgd: this rank's copy of a joined owner's shard). Nothing by default.
+  virtual void while_ending(std::span<const float> /*params*/) {}
 
   /// The end: tell everyone this rank is done, serve owners' work until every
   /// live rank is done too, then gather the owned shards (and the owners'
@@ -380,7 +388,7 @@ class AsyncMode : public Mode {
   PartialGlobalState& gather_locked();
   /// The end's first half: tell the keeper this rank is done (again when the
   /// keeper moves); the keeper tells every rank once all live ranks are.
-  void wait_until_all_done(Clock::time_point deadline);
+  void wait_until_all_done(Clock::time_point deadline, std::span<const float> params);
   /// A snapshot request to every rank, numbered anew (the keeper's checkpoints, a joiner's state), or
   /// `again`: the request being answered, posted once more, the shards in so far kept (a joiner's).
   /// `kind`: kSnapshotRequest, or a joiner's kJoinRequest.

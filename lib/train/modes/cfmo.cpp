@@ -123,13 +123,13 @@ class CfmoMode final : public AsyncMode {
     const auto start = Clock::now();
     const auto deadline = start + seconds(settings_.peer_timeout_s);
     auto apply = [&](FreshShard& f) { rebase(f, params, optimizer); };
-    drain_replies(deadline, apply);
+    drain_replies(deadline, params, apply);
     // The last local progress counts too. Its replies carry no shard: this
     // rank's parameters are not used after the run, and rank 0 gathers the
     // global ones.
     send_round(params, /*only_idle=*/false, /*last=*/true);
     if (settings_.deterministic) CFMO_TRY(await_round(params, optimizer));
-    drain_replies(deadline + seconds(settings_.peer_timeout_s), apply);
+    drain_replies(deadline + seconds(settings_.peer_timeout_s), params, apply);
     count_finish_wait(start);
     return end_handshake(params);
   }
