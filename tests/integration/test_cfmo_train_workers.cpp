@@ -2,6 +2,7 @@
 // sync's equivalence with one worker on the doubled batch, a slow worker in
 // cfmo, and a worker killed with SIGKILL in the middle of a run.
 #include "integration/harness.h"
+#include "integration/one_line_error.h"
 
 #include "ckpt/cfd.h"
 #include "ckpt/safetensors.h"
@@ -1190,6 +1191,74 @@ TEST(CfmoTrainWorkers, AJoinerThatFindsNobodyAtTheAddressGivesUpAfterTheJoinTime
   EXPECT_NE(alone.err.find("no run listens there (it ended, or has not started)"), std::string::npos) << alone.err;
   EXPECT_LT(took, 30.0) << "it asked for --join-timeout, not the default 60 s";
   EXPECT_FALSE(fs::exists(dir / "run")) << "it wrote nothing";
+}
+
+// A Fashion-MNIST-like directory of raw IDX files at `dir`: 512 training
+// images of 4x4 pixels and 128 test ones, labels 0-9 (a data set the test
+// can take away while a run uses it).
+void write_small_image_set(const fs::path& dir) {
+  fs::create_directories(dir);
+  auto u32 = [](uint32_t v) {
+    return std::string{static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+                       static_cast<char>(v)};
+  };
+  for (const auto& [stem, count] : {std::pair<std::string, uint32_t>{"train", 512}, {"t10k", 128}}) {
+    std::string images = u32(0x803) + u32(count) + u32(4) + u32(4);
+    std::string labels = u32(0x801) + u32(count);
+    for (uint32_t i = 0; i < count; ++i) {
+      const uint32_t label = i % 10;
+      for (uint32_t p = 0; p < 16; ++p) images += static_cast<char>(p == label ? 255 : (i * 7 + p * 13) % 64);
+      labels += static_cast<char>(label);
+    }
+    ASSERT_TRUE(write_file_atomic(dir / (stem + "-images-idx3-ubyte"), images));
+    ASSERT_TRUE(write_file_atomic(dir / (stem + "-labels-idx1-ubyte"), labels));
+  }
+}
+
+// A process that joins reads its data and builds its model before it asks
+// to be taken in. One whose data cannot be read (the run's directory was
+// taken away after the run's ranks read it) fails alone, before any rank
+// counts it in, with one line naming the data and status 3: a rank
+// restarted with its launcher's variables declines the place it is offered,
+// a --join never connects. The run goes on as it was and its survivors end
+// with status 0, rank 2 lost and nobody joined. (It used to be taken in,
+// handed shards, and then leave with its error.)
+TEST(CfmoTrainWorkers, AJoinerThatCannotReadItsDataFailsAloneBeforeTheRunTakesItIn) {
+  TempDir dir;
+  const fs::path data = dir / "images";
+  ASSERT_NO_FATAL_FAILURE(write_small_image_set(data));
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  std::vector<std::string> flags = {binary(), "--data",  data.string(),    "--model",
+                                    "mlp:32", "--quiet", "--peer-timeout", "5"};
+  for (const auto& f : rejoin_flags({"--mode", "cfmo"}, "20s", dir)) flags.push_back(f);
+  auto rank_env = [&](int r) {
+    return std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address};
+  };
+  Ranks ranks;
+  for (int r = 0; r < 3; ++r) {
+    ranks.processes.push_back(testing::spawn(flags, rank_env(r), (dir / ("out-" + std::to_string(r))).string(),
+                                             (dir / ("err-" + std::to_string(r))).string()));
+  }
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-2");
+  fs::remove_all(data);
+  kill(ranks.processes[2].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[2].wait(10));
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 2 lost (", 60)) << slurp(dir / "err-0");
+  const RunResult restarted = run(flags, 60, rank_env(2));
+  testing::expect_one_line_error(restarted, 3, data.string());
+  std::vector<std::string> joiner = flags;
+  joiner.insert(joiner.end(), {"--join", address});
+  testing::expect_one_line_error(run(joiner, 60), 3, data.string());
+  for (const size_t p : {size_t{0}, size_t{1}}) {
+    ASSERT_TRUE(ranks.processes[p].wait(120)) << "rank " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / ("err-" + std::to_string(p)));
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0") << slurp(dir / "err-0");
+  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({2})) << j.dump();
+  EXPECT_EQ(j["joined"], nlohmann::json::array()) << j.dump();
+  EXPECT_EQ(slurp(dir / "err-0").find("rank 2 joined"), std::string::npos) << slurp(dir / "err-0");
 }
 
 // A checkpoint is whole: its state reads, and so does every file it names.
