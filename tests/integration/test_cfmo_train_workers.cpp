@@ -704,26 +704,27 @@ TEST(CfmoTrainWorkers, AfterRankZeroIsLostTheNextRankServesJoinsAndRankZeroResta
   EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
 }
 
-// The samples of the last step line in `metrics` before the first line
-// holding `until` (or in the whole file): a process's position when killed.
-int64_t last_logged_samples(const fs::path& metrics, const std::string& until = {}) {
+// The samples of the last step line in metrics text `text`: a process's
+// position when killed (a line cut by the kill is skipped).
+int64_t last_logged_samples(const std::string& text) {
   int64_t samples = 0;
-  for (const auto& line : testing::lines(slurp(metrics))) {
-    if (!until.empty() && line.find(until) != std::string::npos) break;
-    const auto m = nlohmann::json::parse(line);
-    if (m["type"] == "step") samples = m["samples"].get<int64_t>();
+  for (const auto& line : testing::lines(text)) {
+    const auto m = nlohmann::json::parse(line, nullptr, false);
+    if (m.is_object() && m["type"] == "step") samples = m["samples"].get<int64_t>();
   }
   return samples;
 }
 
 // The keeper's standby (rank 1) killed and restarted with the same command,
-// then the keeper (rank 0) killed: the restarted rank 1 keeps the run and
-// writes the summary. It counts what the killed rank 1 trained before its
-// restart (the old keeper's count, which the standby now gets) and what
-// rank 0 trained up to its last round, on top of the live ranks' reports.
-// Its summary used to leave the killed rank 1's samples out: a fresh
-// standby knew nothing of the processes replaced before it stood by.
-TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAfterIt) {
+// then the keeper (rank 0) killed once `before_keeper_killed` returned: the
+// restarted rank 1 keeps the run and writes the summary. It counts what the
+// killed rank 1 trained before its restart (the old keeper's count, which the
+// standby now gets) and what rank 0 trained up to its last round, on top of
+// the live ranks' reports. Its summary used to leave the killed rank 1's
+// samples out: a fresh standby knew nothing of the processes replaced before
+// it stood by.
+void expect_the_replaced_processs_samples_counted(
+    const std::function<void(Ranks&, const TempDir&)>& before_keeper_killed) {
   TempDir dir;
   const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
   const auto run_flags = rejoin_flags({"--mode", "cfmo"}, "40s", dir);
@@ -741,12 +742,13 @@ TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAfte
   ASSERT_TRUE(wait_for_text(ranks.processes, metrics1, "\"step\":3000,", 120)) << slurp(dir / "err-1");
   kill(ranks.processes[1].pid, SIGKILL);
   ASSERT_TRUE(ranks.processes[1].wait(10));
+  // What the killed process logged (a joiner that gets no position from the
+  // keeper continues from step 0 in the same file).
+  const int64_t killed_one = last_logged_samples(slurp(metrics1));
   ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 1 lost (", 60)) << slurp(dir / "err-0");
   ranks.processes.push_back(
       testing::spawn(args(run_flags), rank_env(1), (dir / "out-1b").string(), (dir / "err-1b").string()));
-  ASSERT_TRUE(wait_for_text(ranks.processes, metrics1, "\"first_step_s\"", 120)) << slurp(dir / "err-1b");
-  // The keeper's counts reach its standby each second.
-  sleep(3);
+  ASSERT_NO_FATAL_FAILURE(before_keeper_killed(ranks, dir));
   kill(ranks.processes[0].pid, SIGKILL);
   ASSERT_TRUE(ranks.processes[0].wait(10));
   for (const size_t p : {size_t{2}, size_t{3}}) {
@@ -761,8 +763,7 @@ TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAfte
   ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
   EXPECT_EQ(j["joined"][0]["rank"], 1) << j.dump();
   EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0) << j.dump();
-  const int64_t killed_one = last_logged_samples(metrics1, "\"first_step_s\"");
-  const int64_t killed_zero = last_logged_samples(dir / "run" / "metrics.jsonl");
+  const int64_t killed_zero = last_logged_samples(slurp(dir / "run" / "metrics.jsonl"));
   ASSERT_GE(killed_one, 3000 * 32);  // (an epoch of the synthetic data ends in a short batch)
   // A lost process counts up to its last round that reached an owner (H = 10
   // steps of 64; rounds wait while a shard's last delta is in flight, and
@@ -775,6 +776,26 @@ TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAfte
       "killed rank 1 logged " + std::to_string(killed_one) + ", rank 0 " + std::to_string(killed_zero) + "; ";
   EXPECT_GE(counted, reported_samples(j) + killed_one + killed_zero - 2 * slack) << logged << j.dump();
   EXPECT_LE(counted, reported_samples(j) + killed_one + killed_zero + 4 * 64) << logged << j.dump();
+}
+
+TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAfterIt) {
+  expect_the_replaced_processs_samples_counted([](Ranks& ranks, const TempDir& dir) {
+    ASSERT_TRUE(wait_for_text(ranks.processes, dir / "run" / "metrics-rank-1.jsonl", "\"first_step_s\"", 120))
+        << slurp(dir / "err-1b");
+    // The keeper's counts reach its standby each second.
+    sleep(3);
+  });
+}
+
+// The same with the keeper killed as soon as it took the restarted rank 1
+// in: the joiner keeps the run from its first step. The keeper's counts went
+// to it at once, and it takes them up although it is the keeper by the time
+// its mode reads them. (A joiner taken in before it loaded its data became
+// keeper while loading, and the counts never reached it: bench/RESULTS.md.)
+TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAsItTakesTheJoinerIn) {
+  expect_the_replaced_processs_samples_counted([](Ranks& ranks, const TempDir& dir) {
+    ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 1 joined (", 120)) << slurp(dir / "err-0");
+  });
 }
 
 // Two ranks started by hand at `address` (DIR/out-K, DIR/err-K); once rank 1
