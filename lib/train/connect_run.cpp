@@ -12,7 +12,7 @@ Result<RunConnection> connect_run(TrainConfig& config, const std::optional<comm:
   // Rank 0 shows a joining process the run's configuration; the joiner (or a
   // rank restarted into a run under way) declines one that is not its own.
   connect.description = config_toml;
-  connect.check = [&config_toml, &ready](std::string_view run_config) -> Status {
+  connect.check = [&config_toml, ready](std::string_view run_config) -> Status {
     CFMO_TRY(check_join_fits(run_config, config_toml));
     return ready;
   };
