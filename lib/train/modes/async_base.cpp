@@ -454,7 +454,10 @@ void AsyncMode::on_sample_counts(std::span<const std::byte> m) {
   for (auto& c : counts) take(m, c);
   refresh_membership();  // the keeper's joins are this rank's too before its counts replace these
   std::lock_guard lock(mutex_);
-  if (keeper_locked() == comm_.rank()) return;  // the keeper's own are the newest now
+  // The keeper's own are the newest once it keeps them (it sent its own);
+  // one that became keeper before that (a joiner whose keeper was lost as
+  // it came, the counts sent it then read after the loss) has no others.
+  if (keeper_locked() == comm_.rank() && counts_sent_to_ >= 0) return;
   keep_positions_locked();
   const size_t w = std::max(progress_.size(), static_cast<size_t>(n));
   retired_samples_.assign(counts.begin(), counts.begin() + static_cast<std::ptrdiff_t>(n));
