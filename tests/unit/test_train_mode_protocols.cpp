@@ -982,6 +982,38 @@ TEST(CfmoJoin, AJoinerThatKeepsTheRunTakesUpTheCountsOfAKeeperLostAsItCame) {
   EXPECT_EQ(c.mode(1).retired_samples(1), retired);
 }
 
+// As above, but nothing of the keeper's reaches the joiner before the
+// keeper is lost: the standby the join displaced (rank 2, which had the
+// keeper's counts and every rank's reports) hands its counts to the
+// joiner, which keeps the run with them: the replaced process's samples
+// and the lost keeper's own up to its last report.
+TEST(CfmoJoin, AStandbyDisplacedByAJoinerHandsItsCountsOn) {
+  Cluster c(3, settings_for("cfmo"));
+  for (int k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
+    ASSERT_TRUE(c.step(k, 1, 10));
+  }
+  ASSERT_TRUE(c.world.network->drain());
+  c.kill(1, {0, 2});
+  c.round({0, 2}, 2, 0.125f, 20);
+  c.round({0, 2}, 3, 0.125f, 30);  // the keeper's counts to its standby, rank 2
+  ASSERT_NO_FATAL_FAILURE(c.rejoin(1));
+  TrainPosition position;
+  const Status joined = c.join(1, position);
+  ASSERT_TRUE(joined) << joined.error().message;
+  const int64_t retired = c.mode(2).retired_samples(1);
+  const int64_t keepers = c.mode(2).reconciled_samples(0);
+  ASSERT_GT(retired, 0);
+  ASSERT_GT(keepers, 0);
+  c.world.network->hold(0, 1);  // nothing of the keeper's reaches the joiner
+  c.kill(0, {1, 2});
+  ASSERT_TRUE(c.step(2, 4, 40));  // rank 2 finds rank 1 its keeper's standby now
+  ASSERT_TRUE(c.world.network->drain());
+  EXPECT_EQ(c.mode(1).keeper(), 1);
+  EXPECT_EQ(c.mode(1).retired_samples(1), retired);
+  EXPECT_EQ(c.mode(1).reconciled_samples(0), keepers);
+}
+
 // An owner lost while a process joins in the place of its backup: the
 // joiner holds the owner's replica (sent when it came) and serves the shard
 // from it, so its own wait for the global state ends (it had waited for a
