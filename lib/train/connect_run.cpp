@@ -3,7 +3,7 @@
 namespace cfmo::train {
 
 Result<RunConnection> connect_run(TrainConfig& config, const std::optional<comm::WorldInfo>& world,
-                                  const std::string& config_toml, int* first_world) {
+                                  const std::string& config_toml, int* first_world, const Status& ready) {
   comm::WorldOptions connect;
   connect.rendezvous = config.rendezvous;
   connect.peer_timeout_s = config.peer_timeout;
@@ -12,7 +12,10 @@ Result<RunConnection> connect_run(TrainConfig& config, const std::optional<comm:
   // Rank 0 shows a joining process the run's configuration; the joiner (or a
   // rank restarted into a run under way) declines one that is not its own.
   connect.description = config_toml;
-  connect.check = [&config_toml](std::string_view run_config) { return check_join_fits(run_config, config_toml); };
+  connect.check = [&config_toml, ready](std::string_view run_config) -> Status {
+    CFMO_TRY(check_join_fits(run_config, config_toml));
+    return ready;
+  };
   connect.fifos = ends_at_a_loss(config);  // the faster transport where a loss ends the run anyway
   connect.grow = takes_new_ranks(config);  // the leader's side decides; a joiner may come to lead
   int first_size = 0;

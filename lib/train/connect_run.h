@@ -29,7 +29,12 @@ struct RunConnection {
 /// run whose own differs (check_join_fits). A joiner's --owners becomes the
 /// run's (fit_owners_to_run), and `first_world`, when given, the ranks the
 /// run started with (TrainOptions::first_world; 0 for a process that did not join).
+/// `ready`: how this process's own preparation went (preload, before it
+/// connects). A process that finds its run under way (a restarted rank)
+/// declines it with that error, so that no rank counts it in; a rank of the
+/// run's start connects all the same, and fails in train(), where the
+/// others learn the cause from its goodbye.
 Result<RunConnection> connect_run(TrainConfig& config, const std::optional<comm::WorldInfo>& world,
-                                  const std::string& config_toml, int* first_world = nullptr);
+                                  const std::string& config_toml, int* first_world = nullptr, const Status& ready = {});
 
 }  // namespace cfmo::train

@@ -4,6 +4,7 @@
 #include "train/train_config.h"
 
 #include <algorithm>
+#include <optional>
 
 namespace cfmo::train {
 namespace {
@@ -53,20 +54,26 @@ class ImageSource final : public DataSource {
 };
 
 /// Token windows: training windows drawn from the step (each worker from its
-/// own part of the tokens), evaluation over the exact validation windows.
+/// own part of the tokens, once it took it), evaluation over the exact
+/// validation windows.
 class TokenSource final : public DataSource {
  public:
-  TokenSource(data::TokenSplit split, data::WindowSampler sampler)
-      : split_(std::move(split)), sampler_(sampler), context_(sampler.context()) {}
+  TokenSource(data::TokenSplit split, int context, uint64_t seed)
+      : split_(std::move(split)), context_(context), seed_(seed) {}
 
   std::string description() const override { return split_.source; }
   model::DataShape shape() const override { return {model::InputKind::kTokens, 0, split_.vocab_size}; }
   int64_t train_examples() const override { return std::max<int64_t>(1, split_.train.size() / context_); }
   bool indexed() const override { return false; }
 
+  Status take_part(int rank, int world) override {
+    CFMO_ASSIGN_OR_RETURN(sampler_, data::WindowSampler::make(split_.train.size(), context_, rank, world, seed_));
+    return {};
+  }
+
   model::Examples train_batch(const BatchRequest& request) override {
     windows_.resize(static_cast<size_t>(request.count) * static_cast<size_t>(context_ + 1));
-    sampler_.fill(split_.train, request.step, request.count, windows_.data());
+    sampler_->fill(split_.train, request.step, request.count, windows_.data());
     return {request.count, nullptr, nullptr, windows_.data()};
   }
 
@@ -86,8 +93,9 @@ class TokenSource final : public DataSource {
 
  private:
   data::TokenSplit split_;
-  data::WindowSampler sampler_;
+  std::optional<data::WindowSampler> sampler_;  ///< this worker's part (take_part)
   int context_;
+  uint64_t seed_;
   std::vector<int32_t> windows_;
 };
 
@@ -97,7 +105,7 @@ std::unique_ptr<DataSource> make_image_source(data::DataSplit split) {
   return std::make_unique<ImageSource>(std::move(split));
 }
 
-Result<std::unique_ptr<DataSource>> load_data_source(const TrainConfig& config, int rank, int world, int context) {
+Result<std::unique_ptr<DataSource>> load_data_source(const TrainConfig& config, int context) {
   if (data::is_token_spec(config.data)) {
     if (context <= 0) {
       return make_error(ErrorKind::kUsage, "--data '{}' is token data: train it with --model gpt:...", config.data);
@@ -110,10 +118,8 @@ Result<std::unique_ptr<DataSource>> load_data_source(const TrainConfig& config, 
     options.context = context;
     options.val_tokens = config.val_tokens;
     CFMO_ASSIGN_OR_RETURN(data::TokenSplit split, data::load_tokens(options));
-    CFMO_ASSIGN_OR_RETURN(
-        data::WindowSampler sampler,
-        data::WindowSampler::make(split.train.size(), context, rank, world, static_cast<uint64_t>(config.seed)));
-    return std::unique_ptr<DataSource>(std::make_unique<TokenSource>(std::move(split), sampler));
+    return std::unique_ptr<DataSource>(
+        std::make_unique<TokenSource>(std::move(split), context, static_cast<uint64_t>(config.seed)));
   }
   if (!config.val_data.empty()) {
     return make_error(ErrorKind::kUsage, "--val-data '{}': only token data (text:, tokens:) has separate validation",

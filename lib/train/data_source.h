@@ -46,14 +46,20 @@ class DataSource {
   virtual void for_each_eval_batch(int chunk, const std::function<void(const model::Examples&)>& f) = 0;
   /// The image split, for an engine that uploads it whole (CUDA); null for token data.
   virtual const data::DataSplit* images() const { return nullptr; }
+  /// Takes worker `rank`'s part of `world` before the first batch: token
+  /// windows come from each worker's own part of the tokens (kInput if it is
+  /// shorter than a window); an image set is used whole, cut by the epoch
+  /// order. Apart from the load, as a worker reads its data before it knows
+  /// its rank (a joiner is taken in ready: train::preload).
+  virtual Status take_part(int /*rank*/, int /*world*/) { return {}; }
 };
 
 /// An image set in memory (Fashion-MNIST, synthetic), as DataSource.
 std::unique_ptr<DataSource> make_image_source(data::DataSplit split);
 
-/// The data `config` names, for worker `rank` of `world` (token windows come
-/// from each worker's own part of the training tokens); `context` is the
-/// model's, for token data (0 before the model is known).
-Result<std::unique_ptr<DataSource>> load_data_source(const TrainConfig& config, int rank, int world, int context);
+/// The data `config` names, read and checked whole; `context` is the
+/// model's, for token data (0 before the model is known). Its part is
+/// taken after (DataSource::take_part).
+Result<std::unique_ptr<DataSource>> load_data_source(const TrainConfig& config, int context);
 
 }  // namespace cfmo::train

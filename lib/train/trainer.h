@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -56,6 +57,9 @@ class TrainObserver {
   virtual void on_warning(std::string_view text) { on_note(text); }
 };
 
+/// What a worker reads and builds before it connects to its run (preload).
+struct Preloaded;
+
 struct TrainOptions {
   std::filesystem::path resume;             ///< a checkpoint directory (resolved), or empty
   std::string config_toml;                  ///< saved beside each checkpoint
@@ -68,7 +72,19 @@ struct TrainOptions {
   int first_world = 0;
   /// When this process started (a joiner's first_step_s counts from it); default: when train() starts.
   std::optional<std::chrono::steady_clock::time_point> process_start;
+  /// preload()'s data and model, which train() takes over (it moves them
+  /// out); null: train() reads them itself.
+  std::shared_ptr<Preloaded> preloaded;
 };
+
+/// A worker's data, model and optimizer, read and built before it connects
+/// to the other ranks: none of them needs its rank or the world (token
+/// data's part of the tokens is taken in train(); with --expert-parallel the
+/// model is built there, of its rank's experts). A process that joins a run
+/// under way (--join, a restarted rank) is then taken in ready to serve what
+/// is handed to it, not after its load; and one whose data cannot be read
+/// fails alone, before any rank counts it in. Errors as train()'s.
+Result<std::shared_ptr<Preloaded>> preload(const TrainConfig& config);
 
 /// Trains as configured. Errors: kUsage for bad configuration, kInput for
 /// unreadable data or checkpoints, kCheckFailed when the loss diverges.

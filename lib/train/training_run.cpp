@@ -47,6 +47,27 @@ TrainPosition regrid(TrainPosition p, int64_t from_batch, int64_t to_batch, int6
 
 }  // namespace
 
+void set_up_thread(const TrainConfig& config) {
+  tensor::ops::set_num_threads(config.threads);
+#if defined(__x86_64__)
+  // Flush denormals to zero on this thread: Adam's first moment of a weight
+  // that stops receiving gradient decays into the denormal range within a
+  // few hundred steps, where every multiply costs ~100 cycles. PyTorch's
+  // torch.set_flush_denormal(True) does the same.
+  _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ | DAZ
+#endif
+}
+
+Status build_model(const TrainConfig& config, const TrainPlan& plan, const model::DataShape& shape,
+                   const model::MoeOptions& moe, std::unique_ptr<model::Model>& model,
+                   std::unique_ptr<optim::Optimizer>& optimizer) {
+  CFMO_ASSIGN_OR_RETURN(model, model::make_model(config.model, shape, moe));
+  model->init(static_cast<uint64_t>(config.seed));
+  CFMO_ASSIGN_OR_RETURN(
+      optimizer, optim::make_optimizer(optimizer_config(config, plan.optimizer), model->params(), model->num_params()));
+  return {};
+}
+
 TrainingRun::TrainingRun(const TrainConfig& config, const TrainPlan& plan, const TrainOptions& options)
     : config(config),
       plan(plan),
@@ -78,14 +99,7 @@ TrainingRun::~TrainingRun() {
 }
 
 Status TrainingRun::set_up() {
-  tensor::ops::set_num_threads(config.threads);
-#if defined(__x86_64__)
-  // Flush denormals to zero on this thread: Adam's first moment of a weight
-  // that stops receiving gradient decays into the denormal range within a
-  // few hundred steps, where every multiply costs ~100 cycles. PyTorch's
-  // torch.set_flush_denormal(True) does the same.
-  _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ | DAZ
-#endif
+  set_up_thread(config);
   CFMO_TRY(load_model_and_optimizer());
   CFMO_TRY(resume_from_checkpoint());
   take_runs_plan();
@@ -167,16 +181,24 @@ void TrainingRun::cut_batches(int ranks) {
 }
 
 Status TrainingRun::load_model_and_optimizer() {
-  CFMO_ASSIGN_OR_RETURN(source, load_data_source(config, rank, world, plan.context));
-  model::MoeOptions moe = moe_options(config);
-  if (expert_parallel) {
-    moe.expert_rank = rank;
-    moe.expert_ranks = world;
-    CFMO_ASSIGN_OR_RETURN(const Heterogeneity mine, heterogeneity_for(config, rank));
-    moe.serve_slowdown = mine.slowdown;
+  if (Preloaded* ready = options.preloaded.get(); ready != nullptr && ready->source) {
+    source = std::move(ready->source);
+    model_ptr = std::move(ready->model);
+    optimizer = std::move(ready->optimizer);
+  } else {
+    CFMO_ASSIGN_OR_RETURN(source, load_data_source(config, plan.context));
   }
-  CFMO_ASSIGN_OR_RETURN(model_ptr, model::make_model(config.model, source->shape(), moe));
-  model().init(static_cast<uint64_t>(config.seed));  // the same on every rank
+  CFMO_TRY(source->take_part(rank, world));
+  if (!model_ptr) {
+    model::MoeOptions moe = moe_options(config);
+    if (expert_parallel) {
+      moe.expert_rank = rank;
+      moe.expert_ranks = world;
+      CFMO_ASSIGN_OR_RETURN(const Heterogeneity mine, heterogeneity_for(config, rank));
+      moe.serve_slowdown = mine.slowdown;
+    }
+    CFMO_TRY(build_model(config, plan, source->shape(), moe, model_ptr, optimizer));
+  }
   model_spec = model().spec_string();
   if (expert_parallel) {
     static_cast<model::Gpt&>(model()).set_expert_parallel(comm);
@@ -200,7 +222,6 @@ Status TrainingRun::load_model_and_optimizer() {
   }
 
   optim_config = optimizer_config(config, plan.optimizer);
-  CFMO_ASSIGN_OR_RETURN(optimizer, optim::make_optimizer(optim_config, model().params(), model().num_params()));
   return {};
 }
 

@@ -3,7 +3,8 @@
 /// phase, and the phases as they happen (train() in trainer.cpp calls them
 /// in this order):
 ///
-///   set_up        (training_run.cpp) data, model, optimizer, a resumed
+///   set_up        (training_run.cpp) data, model, optimizer (preload's,
+///                 read before the process connected, if given), a resumed
 ///                 position, the run's length, the mode, the engine, the
 ///                 metrics log and the summary's fixed part
 ///   run_loop      (step_loop.cpp) the steps, until a limit, the shared
@@ -38,11 +39,31 @@
 #include <string>
 #include <vector>
 
+namespace cfmo::train {
+
+struct Preloaded {
+  std::unique_ptr<DataSource> source;  ///< read whole, its part not taken yet
+  /// Built and initialized (the same on every rank); null with
+  /// --expert-parallel, whose model holds its rank's experts only.
+  std::unique_ptr<model::Model> model;
+  std::unique_ptr<optim::Optimizer> optimizer;  ///< of `model`
+};
+
+}  // namespace cfmo::train
+
 namespace cfmo::train::detail {
 
 using Clock = std::chrono::steady_clock;
 
 using cfmo::seconds_since;
+
+/// The training thread's settings (--threads, denormals flushed), before anything is built on it.
+void set_up_thread(const TrainConfig& config);
+/// The model `config` names for data of `shape` (with `moe`), initialized
+/// the same on every rank, and its optimizer.
+Status build_model(const TrainConfig& config, const TrainPlan& plan, const model::DataShape& shape,
+                   const model::MoeOptions& moe, std::unique_ptr<model::Model>& model,
+                   std::unique_ptr<optim::Optimizer>& optimizer);
 
 struct TrainingRun {
   TrainingRun(const TrainConfig& config, const TrainPlan& plan, const TrainOptions& options);

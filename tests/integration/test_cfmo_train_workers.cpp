@@ -2,6 +2,7 @@
 // sync's equivalence with one worker on the doubled batch, a slow worker in
 // cfmo, and a worker killed with SIGKILL in the middle of a run.
 #include "integration/harness.h"
+#include "integration/one_line_error.h"
 
 #include "ckpt/cfd.h"
 #include "ckpt/safetensors.h"
@@ -703,26 +704,27 @@ TEST(CfmoTrainWorkers, AfterRankZeroIsLostTheNextRankServesJoinsAndRankZeroResta
   EXPECT_TRUE(fs::exists(dir / "run" / "model.safetensors"));
 }
 
-// The samples of the last step line in `metrics` before the first line
-// holding `until` (or in the whole file): a process's position when killed.
-int64_t last_logged_samples(const fs::path& metrics, const std::string& until = {}) {
+// The samples of the last step line in metrics text `text`: a process's
+// position when killed (a line cut by the kill is skipped).
+int64_t last_logged_samples(const std::string& text) {
   int64_t samples = 0;
-  for (const auto& line : testing::lines(slurp(metrics))) {
-    if (!until.empty() && line.find(until) != std::string::npos) break;
-    const auto m = nlohmann::json::parse(line);
-    if (m["type"] == "step") samples = m["samples"].get<int64_t>();
+  for (const auto& line : testing::lines(text)) {
+    const auto m = nlohmann::json::parse(line, nullptr, false);
+    if (m.is_object() && m["type"] == "step") samples = m["samples"].get<int64_t>();
   }
   return samples;
 }
 
 // The keeper's standby (rank 1) killed and restarted with the same command,
-// then the keeper (rank 0) killed: the restarted rank 1 keeps the run and
-// writes the summary. It counts what the killed rank 1 trained before its
-// restart (the old keeper's count, which the standby now gets) and what
-// rank 0 trained up to its last round, on top of the live ranks' reports.
-// Its summary used to leave the killed rank 1's samples out: a fresh
-// standby knew nothing of the processes replaced before it stood by.
-TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAfterIt) {
+// then the keeper (rank 0) killed once `before_keeper_killed` returned: the
+// restarted rank 1 keeps the run and writes the summary. It counts what the
+// killed rank 1 trained before its restart (the old keeper's count, which the
+// standby now gets) and what rank 0 trained up to its last round, on top of
+// the live ranks' reports. Its summary used to leave the killed rank 1's
+// samples out: a fresh standby knew nothing of the processes replaced before
+// it stood by.
+void expect_the_replaced_processs_samples_counted(
+    const std::function<void(Ranks&, const TempDir&)>& before_keeper_killed, int slack_rounds = 20) {
   TempDir dir;
   const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
   const auto run_flags = rejoin_flags({"--mode", "cfmo"}, "40s", dir);
@@ -740,12 +742,13 @@ TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAfte
   ASSERT_TRUE(wait_for_text(ranks.processes, metrics1, "\"step\":3000,", 120)) << slurp(dir / "err-1");
   kill(ranks.processes[1].pid, SIGKILL);
   ASSERT_TRUE(ranks.processes[1].wait(10));
+  // What the killed process logged (a joiner that gets no position from the
+  // keeper continues from step 0 in the same file).
+  const int64_t killed_one = last_logged_samples(slurp(metrics1));
   ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 1 lost (", 60)) << slurp(dir / "err-0");
   ranks.processes.push_back(
       testing::spawn(args(run_flags), rank_env(1), (dir / "out-1b").string(), (dir / "err-1b").string()));
-  ASSERT_TRUE(wait_for_text(ranks.processes, metrics1, "\"first_step_s\"", 120)) << slurp(dir / "err-1b");
-  // The keeper's counts reach its standby each second.
-  sleep(3);
+  ASSERT_NO_FATAL_FAILURE(before_keeper_killed(ranks, dir));
   kill(ranks.processes[0].pid, SIGKILL);
   ASSERT_TRUE(ranks.processes[0].wait(10));
   for (const size_t p : {size_t{2}, size_t{3}}) {
@@ -760,20 +763,83 @@ TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAfte
   ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
   EXPECT_EQ(j["joined"][0]["rank"], 1) << j.dump();
   EXPECT_GT(j["joined"][0]["first_step_s"].get<double>(), 0.0) << j.dump();
-  const int64_t killed_one = last_logged_samples(metrics1, "\"first_step_s\"");
-  const int64_t killed_zero = last_logged_samples(dir / "run" / "metrics.jsonl");
+  const int64_t killed_zero = last_logged_samples(slurp(dir / "run" / "metrics.jsonl"));
   ASSERT_GE(killed_one, 3000 * 32);  // (an epoch of the synthetic data ends in a short batch)
   // A lost process counts up to its last round that reached an owner (H = 10
   // steps of 64; rounds wait while a shard's last delta is in flight, and
-  // this tiny model steps fast): say at most 20 rounds short each, far less
+  // this tiny model steps fast): say at most `slack_rounds` short each, far less
   // than the killed rank 1 trained; and not more than it trained (give or
   // take the steps between its last report and its last metrics line).
-  const int64_t slack = 20 * 10 * 64;
+  const int64_t slack = slack_rounds * 10 * 64;
   const int64_t counted = j["samples"].get<int64_t>();
   const std::string logged =
       "killed rank 1 logged " + std::to_string(killed_one) + ", rank 0 " + std::to_string(killed_zero) + "; ";
   EXPECT_GE(counted, reported_samples(j) + killed_one + killed_zero - 2 * slack) << logged << j.dump();
   EXPECT_LE(counted, reported_samples(j) + killed_one + killed_zero + 4 * 64) << logged << j.dump();
+}
+
+TEST(CfmoTrainWorkers, CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAfterIt) {
+  expect_the_replaced_processs_samples_counted([](Ranks& ranks, const TempDir& dir) {
+    ASSERT_TRUE(wait_for_text(ranks.processes, dir / "run" / "metrics-rank-1.jsonl", "\"first_step_s\"", 120))
+        << slurp(dir / "err-1b");
+    // The keeper's counts reach its standby each second.
+    sleep(3);
+  });
+}
+
+// The same with the keeper killed as soon as it took the restarted rank 1
+// in: the joiner keeps the run from its first step, with the counts the
+// keeper or the standby the join displaced sent it (the loopback's
+// CfmoJoin.AJoinerThatKeepsTheRunTakesUpTheCountsOfAKeeperLostAsItCame and
+// CfmoJoin.AStandbyDisplacedByAJoinerHandsItsCountsOn check each way
+// exactly). On 5df4eec it fails by whole processes (14226176 samples
+// counted, at least 14565888 expected). Disabled: the loss and the join
+// land together, and in about 1 run of 7 the ranks stopped at once with a
+// status other than 0 (not yet diagnosed: maybe the quorum check, which
+// sees two of three ranks gone at one look), and in 2 of 7 the count was a
+// few rounds (3456 and 5440 samples) beyond the slack below.
+TEST(CfmoTrainWorkers, DISABLED_CfmoCountsAReplacedProcesssSamplesWhenTheKeeperIsLostAsItTakesTheJoinerIn) {
+  // (40 rounds of slack: the lost keeper's count comes through the standby
+  // the join displaced, as of its last report there; still far less than a
+  // whole process, which is what went missing.)
+  expect_the_replaced_processs_samples_counted(
+      [](Ranks& ranks, const TempDir& dir) {
+        ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 1 joined (", 120)) << slurp(dir / "err-0");
+      },
+      40);
+}
+
+// A member killed while a restarted rank sets up (reads its data, asks to be
+// taken in, takes its shard back): the joiner finds it lost as the
+// survivors do, and says so, naming it, in the order of --peer-timeout (5 s
+// here), not a timeout of its own. It used to be taken in before it read
+// its data and to notice nothing until it was done; bench/RESULTS.md has
+// the measured times (no timing is asserted here but a bound far above).
+TEST(CfmoTrainWorkers, AMemberKilledWhileAJoinerSetsUpIsFoundLostByTheJoinerToo) {
+  TempDir dir;
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  Ranks ranks;
+  std::chrono::steady_clock::time_point killed;
+  ASSERT_NO_FATAL_FAILURE(
+      start_three_and_restart_rank_two(ranks, dir, address, rejoin_flags({"--mode", "cfmo"}, "30s", dir), [&] {
+        ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 2 lost (", 60)) << slurp(dir / "err-0");
+      }));
+  kill(ranks.processes[1].pid, SIGKILL);
+  killed = std::chrono::steady_clock::now();
+  ASSERT_TRUE(ranks.processes[1].wait(10));
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-2b", "rank 1 lost (", 60)) << slurp(dir / "err-2b");
+  const double noticed = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
+  std::printf("the joiner said rank 1 lost %.2f s after the kill\n", noticed);
+  EXPECT_LT(noticed, 5 + 25.0) << slurp(dir / "err-2b");
+  for (const size_t p : {size_t{0}, size_t{3}}) {
+    ASSERT_TRUE(ranks.processes[p].wait(120)) << "process " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / "err-0") << slurp(dir / "err-2b");
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0");
+  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({1})) << j.dump();
+  ASSERT_EQ(j["joined"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["joined"][0]["rank"], 2) << j.dump();
 }
 
 // Two ranks started by hand at `address` (DIR/out-K, DIR/err-K); once rank 1
@@ -1190,6 +1256,74 @@ TEST(CfmoTrainWorkers, AJoinerThatFindsNobodyAtTheAddressGivesUpAfterTheJoinTime
   EXPECT_NE(alone.err.find("no run listens there (it ended, or has not started)"), std::string::npos) << alone.err;
   EXPECT_LT(took, 30.0) << "it asked for --join-timeout, not the default 60 s";
   EXPECT_FALSE(fs::exists(dir / "run")) << "it wrote nothing";
+}
+
+// A Fashion-MNIST-like directory of raw IDX files at `dir`: 512 training
+// images of 4x4 pixels and 128 test ones, labels 0-9 (a data set the test
+// can take away while a run uses it).
+void write_small_image_set(const fs::path& dir) {
+  fs::create_directories(dir);
+  auto u32 = [](uint32_t v) {
+    return std::string{static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+                       static_cast<char>(v)};
+  };
+  for (const auto& [stem, count] : {std::pair<std::string, uint32_t>{"train", 512}, {"t10k", 128}}) {
+    std::string images = u32(0x803) + u32(count) + u32(4) + u32(4);
+    std::string labels = u32(0x801) + u32(count);
+    for (uint32_t i = 0; i < count; ++i) {
+      const uint32_t label = i % 10;
+      for (uint32_t p = 0; p < 16; ++p) images += static_cast<char>(p == label ? 255 : (i * 7 + p * 13) % 64);
+      labels += static_cast<char>(label);
+    }
+    ASSERT_TRUE(write_file_atomic(dir / (stem + "-images-idx3-ubyte"), images));
+    ASSERT_TRUE(write_file_atomic(dir / (stem + "-labels-idx1-ubyte"), labels));
+  }
+}
+
+// A process that joins reads its data and builds its model before it asks
+// to be taken in. One whose data cannot be read (the run's directory was
+// taken away after the run's ranks read it) fails alone, before any rank
+// counts it in, with one line naming the data and status 3: a rank
+// restarted with its launcher's variables declines the place it is offered,
+// a --join never connects. The run goes on as it was and its survivors end
+// with status 0, rank 2 lost and nobody joined. (It used to be taken in,
+// handed shards, and then leave with its error.)
+TEST(CfmoTrainWorkers, AJoinerThatCannotReadItsDataFailsAloneBeforeTheRunTakesItIn) {
+  TempDir dir;
+  const fs::path data = dir / "images";
+  ASSERT_NO_FATAL_FAILURE(write_small_image_set(data));
+  const std::string address = "127.0.0.1:" + std::to_string(testing::free_port());
+  std::vector<std::string> flags = {binary(), "--data",  data.string(),    "--model",
+                                    "mlp:32", "--quiet", "--peer-timeout", "5"};
+  for (const auto& f : rejoin_flags({"--mode", "cfmo"}, "20s", dir)) flags.push_back(f);
+  auto rank_env = [&](int r) {
+    return std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "CFMO_RENDEZVOUS=" + address};
+  };
+  Ranks ranks;
+  for (int r = 0; r < 3; ++r) {
+    ranks.processes.push_back(testing::spawn(flags, rank_env(r), (dir / ("out-" + std::to_string(r))).string(),
+                                             (dir / ("err-" + std::to_string(r))).string()));
+  }
+  ASSERT_TRUE(wait_for_progress(ranks, dir / "run" / "metrics-rank-2.jsonl", 120))
+      << slurp(dir / "err-0") << slurp(dir / "err-2");
+  fs::remove_all(data);
+  kill(ranks.processes[2].pid, SIGKILL);
+  ASSERT_TRUE(ranks.processes[2].wait(10));
+  ASSERT_TRUE(wait_for_text(ranks.processes, dir / "err-0", "rank 2 lost (", 60)) << slurp(dir / "err-0");
+  const RunResult restarted = run(flags, 60, rank_env(2));
+  testing::expect_one_line_error(restarted, 3, data.string());
+  std::vector<std::string> joiner = flags;
+  joiner.insert(joiner.end(), {"--join", address});
+  testing::expect_one_line_error(run(joiner, 60), 3, data.string());
+  for (const size_t p : {size_t{0}, size_t{1}}) {
+    ASSERT_TRUE(ranks.processes[p].wait(120)) << "rank " << p << " hangs";
+    EXPECT_EQ(ranks.processes[p].status, 0) << slurp(dir / ("err-" + std::to_string(p)));
+  }
+  const auto j = last_json(slurp(dir / "out-0"));
+  ASSERT_FALSE(j.is_null()) << slurp(dir / "out-0") << slurp(dir / "err-0");
+  EXPECT_EQ(j["lost_ranks"], nlohmann::json::array({2})) << j.dump();
+  EXPECT_EQ(j["joined"], nlohmann::json::array()) << j.dump();
+  EXPECT_EQ(slurp(dir / "err-0").find("rank 2 joined"), std::string::npos) << slurp(dir / "err-0");
 }
 
 // A checkpoint is whole: its state reads, and so does every file it names.

@@ -952,6 +952,68 @@ TEST(CfmoJoin, AJoinerInAKilledOwnersPlaceGetsTheGlobalStateAndItsShardBack) {
   }
 }
 
+// The keeper's counts for its standby (what each process it replaced had
+// trained), sent as a process joined in the standby's place, reach the
+// joiner only after the keeper was lost: the joiner keeps the run by then,
+// and takes them up all the same (it has none of its own yet), so that its
+// summary still counts the process it replaced. With UCX a joiner's mode,
+// and its handler, come about 0.1 s after it is taken in: counts that came
+// before wait for it, and a keeper killed meanwhile left them dropped.
+TEST(CfmoJoin, AJoinerThatKeepsTheRunTakesUpTheCountsOfAKeeperLostAsItCame) {
+  Cluster c(3, settings_for("cfmo"));
+  for (int k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
+    ASSERT_TRUE(c.step(k, 1, 10));
+  }
+  ASSERT_TRUE(c.world.network->drain());
+  c.kill(1, {0, 2});
+  c.round({0, 2}, 2, 0.125f, 20);
+  ASSERT_NO_FATAL_FAILURE(c.rejoin(1));
+  TrainPosition position;
+  const Status joined = c.join(1, position);
+  ASSERT_TRUE(joined) << joined.error().message;
+  c.world.network->set_delay(0, 1, 0.3);
+  ASSERT_TRUE(c.step(0, 3, 30));  // the keeper's counts to its new standby, late
+  const int64_t retired = c.mode(0).retired_samples(1);
+  ASSERT_GT(retired, 0);
+  c.kill(0, {1, 2});
+  EXPECT_EQ(c.mode(1).keeper(), 1);
+  ASSERT_TRUE(c.world.network->drain());
+  EXPECT_EQ(c.mode(1).retired_samples(1), retired);
+}
+
+// As above, but nothing of the keeper's reaches the joiner before the
+// keeper is lost: the standby the join displaced (rank 2, which had the
+// keeper's counts and every rank's reports) hands its counts to the
+// joiner, which keeps the run with them: the replaced process's samples
+// and the lost keeper's own up to its last report.
+TEST(CfmoJoin, AStandbyDisplacedByAJoinerHandsItsCountsOn) {
+  Cluster c(3, settings_for("cfmo"));
+  for (int k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
+    ASSERT_TRUE(c.step(k, 1, 10));
+  }
+  ASSERT_TRUE(c.world.network->drain());
+  c.kill(1, {0, 2});
+  c.round({0, 2}, 2, 0.125f, 20);
+  c.round({0, 2}, 3, 0.125f, 30);  // the keeper's counts to its standby, rank 2
+  ASSERT_NO_FATAL_FAILURE(c.rejoin(1));
+  TrainPosition position;
+  const Status joined = c.join(1, position);
+  ASSERT_TRUE(joined) << joined.error().message;
+  const int64_t retired = c.mode(2).retired_samples(1);
+  const int64_t keepers = c.mode(2).reconciled_samples(0);
+  ASSERT_GT(retired, 0);
+  ASSERT_GT(keepers, 0);
+  c.world.network->hold(0, 1);  // nothing of the keeper's reaches the joiner
+  c.kill(0, {1, 2});
+  ASSERT_TRUE(c.step(2, 4, 40));  // rank 2 finds rank 1 its keeper's standby now
+  ASSERT_TRUE(c.world.network->drain());
+  EXPECT_EQ(c.mode(1).keeper(), 1);
+  EXPECT_EQ(c.mode(1).retired_samples(1), retired);
+  EXPECT_EQ(c.mode(1).reconciled_samples(0), keepers);
+}
+
 // An owner lost while a process joins in the place of its backup: the
 // joiner holds the owner's replica (sent when it came) and serves the shard
 // from it, so its own wait for the global state ends (it had waited for a

@@ -3,6 +3,7 @@
 #include "train/trainer.h"
 
 #include "ckpt/safetensors.h"
+#include "comm/loopback.h"
 #include "train/checkpoint.h"
 #include "train/sample.h"
 
@@ -14,6 +15,7 @@
 #include <cmath>
 #include <fstream>
 #include <functional>
+#include <thread>
 #include <tuple>
 
 namespace cfmo::train {
@@ -283,6 +285,69 @@ TEST(Trainer, GptTokensBudgetAndResumeExactness) {
   auto sampled = sample_tokens(**model, {'t', 'h'}, so);
   ASSERT_TRUE(sampled);
   EXPECT_EQ(sampled->size(), 25u);
+}
+
+// preload() reads the data and builds the model before the worker knows its
+// rank (cfmo-train does so before it connects): a run that takes them up
+// trains exactly as one that loads its own, the MLP alone and a GPT of two
+// ranks, each of which takes its own part of the tokens after the load.
+TEST(Trainer, APreloadedRunTrainsAsOneThatLoadsItsOwn) {
+  auto preloaded = [](const TrainConfig& c) {
+    TrainOptions o;
+    auto ready = preload(c);
+    EXPECT_TRUE(ready) << ready.error().message;
+    if (ready) o.preloaded = *ready;
+    return o;
+  };
+  const TrainConfig mlp = small_config();
+  auto own = train(mlp, {});
+  auto taken = train(mlp, preloaded(mlp));
+  ASSERT_TRUE(own && taken);
+  EXPECT_EQ(own->test_loss, taken->test_loss);
+  EXPECT_EQ(own->steps, taken->steps);
+
+  TempDir dir;
+  TrainConfig gpt = gpt_config(write_corpus(dir.path()));
+  gpt.mode = "localsgd";
+  gpt.sync_interval = 3;
+  auto run_two = [&](bool preload_them) {
+    auto world = comm::make_loopback_world(2);
+    std::vector<Result<TrainSummary>> out(2, make_error(ErrorKind::kInternal, "did not run"));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        TrainOptions o = preload_them ? preloaded(gpt) : TrainOptions{};
+        o.comm = world.ranks[static_cast<size_t>(r)].get();
+        out[static_cast<size_t>(r)] = train(gpt, o);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  };
+  const auto loaded = run_two(false);
+  const auto ready = run_two(true);
+  for (size_t r = 0; r < 2; ++r) {
+    ASSERT_TRUE(loaded[r]) << loaded[r].error().message;
+    ASSERT_TRUE(ready[r]) << ready[r].error().message;
+    EXPECT_EQ(loaded[r]->val_loss, ready[r]->val_loss) << r;
+  }
+}
+
+// A worker whose data cannot be read learns it from preload, before it
+// connects to anyone: the one line names the data, status 3.
+TEST(Trainer, PreloadFailsOnDataItCannotRead) {
+  TempDir dir;
+  TrainConfig c = small_config();
+  c.data = (dir / "nowhere").string();
+  auto ready = preload(c);
+  ASSERT_FALSE(ready);
+  EXPECT_EQ(ready.error().kind, ErrorKind::kInput);
+  EXPECT_NE(ready.error().message.find("nowhere"), std::string::npos) << ready.error().message;
+  c = gpt_config(dir / "missing.txt");
+  ready = preload(c);
+  ASSERT_FALSE(ready);
+  EXPECT_EQ(ready.error().kind, ErrorKind::kInput);
+  EXPECT_NE(ready.error().message.find("missing.txt"), std::string::npos) << ready.error().message;
 }
 
 // A joining worker compares the run's configuration with its own: the first

@@ -1,12 +1,14 @@
 #pragma once
 // cfmo-train's parts besides the run itself, one file each: the command
 // line (command_line.cpp), --compare (compare.cpp) and the sample and
-// simulate subcommands (sample_command.cpp, simulate_command.cpp).
+// simulate subcommands (sample_command.cpp, simulate_command.cpp), and
+// the process's start (process_start.cpp).
 
 #include "../common/tool_main.h"
 #include "train/trainer.h"
 
 #include <atomic>
+#include <chrono>
 #include <optional>
 #include <string>
 
@@ -38,5 +40,10 @@ int run_sample(int argc, char** argv);
 
 /// `cfmo-train simulate --workers N ...`: the modes on N simulated workers (lib/sim).
 int run_simulate(int argc, char** argv);
+
+/// When this process started (before the dynamic loader and the BLAS
+/// re-exec, which a joiner's start-up includes): /proc/self/stat's start
+/// time against /proc/uptime; now where they cannot be read.
+std::chrono::steady_clock::time_point process_started();
 
 }  // namespace cfmo::train_tool

@@ -14,15 +14,11 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
-#include <cstdlib>
-#include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 
 namespace {
 
@@ -39,36 +35,8 @@ int compare_modes(int argc, char** argv, const cfmo::train::TrainConfig& config,
 
 }  // namespace
 
-namespace {
-
-/// When this process started (before the dynamic loader and the BLAS
-/// re-exec, which a joiner's start-up includes): /proc/self/stat's start
-/// time against /proc/uptime; now where they cannot be read.
-std::chrono::steady_clock::time_point process_started() {
-  const auto now = std::chrono::steady_clock::now();
-  std::ifstream stat_file("/proc/self/stat");
-  std::ifstream uptime_file("/proc/uptime");
-  std::string stat;
-  std::getline(stat_file, stat);
-  double uptime = 0;
-  uptime_file >> uptime;
-  const size_t close = stat.rfind(')');  // the command name may hold spaces
-  if (close == std::string::npos || uptime <= 0) return now;
-  std::istringstream fields(stat.substr(close + 2));
-  std::string field;
-  for (int i = 3; i <= 22 && fields >> field; ++i) {
-    if (i < 22) continue;
-    const double started_s = std::strtod(field.c_str(), nullptr) / static_cast<double>(::sysconf(_SC_CLK_TCK));
-    const double age = std::clamp(uptime - started_s, 0.0, 3600.0);
-    return now - std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(age));
-  }
-  return now;
-}
-
-}  // namespace
-
 static int run(int argc, char** argv) {
-  const auto process_start = process_started();
+  const auto process_start = cfmo::train_tool::process_started();
   if (argc >= 2 && std::string_view(argv[1]) == "sample") return cfmo::train_tool::run_sample(argc - 1, argv + 1);
   if (argc >= 2 && std::string_view(argv[1]) == "simulate") return cfmo::train_tool::run_simulate(argc - 1, argv + 1);
   cfmo::train::TrainConfig config;
@@ -110,9 +78,17 @@ static int run(int argc, char** argv) {
     if (!status) return fail(status.error());
     return *status;
   }
+  // Its data and model before it connects: a joiner is taken in ready, and
+  // a --join (or a run alone) that cannot read its data fails here alone;
+  // a launched rank passes the error to connect_run (train::preload).
+  auto preloaded = cfmo::train::preload(config);
+  if (preloaded) options.preloaded = *preloaded;
+  const bool connects = joining || (world->has_value() && (*world)->size > 1);
+  if (!preloaded && (joining || !connects)) return fail(preloaded.error());
   std::unique_ptr<cfmo::comm::Communicator> comm;
-  if (joining || (world->has_value() && (*world)->size > 1)) {
-    auto connected = cfmo::train::connect_run(config, *world, options.config_toml, &options.first_world);
+  if (connects) {
+    auto connected = cfmo::train::connect_run(config, *world, options.config_toml, &options.first_world,
+                                              preloaded ? cfmo::Status{} : cfmo::Status(preloaded.error()));
     if (!connected) return fail(connected.error());
     if (!connected->comm) {  // it came as the run ended: nothing to do, and nothing went wrong
       fmt::print(stderr, "{}\n", connected->too_late);

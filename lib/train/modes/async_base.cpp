@@ -421,7 +421,19 @@ void AsyncMode::report_progress(const TrainPosition& position) {
   put_position(out, position);
   if (standby >= 0) comm_.post(standby, channels::kProgress, out);
   comm_.post(keeper, channels::kProgress, std::move(out));
-  if (keeper == comm_.rank() && standby >= 0) send_sample_counts(standby);
+  if (keeper == comm_.rank() && standby >= 0) {
+    send_sample_counts(standby);
+  } else if (was_standby_ && keeper != comm_.rank()) {
+    // A standby whose place a join took (a process in a lower rank's
+    // place: the new standby, or the keeper where the keeper was lost)
+    // hands its counts on: the keeper's go there too, but a keeper lost
+    // before they did left the joiner keeping the run without them (and
+    // without the lost keeper's own samples).
+    if (standby >= 0 && standby != comm_.rank()) send_sample_counts(standby);
+    if (keeper != last_keeper_) send_sample_counts(keeper);
+  }
+  was_standby_ = standby == comm_.rank();
+  last_keeper_ = keeper;
 }
 
 void AsyncMode::send_sample_counts(int standby) {
@@ -454,9 +466,22 @@ void AsyncMode::on_sample_counts(std::span<const std::byte> m) {
   for (auto& c : counts) take(m, c);
   refresh_membership();  // the keeper's joins are this rank's too before its counts replace these
   std::lock_guard lock(mutex_);
-  if (keeper_locked() == comm_.rank()) return;  // the keeper's own are the newest now
   keep_positions_locked();
   const size_t w = std::max(progress_.size(), static_cast<size_t>(n));
+  if (keeper_locked() == comm_.rank()) {
+    // The keeper's own are the newest, but it takes what it lacks (each a
+    // count that only grows): a joiner that keeps the run as it comes (its
+    // keeper lost as it came) has only what that keeper and the standby it
+    // displaced sent it, maybe read after the loss.
+    for (auto* v : {&retired_samples_, &start_samples_, &reconciled_samples_}) v->resize(w, 0);
+    for (size_t r = 0; r < n; ++r) {
+      retired_samples_[r] = std::max(retired_samples_[r], counts[r]);
+      start_samples_[r] = std::max(start_samples_[r], counts[n + r]);
+      reconciled_samples_[r] = std::max(reconciled_samples_[r], counts[2 * n + r]);
+    }
+    progress_.resize(w);
+    return;
+  }
   retired_samples_.assign(counts.begin(), counts.begin() + static_cast<std::ptrdiff_t>(n));
   start_samples_.assign(counts.begin() + static_cast<std::ptrdiff_t>(n),
                         counts.begin() + static_cast<std::ptrdiff_t>(2 * n));

@@ -434,6 +434,8 @@ class AsyncMode : public Mode {
   std::vector<int64_t> start_samples_;       ///< resumed: each rank's samples when this run started (else empty)
   std::vector<int64_t> reconciled_samples_;  ///< keeper and standby: see reconciled_samples()
   int counts_sent_to_ = -1;                  ///< the keeper: the standby its sample counts last went to
+  bool was_standby_ = false;                 ///< (the training thread) this rank was, at its last report_progress
+  int last_keeper_ = -1;                     ///< (the training thread) the keeper then
   Clock::time_point counts_sent_at_;         ///< and when
   bool stop_sent_ = false;                   ///< the keeper
   uint64_t snapshot_id_ = 0;                 ///< the keeper: the request being answered
