@@ -793,10 +793,10 @@ float expected_global(size_t i, int w, int later_rounds, float later) {
   return 1.0f + round1 / static_cast<float>(w) + static_cast<float>(later_rounds) * later;
 }
 
-void first_round(Cluster& c, int w) {
+void first_round(Cluster& c, int w, int64_t samples = 0) {
   for (int k = 0; k < w; ++k) {
     for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
-    ASSERT_TRUE(c.step(k, 1));
+    ASSERT_TRUE(c.step(k, 1, samples));
   }
   ASSERT_TRUE(c.world.network->drain());
 }
@@ -920,11 +920,7 @@ TEST(CfmoFailover, TwoLossesOneAfterTheOtherLoseNoShard) {
 // others take a round, and a new process comes in rank 2's place (not yet
 // joined): the global state is then expected_global(i, 3, 1, 0.125f).
 void step_kill_rank_two_and_rejoin(Cluster& c) {
-  for (int k = 0; k < 3; ++k) {
-    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
-    ASSERT_TRUE(c.step(k, 1, 10));
-  }
-  ASSERT_TRUE(c.world.network->drain());
+  ASSERT_NO_FATAL_FAILURE(first_round(c, 3, 10));
   c.kill(2, {0, 1});
   c.round({0, 1}, 2, 0.125f);
   ASSERT_NO_FATAL_FAILURE(c.rejoin(2));
@@ -961,11 +957,7 @@ TEST(CfmoJoin, AJoinerInAKilledOwnersPlaceGetsTheGlobalStateAndItsShardBack) {
 // before wait for it, and a keeper killed meanwhile left them dropped.
 TEST(CfmoJoin, AJoinerThatKeepsTheRunTakesUpTheCountsOfAKeeperLostAsItCame) {
   Cluster c(3, settings_for("cfmo"));
-  for (int k = 0; k < 3; ++k) {
-    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
-    ASSERT_TRUE(c.step(k, 1, 10));
-  }
-  ASSERT_TRUE(c.world.network->drain());
+  ASSERT_NO_FATAL_FAILURE(first_round(c, 3, 10));
   c.kill(1, {0, 2});
   c.round({0, 2}, 2, 0.125f, 20);
   ASSERT_NO_FATAL_FAILURE(c.rejoin(1));
@@ -989,11 +981,7 @@ TEST(CfmoJoin, AJoinerThatKeepsTheRunTakesUpTheCountsOfAKeeperLostAsItCame) {
 // and the lost keeper's own up to its last report.
 TEST(CfmoJoin, AStandbyDisplacedByAJoinerHandsItsCountsOn) {
   Cluster c(3, settings_for("cfmo"));
-  for (int k = 0; k < 3; ++k) {
-    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
-    ASSERT_TRUE(c.step(k, 1, 10));
-  }
-  ASSERT_TRUE(c.world.network->drain());
+  ASSERT_NO_FATAL_FAILURE(first_round(c, 3, 10));
   c.kill(1, {0, 2});
   c.round({0, 2}, 2, 0.125f, 20);
   c.round({0, 2}, 3, 0.125f, 30);  // the keeper's counts to its standby, rank 2
@@ -1094,11 +1082,7 @@ TEST(CfmoJoin, AJoinerTakesAnOwnersAnswerThatComesAfterItAskedAgain) {
 // the keeper's own, which missed rank 1's last round.
 TEST(CfmoJoin, AJoinerTurnedAwayAsTheRunEndsHandsTheKeeperTheShardHandedBackToIt) {
   Cluster c(3, settings_for("cfmo"));
-  for (int k = 0; k < 3; ++k) {
-    for (size_t i = 0; i < kSize; ++i) c.param(k)[i] += delta_of(k, i);
-    ASSERT_TRUE(c.step(k, 1, 10));
-  }
-  ASSERT_TRUE(c.world.network->drain());
+  ASSERT_NO_FATAL_FAILURE(first_round(c, 3, 10));
   c.kill(2, {0, 1});
   c.round({0, 1}, 2, 0.125f);
   c.round({1}, 3, 0.25f);  // rank 1 alone (weighing 1 / 2): rank 0 never rebases on it
